@@ -1,0 +1,62 @@
+"""OpenVINO helpers shared by the paged and static backends: core, device checks, compile properties."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import openvino as ov
+
+from appliance.backends.base import DeviceError
+
+log = logging.getLogger(__name__)
+_core: ov.Core | None = None
+
+
+def core() -> ov.Core:
+    global _core
+    if _core is None:
+        _core = ov.Core()
+    return _core
+
+
+def check_device(device: str) -> None:
+    """Fail early and plainly when e.g. NPU or GPU is asked for on a machine without one."""
+    wanted = device.split(":", 1)[-1] if ":" in device else device
+    available = core().available_devices
+    for name in wanted.replace("(", ",").replace(")", "").split(","):
+        name = name.strip().upper()
+        if not name or name in ("AUTO", "HETERO", "MULTI"):
+            continue
+        base = name.split(".")[0]
+        if not any(d.upper().split(".")[0] == base for d in available):
+            raise DeviceError(f"device {name} is not available on this machine (found: {', '.join(available)})")
+
+
+def compile_properties(config, *, kv_precision: str | None = True) -> dict:
+    props: dict = {"PERFORMANCE_HINT": "LATENCY"}
+    if config.precision:
+        props["INFERENCE_PRECISION_HINT"] = config.precision
+    if kv_precision:
+        kv = config.kv_precision()
+        if kv:
+            props["KV_CACHE_PRECISION"] = kv
+    if config.num_threads and config.device.upper() == "CPU":
+        props["INFERENCE_NUM_THREADS"] = config.num_threads
+    if config.cache_dir:
+        props["CACHE_DIR"] = str(config.cache_dir)
+    return props
+
+
+def read_model(model_dir: Path, model_file: str) -> ov.Model:
+    return core().read_model(str(Path(model_dir) / model_file))
+
+
+def logits_matmul(model: ov.Model) -> ov.Node:
+    """The MatMul that produces the logits (the LM head): walk up from the `logits` result through
+    element-wise / convert ops."""
+    node = model.output("logits").get_node().input_value(0).get_node()
+    while node.get_type_name() != "MatMul":
+        if node.get_input_size() == 0:
+            raise RuntimeError("could not find the LM head MatMul above the logits output")
+        node = node.input_value(0).get_node()
+    return node

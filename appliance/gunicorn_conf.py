@@ -1,0 +1,43 @@
+"""Gunicorn settings for `appliance serve` (loaded as `python:appliance.gunicorn_conf`).
+
+Everything comes from the settings file in the runtime directory the engine process made; this module only
+maps it onto gunicorn. gthread workers: a streaming response holds a thread, not a process, and the threads
+mostly wait on the engine socket, so a few processes with many threads each serve many clients.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+from appliance.server.logs import dict_config
+from appliance.server.settings import ServeSettings
+
+_settings = ServeSettings.load()
+
+wsgi_app = "appliance.openai_api.app:create_app()"
+bind = [f"[{_settings.host}]:{_settings.port}" if ":" in _settings.host else f"{_settings.host}:{_settings.port}"]
+workers = _settings.workers
+worker_class = "gthread"
+threads = _settings.threads
+worker_connections = max(1000, 2 * _settings.threads)
+graceful_timeout = max(1, int(_settings.graceful_timeout))
+timeout = 60                       # worker heartbeat; gthread beats from its event loop, not per request
+keepalive = 5
+proc_name = "appliance-http"
+control_socket_disable = True      # gunicorn's default control socket path is shared by every instance
+accesslog = "-" if _settings.access_log else None
+loglevel = _settings.log_level
+logconfig_dict = dict_config(_settings.log_level, _settings.access_log)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def on_starting(server) -> None:
+    """If the engine process dies, so do we (SIGTERM: graceful), rather than serving 503s forever."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if _settings.supervisor_pid and os.getppid() != _settings.supervisor_pid:
+        server.log.error("the engine process is gone before gunicorn started")
+        sys.exit(1)

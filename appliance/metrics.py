@@ -1,0 +1,125 @@
+"""Prometheus metrics, kept in the engine process so they are global across HTTP workers.
+
+Workers report each HTTP request over the engine socket; the engine service records token counts and
+latencies as chunks pass through it; queue/running/KV gauges are read from `Engine.stats()` at scrape time.
+Hand-written text exposition (format 0.0.4): a dependency for five metric types is not worth it.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+PREFIX = "appliance_"
+
+
+def _labels(names: tuple[str, ...], values: tuple) -> str:
+    if not names:
+        return ""
+    escaped = (str(v).replace("\\", r"\\").replace('"', r'\"').replace("\n", r"\n") for v in values)
+    return "{" + ",".join(f'{n}="{v}"' for n, v in zip(names, escaped)) + "}"
+
+
+def _num(value: float) -> str:
+    if value == math.inf:
+        return "+Inf"
+    return repr(float(value)) if isinstance(value, float) and not float(value).is_integer() else str(int(value))
+
+
+class Counter:
+    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()):
+        self.name, self.help, self.labels = PREFIX + name, help, labels
+        self._values: dict[tuple, float] = defaultdict(float)
+        self._lock = threading.Lock()
+
+    def inc(self, *labels, amount: float = 1.0) -> None:
+        with self._lock:
+            self._values[labels] += amount
+
+    def value(self, *labels) -> float:
+        return self._values.get(labels, 0.0)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        with self._lock:
+            items = sorted(self._values.items()) or ([((), 0.0)] if not self.labels else [])
+        lines += [f"{self.name}{_labels(self.labels, k)} {_num(v)}" for k, v in items]
+        return lines
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
+        self.name, self.help, self.buckets = PREFIX + name, help, buckets
+        self._counts = [0] * (len(buckets) + 1)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self._counts)
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative = 0
+        for bound, c in zip((*self.buckets, math.inf), counts):
+            cumulative += c
+            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {cumulative}')
+        lines += [f"{self.name}_sum {_num(total)}", f"{self.name}_count {cumulative}"]
+        return lines
+
+
+def _gauge(name: str, help: str, value: float, kind: str = "gauge") -> list[str]:
+    return [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name} {_num(value)}"]
+
+
+class ServerMetrics:
+    """Everything /metrics shows. Thread-safe; one instance in the engine process."""
+
+    def __init__(self):
+        self.http_requests = Counter("http_requests_total", "HTTP requests by route, method and status.",
+                                     ("route", "method", "status"))
+        self.http_errors = Counter("http_errors_total", "HTTP error responses by OpenAI error type.",
+                                   ("status", "type"))
+        self.sequences = Counter("sequences_finished_total",
+                                 "Sequences (choices) finished, by finish reason (abort = cancelled or failed).",
+                                 ("reason",))
+        self.cancelled = Counter("sequences_cancelled_total",
+                                 "Sequences cancelled because the client went away or timed out.")
+        self.rejected = Counter("requests_rejected_total", "Generation requests refused before running.",
+                                ("reason",))
+        self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens of finished sequences.")
+        self.generated_tokens = Counter("generation_tokens_total", "Generated tokens.")
+        self.ttft = Histogram("time_to_first_token_seconds", "Request arrival to first generated token.")
+        self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
+        self.e2e = Histogram("request_duration_seconds", "Sequence arrival to its last token.",
+                             LATENCY_BUCKETS + (60.0, 120.0, 300.0))
+
+    def record_http(self, route: str, method: str, status: int, error_type: str | None) -> None:
+        self.http_requests.inc(route, method, str(status))
+        if status >= 400:
+            self.http_errors.inc(str(status), error_type or "unknown")
+
+    def render(self, ready: bool, stats: dict | None) -> str:
+        lines = _gauge("ready", "1 when the model is loaded and warmed up.", 1 if ready else 0)
+        stats = stats or {}
+        used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
+        lines += _gauge("queue_depth", "Requests waiting for a sequence slot or KV blocks.", stats.get("queued", 0))
+        lines += _gauge("running_sequences", "Sequences being decoded.", stats.get("running", 0))
+        lines += _gauge("kv_cache_blocks_used", "KV cache blocks in use.", used)
+        lines += _gauge("kv_cache_blocks_total", "KV cache blocks allocated at load.", total)
+        lines += _gauge("kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", used / total if total else 0)
+        lines += _gauge("preemptions_total", "Sequences preempted (KV freed, recomputed later).",
+                        stats.get("preemptions", 0), "counter")
+        for metric in (self.http_requests, self.http_errors, self.sequences, self.cancelled, self.rejected,
+                       self.prompt_tokens, self.generated_tokens, self.ttft, self.itl, self.e2e):
+            lines += metric.render()
+        return "\n".join(lines) + "\n"

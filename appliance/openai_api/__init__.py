@@ -1,0 +1,1 @@
+"""The OVMS-compatible OpenAI API: HTTP edge (Flask), request validation, response shapes, SSE."""

@@ -1,0 +1,225 @@
+"""The Flask app each gunicorn worker runs: routes, auth, body checks, error rendering.
+
+Data flows one way: HTTP body -> validation (typed request) -> Job -> engine process -> chunks -> Shape ->
+JSON / SSE. No model, tokenizer or numpy in here: a worker is a thin translator, so N workers cost little.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from flask import Flask, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from appliance import __version__
+from appliance.openai_api.chat import ChatShape, chat_job
+from appliance.openai_api.completions import CompletionShape, completion_job
+from appliance.openai_api.errors import ApiError
+from appliance.openai_api.streaming import ClientGone, Generation, Meta, socket_closed
+from appliance.openai_api.validation import (GenerationRequest, Limits, parse_chat, parse_completion,
+                                             parse_tokenize, sampling_params)
+from appliance.server.client import EngineClient, EngineUnavailable
+from appliance.server.protocol import EngineStatus, HttpRecord
+from appliance.server.settings import ServeSettings
+
+log = logging.getLogger("appliance.http")
+
+OPEN_PATHS = {"/v2/health/live", "/v2/health/ready"}   # probes work without the API key
+PREFIXES = ("/v3", "/v1", "/v3/v1")                    # /v3/v1/... is OVMS's deprecated spelling
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class Api:
+    """Route handlers over one engine client; instantiated per worker by `create_app`."""
+
+    def __init__(self, settings: ServeSettings, client: EngineClient, api_key: str | None):
+        self.settings, self.client, self.api_key = settings, client, api_key
+        self.name = settings.served_model_name
+        self.limits = Limits(max_tokens=settings.max_tokens_limit)
+
+    # ---- guards
+    def authorize(self) -> None:
+        if self.api_key is None or request.path in OPEN_PATHS:
+            return
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
+
+    @staticmethod
+    def json_body():
+        if request.mimetype != "application/json":
+            raise ApiError(415, "Content-Type must be application/json")
+        data = request.get_data(cache=False)      # 413 past MAX_CONTENT_LENGTH
+        try:
+            return json.loads(data, parse_constant=_reject_constant)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "Request body is not valid JSON") from None
+
+    def ready_status(self) -> EngineStatus:
+        status = self.client.status()
+        if status.ready:
+            return status
+        if status.state == "failed":
+            raise ApiError(503, f"The model failed to load: {status.error}", code="model_load_failed")
+        if status.state == "stopping":
+            raise ApiError(503, "The server is shutting down", code="shutting_down")
+        raise ApiError(503, "The model is loading; retry when /v2/health/ready answers 200", code="model_not_ready")
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+
+    # ---- generation endpoints
+    def completions(self):
+        req = parse_completion(self.json_body(), self.limits)
+        return self.generate(req.gen, lambda params, rid: completion_job(req, params, rid), CompletionShape())
+
+    def chat(self):
+        req = parse_chat(self.json_body(), self.limits)
+        return self.generate(req.gen, lambda params, rid: chat_job(req, params, rid), ChatShape())
+
+    def generate(self, gen: GenerationRequest, make_job, shape):
+        self.check_model(gen.model)
+        status = self.ready_status()
+        if gen.unknown:
+            log.debug("ignored unknown request fields", extra={"fields": list(gen.unknown)})
+        request_id = shape.id_prefix + uuid.uuid4().hex
+        g.request_id = request_id
+        job = make_job(sampling_params(gen, status.generation_defaults), request_id)
+        sock = request.environ.get("gunicorn.socket")
+        meta = Meta(request_id, int(time.time()), self.name,
+                    f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower())
+        generation = Generation(self.client, job, shape, meta, include_usage=gen.include_usage,
+                                timeout=gen.timeout, client_gone=lambda: socket_closed(sock)).start()
+        if not gen.stream:
+            return generation.unary()
+        return Response(generation.sse(), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def tokenize(self):
+        req = parse_tokenize(self.json_body())
+        self.check_model(req.model)
+        self.ready_status()
+        reply = self.client.tokenize(list(req.prompts))
+        if reply.error is not None:
+            raise ApiError(reply.error.status, reply.error.message, code=reply.error.code)
+        return {"tokens": reply.value if req.batched else reply.value[0]}
+
+    # ---- model listing, health, config, metrics
+    def model_object(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.settings.model_created, "owned_by": "OVMS"}
+
+    def models(self):
+        return {"object": "list", "data": [self.model_object()]}
+
+    def model(self, model_id: str):
+        self.check_model(model_id)
+        return self.model_object()
+
+    def live(self):
+        return {}
+
+    def ready(self):
+        self.ready_status()
+        return {}
+
+    def model_ready(self, name: str):
+        self.check_model(name)
+        self.ready_status()
+        return {}
+
+    def config(self):
+        status = self.client.status()
+        state = {"ready": "AVAILABLE", "loading": "LOADING", "stopping": "UNLOADING"}.get(status.state, "END")
+        code, message = ("OK", "OK") if status.state != "failed" else ("UNKNOWN", status.error or "load failed")
+        return {self.name: {"model_version_status": [
+            {"version": "1", "state": state, "status": {"error_code": code, "error_message": message}}]}}
+
+    def metrics(self):
+        return Response(self.client.metrics(), mimetype="text/plain", content_type="text/plain; version=0.0.4")
+
+
+def _error_response(exc: ApiError) -> Response:
+    g.error_type = exc.type
+    return Response(json.dumps(exc.body()), status=exc.status, mimetype="application/json")
+
+
+def create_app(settings: ServeSettings | None = None, client: EngineClient | None = None) -> Flask:
+    """Gunicorn calls this in each worker (`appliance.openai_api.app:create_app()`): settings come from the
+    runtime directory `appliance serve` made."""
+    settings = settings or ServeSettings.load()
+    client = client or EngineClient(settings.socket_path, settings.authkey())
+    api_key = Path(settings.api_key_file).read_text().strip() if settings.api_key_file else None
+    api = Api(settings, client, api_key)
+
+    app = Flask("appliance")
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+
+    for prefix in PREFIXES:
+        app.add_url_rule(f"{prefix}/completions", view_func=api.completions, methods=["POST"],
+                         endpoint=f"completions{prefix}")
+        app.add_url_rule(f"{prefix}/chat/completions", view_func=api.chat, methods=["POST"], endpoint=f"chat{prefix}")
+        app.add_url_rule(f"{prefix}/tokenize", view_func=api.tokenize, methods=["POST"], endpoint=f"tokenize{prefix}")
+        app.add_url_rule(f"{prefix}/models", view_func=api.models, methods=["GET"], endpoint=f"models{prefix}")
+        app.add_url_rule(f"{prefix}/models/<path:model_id>", view_func=api.model, methods=["GET"],
+                         endpoint=f"model{prefix}")
+    app.add_url_rule("/v2/health/live", view_func=api.live, methods=["GET"])
+    app.add_url_rule("/v2/health/ready", view_func=api.ready, methods=["GET"])
+    app.add_url_rule("/v2/models/<path:name>/ready", view_func=api.model_ready, methods=["GET"])
+    app.add_url_rule("/v1/config", view_func=api.config, methods=["GET"])
+    app.add_url_rule("/metrics", view_func=api.metrics, methods=["GET"])
+
+    @app.before_request
+    def _start():
+        g.started = time.monotonic()
+        api.authorize()
+
+    @app.after_request
+    def _record(response: Response):
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        api.client.record_http(HttpRecord(rule, request.method, response.status_code,
+                                          time.monotonic() - g.get("started", time.monotonic()),
+                                          g.get("error_type")))
+        if g.get("request_id"):
+            response.headers["X-Request-Id"] = g.request_id
+        return response
+
+    @app.errorhandler(ApiError)
+    def _api_error(exc: ApiError):
+        return _error_response(exc)
+
+    @app.errorhandler(EngineUnavailable)
+    def _engine_gone(exc: EngineUnavailable):
+        return _error_response(ApiError(503, "The inference engine is not reachable", code="engine_unavailable"))
+
+    @app.errorhandler(ClientGone)
+    def _client_gone(exc: ClientGone):
+        g.error_type = "client_closed_request"
+        return Response(status=499)   # nginx's convention; nobody reads it
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        if exc.code == 404:
+            return _error_response(ApiError(404, f"Route {request.method} {request.path} does not exist"))
+        if exc.code == 405:
+            return _error_response(ApiError(405, f"Method {request.method} is not allowed on {request.path}"))
+        if exc.code == 413:
+            return _error_response(ApiError(413, f"Request body too large: the limit is {settings.max_body_bytes} "
+                                                 "bytes"))
+        return _error_response(ApiError(exc.code or 500, exc.description or exc.name))
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error_response(ApiError(500, "Internal server error"))
+
+    return app

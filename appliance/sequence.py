@@ -1,0 +1,48 @@
+"""One generation in flight: its tokens, KV blocks, and the per-sequence processors (sampler, detokenizer,
+stop matcher). Owned by the engine thread only."""
+from __future__ import annotations
+
+import enum
+import queue
+import time
+from dataclasses import dataclass, field
+
+from appliance.outputs import Chunk, Timing
+from appliance.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_len: int
+    token_ids: list[int]          # prompt + generated
+    params: SamplingParams
+    max_len: int                  # prompt + max_tokens, capped by the context
+    out: queue.SimpleQueue        # Chunks for the requester
+    timing: Timing
+    sampler: object = None
+    detok: object = None
+    stop: object = None
+    num_computed: int = 0         # positions whose KV is in the cache
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    arrived: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    def emit(self, chunk: Chunk) -> None:
+        self.out.put(chunk)

@@ -1,0 +1,262 @@
+"""The engine process's side of the socket: owns the Engine, tokenizes, submits jobs, streams chunks back.
+
+One thread per worker connection. A job's sequences are each drained by a pump thread that forwards chunks as
+the engine produces them; the connection's thread meanwhile watches the socket, and when the worker closes it
+(its client went away, or the request timed out) every sequence of the job is cancelled at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection, Listener, wait
+
+from appliance.engine import QueueFull
+from appliance.metrics import ServerMetrics
+from appliance.outputs import Chunk, Timing
+from appliance.server import protocol as p
+from appliance.server.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+
+class _Rejected(Exception):
+    def __init__(self, failed: p.Failed):
+        super().__init__(failed.message)
+        self.failed = failed
+
+
+class EngineService:
+    def __init__(self, settings: ServeSettings, metrics: ServerMetrics):
+        self.settings = settings
+        self.metrics = metrics
+        self.engine = None
+        self.device = ""
+        self.state, self.error = "loading", None
+        self._listener: Listener | None = None
+
+    # ---- lifecycle (supervisor thread)
+    def start(self) -> None:
+        """Listen before the model loads, so workers can answer 503 "loading" instead of failing to connect."""
+        self._listener = Listener(self.settings.socket_path, "AF_UNIX", authkey=self.settings.authkey())
+        os.chmod(self.settings.socket_path, 0o600)
+        threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
+
+    def attach(self, engine, device: str) -> None:
+        self.engine, self.device = engine, device
+        self.state = "ready"
+
+    def fail(self, message: str) -> None:
+        self.state, self.error = "failed", message
+
+    def stop(self) -> None:
+        self.state = "stopping"
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+
+    # ---- connections
+    def _accept_loop(self) -> None:
+        while self.state != "stopping":
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                if self.state == "stopping":
+                    return
+                log.warning("engine socket: rejected a connection", exc_info=log.isEnabledFor(logging.DEBUG))
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="engine-conn", daemon=True).start()
+
+    def _serve(self, conn: Connection) -> None:
+        with conn:
+            while True:
+                try:
+                    op, *args = conn.recv()
+                except (EOFError, OSError):
+                    return
+                try:
+                    if op == p.JOB:
+                        if not self._run_job(conn, args[0]):
+                            return
+                    elif op == p.RECORD_HTTP:
+                        r: p.HttpRecord = args[0]
+                        self.metrics.record_http(r.route, r.method, r.status, r.error_type)
+                    else:
+                        conn.send(self._call(op, args))
+                except (EOFError, OSError):
+                    return
+                except Exception:   # a bug here must not take the engine process down; the worker sees EOF
+                    log.exception("engine service: %s failed", op)
+                    return
+
+    def _call(self, op: str, args: list) -> p.Reply:
+        if op == p.STATUS:
+            return p.Reply(self.status())
+        if op == p.METRICS:
+            stats = self.engine.stats() if self.engine is not None else None
+            return p.Reply(self.metrics.render(self.state == "ready", stats))
+        if op == p.TOKENIZE:
+            if self.engine is None:
+                return p.Reply(error=_not_ready(self.state))
+            return p.Reply([self.engine.tokenizer.encode(text, add_special_tokens=True) for text in args[0]])
+        return p.Reply(error=p.Failed(500, f"unknown engine call {op!r}"))
+
+    def status(self) -> p.EngineStatus:
+        e = self.engine
+        if e is None:
+            return p.EngineStatus(self.state, self.error)
+        return p.EngineStatus(self.state, self.error, e.max_context, e.manifest.vocab_size, e.generation_defaults,
+                              e.manifest.backend, e.manifest.weight_format, self.device)
+
+    # ---- jobs
+    def _run_job(self, conn: Connection, job: p.Job) -> bool:
+        """Streams the job's events. False when the worker closed the connection (the job was cancelled)."""
+        try:
+            handles, accepted = self._submit(job)
+        except _Rejected as exc:
+            conn.send(exc.failed)
+            conn.send(p.End())
+            return True
+        conn.send(accepted)
+        if not handles:   # echo with max_tokens 0: the prompt is the whole answer
+            for index in range(len(job.prompts) * job.n):
+                tokens = accepted.prompt_tokens[index // job.n]
+                conn.send(p.ChoiceChunk(index, Chunk(finish_reason="length", prompt_tokens=tokens),
+                                        Timing(created=time.time())))
+            conn.send(p.End())
+            return True
+        return self._stream(conn, handles)
+
+    def _submit(self, job: p.Job) -> tuple[list, p.Accepted]:
+        engine = self.engine
+        if engine is None:
+            raise _Rejected(_not_ready(self.state))
+        prompts = [self._prompt_ids(spec) for spec in job.prompts]
+        echo = [self._echo_text(spec) for spec in job.prompts] if job.echo else None
+        accepted = p.Accepted([len(ids) for ids in prompts], echo)
+        if job.params.max_tokens == 0:
+            return [], accepted
+        handles = []
+        try:
+            for i, ids in enumerate(prompts):
+                for j in range(job.n):
+                    params = job.params
+                    if j and params.seed is not None:   # n choices must differ even with a fixed seed
+                        params = replace(params, seed=(params.seed + j) % 2**32)
+                    index = i * job.n + j
+                    handles.append((index, engine.submit(ids, params, request_id=f"{job.request_id}-{index}"),
+                                    time.monotonic()))
+        except QueueFull as exc:
+            self._cancel(handles)
+            self.metrics.rejected.inc("queue_full")
+            raise _Rejected(p.Failed(429, str(exc), code="queue_full")) from None
+        except ValueError as exc:   # PromptTooLong and other prompt problems the engine found
+            self._cancel(handles)
+            self.metrics.rejected.inc("invalid")
+            raise _Rejected(p.Failed(400, str(exc))) from None
+        return handles, accepted
+
+    def _prompt_ids(self, spec: p.PromptSpec) -> list[int]:
+        tok = self.engine.tokenizer
+        if spec.token_ids is not None:
+            vocab = self.engine.manifest.vocab_size
+            bad = next((t for t in spec.token_ids if t >= vocab), None)
+            if bad is not None:
+                raise _Rejected(p.Failed(400, f"prompt token id {bad} is out of the vocabulary range [0, {vocab})",
+                                         "prompt"))
+            return list(spec.token_ids)
+        if spec.messages is not None:
+            try:
+                rendered = tok.apply_chat_template(spec.messages, add_generation_prompt=True)
+            except Exception as exc:   # no template, a broken one, or its raise_exception (roles must alternate)
+                raise _Rejected(p.Failed(400, str(exc), "messages")) from None
+            ids = tok.encode(rendered, add_special_tokens=False)   # the template spells out BOS and friends
+        else:
+            ids = tok.encode(spec.text, add_special_tokens=True)   # as OVMS: a raw prompt gets BOS if the model has one
+        if not ids:
+            raise _Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
+        return ids
+
+    def _echo_text(self, spec: p.PromptSpec) -> str:
+        return spec.text if spec.text is not None else self.engine.tokenizer.decode(spec.token_ids)
+
+    @staticmethod
+    def _cancel(handles: list) -> None:
+        for _, handle, _ in handles:
+            handle.cancel()
+
+    def _stream(self, conn: Connection, handles: list) -> bool:
+        send_lock = threading.Lock()
+        wake_r, wake_w = os.pipe()
+        state = {"open": True}
+
+        def pump(index: int, handle, submitted: float) -> None:
+            try:
+                last = submitted
+                for chunk in handle:
+                    last = self._observe(chunk, submitted, last)
+                    if not state["open"]:
+                        continue
+                    event = p.ChoiceChunk(index, chunk, handle.timing if chunk.finish_reason else None)
+                    try:
+                        with send_lock:
+                            conn.send(event)
+                    except OSError:
+                        state["open"] = False
+                        self._cancel(handles)
+            finally:
+                os.write(wake_w, b".")
+
+        pumps = [threading.Thread(target=pump, args=h, name="engine-pump", daemon=True) for h in handles]
+        for t in pumps:
+            t.start()
+        finished, watch = 0, [conn, wake_r]
+        try:
+            while finished < len(pumps):
+                for ready in wait(watch):
+                    if ready is wake_r:
+                        finished += len(os.read(wake_r, 64))
+                        continue
+                    try:   # the worker only ever closes the connection mid-job; anything else is treated alike
+                        conn.recv()
+                    except (EOFError, OSError):
+                        pass
+                    state["open"] = False
+                    watch = [wake_r]
+                    self._cancel(handles)
+            for t in pumps:
+                t.join()
+        finally:
+            os.close(wake_r)
+            os.close(wake_w)
+        if state["open"]:
+            conn.send(p.End())
+        return state["open"]
+
+    def _observe(self, chunk: Chunk, submitted: float, last: float) -> float:
+        now = time.monotonic()
+        m = self.metrics
+        if chunk.token_ids:
+            m.generated_tokens.inc(amount=len(chunk.token_ids))
+            if chunk.completion_tokens <= len(chunk.token_ids):
+                m.ttft.observe(now - submitted)
+            else:
+                m.itl.observe((now - last) / len(chunk.token_ids))
+            last = now
+        if chunk.finish_reason:
+            m.sequences.inc(chunk.finish_reason)
+            m.prompt_tokens.inc(amount=chunk.prompt_tokens)
+            m.e2e.observe(now - submitted)
+            if chunk.finish_reason == "abort" and chunk.error is None:
+                m.cancelled.inc()
+        return last
+
+
+def _not_ready(state: str) -> p.Failed:
+    if state == "stopping":
+        return p.Failed(503, "The server is shutting down", code="shutting_down")
+    return p.Failed(503, "The model is not ready yet (loading)", code="model_not_ready")

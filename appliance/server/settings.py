@@ -1,0 +1,50 @@
+"""The resolved `appliance serve` settings, shared with gunicorn's config and workers through one JSON file in
+the private runtime directory (workers are separate processes started by gunicorn, not by us)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+RUNTIME_DIR_ENV = "APPLIANCE_RUNTIME_DIR"
+SETTINGS_FILE = "settings.json"
+SOCKET_FILE = "engine.sock"
+AUTHKEY_FILE = "authkey"
+
+
+@dataclass
+class ServeSettings:
+    model_dir: str
+    served_model_name: str
+    model_created: int                 # unix time of the export (OVMS `created` of /v3/models)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    threads: int = 32                  # per worker; each streaming client holds one thread
+    api_key_file: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_tokens_limit: int | None = None
+    graceful_timeout: int = 30
+    log_level: str = "info"
+    access_log: bool = False
+    runtime_dir: str = ""
+    supervisor_pid: int = 0
+
+    @property
+    def socket_path(self) -> str:
+        return str(Path(self.runtime_dir) / SOCKET_FILE)
+
+    def authkey(self) -> bytes:
+        return (Path(self.runtime_dir) / AUTHKEY_FILE).read_bytes()
+
+    def save(self) -> None:
+        path = Path(self.runtime_dir) / SETTINGS_FILE
+        path.write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, runtime_dir: str | None = None) -> "ServeSettings":
+        runtime_dir = runtime_dir or os.environ[RUNTIME_DIR_ENV]
+        data = json.loads((Path(runtime_dir) / SETTINGS_FILE).read_text())
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,81 @@
+"""When a sequence stops: stop strings on the text stream, and stop tokens / length limits per token."""
+from __future__ import annotations
+
+from typing import Collection
+
+from appliance.params import SamplingParams
+
+
+class StopStringMatcher:
+    """Stop-string matching over streamed text pieces, holding back as little as possible.
+
+    `feed()` emits everything except the longest suffix that could still grow into a stop string. Which stop
+    wins when several match: the one that *completes first* in the stream (smallest end position), ties broken
+    by the earliest start (the longer string, so more is cut). That is the only rule that gives the same result
+    however the text is split into pieces, since generation must halt as soon as any stop string is complete.
+    Nothing after the stop is ever emitted; the stop string itself only when include_stop_str_in_output.
+    """
+
+    def __init__(self, stops: list[str], include_stop_str_in_output: bool = False):
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.include = include_stop_str_in_output
+        self._max_hold = max((len(s) for s in self.stops), default=1) - 1
+        self.held = ""
+        self.stopped = False
+        self.stop_str: str | None = None  # the stop string that matched (OpenAI's stop_reason)
+
+    def feed(self, new_text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, stopped)."""
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return new_text, False
+        buf = self.held + new_text
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for s in self.stops:
+            # held is shorter than any stop and holds none, so str.find's first hit is this stop's earliest end
+            start = buf.find(s)
+            if start >= 0 and (best is None or (start + len(s), start) < best[:2]):
+                best = (start + len(s), start, s)
+        if best is not None:
+            end, start, s = best
+            self.stopped, self.stop_str, self.held = True, s, ""
+            return buf[:end] if self.include else buf[:start], True
+        hold = self._partial_len(buf)
+        self.held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+    def _partial_len(self, buf: str) -> int:
+        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        """Generation ended for another reason: the held-back text was not a stop after all."""
+        out, self.held = self.held, ""
+        return out
+
+
+def stop_token_ids(params: SamplingParams, eos_ids: Collection[int]) -> set[int]:
+    """Tokens that end the sequence: EOS (unless ignore_eos) and stop_token_ids (which ignore_eos leaves on)."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+
+
+def check_token_stop(token_id: int, num_generated: int, params: SamplingParams, eos_ids: Collection[int],
+                     context_full: bool) -> str | None:
+    """finish_reason after sampling `token_id`, or None to continue.
+
+    num_generated counts generated tokens including this one. A stop token ends the sequence only once at
+    least min_tokens tokens came before it (the sampler masks stop tokens until then, so this matters only to
+    callers that do not mask). "stop" beats "length" when both apply. context_full: prompt + generated tokens
+    fill the model's context, so no further token fits.
+    """
+    if num_generated > params.min_tokens and (
+            token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids)):
+        return "stop"
+    if (params.max_tokens is not None and num_generated >= params.max_tokens) or context_full:
+        return "length"
+    return None

@@ -1,0 +1,95 @@
+"""OpenVINO backend: a stateful IR (the KV cache held as graph state), which the runtime's paged attention
+transformation and openvino_genai both require."""
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+from openvino._offline_transformations import paged_attention_transformation
+from optimum.exporters.openvino import export_from_model
+from optimum.intel import OVConfig, OVWeightQuantizationConfig
+from optimum.intel.openvino.quantization import _weight_only_quantization
+
+from export.graph import TASK, GraphInfo, first_step_feed
+from export.source import ExportError
+
+MODEL_FILE = "openvino_model.xml"
+DEFAULT_GROUP_SIZE = 128
+# Verification only: the CPU plugin defaults to bf16 compute on hosts that have it.
+F32_COMPUTE = {"INFERENCE_PRECISION_HINT": "f32"}
+
+
+def convert(model: Any, scratch: Path, weight_format: str) -> None:
+    """fp16 is written by the converter itself (f16 weights decompressed to f32 compute); every other format
+    starts from the fp32 IR, which is what NNCF expects to compress."""
+    dtype = "fp16" if weight_format == "fp16" else "fp32"
+    export_from_model(model, scratch, task=TASK, ov_config=OVConfig(dtype=dtype), stateful=True)
+
+
+def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | None) -> dict[str, Any]:
+    """Writes dest/openvino_model.xml; returns what was done to the weights, for the manifest."""
+    model = ov.Core().read_model(scratch / MODEL_FILE)
+    if weight_format in ("int8", "int4"):
+        config, info = _quantization_config(weight_format, group_size or DEFAULT_GROUP_SIZE)
+        # optimum-intel's wrapper around nncf.compress_weights: it also drops the f16 KV-cache hint the converter
+        # put in rt_info for float models, exactly as `optimum-cli export openvino --weight-format int4` does.
+        model = _weight_only_quantization(model, config)
+    else:
+        info = {"method": "none"} if weight_format == "fp32" else {
+            "method": "openvino compress_to_fp16", "compute": "f32 (weights decompressed at load)"}
+    ov.save_model(model, dest / MODEL_FILE, compress_to_fp16=False)
+    return info
+
+
+def _quantization_config(weight_format: str, group_size: int) -> tuple[Any, dict[str, Any]]:
+    """Weight-only, data-free, asymmetric (the optimum-cli default: better accuracy on CPU/GPU than sym)."""
+    tool = f"nncf {version('nncf')} via optimum-intel {version('optimum-intel')}"
+    if weight_format == "int8":
+        config = OVWeightQuantizationConfig(bits=8, sym=False, group_size=-1, ratio=1.0)
+        return config, {"method": "weight-only", "tool": tool, "mode": "int8_asym", "group_size": "per-channel"}
+    # ADJUST: a weight whose input channels the group size does not divide (tiny or odd hidden sizes) gets the
+    # largest smaller power-of-two group that fits, instead of failing the export.
+    config = OVWeightQuantizationConfig(bits=4, sym=False, group_size=group_size, ratio=1.0,
+                                        group_size_fallback="adjust")
+    return config, {"method": "weight-only", "tool": tool, "mode": "int4_asym", "group_size": group_size,
+                    "group_size_fallback": "adjust", "ratio": 1.0,
+                    "backup_mode": "int8_asym for the embeddings and lm_head"}
+
+
+def describe(dest: Path) -> GraphInfo:
+    model = ov.Core().read_model(dest / MODEL_FILE)
+    variables = [v.get_info() for v in model.get_variables()]
+    kv_types = {v.data_type.get_type_name() for v in variables}
+    shape = variables[0].data_shape if variables else None
+    return GraphInfo(inputs=[i.get_any_name() for i in model.inputs],
+                     outputs=[o.get_any_name() for o in model.outputs],
+                     stateful=bool(variables),
+                     kv_dtype=kv_types.pop() if len(kv_types) == 1 else "/".join(sorted(kv_types)),
+                     kv_heads=_static(shape, 1), head_dim=_static(shape, 3))
+
+
+def _static(shape: Any, axis: int) -> int | None:
+    return shape[axis].get_length() if shape is not None and shape[axis].is_static else None
+
+
+def check(dest: Path) -> None:
+    """The runtime rewrites the IR for paged attention on load; do it here on a read copy so a family that
+    cannot be rewritten fails at export time, not when serving."""
+    model = ov.Core().read_model(dest / MODEL_FILE)
+    try:
+        paged_attention_transformation(model)
+    except Exception as exc:  # noqa: BLE001 - OpenVINO raises plain RuntimeError with the pass's message
+        raise ExportError(f"the exported IR does not survive paged_attention_transformation: {exc}") from None
+
+
+def first_step(dest: Path, input_ids: np.ndarray) -> np.ndarray:
+    """Logits of one step with empty state, computed in f32."""
+    compiled = ov.Core().compile_model(dest / MODEL_FILE, "CPU", F32_COMPUTE)
+    names = [i.get_any_name() for i in compiled.inputs]
+    feed = first_step_feed(names, input_ids)
+    if "beam_idx" in names:
+        feed["beam_idx"] = np.arange(input_ids.shape[0], dtype=np.int32)
+    return np.array(compiled.create_infer_request().infer(feed)["logits"])

@@ -1,0 +1,88 @@
+"""Checks on the source folder and the destination, done from config.json alone before anything heavy loads.
+
+A bad source or a full disk should fail in a second with one clear line, not after minutes of conversion.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# model_type -> backends whose export was verified on a tiny random model (see tests/test_export.py):
+# logits match transformers, and the OpenVINO IR survives paged_attention_transformation.
+SUPPORTED: dict[str, frozenset[str]] = {
+    "llama": frozenset({"openvino", "onnx"}),
+    "mistral": frozenset({"openvino", "onnx"}),
+    "qwen2": frozenset({"openvino", "onnx"}),
+    "qwen3": frozenset({"openvino", "onnx"}),
+    "phi3": frozenset({"openvino", "onnx"}),
+    "gpt2": frozenset({"openvino", "onnx"}),
+}
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+BYTES_PER_PARAM = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Peak disk use: the fp32 graph written by the converter plus the final (<= fp32) copy, both beside OUT.
+DISK_FACTOR = 2.0
+DISK_MARGIN = 256 << 20
+
+
+class ExportError(Exception):
+    """A problem the user can fix; the CLI prints its message as one line, without a traceback."""
+
+
+@dataclass(frozen=True)
+class Source:
+    folder: Path
+    config: dict[str, Any]
+    model_type: str
+    architecture: str
+
+
+def inspect_source(src: Path, backend: str) -> Source:
+    """Raises ExportError unless `src` is a local HF causal-LM folder of a family supported on `backend`."""
+    if not src.is_dir():
+        raise ExportError(f"source folder not found: {src}")
+    config_path = src / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"no config.json in {src}: not a Hugging Face model folder")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot read {config_path}: {exc}") from None
+    model_type = str(config.get("model_type", ""))
+    architectures = [str(a) for a in config.get("architectures") or []]
+    causal = [a for a in architectures if a.endswith(CAUSAL_LM_SUFFIXES)]
+    if architectures and not causal:
+        raise ExportError(f"{src} is not a causal language model "
+                          f"(architectures: {', '.join(architectures)}; model_type: {model_type or '?'})")
+    architecture = causal[0] if causal else f"{model_type}ForCausalLM"
+    if backend not in SUPPORTED.get(model_type, ()):
+        families = ", ".join(sorted(m for m, backends in SUPPORTED.items() if backend in backends))
+        raise ExportError(f"unsupported architecture {architecture} (model_type {model_type or '?'}) "
+                          f"for the {backend} backend; supported: {families}")
+    return Source(folder=src, config=config, model_type=model_type, architecture=architecture)
+
+
+def output_in_use(out: Path) -> bool:
+    """An empty directory counts as free: callers that stage exports hand us a fresh mkdtemp."""
+    return out.exists() and not (out.is_dir() and not any(out.iterdir()))
+
+
+def check_destination(out: Path, force: bool) -> None:
+    if output_in_use(out) and not force:
+        raise ExportError(f"output exists: {out} (pass --force to replace it)")
+
+
+def check_disk(source: Source, out: Path) -> None:
+    """Estimates the fp32 size from the weight files and the dtype they are stored in."""
+    weights = sum(p.stat().st_size for p in source.folder.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    dtype = str(source.config.get("torch_dtype") or source.config.get("dtype") or "")
+    fp32_bytes = weights * 4 / BYTES_PER_PARAM.get(dtype, 2)
+    need = int(fp32_bytes * DISK_FACTOR) + DISK_MARGIN
+    parent = out.parent
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise ExportError(f"not enough free disk space in {parent}: "
+                          f"need about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
