@@ -325,8 +325,8 @@ def _sample(x: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.nd
             keep, _ = _nucleus(w[t], w[t].sum(axis=1, dtype=np.float64), top_p[g][t])
             w[t] = np.where(keep, w[t], 0.0)
         out[g] = _draw_candidates(ids, np.where(w >= min_p[g], w, 0.0), u[g])
-    for g, nucleus in ((np.nonzero((k == 0) & (top_p < 1.0))[0], True), (np.nonzero((k == 0) & (top_p >= 1.0))[0], False)):
-        if not g.size:
+    for nucleus in (True, False):  # no top_k: with top_p, then without
+        if not (g := np.nonzero((k == 0) & ((top_p < 1.0) == nucleus))[0]).size:
             continue
         e = rows_of(g)
         e -= e.max(axis=1, keepdims=True)

@@ -26,7 +26,7 @@ _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 @lru_cache(maxsize=1)
 def gpt2_unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode: byte-level BPE spells every byte as one printable character."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -84,7 +84,7 @@ class Tokenizer:
     """A HF tokenizer folder, loaded without transformers."""
 
     def __init__(self, tok: tokenizers.Tokenizer, config: dict | None = None,
-                 chat_template: str | dict[str, str] | None = None, generation_config: dict | None = None):
+                 chat_template: str | dict | list | None = None, generation_config: dict | None = None):
         self._tok = tok
         config = config or {}
         self.config = config

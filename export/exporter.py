@@ -65,7 +65,7 @@ def export_model(src: Path, out: Path, backend: str, weight_format: str, *, name
     if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
         raise ExportError(f"group size must be a power of two >= 16, got {group_size}")
     src, out = Path(src).expanduser().absolute(), Path(out).expanduser().absolute()
-    source = inspect_source(src, backend)
+    source = inspect_source(src)
     check_destination(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_disk(source, out)

@@ -261,7 +261,8 @@ def test_tokenize_forms():
     req = parse_tokenize({"model": MODEL, "prompt": ["x", "y"]})
     assert (req.prompts, req.batched) == (("x", "y"), True)
     assert error_of(parse_tokenize, {"model": MODEL}).message == "prompt is missing"
-    assert error_of(parse_tokenize, {"model": MODEL, "prompt": 3}).message == "prompt is not a string or array of strings"
+    assert error_of(parse_tokenize, {"model": MODEL, "prompt": 3}).message == \
+        "prompt is not a string or array of strings"
 
 
 def test_non_finite_numbers_are_rejected():
@@ -315,3 +316,72 @@ def test_request_values_reach_sampling_params():
     assert (sp.logit_bias, sp.logprobs, sp.presence_penalty, sp.frequency_penalty) == ({5: -100.0}, 2, 0.5, -0.5)
     assert sp.skip_special_tokens is False
     assert sp.n == 1 and gen.n == 2    # n choices are n independent submissions
+
+
+# ---------------------------------------------------------------- the HTTP edge around validation (app.py)
+# A stub engine client stands in for the engine process: these check what the app itself decides.
+
+class StubEngine:
+    def __init__(self, state: str = "ready", fail_with: Exception | None = None):
+        from appliance.server.protocol import EngineStatus
+        self._status = EngineStatus(state, max_context=64, vocab_size=100)
+        self.fail_with = fail_with
+        self.records = []
+
+    def status(self):
+        return self._status
+
+    def open_job(self, job):
+        raise self.fail_with
+
+    def record_http(self, record):
+        self.records.append(record)
+
+
+def edge(engine: StubEngine, **settings):
+    from appliance.openai_api.app import create_app
+    from appliance.server.settings import ServeSettings
+    app = create_app(ServeSettings(model_dir="unused", served_model_name=MODEL, model_created=1, **settings), engine)
+    return app.test_client()
+
+
+def test_unexpected_errors_are_500_without_internals():
+    engine = StubEngine(fail_with=RuntimeError("secret internal detail"))
+    r = edge(engine).post("/v3/completions", json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 500
+    assert r.get_json() == {"error": {"message": "Internal server error", "type": "server_error", "param": None,
+                                      "code": "internal_error"}}
+    assert b"secret" not in r.data and b"Traceback" not in r.data
+    assert engine.records[-1].status == 500 and engine.records[-1].error_type == "server_error"
+
+
+def test_not_ready_is_503_but_validation_and_liveness_still_answer():
+    client = edge(StubEngine(state="loading"))
+    r = client.post("/v3/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503 and r.get_json()["error"]["code"] == "model_not_ready"
+    assert client.get("/v2/health/ready").status_code == 503
+    assert client.get("/v2/health/live").status_code == 200
+    assert client.post("/v3/completions", json={"model": MODEL, "prompt": "x", "top_k": 0}).status_code == 400
+    state = client.get("/v1/config").get_json()[MODEL]["model_version_status"][0]["state"]
+    assert state == "LOADING"
+
+
+def test_body_checks_before_validation():
+    client = edge(StubEngine(), max_body_bytes=100)
+    assert client.post("/v3/completions", data="{}", content_type="text/plain").status_code == 415
+    r = client.post("/v3/completions", data='{"model": "m", "prompt": NaN}', content_type="application/json")
+    assert (r.status_code, r.get_json()["error"]["message"]) == (400, "Request body is not valid JSON")
+    r = client.post("/v3/completions", json={"model": MODEL, "prompt": "x" * 200})
+    assert r.status_code == 413 and r.get_json()["error"]["code"] == "request_too_large"
+    r = client.post("/v3/completions", data="[1]", content_type="application/json; charset=utf-8")
+    assert r.get_json()["error"]["message"] == "Received json is not an object"
+
+
+def test_api_key_guards_everything_but_health_probes(tmp_path):
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    client = edge(StubEngine(), api_key_file=str(key))
+    assert client.get("/v3/models").status_code == 401
+    assert client.get("/v3/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert client.get("/v3/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert client.get("/v2/health/ready").status_code == 200

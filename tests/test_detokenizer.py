@@ -134,6 +134,12 @@ def test_window_stays_small(tok):
     assert len(det.ids) <= 8
 
 
+def test_accepts_numpy_ids(bl):
+    ids = np.array(bl.encode("héllo 你好"), dtype=np.int64)
+    det = IncrementalDetokenizer(bl, prompt_ids=np.array(bl.encode("prompt"), dtype=np.int64))
+    assert "".join(det.add(i) for i in ids) + det.add(ids[:0]) + det.flush() == "héllo 你好"
+
+
 def test_add_after_flush_raises(bl):
     det = IncrementalDetokenizer(bl)
     det.add(bl.encode("a"))

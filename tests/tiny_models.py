@@ -48,6 +48,17 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                                 bos_token_id=BOS_ID, eos_token_id=BOS_ID),
              dict(template=None, generation_config=False)),
 }
+# Families beyond the required six that the exporter also supports; phi and gpt_neox have no GQA.
+EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "gemma": ("GemmaConfig", dict(_COMMON, head_dim=32), dict(template="tokenizer_config")),
+    "granite": ("GraniteConfig", dict(_COMMON), dict(template="tokenizer_config")),
+    "olmo2": ("Olmo2Config", dict(_COMMON), dict(template="tokenizer_config")),
+    "smollm3": ("SmolLM3Config", dict(_COMMON), dict(template="jinja_file")),
+    "stablelm": ("StableLmConfig", dict(_COMMON), dict(template="tokenizer_config")),
+    "phi": ("PhiConfig", dict(_COMMON, num_key_value_heads=None), dict(template="tokenizer_config")),
+    "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"},
+                 dict(template="tokenizer_config")),
+}
 
 
 def _train_tokenizer():
@@ -92,7 +103,7 @@ def build_tiny_model(family: str, folder: Path) -> Path:
     import torch
     import transformers
 
-    config_cls, config_kwargs, layout = FAMILIES[family]
+    config_cls, config_kwargs, layout = {**FAMILIES, **EXTRA_FAMILIES}[family]
     config = getattr(transformers, config_cls)(**config_kwargs)
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -113,5 +124,5 @@ def build_tiny_model(family: str, folder: Path) -> Path:
 
 if __name__ == "__main__":
     root = Path(sys.argv[1])
-    for name in FAMILIES:
+    for name in {**FAMILIES, **EXTRA_FAMILIES}:
         print(build_tiny_model(name, root / name))

@@ -58,19 +58,6 @@ class EngineClient:
             self._give_back(conn)
             return reply
 
-    def send_oneway(self, op: str, *args) -> None:
-        """Fire-and-forget (metrics records); never fails the request that sends it."""
-        try:
-            conn = self._take()
-        except EngineUnavailable:
-            return
-        try:
-            conn.send((op, *args))
-        except OSError:
-            conn.close()
-            return
-        self._give_back(conn)
-
     # ---- typed calls
     def status(self) -> p.EngineStatus:
         """Cached once ready: readiness does not go back (shutdown ends the workers first)."""
@@ -88,7 +75,11 @@ class EngineClient:
         return self.call(p.TOKENIZE, texts)
 
     def record_http(self, record: p.HttpRecord) -> None:
-        self.send_oneway(p.RECORD_HTTP, record)
+        """A round trip, so /metrics read after a response always includes it; never fails the request."""
+        try:
+            self.call(p.RECORD_HTTP, record)
+        except EngineUnavailable:
+            pass
 
     def open_job(self, job: p.Job) -> "JobStream":
         conn = self._take()

@@ -82,9 +82,6 @@ class EngineService:
                     if op == p.JOB:
                         if not self._run_job(conn, args[0]):
                             return
-                    elif op == p.RECORD_HTTP:
-                        r: p.HttpRecord = args[0]
-                        self.metrics.record_http(r.route, r.method, r.status, r.error_type)
                     else:
                         conn.send(self._call(op, args))
                 except (EOFError, OSError):
@@ -96,6 +93,10 @@ class EngineService:
     def _call(self, op: str, args: list) -> p.Reply:
         if op == p.STATUS:
             return p.Reply(self.status())
+        if op == p.RECORD_HTTP:
+            r: p.HttpRecord = args[0]
+            self.metrics.record_http(r.route, r.method, r.status, r.error_type)
+            return p.Reply()
         if op == p.METRICS:
             stats = self.engine.stats() if self.engine is not None else None
             return p.Reply(self.metrics.render(self.state == "ready", stats))
@@ -227,7 +228,6 @@ class EngineService:
                         pass
                     state["open"] = False
                     watch = [wake_r]
-                    self._cancel(handles)
             for t in pumps:
                 t.join()
         finally:

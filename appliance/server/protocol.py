@@ -18,7 +18,7 @@ from appliance.params import SamplingParams
 STATUS = "status"        # () -> EngineStatus
 METRICS = "metrics"      # () -> str (Prometheus text)
 TOKENIZE = "tokenize"    # (list[str]) -> list[list[int]]
-RECORD_HTTP = "http"     # (HttpRecord) -> no reply (one-way)
+RECORD_HTTP = "http"     # (HttpRecord) -> Reply()
 JOB = "job"              # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
 
 
