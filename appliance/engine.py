@@ -223,8 +223,12 @@ class Engine:
             self._finish(seq, reason, chunk)
 
     def token_text(self, token: int) -> str:
-        """A token's own text for logprobs (a lone byte of a multi-byte character shows as U+FFFD)."""
-        return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+        """A token's own text for logprobs (a lone byte of a multi-byte character shows as U+FFFD). Ids past
+        the tokenizer's vocabulary (models pad their embedding) have no text."""
+        try:
+            return self.tokenizer.token_bytes(token).decode("utf-8", errors="replace")
+        except IndexError:
+            return ""
 
     def _logprobs(self, seq: Sequence, token: int, out, j: int) -> list[TokenLogprob]:
         k = seq.params.logprobs or 0

@@ -5,13 +5,10 @@ call's reply or a job's `End`; a job abandoned half-way closes its connection, w
 """
 from __future__ import annotations
 
-import logging
 import threading
 from multiprocessing.connection import Client, Connection
 
 from appliance.server import protocol as p
-
-log = logging.getLogger(__name__)
 
 
 class EngineUnavailable(Exception):

@@ -228,6 +228,7 @@ class EngineService:
                         pass
                     state["open"] = False
                     watch = [wake_r]
+                    self._cancel(handles)
             for t in pumps:
                 t.join()
         finally:
