@@ -85,14 +85,15 @@ class Engine:
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.manifest.eos_token_ids))
         self.backend = load_backend(self.model_dir, self.manifest, self.config)
         self.max_context = min(self.manifest.max_context, self.backend.max_context)
-        self.pool = BlockPool(self.backend.num_blocks, self.backend.block_size)
+        self.pool = BlockPool(self.backend.num_blocks, self.backend.block_size,
+                              prefix_caching=self.config.prefix_caching and self.backend.max_batch is None)
         max_seqs = min(self.config.max_num_seqs, self.backend.max_batch or self.config.max_num_seqs)
         self.scheduler = Scheduler(self.pool, max_seqs, self.config.max_num_batched_tokens)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
-        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "preemptions": 0, "aborted": 0}
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -120,7 +121,9 @@ class Engine:
     def stats(self) -> dict:
         return {"queued": len(self.scheduler.waiting) + self._inbox.qsize(), "running": len(self.scheduler.running),
                 "kv_blocks_used": self.pool.num_used, "kv_blocks_total": self.pool.num_blocks,
-                "kv_block_size": self.pool.block_size, **self.counters}
+                "kv_block_size": self.pool.block_size, "prefix_cache_hit_tokens": self.pool.hits,
+                "prefix_cache_query_tokens": self.pool.queries,
+                "preemptions": self.scheduler.preemptions, **self.counters}
 
     def shutdown(self) -> None:
         self._stop = True
@@ -185,6 +188,7 @@ class Engine:
         rows, ready = [], []
         for i, (seq, n) in enumerate(plan):
             seq.num_computed += n
+            self.scheduler.computed(seq)
             if seq.num_computed == len(seq.token_ids):
                 rows.append(i)
                 ready.append(seq)

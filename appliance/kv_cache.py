@@ -1,20 +1,34 @@
 """KV block pool: the runtime's bookkeeping of the cache memory a backend allocated once at load.
 
-Sequences own lists of block ids (their block table). Blocks are reference counted so that later features
-(prefix sharing, n > 1 copy-on-write) can hand one block to several sequences without copying it.
-A static-shape backend is the special case of one block per sequence, block_size = the slot length.
+Sequences own lists of block ids (their block table). Blocks are reference counted so one block can serve
+several sequences (a shared prompt prefix, n > 1, beam search) without copying it.
+
+Prefix caching: a full block is named by a hash chained over all tokens up to its end. When its last owner
+lets go, the block keeps its contents and its name while it waits in the free list (least recently freed
+is reused first), so a later prompt that starts with the same tokens picks it up instead of recomputing it.
+A static-shape backend is the special case of one block per sequence, block_size = the slot length, and no
+prefix caching.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.prefix_caching = prefix_caching
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks  # (hash, tokens) of a full block
+        self._by_hash: dict[int, int] = {}
+        self.hits = 0      # prompt tokens served from the cache
+        self.queries = 0   # prompt tokens looked up
 
     @property
     def num_free(self) -> int:
@@ -33,9 +47,12 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV pool exhausted: need {n} blocks, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
-            self._refs[b] = 1
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
+            self._refs[block] = 1
+            out.append(block)
         return out
 
     def fork(self, blocks: list[int]) -> None:
@@ -43,9 +60,48 @@ class BlockPool:
             self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        for b in blocks:
+        for b in reversed(blocks):   # a sequence's tail blocks are the least likely to be shared: reuse first
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
             elif self._refs[b] < 0:
                 raise RuntimeError(f"block {b} freed twice")
+
+    # ---- prefix caching ----
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks for the longest run of full blocks at the start of `tokens`, taken (ref + 1), and
+        their chained hashes. At least one token is left to compute: its logits give the first sample."""
+        if not self.prefix_caching:
+            return [], []
+        bs, blocks, hashes, parent = self.block_size, [], [], None
+        self.queries += len(tokens)
+        for start in range(0, len(tokens) - 1 - bs + 1, bs):
+            key = tuple(tokens[start:start + bs])
+            h = chain_hash(parent, key)
+            block = self._by_hash.get(h)
+            if block is None or self._key[block] != (h, key):
+                break
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        self.hits += len(blocks) * bs
+        return blocks, hashes
+
+    def register(self, block: int, parent: int | None, tokens: tuple[int, ...]) -> int:
+        """Name a block that just became full; returns its hash (the parent of the next block)."""
+        h = chain_hash(parent, tokens)
+        if self.prefix_caching and h not in self._by_hash:
+            self._forget(block)
+            self._key[block] = (h, tokens)
+            self._by_hash[h] = block
+        return h
+
+    def _forget(self, block: int) -> None:
+        key = self._key[block]
+        if key is not None:
+            if self._by_hash.get(key[0]) == block:
+                del self._by_hash[key[0]]
+            self._key[block] = None

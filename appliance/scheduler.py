@@ -20,6 +20,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -43,9 +44,14 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not seq.block_table:
+                seq.block_table, seq.block_hashes = self.pool.match_prefix(seq.token_ids)
+                seq.num_computed = len(seq.block_table) * self.pool.block_size
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
             if not self.pool.can_allocate(need):
+                self._release(seq)
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
             seq.block_table += self.pool.allocate(need)
@@ -68,9 +74,19 @@ class Scheduler:
         seq.block_table += self.pool.allocate(need)
         return True
 
+    def computed(self, seq: Sequence) -> None:
+        """After a step: name the blocks that just became full so later prompts can reuse them."""
+        bs = self.pool.block_size
+        while len(seq.block_hashes) < seq.num_computed // bs:
+            j = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if j else None
+            seq.block_hashes.append(self.pool.register(seq.block_table[j], parent,
+                                                       tuple(seq.token_ids[j * bs:(j + 1) * bs])))
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV, keep the tokens (prompt + generated so far)."""
         self._release(seq)
+        self.preemptions += 1
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -88,3 +104,4 @@ class Scheduler:
             self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
+        seq.block_hashes = []

@@ -35,6 +35,7 @@ class Sequence:
     arrived: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache names of the full blocks, in order
 
     @property
     def num_generated(self) -> int:

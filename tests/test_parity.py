@@ -133,3 +133,24 @@ def test_quantized_default_model_stays_close(fmt, default_hf, default_prompts, d
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def test_prefix_cache_reuse_keeps_parity(default_hf, default_prompts):
+    """Prompts sharing a long prefix reuse its KV blocks (and a preempted sequence its own) without changing
+    a token: f32 engine vs transformers, prefix caching on, a pool small enough to force preemption."""
+    from export.default_model import ensure_export
+
+    shared = default_prompts[4] * 12                       # ~60 tokens of raw text, > one 32-token block
+    prompts = [shared + p for p in default_prompts[:4]]
+    want = hf_greedy(default_hf, prompts, 16)
+    engine = Engine(ensure_export("openvino", "fp32"), EngineConfig(**F32, kv_cache_tokens=32 * 6))
+    try:
+        first = engine_greedy(engine, prompts[:1], 16)
+        rest = engine_greedy(engine, prompts[1:], 16)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert first + rest == want
+    assert stats["prefix_cache_hit_tokens"] >= 3 * 32      # each later prompt reused the shared block(s)
+    assert stats["kv_blocks_used"] == 0
+    assert stats["preemptions"] > 0, stats                 # the 6-block pool cannot hold them all at once
