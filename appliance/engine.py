@@ -2,6 +2,7 @@
 sampler -> detokenizer -> stop rules. Usable without HTTP: `Engine(model_dir).generate(prompt, params)`."""
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import logging
@@ -15,16 +16,17 @@ from typing import Iterator
 import numpy as np
 
 from appliance.backends import StepBatch, load_backend
+from appliance.beam_search import BeamSearch, Hypothesis, fork_sampler, log_softmax
 from appliance.config import EngineConfig
 from appliance.detokenizer import IncrementalDetokenizer
 from appliance.kv_cache import BlockPool
 from appliance.manifest import Manifest
 from appliance.outputs import Chunk, GenerationResult, Timing, TokenLogprob
 from appliance.params import SamplingParams
-from appliance.sampling import SequenceSampler, sample_batch
+from appliance.sampling import SequenceSampler, apply_processors, ranked, sample_batch
 from appliance.scheduler import Scheduler
 from appliance.sequence import Sequence, Status
-from appliance.stopping import StopStringMatcher, check_token_stop
+from appliance.stopping import StopStringMatcher, check_token_stop, stop_token_ids
 from appliance.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,21 +59,74 @@ class RequestHandle:
             if chunk.finish_reason is not None:
                 return
 
+    def events(self) -> Iterator[tuple[int, Chunk]]:
+        """(choice offset, chunk) pairs, as a BeamHandle gives them; always offset 0 here."""
+        for chunk in self:
+            yield 0, chunk
+
     def cancel(self) -> None:
         self._engine._cancel(self._seq)
 
     def result(self) -> GenerationResult:
-        text, ids, logprobs, last = [], [], [], Chunk()
+        text, ids, logprobs, last, prompt_logprobs = [], [], [], Chunk(), None
         for last in self:
             text.append(last.text)
             ids += last.token_ids
             if last.logprobs:
                 logprobs += last.logprobs
+            if last.prompt_logprobs is not None:
+                prompt_logprobs = last.prompt_logprobs
         if last.error:
             raise RuntimeError(last.error)
         params = self._seq.params
         return GenerationResult("".join(text), ids, last.finish_reason, last.prompt_tokens, last.completion_tokens,
-                                logprobs if params.logprobs is not None else None, self.timing)
+                                logprobs if params.logprobs is not None else None, self.timing, prompt_logprobs)
+
+
+class BeamGroup:
+    """One beam search inside the engine: its live beams (Sequences that share KV blocks), the logits they
+    produced for the next step so far, the search state. Engine thread only, except `out`."""
+
+    def __init__(self, root: Sequence, num_stop_tokens: int):
+        self.root, self.params = root, root.params
+        self.search = BeamSearch(root.params.best_of, root.params.length_penalty, num_stop_tokens)
+        self.beams: list[Sequence] = [root]
+        self.logits: dict[Sequence, np.ndarray] = {}
+        self.out: queue.SimpleQueue = queue.SimpleQueue()   # once: the n result Chunks
+        self.done = False
+
+
+class BeamHandle:
+    """The requester's side of a beam search. Not streamed: the n best hypotheses arrive together, best first,
+    each as one Chunk holding the whole choice."""
+
+    def __init__(self, engine: "Engine", group: BeamGroup):
+        self._engine, self._group = engine, group
+        self.id = group.root.request_id
+        self.prompt_tokens = group.root.prompt_len
+        self._chunks: list[Chunk] | None = None
+
+    @property
+    def timing(self) -> Timing:
+        return self._group.root.timing
+
+    def chunks(self) -> list[Chunk]:
+        if self._chunks is None:
+            self._chunks = self._group.out.get()
+        return self._chunks
+
+    def events(self) -> Iterator[tuple[int, Chunk]]:
+        yield from enumerate(self.chunks())
+
+    def cancel(self) -> None:
+        self._engine._cancel(self._group)
+
+    def result(self) -> list[GenerationResult]:
+        chunks = self.chunks()
+        if chunks[0].error:
+            raise RuntimeError(chunks[0].error)
+        return [GenerationResult(c.text, c.token_ids, c.finish_reason, c.prompt_tokens, c.completion_tokens,
+                                 c.logprobs, self.timing, c.prompt_logprobs) for c in chunks]
 
 
 class Engine:
@@ -98,7 +153,10 @@ class Engine:
         self._thread.start()
 
     # ---- requester side (any thread) ----
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestHandle | BeamHandle:
+        """One sequence (a RequestHandle streaming Chunks), or with params.best_of > 1 a beam search (a
+        BeamHandle whose result is the params.n best beams)."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
         limit = self.max_context
@@ -108,13 +166,35 @@ class Engine:
         if self._inbox.qsize() + len(self.scheduler.waiting) >= self.config.max_queued:
             raise QueueFull("the server is busy: too many queued requests, retry later")
         max_len = min(limit, len(prompt_ids) + params.max_tokens if params.max_tokens is not None else limit)
+        beam = params.best_of is not None and params.best_of > 1
+        if beam:
+            max_len = self._beam_max_len(len(prompt_ids), params, max_len)
         seq = Sequence(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", len(prompt_ids),
                        list(prompt_ids), params, max_len, queue.SimpleQueue(), Timing(created=time.time()))
+        if beam:
+            seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
         self._inbox.put(("add", seq))
         self._wake.set()
-        return RequestHandle(self, seq)
+        return BeamHandle(self, seq.group) if beam else RequestHandle(self, seq)
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> GenerationResult:
+    def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int:
+        """All beams of a search must fit in the KV pool and the sequence slots together, or they could wait on
+        each other forever. Without max_tokens the search is capped at what fits."""
+        beams, pool = params.best_of, self.pool
+        if params.n > beams:
+            raise ValueError(f"n value cannot be greater than best_of ({params.n} > {beams})")
+        if beams > self.scheduler.max_num_seqs:
+            raise ValueError(f"best_of {beams} runs {beams} sequences at once; this server runs at most "
+                             f"{self.scheduler.max_num_seqs}")
+        fits = pool.num_blocks // beams * pool.block_size
+        if max_len > fits and (params.max_tokens is not None or prompt_len >= fits):
+            raise PromptTooLong(f"best_of {beams}: {beams} beams of {prompt_len} prompt tokens + max tokens value "
+                                f"{params.max_tokens or 0} do not fit the KV cache ({pool.num_blocks * pool.block_size}"
+                                " positions)")
+        return min(max_len, fits)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None
+                 ) -> GenerationResult | list[GenerationResult]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return self.submit(ids, params or SamplingParams()).result()
 
@@ -131,8 +211,8 @@ class Engine:
         self._thread.join(timeout=10)
         self.backend.close()
 
-    def _cancel(self, seq: Sequence) -> None:
-        self._inbox.put(("cancel", seq))
+    def _cancel(self, target: Sequence | BeamGroup) -> None:
+        self._inbox.put(("cancel", target))
         self._wake.set()
 
     # ---- engine thread ----
@@ -160,6 +240,10 @@ class Engine:
                 return
             if op == "add":
                 self._start(seq)
+            elif isinstance(seq, BeamGroup):
+                if not seq.done:
+                    self.counters["aborted"] += 1
+                    self._finish_group(seq)
             elif seq.status is not Status.FINISHED:
                 self.counters["aborted"] += 1
                 self._finish(seq, "abort")
@@ -170,33 +254,56 @@ class Engine:
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
                                            prompt_ids=seq.token_ids[: seq.prompt_len])
         seq.stop = StopStringMatcher(p.stop, p.include_stop_str_in_output) if p.stop else None
+        if p.prompt_logprobs is not None:   # nothing predicts the first prompt token: its logprob is None
+            first = seq.token_ids[0]
+            seq.prompt_logprobs = [TokenLogprob(first, self.token_text(first), None)]
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += seq.prompt_len
         self.scheduler.add(seq)
 
     def step(self) -> None:
-        plan = self.scheduler.schedule()
+        # A beam whose logits are in but whose siblings' are not (a search advances all its beams at once) has
+        # nothing to feed: the scheduler lists it with 0 tokens.
+        plan = [(s, n) for s, n in self.scheduler.schedule() if n > 0]
         if not plan:
+            if self.scheduler.waiting:
+                self._unstall()
             return
         now = time.monotonic()
         for seq, _ in plan:
             if seq.first_scheduled is None:
                 seq.first_scheduled = now
+        flags = [self._wants_prompt_logits(s, n) for s, n in plan]
         batch = StepBatch([s.token_ids[s.num_computed: s.num_computed + n] for s, n in plan],
-                          [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan])
+                          [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan],
+                          all_logits=flags if any(flags) else None)
         logits = self.backend.forward(batch)
-        rows, ready = [], []
+        rows, ready, beams = [], [], []
         for i, (seq, n) in enumerate(plan):
+            if flags[i]:
+                self._prompt_logprobs(seq, seq.num_computed, batch.position_logits[i])
             seq.num_computed += n
             self.scheduler.computed(seq)
-            if seq.num_computed == len(seq.token_ids):
+            if seq.num_computed != len(seq.token_ids):
+                continue
+            if seq.params.max_tokens == 0:   # echo + prompt logprobs: the prompt is all that was asked for
+                self._finish_prompt_only(seq)
+            elif seq.group is not None:
+                beams.append((seq, logits[i]))
+            else:
                 rows.append(i)
                 ready.append(seq)
-        if not ready:
-            return
-        out = sample_batch(logits[rows] if len(rows) < len(plan) else logits, [s.sampler for s in ready])
-        for j, seq in enumerate(ready):
-            self._append(seq, int(out.token_ids[j]), out, j)
+        if ready:
+            out = sample_batch(logits[rows] if len(rows) < len(plan) else logits, [s.sampler for s in ready])
+            for j, seq in enumerate(ready):
+                self._append(seq, int(out.token_ids[j]), out, j)
+        for seq, row in beams:
+            group = seq.group
+            if group.done or seq not in group.beams:
+                continue
+            group.logits[seq] = np.array(row, dtype=np.float32)
+            if len(group.logits) == len(group.beams):
+                self._beam_step(group)
 
     def _append(self, seq: Sequence, token: int, out, j: int) -> None:
         now = time.monotonic()
@@ -220,7 +327,8 @@ class Engine:
                 text += seq.stop.flush()
         logprobs = self._logprobs(seq, token, out, j) if seq.params.logprobs is not None else None
         chunk = Chunk(text=text, token_ids=[token], logprobs=logprobs, prompt_tokens=seq.prompt_len,
-                      completion_tokens=seq.num_generated)
+                      completion_tokens=seq.num_generated,
+                      prompt_logprobs=seq.prompt_logprobs if seq.num_generated == 1 else None)
         if reason is None:
             seq.emit(chunk)
         else:
@@ -241,13 +349,233 @@ class Engine:
         return [TokenLogprob(token, self.token_text(token), float(out.logprobs[j]), top)]
 
     def _finish(self, seq: Sequence, reason: str, chunk: Chunk | None = None, error: str | None = None) -> None:
+        if seq.group is not None:   # a beam ends only with its whole search; here that means an abort
+            self._finish_group(seq.group, error=error)
+            return
         self.scheduler.finish(seq)
+        self._set_timing(seq)
+        chunk = chunk or Chunk(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)
+        chunk.finish_reason, chunk.error = reason, error
+        seq.emit(chunk)
+
+    @staticmethod
+    def _set_timing(seq: Sequence) -> None:
         t = seq.timing
         end = time.monotonic()
         start = seq.first_scheduled or end
         first = seq.first_token or end
         t.queue_time, t.prompt_time = start - seq.arrived, first - start
         t.completion_time, t.total_time = end - first, end - seq.arrived
-        chunk = chunk or Chunk(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)
-        chunk.finish_reason, chunk.error = reason, error
-        seq.emit(chunk)
+
+    def _finish_prompt_only(self, seq: Sequence) -> None:
+        """max_tokens 0 (echo with prompt logprobs): end after the prompt, nothing sampled."""
+        chunk = Chunk(prompt_tokens=seq.prompt_len, prompt_logprobs=seq.prompt_logprobs, finish_reason="length")
+        if seq.group is None:
+            self._finish(seq, "length", chunk)
+        else:
+            self._finish_group(seq.group, [chunk] + [copy.copy(chunk) for _ in range(seq.params.n - 1)])
+
+    # ---- prompt logprobs ----
+    def _wants_prompt_logits(self, seq: Sequence, n: int) -> bool:
+        """Whether this step must return the logits of every position seq feeds: some of them predict prompt
+        tokens whose logprobs are still missing (position i's logits predict token i + 1)."""
+        done = seq.prompt_logprobs
+        if done is None or len(done) >= seq.prompt_len:
+            return False
+        if seq.num_computed > len(done) - 1:   # positions taken from the prefix cache: no logits came for them
+            self._prompt_logprobs_from_scratch(seq, seq.num_computed)
+        return seq.num_computed <= len(done) - 1 < seq.num_computed + n
+
+    def _prompt_logprobs(self, seq: Sequence, start: int, rows: np.ndarray) -> None:
+        """Record the logprobs of the prompt tokens that rows (logits of positions start...) predict."""
+        done, k = seq.prompt_logprobs, seq.params.prompt_logprobs or 0
+        a, b = len(done) - 1 - start, min(len(rows), seq.prompt_len - 1 - start)
+        if a < 0 or a >= b:
+            return
+        raw = np.asarray(rows[a:b], np.float32)
+        lp = log_softmax(raw)
+        targets = seq.token_ids[start + a + 1: start + b + 1]
+        top = ranked(raw, k) if k else None
+        for r, t in enumerate(targets):
+            alts = [(int(i), self.token_text(int(i)), float(lp[r, i])) for i in top[r]] if k else []
+            done.append(TokenLogprob(int(t), self.token_text(int(t)), float(lp[r, t]), alts))
+
+    def _prompt_logprobs_from_scratch(self, seq: Sequence, upto: int) -> None:
+        """Prompt positions before `upto` were served from the prefix cache: compute their logits in scratch
+        blocks (freed at once). If the pool has no room for that, their logprobs stay None."""
+        table = self.pool.allocate(self.pool.blocks_for(upto)) if self.pool.can_allocate(
+            self.pool.blocks_for(upto)) else None
+        if table is None:
+            log.warning("prompt logprobs: no KV room to recompute %d cached prompt tokens", upto)
+            seq.prompt_logprobs += [None] * (upto + 1 - len(seq.prompt_logprobs))
+            return
+        try:
+            chunk = max(1, self.config.max_num_batched_tokens)
+            for start in range(0, upto, chunk):
+                n = min(chunk, upto - start)
+                batch = StepBatch([seq.token_ids[start:start + n]], [start], [table], all_logits=[True])
+                self.backend.forward(batch)
+                self._prompt_logprobs(seq, start, batch.position_logits[0])
+        finally:
+            self.pool.free(table)
+
+    # ---- beam search ----
+    def _beam_step(self, group: BeamGroup) -> None:
+        """All beams' logits are in: pick the next beams (beam_search.BeamSearch), then fork / extend / drop the
+        sequences. The best continuation of a beam extends it in place; each further one forks it: the fork
+        shares the parent's full KV blocks and gets a copy of its partly filled last block."""
+        p, beams, search = group.params, group.beams, group.search
+        root = group.root
+        if root.first_token is None:
+            root.first_token = time.monotonic()
+        raw = log_softmax(np.stack([group.logits[s] for s in beams]))
+        group.logits.clear()
+        scores = apply_processors(raw, [s.sampler for s in beams])   # as transformers: on the log-probabilities
+        cands = search.candidates(scores, [s.beam_score for s in beams])
+        generated = beams[0].num_generated + 1                      # every beam has the same length
+        full = len(beams[0].token_ids) + 1 >= beams[0].max_len
+        reasons = [self._beam_stop(beams[c.beam], c.token, generated, full) for c in cands]
+        top = ranked(raw, p.logprobs) if p.logprobs else None
+
+        def entry(c) -> TokenLogprob | None:
+            if p.logprobs is None:
+                return None
+            alts = [(int(i), self.token_text(int(i)), float(raw[c.beam, i])) for i in top[c.beam]] if top is not None else []
+            return TokenLogprob(c.token, self.token_text(c.token), float(raw[c.beam, c.token]), alts)
+
+        payloads = [(beams[c.beam].generated + [c.token], self._beam_logprobs(beams[c.beam], entry(c)), r)
+                    if r is not None and c.rank < search.num_beams else None for c, r in zip(cands, reasons)]
+        running = search.update(cands, [r is not None for r in reasons], generated, payloads)
+        if search.done:
+            self._finish_group(group, [self._beam_chunk(group, h) for h in search.best(p.n)])
+            return
+        self.counters["generated_tokens"] += len(running)
+        kept: dict[int, object] = {}
+        forks = []
+        for c in running:
+            if c.beam in kept:
+                forks.append(c)
+            else:
+                kept[c.beam] = c
+        copies: list[tuple[int, int, int]] = []
+        children = {id(c): self._fork_beam(beams[c.beam], c, entry(c), copies) for c in forks}  # parents unchanged yet
+        if copies:
+            self.backend.copy_blocks([(s, d) for s, d, _ in copies], [n for _, _, n in copies])
+        for b, c in kept.items():
+            seq = beams[b]
+            seq.token_ids.append(c.token)
+            seq.sampler.append(c.token)
+            seq.beam_score = c.score
+            if p.logprobs is not None:
+                seq.beam_logprobs = self._beam_logprobs(seq, entry(c))
+        for b, seq in enumerate(beams):
+            if b not in kept:
+                self.scheduler.finish(seq)
+        group.beams = [children[id(c)] if id(c) in children else beams[c.beam] for c in running]
+
+    @staticmethod
+    def _beam_logprobs(seq: Sequence, entry: TokenLogprob | None) -> list | None:
+        return None if entry is None else (seq.beam_logprobs or []) + [entry]
+
+    def _beam_stop(self, parent: Sequence, token: int, generated: int, context_full: bool) -> str | None:
+        """Whether parent + token ends: "stop" (a stop token), "stop_string", "length", or None."""
+        p = parent.params
+        reason = check_token_stop(token, generated, p, self.eos_token_ids, context_full)
+        if reason != "stop" and p.stop:
+            window = max(len(s) for s in p.stop) + 8   # tokens: enough to hold any stop string that ends here
+            ids = parent.token_ids[max(parent.prompt_len, len(parent.token_ids) - window):] + [token]
+            text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+            if any(s in text for s in p.stop):   # a running beam holds no stop string: a match is new
+                reason = "stop_string"
+        return reason
+
+    def _fork_beam(self, parent: Sequence, c, entry: TokenLogprob | None, copies: list) -> Sequence:
+        child = Sequence(parent.request_id, parent.prompt_len, parent.token_ids + [c.token], parent.params,
+                         parent.max_len, parent.out, parent.timing, sampler=fork_sampler(parent.sampler),
+                         arrived=parent.arrived, first_scheduled=parent.first_scheduled,
+                         first_token=parent.first_token, group=parent.group, beam_score=c.score,
+                         beam_logprobs=self._beam_logprobs(parent, entry))
+        child.sampler.append(c.token)
+        computed, bs = parent.num_computed, self.pool.block_size
+        full, tail = divmod(computed, bs)
+        if (parent.status is Status.RUNNING and computed == len(parent.token_ids)
+                and len(parent.block_table) >= full + (tail > 0) and self._make_room(int(tail > 0), parent.group)):
+            shared = parent.block_table[:full]
+            self.pool.fork(shared)
+            child.block_table, child.block_hashes = list(shared), list(parent.block_hashes[:full])
+            if tail:
+                block = self.pool.allocate(1)[0]
+                copies.append((parent.block_table[full], block, tail))
+                child.block_table.append(block)
+            child.num_computed, child.status = computed, Status.RUNNING
+            self.scheduler.running.append(child)
+        else:   # the parent's KV is not all there (preempted) or no room: the child computes its own
+            child.status = Status.WAITING
+            self.scheduler.waiting.appendleft(child)
+        return child
+
+    def _make_room(self, blocks: int, group: BeamGroup) -> bool:
+        """Free `blocks` KV blocks, preempting the newest running sequences of other requests if needed."""
+        while not self.pool.can_allocate(blocks):
+            victim = next((s for s in reversed(self.scheduler.running) if s.group is not group), None)
+            if victim is None:
+                return False
+            self.scheduler.preempt(victim)
+        return True
+
+    def _unstall(self) -> None:
+        """Nothing could run: every running sequence is a beam waiting for a sibling that cannot be admitted
+        (other searches hold the KV). Let the oldest search through: preempt everything else, its waiting
+        beams first in line. Each search fits alone (submit checks), so it completes."""
+        groups = {s.group for s in self.scheduler.running if s.group is not None and not s.group.done}
+        if not groups:
+            return
+        oldest = min(groups, key=lambda g: g.root.arrived)
+        for seq in list(self.scheduler.running):
+            if seq.group is not oldest:
+                self.scheduler.preempt(seq)
+        waiting = self.scheduler.waiting
+        first = [s for s in waiting if s.group is oldest]
+        rest = [s for s in waiting if s.group is not oldest]
+        waiting.clear()
+        waiting.extend(first + rest)
+
+    def _beam_chunk(self, group: BeamGroup, hyp: Hypothesis) -> Chunk:
+        """A finished hypothesis as one whole-choice Chunk: text as the streaming path would have made it."""
+        tokens, logprobs, reason = hyp.payload
+        p = group.params
+        root = group.root
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                       prompt_ids=root.token_ids[:root.prompt_len])
+        stop = StopStringMatcher(p.stop, p.include_stop_str_in_output) if p.stop else None
+        parts = []
+        for i, token in enumerate(tokens):
+            last = i == len(tokens) - 1
+            text = "" if last and reason == "stop" and not p.include_stop_str_in_output else detok.add([token])
+            if last:
+                text += detok.flush()
+            if stop is not None:
+                text, stopped = stop.feed(text)
+                if stopped:
+                    parts.append(text)
+                    break
+                if last:
+                    text += stop.flush()
+            parts.append(text)
+        return Chunk(text="".join(parts), token_ids=tokens, logprobs=logprobs,
+                     finish_reason="length" if reason == "length" else "stop", prompt_tokens=root.prompt_len,
+                     completion_tokens=len(tokens), prompt_logprobs=root.prompt_logprobs)
+
+    def _finish_group(self, group: BeamGroup, chunks: list[Chunk] | None = None, error: str | None = None) -> None:
+        """End a beam search with its n result chunks, or (chunks None) abort it: cancel, failure, shutdown."""
+        if group.done:
+            return
+        group.done = True
+        for seq in group.beams:
+            self.scheduler.finish(seq)
+        group.logits.clear()
+        self._set_timing(group.root)
+        if chunks is None:
+            chunks = [Chunk(finish_reason="abort", error=error, prompt_tokens=group.root.prompt_len)
+                      for _ in range(group.params.n)]
+        group.out.put(chunks)

@@ -24,6 +24,9 @@ class Chunk:
     error: str | None = None           # set with finish_reason "abort" when the engine failed the request
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # with the first chunk of a sequence when params.prompt_logprobs is set: one entry per prompt token; the
+    # first one's logprob is None (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -46,3 +49,4 @@ class GenerationResult:
     completion_tokens: int
     logprobs: list[TokenLogprob] | None
     timing: Timing
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -29,6 +29,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None             # > 1: beam search (issue 3/4)
     length_penalty: float = 1.0
+    prompt_logprobs: int | None = None     # None: off; k >= 0: each prompt token's logprob plus k alternatives
 
     @property
     def greedy(self) -> bool:

@@ -36,6 +36,13 @@ class Sequence:
     first_scheduled: float | None = None
     first_token: float | None = None
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache names of the full blocks, in order
+    # prompt logprobs (params.prompt_logprobs): TokenLogprobs of the prompt tokens so far (the first: logprob None)
+    prompt_logprobs: list | None = None
+    # beam search (params.best_of > 1): the request's BeamGroup, this beam's running sum of log-probabilities
+    # and its tokens' logprob entries (when params.logprobs is set)
+    group: object = None
+    beam_score: float = 0.0
+    beam_logprobs: list | None = None
 
     @property
     def num_generated(self) -> int:

@@ -17,10 +17,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-
-def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(100, vocab - 100, size=length).tolist() for _ in range(n)]
+from bench.common import prompts as _prompts  # shared with the other benchmarks
 
 
 def bench_engine(model_dir: Path, prompts, new_tokens: int, bar) -> dict:

@@ -1,5 +1,5 @@
 """Export tools: turn a local Hugging Face causal-LM folder into a folder the runtime serves without torch.
 
-Heavy libraries (torch, transformers, optimum) are imported only inside the stages that need them, so argument and
+torch, transformers and optimum are imported only once an export starts (by the backend modules), so argument and
 source errors are reported in well under a second.
 """

@@ -17,7 +17,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=list(BACKENDS), default="openvino")
     parser.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="fp16")
     parser.add_argument("--name", help="served model name (default: the source folder's name)")
-    parser.add_argument("--group-size", type=int, help="int4 group size: OpenVINO default 128, ONNX block size 32")
+    parser.add_argument("--group-size", type=int,
+                        help="quantization group: OpenVINO int4 (default 128; int8 is per-channel), ONNX int4/int8 "
+                             "block size (default 32)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--verbose", action="store_true", help="show library warnings and logs")
     args = parser.parse_args(argv)

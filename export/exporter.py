@@ -57,7 +57,8 @@ class Dims:
 def export_model(src: Path, out: Path, backend: str, weight_format: str, *, name: str | None = None,
                  group_size: int | None = None, force: bool = False, verbose: bool = False) -> Manifest:
     """Exports `src` to `out` and returns the manifest written there. Raises ExportError for anything the user
-    can fix. `group_size` overrides the int4 group (OpenVINO, default 128) or block size (ONNX, default 32)."""
+    can fix. `group_size` overrides the OpenVINO int4 group size (default 128) or the ONNX int4/int8 block size
+    (default 32)."""
     if backend not in BACKENDS:
         raise ExportError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if weight_format not in WEIGHT_FORMATS:
@@ -66,14 +67,14 @@ def export_model(src: Path, out: Path, backend: str, weight_format: str, *, name
         raise ExportError(f"group size must be a power of two >= 16, got {group_size}")
     src, out = Path(src).expanduser().absolute(), Path(out).expanduser().absolute()
     source = inspect_source(src)
-    check_destination(out, force)
+    check_destination(src, out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_disk(source, out)
     staging = _staging_dir(out)
     try:
         with _Progress(f"export {backend} {weight_format}") as progress:
-            manifest = _export(source, staging, backend, weight_format, name or src.name, group_size, progress,
-                               verbose)
+            manifest = _export(source, staging, backend, weight_format, name or src.resolve().name, group_size,
+                               progress, verbose)
         _replace(out, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -204,7 +205,7 @@ def _quiet(verbose: bool) -> Iterator[None]:
             yield
         finally:
             logging.root.removeHandler(null)
-            for logger, level in zip(loggers, levels):
+            for logger, level in zip(loggers, levels, strict=True):
                 logger.setLevel(level)
 
 
@@ -216,7 +217,8 @@ class _Progress:
 
         self._label = label
         self._started = False
-        self._bar = tqdm(total=len(STAGES), desc=label, file=sys.stderr, bar_format="{desc} [{n_fmt}/{total_fmt}, {elapsed}]")
+        self._bar = tqdm(total=len(STAGES), desc=label, file=sys.stderr,
+                         bar_format="{desc} [{n_fmt}/{total_fmt}, {elapsed}]")
 
     def __enter__(self) -> _Progress:
         return self

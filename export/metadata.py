@@ -38,8 +38,9 @@ def write_metadata(src: Path, dst: Path, config: dict[str, Any]) -> Metadata:
     (dst / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
     ids = {k: config.get(k) if generation.get(k) is None else generation[k] for k in TOKEN_KEYS}
     eos = ids["eos_token_id"]
+    eos_list = eos if isinstance(eos, list) else [] if eos is None else [eos]
     return Metadata(chat_template_file=CHAT_TEMPLATE_FILE if template is not None else None,
-                    eos_token_ids=list(dict.fromkeys(eos if isinstance(eos, list) else [eos] if eos is not None else [])),
+                    eos_token_ids=list(dict.fromkeys(eos_list)),
                     bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"])
 
 

@@ -101,18 +101,15 @@ def _save(model: Any, path: Path) -> None:
 
 def describe(dest: Path) -> GraphInfo:
     session = _session(dest)
-    inputs = {i.name: i for i in session.get_inputs()}
-    outputs = {o.name: o for o in session.get_outputs()}
-    present = [o for name, o in outputs.items() if name.startswith("present.")]
-    kv_types = {ORT_TYPES.get(o.type, o.type) for o in present}
-    past = next((i for name, i in inputs.items() if name.startswith("past_key_values.")), None)
-    return GraphInfo(inputs=list(inputs), outputs=list(outputs), stateful=False,
-                     kv_dtype=kv_types.pop() if len(kv_types) == 1 else "/".join(sorted(kv_types)),
-                     kv_heads=_static(past, 1), head_dim=_static(past, 3))
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    past = next(i for i in inputs if i.name.startswith("past_key_values."))
+    present = next(o for o in outputs if o.name.startswith("present."))
+    return GraphInfo(inputs=[i.name for i in inputs], outputs=[o.name for o in outputs], stateful=False,
+                     kv_dtype=ORT_TYPES[present.type], kv_heads=_static(past.shape, 1), head_dim=_static(past.shape, 3))
 
 
-def _static(arg: Any, axis: int) -> int | None:
-    return arg.shape[axis] if arg is not None and isinstance(arg.shape[axis], int) else None
+def _static(shape: list[Any], axis: int) -> int | None:
+    return shape[axis] if isinstance(shape[axis], int) else None
 
 
 def check(dest: Path) -> None:

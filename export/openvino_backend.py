@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 from openvino._offline_transformations import paged_attention_transformation
+from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
 from optimum.exporters.openvino import export_from_model
 from optimum.intel import OVConfig, OVWeightQuantizationConfig
 from optimum.intel.openvino.quantization import _weight_only_quantization
@@ -25,8 +26,18 @@ F32_COMPUTE = {"INFERENCE_PRECISION_HINT": "f32"}
 def convert(model: Any, scratch: Path, weight_format: str) -> None:
     """fp16 is written by the converter itself (f16 weights decompressed to f32 compute); every other format
     starts from the fp32 IR, which is what NNCF expects to compress."""
+    _decline_telemetry()
     dtype = "fp16" if weight_format == "fp16" else "fp32"
     export_from_model(model, scratch, task=TASK, ov_config=OVConfig(dtype=dtype), stateful=True)
+
+
+def _decline_telemetry() -> None:
+    """OpenVINO's model converter reports usage to Google Analytics unless the user opted out, and a missing
+    consent file counts as consent. An edge appliance must not phone home: record the opt-out, as
+    `opt_in_out --opt_out` would, unless the user already made a choice."""
+    checker = OptInChecker()
+    if not Path(checker.consent_file()).exists():
+        checker.update_result(ConsentCheckResult.DECLINED)
 
 
 def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | None) -> dict[str, Any]:
@@ -62,17 +73,17 @@ def _quantization_config(weight_format: str, group_size: int) -> tuple[Any, dict
 def describe(dest: Path) -> GraphInfo:
     model = ov.Core().read_model(dest / MODEL_FILE)
     variables = [v.get_info() for v in model.get_variables()]
-    kv_types = {v.data_type.get_type_name() for v in variables}
-    shape = variables[0].data_shape if variables else None
+    if not variables:
+        raise ExportError("the exported IR holds no KV-cache state; the runtime needs a stateful model")
+    kv = variables[0]
     return GraphInfo(inputs=[i.get_any_name() for i in model.inputs],
-                     outputs=[o.get_any_name() for o in model.outputs],
-                     stateful=bool(variables),
-                     kv_dtype=kv_types.pop() if len(kv_types) == 1 else "/".join(sorted(kv_types)),
-                     kv_heads=_static(shape, 1), head_dim=_static(shape, 3))
+                     outputs=[o.get_any_name() for o in model.outputs], stateful=True,
+                     kv_dtype=kv.data_type.get_type_name(),
+                     kv_heads=_static(kv.data_shape, 1), head_dim=_static(kv.data_shape, 3))
 
 
 def _static(shape: Any, axis: int) -> int | None:
-    return shape[axis].get_length() if shape is not None and shape[axis].is_static else None
+    return shape[axis].get_length() if shape[axis].is_static else None
 
 
 def check(dest: Path) -> None:

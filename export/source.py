@@ -66,7 +66,10 @@ def output_in_use(out: Path) -> bool:
     return out.exists() and not (out.is_dir() and not any(out.iterdir()))
 
 
-def check_destination(out: Path, force: bool) -> None:
+def check_destination(src: Path, out: Path, force: bool) -> None:
+    """--force replaces OUT wholesale, so OUT must not be the source or contain it."""
+    if out.resolve() == src.resolve() or out.resolve() in src.resolve().parents:
+        raise ExportError(f"output {out} would replace the source folder {src}")
     if output_in_use(out) and not force:
         raise ExportError(f"output exists: {out} (pass --force to replace it)")
 

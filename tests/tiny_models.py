@@ -48,7 +48,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                                 bos_token_id=BOS_ID, eos_token_id=BOS_ID),
              dict(template=None, generation_config=False)),
 }
-# Families beyond the required six that the exporter also supports; phi and gpt_neox have no GQA.
+# Families beyond the required six that the exporter also supports; phi and gpt_neox have no GQA
+# (optimum cannot export phi with it).
 EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma": ("GemmaConfig", dict(_COMMON, head_dim=32), dict(template="tokenizer_config")),
     "granite": ("GraniteConfig", dict(_COMMON), dict(template="tokenizer_config")),
@@ -56,8 +57,7 @@ EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "smollm3": ("SmolLM3Config", dict(_COMMON), dict(template="jinja_file")),
     "stablelm": ("StableLmConfig", dict(_COMMON), dict(template="tokenizer_config")),
     "phi": ("PhiConfig", dict(_COMMON, num_key_value_heads=None), dict(template="tokenizer_config")),
-    "gpt_neox": ("GPTNeoXConfig", {k: v for k, v in _COMMON.items() if k != "num_key_value_heads"},
-                 dict(template="tokenizer_config")),
+    "gpt_neox": ("GPTNeoXConfig", dict(_COMMON, num_key_value_heads=None), dict(template="tokenizer_config")),
 }
 
 

@@ -6,7 +6,7 @@ that hold the cache and runs the graph over a batch of sequences in one call.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -19,6 +19,11 @@ class StepBatch:
     token_ids: list[list[int]]
     past_lens: list[int]
     block_tables: list[list[int]]
+    # Optional, per sequence: also compute the logits at every fed position (prompt logprobs). `forward` then
+    # fills `position_logits[i]` with float32 [len(token_ids[i]), vocab] for the flagged sequences (None for
+    # the others); its return value is unchanged.
+    all_logits: list[bool] | None = None
+    position_logits: list[np.ndarray | None] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -35,6 +40,11 @@ class Backend(ABC):
 
     @abstractmethod
     def forward(self, batch: StepBatch) -> np.ndarray: ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], num_tokens: list[int] | None = None) -> None:
+        """Copy the KV of block `src` into block `dst` for every (src, dst) pair (a beam fork's partly filled
+        last block). `num_tokens[i]`: positions of pair i that hold KV (the rest need not be copied)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot copy KV blocks")
 
     def close(self) -> None:
         """Release device memory; the backend is unusable afterwards."""

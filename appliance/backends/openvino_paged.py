@@ -88,11 +88,32 @@ class OpenVINOPagedBackend(Backend):
             "max_context_len": np.array(int((past + lens).max()), np.int32),
             "logits_indices": (begins[1:] - 1).astype(np.int64),
         }
+        flags = batch.all_logits
+        if flags is not None and any(flags):   # every position of the flagged sequences, the last of the others
+            feeds["logits_indices"] = np.concatenate([np.arange(b, e) if f else np.array([e - 1])
+                                                      for b, e, f in zip(begins[:-1], begins[1:], flags)]).astype(np.int64)
         for name, value in feeds.items():
             self.request.set_tensor(name, ov.Tensor(value))
         self.request.infer()
         logits = self.request.get_tensor("logits").data
-        return np.array(logits, dtype=np.float32).reshape(len(lens), -1)  # a copy: the next call reuses it
+        if flags is None or not any(flags):
+            return np.array(logits, dtype=np.float32).reshape(len(lens), -1)  # a copy: the next call reuses it
+        rows = np.array(logits, dtype=np.float32).reshape(len(feeds["logits_indices"]), -1)
+        counts = np.where(np.asarray(flags, bool), lens, 1)
+        ends = np.cumsum(counts)
+        batch.position_logits = [rows[e - c:e] if f else None for e, c, f in zip(ends, counts, flags)]
+        return rows[ends - 1]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], num_tokens: list[int] | None = None) -> None:
+        """Whole blocks, every key_cache / value_cache tensor, in place through numpy views of their memory (a
+        u8 key cache keeps its per-block scales in extra rows of the block, so rows are never copied partly)."""
+        if not pairs:
+            return
+        src = np.fromiter((s for s, _ in pairs), np.int64, len(pairs))
+        dst = np.fromiter((d for _, d in pairs), np.int64, len(pairs))
+        for tensor in self._caches:
+            data = np.asarray(tensor.data).view(np.uint8)
+            data[dst] = data[src]
 
     def close(self) -> None:
         self._caches.clear()

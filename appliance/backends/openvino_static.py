@@ -65,23 +65,11 @@ class OpenVINOStaticBackend(StaticSlotBackend):
         dtype = np.float16 if past.get_element_type() == ov.Type.f16 else np.float32
         self._init_slots(manifest.num_layers, manifest.num_kv_heads, manifest.head_dim, dtype,
                          config.static_batch, length, config.static_prefill_chunk)
-        props = compile_properties(config, kv_precision=False)
+        self._model, self._props, self._device = model, compile_properties(config, kv_precision=False), config.device
+        self._kv_shape = (manifest.num_kv_heads, length, manifest.head_dim)
         self.requests = {}
         for kind, (b, t) in {"prefill": (1, self.chunk), "decode": (self.max_batch, 1)}.items():
-            shaped = model.clone()
-            shapes = {}
-            for port in shaped.inputs:
-                name = port.get_any_name()
-                if name in ("input_ids", "position_ids"):
-                    shapes[port] = [b, t]
-                elif name == "attention_mask":
-                    shapes[port] = [b, length + t]
-                elif name == "beam_idx":
-                    shapes[port] = [b]
-                elif name.startswith("past_key_values"):
-                    shapes[port] = [b, manifest.num_kv_heads, length, manifest.head_dim]
-            shaped.reshape(shapes)
-            self.requests[kind] = core().compile_model(shaped, config.device, props).create_infer_request()
+            self.requests[kind] = self._compile(b, t, 1)
         self.inputs = {p.get_any_name() for p in model.inputs}
         # Bind the slot buffers once: the whole buffer for decode, one slot view per prefill slot.
         layers = [t for pair in zip(self.keys, self.values) for t in pair]
@@ -93,21 +81,52 @@ class OpenVINOStaticBackend(StaticSlotBackend):
         log.info("static KV: %d slots x %d positions, prefill chunk %d, %.1f MB", self.max_batch, length,
                  self.chunk, self.cache_bytes / 2**20)
 
+    def _compile(self, b: int, t: int, rows: int) -> ov.InferRequest:
+        """[b, t] tokens per call, logits for `rows` positions of each."""
+        heads, length, head_dim = self._kv_shape
+        shaped = self._model.clone()
+        shapes = {}
+        for port in shaped.inputs:
+            name = port.get_any_name()
+            if name in ("input_ids", "position_ids"):
+                shapes[port] = [b, t]
+            elif name == "attention_mask":
+                shapes[port] = [b, length + t]
+            elif name == "beam_idx":
+                shapes[port] = [b]
+            elif name == "logits_index":
+                shapes[port] = [rows]
+            elif name.startswith("past_key_values"):
+                shapes[port] = [b, heads, length, head_dim]
+        shaped.reshape(shapes)
+        return core().compile_model(shaped, self._device, self._props).create_infer_request()
+
     def _run(self, kind, slot, input_ids, position_ids, attention_mask, last_index):
+        every = not np.isscalar(last_index)
+        if every:   # logits of every position of the chunk (prompt logprobs): a third shape, compiled on demand
+            if "prefill_every" not in self.requests:
+                self.requests["prefill_every"] = self._compile(1, self.chunk, self.chunk)
+            kind = "prefill_every"
+            rows = np.zeros(self.chunk, np.int64)
+            rows[:len(last_index)] = last_index
+        else:
+            rows = np.array([last_index], np.int64)
         req = self.requests[kind]
-        if kind == "prefill":
+        if kind != "decode":
             for name, tensor in zip(self.kv_names, self._slot_tensors[slot]):
                 req.set_tensor(name, tensor)
         feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
-                 "logits_index": np.array([last_index], np.int64)}
+                 "logits_index": rows}
         if "beam_idx" in self.inputs:
             feeds["beam_idx"] = np.arange(input_ids.shape[0], dtype=np.int32)
         for name, value in feeds.items():
             req.set_tensor(name, ov.Tensor(value))
         req.infer()
         news = [req.get_tensor(n).data for n in self._out_names]
-        logits = req.get_tensor("logits").data[:, 0].copy()  # the next call reuses this memory
+        data = req.get_tensor("logits").data
+        logits = data[:, :len(last_index)].copy() if every else data[:, 0].copy()  # the next call reuses it
         return logits, news[0::2], news[1::2]
 
     def close(self) -> None:
         self.requests.clear()
+        self._model = None

@@ -30,9 +30,10 @@ class StaticSlotBackend(Backend):
         self.cache_bytes = 2 * num_layers * self.keys[0].nbytes
 
     @abstractmethod
-    def _run(self, kind: str, slot: int | None, input_ids, position_ids, attention_mask, last_index: int):
+    def _run(self, kind: str, slot: int | None, input_ids, position_ids, attention_mask, last_index):
         """Run the prefill (slot given, batch 1) or decode (all slots) graph; returns (logits [B, V] of the
-        row at `last_index` of the token dimension, new_keys list [B, kv, T, d], new_values list)."""
+        row at `last_index` of the token dimension, new_keys list [B, kv, T, d], new_values list). A prefill
+        may pass an int64 array of rows as `last_index` (prompt logprobs): logits are then [B, len, V]."""
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         out: list[np.ndarray | None] = [None] * len(batch.token_ids)
@@ -42,10 +43,27 @@ class StaticSlotBackend(Backend):
                                   [batch.token_ids[i][0] for i in decode], [batch.past_lens[i] for i in decode])
             for row, i in enumerate(decode):
                 out[i] = logits[row]
+        flags = batch.all_logits if batch.all_logits is not None and any(batch.all_logits) else None
+        if flags is not None:
+            batch.position_logits = [None] * len(out)
         for i, toks in enumerate(batch.token_ids):
             if len(toks) > 1:
-                out[i] = self._prefill(batch.block_tables[i][0], toks, batch.past_lens[i])
+                if flags is not None and flags[i]:
+                    rows = self._prefill(batch.block_tables[i][0], toks, batch.past_lens[i], every=True)
+                    batch.position_logits[i] = rows
+                    out[i] = rows[-1]
+                else:
+                    out[i] = self._prefill(batch.block_tables[i][0], toks, batch.past_lens[i])
+            elif flags is not None and flags[i]:
+                batch.position_logits[i] = np.asarray(out[i], np.float32)[None]
         return np.stack(out).astype(np.float32, copy=False)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], num_tokens: list[int] | None = None) -> None:
+        """A block is a slot: copy slot `src`'s first num_tokens positions (all if not given) into slot `dst`."""
+        for i, (src, dst) in enumerate(pairs):
+            n = self.block_size if num_tokens is None else num_tokens[i]
+            for buf in self.keys + self.values:
+                buf[dst, :, :n] = buf[src, :, :n]
 
     def _decode(self, slots: list[int], tokens: list[int], past: list[int]) -> np.ndarray:
         n, length = self.max_batch, self.block_size
@@ -63,8 +81,9 @@ class StaticSlotBackend(Backend):
             buf[s, :, p] = new[s, :, 0]
         return logits[s]
 
-    def _prefill(self, slot: int, tokens: list[int], past: int) -> np.ndarray:
-        length, logits = self.block_size, None
+    def _prefill(self, slot: int, tokens: list[int], past: int, every: bool = False) -> np.ndarray:
+        """Logits [V] of the last token; with `every`, [len(tokens), V] of every token."""
+        length, logits, rows = self.block_size, None, []
         step = self.chunk if self.pad_prefill else len(tokens)
         for start in range(0, len(tokens), step):
             piece = tokens[start:start + step]
@@ -77,7 +96,9 @@ class StaticSlotBackend(Backend):
             mask = np.zeros((1, length + width), np.int64)
             mask[0, :p0] = 1
             mask[0, length:length + n] = 1
-            logits, new_k, new_v = self._run("prefill", slot, ids, pos, mask, n - 1)
+            logits, new_k, new_v = self._run("prefill", slot, ids, pos, mask, np.arange(n) if every else n - 1)
             for buf, new in zip(self.keys + self.values, new_k + new_v):
                 buf[slot, :, p0:p0 + n] = new[0, :, :n]
-        return logits[0]
+            if every:
+                rows.append(np.asarray(logits[0], np.float32))
+        return np.concatenate(rows) if every else logits[0]

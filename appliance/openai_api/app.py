@@ -210,8 +210,10 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     def _http_error(exc: HTTPException):
         if exc.code == 404:
             return _error_response(ApiError(404, f"Route {request.method} {request.path} does not exist"))
-        if exc.code == 405:
-            return _error_response(ApiError(405, f"Method {request.method} is not allowed on {request.path}"))
+        if exc.code == 405:   # RFC 9110: a 405 names the allowed methods
+            response = _error_response(ApiError(405, f"Method {request.method} is not allowed on {request.path}"))
+            response.headers["Allow"] = ", ".join(sorted(getattr(exc, "valid_methods", None) or ()))
+            return response
         if exc.code == 413:
             return _error_response(ApiError(413, f"Request body too large: the limit is {settings.max_body_bytes} "
                                                  "bytes"))

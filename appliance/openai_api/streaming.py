@@ -38,6 +38,7 @@ class Choice:
     timing: Timing | None = None
     started: bool = False
     offset: int = 0                      # text_offset of the next token (characters, echo included)
+    prompt_logprobs: list[TokenLogprob] | None = None   # echo + logprobs: the echoed prompt's tokens
 
     @property
     def text(self) -> str:
@@ -149,6 +150,8 @@ class Generation:
             if chunk.error:
                 raise ApiError(500, f"generation failed: {chunk.error}", code="generation_failed")
             raise ApiError(503, "generation was aborted (the server is shutting down)", code="aborted")
+        if chunk.prompt_logprobs is not None and self.want_logprobs:
+            c.prompt_logprobs = chunk.prompt_logprobs
         deltas = []
         if not c.started:
             c.started = True

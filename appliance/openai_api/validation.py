@@ -57,6 +57,7 @@ class GenerationRequest:
     n: int = 1
     timeout: float | None = None     # seconds; past it the request is cancelled and answered 429
     unknown: tuple[str, ...] = ()
+    best_of: int | None = None       # > 1: beam search with best_of beams, the n best returned
 
 
 @dataclass(frozen=True)
@@ -165,14 +166,7 @@ def _generation(b: _Body, limits: Limits, *, max_tokens_field: str = "max_tokens
 
     out["ignore_eos"] = b.boolean("ignore_eos", "ignore_eos accepts values true or false")
 
-    max_tokens = b.integer(max_tokens_field, f"{max_tokens_field} is not an unsigned integer")
-    if max_tokens is not None:
-        if not 0 <= max_tokens <= UINT32_MAX:
-            raise invalid(f"{max_tokens_field} is not an unsigned integer", max_tokens_field)
-        if limits.max_tokens is not None and max_tokens > limits.max_tokens:
-            raise invalid(f"{max_tokens_field} exceeds limit provided in graph config: {limits.max_tokens}",
-                          max_tokens_field)
-    out["max_tokens"] = max_tokens
+    out["max_tokens"] = _max_tokens(b, limits, max_tokens_field)
 
     for name in ("frequency_penalty", "presence_penalty"):
         out[name] = b.in_range(name, -2.0, 2.0, f"{name} out of range(-2.0, 2.0)")
@@ -206,7 +200,7 @@ def _generation(b: _Body, limits: Limits, *, max_tokens_field: str = "max_tokens
 
     stop_ids = b.raw("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= UINT32_MAX for t in stop_ids):
             raise invalid("stop_token_ids is not an array of token ids", "stop_token_ids")
         out["stop_token_ids"] = tuple(stop_ids)
 
@@ -222,9 +216,19 @@ def _generation(b: _Body, limits: Limits, *, max_tokens_field: str = "max_tokens
         raise invalid("timeout must be a positive number of seconds", "timeout")
     out["timeout"] = timeout
 
-    out["n"] = _n_and_best_of(b, limits, stream)
+    out["n"], out["best_of"] = _n_and_best_of(b, limits, stream)
     b.raw("user")  # accepted, unused
     return out
+
+
+def _max_tokens(b: _Body, limits: Limits, name: str) -> int | None:
+    value = b.integer(name, f"{name} is not an unsigned integer")
+    if value is not None:
+        if not 0 <= value <= UINT32_MAX:
+            raise invalid(f"{name} is not an unsigned integer", name)
+        if limits.max_tokens is not None and value > limits.max_tokens:
+            raise invalid(f"{name} exceeds limit provided in graph config: {limits.max_tokens}", name)
+    return value
 
 
 def _stop(value: Any, limits: Limits) -> tuple[str, ...]:
@@ -250,19 +254,18 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise invalid("logit_bias is not an object", "logit_bias")
     out = []
     for key, bias in value.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise invalid("logit_bias keys must be token ids", "logit_bias") from None
-        if token < 0:
+        # ASCII digits only (int() would also take " 5", "+5", "1_0" and other scripts' digits), and bounded: the
+        # engine keeps token ids in int64 arrays, so a huge id must never get that far.
+        if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > UINT32_MAX:
             raise invalid("logit_bias keys must be token ids", "logit_bias")
+        token = int(key)
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
             raise invalid("logit_bias values must be numbers in [-100, 100]", "logit_bias")
         out.append((token, float(bias)))
     return tuple(out)
 
 
-def _n_and_best_of(b: _Body, limits: Limits, stream: bool) -> int:
+def _n_and_best_of(b: _Body, limits: Limits, stream: bool) -> tuple[int, int | None]:
     best_of = b.integer("best_of", "best_of is not an integer")
     if best_of is not None:
         if best_of <= 0:
@@ -280,9 +283,7 @@ def _n_and_best_of(b: _Body, limits: Limits, stream: bool) -> int:
         raise invalid("n value cannot be greater than best_of", "n")
     if n > limits.n:
         raise invalid(f"n exceeds limit provided in graph config: {limits.n}", "n")
-    if best_of is not None and best_of > 1:
-        raise invalid("best_of > 1 (beam search) is not supported yet", "best_of")
-    return n
+    return n, best_of
 
 
 # ---------------------------------------------------------------- endpoints
@@ -296,8 +297,6 @@ def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
     logprobs = b.integer("logprobs", "logprobs is not an integer")
     if logprobs is not None and not 0 <= logprobs <= limits.logprobs:
         raise invalid(f"logprobs out of range [0, {limits.logprobs}]", "logprobs")
-    if logprobs is not None and echo:
-        raise invalid("logprobs together with echo is not supported yet (no prompt logprobs)", "logprobs")
     if gen["max_tokens"] == 0 and not echo:
         raise invalid("max_tokens value should be greater than 0 unless echo is set", "max_tokens")
     gen["logprobs"] = logprobs
@@ -336,12 +335,13 @@ def _prompts(value: Any) -> tuple[Prompt, ...]:
 
 def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
     b = _object(body)
-    # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given.
+    # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given, and
+    # both are checked (an invalid value is an error even where the other one wins).
     field_name = "max_completion_tokens" if b.data.get("max_completion_tokens") is not None else "max_tokens"
-    b.raw("max_tokens"), b.raw("max_completion_tokens")
     gen = _generation(b, limits, max_tokens_field=field_name)
-    if gen["max_tokens"] == 0:
-        raise invalid(f"{field_name} value should be greater than 0", field_name)
+    for name in ("max_tokens", "max_completion_tokens"):
+        if (gen["max_tokens"] if name == field_name else _max_tokens(b, limits, name)) == 0:
+            raise invalid(f"{name} value should be greater than 0", name)
     messages = _messages(b.raw("messages"))
 
     logprobs = b.boolean("logprobs", "logprobs accepts values true or false")
@@ -423,6 +423,7 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
     if temperature is None:
         temperature = float(defaults.get("temperature", 1.0)) if defaults.get("do_sample") else 0.0
     top_k = pick(gen.top_k, "top_k", None)
+    beam = gen.best_of is not None and gen.best_of > 1
     if top_k is None or top_k == 0:   # HF writes top_k 0 for "disabled"
         top_k = OVMS_DEFAULT_TOP_K if temperature > 0 and top_k is None else -1
     return SamplingParams(
@@ -444,6 +445,7 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
         min_tokens=int(pick(gen.min_tokens, "min_new_tokens", 0)),
         logprobs=gen.logprobs,
         skip_special_tokens=True if gen.skip_special_tokens is None else gen.skip_special_tokens,
-        n=1,   # n > 1 is n independent sequences, submitted one by one
+        n=gen.n if beam else 1,   # sampling: n > 1 is n independent sequences, submitted one by one
+        best_of=gen.best_of if beam else None,   # beam search: one search returns the n best of best_of beams
         length_penalty=float(pick(gen.length_penalty, "length_penalty", 1.0)),
     )

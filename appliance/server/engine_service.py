@@ -123,7 +123,7 @@ class EngineService:
             conn.send(p.End())
             return True
         conn.send(accepted)
-        if not handles:   # echo with max_tokens 0: the prompt is the whole answer
+        if not handles:   # echo with max_tokens 0 (and no prompt logprobs): the prompt is the whole answer
             for index in range(len(job.prompts) * job.n):
                 tokens = accepted.prompt_tokens[index // job.n]
                 conn.send(p.ChoiceChunk(index, Chunk(finish_reason="length", prompt_tokens=tokens),
@@ -139,11 +139,16 @@ class EngineService:
         prompts = [self._prompt_ids(spec) for spec in job.prompts]
         echo = [self._echo_text(spec) for spec in job.prompts] if job.echo else None
         accepted = p.Accepted([len(ids) for ids in prompts], echo)
-        if job.params.max_tokens == 0:
+        if job.params.max_tokens == 0 and job.params.prompt_logprobs is None:
             return [], accepted
+        beam = job.params.best_of is not None and job.params.best_of > 1
         handles = []
         try:
             for i, ids in enumerate(prompts):
+                if beam:   # one search per prompt answers its n choices (events carry the choice offset)
+                    handles.append((i * job.n, engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}"),
+                                    time.monotonic()))
+                    continue
                 for j in range(job.n):
                     params = job.params
                     if j and params.seed is not None:   # n choices must differ even with a fixed seed
@@ -198,11 +203,11 @@ class EngineService:
         def pump(index: int, handle, submitted: float) -> None:
             try:
                 last = submitted
-                for chunk in handle:
+                for offset, chunk in handle.events():
                     last = self._observe(chunk, submitted, last)
                     if not state["open"]:
                         continue
-                    event = p.ChoiceChunk(index, chunk, handle.timing if chunk.finish_reason else None)
+                    event = p.ChoiceChunk(index + offset, chunk, handle.timing if chunk.finish_reason else None)
                     try:
                         with send_lock:
                             conn.send(event)

@@ -1,0 +1,227 @@
+"""Shared test fixtures. Each section is self-contained: add yours as a new section, leave the others alone."""
+from __future__ import annotations
+
+
+# ================================================================ a real `appliance serve` on loopback
+# Used by test_server_e2e.py, test_fuzz.py and test_docs_examples.py: `server` is one session-wide server
+# (2 workers, no API key) on a free port; `Server` starts others (test_server_e2e.py's `guarded` one).
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from appliance.manifest import Manifest
+from appliance.paths import default_export_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 300      # hang guards only: nothing asserts how fast anything is
+WAIT_TIMEOUT = 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def wait_until(predicate, what: str, timeout: float = WAIT_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def sse_events(response: requests.Response) -> list:
+    """The `data:` payloads of an SSE response, parsed (the final "[DONE]" kept as is)."""
+    events = []
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+class Server:
+    """`python -m appliance.cli serve` as a subprocess: engine process -> gunicorn arbiter -> workers."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *args: str):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = log_path.open("wb")
+        cmd = [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(self.port), *args]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.startup_answers: list[requests.Response] = []
+
+    def output(self, since: int = 0) -> str:
+        """The server's log (stdout + stderr): its last 6000 characters, or everything past byte `since`."""
+        data = Path(self.log.name).read_bytes()
+        return data[since:].decode(errors="replace") if since else data.decode(errors="replace")[-6000:]
+
+    def log_size(self) -> int:
+        return Path(self.log.name).stat().st_size
+
+    def close(self) -> None:
+        """Fixture teardown: a clean SIGTERM stop if still running."""
+        try:
+            if self.proc.poll() is None:
+                code = self.stop()
+                assert code == 0, f"unclean exit {code}:\n{self.output()}"
+        finally:
+            self.stop_now()
+            self.log.close()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"appliance serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                r = requests.get(self.base + "/v2/health/ready", timeout=5)
+            except requests.ConnectionError:
+                time.sleep(0.2)
+                continue
+            self.startup_answers.append(r)
+            if r.status_code == 200:
+                return
+            time.sleep(0.2)
+        self.stop_now()
+        pytest.fail(f"appliance serve not ready after {START_TIMEOUT}s:\n{self.output()}")
+
+    def process_tree(self) -> list[int]:
+        tree, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children(pid)
+        return tree
+
+    def workers(self) -> set[int]:
+        """PIDs of the gunicorn workers (children of the arbiter, the engine process's one child). A worker that
+        crashed is replaced by gunicorn under a new PID."""
+        arbiters = children(self.proc.pid)
+        assert len(arbiters) == 1, arbiters
+        return {pid for pid in children(arbiters[0]) if not is_zombie(pid)}
+
+    def stop(self, signalled: bool = False) -> int:
+        """SIGTERM, as systemd does; returns the exit code after checking nothing is left behind."""
+        tree = self.process_tree()
+        if not signalled:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=WAIT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.stop_now()
+            pytest.fail(f"appliance serve ignored SIGTERM:\n{self.output()}")
+        wait_until(lambda: not [p for p in tree[1:] if Path(f"/proc/{p}").exists() and not is_zombie(p)],
+                   "the gunicorn processes to exit")
+        return code
+
+    def stop_now(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def metrics(self, headers: dict | None = None) -> dict[str, float]:
+        text = requests.get(self.base + "/metrics", headers=headers, timeout=10).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    path = default_export_dir("openvino", "fp16")
+    if not (path / "appliance_manifest.json").is_file():
+        pytest.fail(f"the default model is not built at {path}: run `make model` (python -m export.default_model)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_name(model_dir) -> str:
+    return Manifest.load(model_dir).name
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    """One open server (2 workers) for the whole session, shared by every test file that needs one."""
+    srv = Server(model_dir, tmp_path_factory.mktemp("server") / "serve.log", "--workers", "2")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.close()
+
+
+# ================================================================ tiny random models and their exports
+# Used by test_export.py and test_family_parity.py: each tiny family and each export is built once a session.
+
+from collections.abc import Callable  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    import tiny_models
+
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = tiny_models.build_tiny_model(family, root / family)
+        return built[family]
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(tiny, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str, str], tuple[Path, Manifest]]:
+    from export.exporter import export_model
+
+    root = tmp_path_factory.mktemp("exports")
+    done: dict[tuple[str, str, str], tuple[Path, Manifest]] = {}
+
+    def get(family: str, backend: str, weight_format: str) -> tuple[Path, Manifest]:
+        key = (family, backend, weight_format)
+        if key not in done:
+            out = root / "-".join(key)
+            done[key] = out, export_model(tiny(family), out, backend, weight_format)
+        return done[key]
+    return get

@@ -1,0 +1,324 @@
+"""docs/openapi.json: a valid OpenAPI 3.1 document that matches the routes the app serves, and the running server
+(the session's `appliance serve`, see conftest.py) fuzzed against it with schemathesis.
+
+Two schemathesis runs (its CLI in a subprocess, fixed seed, JSON report):
+* positive: every request valid by a copy of the document narrowed for speed (max_tokens <= 8, short prompts,
+  n <= 3, the served model name) must be accepted (2xx) and answered as documented: status, content type,
+  headers, body schema, each SSE event's JSON against the chunk schemas, plus this file's own checks (choice
+  count, usage sums, SSE framing: opening chunk, one finish per choice, include_usage, [DONE] last);
+* negative: requests that break the document must get a documented 4xx, never a 5xx; wrong methods get 405 with
+  an `Allow` header.
+After both, the server must be healthy: same worker PIDs (none crashed), no traceback in its log, nothing running
+or queued, no KV block held, and the same greedy answer as before the fuzzing.
+
+This module is also schemathesis's hooks module in that subprocess (SCHEMATHESIS_HOOKS=test_fuzz): see the end.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC_PATH = ROOT / "docs" / "openapi.json"
+SEED = int(os.environ.get("APPLIANCE_FUZZ_SEED", "20261122"))           # fixed: CI runs are reproducible
+EXAMPLES = int(os.environ.get("APPLIANCE_FUZZ_EXAMPLES", "40"))         # per operation; raise it for a long hunt
+FUZZ_MAX_TOKENS = 8
+CHECKS_COMMON = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
+                 "response_schema_conformance", "appliance_generation"]
+
+
+def load_doc() -> dict:
+    return json.loads(DOC_PATH.read_text())
+
+
+# ---------------------------------------------------------------- the document itself (fast, no server)
+
+def test_openapi_document_is_valid_openapi_3_1():
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+    from openapi_spec_validator import OpenAPIV31SpecValidator, validate
+    from openapi_spec_validator.validation.exceptions import OpenAPIValidationError
+
+    import appliance
+
+    doc = load_doc()
+    assert doc["openapi"].startswith("3.1.")
+    validate(doc, cls=OpenAPIV31SpecValidator)   # raises on any error, $refs included
+    assert doc["info"]["version"] == appliance.__version__
+    for name, schema in doc["components"]["schemas"].items():
+        Draft202012Validator.check_schema(schema)   # each schema is a valid JSON Schema 2020-12 one
+    # the documented request examples are valid requests, by the document
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            media = op.get("requestBody", {}).get("content", {}).get("application/json")
+            if media and "example" in media:
+                Draft202012Validator({**media["schema"], "components": doc["components"]}).validate(media["example"])
+    # both checks do fail on a broken document (else passing them proves nothing): the OpenAPI validator leaves
+    # schema keywords to JSON Schema, which is why each schema is checked on its own above
+    broken = copy.deepcopy(doc)
+    broken["components"]["schemas"]["Usage"]["properties"]["total_tokens"]["type"] = "int"
+    with pytest.raises(SchemaError):
+        Draft202012Validator.check_schema(broken["components"]["schemas"]["Usage"])
+    broken = copy.deepcopy(doc)
+    broken["paths"]["/v1/completions"]["post"]["operationId"] = "createCompletion"   # an alias copied carelessly
+    with pytest.raises(OpenAPIValidationError, match="not unique"):
+        validate(broken, cls=OpenAPIV31SpecValidator)
+    broken = copy.deepcopy(doc)
+    del broken["paths"]["/v3/models/{model_id}"]["get"]["parameters"]
+    with pytest.raises(OpenAPIValidationError, match="model_id"):
+        validate(broken, cls=OpenAPIV31SpecValidator)
+
+
+def test_openapi_paths_are_the_routes_the_app_serves():
+    """Every route of the Flask app is documented with its methods, and nothing else is (no server needed: the
+    app is built with no engine client, which route registration never touches)."""
+    from appliance.openai_api.app import create_app
+    from appliance.server.settings import ServeSettings
+
+    app = create_app(ServeSettings(model_dir="unused", served_model_name="m", model_created=1), client=object())
+    served = {(re.sub(r"<[^>]+>", "{}", rule.rule), method.lower())
+              for rule in app.url_map.iter_rules() if rule.endpoint != "static"
+              for method in rule.methods - {"HEAD", "OPTIONS"}}
+    documented = {(re.sub(r"{[^}]+}", "{}", path), method)   # path variables are named differently
+                  for path, item in load_doc()["paths"].items() for method in item}
+    assert documented == served
+
+
+# ---------------------------------------------------------------- fuzzing the running server
+
+def served_model_document(doc: dict, model: str) -> dict:
+    """The document with the served model as the only valid `model` and model path parameter. Else a request
+    with a random model name gets 404 when its body is fine, which hides a server that accepts an invalid body
+    (the body is checked first: 400), and no generation request is ever accepted."""
+    d = copy.deepcopy(doc)
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest"):
+        d["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "const": model}
+    for item in d["paths"].values():
+        for op in item.values():
+            for param in op.get("parameters", []):
+                if param["in"] == "path":
+                    param["schema"] = {"type": "string", "const": model}
+    return d
+
+
+def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
+    """`served_model_document` narrowed so that every valid request is cheap and accepted: short prompts,
+    max_tokens <= FUZZ_MAX_TOKENS (required: no runaway generation), small n, token ids inside the vocabulary,
+    a timeout that cannot fire. Narrowing only: each request valid here is valid by the real document."""
+    d = served_model_document(doc, model)
+    s = d["components"]["schemas"]
+    text = {"type": "string", "minLength": 1, "maxLength": 64}
+    ids = {"type": "array", "minItems": 1, "maxItems": 16,
+           "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    completion, chat = s["CompletionRequest"], s["ChatCompletionRequest"]
+    completion["properties"]["prompt"] = {"anyOf": [
+        text, ids, {"type": "array", "minItems": 1, "maxItems": 3, "items": {"anyOf": [text, ids]}}]}
+    completion["properties"]["max_tokens"] = {"type": "integer", "minimum": 0, "maximum": FUZZ_MAX_TOKENS}
+    chat["properties"]["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": FUZZ_MAX_TOKENS}
+    chat["properties"]["max_completion_tokens"] = {"type": ["integer", "null"], "minimum": 1,
+                                                   "maximum": FUZZ_MAX_TOKENS}
+    short = {"type": "string", "maxLength": 64}
+    message = chat["properties"]["messages"]
+    message["maxItems"] = 4
+    message["items"]["properties"]["role"]["maxLength"] = 16
+    message["items"]["properties"]["content"] = {"anyOf": [short, {"type": "null"}, {
+        "type": "array", "maxItems": 3,
+        "items": {"type": "object", "required": ["type", "text"],
+                  "properties": {"type": {"const": "text"}, "text": short}}}]}
+    for request in (completion, chat):
+        request["required"] = [*request["required"], "max_tokens"]
+        request["properties"]["n"]["maximum"] = 3
+        request["properties"]["timeout"] = {"type": ["number", "null"], "minimum": 120, "maximum": 600}
+        request["properties"]["logit_bias"]["propertyNames"] = {"pattern": "^[0-9]{1,9}$"}
+    s["TokenizeRequest"]["properties"]["prompt"] = {"anyOf": [short, {"type": "array", "maxItems": 4,
+                                                                      "items": short}]}
+    return d
+
+
+def run_schemathesis(schema_path: Path, base: str, workdir: Path, *args: str) -> tuple[dict, str]:
+    """The schemathesis CLI against `base`; returns its JSON report and its console output."""
+    report = workdir / "report.json"
+    config = workdir / "schemathesis.toml"
+    config.write_text("max-stream-events = 100000\n")   # read whole streams (default: the first 20 events)
+    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run", str(schema_path),
+           "--url", base, "--seed", str(SEED), "--workers", "1",   # 1: hypothesis' lambda sourcing is not thread safe
+           "--request-timeout", "120", "--generation-database", "none", "--no-color",
+           "--output-sanitize", "false", "--report", "json", "--report-json-path", str(report), *args]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "test_fuzz", "APPLIANCE_FUZZ_DOC": str(DOC_PATH),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert report.is_file(), output[-15000:]
+    return json.loads(report.read_text()), output
+
+
+def assert_clean(report: dict, output: str, min_cases: int) -> None:
+    assert report["exit_code"] == 0 and report["complete"], output[-15000:]
+    assert not report["failures"] and not report["errors"], output[-15000:]
+    assert report["test_cases"]["generated"] >= min_cases, report["test_cases"]
+    assert report["operations"]["tested"] == report["operations"]["selected"], report["operations"]
+
+
+@pytest.fixture(scope="module")
+def health(server, model_name):
+    """The server's state before the fuzzing; `check()` asserts it is unharmed afterwards."""
+    body = {"model": model_name, "prompt": "The capital of France is", "max_tokens": 8}
+    greedy = requests.post(server.base + "/v3/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    workers, log_start = server.workers(), server.log_size()
+
+    def check() -> None:
+        assert server.proc.poll() is None
+        assert server.workers() == workers, "a worker died (gunicorn replaced it)"
+        log = server.output(since=log_start)
+        assert "Traceback" not in log and "Exception in thread" not in log, log[-6000:]
+        assert requests.get(server.base + "/v2/health/ready", timeout=10).status_code == 200
+        m = server.metrics()
+        assert (m["appliance_running_sequences"], m["appliance_queue_depth"], m["appliance_kv_cache_blocks_used"]) \
+            == (0, 0, 0)
+        after = requests.post(server.base + "/v3/completions", json=body, timeout=120).json()
+        assert after["choices"][0]["text"] == greedy
+
+    return check
+
+
+@pytest.mark.slow
+def test_fuzz_valid_requests(server, model_dir, model_name, health, tmp_path):
+    from appliance.manifest import Manifest
+
+    schema = tmp_path / "openapi-fuzz.json"
+    schema.write_text(json.dumps(fuzz_document(load_doc(), model_name, Manifest.load(model_dir).vocab_size)))
+    report, output = run_schemathesis(
+        schema, server.base, tmp_path, "--mode", "positive", "--max-examples", str(EXAMPLES),
+        "--exclude-deprecated",   # /v3/v1/...: the same handlers again
+        "--exclude-path-regex", "^/v1/(chat/)?completions$",   # ditto, and the costly ones (the negative run has them)
+        "--checks", ",".join([*CHECKS_COMMON, "response_headers_conformance", "positive_data_acceptance"]))
+    assert_clean(report, output, min_cases=10 * EXAMPLES)
+    for op in ("POST /v3/completions", "POST /v3/chat/completions"):   # real generations, not just 4xx
+        assert report["valid_rates"][op]["fuzzing"]["accepted"] >= EXAMPLES // 2, report["valid_rates"][op]
+    health()
+
+
+@pytest.mark.slow
+def test_fuzz_invalid_requests(server, model_name, health, tmp_path):
+    schema = tmp_path / "openapi-served.json"
+    schema.write_text(json.dumps(served_model_document(load_doc(), model_name)))
+    report, output = run_schemathesis(
+        schema, server.base, tmp_path, "--mode", "negative", "--max-examples", str(EXAMPLES),
+        "--exclude-deprecated",
+        "--checks", ",".join([*CHECKS_COMMON, "negative_data_rejection", "unsupported_method",
+                              "allow_header_conformance"]))
+    assert_clean(report, output, min_cases=20 * EXAMPLES)
+    health()
+
+
+@pytest.mark.slow
+def test_fuzzer_catches_a_document_stricter_than_the_server(server, model_name, tmp_path):
+    """The negative run can fail: with a document claiming tokenize prompts are at most 5 characters long, the
+    server's acceptance of longer ones is reported."""
+    doc = served_model_document(load_doc(), model_name)
+    doc["components"]["schemas"]["TokenizeRequest"]["properties"]["prompt"] = {"type": "string", "maxLength": 5}
+    schema = tmp_path / "wrong.json"
+    schema.write_text(json.dumps(doc))
+    report, output = run_schemathesis(
+        schema, server.base, tmp_path, "--mode", "negative", "--phases", "coverage",
+        "--include-path", "/v3/tokenize", "--max-examples", "20", "--checks", "negative_data_rejection")
+    assert report["exit_code"] != 0 and report["failures"], output[-5000:]
+    assert "Schema-violating request accepted" in output, output[-5000:]
+
+
+# ---------------------------------------------------------------- hooks, loaded by schemathesis only
+# In the schemathesis subprocess (SCHEMATHESIS_HOOKS=test_fuzz) this module is imported as its hooks module.
+
+def _whole_numbers(value):
+    """2.0 -> 2. JSON Schema 2020-12 counts 2.0 as an integer, so schemathesis sends it for integer fields; the
+    server, like OVMS, takes only integers written without a fraction (`"max_tokens": 8.0` is a 400, as in OVMS,
+    and as docs/openapi.json says)."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+        return int(value)
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    return value
+
+
+def _choices_expected(path: str, body: dict) -> int:
+    n = body.get("n") or 1
+    if path.endswith("/chat/completions"):
+        return n
+    prompt = body["prompt"]
+    single = isinstance(prompt, str) or all(isinstance(t, int) for t in prompt)
+    return n * (1 if single else len(prompt))
+
+
+def _check_unary(path: str, body: dict, answer: dict) -> None:
+    expected = _choices_expected(path, body)
+    assert sorted(c["index"] for c in answer["choices"]) == list(range(expected)), "one choice per prompt and n"
+    usage = answer["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    limit = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(limit, int):
+        assert usage["completion_tokens"] <= limit * expected
+
+
+def _check_stream(path: str, body: dict, text: str) -> None:
+    assert text.endswith("data: [DONE]\n\n"), f"the stream does not end with [DONE]: ...{text[-300:]!r}"
+    events = text.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), "one `data:` line per event"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert not any("error" in p for p in payloads), f"in-band error: {[p for p in payloads if 'error' in p]}"
+    assert len({(p["id"], p["created"]) for p in payloads}) == 1, "one id and created for the whole stream"
+    chat = path.endswith("/chat/completions")
+    usage_wanted = bool((body.get("stream_options") or {}).get("include_usage"))
+    if usage_wanted:
+        *payloads, last = payloads
+        assert last["choices"] == [] and last["usage"] is not None, "include_usage: a last chunk with the usage"
+        assert all("usage" in p and p["usage"] is None for p in payloads), "include_usage: usage null before"
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        if isinstance(limit, int):
+            assert last["usage"]["completion_tokens"] <= limit * _choices_expected(path, body)
+    else:
+        assert not any("usage" in p for p in payloads), "usage without include_usage"
+    by_index: dict[int, list] = {}
+    for p in payloads:
+        assert len(p["choices"]) == 1
+        by_index.setdefault(p["choices"][0]["index"], []).append(p["choices"][0])
+    assert sorted(by_index) == list(range(_choices_expected(path, body))), "one choice per prompt and n"
+    for index, choices in by_index.items():
+        first = choices[0]
+        assert first["finish_reason"] is None and first["logprobs"] is None
+        if chat:
+            assert first["delta"] == {"role": "assistant", "content": None}, "chat: the opening chunk names the role"
+        reasons = [c["finish_reason"] for c in choices]
+        assert reasons[-1] in ("stop", "length") and not any(reasons[:-1]), f"choice {index}: {reasons}"
+
+
+if os.environ.get("SCHEMATHESIS_HOOKS") == __name__:
+    import schemathesis
+
+    @schemathesis.hook
+    def before_call(context, case, kwargs):
+        if isinstance(case.body, (dict, list)):
+            case.body = _whole_numbers(case.body)
+
+    @schemathesis.check
+    def appliance_generation(ctx, response, case):
+        """This server's rules a schema cannot say; only for accepted generation requests."""
+        if (response.status_code != 200 or response.request.method != "POST"
+                or not case.path.endswith("/completions") or not isinstance(case.body, dict)):
+            return None
+        content_type = response.headers.get("content-type", [""])[0]
+        if content_type.startswith("text/event-stream"):
+            _check_stream(case.path, case.body, response.content.decode("utf-8"))
+        else:
+            _check_unary(case.path, case.body, json.loads(response.content))
+        return True

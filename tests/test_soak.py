@@ -1,0 +1,287 @@
+"""Soak: no KV block, sequence, thread or file-descriptor leak after 10,000 requests of mixed lengths with random
+disconnects, counted through /metrics and /proc of a real `appliance serve` on loopback.
+
+A tiny random Llama (tests/tiny_models.py, OpenVINO fp32) keeps it about the server, not the model: the
+requests mix unary and streaming completions and chat, text and token-id prompts of 1..~300 tokens, max_tokens
+1..16, greedy and sampled; ~20% of the streaming clients close the connection after the first chunk. Every
+request that was not abandoned must get a well-formed answer. Afterwards the engine must be back to zero running
+sequences and zero KV blocks in use, and the engine process's thread and fd counts back to their baseline
+(measured after a warm-up at the same concurrency, so the workers' pooled engine connections already exist).
+
+Marked slow (deselect with `-m "not slow"`); it runs in the default `make test`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import tiny_models
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUESTS = 10_000
+WARMUP = 200
+CLIENTS = 16                 # concurrent clients (a bounded thread pool)
+WORKERS = 2                  # HTTP worker processes
+LOAD_DEADLINE = 240          # seconds for the 10,000 requests: fail beyond (a hang guard, not a benchmark)
+DISCONNECT = 0.2             # share of streaming clients that leave after the first chunk
+THREAD_SLACK = 4             # engine threads allowed above the baseline (timing of pooled connections)
+FD_SLACK = 8
+SETTLE_TIMEOUT = 30
+WORDS = " ".join(tiny_models.CORPUS).split()
+
+
+# ---------------------------------------------------------------- the server
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class Server:
+    def __init__(self, model_dir: Path, log_path: Path):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = log_path.open("wb")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", str(WORKERS), "--log-level", "warning"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"appliance serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if requests.get(self.base + "/v2/health/ready", timeout=5).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"appliance serve not ready after {timeout}s:\n{self.output()}")
+
+    def metrics(self) -> dict[str, float]:
+        text = requests.get(self.base + "/metrics", timeout=30).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    def close(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+                    pytest.fail(f"appliance serve ignored SIGTERM:\n{self.output()}")
+        finally:
+            self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from export.exporter import export_model
+
+    root = tmp_path_factory.mktemp("soak")
+    hf = tiny_models.build_tiny_model("llama", root / "hf")
+    export_model(hf, root / "openvino-fp32", "openvino", "fp32", name="tiny-llama")
+    srv = Server(root / "openvino-fp32", root / "serve.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.close()
+
+
+# ---------------------------------------------------------------- one client request
+
+_local = threading.local()
+
+
+def _session() -> requests.Session:
+    if not hasattr(_local, "session"):
+        _local.session = requests.Session()
+    return _local.session
+
+
+def _request(base: str, i: int) -> tuple[str, str | None]:
+    """Request number i (its own seeded mix). Returns (kind, problem or None)."""
+    rng = random.Random(i)
+    max_tokens = rng.randint(1, 16)
+    stream = rng.random() < 0.5
+    leave = stream and rng.random() < DISCONNECT
+    chat = rng.random() < 0.2
+    body: dict = {"model": "tiny-llama", "max_tokens": max_tokens, "stream": stream,
+                  "temperature": rng.choice([0.0, 0.0, 0.8]), "seed": i}
+    if chat:
+        body["messages"] = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 40)))}]
+    elif rng.random() < 0.5:
+        body["prompt"] = " ".join(rng.choices(WORDS, k=rng.randint(1, 60)))
+    else:
+        body["prompt"] = [rng.randrange(3, tiny_models.VOCAB_SIZE) for _ in range(rng.choice([1, 8, 64, 300]))]
+    if stream and not leave:
+        body["stream_options"] = {"include_usage": True}
+    kind = f"{'chat' if chat else 'completion'} {'stream' if stream else 'unary'}{' disconnect' if leave else ''}"
+    url = base + ("/v3/chat/completions" if chat else "/v3/completions")
+    r = _session().post(url, json=body, stream=stream, timeout=60)
+    try:
+        if r.status_code != 200:
+            return kind, f"HTTP {r.status_code}: {r.text[:300]}"
+        if leave:
+            next(line for line in r.iter_lines() if line.startswith(b"data: "))
+            return kind, None   # r.close() in finally: the client goes away mid-stream
+        if stream:
+            return kind, _check_stream(r, chat, max_tokens)
+        return kind, _check_unary(r.json(), chat, max_tokens)
+    finally:
+        r.close()
+
+
+def _check_unary(data: dict, chat: bool, max_tokens: int) -> str | None:
+    if data.get("object") != ("chat.completion" if chat else "text_completion") or len(data.get("choices", [])) != 1:
+        return f"bad body {json.dumps(data)[:300]}"
+    choice, usage = data["choices"][0], data["usage"]
+    text = choice["message"]["content"] if chat else choice["text"]
+    return _check_end(text, choice["finish_reason"], usage, max_tokens)
+
+
+def _check_stream(r: requests.Response, chat: bool, max_tokens: int) -> str | None:
+    lines = [line for line in r.iter_lines() if line]
+    if not lines or lines[-1] != b"data: [DONE]" or not all(line.startswith(b"data: ") for line in lines):
+        return f"bad SSE framing: {lines[-3:]}"
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    *chunks, usage = events
+    if not chunks or usage.get("choices") != [] or "usage" not in usage:
+        return f"bad SSE events: {events[-2:]}"
+    if len({e["id"] for e in events}) != 1 or any(e["object"] != ("chat.completion.chunk" if chat else
+                                                                    "text_completion.chunk") for e in events):
+        return f"inconsistent chunks: {events[:2]}"
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    if reasons[-1] is None or any(reasons[:-1]):
+        return f"finish_reason not only on the last chunk: {reasons}"
+    parts = [(c["choices"][0]["delta"].get("content") if chat else c["choices"][0]["text"]) or "" for c in chunks]
+    return _check_end("".join(parts), reasons[-1], usage["usage"], max_tokens)
+
+
+def _check_end(text, finish_reason, usage: dict, max_tokens: int) -> str | None:
+    n = usage["completion_tokens"]
+    if not isinstance(text, str) or finish_reason not in ("stop", "length"):
+        return f"bad text / finish_reason: {text!r} {finish_reason!r}"
+    if not 1 <= n <= max_tokens or (finish_reason == "length" and n != max_tokens):
+        return f"{n} completion tokens for max_tokens {max_tokens}, finish_reason {finish_reason}"
+    if usage["total_tokens"] != usage["prompt_tokens"] + n or usage["prompt_tokens"] < 1:
+        return f"bad usage {usage}"
+    return None
+
+
+def _drive(base: str, ids: range, deadline: float | None = None) -> tuple[dict, list, int]:
+    """Runs requests `ids` on CLIENTS threads. Returns (count per kind, problems, requests skipped)."""
+    counts: dict[str, int] = {}
+    problems: list[str] = []
+    skipped = 0
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        nonlocal skipped
+        if deadline is not None and time.monotonic() > deadline:
+            with lock:
+                skipped += 1
+            return
+        try:
+            kind, problem = _request(base, i)
+        except Exception as exc:   # connection errors, bad JSON: a problem of this request
+            kind, problem = "error", f"{type(exc).__name__}: {exc}"
+        with lock:
+            counts[kind] = counts.get(kind, 0) + 1
+            if problem:
+                problems.append(f"request {i} ({kind}): {problem}")
+
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        list(pool.map(one, ids))
+    return counts, problems, skipped
+
+
+def _settled(server: Server, pid: int, threads: int, fds: int) -> dict:
+    """Waits until nothing runs, no KV block is held and the engine's threads/fds are back near the baseline;
+    returns the last observation either way (the asserts say what did not come back)."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while True:
+        m = server.metrics()
+        seen = {"running": m["appliance_running_sequences"], "queued": m["appliance_queue_depth"],
+                "kv_blocks_used": m["appliance_kv_cache_blocks_used"], "threads": _status(pid, "Threads"),
+                "fds": _fds(pid), "metrics": m}
+        if (not seen["running"] and not seen["queued"] and not seen["kv_blocks_used"]
+                and seen["threads"] <= threads + THREAD_SLACK and seen["fds"] <= fds + FD_SLACK):
+            return seen
+        if time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------- the test
+
+def test_no_leak_after_10000_requests(server):
+    pid = server.proc.pid
+    # Warm-up at full concurrency: the workers' engine-connection pools fill, the kernels compile.
+    counts, problems, _ = _drive(server.base, range(REQUESTS, REQUESTS + WARMUP))
+    assert not problems, "\n".join(problems[:10])
+    base = _settled(server, pid, 10**6, 10**6)
+    assert base["running"] == 0 and base["kv_blocks_used"] == 0, base
+    threads0, fds0, before = base["threads"], base["fds"], base["metrics"]
+
+    t0 = time.monotonic()
+    counts, problems, skipped = _drive(server.base, range(REQUESTS), deadline=t0 + LOAD_DEADLINE)
+    elapsed = time.monotonic() - t0
+    print(f"\nsoak: {REQUESTS} requests in {elapsed:.1f}s ({REQUESTS / elapsed:.0f}/s): {counts}")
+    assert not skipped, f"{skipped} requests not sent: the load took over {LOAD_DEADLINE}s"
+    assert not problems, f"{len(problems)} bad responses:\n" + "\n".join(problems[:10])
+
+    after = _settled(server, pid, threads0, fds0)
+    m = after["metrics"]
+    delta = {k: m.get(k, 0) - before.get(k, 0) for k in m}
+    print(f"soak: engine threads {threads0} -> {after['threads']}, fds {fds0} -> {after['fds']}, "
+          f"cancelled {delta['appliance_sequences_cancelled_total']:.0f}")
+    assert after["running"] == 0 and after["queued"] == 0, after
+    assert after["kv_blocks_used"] == 0, f"KV blocks leaked: {after['kv_blocks_used']}"
+    assert after["threads"] <= threads0 + THREAD_SLACK, f"threads {threads0} -> {after['threads']}"
+    assert after["fds"] <= fds0 + FD_SLACK, f"fds {fds0} -> {after['fds']}"
+    # Every sequence ended, one way or another, and nothing failed server-side.
+    finished = sum(v for k, v in delta.items() if k.startswith("appliance_sequences_finished_total{"))
+    assert finished == REQUESTS, f"{finished} sequences finished for {REQUESTS} requests"
+    errors = {k: v for k, v in delta.items() if k.startswith("appliance_http_errors_total{") and v}
+    assert not errors, errors
+    assert counts.get("error", 0) == 0
+    # The disconnects really cut generations short (not all finished before the client left).
+    assert delta["appliance_sequences_cancelled_total"] >= 1, "no disconnect cancelled a sequence"
+    assert server.proc.poll() is None, server.output()
