@@ -111,8 +111,8 @@ def served_model_document(doc: dict, model: str) -> dict:
 
 def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
     """`served_model_document` narrowed so that every valid request is cheap and accepted: short prompts,
-    max_tokens <= FUZZ_MAX_TOKENS (required: no runaway generation), small n, token ids inside the vocabulary,
-    a timeout that cannot fire. Narrowing only: each request valid here is valid by the real document."""
+    max_tokens <= FUZZ_MAX_TOKENS (required: no runaway generation), small n and best_of, token ids inside the
+    vocabulary, a timeout that cannot fire. Narrowing only: each request valid here is valid by the real one."""
     d = served_model_document(doc, model)
     s = d["components"]["schemas"]
     text = {"type": "string", "minLength": 1, "maxLength": 64}
@@ -136,6 +136,7 @@ def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
     for request in (completion, chat):
         request["required"] = [*request["required"], "max_tokens"]
         request["properties"]["n"]["maximum"] = 3
+        request["properties"]["best_of"]["maximum"] = 4
         request["properties"]["timeout"] = {"type": ["number", "null"], "minimum": 120, "maximum": 600}
         request["properties"]["logit_bias"]["propertyNames"] = {"pattern": "^[0-9]{1,9}$"}
     s["TokenizeRequest"]["properties"]["prompt"] = {"anyOf": [short, {"type": "array", "maxItems": 4,
@@ -295,7 +296,9 @@ def _check_stream(path: str, body: dict, text: str) -> None:
     assert sorted(by_index) == list(range(_choices_expected(path, body))), "one choice per prompt and n"
     for index, choices in by_index.items():
         first = choices[0]
-        assert first["finish_reason"] is None and first["logprobs"] is None
+        assert first["finish_reason"] is None
+        if not (body.get("echo") and body.get("logprobs") is not None):   # else: the echoed prompt's logprobs
+            assert first["logprobs"] is None
         if chat:
             assert first["delta"] == {"role": "assistant", "content": None}, "chat: the opening chunk names the role"
         reasons = [c["finish_reason"] for c in choices]

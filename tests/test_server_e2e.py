@@ -263,6 +263,10 @@ def test_validation_errors_are_400_json_even_for_streams(server, model_name):
     assert e["message"] == "best_of cannot be used in streaming mode" and e["param"] == "best_of"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "max_tokens": 0}), 400)
     assert e["message"] == "max_tokens value should be greater than 0 unless echo is set"
+    # chat: max_completion_tokens wins over max_tokens, but both are checked (found by tests/test_fuzz.py)
+    e = error(requests.post(server.base + "/v3/chat/completions", json={
+        "model": model_name, "messages": CHAT, "max_tokens": 0, "max_completion_tokens": 4}), 400)
+    assert (e["message"], e["param"]) == ("max_tokens value should be greater than 0", "max_tokens")
 
 
 def test_prompt_over_context_is_400_with_counts(server, model_name, model_dir):
@@ -305,10 +309,11 @@ def test_huge_token_ids_are_400_and_the_engine_survives(server, client, model_na
             ("logit_bias", {"4294967296": 1}, "logit_bias keys must be token ids"),
             ("logit_bias", {"\u0661": 1}, "logit_bias keys must be token ids"),   # an Arabic-Indic digit one
             ("stop_token_ids", [2**63], "stop_token_ids is not an array of token ids")):
-        e = error(requests.post(url, json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, field: value}),
-                  400)
+        e = error(requests.post(url, json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, field: value},
+                                timeout=60), 400)   # (the engine's death made it hang)
         assert (e["message"], e["param"]) == (message, field)
-    ok = complete(client, model_name, max_tokens=4, logit_bias={"4294967295": 5}, stop_token_ids=[4294967295])
+    ok = complete(client, model_name, max_tokens=4, logit_bias={"4294967295": 5},
+                  extra_body={"stop_token_ids": [4294967295]})
     assert ok.choices[0].text == before   # ids past the vocabulary change nothing
     assert complete(client, model_name, max_tokens=4).choices[0].text == before
 

@@ -1,0 +1,102 @@
+"""docs/api-examples.md is executed: its fenced ```bash and ```python blocks run against the session's real server
+(conftest.py's `server`), with only `http://localhost:8000` replaced by that server's address, and what they print
+is checked. The examples are: a unary completion (curl), the same completion streamed with include_usage (curl),
+a chat with the official `openai` client (Python)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "docs" / "api-examples.md"
+DOC_BASE = "http://localhost:8000"
+FENCE = re.compile(r"^```(bash|python)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+
+def blocks() -> list[tuple[str, str]]:
+    return FENCE.findall(EXAMPLES.read_text())
+
+
+@pytest.fixture(scope="module")
+def examples(server, model_name, tmp_path_factory) -> dict[str, str]:
+    """Each example's output, by name, run with the server's address in place of the documented one. curl reads
+    a .curlrc (from $CURL_HOME) that appends the HTTP status as a last line, so its command runs as written."""
+    found = blocks()
+    assert [kind for kind, _ in found] == ["bash", "bash", "python"], found
+    curl_home = tmp_path_factory.mktemp("curl")
+    (curl_home / ".curlrc").write_text('write-out = "\\nHTTP %{http_code}\\n"\n')
+    env = {**os.environ, "CURL_HOME": str(curl_home)}
+    out = {}
+    for name, (kind, code) in zip(("unary", "stream", "chat"), found):
+        assert DOC_BASE in code and f'"{model_name}"' in code, code   # the documented address and served model
+        code = code.replace(DOC_BASE, server.base)
+        cmd = ["bash", "-e", "-c", code] if kind == "bash" else [sys.executable, "-c", code]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                              cwd=tmp_path_factory.mktemp(name))
+        assert proc.returncode == 0, (name, proc.stdout, proc.stderr)
+        out[name] = proc.stdout
+    return out
+
+
+def status_and_body(output: str) -> tuple[str, str]:
+    body, _, status = output.rstrip("\n").rpartition("\n")
+    return status, body
+
+
+def test_the_examples_are_the_three_documented_ones():
+    kinds = [kind for kind, _ in blocks()]
+    assert kinds == ["bash", "bash", "python"]
+    unary, stream, chat = (code for _, code in blocks())
+    assert "/v3/completions" in unary and '"stream"' not in unary
+    assert '"stream": true' in stream and '"include_usage": true' in stream
+    assert "chat.completions.create" in chat
+
+
+def test_curl_unary_completion(examples, model_name):
+    status, body = status_and_body(examples["unary"])
+    assert status == "HTTP 200"
+    answer = json.loads(body)
+    assert answer["object"] == "text_completion" and answer["model"] == model_name
+    choice = answer["choices"][0]
+    assert choice["text"].strip() and choice["finish_reason"] in ("stop", "length")
+    usage = answer["usage"]
+    assert 1 <= usage["completion_tokens"] <= 16
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_curl_streaming_with_usage(examples):
+    status, body = status_and_body(examples["stream"])
+    assert status == "HTTP 200"
+    lines = [line for line in body.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    *chunks, usage = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert all(c["object"] == "text_completion.chunk" and len(c["choices"]) == 1 for c in chunks)
+    assert all("usage" in c and c["usage"] is None for c in chunks)
+    assert chunks[0]["choices"][0]["text"] == ""                       # sent once the prompt is processed
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[-1] in ("stop", "length") and not any(reasons[:-1])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+    # the stream spells out the unary example's answer (same request, greedy)
+    unary = json.loads(status_and_body(examples["unary"])[1])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == unary["choices"][0]["text"]
+    assert usage["usage"] == unary["usage"]
+
+
+def test_python_openai_chat(examples, server, model_name):
+    printed = examples["chat"]
+    assert printed.strip()
+    # what it printed is the server's answer to that request (greedy: the same every time)
+    same = requests.post(server.base + "/v3/chat/completions", timeout=120, json={
+        "model": model_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 32}).json()
+    assert printed == same["choices"][0]["message"]["content"] + "\n"
