@@ -457,6 +457,9 @@ class Engine:
                 forks.append(c)
             else:
                 kept[c.beam] = c
+        for b, seq in enumerate(beams):   # beams without a continuation leave first: their KV makes room
+            if b not in kept:
+                self.scheduler.finish(seq)
         copies: list[tuple[int, int, int]] = []
         children = {id(c): self._fork_beam(beams[c.beam], c, entry(c), copies) for c in forks}  # parents unchanged yet
         if copies:
@@ -468,9 +471,6 @@ class Engine:
             seq.beam_score = c.score
             if p.logprobs is not None:
                 seq.beam_logprobs = self._beam_logprobs(seq, entry(c))
-        for b, seq in enumerate(beams):
-            if b not in kept:
-                self.scheduler.finish(seq)
         group.beams = [children[id(c)] if id(c) in children else beams[c.beam] for c in running]
 
     @staticmethod

@@ -61,6 +61,11 @@ def test_the_examples_are_the_three_documented_ones():
     assert "chat.completions.create" in chat
 
 
+def test_readme_shows_exactly_the_tested_examples():
+    readme = FENCE.findall((ROOT / "README.md").read_text())
+    assert [b for b in readme if "localhost:8000" in b[1]] == blocks()
+
+
 def test_curl_unary_completion(examples, model_name):
     status, body = status_and_body(examples["unary"])
     assert status == "HTTP 200"

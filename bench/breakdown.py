@@ -1,0 +1,174 @@
+"""Where a step's time goes: our engine's step split into OpenVINO infer / the rest of backend.forward (input
+arrays, logits copy) / sampling / everything else (scheduler, detokenizer, stop rules, emitting chunks), next to
+openvino_genai.ContinuousBatchingPipeline's whole step() on the same workload (same IR, same settings as
+bench.concurrency). Measurement only: the engine is instrumented from outside by wrapping its methods.
+
+    python -m bench.breakdown [--model default-fp16] [--concurrency 1 4 8 16] [--reps 2] [--cprofile FILE]
+
+--cprofile also writes a cProfile of the engine thread's steps at the highest concurrency (pstats file;
+`python -m pstats FILE` then `sort cumtime`, `stats 30`).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.common import (CONCURRENCY, RESULTS, args_dict, machine, median, model_dir, print_table, prompts,
+                          write_json)
+
+
+class _Timed:
+    """Accumulates wall time of calls to a wrapped callable."""
+
+    def __init__(self, fn):
+        self.fn, self.total, self.calls = fn, 0.0, 0
+
+    def __call__(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self.total += time.perf_counter() - t
+            self.calls += 1
+
+    def reset(self) -> None:
+        self.total, self.calls = 0.0, 0
+
+
+class _RequestProxy:
+    """Stands in for the backend's InferRequest to time infer() (a C++ object's method cannot be patched)."""
+
+    def __init__(self, request, timer: _Timed):
+        self._request, self._timer = request, timer
+
+    def infer(self, *a, **kw):
+        return self._timer(*a, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._request, name)
+
+
+def instrument(engine) -> dict[str, _Timed]:
+    import appliance.engine as engine_module
+
+    timers = {"step": _Timed(engine.step), "forward": _Timed(engine.backend.forward)}
+    engine.step = timers["step"]
+    engine.backend.forward = timers["forward"]
+    request = getattr(engine.backend, "request", None)
+    if request is not None:
+        timers["infer"] = _Timed(request.infer)
+        engine.backend.request = _RequestProxy(request, timers["infer"])
+    if hasattr(engine_module, "sample_batch"):
+        timers["sample"] = _Timed(engine_module.sample_batch)
+        engine_module.sample_batch = timers["sample"]
+    return timers
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default-fp16")
+    ap.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--cprofile", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS / "breakdown.json")
+    args = ap.parse_args(argv)
+
+    from appliance.manifest import Manifest
+    from bench.concurrency import engine_run, genai_run, load_engine, load_genai
+
+    info = machine()
+    path = model_dir(args.model)
+    vocab = Manifest.load(path).vocab_size
+    engine = load_engine(path)
+    pipe, _ = load_genai(path, engine)
+    timers = instrument(engine)
+    genai_step = _Timed(pipe.step)
+
+    class _Pipe:   # genai_run calls pipe.step(); time it
+        def __getattr__(self, name):
+            return genai_step if name == "step" else getattr(pipe, name)
+
+    runs, seed = [], 31000
+    try:
+        with tqdm(total=2 * args.reps * len(args.concurrency), desc="breakdown", file=sys.stderr, leave=False) as bar:
+            for rep in range(args.reps):
+                for c in args.concurrency:
+                    for t in timers.values():
+                        t.reset()
+                    r = engine_run(engine, prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
+                    seed += 1
+                    steps = timers["step"].calls
+                    row = {"concurrency": c, "rep": rep, "engine_tok_s": r["tok_s"], "engine_steps": steps,
+                           "engine_wall_ms": r["wall_s"] * 1e3}
+                    for name, t in timers.items():
+                        row[f"{name}_ms"] = t.total * 1e3
+                    bar.update()
+                    genai_step.reset()
+                    g = genai_run(_Pipe(), prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
+                    seed += 1
+                    row.update({"genai_tok_s": g["tok_s"], "genai_steps": genai_step.calls,
+                                "genai_step_ms": genai_step.total * 1e3, "genai_wall_ms": g["wall_s"] * 1e3})
+                    runs.append(row)
+                    bar.update()
+            if args.cprofile:
+                import cProfile
+                import threading
+
+                c = max(args.concurrency)
+                prof = cProfile.Profile()
+                step = engine.step
+
+                def profiled_step():
+                    prof.enable()
+                    try:
+                        step()
+                    finally:
+                        prof.disable()
+                engine.step = profiled_step
+                engine_run(engine, prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
+                engine.step = step
+                prof.dump_stats(str(args.cprofile))
+                print(f"wrote {args.cprofile} (cProfile of the engine steps at c={c}; thread "
+                      f"{threading.current_thread().name} drove the requests)")
+    finally:
+        engine.shutdown()
+
+    rows = []
+    for c in args.concurrency:
+        mine = [r for r in runs if r["concurrency"] == c]
+
+        def per_step(key: str, steps: str = "engine_steps") -> float:
+            return median(r[key] / r[steps] for r in mine)
+
+        row = {"concurrency": c, "engine_tok_s": median(r["engine_tok_s"] for r in mine),
+               "genai_tok_s": median(r["genai_tok_s"] for r in mine), "engine_steps": median(r["engine_steps"]
+                                                                                            for r in mine),
+               "genai_steps": median(r["genai_steps"] for r in mine),
+               "step_ms": per_step("step_ms"), "forward_ms": per_step("forward_ms"),
+               "infer_ms": per_step("infer_ms") if "infer_ms" in mine[0] else None,
+               "sample_ms": per_step("sample_ms") if "sample_ms" in mine[0] else None,
+               "genai_step_ms": per_step("genai_step_ms", "genai_steps"),
+               "loop_gap_ms": median((r["engine_wall_ms"] - r["step_ms"]) / r["engine_steps"] for r in mine)}
+        row["prep_ms"] = row["forward_ms"] - (row["infer_ms"] or 0)
+        row["other_ms"] = row["step_ms"] - row["forward_ms"] - (row["sample_ms"] or 0)
+        rows.append(row)
+    print_table(rows, [("concurrency", "conc", "d"), ("engine_tok_s", "engine tok/s", ".1f"),
+                       ("genai_tok_s", "genai tok/s", ".1f"), ("engine_steps", "steps", ".0f"),
+                       ("step_ms", "engine ms/step", ".2f"), ("infer_ms", "infer", ".2f"),
+                       ("prep_ms", "fwd prep+copy", ".2f"), ("sample_ms", "sample", ".2f"),
+                       ("other_ms", "other python", ".2f"), ("loop_gap_ms", "between steps", ".2f"),
+                       ("genai_steps", "genai steps", ".0f"), ("genai_step_ms", "genai ms/step", ".2f")],
+                title=f"per-step time, {args.model} (engine step = infer + forward prep/copy + sample + other)")
+    write_json(args.out, {"benchmark": "breakdown", "args": args_dict(args), "model_dir": str(path),
+                          "machine_before": info, "machine_after": machine(), "runs": runs, "summary": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
