@@ -440,7 +440,8 @@ class Engine:
         def entry(c) -> TokenLogprob | None:
             if p.logprobs is None:
                 return None
-            alts = [(int(i), self.token_text(int(i)), float(raw[c.beam, i])) for i in top[c.beam]] if top is not None else []
+            row = raw[c.beam]
+            alts = [] if top is None else [(int(i), self.token_text(int(i)), float(row[i])) for i in top[c.beam]]
             return TokenLogprob(c.token, self.token_text(c.token), float(raw[c.beam, c.token]), alts)
 
         payloads = [(beams[c.beam].generated + [c.token], self._beam_logprobs(beams[c.beam], entry(c)), r)

@@ -60,6 +60,16 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
+def paired_ratio(runs: list[dict], key: str, a: str, b: str, **match) -> float:
+    """Median over repetitions of run[a][key] / run[b][key], pairing the two runs of the same repetition (they
+    ran back to back, so slow drifts of the machine's load cancel better than in a ratio of medians)."""
+    mine = [r for r in runs if all(r[k] == v for k, v in match.items())]
+    by_rep: dict = {}
+    for r in mine:
+        by_rep.setdefault(r["rep"], {})[r["impl"]] = r[key]
+    return median(ratio(p[a], p[b]) for p in by_rep.values() if a in p and b in p)
+
+
 # ---------------------------------------------------------------- output
 
 def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], title: str | None = None) -> str:

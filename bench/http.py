@@ -24,7 +24,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.common import (CONCURRENCY, LOGS, RESULTS, ServerProcess, args_dict, machine, median, model_dir,
-                          percentile, print_table, prompts, ratio, write_json)
+                          paired_ratio, percentile, print_table, prompts, ratio, write_json)
 
 
 def stream_one(base: str, model: str, prompt_ids: list[int], new_tokens: int, session=None) -> dict:
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="default-fp16")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="1 repetition")
@@ -163,10 +163,11 @@ def main(argv=None) -> int:
             row[f"{side}_itl_p99_ms"] = median(r["itl_p99_s"] for r in mine) * 1e3
         row["events_per_token"] = median(r["events_per_token"] for r in runs
                                          if r["impl"] == "http" and r["concurrency"] == c)
-        row["tok_s_ratio"] = ratio(row["http_tok_s"], row["engine_tok_s"])
+        row["tok_s_ratio"] = paired_ratio(runs, "tok_s", "http", "engine", concurrency=c)
+        row["tok_s_ratio_of_medians"] = ratio(row["http_tok_s"], row["engine_tok_s"])
         rows.append(row)
     print_table(rows, COLUMNS, title=f"HTTP streaming ({args.workers} worker(s)) vs the engine in-process, "
-                                     f"{args.model} (ratio = HTTP / engine)")
+                                     f"{args.model} (medians; ratio = median of per-repetition HTTP / engine)")
     write_json(args.out, {"benchmark": "http", "args": args_dict(args), "model_dir": str(path),
                           "engine_settings": settings, "machine_before": info, "machine_after": machine(),
                           "server_metrics_after": {k: v for k, v in server_metrics.items()

@@ -90,8 +90,9 @@ class OpenVINOPagedBackend(Backend):
         }
         flags = batch.all_logits
         if flags is not None and any(flags):   # every position of the flagged sequences, the last of the others
-            feeds["logits_indices"] = np.concatenate([np.arange(b, e) if f else np.array([e - 1])
-                                                      for b, e, f in zip(begins[:-1], begins[1:], flags)]).astype(np.int64)
+            feeds["logits_indices"] = np.concatenate(
+                [np.arange(b, e) if f else np.array([e - 1]) for b, e, f in zip(begins[:-1], begins[1:], flags)]
+            ).astype(np.int64)
         for name, value in feeds.items():
             self.request.set_tensor(name, ov.Tensor(value))
         self.request.infer()

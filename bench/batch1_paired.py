@@ -1,0 +1,161 @@
+"""Batch-1 decode speed and TTFT, interleaved: our engine vs openvino_genai.LLMPipeline (and the
+ContinuousBatchingPipeline at c=1) on the same IR and compile properties, rotating which goes first on every
+run, each call on a fresh random prompt. All three are timed the same way, on the caller's wall clock:
+TTFT = call -> first token in the caller's hands (engine: first chunk; LLMPipeline: a token streamer; CB: after
+the step that produced it), decode tok/s = (tokens - 1) / (last token - first token). Ratios are medians of
+the per-run ratios (runs back to back share the machine's load of the moment).
+
+bench/run.py measures the same thing with genai's own perf counters and all runs of one side before the other's;
+on a busy machine its ratios drift with the load, this one's mostly do not.
+
+    python -m bench.batch1_paired [--models default-fp16 default-int8] [--runs 8] [--prompt-len 128]
+                                  [--new-tokens 128] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.common import (RESULTS, args_dict, engine_properties, machine, median, model_dir, print_table, prompts,
+                          ratio, write_json)
+
+
+def engine_call(engine, prompt: list[int], new_tokens: int) -> dict:
+    from appliance.params import SamplingParams
+
+    stamps = []
+    t0 = time.perf_counter()
+    for chunk in engine.submit(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        if chunk.token_ids:
+            stamps += [time.perf_counter()] * len(chunk.token_ids)
+    return _timing(t0, stamps, new_tokens)
+
+
+def llm_call(pipe, prompt: list[int], new_tokens: int) -> dict:
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    class Stamps(ov_genai.StreamerBase):
+        def __init__(self):
+            super().__init__()
+            self.t: list[float] = []
+
+        def write(self, token):
+            now = time.perf_counter()
+            self.t += [now] * (1 if isinstance(token, int) else len(token))
+            return ov_genai.StreamingStatus.RUNNING
+
+        def end(self):
+            pass
+
+    streamer = Stamps()
+    t0 = time.perf_counter()
+    pipe.generate(ov.Tensor(np.array([prompt], np.int64)), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  ignore_eos=True, apply_chat_template=False, streamer=streamer)
+    return _timing(t0, streamer.t, new_tokens)
+
+
+def cb_call(pipe, prompt: list[int], new_tokens: int) -> dict:
+    from bench.concurrency import genai_run
+
+    r = genai_run(pipe, [prompt], new_tokens)
+    return {"ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s_per_request"]}
+
+
+def _timing(t0: float, stamps: list[float], new_tokens: int) -> dict:
+    if len(stamps) != new_tokens:
+        raise RuntimeError(f"expected {new_tokens} tokens, got {len(stamps)}")
+    return {"ttft_s": stamps[0] - t0, "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, seed: int) -> dict:
+    import openvino as ov
+    import openvino_genai as ov_genai
+
+    from appliance.manifest import Manifest
+    from bench.concurrency import engine_settings, load_engine, load_genai
+
+    path = model_dir(name)
+    vocab = Manifest.load(path).vocab_size
+    engine = load_engine(path)
+    try:
+        cb, cb_settings = load_genai(path, engine)
+        props = engine_properties(engine.config)
+        llm = ov_genai.LLMPipeline(str(path), "CPU", **props)
+        llm.generate(ov.Tensor(np.array([[100 + i for i in range(16)]], np.int64)), max_new_tokens=4,
+                     apply_chat_template=False)
+        sides = [("engine", lambda p: engine_call(engine, p, new_tokens)),
+                 ("llm", lambda p: llm_call(llm, p, new_tokens)),
+                 ("cb", lambda p: cb_call(cb, p, new_tokens))]
+        results = []
+        for rep in range(runs):
+            order = sides[rep % 3:] + sides[:rep % 3]
+            for impl, fn in order:
+                bar.set_postfix_str(f"{name} run {rep + 1} {impl}")
+                results.append({"impl": impl, "rep": rep, "position": order.index((impl, fn)),
+                                **fn(prompts(vocab, 1, prompt_len, seed)[0])})
+                seed += 1
+                bar.update()
+        settings = {"engine": engine_settings(engine), "cb": cb_settings,
+                    "llm": {"impl": "openvino_genai.LLMPipeline (stateful IR, SDPA)", "compile_properties": props}}
+        del llm, cb
+    finally:
+        engine.shutdown()
+
+    def paired(key: str, other: str) -> float:
+        by_rep: dict = {}
+        for r in results:
+            by_rep.setdefault(r["rep"], {})[r["impl"]] = r[key]
+        return median(ratio(p["engine"], p[other]) for p in by_rep.values())
+
+    row = {"model": name}
+    for impl in ("engine", "llm", "cb"):
+        row[f"{impl}_decode_tok_s"] = median(r["decode_tok_s"] for r in results if r["impl"] == impl)
+        row[f"{impl}_ttft_ms"] = median(r["ttft_s"] for r in results if r["impl"] == impl) * 1e3
+    row["decode_ratio"] = paired("decode_tok_s", "llm")
+    row["ttft_ratio"] = paired("ttft_s", "llm")
+    row["decode_ratio_cb"] = paired("decode_tok_s", "cb")
+    row["ttft_ratio_cb"] = paired("ttft_s", "cb")
+    return {"model": name, "model_dir": str(path), "settings": settings, "runs": results, "summary": row}
+
+
+COLUMNS = [("model", "model", ""), ("engine_decode_tok_s", "engine tok/s", ".1f"),
+           ("llm_decode_tok_s", "LLMPipe tok/s", ".1f"),
+           ("decode_ratio", "ratio", ".2f"), ("engine_ttft_ms", "engine TTFT ms", ".0f"),
+           ("llm_ttft_ms", "LLMPipe TTFT ms", ".0f"), ("ttft_ratio", "ratio", ".2f"),
+           ("cb_decode_tok_s", "CB tok/s", ".1f"), ("decode_ratio_cb", "ratio", ".2f"),
+           ("cb_ttft_ms", "CB TTFT ms", ".0f"), ("ttft_ratio_cb", "ratio", ".2f")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["default-fp16", "default-int8"])
+    ap.add_argument("--runs", type=int, default=9)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="default-fp16 only, 3 runs")
+    ap.add_argument("--out", type=Path, default=RESULTS / "batch1_paired.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.models, args.runs = ["default-fp16"], 3
+
+    info = machine()
+    results = []
+    with tqdm(total=3 * args.runs * len(args.models), desc="batch-1 paired", file=sys.stderr, leave=False) as bar:
+        for k, name in enumerate(args.models):
+            results.append(bench_model(name, args.runs, args.prompt_len, args.new_tokens, bar, 40000 + 1000 * k))
+    summary = [r["summary"] for r in results]
+    print_table(summary, COLUMNS, title="batch 1, interleaved: engine vs LLMPipeline and ContinuousBatchingPipeline "
+                                        "(ratio = median of per-run engine / other; TTFT ratio < 1 is better)")
+    write_json(args.out, {"benchmark": "batch1_paired", "args": args_dict(args), "machine_before": info,
+                          "machine_after": machine(), "models": results, "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
