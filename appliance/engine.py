@@ -239,7 +239,11 @@ class Engine:
             except queue.Empty:
                 return
             if op == "add":
-                self._start(seq)
+                try:
+                    self._start(seq)
+                except Exception as exc:  # one bad request fails alone; the engine thread goes on
+                    log.exception("could not start request %s", seq.request_id)
+                    self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")
             elif isinstance(seq, BeamGroup):
                 if not seq.done:
                     self.counters["aborted"] += 1
@@ -382,8 +386,6 @@ class Engine:
         done = seq.prompt_logprobs
         if done is None or len(done) >= seq.prompt_len:
             return False
-        if seq.num_computed > len(done) - 1:   # positions taken from the prefix cache: no logits came for them
-            self._prompt_logprobs_from_scratch(seq, seq.num_computed)
         return seq.num_computed <= len(done) - 1 < seq.num_computed + n
 
     def _prompt_logprobs(self, seq: Sequence, start: int, rows: np.ndarray) -> None:
@@ -399,25 +401,6 @@ class Engine:
         for r, t in enumerate(targets):
             alts = [(int(i), self.token_text(int(i)), float(lp[r, i])) for i in top[r]] if k else []
             done.append(TokenLogprob(int(t), self.token_text(int(t)), float(lp[r, t]), alts))
-
-    def _prompt_logprobs_from_scratch(self, seq: Sequence, upto: int) -> None:
-        """Prompt positions before `upto` were served from the prefix cache: compute their logits in scratch
-        blocks (freed at once). If the pool has no room for that, their logprobs stay None."""
-        table = self.pool.allocate(self.pool.blocks_for(upto)) if self.pool.can_allocate(
-            self.pool.blocks_for(upto)) else None
-        if table is None:
-            log.warning("prompt logprobs: no KV room to recompute %d cached prompt tokens", upto)
-            seq.prompt_logprobs += [None] * (upto + 1 - len(seq.prompt_logprobs))
-            return
-        try:
-            chunk = max(1, self.config.max_num_batched_tokens)
-            for start in range(0, upto, chunk):
-                n = min(chunk, upto - start)
-                batch = StepBatch([seq.token_ids[start:start + n]], [start], [table], all_logits=[True])
-                self.backend.forward(batch)
-                self._prompt_logprobs(seq, start, batch.position_logits[0])
-        finally:
-            self.pool.free(table)
 
     # ---- beam search ----
     def _beam_step(self, group: BeamGroup) -> None:

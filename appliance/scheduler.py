@@ -44,7 +44,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
+            if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt position
                 seq.block_table, seq.block_hashes = self.pool.match_prefix(seq.token_ids)
                 seq.num_computed = len(seq.block_table) * self.pool.block_size
             n = min(len(seq.token_ids) - seq.num_computed, budget)

@@ -110,7 +110,8 @@ def code_state() -> dict:
     """The commit measured, and which runtime files differed from it (read-only git calls)."""
     def git(*args: str) -> str:
         try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.rstrip("\n")
+            done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+            return done.stdout.rstrip("\n")
         except (OSError, subprocess.SubprocessError):
             return ""
     changed = [line[3:] for line in git("status", "--porcelain", "--", "appliance", "export").splitlines()]
@@ -217,6 +218,20 @@ def memory_snapshot(root_pid: int) -> dict[int, dict]:
         except (OSError, KeyError):
             continue
     return snap
+
+
+def cpu_seconds(root_pid: int) -> dict[str, float]:
+    """User + system CPU seconds so far of the process tree under root_pid, by role (engine/arbiter/worker)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in process_tree(root_pid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        role = _role(pid, root_pid)
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / hz
+    return out
 
 
 def _role(pid: int, root_pid: int) -> str:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import (CONCURRENCY, LOGS, RESULTS, ServerProcess, args_dict, machine, median, model_dir,
-                          paired_ratio, percentile, print_table, prompts, ratio, write_json)
+from bench.common import (CONCURRENCY, LOGS, RESULTS, ServerProcess, args_dict, cpu_seconds, machine, median,
+                          model_dir, paired_ratio, percentile, print_table, prompts, ratio, write_json)
 
 
 def stream_one(base: str, model: str, prompt_ids: list[int], new_tokens: int, session=None) -> dict:
@@ -58,8 +58,9 @@ def stream_one(base: str, model: str, prompt_ids: list[int], new_tokens: int, se
     return {"times": times, "tokens": tokens or 0, "text_events": text_events, "error": error}
 
 
-def http_run(base: str, model: str, batch: list[list[int]], new_tokens: int) -> dict:
-    """c = len(batch) clients start together (a barrier); one thread and one connection each."""
+def http_run(base: str, model: str, batch: list[list[int]], new_tokens: int, server_pid: int | None = None) -> dict:
+    """c = len(batch) clients start together (a barrier); one thread and one connection each. With server_pid,
+    also the CPU seconds per generated token of the server's processes and of this (client) process."""
     import requests
 
     results: list[dict | None] = [None] * len(batch)
@@ -76,10 +77,14 @@ def http_run(base: str, model: str, batch: list[list[int]], new_tokens: int) -> 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(batch))]
     for t in threads:
         t.start()
+    cpu0 = cpu_seconds(server_pid) if server_pid else {}
+    client0 = time.process_time()
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
+    client_cpu = time.process_time() - client0
+    cpu1 = cpu_seconds(server_pid) if server_pid else {}
     for s in sessions:
         s.close()
     errors = [r["error"] for r in results if r["error"]]
@@ -91,7 +96,24 @@ def http_run(base: str, model: str, batch: list[list[int]], new_tokens: int) -> 
             "ttft_s": median(r["times"][0] - t0 for r in results),
             "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
             "events_per_token": sum(len(r["times"]) - 1 for r in results) / sum(r["tokens"] for r in results),
-            "wall_s": end - t0, "itl_gaps": len(gaps)}
+            "wall_s": end - t0, "itl_gaps": len(gaps), **_cpu_per_token(cpu0, cpu1, client_cpu, results)}
+
+
+def _cpu_per_token(cpu0: dict, cpu1: dict, client_cpu: float, results: list[dict]) -> dict:
+    tokens = sum(r["tokens"] for r in results)
+    out = {"client_cpu_ms_per_token": client_cpu * 1e3 / tokens}
+    for role in cpu1:
+        out[f"{role}_cpu_ms_per_token"] = (cpu1[role] - cpu0.get(role, 0.0)) * 1e3 / tokens
+    return out
+
+
+def engine_cpu_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
+    """bench.concurrency.engine_run plus this process's CPU per token (the engine thread and the consumers)."""
+    from bench.concurrency import engine_run
+
+    cpu0 = time.process_time()
+    r = engine_run(engine, batch, new_tokens)
+    return {**r, "engine_cpu_ms_per_token": (time.process_time() - cpu0) * 1e3 / (len(batch) * new_tokens)}
 
 
 COLUMNS = [("concurrency", "conc", "d"), ("engine_tok_s", "engine tok/s", ".1f"), ("http_tok_s", "HTTP tok/s", ".1f"),
@@ -99,6 +121,9 @@ COLUMNS = [("concurrency", "conc", "d"), ("engine_tok_s", "engine tok/s", ".1f")
            ("http_ttft_ms", "HTTP TTFT ms", ".0f"), ("http_itl_p50_ms", "HTTP ITL p50 ms", ".1f"),
            ("http_itl_p99_ms", "HTTP ITL p99 ms", ".1f"), ("engine_itl_p50_ms", "engine ITL p50", ".1f"),
            ("engine_itl_p99_ms", "engine ITL p99", ".1f"), ("events_per_token", "events/token", ".2f")]
+CPU_COLUMNS = [("concurrency", "conc", "d"), ("engine_cpu_ms_tok", "in-process engine", ".2f"),
+               ("http_engine_cpu_ms_tok", "server engine proc", ".2f"), ("http_worker_cpu_ms_tok", "workers", ".2f"),
+               ("http_arbiter_cpu_ms_tok", "arbiter", ".2f"), ("http_client_cpu_ms_tok", "HTTP clients", ".2f")]
 
 
 def main(argv=None) -> int:
@@ -118,7 +143,7 @@ def main(argv=None) -> int:
     import requests
 
     from appliance.manifest import Manifest
-    from bench.concurrency import engine_run, engine_settings, load_engine
+    from bench.concurrency import engine_settings, load_engine
 
     info = machine()
     path = model_dir(args.model)
@@ -136,8 +161,8 @@ def main(argv=None) -> int:
             try:
                 for rep in range(args.reps):
                     for k, c in enumerate(levels):
-                        sides = [("engine", lambda b: engine_run(engine, b, args.new_tokens)),
-                                 ("http", lambda b: http_run(srv.base, model, b, args.new_tokens))]
+                        sides = [("engine", lambda b: engine_cpu_run(engine, b, args.new_tokens)),
+                                 ("http", lambda b: http_run(srv.base, model, b, args.new_tokens, srv.pid))]
                         if (rep + k) % 2:
                             sides.reverse()
                         for side, fn in sides:
@@ -161,13 +186,18 @@ def main(argv=None) -> int:
             row[f"{side}_ttft_ms"] = median(r["ttft_s"] for r in mine) * 1e3
             row[f"{side}_itl_p50_ms"] = median(r["itl_p50_s"] for r in mine) * 1e3
             row[f"{side}_itl_p99_ms"] = median(r["itl_p99_s"] for r in mine) * 1e3
-        row["events_per_token"] = median(r["events_per_token"] for r in runs
-                                         if r["impl"] == "http" and r["concurrency"] == c)
+        http = [r for r in runs if r["impl"] == "http" and r["concurrency"] == c]
+        row["events_per_token"] = median(r["events_per_token"] for r in http)
+        for role in ("engine", "worker", "arbiter", "client"):
+            row[f"http_{role}_cpu_ms_tok"] = median(r.get(f"{role}_cpu_ms_per_token", 0.0) for r in http)
+        row["engine_cpu_ms_tok"] = median(r["engine_cpu_ms_per_token"] for r in runs
+                                          if r["impl"] == "engine" and r["concurrency"] == c)
         row["tok_s_ratio"] = paired_ratio(runs, "tok_s", "http", "engine", concurrency=c)
         row["tok_s_ratio_of_medians"] = ratio(row["http_tok_s"], row["engine_tok_s"])
         rows.append(row)
     print_table(rows, COLUMNS, title=f"HTTP streaming ({args.workers} worker(s)) vs the engine in-process, "
                                      f"{args.model} (medians; ratio = median of per-repetition HTTP / engine)")
+    print_table(rows, CPU_COLUMNS, title="CPU milliseconds per generated token (all threads of each process)")
     write_json(args.out, {"benchmark": "http", "args": args_dict(args), "model_dir": str(path),
                           "engine_settings": settings, "machine_before": info, "machine_after": machine(),
                           "server_metrics_after": {k: v for k, v in server_metrics.items()
