@@ -225,3 +225,30 @@ def exported(tiny, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
             done[key] = out, export_model(tiny(family), out, backend, weight_format)
         return done[key]
     return get
+
+
+# ================================================================ the Flask app over an in-process engine
+# Used by test_beam_search.py and test_prompt_logprobs.py: the real app and engine service, no gunicorn.
+
+import contextlib  # noqa: E402
+
+
+@contextlib.contextmanager
+def in_process_api(engine, runtime: Path):
+    """A Flask test client wired through the real engine service to `engine` (the caller's f32 engine)."""
+    from appliance.metrics import ServerMetrics
+    from appliance.openai_api.app import create_app
+    from appliance.server.client import EngineClient
+    from appliance.server.engine_service import EngineService
+    from appliance.server.settings import AUTHKEY_FILE, ServeSettings
+
+    (runtime / AUTHKEY_FILE).write_bytes(os.urandom(32))
+    settings = ServeSettings(model_dir=str(engine.model_dir), served_model_name="m", model_created=0,
+                             runtime_dir=str(runtime))
+    service = EngineService(settings, ServerMetrics())
+    service.start()
+    service.attach(engine, "CPU")
+    try:
+        yield create_app(settings, EngineClient(settings.socket_path, settings.authkey())).test_client()
+    finally:
+        service.stop()

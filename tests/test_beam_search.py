@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import in_process_api
 
 from appliance.beam_search import BeamSearch, log_softmax, top_continuations
 from appliance.config import EngineConfig
@@ -329,22 +330,8 @@ def test_other_backends_and_kv_pressure_give_the_same_beams(case, prompts, paged
 
 @pytest.fixture(scope="module")
 def api(engine, tmp_path_factory):
-    """The real Flask app and engine service over the module's f32 engine (no gunicorn)."""
-    from appliance.metrics import ServerMetrics
-    from appliance.openai_api.app import create_app
-    from appliance.server.client import EngineClient
-    from appliance.server.engine_service import EngineService
-    from appliance.server.settings import AUTHKEY_FILE, ServeSettings
-
-    runtime = tmp_path_factory.mktemp("rt")
-    (runtime / AUTHKEY_FILE).write_bytes(os.urandom(32))
-    settings = ServeSettings(model_dir=str(engine.model_dir), served_model_name="m", model_created=0,
-                             runtime_dir=str(runtime))
-    service = EngineService(settings, ServerMetrics())
-    service.start()
-    service.attach(engine, "CPU")
-    yield create_app(settings, EngineClient(settings.socket_path, settings.authkey())).test_client()
-    service.stop()
+    with in_process_api(engine, tmp_path_factory.mktemp("rt")) as client:
+        yield client
 
 
 def test_completions_best_of_returns_the_n_best_beams(api, engine, prompts):

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+from conftest import in_process_api
 
 from appliance.config import EngineConfig
 from appliance.engine import Engine
@@ -139,22 +140,8 @@ def test_static_backends(case, prompts, reference):
 
 @pytest.fixture(scope="module")
 def api(engine, tmp_path_factory):
-    """The real Flask app and engine service over the module's f32 engine (no gunicorn)."""
-    from appliance.metrics import ServerMetrics
-    from appliance.openai_api.app import create_app
-    from appliance.server.client import EngineClient
-    from appliance.server.engine_service import EngineService
-    from appliance.server.settings import AUTHKEY_FILE, ServeSettings
-
-    runtime = tmp_path_factory.mktemp("rt")
-    (runtime / AUTHKEY_FILE).write_bytes(os.urandom(32))
-    settings = ServeSettings(model_dir=str(engine.model_dir), served_model_name="m", model_created=0,
-                             runtime_dir=str(runtime))
-    service = EngineService(settings, ServerMetrics())
-    service.start()
-    service.attach(engine, "CPU")
-    yield create_app(settings, EngineClient(settings.socket_path, settings.authkey())).test_client()
-    service.stop()
+    with in_process_api(engine, tmp_path_factory.mktemp("rt")) as client:
+        yield client
 
 
 def _offsets_follow_tokens(lp: dict, start: int = 0) -> None:
