@@ -2,7 +2,7 @@
 then the issue's targets checked against the results: met / NOT met, written to bench/results/summary.json.
 
     python -m bench.all            # the full set (~45 min on a busy 2-vCPU box)
-    python -m bench.all --quick    # default fp16 model only, fewer repetitions (~10 min)
+    python -m bench.all --quick    # default fp16 model only, 1-3 repetitions (~4 min): a smoke run
     python -m bench.all --only concurrency prefix
     python -m bench.all --targets-only   # re-check the targets against the JSON already in bench/results/
 """
@@ -13,26 +13,27 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from bench.common import RESULTS, machine, print_table, write_json
 
 BENCHMARKS = ("batch1", "batch1_paired", "concurrency", "prefix", "http", "memory")
 
 
-def command(name: str, quick: bool) -> list[str]:
-    out = ["--out", str(RESULTS / f"{name}.json")]
+def command(name: str, quick: bool, out_dir: Path = RESULTS) -> list[str]:
+    out = ["--out", str(out_dir / f"{name}.json")]
     if name == "batch1":
         extra = ["--formats", "fp16", "--runs", "3"] if quick else ["--formats", "fp16", "int8", "--runs", "5"]
         return [sys.executable, "-m", "bench.run", *extra, *out]
     return [sys.executable, "-m", f"bench.{name}", *(["--quick"] if quick else []), *out]
 
 
-def _load(name: str) -> dict | None:
-    path = RESULTS / f"{name}.json"
+def _load(name: str, out_dir: Path = RESULTS) -> dict | None:
+    path = out_dir / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def targets() -> list[dict]:
+def targets(out_dir: Path = RESULTS) -> list[dict]:
     """One row per (target, case): the measured ratio, the bound, met or not."""
     rows = []
 
@@ -41,23 +42,23 @@ def targets() -> list[dict]:
         rows.append({"target": target, "case": case, "value": value,
                      "bound": f"{'>=' if higher_is_better else '<='} {bound:g}", "met": "yes" if met else "NO"})
 
-    if (b := _load("batch1_paired")) is not None:
+    if (b := _load("batch1_paired", out_dir)) is not None:
         for t in b["summary"]:
             add("batch-1 decode vs LLMPipeline", f"{t['model']} (paired)", t["decode_ratio"], 1.0, True)
             add("batch-1 TTFT vs LLMPipeline", f"{t['model']} (paired)", t["ttft_ratio"], 1.1, False)
-    if (b := _load("batch1")) is not None:
+    if (b := _load("batch1", out_dir)) is not None:
         for t in b["summary"]:
             add("batch-1 decode vs LLMPipeline", f"default-{t['format']} (bench.run)", t["decode_ratio"], 1.0, True)
             add("batch-1 TTFT vs LLMPipeline", f"default-{t['format']} (bench.run)", t["ttft_ratio"], 1.1, False)
-    if (c := _load("concurrency")) is not None:
+    if (c := _load("concurrency", out_dir)) is not None:
         for t in c["summary"]:
             if t["concurrency"] in (8, 16):
                 add("aggregate tok/s vs ContinuousBatchingPipeline", f"{t['model']} c={t['concurrency']}",
                     t["tok_s_ratio"], 1.0, True)
-    if (h := _load("http")) is not None:
+    if (h := _load("http", out_dir)) is not None:
         for t in h["summary"]:
             add("HTTP streaming tok/s vs engine", f"{t['model']} c={t['concurrency']}", t["tok_s_ratio"], 0.9, True)
-    if (p := _load("prefix")) is not None:
+    if (p := _load("prefix", out_dir)) is not None:
         for t in p["summary"]:
             add("shared-prefix TTFT speedup (cache on)", f"{t['model']} median", t["ttft_speedup"], 3.0, True)
     return rows
@@ -68,12 +69,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     ap.add_argument("--targets-only", action="store_true")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON goes (default bench/results)")
     args = ap.parse_args(argv)
 
     failed, timings = [], {}
     if not args.targets_only:
         for name in args.only:
-            cmd = command(name, args.quick)
+            cmd = command(name, args.quick, args.out_dir)
             print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
             t0 = time.monotonic()
             code = subprocess.run(cmd).returncode
@@ -82,10 +84,10 @@ def main(argv=None) -> int:
                 failed.append(name)
                 print(f"=== {name} failed with exit code {code}", flush=True)
     print()
-    rows = targets()
+    rows = targets(args.out_dir)
     print_table(rows, [("target", "target", ""), ("case", "case", ""), ("value", "measured", ".2f"),
                        ("bound", "target", ""), ("met", "met", "")], title="issue targets")
-    write_json(RESULTS / "summary.json", {"quick": args.quick, "ran": args.only if not args.targets_only else [],
+    write_json(args.out_dir / "summary.json", {"quick": args.quick, "ran": args.only if not args.targets_only else [],
                                           "seconds": timings, "failed": failed, "machine": machine(),
                                           "targets": rows})
     return 1 if failed else 0

@@ -52,8 +52,15 @@ def engine_settings(engine) -> dict:
             "kv_precision": _type_name(getattr(backend, "kv_precision", None))}
 
 
-def _type_name(t) -> str:
-    return t.to_string() if hasattr(t, "to_string") else str(t)
+def _type_name(t) -> str | None:
+    """bf16, u8, ...: an ov.Type, or its repr "<Type: 'uint8_t'>" as some backends keep it."""
+    if t is None:
+        return None
+    if hasattr(t, "to_string"):
+        return t.to_string()
+    import re
+    m = re.fullmatch(r"<Type: '(\w+)'>", str(t))
+    return {"uint8_t": "u8", "float16": "f16", "float32": "f32", "bfloat16": "bf16"}.get(m[1], m[1]) if m else str(t)
 
 
 def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
