@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
+from appliance.config import EngineConfig
+from appliance.kv_budget import meminfo_bytes
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import resolve_model
 
@@ -20,15 +23,32 @@ SERVE_OPTIONS: dict[str, tuple] = {
     "api-key-file": (str, None, "file holding the API key; clients then need 'Authorization: Bearer <key>'"),
     "served-model-name": (str, None, "model name in the API (default: the export's name)"),
     "precision": (str, "default", "inference precision: 'f32' (transformers parity) or 'default' (fastest)"),
-    "kv-cache-tokens": (int, None, "KV cache budget in tokens, all sequences together"),
-    "max-num-seqs": (int, None, "sequences decoded together in one step"),
-    "max-queued": (int, None, "waiting requests before answering 429"),
+    "kv-cache-size": (str, None, "KV cache pool, all sequences together: GB as OVMS's cache_size (a bare number: 2, "
+                                 "1.5), a size with a unit (512MB, 2GiB; binary units), a token count (16384tokens), "
+                                 "or auto (default: a quarter of the memory free after loading the model, at most "
+                                 "max-num-seqs full contexts, at least 256 MB)"),
+    "kv-cache-tokens": (int, None, "KV cache budget in tokens (the same as --kv-cache-size Ntokens)"),
+    "kv-cache-precision": (str, "auto", "KV cache element type: u8, f16, f32, or auto (u8 on CPU; f32 with "
+                                        "--precision f32; the device's choice elsewhere)"),
+    "enable-prefix-caching": (bool, True, "reuse the KV blocks of shared prompt prefixes (paged attention)"),
+    "max-num-seqs": (int, 32, "sequences decoded together in one step"),
+    "max-num-batched-tokens": (int, 512, "tokens per step: one per running sequence + prefill chunks"),
+    "max-queued": (int, 256, "waiting requests before answering 429"),
+    "num-threads": (int, None, "inference threads (CPU); default: the runtime's"),
+    "cache-dir": (str, None, "OpenVINO compiled-model cache directory (faster restarts)"),
+    "static": (bool, None, "static shapes, what an NPU needs (implied by --device NPU)"),
+    "static-context": (int, None, "static shapes: KV positions per sequence slot (default 1024)"),
+    "static-batch": (int, None, "static shapes: sequence slots, decoded together (default 4)"),
+    "static-prefill-chunk": (int, None, "static shapes: prompt tokens per prefill call (default 128)"),
     "max-body-bytes": (int, 4 * 1024 * 1024, "largest request body accepted (413 above)"),
     "max-tokens-limit": (int, None, "largest max_tokens a request may ask for (400 above)"),
     "graceful-timeout": (int, 30, "seconds in-flight requests get to finish on SIGTERM"),
     "log-level": (str, "info", "debug, info, warning or error"),
     "access-log": (bool, False, "log every HTTP request"),
 }
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def env_name(flag: str) -> str:
@@ -40,7 +60,10 @@ def _env_default(flag: str, kind, default):
     if raw is None or raw == "":
         return default
     if kind is bool:
-        return raw.strip().lower() in ("1", "true", "yes", "on")
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise SystemExit(f"appliance: {env_name(flag)}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+        return word in _TRUE
     try:
         return kind(raw)
     except ValueError:
@@ -56,15 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (kind, default, help_text) in SERVE_OPTIONS.items():
         value = _env_default(flag, kind, default)
         if kind is bool:
-            serve.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=value, help=help_text)
+            serve.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=value,
+                               help=f"{help_text} (env {env_name(flag)}=1/0)")
         else:
-            serve.add_argument(f"--{flag}", type=kind, default=value,
-                               help=f"{help_text} (env {env_name(flag)}, default {default})")
+            shown = "" if default is None else f", default {default}"
+            serve.add_argument(f"--{flag}", type=kind, default=value, help=f"{help_text} (env {env_name(flag)}{shown})")
     return parser
 
 
 def _settings(args: argparse.Namespace):
-    from appliance.config import EngineConfig
     from appliance.server.settings import ServeSettings
 
     model_dir = resolve_model(args.model)
@@ -86,11 +109,92 @@ def _settings(args: argparse.Namespace):
         graceful_timeout=args.graceful_timeout, log_level=args.log_level.lower(), access_log=args.access_log)
     if settings.api_key_file and not Path(settings.api_key_file).read_text().strip():
         raise SystemExit(f"appliance: the API key file {settings.api_key_file} is empty")
-    engine = EngineConfig(device=args.device, precision="f32" if args.precision == "f32" else None)
-    for name in ("kv_cache_tokens", "max_num_seqs", "max_queued"):
-        if getattr(args, name) is not None:
-            setattr(engine, name, getattr(args, name))
-    return settings, engine
+    return settings, engine_config(args, manifest)
+
+
+_UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*(?:(tokens)|([kmgt])(?:i?b)?|(b))?")
+
+
+def parse_kv_cache_size(text: str) -> tuple[str, int] | None:
+    """--kv-cache-size -> ("bytes", n), ("tokens", n), or None for auto. A bare number is GB, as OVMS's
+    cache_size; every unit is binary (1 GB = 2**30 bytes, what OVMS / openvino_genai allocate)."""
+    word = text.strip().lower()
+    if word == "auto":
+        return None
+    m = _SIZE.fullmatch(word)
+    if m and m[2] and m[1].isdigit() and int(m[1]) > 0:
+        return "tokens", int(m[1])
+    if m and not m[2]:
+        value = int(float(m[1]) * (_UNITS[m[3]] if m[3] else 1 if m[4] else 1 << 30))
+        if value > 0:
+            return "bytes", value
+    raise SystemExit(f"appliance: --kv-cache-size {text!r}: use GB as a bare number (2, 1.5), a size with a unit "
+                     "(512MB, 2GiB), a token count (16384tokens) or auto")
+
+
+def _kv_size(args: argparse.Namespace) -> tuple[str, int] | None:
+    """--kv-cache-size or its alias --kv-cache-tokens (not both); None = auto."""
+    if args.kv_cache_size is not None and args.kv_cache_tokens is not None:
+        raise SystemExit("appliance: give --kv-cache-size or --kv-cache-tokens (its alias), not both "
+                         f"(check {env_name('kv-cache-size')} / {env_name('kv-cache-tokens')})")
+    if args.kv_cache_tokens is not None:
+        return "tokens", args.kv_cache_tokens
+    size = parse_kv_cache_size(args.kv_cache_size) if args.kv_cache_size is not None else None
+    total = meminfo_bytes("MemTotal")
+    if size and size[0] == "bytes" and total and size[1] > total:
+        raise SystemExit(f"appliance: --kv-cache-size {args.kv_cache_size} is more than this machine's memory "
+                         f"({total / 2**30:.1f} GB); a bare number is GB (a token count is written 16384tokens)")
+    return size
+
+
+def _static_knobs(args: argparse.Namespace, manifest, paged_only: bool) -> tuple[bool, dict]:
+    """(static slots?, the --static-* values given). Slots (NPU, --static, ONNX) have no pool to size, so the
+    paged-only flags are refused there, and the --static-* ones elsewhere."""
+    static = args.static or args.device.upper().startswith("NPU")
+    slots = static or manifest.backend == "onnx"
+    where = "static shapes (--static, --device NPU, an ONNX model)"
+    if args.static is False and static:
+        raise SystemExit("appliance: --device NPU needs static shapes; drop --no-static")
+    if slots and paged_only:
+        raise SystemExit(f"appliance: --kv-cache-size/-tokens/-precision do not apply to {where}: their KV is "
+                         "--static-batch slots x --static-context positions in the graph's type")
+    knobs = {k: getattr(args, k) for k in ("static_context", "static_batch", "static_prefill_chunk")
+             if getattr(args, k) is not None}
+    if knobs and not slots:
+        raise SystemExit(f"appliance: --{next(iter(knobs)).replace('_', '-')} applies to {where} only")
+    return slots, knobs
+
+
+def engine_config(args: argparse.Namespace, manifest) -> EngineConfig:
+    """The engine's knobs from the parsed flags, checked here so a mistake is one line, not a traceback."""
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued", "num_threads", "kv_cache_tokens",
+                 "static_context", "static_batch", "static_prefill_chunk"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SystemExit(f"appliance: --{name.replace('_', '-')} must be at least 1")
+    precision = args.kv_cache_precision.strip().lower()
+    if precision not in ("u8", "f16", "f32", "auto"):
+        raise SystemExit("appliance: --kv-cache-precision must be u8, f16, f32 or auto")
+    size = _kv_size(args)
+    slots, knobs = _static_knobs(args, manifest, paged_only=size is not None or precision != "auto")
+    cache_dir = Path(args.cache_dir).expanduser().resolve() if args.cache_dir else None
+    if cache_dir and manifest.backend == "onnx":
+        raise SystemExit("appliance: --cache-dir is OpenVINO's compiled-model cache; this is an ONNX model")
+    if cache_dir and cache_dir.exists() and not cache_dir.is_dir():
+        raise SystemExit(f"appliance: --cache-dir {args.cache_dir} is not a directory")
+    engine = EngineConfig(
+        device=args.device, precision="f32" if args.precision == "f32" else None,
+        kv_cache_precision=None if precision == "auto" else precision,
+        kv_cache_tokens=size[1] if size and size[0] == "tokens" else None,
+        kv_cache_bytes=size[1] if size and size[0] == "bytes" else None,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queued=args.max_queued, prefix_caching=args.enable_prefix_caching, static=bool(args.static),
+        num_threads=args.num_threads, cache_dir=str(cache_dir) if cache_dir else None, **knobs)
+    seqs = min(engine.max_num_seqs, engine.static_batch) if slots else engine.max_num_seqs
+    if engine.max_num_batched_tokens < seqs:
+        raise SystemExit(f"appliance: --max-num-batched-tokens ({engine.max_num_batched_tokens}) must be at least "
+                         f"the sequences decoded per step ({seqs}): each takes one token of it")
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:

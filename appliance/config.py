@@ -11,7 +11,11 @@ class EngineConfig:
     precision: str | None = None
     # KV cache element type; None: f32 when precision is f32, else u8 on CPU (~30% faster decode than f16).
     kv_cache_precision: str | None = None
-    kv_cache_tokens: int = 16384        # KV budget in tokens (all sequences together)
+    # Paged KV pool budget, all sequences together (appliance/kv_budget.py): kv_cache_bytes wins when set; both
+    # None = auto (half the memory free after loading, capped at max_num_seqs full contexts; what `serve` does).
+    # Static-shape backends ignore both: their KV is static_batch x static_context.
+    kv_cache_tokens: int | None = 16384
+    kv_cache_bytes: int | None = None
     max_num_seqs: int = 32              # sequences decoded together in one step
     max_num_batched_tokens: int = 512   # tokens per step: decode tokens + prefill chunks (chunked prefill)
     max_queued: int = 256               # waiting requests before submit() raises QueueFull

@@ -107,9 +107,9 @@ class SequenceSampler:
 @dataclass
 class SampleOutput:
     token_ids: np.ndarray     # int64[B]
-    logprobs: np.ndarray      # float32[B]: the chosen token under the raw log-softmax
+    logprobs: np.ndarray      # float32[B]: the chosen token under the raw log-softmax (NaN: row did not ask)
     top_ids: np.ndarray       # int64[B, k], k = max requested logprobs over the batch; best first
-    top_logprobs: np.ndarray  # float32[B, k]
+    top_logprobs: np.ndarray  # float32[B, k] (NaN in rows that did not ask)
 
 
 _tls = threading.local()
@@ -356,16 +356,20 @@ def sample_batch(logits: np.ndarray, seqs: list[SequenceSampler]) -> SampleOutpu
         np.take(x, rows, axis=0, out=xs)
         u = np.array([seqs[i].rng.random() for i in rows])
         tokens[rows] = _sample(xs, [seqs[i].params for i in rows], u)
-    mx = raw.max(axis=1, keepdims=True)
-    t = _scratch("lse", raw.shape)
-    np.subtract(raw, mx, out=t)
-    np.exp(t, out=t)
-    lse = mx + np.log(t.sum(axis=1, keepdims=True, dtype=np.float64)).astype(np.float32)
-    k = min(max((s.params.logprobs or 0 for s in seqs), default=0), V)
-    top_ids = ranked(raw, k) if k else np.zeros((B, 0), dtype=np.int64)
-    return SampleOutput(
-        token_ids=tokens,
-        logprobs=(raw[np.arange(B), tokens] - lse[:, 0]).astype(np.float32),
-        top_ids=top_ids,
-        top_logprobs=(np.take_along_axis(raw, top_ids, axis=1) - lse).astype(np.float32),
-    )
+    # The log-softmax costs a pass over B x V: only for the rows that report logprobs (NaN elsewhere).
+    want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    k = min(max((seqs[i].params.logprobs for i in want), default=0), V)
+    logprobs = np.full(B, np.nan, np.float32)
+    top_ids, top_logprobs = np.zeros((B, k), np.int64), np.full((B, k), np.nan, np.float32)
+    if want:
+        r = raw if len(want) == B else raw[want]
+        mx = r.max(axis=1, keepdims=True)
+        t = _scratch("lse", r.shape)
+        np.subtract(r, mx, out=t)
+        np.exp(t, out=t)
+        lse = mx + np.log(t.sum(axis=1, keepdims=True, dtype=np.float64)).astype(np.float32)
+        logprobs[want] = r[np.arange(len(want)), tokens[want]] - lse[:, 0]
+        if k:
+            ids = ranked(r, k)
+            top_ids[want], top_logprobs[want] = ids, np.take_along_axis(r, ids, axis=1) - lse
+    return SampleOutput(token_ids=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)

@@ -114,7 +114,7 @@ def test_quantized_default_model_stays_close(fmt, default_hf, default_prompts, d
         ours = []
         for p in default_prompts:
             table = engine.pool.allocate(engine.pool.blocks_for(len(p)))
-            ours.append(engine.backend.forward(StepBatch([p], [0], [table]))[0])
+            ours.append(engine.backend.forward(StepBatch([p], [0], [table]))[0].copy())   # a view until the next call
             engine.pool.free(table)
     finally:
         engine.shutdown()

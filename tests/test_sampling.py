@@ -293,7 +293,7 @@ def test_logprobs_are_raw_and_top_k_sorted():
     V = 5000
     logits = (rng.standard_normal((3, V)) * 4).astype(np.float32)
     logits[2, [10, 20, 30]] = 50.0  # ties at the top: lowest id first
-    seqs = [seq(temperature=0.5, logit_bias={7: 100.0}, logprobs=5), seq(logprobs=2), seq()]
+    seqs = [seq(temperature=0.5, logit_bias={7: 100.0}, logprobs=5), seq(logprobs=2), seq(logprobs=1)]
     out = sample_batch(logits, seqs)
     ref = log_softmax(logits)
     assert out.token_ids[0] == 7  # the bias decided the token...
@@ -311,7 +311,19 @@ def test_logprobs_are_raw_and_top_k_sorted():
 def test_no_logprobs_requested():
     out = sample_batch(np.zeros((2, 10), np.float32), [seq(), seq(logprobs=0)])
     assert out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
-    np.testing.assert_allclose(out.logprobs, np.log(0.1), rtol=1e-6)
+    assert np.isnan(out.logprobs[0])   # not asked: the log-softmax pass is skipped for that row
+    np.testing.assert_allclose(out.logprobs[1], np.log(0.1), rtol=1e-6)
+
+
+def test_logprobs_only_for_rows_that_ask():
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((4, 300)) * 3).astype(np.float32)
+    out = sample_batch(logits, [seq(), seq(logprobs=3), seq(), seq(logprobs=1)])
+    ref = log_softmax(logits)
+    assert np.isnan(out.logprobs[[0, 2]]).all() and np.isnan(out.top_logprobs[[0, 2]]).all()
+    np.testing.assert_allclose(out.logprobs[[1, 3]], ref[[1, 3], out.token_ids[[1, 3]]], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.top_logprobs[1], np.sort(ref[1])[::-1][:3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.top_logprobs[3, 0], ref[3].max(), rtol=1e-5, atol=1e-5)
 
 
 def test_batch_size_mismatch_raises():

@@ -31,7 +31,8 @@ class StepBatch:
 
 
 class Backend(ABC):
-    """Runs the model. `forward` returns float32 logits [num_seqs, vocab] for each sequence's last fed token."""
+    """Runs the model. `forward` returns float32 logits [num_seqs, vocab] for each sequence's last fed token; they
+    may be a view of the device's output buffer, valid only until the next `forward` (the engine samples first)."""
 
     block_size: int      # KV positions per block
     num_blocks: int      # blocks in the pool the backend allocated once at load

@@ -9,6 +9,7 @@ not compute vocabulary-sized logits for every prompt token.
 from __future__ import annotations
 
 import logging
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,31 @@ def _gather_last_tokens(model: ov.Model) -> None:
     model.validate_nodes_and_infer_types()
 
 
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """concatenate(arange(c) for c in counts), vectorised."""
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+
+
+def _cache_tensor(device: str, kind: ov.Type, shape: list[int]) -> tuple[ov.Tensor, np.ndarray]:
+    """One zeroed KV cache tensor and its memory as uint8 [num_blocks, bytes per block] (for copy_blocks).
+
+    Zeros, because a kernel reading a never-written position must not meet NaN bit patterns. On CPU the memory
+    is calloc'ed and 64-byte aligned: the OS maps pages only as blocks are first written, so an idle server's
+    RSS is not the whole pool. On a GPU it is the plugin's USM host memory (an iGPU reads it in place, no copy
+    per inference) from the device's default context."""
+    nbytes = int(np.prod(shape)) * kind.size
+    if device.upper().startswith("CPU"):
+        raw = np.zeros(nbytes + 64, np.uint8)
+        mem = raw[-raw.ctypes.data % 64:][:nbytes]   # the views keep raw alive
+        tensor = ov.Tensor(mem, ov.Shape(shape), kind)
+    else:
+        tensor = core().get_default_context(device).create_host_tensor(kind, ov.Shape(shape))
+        mem = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+        mem[...] = 0
+    return tensor, mem.reshape(shape[0], -1)
+
+
 class OpenVINOPagedBackend(Backend):
     def __init__(self, model_dir: Path, manifest: Manifest, config):
         check_device(config.device)
@@ -50,57 +76,60 @@ class OpenVINOPagedBackend(Backend):
         # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.
         values = next(i for i in cache_inputs if i.get_any_name().startswith("value_cache."))
         self.block_size = values.get_partial_shape()[2].get_length()
-        self.max_context = manifest.max_context
-        self.num_blocks = max(1, -(-config.kv_cache_tokens // self.block_size))
-        self.cache_bytes = 0
-        self._caches = []
-        for port in cache_inputs:
-            ps = port.get_partial_shape()
-            shape = [self.num_blocks] + [ps[d].get_length() for d in range(1, ps.rank.get_length())]
-            tensor = ov.Tensor(port.get_element_type(), shape)
-            np.asarray(tensor.data).view(np.uint8)[...] = 0
+        from appliance.kv_budget import pool_blocks
+        block_dims = [[ps[d].get_length() for d in range(1, ps.rank.get_length())]
+                      for ps in (port.get_partial_shape() for port in cache_inputs)]
+        self.bytes_per_block = sum(int(np.prod(dims)) * port.get_element_type().size
+                                   for port, dims in zip(cache_inputs, block_dims))
+        self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
+        self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
+        self._blocks = []   # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
+        for port, dims in zip(cache_inputs, block_dims):
+            tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
             self.request.set_tensor(port, tensor)
-            self._caches.append(tensor)
-            self.cache_bytes += tensor.byte_size
-        self.kv_precision = str(cache_inputs[0].get_element_type())
+            self._blocks.append(blocks)
+        self.cache_bytes = self.num_blocks * self.bytes_per_block
+        self.kv_precision = cache_inputs[0].get_element_type().get_type_name()   # "u8", not "<Type: 'uint8_t'>"
         log.info("paged KV: %d blocks x %d tokens, %s, %.1f MB", self.num_blocks, self.block_size,
                  self.kv_precision, self.cache_bytes / 2**20)
 
     def forward(self, batch: StepBatch) -> np.ndarray:
-        lens = np.fromiter((len(t) for t in batch.token_ids), np.int32, len(batch.token_ids))
+        """The returned logits are a view of the output tensor: valid until the next forward call."""
+        n, bs = len(batch.token_ids), self.block_size
+        lens = np.fromiter(map(len, batch.token_ids), np.int32, n)
         past = np.asarray(batch.past_lens, np.int32)
-        begins = np.zeros(len(lens) + 1, np.int32)
+        begins = np.zeros(n + 1, np.int32)
         np.cumsum(lens, out=begins[1:])
-        ids = np.fromiter((t for toks in batch.token_ids for t in toks), np.int64, int(begins[-1]))
-        positions = np.concatenate([np.arange(p, p + n, dtype=np.int64) for p, n in zip(past, lens)])
-        bs = self.block_size
-        used = [table[: -(-(p + n) // bs)] for table, p, n in zip(batch.block_tables, past, lens)]
-        block_begins = np.zeros(len(used) + 1, np.int32)
-        np.cumsum([len(u) for u in used], out=block_begins[1:])
-        blocks = np.fromiter((b for u in used for b in u), np.int32, int(block_begins[-1]))
-        feeds = {
-            "input_ids": ids,
-            "position_ids": positions,
-            "past_lens": past,
-            "subsequence_begins": begins,
-            "block_indices": blocks,
-            "block_indices_begins": block_begins,
-            "max_context_len": np.array(int((past + lens).max()), np.int32),
-            "logits_indices": (begins[1:] - 1).astype(np.int64),
-        }
+        total = int(begins[-1])
+        ids = np.fromiter(chain.from_iterable(batch.token_ids), np.int64, total)
+        if total == n:   # decode only: one token per sequence, at position past_len
+            positions = past.astype(np.int64)
+        else:
+            positions = np.repeat((past - begins[:-1]).astype(np.int64), lens) + np.arange(total)
+        used = (past + lens + (bs - 1)) // bs
+        block_begins = np.zeros(n + 1, np.int32)
+        np.cumsum(used, out=block_begins[1:])
+        blocks = np.fromiter(chain.from_iterable(t[:u] for t, u in zip(batch.block_tables, used.tolist())),
+                             np.int32, int(block_begins[-1]))
         flags = batch.all_logits
         if flags is not None and any(flags):   # every position of the flagged sequences, the last of the others
-            feeds["logits_indices"] = np.concatenate(
-                [np.arange(b, e) if f else np.array([e - 1]) for b, e, f in zip(begins[:-1], begins[1:], flags)]
-            ).astype(np.int64)
-        for name, value in feeds.items():
-            self.request.set_tensor(name, ov.Tensor(value))
-        self.request.infer()
-        logits = self.request.get_tensor("logits").data
-        if flags is None or not any(flags):
-            return np.array(logits, dtype=np.float32).reshape(len(lens), -1)  # a copy: the next call reuses it
-        rows = np.array(logits, dtype=np.float32).reshape(len(feeds["logits_indices"]), -1)
-        counts = np.where(np.asarray(flags, bool), lens, 1)
+            counts = np.where(np.asarray(flags, bool), lens, 1)
+            logits_indices = np.repeat(begins[1:] - counts, counts) + _ranges(counts)
+        else:
+            flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
+        request = self.request
+        for name, value in (("input_ids", ids), ("position_ids", positions), ("past_lens", past),
+                            ("subsequence_begins", begins), ("block_indices", blocks),
+                            ("block_indices_begins", block_begins),
+                            ("max_context_len", np.array(int((past + lens).max()), np.int32)),
+                            ("logits_indices", logits_indices.astype(np.int64, copy=False))):
+            request.set_tensor(name, ov.Tensor(value))
+        request.start_async()   # infer() would also copy every output into a fresh numpy array
+        request.wait()
+        logits = request.get_tensor("logits").data
+        if flags is None:
+            return logits.reshape(n, -1)
+        rows = np.array(logits, dtype=np.float32).reshape(len(logits_indices), -1)   # kept past this call
         ends = np.cumsum(counts)
         batch.position_logits = [rows[e - c:e] if f else None for e, c, f in zip(ends, counts, flags)]
         return rows[ends - 1]
@@ -112,11 +141,10 @@ class OpenVINOPagedBackend(Backend):
             return
         src = np.fromiter((s for s, _ in pairs), np.int64, len(pairs))
         dst = np.fromiter((d for _, d in pairs), np.int64, len(pairs))
-        for tensor in self._caches:
-            data = np.asarray(tensor.data).view(np.uint8)
-            data[dst] = data[src]
+        for blocks in self._blocks:
+            blocks[dst] = blocks[src]
 
     def close(self) -> None:
-        self._caches.clear()
+        self._blocks.clear()
         self.request = None
         self.compiled = None

@@ -5,6 +5,8 @@ masks out unused positions) and its KV outputs are only the new positions; we co
 the slot. That is how an Intel NPU has to run (fixed shapes, no paged attention), and it lets ONNX Runtime run
 without copying the whole past per token. The pool's "block" is a slot: block_size = L, one block per sequence.
 Shapes: decode calls are [slots, 1]; prefill calls are [1, chunk] (padded when `pad_prefill`).
+The KV budget (kv_cache_tokens / kv_cache_bytes) does not apply: the memory is static_batch x static_context
+positions, fixed at load (an NPU compiles those shapes); `appliance serve` refuses --kv-cache-size here.
 """
 from __future__ import annotations
 

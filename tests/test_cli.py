@@ -1,0 +1,228 @@
+"""`appliance serve`'s engine flags (appliance/cli.py) and the KV pool sizing they lead to (appliance/kv_budget.py).
+
+Parsing and validation run without a model (a stub manifest); one test builds a real paged engine on a tiny
+random model to check that a bytes budget sizes the pool the backend allocates."""
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from appliance import cli, kv_budget
+
+GiB, MiB = 1 << 30, 1 << 20
+OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No APPLIANCE_* variable of the developer's shell may leak into these tests."""
+    for flag in cli.SERVE_OPTIONS:
+        monkeypatch.delenv(cli.env_name(flag), raising=False)
+
+
+def config(*flags: str, manifest=OPENVINO):
+    return cli.engine_config(cli.build_parser().parse_args(["serve", *flags]), manifest)
+
+
+def refused(*flags: str, manifest=OPENVINO) -> str:
+    with pytest.raises(SystemExit) as info:
+        config(*flags, manifest=manifest)
+    message = str(info.value)
+    assert message.startswith("appliance: ") and "\n" not in message, message
+    return message
+
+
+# ---------------------------------------------------------------- --kv-cache-size values
+
+@pytest.mark.parametrize("text, want", [
+    ("2", ("bytes", 2 * GiB)),              # a bare number is GB, as OVMS's cache_size
+    ("1.5", ("bytes", int(1.5 * GiB))),
+    ("512MB", ("bytes", 512 * MiB)),
+    ("512mib", ("bytes", 512 * MiB)),
+    ("2GiB", ("bytes", 2 * GiB)),
+    ("2 GB", ("bytes", 2 * GiB)),            # GB and GiB are the same: binary, like OVMS
+    ("64k", ("bytes", 64 << 10)),
+    ("4096b", ("bytes", 4096)),
+    ("16384tokens", ("tokens", 16384)),
+    ("16384 Tokens", ("tokens", 16384)),
+    ("auto", None),
+    (" AUTO ", None),
+])
+def test_kv_cache_size_values(text, want):
+    assert cli.parse_kv_cache_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "abc", "0", "-1", "2XB", "2i", "1.5tokens", "0tokens", "16k tokens",
+                                  "2GB extra", "tokens", ".5"])
+def test_kv_cache_size_garbage_is_one_clean_line(text):
+    with pytest.raises(SystemExit) as info:
+        cli.parse_kv_cache_size(text)
+    assert str(info.value).startswith(f"appliance: --kv-cache-size {text!r}: ") and "16384tokens" in str(info.value)
+
+
+def test_defaults_leave_the_kv_budget_to_auto():
+    engine = config()
+    assert engine.kv_cache_tokens is None and engine.kv_cache_bytes is None
+    assert engine.prefix_caching is True and engine.static is False and engine.kv_cache_precision is None
+
+
+def test_flags_reach_the_engine_config(tmp_path):
+    engine = config("--kv-cache-size", "1.5", "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                    "--max-num-batched-tokens", "64", "--max-queued", "3", "--kv-cache-precision", "F16",
+                    "--num-threads", "2", "--cache-dir", str(tmp_path / "ov-cache"))
+    assert (engine.kv_cache_bytes, engine.kv_cache_tokens) == (int(1.5 * GiB), None)
+    assert (engine.prefix_caching, engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_queued) == \
+        (False, 8, 64, 3)
+    assert (engine.kv_cache_precision, engine.kv_precision(), engine.num_threads) == ("f16", "f16", 2)
+    assert engine.cache_dir == str(tmp_path / "ov-cache")
+    tokens = config("--kv-cache-size", "4096tokens")
+    assert (tokens.kv_cache_tokens, tokens.kv_cache_bytes) == (4096, None)
+
+
+def test_environment_is_the_fallback_and_a_flag_beats_it(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_KV_CACHE_SIZE", "512MB")
+    monkeypatch.setenv("APPLIANCE_ENABLE_PREFIX_CACHING", "0")
+    monkeypatch.setenv("APPLIANCE_MAX_NUM_BATCHED_TOKENS", "64")
+    from_env = config()
+    assert (from_env.kv_cache_bytes, from_env.prefix_caching, from_env.max_num_batched_tokens) == (512 * MiB, False, 64)
+    flagged = config("--kv-cache-size", "1GB", "--enable-prefix-caching")
+    assert (flagged.kv_cache_bytes, flagged.prefix_caching) == (GiB, True)
+    monkeypatch.setenv("APPLIANCE_STATIC", "maybe")
+    with pytest.raises(SystemExit, match="APPLIANCE_STATIC='maybe' is not a boolean"):
+        cli.build_parser()
+
+
+def test_kv_cache_tokens_is_an_alias_and_not_both():
+    engine = config("--kv-cache-tokens", "8192")
+    assert (engine.kv_cache_tokens, engine.kv_cache_bytes) == (8192, None)
+    assert "not both" in refused("--kv-cache-tokens", "8192", "--kv-cache-size", "2")
+
+
+def test_alias_conflict_across_flag_and_environment(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_KV_CACHE_SIZE", "2")
+    assert "APPLIANCE_KV_CACHE_SIZE" in refused("--kv-cache-tokens", "8192")
+
+
+def test_a_size_beyond_the_machine_is_refused(monkeypatch):
+    monkeypatch.setattr(kv_budget, "read_meminfo", lambda: "MemTotal:  1048576 kB\nMemAvailable:  524288 kB\n")
+    assert "more than this machine's memory (1.0 GB)" in refused("--kv-cache-size", "16384")
+    assert config("--kv-cache-size", "512MB").kv_cache_bytes == 512 * MiB
+
+
+@pytest.mark.parametrize("flags, manifest, words", [
+    (("--device", "NPU", "--no-static"), OPENVINO, "needs static shapes"),
+    (("--static", "--kv-cache-size", "1"), OPENVINO, "do not apply to static shapes"),
+    (("--device", "NPU", "--kv-cache-tokens", "4096"), OPENVINO, "do not apply to static shapes"),
+    (("--kv-cache-precision", "u8"), ONNX, "do not apply to static shapes"),
+    (("--static-context", "512"), OPENVINO, "--static-context applies to static shapes"),
+    (("--cache-dir", "/tmp"), ONNX, "ONNX model"),
+    (("--kv-cache-precision", "i4"), OPENVINO, "must be u8, f16, f32 or auto"),
+    (("--max-num-seqs", "0"), OPENVINO, "--max-num-seqs must be at least 1"),
+    (("--kv-cache-tokens", "0"), OPENVINO, "--kv-cache-tokens must be at least 1"),
+    (("--max-num-seqs", "64", "--max-num-batched-tokens", "32"), OPENVINO, "must be at least the sequences"),
+])
+def test_misplaced_or_invalid_flags_are_refused(flags, manifest, words):
+    assert words in refused(*flags, manifest=manifest)
+
+
+def test_static_knobs():
+    engine = config("--static", "--static-context", "256", "--static-batch", "2", "--static-prefill-chunk", "32")
+    assert (engine.static, engine.static_context, engine.static_batch, engine.static_prefill_chunk) == \
+        (True, 256, 2, 32)
+    npu = config("--device", "NPU", "--static-batch", "8")     # NPU implies static; ONNX runs slots too
+    assert npu.static_batch == 8 and npu.static is False
+    assert config("--static-context", "128", manifest=ONNX).static_context == 128
+    # 64 sequences asked, but only 4 slots decode per step: a 16-token step budget is enough
+    assert config("--static", "--max-num-seqs", "64", "--max-num-batched-tokens", "16").max_num_batched_tokens == 16
+
+
+# ---------------------------------------------------------------- kv_budget.pool_blocks: explicit and auto
+
+def budget_config(**kw):
+    return SimpleNamespace(**{"kv_cache_bytes": None, "kv_cache_tokens": None, "max_num_seqs": 32, **kw})
+
+
+def meminfo(monkeypatch, available_kb: int | None):
+    text = "MemTotal:  99999999 kB\n" + (f"MemAvailable:  {available_kb} kB\n" if available_kb is not None else "")
+    monkeypatch.setattr(kv_budget, "read_meminfo", lambda: text)
+
+
+BLOCK = MiB          # bytes per block in these cases: 32 seqs x 32 blocks (1024 / 32 tokens) = a 1 GiB ceiling
+
+
+@pytest.mark.parametrize("available, want", [
+    (64 * GiB, GiB),              # plenty: the ceiling, what 32 full-context sequences can use
+    (2 * GiB, GiB // 2),          # a quarter of what is available
+    (600 * MiB, 256 * MiB),       # the floor
+    (None, 256 * MiB),            # no /proc/meminfo: the floor
+])
+def test_auto_budget_bounds(monkeypatch, caplog, available, want):
+    meminfo(monkeypatch, None if available is None else available // 1024)
+    with caplog.at_level(logging.INFO, logger="appliance.kv_budget"):
+        blocks = kv_budget.pool_blocks(budget_config(), 32, BLOCK, 1024)
+    assert blocks * BLOCK == want
+    assert 256 * MiB <= blocks * BLOCK <= GiB
+    assert [r.getMessage().startswith("KV cache size auto:") for r in caplog.records] == [True]
+
+
+def test_auto_budget_ceiling_below_the_floor(monkeypatch):
+    """A small model's whole need (4 sequences x 1024 tokens = 128 blocks of 64 KiB = 8 MiB) is less than the
+    floor: the pool is that need, not 256 MiB."""
+    meminfo(monkeypatch, 100)
+    assert kv_budget.pool_blocks(budget_config(max_num_seqs=4), 32, 64 << 10, 1000) == 4 * 32
+
+
+def test_explicit_budgets(monkeypatch):
+    monkeypatch.setattr(kv_budget, "read_meminfo", lambda: pytest.fail("an explicit budget must not read meminfo"))
+    assert kv_budget.pool_blocks(budget_config(kv_cache_bytes=10 * BLOCK + 5), 32, BLOCK, 1024) == 10
+    assert kv_budget.pool_blocks(budget_config(kv_cache_tokens=100), 32, BLOCK, 1024) == 4     # rounded up
+    assert kv_budget.pool_blocks(budget_config(kv_cache_tokens=100, kv_cache_bytes=2 * BLOCK), 32, BLOCK, 1024) == 2
+    with pytest.raises(ValueError, match="smaller than one block"):
+        kv_budget.pool_blocks(budget_config(kv_cache_bytes=BLOCK - 1), 32, BLOCK, 1024)
+
+
+# ---------------------------------------------------------------- a real paged engine on a bytes budget
+
+def test_paged_backend_sizes_its_pool_from_a_bytes_budget(exported):
+    from appliance.config import EngineConfig
+    from appliance.engine import Engine, PromptTooLong
+    from appliance.params import SamplingParams
+
+    out, manifest = exported("llama", "openvino", "fp32")
+    # f32 KV: a block is layers x (key + value) x kv_heads x block_size x head_dim x 4 bytes
+    per_token = manifest.num_layers * 2 * manifest.num_kv_heads * manifest.head_dim * 4
+    budget = int(5.5 * 32 * per_token)
+    engine = Engine(out, EngineConfig(precision="f32", kv_cache_bytes=budget))
+    try:
+        backend = engine.backend
+        assert backend.bytes_per_block == backend.block_size * per_token
+        assert budget - backend.bytes_per_block < backend.num_blocks * backend.bytes_per_block <= budget
+        assert backend.cache_bytes == backend.num_blocks * backend.bytes_per_block == engine.pool.num_blocks * \
+            backend.bytes_per_block
+        assert backend.kv_precision == "f32"
+        # the pool is smaller than the model's context: longer requests are refused, shorter ones run
+        assert engine.max_context == backend.num_blocks * backend.block_size < manifest.max_context
+        with pytest.raises(PromptTooLong):
+            engine.submit([5] * engine.max_context, SamplingParams(max_tokens=1))
+        assert engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)).completion_tokens == 4
+    finally:
+        engine.shutdown()
+
+
+def test_paged_backend_auto_budget_is_the_ceiling_for_a_tiny_model(exported):
+    """The tiny model's ceiling (32 sequences x its whole context) is far below the 256 MiB floor, so auto is
+    exactly that ceiling whatever memory this machine has free."""
+    from appliance.config import EngineConfig
+    from appliance.engine import Engine
+
+    out, manifest = exported("llama", "openvino", "fp32")
+    engine = Engine(out, EngineConfig(precision="f32", kv_cache_tokens=None, max_num_seqs=32))
+    try:
+        b = engine.backend
+        assert 32 * -(-manifest.max_context // b.block_size) * b.bytes_per_block < kv_budget.AUTO_FLOOR
+        assert b.num_blocks == 32 * -(-manifest.max_context // b.block_size)
+        assert engine.max_context == manifest.max_context
+    finally:
+        engine.shutdown()
