@@ -157,25 +157,42 @@ class Engine:
                request_id: str | None = None) -> RequestHandle | BeamHandle:
         """One sequence (a RequestHandle streaming Chunks), or with params.best_of > 1 a beam search (a
         BeamHandle whose result is the params.n best beams)."""
+        beam = params.best_of is not None and params.best_of > 1
+        seq = self._new_sequence(prompt_ids, params, request_id, 1)
+        if beam:
+            seq.max_len = self._beam_max_len(len(prompt_ids), params, seq.max_len)
+            seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
+        self._inbox.put(("add", [seq]))
+        self._wake.set()
+        return BeamHandle(self, seq.group) if beam else RequestHandle(self, seq)
+
+    def submit_choices(self, prompt_ids: list[int], params: list[SamplingParams],
+                       request_ids: list[str] | None = None) -> list[RequestHandle]:
+        """n sampled choices of one prompt (params[j] for choice j, e.g. seeds apart). The prompt is computed
+        once: the other choices then share its KV blocks (copy-on-write: full blocks by reference, the partly
+        filled last one copied) and sample their first token from the same logits."""
+        ids = request_ids or [None] * len(params)
+        seqs = [self._new_sequence(prompt_ids, p, r, len(params)) for p, r in zip(params, ids)]
+        if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
+            seqs[0].followers = seqs[1:]
+        self._inbox.put(("add", seqs))
+        self._wake.set()
+        return [RequestHandle(self, seq) for seq in seqs]
+
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
+                      count: int) -> Sequence:
+        """Checks made on the caller's thread (400 / 429 before anything is queued), then the Sequence."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
         limit = self.max_context
         if len(prompt_ids) + (params.max_tokens or 0) > limit or len(prompt_ids) >= limit:
             raise PromptTooLong(f"Number of prompt tokens: {len(prompt_ids)} + max tokens value: "
                                 f"{params.max_tokens or 0} exceeds model max length: {limit}")
-        if self._inbox.qsize() + len(self.scheduler.waiting) >= self.config.max_queued:
+        if self._inbox.qsize() + len(self.scheduler.waiting) + count > self.config.max_queued:
             raise QueueFull("the server is busy: too many queued requests, retry later")
         max_len = min(limit, len(prompt_ids) + params.max_tokens if params.max_tokens is not None else limit)
-        beam = params.best_of is not None and params.best_of > 1
-        if beam:
-            max_len = self._beam_max_len(len(prompt_ids), params, max_len)
-        seq = Sequence(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", len(prompt_ids),
-                       list(prompt_ids), params, max_len, queue.SimpleQueue(), Timing(created=time.time()))
-        if beam:
-            seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
-        self._inbox.put(("add", seq))
-        self._wake.set()
-        return BeamHandle(self, seq.group) if beam else RequestHandle(self, seq)
+        return Sequence(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", len(prompt_ids),
+                        list(prompt_ids), params, max_len, queue.SimpleQueue(), Timing(created=time.time()))
 
     def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int:
         """All beams of a search must fit in the KV pool and the sequence slots together, or they could wait on
@@ -229,8 +246,9 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(seq, "abort", error="server shutting down")
+        for _ in range(3):   # a leader's end queues its waiting followers (n > 1): those are ended next round
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._finish(seq, "abort", error="server shutting down")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -239,11 +257,7 @@ class Engine:
             except queue.Empty:
                 return
             if op == "add":
-                try:
-                    self._start(seq)
-                except Exception as exc:  # one bad request fails alone; the engine thread goes on
-                    log.exception("could not start request %s", seq.request_id)
-                    self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")
+                self._start_all(seq)
             elif isinstance(seq, BeamGroup):
                 if not seq.done:
                     self.counters["aborted"] += 1
@@ -252,7 +266,16 @@ class Engine:
                 self.counters["aborted"] += 1
                 self._finish(seq, "abort")
 
-    def _start(self, seq: Sequence) -> None:
+    def _start_all(self, seqs: list[Sequence]) -> None:
+        """A request's sequences: the first is scheduled, its followers (n > 1) wait for its prompt KV."""
+        for seq in seqs:
+            try:
+                self._start(seq, scheduled=seq is seqs[0] or not seqs[0].followers)
+            except Exception as exc:  # one bad request fails alone; the engine thread goes on
+                log.exception("could not start request %s", seq.request_id)
+                self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")
+
+    def _start(self, seq: Sequence, scheduled: bool = True) -> None:
         p = seq.params
         seq.sampler = SequenceSampler(p, seq.token_ids[: seq.prompt_len], self.eos_token_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
@@ -263,7 +286,8 @@ class Engine:
             seq.prompt_logprobs = [TokenLogprob(first, self.token_text(first), None)]
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += seq.prompt_len
-        self.scheduler.add(seq)
+        if scheduled:
+            self.scheduler.add(seq)
 
     def step(self) -> None:
         # A beam whose logits are in but whose siblings' are not (a search advances all its beams at once) has
@@ -295,10 +319,12 @@ class Engine:
             elif seq.group is not None:
                 beams.append((seq, logits[i]))
             else:
-                rows.append(i)
-                ready.append(seq)
+                for s in [seq] + (self._fork_followers(seq) if seq.followers else []):
+                    rows.append(i)
+                    ready.append(s)
         if ready:
-            out = sample_batch(logits[rows] if len(rows) < len(plan) else logits, [s.sampler for s in ready])
+            whole = rows == list(range(len(plan)))
+            out = sample_batch(logits if whole else logits[rows], [s.sampler for s in ready])
             for j, seq in enumerate(ready):
                 self._append(seq, int(out.token_ids[j]), out, j)
         for seq, row in beams:
@@ -356,6 +382,11 @@ class Engine:
         if seq.group is not None:   # a beam ends only with its whole search; here that means an abort
             self._finish_group(seq.group, error=error)
             return
+        if seq.followers:   # ended before its prompt was computed: the other choices compute their own
+            for f in seq.followers:
+                if f.status is not Status.FINISHED:
+                    self.scheduler.add(f)
+            seq.followers = None
         self.scheduler.finish(seq)
         self._set_timing(seq)
         chunk = chunk or Chunk(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)
@@ -484,19 +515,48 @@ class Engine:
         full, tail = divmod(computed, bs)
         if (parent.status is Status.RUNNING and computed == len(parent.token_ids)
                 and len(parent.block_table) >= full + (tail > 0) and self._make_room(int(tail > 0), parent.group)):
-            shared = parent.block_table[:full]
-            self.pool.fork(shared)
-            child.block_table, child.block_hashes = list(shared), list(parent.block_hashes[:full])
-            if tail:
-                block = self.pool.allocate(1)[0]
-                copies.append((parent.block_table[full], block, tail))
-                child.block_table.append(block)
-            child.num_computed, child.status = computed, Status.RUNNING
-            self.scheduler.running.append(child)
+            self._share_kv(parent, child, copies)
         else:   # the parent's KV is not all there (preempted) or no room: the child computes its own
             child.status = Status.WAITING
             self.scheduler.waiting.appendleft(child)
         return child
+
+    def _share_kv(self, parent: Sequence, child: Sequence, copies: list) -> None:
+        """child continues from parent's computed KV: full blocks shared (ref + 1), the partly filled last one
+        copied into a block of its own (both write their next position there). Appends the copy to `copies`
+        (the caller runs backend.copy_blocks before the next forward) and makes child a running sequence.
+        The caller made sure one block is free."""
+        full, tail = divmod(parent.num_computed, self.pool.block_size)
+        shared = parent.block_table[:full]
+        self.pool.fork(shared)
+        child.block_table, child.block_hashes = list(shared), list(parent.block_hashes[:full])
+        if tail:
+            block = self.pool.allocate(1)[0]
+            copies.append((parent.block_table[full], block, tail))
+            child.block_table.append(block)
+        child.num_computed, child.status = parent.num_computed, Status.RUNNING
+        self.scheduler.running.append(child)
+
+    def _fork_followers(self, leader: Sequence) -> list[Sequence]:
+        """n > 1: leader's prompt KV is complete; the other choices start from it and sample their first token
+        from the same logits row. One without a free block for its tail computes its own prompt later."""
+        followers, leader.followers = leader.followers, None
+        forked, copies = [], []
+        tail = int(leader.num_computed % self.pool.block_size > 0)
+        for f in followers:
+            if f.status is Status.FINISHED:   # cancelled while waiting
+                continue
+            if not self.pool.can_allocate(tail):
+                self.scheduler.add(f)
+                continue
+            self._share_kv(leader, f, copies)
+            f.first_scheduled = leader.first_scheduled
+            if leader.prompt_logprobs is not None:
+                f.prompt_logprobs = list(leader.prompt_logprobs)
+            forked.append(f)
+        if copies:
+            self.backend.copy_blocks([(s, d) for s, d, _ in copies], [n for _, _, n in copies])
+        return forked
 
     def _make_room(self, blocks: int, group: BeamGroup) -> bool:
         """Free `blocks` KV blocks, preempting the newest running sequences of other requests if needed."""

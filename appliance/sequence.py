@@ -43,6 +43,8 @@ class Sequence:
     group: object = None
     beam_score: float = 0.0
     beam_logprobs: list | None = None
+    # n > 1: the request's other choices, waiting for this sequence's prompt KV to start from (copy-on-write)
+    followers: list | None = None
 
     @property
     def num_generated(self) -> int:

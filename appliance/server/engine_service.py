@@ -149,13 +149,12 @@ class EngineService:
                     handles.append((i * job.n, engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}"),
                                     time.monotonic()))
                     continue
-                for j in range(job.n):
-                    params = job.params
-                    if j and params.seed is not None:   # n choices must differ even with a fixed seed
-                        params = replace(params, seed=(params.seed + j) % 2**32)
-                    index = i * job.n + j
-                    handles.append((index, engine.submit(ids, params, request_id=f"{job.request_id}-{index}"),
-                                    time.monotonic()))
+                p0 = job.params   # n choices must differ even with a fixed seed
+                params = [p0 if j == 0 or p0.seed is None else replace(p0, seed=(p0.seed + j) % 2**32)
+                          for j in range(job.n)]
+                indexes = range(i * job.n, (i + 1) * job.n)
+                choices = engine.submit_choices(ids, params, [f"{job.request_id}-{k}" for k in indexes])
+                handles += [(k, h, time.monotonic()) for k, h in zip(indexes, choices)]
         except QueueFull as exc:
             self._cancel(handles)
             self.metrics.rejected.inc("queue_full")

@@ -1,0 +1,111 @@
+"""n > 1 choices of one prompt (Engine.submit_choices): the prompt is computed once, the other choices start from
+its KV (full blocks shared by reference, the partly filled last block copied) and sample their first token from
+the same logits. Checked on the default model in f32: what the backend is fed, the blocks held at the peak,
+outputs equal to independent requests, and the fallbacks (a cancelled leader, a full pool)."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from appliance.config import EngineConfig
+from appliance.engine import Engine
+from appliance.params import SamplingParams
+
+NEW = 12
+PROMPT_LEN = 70   # not a multiple of the 32-token block: the last prompt block is copied, not shared
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    e = Engine(model_dir, EngineConfig(precision="f32", prefix_caching=False, max_num_batched_tokens=128))
+    yield e
+    e.shutdown()
+
+
+def prompt(engine, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(100, engine.manifest.vocab_size - 100, PROMPT_LEN).tolist()
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, **kw)
+
+
+@contextlib.contextmanager
+def watch(engine):
+    """Tokens fed per forward call and the most KV blocks held during one."""
+    seen = {"fed": [], "peak": 0}
+    forward = engine.backend.forward
+
+    def counted(batch):
+        seen["fed"].append(batch.num_tokens)
+        seen["peak"] = max(seen["peak"], engine.pool.num_used)
+        return forward(batch)
+    engine.backend.forward = counted
+    try:
+        yield seen
+    finally:
+        del engine.backend.forward
+
+
+def test_prompt_computed_once_blocks_shared_outputs_equal(engine):
+    ids, n = prompt(engine, 1), 4
+    alone = engine.submit(ids, greedy()).result()
+    before = engine.pool.num_used
+    with watch(engine) as seen:
+        results = [h.result() for h in engine.submit_choices(ids, [greedy()] * n)]
+    assert [r.token_ids for r in results] == [alone.token_ids] * n   # the copied tail block holds the right KV
+    assert sum(seen["fed"]) == PROMPT_LEN + n * (NEW - 1)           # not n * PROMPT_LEN
+    bs = engine.pool.block_size
+    blocks, shared = engine.pool.blocks_for(PROMPT_LEN + NEW - 1), PROMPT_LEN // bs
+    assert seen["peak"] == blocks + (n - 1) * (blocks - shared)
+    assert engine.pool.num_used == before
+    assert all(r.prompt_tokens == PROMPT_LEN and r.completion_tokens == NEW for r in results)
+
+
+def test_seeded_choices_equal_independent_requests(engine):
+    ids = prompt(engine, 2)
+    params = [SamplingParams(max_tokens=NEW, temperature=1.0, top_k=50, seed=100 + j, ignore_eos=True)
+              for j in range(3)]
+    alone = [engine.submit(ids, p).result().token_ids for p in params]
+    together = [h.result().token_ids for h in engine.submit_choices(ids, params)]
+    assert together == alone
+    assert len({tuple(t) for t in together}) > 1   # the seeds differ, so do the choices
+
+
+def test_prompt_logprobs_reach_every_choice(engine):
+    ids = prompt(engine, 3)
+    results = [h.result() for h in engine.submit_choices(ids, [greedy(prompt_logprobs=1)] * 2)]
+    first, second = (r.prompt_logprobs for r in results)
+    assert len(first) == PROMPT_LEN and [e.token_id for e in first] == ids
+    assert [(e.token_id, e.logprob) for e in second] == [(e.token_id, e.logprob) for e in first]
+
+
+def test_cancelled_leader_leaves_the_others_whole(engine):
+    ids = prompt(engine, 4)
+    alone = engine.submit(ids, greedy()).result().token_ids
+    before = engine.pool.num_used
+    handles = engine.submit_choices(ids, [greedy()] * 3)
+    handles[0].cancel()   # before or after the fork: the others must not notice
+    leader = list(handles[0])[-1]
+    assert leader.finish_reason in ("abort", "length")
+    assert [h.result().token_ids for h in handles[1:]] == [alone, alone]
+    assert engine.pool.num_used == before
+
+
+def test_full_pool_falls_back_to_own_prefill(model_dir):
+    """A pool of 4 blocks: the leader's prompt takes 3, one follower gets the last for its copy, the other two
+    compute their own prompts once blocks are free again (recompute, not a failure), with the same output."""
+    e = Engine(model_dir, EngineConfig(precision="f32", prefix_caching=False, kv_cache_tokens=4 * 32))
+    try:
+        ids = prompt(e, 5)
+        alone = e.submit(ids, greedy()).result().token_ids
+        with watch(e) as seen:
+            results = [h.result().token_ids for h in e.submit_choices(ids, [greedy()] * 4)]
+        assert results == [alone] * 4
+        assert e.pool.num_blocks == 4 and e.pool.blocks_for(PROMPT_LEN) == 3
+        assert sum(seen["fed"]) >= 3 * PROMPT_LEN + 4 * (NEW - 1)   # two followers computed their own prompt
+        assert e.pool.num_used == 0
+    finally:
+        e.shutdown()
