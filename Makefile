@@ -8,6 +8,7 @@ PORT     ?= 8000
 DEVICE   ?= CPU
 WORKERS  ?= 1
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 export APPLIANCE_DATA_DIR := $(DATA_DIR)
 
@@ -35,8 +36,11 @@ serve: model
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Every benchmark, then the issue's targets (~45 min): BENCH_ARGS=--quick for a ~4 min smoke run, or e.g.
+# BENCH_ARGS="--only http --llamacpp-python /tmp/llama-venv/bin/python" to add llama.cpp's server to the HTTP
+# sweep (optional, built from source: requirements/llamacpp.txt).
 bench: model
-	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.all $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -5,6 +5,7 @@ then the issue's targets checked against the results: met / NOT met, written to 
     python -m bench.all --quick    # default fp16 model only, 1-3 repetitions (~4 min): a smoke run
     python -m bench.all --only concurrency prefix
     python -m bench.all --targets-only   # re-check the targets against the JSON already in bench/results/
+    python -m bench.all --llamacpp-python /tmp/llama-venv/bin/python   # bench.http with llama.cpp's server too
 """
 from __future__ import annotations
 
@@ -17,15 +18,13 @@ from pathlib import Path
 
 from bench.common import RESULTS, machine, print_table, write_json
 
-BENCHMARKS = ("batch1", "batch1_paired", "concurrency", "prefix", "http", "memory")
+BENCHMARKS = ("batch1_paired", "concurrency", "prefix", "http", "memory")   # bench.run is batch1_paired
 
 
-def command(name: str, quick: bool, out_dir: Path = RESULTS) -> list[str]:
-    out = ["--out", str(out_dir / f"{name}.json")]
-    if name == "batch1":
-        extra = ["--formats", "fp16", "--runs", "3"] if quick else ["--formats", "fp16", "int8", "--runs", "5"]
-        return [sys.executable, "-m", "bench.run", *extra, *out]
-    return [sys.executable, "-m", f"bench.{name}", *(["--quick"] if quick else []), *out]
+def command(name: str, quick: bool, out_dir: Path = RESULTS, llamacpp_python: str | None = None) -> list[str]:
+    extra = ["--llamacpp-python", llamacpp_python] if name == "http" and llamacpp_python else []
+    return [sys.executable, "-m", f"bench.{name}", *(["--quick"] if quick else []), *extra,
+            "--out", str(out_dir / f"{name}.json")]
 
 
 def _load(name: str, out_dir: Path = RESULTS) -> dict | None:
@@ -46,10 +45,10 @@ def targets(out_dir: Path = RESULTS) -> list[dict]:
         for t in b["summary"]:
             add("batch-1 decode vs LLMPipeline", f"{t['model']} (paired)", t["decode_ratio"], 1.0, True)
             add("batch-1 TTFT vs LLMPipeline", f"{t['model']} (paired)", t["ttft_ratio"], 1.1, False)
-    if (b := _load("batch1", out_dir)) is not None:
-        for t in b["summary"]:
-            add("batch-1 decode vs LLMPipeline", f"default-{t['format']} (bench.run)", t["decode_ratio"], 1.0, True)
-            add("batch-1 TTFT vs LLMPipeline", f"default-{t['format']} (bench.run)", t["ttft_ratio"], 1.1, False)
+            if "decode_ratio_own" in t:   # the same runs, LLMPipeline by its own perf counters
+                add("batch-1 decode vs LLMPipeline", f"{t['model']} (genai's timers)", t["decode_ratio_own"], 1.0,
+                    True)
+                add("batch-1 TTFT vs LLMPipeline", f"{t['model']} (genai's timers)", t["ttft_ratio_own"], 1.1, False)
     if (c := _load("concurrency", out_dir)) is not None:
         for t in c["summary"]:
             if t["concurrency"] in (8, 16):
@@ -70,12 +69,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     ap.add_argument("--targets-only", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON goes (default bench/results)")
+    ap.add_argument("--llamacpp-python", metavar="PATH", help="passed to bench.http: a python with "
+                    "llama-cpp-python[server] (requirements/llamacpp.txt) to compare with llama.cpp's server")
     args = ap.parse_args(argv)
 
     failed, timings = [], {}
     if not args.targets_only:
         for name in args.only:
-            cmd = command(name, args.quick, args.out_dir)
+            cmd = command(name, args.quick, args.out_dir, args.llamacpp_python)
             print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)
             t0 = time.monotonic()
             code = subprocess.run(cmd).returncode

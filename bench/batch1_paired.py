@@ -5,24 +5,24 @@ TTFT = call -> first token in the caller's hands (engine: first chunk; LLMPipeli
 the step that produced it), decode tok/s = (tokens - 1) / (last token - first token). Ratios are medians of
 the per-run ratios (runs back to back share the machine's load of the moment).
 
-bench/run.py measures the same thing with genai's own perf counters and all runs of one side before the other's;
-on a busy machine its ratios drift with the load, this one's mostly do not.
+LLMPipeline's own perf counters (`perf_metrics.get_ttft()` / `get_tpot()`) of the same calls are recorded too
+and compared with the engine's wall-clock numbers in a second table ("own timers", what bench/run.py reported
+before it became this benchmark's second name).
 
-    python -m bench.batch1_paired [--models default-fp16 default-int8] [--runs 8] [--prompt-len 128]
+    python -m bench.batch1_paired [--models default-fp16 default-int8] [--runs 9] [--prompt-len 128]
                                   [--new-tokens 128] [--quick]
+    python -m bench.run [--formats fp16 int8] [...]      # the same benchmark on the default model's exports
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import (RESULTS, args_dict, engine_properties, machine, median, model_dir, print_table, prompts,
-                          ratio, write_json)
+from bench.common import (arg_parser, engine_properties, machine, median, model_dir, print_table, prompts, ratio,
+                          rotate, save_results)
 
 
 def engine_call(engine, prompt: list[int], new_tokens: int) -> dict:
@@ -55,9 +55,11 @@ def llm_call(pipe, prompt: list[int], new_tokens: int) -> dict:
 
     streamer = Stamps()
     t0 = time.perf_counter()
-    pipe.generate(ov.Tensor(np.array([prompt], np.int64)), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  ignore_eos=True, apply_chat_template=False, streamer=streamer)
-    return _timing(t0, streamer.t, new_tokens)
+    res = pipe.generate(ov.Tensor(np.array([prompt], np.int64)), max_new_tokens=new_tokens,
+                        min_new_tokens=new_tokens, ignore_eos=True, apply_chat_template=False, streamer=streamer)
+    own = res.perf_metrics   # genai's own timers of the same call (ms)
+    return {**_timing(t0, streamer.t, new_tokens), "own_ttft_s": own.get_ttft().mean / 1e3,
+            "own_decode_tok_s": 1e3 / own.get_tpot().mean}
 
 
 def cb_call(pipe, prompt: list[int], new_tokens: int) -> dict:
@@ -94,7 +96,7 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
                  ("cb", lambda p: cb_call(cb, p, new_tokens))]
         results = []
         for rep in range(runs):
-            order = sides[rep % 3:] + sides[:rep % 3]
+            order = rotate(sides, rep)
             for impl, fn in order:
                 bar.set_postfix_str(f"{name} run {rep + 1} {impl}")
                 results.append({"impl": impl, "rep": rep, "position": order.index((impl, fn)),
@@ -107,11 +109,12 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     finally:
         engine.shutdown()
 
-    def paired(key: str, other: str) -> float:
+    def paired(key: str, other: str, other_key: str | None = None) -> float:
+        """Median over runs of engine[key] / other[other_key or key], within each run."""
         by_rep: dict = {}
         for r in results:
-            by_rep.setdefault(r["rep"], {})[r["impl"]] = r[key]
-        return median(ratio(p["engine"], p[other]) for p in by_rep.values())
+            by_rep.setdefault(r["rep"], {})[r["impl"]] = r
+        return median(ratio(p["engine"][key], p[other][other_key or key]) for p in by_rep.values())
 
     row = {"model": name}
     for impl in ("engine", "llm", "cb"):
@@ -121,6 +124,11 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     row["ttft_ratio"] = paired("ttft_s", "llm")
     row["decode_ratio_cb"] = paired("decode_tok_s", "cb")
     row["ttft_ratio_cb"] = paired("ttft_s", "cb")
+    llm = [r for r in results if r["impl"] == "llm"]
+    row["llm_own_decode_tok_s"] = median(r["own_decode_tok_s"] for r in llm)
+    row["llm_own_ttft_ms"] = median(r["own_ttft_s"] for r in llm) * 1e3
+    row["decode_ratio_own"] = paired("decode_tok_s", "llm", "own_decode_tok_s")
+    row["ttft_ratio_own"] = paired("ttft_s", "llm", "own_ttft_s")
     return {"model": name, "model_dir": str(path), "settings": settings, "runs": results, "summary": row}
 
 
@@ -130,16 +138,16 @@ COLUMNS = [("model", "model", ""), ("engine_decode_tok_s", "engine tok/s", ".1f"
            ("llm_ttft_ms", "LLMPipe TTFT ms", ".0f"), ("ttft_ratio", "ratio", ".2f"),
            ("cb_decode_tok_s", "CB tok/s", ".1f"), ("decode_ratio_cb", "ratio", ".2f"),
            ("cb_ttft_ms", "CB TTFT ms", ".0f"), ("ttft_ratio_cb", "ratio", ".2f")]
+OWN_COLUMNS = [("model", "model", ""), ("engine_decode_tok_s", "engine tok/s", ".1f"),
+               ("llm_own_decode_tok_s", "LLMPipe tok/s (own)", ".1f"), ("decode_ratio_own", "ratio", ".2f"),
+               ("engine_ttft_ms", "engine TTFT ms", ".0f"), ("llm_own_ttft_ms", "LLMPipe TTFT ms (own)", ".0f"),
+               ("ttft_ratio_own", "ratio", ".2f")]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["default-fp16", "default-int8"])
+    ap = arg_parser(__doc__, "batch1_paired", models=["default-fp16", "default-int8"],
+                    quick="default-fp16 only, 3 runs")
     ap.add_argument("--runs", type=int, default=9)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="default-fp16 only, 3 runs")
-    ap.add_argument("--out", type=Path, default=RESULTS / "batch1_paired.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.models, args.runs = ["default-fp16"], 3
@@ -152,8 +160,9 @@ def main(argv=None) -> int:
     summary = [r["summary"] for r in results]
     print_table(summary, COLUMNS, title="batch 1, interleaved: engine vs LLMPipeline and ContinuousBatchingPipeline "
                                         "(ratio = median of per-run engine / other; TTFT ratio < 1 is better)")
-    write_json(args.out, {"benchmark": "batch1_paired", "args": args_dict(args), "machine_before": info,
-                          "machine_after": machine(), "models": results, "summary": summary})
+    print_table(summary, OWN_COLUMNS, title="the same runs, LLMPipeline timed by its own perf counters "
+                                            "(perf_metrics TTFT / TPOT)")
+    save_results(args, "batch1_paired", info, models=results, summary=summary)
     return 0
 
 

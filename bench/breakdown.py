@@ -10,15 +10,13 @@ bench.concurrency). Measurement only: the engine is instrumented from outside by
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import (CONCURRENCY, RESULTS, args_dict, machine, median, model_dir, print_table, prompts,
-                          write_json)
+from bench.common import arg_parser, machine, median, model_dir, print_table, prompts, save_results
 
 
 class _Timed:
@@ -40,13 +38,25 @@ class _Timed:
 
 
 class _RequestProxy:
-    """Stands in for the backend's InferRequest to time infer() (a C++ object's method cannot be patched)."""
+    """Stands in for the backend's InferRequest to time inference, infer() or start_async() -> wait() (a C++
+    object's method cannot be patched)."""
 
     def __init__(self, request, timer: _Timed):
-        self._request, self._timer = request, timer
+        self._request, self._timer, self._started = request, timer, None
 
     def infer(self, *a, **kw):
         return self._timer(*a, **kw)
+
+    def start_async(self, *a, **kw):
+        self._started = time.perf_counter()
+        return self._request.start_async(*a, **kw)
+
+    def wait(self):
+        try:
+            return self._request.wait()
+        finally:
+            self._timer.total += time.perf_counter() - self._started
+            self._timer.calls += 1
 
     def __getattr__(self, name):
         return getattr(self._request, name)
@@ -69,14 +79,8 @@ def instrument(engine) -> dict[str, _Timed]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default-fp16")
-    ap.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap = arg_parser(__doc__, "breakdown", model="default-fp16", levels=True, reps=2)
     ap.add_argument("--cprofile", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=RESULTS / "breakdown.json")
     args = ap.parse_args(argv)
 
     from appliance.manifest import Manifest
@@ -165,8 +169,7 @@ def main(argv=None) -> int:
                        ("other_ms", "other python", ".2f"), ("loop_gap_ms", "between steps", ".2f"),
                        ("genai_steps", "genai steps", ".0f"), ("genai_step_ms", "genai ms/step", ".2f")],
                 title=f"per-step time, {args.model} (engine step = infer + forward prep/copy + sample + other)")
-    write_json(args.out, {"benchmark": "breakdown", "args": args_dict(args), "model_dir": str(path),
-                          "machine_before": info, "machine_after": machine(), "runs": runs, "summary": rows})
+    save_results(args, "breakdown", info, model_dir=str(path), runs=runs, summary=rows)
     return 0
 
 

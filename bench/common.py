@@ -1,11 +1,12 @@
-"""Helpers shared by the benchmarks: prompts, the genai side's settings, statistics, tables, JSON, a server
-subprocess and /proc memory readings.
+"""Helpers shared by the benchmarks: command-line options, prompts, the genai side's settings, statistics, paired
+runs, tables, the results JSON, server subprocesses and /proc memory and CPU readings.
 
 Every benchmark compares two things measured in the same run on the same IR, alternating which goes first, and
 reports medians over repetitions: the machine is shared and noisy, so read the ratios, not the absolutes.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from appliance import procinfo
+from appliance.procinfo import process_tree, status_field
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -120,30 +124,28 @@ def code_state() -> dict:
 
 def busy_processes(sample_s: float = 0.5, min_pct: float = 10.0) -> list[dict]:
     """Other processes using >= min_pct of a CPU over a short sample (not us, not our children)."""
-    def ticks() -> dict[int, tuple[int, str]]:
+    def ticks() -> dict[int, tuple[float, str]]:
         out = {}
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
+                seconds = procinfo.cpu_seconds(int(entry))
                 cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            fields = stat.rsplit(")", 1)[1].split()
-            out[int(entry)] = (int(fields[11]) + int(fields[12]), cmd.strip()[:120])
+            out[int(entry)] = (seconds, cmd.strip()[:120])
         return out
 
     a = ticks()
     time.sleep(sample_s)
     b = ticks()
-    hz = os.sysconf("SC_CLK_TCK")
     mine = set(process_tree(os.getpid()))
     busy = []
     for pid, (t, cmd) in b.items():
         if pid in mine or pid not in a:
             continue
-        pct = 100 * (t - a[pid][0]) / hz / sample_s
+        pct = 100 * (t - a[pid][0]) / sample_s
         if pct >= min_pct:
             busy.append({"pid": pid, "cpu_pct": round(pct), "cmd": cmd})
     return sorted(busy, key=lambda p: -p["cpu_pct"])
@@ -169,37 +171,61 @@ def args_dict(args) -> dict:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
 
-# ---------------------------------------------------------------- processes and memory (/proc)
+def save_results(args, benchmark: str, machine_before: dict, **payload) -> Path:
+    """args.out <- {benchmark, args, machine_before, machine_after (now), **payload}: every benchmark's JSON."""
+    return write_json(args.out, {"benchmark": benchmark, "args": args_dict(args), "machine_before": machine_before,
+                                 "machine_after": machine(), **payload})
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
+
+# ---------------------------------------------------------------- command line
+
+def arg_parser(doc: str, out_name: str, *, model: str | None = None, models: Sequence[str] | None = None,
+               levels: bool = False, reps: int | None = None, prompt_len: int | None = 128,
+               new_tokens: int | None = 128, quick: str | None = None) -> argparse.ArgumentParser:
+    """The options the benchmarks share, each only where asked for: --model (one, default `model`) or --models
+    (several), --concurrency (the levels swept), --reps, --prompt-len / --new-tokens (the workload), --quick (its
+    help says what it cuts), and always --out (default bench/results/<out_name>.json). The caller adds its own
+    options and applies --quick. `doc`: the module's docstring (its first paragraph is the description)."""
+    ap = argparse.ArgumentParser(description=" ".join(doc.strip().split("\n\n")[0].split()))
+    if model is not None:
+        ap.add_argument("--model", default=model, help=f"{', '.join(MODEL_CHOICES)} or an export directory")
+    if models is not None:
+        ap.add_argument("--models", nargs="+", default=list(models),
+                        help=f"{', '.join(MODEL_CHOICES)} or export directories")
+    if levels:
+        ap.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
+    if reps is not None:
+        ap.add_argument("--reps", type=int, default=reps)
+    if prompt_len is not None:
+        ap.add_argument("--prompt-len", type=int, default=prompt_len)
+    if new_tokens is not None:
+        ap.add_argument("--new-tokens", type=int, default=new_tokens)
+    if quick is not None:
+        ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--out", type=Path, default=RESULTS / f"{out_name}.json")
+    return ap
+
+
+# ---------------------------------------------------------------- paired runs
+
+def rotate(sides: Sequence, k: int) -> list:
+    """`sides` rotated by k: with the run index as k, each side goes first in turn (for two sides: alternating)."""
+    k %= len(sides)
+    return list(sides[k:]) + list(sides[:k])
+
+
+def side_medians(runs: list[dict], side: str, rates: Iterable[str] = ("tok_s",),
+                 seconds: Iterable[str] = ("ttft_s",), **match) -> dict:
+    """Medians over the runs of `side` matching `match`: `<side>_<key>` for each key of `rates`, and
+    `<side>_<key less _s>_ms` (in milliseconds) for each key of `seconds`."""
+    mine = [r for r in runs if r["impl"] == side and all(r[k] == v for k, v in match.items())]
+    out = {f"{side}_{key}": median(r[key] for r in mine) for key in rates}
+    out.update({f"{side}_{key[:-2]}_ms": median(r[key] for r in mine) * 1e3 for key in seconds})
     return out
 
 
-def process_tree(pid: int) -> list[int]:
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children(p)
-    return tree
-
-
-def status_field(pid: int, name: str) -> int:
-    """A numeric field of /proc/PID/status (kB for memory fields, a count for Threads)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(name + ":"):
-            return int(line.split()[1])
-    raise KeyError(f"no {name} in /proc/{pid}/status")
-
+# ---------------------------------------------------------------- processes and memory (/proc)
+# process_tree / status_field: appliance.procinfo (shared with tests/conftest.py).
 
 def pss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -222,15 +248,14 @@ def memory_snapshot(root_pid: int) -> dict[int, dict]:
 
 def cpu_seconds(root_pid: int) -> dict[str, float]:
     """User + system CPU seconds so far of the process tree under root_pid, by role (engine/arbiter/worker)."""
-    hz = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for pid in process_tree(root_pid):
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds = procinfo.cpu_seconds(pid)
         except OSError:
             continue
         role = _role(pid, root_pid)
-        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / hz
+        out[role] = out.get(role, 0.0) + seconds
     return out
 
 
@@ -238,7 +263,7 @@ def _role(pid: int, root_pid: int) -> str:
     if pid == root_pid:
         return "engine"
     try:
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        ppid = procinfo.parent(pid)
     except OSError:
         return "?"
     return "arbiter" if ppid == root_pid else "worker"
@@ -252,11 +277,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """`appliance serve` on loopback as a subprocess; `with ServerProcess(...) as srv:` waits for readiness and
-    stops it with SIGTERM at the end."""
+class LoopbackServer:
+    """A server subprocess on a free loopback port, output to a log file; `with LoopbackServer(...) as srv:`
+    waits until GET `ready_path` answers 200 and stops it with SIGTERM at the end. `command(port)` gives the
+    argv."""
 
-    def __init__(self, model_dir: Path, *args: str, log_path: Path | None = None, start_timeout: float = 300):
+    what = "server"
+    ready_path = "/"
+
+    def __init__(self, command, log_path: Path | None = None, start_timeout: float = 300, env: dict | None = None):
         import requests   # noqa: F401  (fail early if the test extras are missing)
 
         self.port = free_port()
@@ -264,10 +293,8 @@ class ServerProcess:
         self.log_path = log_path or LOGS / f"serve-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
-        cmd = [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(command(self.port), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env or dict(os.environ), cwd=ROOT)
         self.start_timeout = start_timeout
 
     @property
@@ -277,28 +304,21 @@ class ServerProcess:
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def wait_ready(self) -> "ServerProcess":
+    def wait_ready(self) -> "LoopbackServer":
         import requests
 
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"appliance serve exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if requests.get(self.base + "/v2/health/ready", timeout=5).status_code == 200:
+                if requests.get(self.base + self.ready_path, timeout=5).status_code == 200:
                     return self
             except requests.ConnectionError:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"appliance serve not ready after {self.start_timeout}s:\n{self.output()}")
-
-    def metrics(self) -> dict[str, float]:
-        import requests
-
-        text = requests.get(self.base + "/metrics", timeout=30).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
+        raise RuntimeError(f"{self.what} not ready after {self.start_timeout}s:\n{self.output()}")
 
     def stop(self, timeout: float = 60) -> int | None:
         if self.proc.poll() is None:
@@ -311,7 +331,7 @@ class ServerProcess:
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self):
         try:
             return self.wait_ready()
         except BaseException:
@@ -320,6 +340,28 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class ServerProcess(LoopbackServer):
+    """`appliance serve` on loopback (this checkout's code)."""
+
+    what = "appliance serve"
+    ready_path = "/v2/health/ready"
+
+    def __init__(self, model_dir: Path, *args: str, log_path: Path | None = None, start_timeout: float = 300):
+        def command(port: int) -> list[str]:
+            return [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host",
+                    "127.0.0.1", "--port", str(port), *args]
+
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        super().__init__(command, log_path, start_timeout, env)
+
+    def metrics(self) -> dict[str, float]:
+        import requests
+
+        text = requests.get(self.base + "/metrics", timeout=30).text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
 
 
 # ---------------------------------------------------------------- model selection

@@ -11,7 +11,6 @@ first at every (c, repetition); each run gets fresh prompts. Medians over repeti
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import threading
@@ -21,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import (CONCURRENCY, MODEL_CHOICES, RESULTS, args_dict, engine_properties, machine, median,
-                          model_dir, paired_ratio, percentile, print_table, prompts, ratio, write_json)
+from bench.common import (MODEL_CHOICES, arg_parser, engine_properties, machine, median, model_dir, paired_ratio,
+                          percentile, print_table, prompts, ratio, rotate, save_results, side_medians)
 
 _request_ids = itertools.count()
 
@@ -164,10 +163,8 @@ def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, 
         runs = []
         for rep in range(reps):
             for c in levels:
-                sides = [("engine", lambda b: engine_run(engine, b, new_tokens)),
-                         ("genai", lambda b: genai_run(pipe, b, new_tokens))]
-                if (rep + levels.index(c)) % 2:
-                    sides.reverse()
+                sides = rotate([("engine", lambda b: engine_run(engine, b, new_tokens)),
+                                ("genai", lambda b: genai_run(pipe, b, new_tokens))], rep + levels.index(c))
                 for side, fn in sides:
                     bar.set_postfix_str(f"{name} c={c} rep {rep + 1} {side}")
                     batch = prompts(vocab, c, prompt_len, seed)
@@ -181,11 +178,8 @@ def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, 
         engine.shutdown()
     rows = []
     for c in levels:
-        row = {"model": name, "concurrency": c}
-        for side in ("engine", "genai"):
-            mine = [r for r in runs if r["impl"] == side and r["concurrency"] == c]
-            row[f"{side}_tok_s"] = median(r["tok_s"] for r in mine)
-            row[f"{side}_ttft_ms"] = median(r["ttft_s"] for r in mine) * 1e3
+        row = {"model": name, "concurrency": c, **side_medians(runs, "engine", concurrency=c),
+               **side_medians(runs, "genai", concurrency=c)}
         row["tok_s_ratio"] = paired_ratio(runs, "tok_s", "engine", "genai", concurrency=c)
         row["ttft_ratio"] = paired_ratio(runs, "ttft_s", "engine", "genai", concurrency=c)
         row["tok_s_ratio_of_medians"] = ratio(row["engine_tok_s"], row["genai_tok_s"])
@@ -200,16 +194,8 @@ COLUMNS = [("model", "model", ""), ("concurrency", "conc", "d"), ("engine_tok_s"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=list(MODEL_CHOICES),
-                    help=f"{', '.join(MODEL_CHOICES)} or an export directory")
-    ap.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="default-fp16 only, 1 repetition")
-    ap.add_argument("--out", type=Path, default=RESULTS / "concurrency.json")
-    args = ap.parse_args(argv)
+    args = arg_parser(__doc__, "concurrency", models=MODEL_CHOICES, levels=True, reps=5,
+                      quick="default-fp16 only, 1 repetition").parse_args(argv)
     if args.quick:
         args.models, args.reps = ["default-fp16"], 1
 
@@ -224,8 +210,7 @@ def main(argv=None) -> int:
     print_table(summary, COLUMNS, title="engine vs openvino_genai.ContinuousBatchingPipeline (medians over "
                                         "repetitions; ratio = median of per-repetition engine / genai; TTFT ratio < 1 "
                                         "is better)")
-    write_json(args.out, {"benchmark": "concurrency", "args": args_dict(args), "machine_before": info,
-                          "machine_after": machine(), "models": results, "summary": summary})
+    save_results(args, "concurrency", info, models=results, summary=summary)
     return 0
 
 

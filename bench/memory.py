@@ -10,7 +10,6 @@ times, and keeps the peak of each sum; `hwm` is the sum of the processes' own RS
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -18,8 +17,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import (LOGS, RESULTS, ServerProcess, args_dict, machine, memory_snapshot, model_dir,
-                          print_table, prompts, write_json)
+from bench.common import (LOGS, ServerProcess, arg_parser, machine, memory_snapshot, model_dir, print_table, prompts,
+                          save_results)
 
 
 def _sums(snap: dict[int, dict]) -> dict:
@@ -86,15 +85,10 @@ COLUMNS = [("workers", "workers", "d"), ("idle_rss", "idle RSS MB", ".0f"), ("id
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default-fp16")
+    ap = arg_parser(__doc__, "memory", model="default-fp16", quick="1 round of load")
     ap.add_argument("--workers", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="1 round of load")
-    ap.add_argument("--out", type=Path, default=RESULTS / "memory.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = 1
@@ -114,8 +108,7 @@ def main(argv=None) -> int:
             for r in results]
     print_table(rows, COLUMNS, title=f"appliance serve memory, {args.model}, sums over the process tree; load = "
                                      f"{args.concurrency} concurrent streams x {args.rounds} round(s)")
-    write_json(args.out, {"benchmark": "memory", "args": args_dict(args), "model_dir": str(path),
-                          "machine_before": info, "machine_after": machine(), "results": results, "summary": rows})
+    save_results(args, "memory", info, model_dir=str(path), results=results, summary=rows)
     return 0
 
 

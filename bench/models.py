@@ -5,7 +5,7 @@ Hidden 1024, 16 layers, 16 heads / 4 KV heads, intermediate 2816, vocab 32000, f
 tokenizer trained with `tokenizers` on a synthetic corpus (as tests/tiny_models.py does, with a full 32000-token
 vocabulary). Built once and exported to OpenVINO fp16 and int8 under `appliance.paths.data_dir()/bench/`.
 
-    python -m bench.models            # build + export both formats (idempotent)
+    python -m bench.models [fp16] [int8]   # build + export (both formats by default; idempotent)
 """
 from __future__ import annotations
 
@@ -103,8 +103,11 @@ def ensure_random_llama(weight_format: str = "fp16") -> Path:
 
 
 def main(argv=None) -> int:
-    formats = (argv if argv is not None else sys.argv[1:]) or ["fp16", "int8"]
-    for fmt in formats:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("formats", nargs="*", default=["fp16", "int8"], help="weight formats to export (fp16 int8)")
+    for fmt in ap.parse_args(argv).formats:
         print(ensure_random_llama(fmt))
     return 0
 

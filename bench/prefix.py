@@ -11,17 +11,14 @@ per-run median / p90.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import (RESULTS, args_dict, machine, median, model_dir, percentile, print_table, ratio,
-                          write_json)
+from bench.common import arg_parser, machine, median, model_dir, percentile, print_table, ratio, save_results
 
 
 def workload(vocab: int, prefix_len: int, suffix_len: int, n: int, seed: int) -> list[list[int]]:
@@ -80,16 +77,12 @@ COLUMNS = [("model", "model", ""), ("on_ttft_ms", "cache on TTFT ms", ".0f"),
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default-fp16")
+    ap = arg_parser(__doc__, "prefix", model="default-fp16", reps=3, prompt_len=None, new_tokens=16,
+                    quick="1 repetition")
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--in-flight", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="1 repetition")
-    ap.add_argument("--out", type=Path, default=RESULTS / "prefix.json")
     args = ap.parse_args(argv)
     if args.quick:
         args.reps = 1
@@ -130,8 +123,7 @@ def main(argv=None) -> int:
     print_table([row], COLUMNS, title=f"shared {args.prefix_len}-token prefix + {args.suffix_len}-token suffixes, "
                                       f"{args.requests} requests, {args.in_flight} in flight "
                                       "(speedup = median of per-repetition off / on, higher is better)")
-    write_json(args.out, {"benchmark": "prefix", "args": args_dict(args), "model_dir": str(path),
-                          "machine_before": info, "machine_after": machine(), "runs": runs, "summary": [row]})
+    save_results(args, "prefix", info, model_dir=str(path), runs=runs, summary=[row])
     return 0
 
 

@@ -20,6 +20,7 @@ import requests
 
 from appliance.manifest import Manifest
 from appliance.paths import default_export_dir
+from appliance.procinfo import children, is_zombie, process_tree, status_field
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 300      # hang guards only: nothing asserts how fast anything is
@@ -32,31 +33,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-def is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    return status_field(pid, "VmRSS") / 1024
 
 
 def wait_until(predicate, what: str, timeout: float = WAIT_TIMEOUT):
@@ -128,12 +106,7 @@ class Server:
         pytest.fail(f"appliance serve not ready after {START_TIMEOUT}s:\n{self.output()}")
 
     def process_tree(self) -> list[int]:
-        tree, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            tree.append(pid)
-            todo += children(pid)
-        return tree
+        return process_tree(self.proc.pid)
 
     def workers(self) -> set[int]:
         """PIDs of the gunicorn workers (children of the arbiter, the engine process's one child). A worker that

@@ -83,6 +83,7 @@ class OpenVINOPagedBackend(Backend):
                                    for port, dims in zip(cache_inputs, block_dims))
         self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
         self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
+        self._inputs: dict[str, np.ndarray] = {}   # input name -> numpy view of the tensor bound to it
         self._blocks = []   # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
         for port, dims in zip(cache_inputs, block_dims):
             tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
@@ -123,7 +124,13 @@ class OpenVINOPagedBackend(Backend):
                             ("block_indices_begins", block_begins),
                             ("max_context_len", np.array(int((past + lens).max()), np.int32)),
                             ("logits_indices", logits_indices.astype(np.int64, copy=False))):
-            request.set_tensor(name, ov.Tensor(value))
+            view = self._inputs.get(name)
+            if view is not None and view.shape == value.shape:
+                view[...] = value   # decode steps keep their shapes: write into the bound tensor
+            else:
+                tensor = ov.Tensor(value)   # owns a copy, stays bound until the shape changes
+                request.set_tensor(name, tensor)
+                self._inputs[name] = tensor.data
         request.start_async()   # infer() would also copy every output into a fresh numpy array
         request.wait()
         logits = request.get_tensor("logits").data
