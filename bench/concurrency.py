@@ -75,11 +75,10 @@ def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
                 times[i] += [time.perf_counter()] * len(chunk.token_ids)
 
     t0 = time.perf_counter()
-    threads = []
-    for i, p in enumerate(batch):
-        t = threading.Thread(target=consume, args=(i, engine.submit(p, params)), daemon=True)
+    handles = [engine.submit(p, params) for p in batch]   # all at once, as genai_run's add_request loop
+    threads = [threading.Thread(target=consume, args=(i, h), daemon=True) for i, h in enumerate(handles)]
+    for t in threads:
         t.start()
-        threads.append(t)
     for t in threads:
         t.join()
     return _summary(t0, times, new_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 # Used by test_server_e2e.py, test_fuzz.py and test_docs_examples.py: `server` is one session-wide server
 # (2 workers, no API key) on a free port; `Server` starts others (test_server_e2e.py's `guarded` one).
 
+import contextlib
 import json
 import os
 import signal
@@ -203,9 +204,6 @@ def exported(tiny, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
 # ================================================================ the Flask app over an in-process engine
 # Used by test_beam_search.py and test_prompt_logprobs.py: the real app and engine service, no gunicorn.
 
-import contextlib  # noqa: E402
-
-
 @contextlib.contextmanager
 def in_process_api(engine, runtime: Path):
     """A Flask test client wired through the real engine service to `engine` (the caller's f32 engine)."""
@@ -225,3 +223,15 @@ def in_process_api(engine, runtime: Path):
         yield create_app(settings, EngineClient(settings.socket_path, settings.authkey())).test_client()
     finally:
         service.stop()
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """transformers on one thread: on a busy 2-core machine two OpenMP threads spin-wait each other ~10x slower."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -7,13 +7,12 @@ block) on the default model in f32, on every backend and under KV pressure; and 
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
 import numpy as np
 import pytest
-from conftest import in_process_api
+from conftest import in_process_api, one_torch_thread
 
 from appliance.beam_search import BeamSearch, log_softmax, top_continuations
 from appliance.config import EngineConfig
@@ -66,18 +65,6 @@ def test_length_penalty_normalizes_finished_scores():
     search.update(cands, [True, True], 3, payloads=["x", "y"])
     assert search.finished[0].score == pytest.approx((-3.0 + np.log(0.5)) / 9)
     assert search.done                                    # every candidate ended
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    """transformers on one thread: on a busy 2-core machine two OpenMP threads spin-wait each other ~10x slower."""
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _toy_model():

@@ -3,13 +3,12 @@ first one null, equal to transformers' log_softmax of its logits on the default 
 prefill, the prefix cache, every backend, and the HTTP API (unary and streaming)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
 import numpy as np
 import pytest
-from conftest import in_process_api
+from conftest import in_process_api, one_torch_thread
 
 from appliance.config import EngineConfig
 from appliance.engine import Engine
@@ -20,17 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TOP = 3
 F32 = dict(precision="f32", max_num_batched_tokens=16)   # 16-token chunks: every prompt spans several steps
 TEXTS = ["The quick brown fox jumps over the lazy dog. " * 5, "def fibonacci(n):\n    if n < 2:\n        return n"]
-
-
-@contextlib.contextmanager
-def one_torch_thread():
-    import torch
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -15,22 +15,19 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
 import tiny_models
+from conftest import Server
+
+from appliance.procinfo import status_field
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
 REQUESTS = 10_000
 WARMUP = 200
 CLIENTS = 16                 # concurrent clients (a bounded thread pool)
@@ -45,70 +42,6 @@ WORDS = " ".join(tiny_models.CORPUS).split()
 
 # ---------------------------------------------------------------- the server
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-class Server:
-    def __init__(self, model_dir: Path, log_path: Path):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = log_path.open("wb")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", str(WORKERS), "--log-level", "warning"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"appliance serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if requests.get(self.base + "/v2/health/ready", timeout=5).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"appliance serve not ready after {timeout}s:\n{self.output()}")
-
-    def metrics(self) -> dict[str, float]:
-        text = requests.get(self.base + "/metrics", timeout=30).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
-
-    def close(self) -> None:
-        try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
-                    pytest.fail(f"appliance serve ignored SIGTERM:\n{self.output()}")
-        finally:
-            self.log.close()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from export.exporter import export_model
@@ -116,7 +49,7 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
     hf = tiny_models.build_tiny_model("llama", root / "hf")
     export_model(hf, root / "openvino-fp32", "openvino", "fp32", name="tiny-llama")
-    srv = Server(root / "openvino-fp32", root / "serve.log")
+    srv = Server(root / "openvino-fp32", root / "serve.log", "--workers", str(WORKERS), "--log-level", "warning")
     try:
         srv.wait_ready()
         yield srv
@@ -239,8 +172,8 @@ def _settled(server: Server, pid: int, threads: int, fds: int) -> dict:
     while True:
         m = server.metrics()
         seen = {"running": m["appliance_running_sequences"], "queued": m["appliance_queue_depth"],
-                "kv_blocks_used": m["appliance_kv_cache_blocks_used"], "threads": _status(pid, "Threads"),
-                "fds": _fds(pid), "metrics": m}
+                "kv_blocks_used": m["appliance_kv_cache_blocks_used"], "threads": status_field(pid, "Threads"),
+                "fds": len(os.listdir(f"/proc/{pid}/fd")), "metrics": m}
         if (not seen["running"] and not seen["queued"] and not seen["kv_blocks_used"]
                 and seen["threads"] <= threads + THREAD_SLACK and seen["fds"] <= fds + FD_SLACK):
             return seen

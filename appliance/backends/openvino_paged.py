@@ -19,6 +19,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from appliance.backends.base import Backend, StepBatch
 from appliance.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
+from appliance.backends.projection_fusion import fuse_sibling_projections
 from appliance.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class OpenVINOPagedBackend(Backend):
             raise ValueError("paged attention needs the stateful OpenVINO IR (export with the default options)")
         model = read_model(model_dir, manifest.model_file)
         paged_attention_transformation(model)
+        log.debug("fused %d groups of sibling projections", fuse_sibling_projections(model))
         _gather_last_tokens(model)
         self.compiled = core().compile_model(model, config.device, compile_properties(config))
         self.request = self.compiled.create_infer_request()

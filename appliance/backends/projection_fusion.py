@@ -1,0 +1,76 @@
+"""Fuse sibling projections: MatMuls that read the same activation with constant weights (attention's q/k/v,
+the MLP's gate/up) become one MatMul over the concatenated weights and a VariadicSplit.
+
+Why: at decode batch sizes a projection is a matrix-vector product bound by memory and by a fixed cost per
+kernel call; OpenVINO's CPU plugin only fuses these itself on AMX machines. On SmolLM2 (fp16 and int8 IR,
+2 vCPUs) one fused step was 2-5% faster at batch 1, the same or faster at 16, with bit-identical f32 logits.
+
+The weights keep their compressed form: the decompression chain (Convert / Subtract zero point / Multiply
+scale) of the first projection is rewired to concatenated constants, so its nodes keep the runtime marks that
+tell the plugin to decompress on the fly instead of folding the weights to f32. Only chains whose every
+constant is per output row (dim 0 = the projection's width) are fused; anything else (e.g. group-wise int4
+with a Reshape) is left alone.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+_CHAIN = ("Convert", "Subtract", "Multiply")
+
+
+def _signature(node: ov.Node, rows: int) -> tuple | None:
+    """The weight chain's shape with dim 0 left out (siblings must agree on it), or None if not fusable."""
+    kind = node.get_type_name()
+    if kind == "Constant":
+        shape = tuple(node.get_output_shape(0))
+        return ("C", str(node.get_output_element_type(0)), shape[1:]) if len(shape) >= 2 and shape[0] == rows \
+            else None
+    if kind not in _CHAIN:
+        return None
+    parts = tuple(_signature(node.input_value(i).get_node(), rows) for i in range(node.get_input_size()))
+    return None if None in parts else (kind, str(node.get_output_element_type(0)), parts)
+
+
+def _merge(consumers: list[ov.Node], index: int) -> None:
+    """Rewire input `index` of the first consumer in place: a constant becomes the row-wise concatenation of
+    the siblings' constants, a chain node is kept and its own inputs are merged the same way."""
+    parts = [n.input_value(index).get_node() for n in consumers]
+    if parts[0].get_type_name() == "Constant":
+        data = np.concatenate([np.array(p.get_data()) for p in parts], axis=0)
+        consumers[0].input(index).replace_source_output(ov.op.Constant(ov.Tensor(data)).output(0))
+        return
+    for i in range(parts[0].get_input_size()):
+        _merge(parts, i)
+    parts[0].validate_and_infer_types()
+
+
+def fuse_sibling_projections(model: ov.Model) -> int:
+    """Returns the number of groups fused."""
+    groups: dict[tuple, list[ov.Node]] = defaultdict(list)
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "MatMul" or node.get_attributes() != {"transpose_a": False, "transpose_b": True}:
+            continue
+        width = node.get_output_partial_shape(0)[-1]
+        sig = _signature(node.input_value(1).get_node(), width.get_length()) if width.is_static else None
+        if sig is not None:
+            x = node.input_value(0)
+            groups[(x.get_node().get_friendly_name(), x.get_index(), sig)].append(node)
+    fused = 0
+    for mms in groups.values():
+        if len(mms) < 2:
+            continue
+        widths = [m.get_output_partial_shape(0)[-1].get_length() for m in mms]
+        consumers = [list(m.output(0).get_target_inputs()) for m in mms]
+        _merge(mms, 1)
+        mms[0].validate_and_infer_types()
+        split = ops.variadic_split(mms[0].output(0), ops.constant(np.int64(-1)), ops.constant(np.array(widths)))
+        for i, inputs in enumerate(consumers):
+            for target in inputs:
+                target.replace_source_output(split.output(i))
+        fused += 1
+    model.validate_nodes_and_infer_types()
+    return fused
