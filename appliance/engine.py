@@ -267,10 +267,12 @@ class Engine:
                 self._finish(seq, "abort")
 
     def _start_all(self, seqs: list[Sequence]) -> None:
-        """A request's sequences: the first is scheduled, its followers (n > 1) wait for its prompt KV."""
-        for seq in seqs:
+        """A request's sequences: the first is scheduled, its followers (n > 1) wait for its prompt KV. They
+        start first, so that a leader failing to start hands ready followers to the scheduler (_finish)."""
+        share = bool(seqs[0].followers)
+        for seq in seqs[1:] + seqs[:1] if share else seqs:
             try:
-                self._start(seq, scheduled=seq is seqs[0] or not seqs[0].followers)
+                self._start(seq, scheduled=seq is seqs[0] or not share)
             except Exception as exc:  # one bad request fails alone; the engine thread goes on
                 log.exception("could not start request %s", seq.request_id)
                 self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")

@@ -109,3 +109,20 @@ def test_full_pool_falls_back_to_own_prefill(model_dir):
         assert e.pool.num_used == 0
     finally:
         e.shutdown()
+
+
+def test_leader_failing_to_start_hands_over(engine, monkeypatch):
+    ids = prompt(engine, 6)
+    alone = engine.submit(ids, greedy()).result().token_ids
+    start = Engine._start
+
+    def flaky(self, seq, scheduled=True):
+        if seq.request_id == "lead":
+            raise RuntimeError("boom")
+        return start(self, seq, scheduled)
+    monkeypatch.setattr(Engine, "_start", flaky)
+    handles = engine.submit_choices(ids, [greedy()] * 3, ["lead", "b", "c"])
+    with pytest.raises(RuntimeError, match="internal error"):
+        handles[0].result()
+    assert [h.result().token_ids for h in handles[1:]] == [alone, alone]
+    assert engine.scheduler.running == [] and not engine.scheduler.waiting
