@@ -12,7 +12,8 @@ class EngineConfig:
     # KV cache element type; None: f32 when precision is f32, else u8 on CPU (~30% faster decode than f16).
     kv_cache_precision: str | None = None
     # Paged KV pool budget, all sequences together (appliance/kv_budget.py): kv_cache_bytes wins when set; both
-    # None = auto (half the memory free after loading, capped at max_num_seqs full contexts; what `serve` does).
+    # None = auto (a quarter of the memory free after loading, capped at max_num_seqs full contexts; what `serve`
+    # does).
     # Static-shape backends ignore both: their KV is static_batch x static_context.
     kv_cache_tokens: int | None = 16384
     kv_cache_bytes: int | None = None

@@ -40,6 +40,22 @@ class PromptTooLong(ValueError):
     """Prompt (+ max_tokens) does not fit the context (HTTP 400)."""
 
 
+def _text_step(detok: IncrementalDetokenizer, stop: StopStringMatcher | None, token: int, reason: str | None,
+                include_stop: bool) -> tuple[str, bool]:
+    """The text one token adds to a choice, and whether a stop string ended it there. `reason`: why the token
+    ends the choice (None: it does not). The EOS / stop token that ends a choice is not text the user asked for
+    (as OpenAI and vLLM do) unless include_stop_str_in_output; the last token flushes what was held back."""
+    text = "" if reason == "stop" and not include_stop else detok.add([token])
+    if reason is not None:
+        text += detok.flush()
+    if stop is None:
+        return text, False
+    text, stopped = stop.feed(text)
+    if not stopped and reason is not None:
+        text += stop.flush()
+    return text, stopped
+
+
 class RequestHandle:
     """The requester's side of one sequence: iterate for Chunks, cancel to free its KV at once."""
 
@@ -246,9 +262,11 @@ class Engine:
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")
-        for _ in range(3):   # a leader's end queues its waiting followers (n > 1): those are ended next round
-            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(seq, "abort", error="server shutting down")
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            for f in seq.followers or []:   # n > 1 choices still waiting for this prompt end with it
+                if f.status is not Status.FINISHED:
+                    self._finish(f, "abort", error="server shutting down")
+            self._finish(seq, "abort", error="server shutting down")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -346,17 +364,9 @@ class Engine:
         self.counters["generated_tokens"] += 1
         reason = check_token_stop(token, seq.num_generated, seq.params, self.eos_token_ids,
                                   len(seq.token_ids) >= seq.max_len)
-        # The EOS / stop token that ends a sequence is not text the user asked for (as OpenAI and vLLM do).
-        hidden = reason == "stop" and not seq.params.include_stop_str_in_output
-        text = "" if hidden else seq.detok.add([token])
-        if reason is not None:
-            text += seq.detok.flush()
-        if seq.stop is not None:
-            text, stopped = seq.stop.feed(text)
-            if stopped:
-                reason = "stop"
-            elif reason is not None:
-                text += seq.stop.flush()
+        text, stopped = _text_step(seq.detok, seq.stop, token, reason, seq.params.include_stop_str_in_output)
+        if stopped:
+            reason = "stop"
         logprobs = self._logprobs(seq, token, out, j) if seq.params.logprobs is not None else None
         chunk = Chunk(text=text, token_ids=[token], logprobs=logprobs, prompt_tokens=seq.prompt_len,
                       completion_tokens=seq.num_generated,
@@ -479,8 +489,7 @@ class Engine:
                 self.scheduler.finish(seq)
         copies: list[tuple[int, int, int]] = []
         children = {id(c): self._fork_beam(beams[c.beam], c, entry(c), copies) for c in forks}  # parents unchanged yet
-        if copies:
-            self.backend.copy_blocks([(s, d) for s, d, _ in copies], [n for _, _, n in copies])
+        self._copy_tails(copies)
         for b, c in kept.items():
             seq = beams[b]
             seq.token_ids.append(c.token)
@@ -539,6 +548,11 @@ class Engine:
         child.num_computed, child.status = parent.num_computed, Status.RUNNING
         self.scheduler.running.append(child)
 
+    def _copy_tails(self, copies: list[tuple[int, int, int]]) -> None:
+        """Run the (src, dst, positions) block copies _share_kv queued."""
+        if copies:
+            self.backend.copy_blocks([(s, d) for s, d, _ in copies], [n for _, _, n in copies])
+
     def _fork_followers(self, leader: Sequence) -> list[Sequence]:
         """n > 1: leader's prompt KV is complete; the other choices start from it and sample their first token
         from the same logits row. One without a free block for its tail computes its own prompt later."""
@@ -556,8 +570,7 @@ class Engine:
             if leader.prompt_logprobs is not None:
                 f.prompt_logprobs = list(leader.prompt_logprobs)
             forked.append(f)
-        if copies:
-            self.backend.copy_blocks([(s, d) for s, d, _ in copies], [n for _, _, n in copies])
+        self._copy_tails(copies)
         return forked
 
     def _make_room(self, blocks: int, group: BeamGroup) -> bool:
@@ -596,18 +609,11 @@ class Engine:
         stop = StopStringMatcher(p.stop, p.include_stop_str_in_output) if p.stop else None
         parts = []
         for i, token in enumerate(tokens):
-            last = i == len(tokens) - 1
-            text = "" if last and reason == "stop" and not p.include_stop_str_in_output else detok.add([token])
-            if last:
-                text += detok.flush()
-            if stop is not None:
-                text, stopped = stop.feed(text)
-                if stopped:
-                    parts.append(text)
-                    break
-                if last:
-                    text += stop.flush()
+            text, stopped = _text_step(detok, stop, token, reason if i == len(tokens) - 1 else None,
+                                        p.include_stop_str_in_output)
             parts.append(text)
+            if stopped:
+                break
         return Chunk(text="".join(parts), token_ids=tokens, logprobs=logprobs,
                      finish_reason="length" if reason == "length" else "stop", prompt_tokens=root.prompt_len,
                      completion_tokens=len(tokens), prompt_logprobs=root.prompt_logprobs)

@@ -150,6 +150,13 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_hf() -> Path:
+    """The default model's transformers folder (built from the GGUF once, cached)."""
+    from export.default_model import ensure_hf_folder
+    return ensure_hf_folder()
+
+
+@pytest.fixture(scope="session")
 def model_name(model_dir) -> str:
     return Manifest.load(model_dir).name
 

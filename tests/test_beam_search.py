@@ -134,12 +134,6 @@ def _until_eos(tokens: list[int], eos) -> list[int]:
 # ---------------------------------------------------------------- the engine on the default model
 
 @pytest.fixture(scope="module")
-def default_hf():
-    from export.default_model import ensure_hf_folder
-    return ensure_hf_folder()
-
-
-@pytest.fixture(scope="module")
 def prompts(default_hf):
     from appliance.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(default_hf)

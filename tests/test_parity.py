@@ -53,12 +53,6 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
 
 
 @pytest.fixture(scope="module")
-def default_hf():
-    from export.default_model import ensure_hf_folder
-    return ensure_hf_folder()
-
-
-@pytest.fixture(scope="module")
 def default_prompts(default_hf):
     from appliance.tokenizer import Tokenizer
     return _prompts(Tokenizer.from_dir(default_hf))

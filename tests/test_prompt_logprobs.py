@@ -22,12 +22,6 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. " * 5, "def fibonacci(n):
 
 
 @pytest.fixture(scope="module")
-def default_hf():
-    from export.default_model import ensure_hf_folder
-    return ensure_hf_folder()
-
-
-@pytest.fixture(scope="module")
 def prompts(default_hf):
     from appliance.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(default_hf)

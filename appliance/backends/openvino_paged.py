@@ -20,6 +20,7 @@ from openvino._offline_transformations import paged_attention_transformation
 from appliance.backends.base import Backend, StepBatch
 from appliance.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
 from appliance.backends.projection_fusion import fuse_sibling_projections
+from appliance.kv_budget import pool_blocks
 from appliance.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,6 @@ class OpenVINOPagedBackend(Backend):
         # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.
         values = next(i for i in cache_inputs if i.get_any_name().startswith("value_cache."))
         self.block_size = values.get_partial_shape()[2].get_length()
-        from appliance.kv_budget import pool_blocks
         block_dims = [[ps[d].get_length() for d in range(1, ps.rank.get_length())]
                       for ps in (port.get_partial_shape() for port in cache_inputs)]
         self.bytes_per_block = sum(int(np.prod(dims)) * port.get_element_type().size
