@@ -21,8 +21,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import (arg_parser, engine_properties, machine, median, model_dir, print_table, prompts, ratio,
-                          rotate, save_results)
+from bench.common import (arg_parser, machine, model_dir, paired_ratio, print_table, prompts, rotate, save_results,
+                          side_medians)
 
 
 def engine_call(engine, prompt: list[int], new_tokens: int) -> dict:
@@ -79,6 +79,7 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     import openvino as ov
     import openvino_genai as ov_genai
 
+    from appliance.backends.openvino_common import compile_properties
     from appliance.manifest import Manifest
     from bench.concurrency import engine_settings, load_engine, load_genai
 
@@ -87,7 +88,7 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     engine = load_engine(path)
     try:
         cb, cb_settings = load_genai(path, engine)
-        props = engine_properties(engine.config)
+        props = compile_properties(engine.config)   # the engine's, so only the generation loops differ
         llm = ov_genai.LLMPipeline(str(path), "CPU", **props)
         llm.generate(ov.Tensor(np.array([[100 + i for i in range(16)]], np.int64)), max_new_tokens=4,
                      apply_chat_template=False)
@@ -96,10 +97,9 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
                  ("cb", lambda p: cb_call(cb, p, new_tokens))]
         results = []
         for rep in range(runs):
-            order = rotate(sides, rep)
-            for impl, fn in order:
+            for position, (impl, fn) in enumerate(rotate(sides, rep)):
                 bar.set_postfix_str(f"{name} run {rep + 1} {impl}")
-                results.append({"impl": impl, "rep": rep, "position": order.index((impl, fn)),
+                results.append({"impl": impl, "rep": rep, "position": position,
                                 **fn(prompts(vocab, 1, prompt_len, seed)[0])})
                 seed += 1
                 bar.update()
@@ -109,26 +109,16 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     finally:
         engine.shutdown()
 
-    def paired(key: str, other: str, other_key: str | None = None) -> float:
-        """Median over runs of engine[key] / other[other_key or key], within each run."""
-        by_rep: dict = {}
-        for r in results:
-            by_rep.setdefault(r["rep"], {})[r["impl"]] = r
-        return median(ratio(p["engine"][key], p[other][other_key or key]) for p in by_rep.values())
-
     row = {"model": name}
     for impl in ("engine", "llm", "cb"):
-        row[f"{impl}_decode_tok_s"] = median(r["decode_tok_s"] for r in results if r["impl"] == impl)
-        row[f"{impl}_ttft_ms"] = median(r["ttft_s"] for r in results if r["impl"] == impl) * 1e3
-    row["decode_ratio"] = paired("decode_tok_s", "llm")
-    row["ttft_ratio"] = paired("ttft_s", "llm")
-    row["decode_ratio_cb"] = paired("decode_tok_s", "cb")
-    row["ttft_ratio_cb"] = paired("ttft_s", "cb")
-    llm = [r for r in results if r["impl"] == "llm"]
-    row["llm_own_decode_tok_s"] = median(r["own_decode_tok_s"] for r in llm)
-    row["llm_own_ttft_ms"] = median(r["own_ttft_s"] for r in llm) * 1e3
-    row["decode_ratio_own"] = paired("decode_tok_s", "llm", "own_decode_tok_s")
-    row["ttft_ratio_own"] = paired("ttft_s", "llm", "own_ttft_s")
+        row.update(side_medians(results, impl, rates=("decode_tok_s",)))
+    row["decode_ratio"] = paired_ratio(results, "decode_tok_s", "engine", "llm")
+    row["ttft_ratio"] = paired_ratio(results, "ttft_s", "engine", "llm")
+    row["decode_ratio_cb"] = paired_ratio(results, "decode_tok_s", "engine", "cb")
+    row["ttft_ratio_cb"] = paired_ratio(results, "ttft_s", "engine", "cb")
+    row.update(side_medians(results, "llm", rates=("own_decode_tok_s",), seconds=("own_ttft_s",)))
+    row["decode_ratio_own"] = paired_ratio(results, "decode_tok_s", "engine", "llm", b_key="own_decode_tok_s")
+    row["ttft_ratio_own"] = paired_ratio(results, "ttft_s", "engine", "llm", b_key="own_ttft_s")
     return {"model": name, "model_dir": str(path), "settings": settings, "runs": results, "summary": row}
 
 
@@ -146,11 +136,9 @@ OWN_COLUMNS = [("model", "model", ""), ("engine_decode_tok_s", "engine tok/s", "
 
 def main(argv=None) -> int:
     ap = arg_parser(__doc__, "batch1_paired", models=["default-fp16", "default-int8"],
-                    quick="default-fp16 only, 3 runs")
+                    quick={"models": ["default-fp16"], "runs": 3})
     ap.add_argument("--runs", type=int, default=9)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.models, args.runs = ["default-fp16"], 3
 
     info = machine()
     results = []

@@ -120,26 +120,26 @@ def main(argv=None) -> int:
                                 "genai_step_ms": genai_step.total * 1e3, "genai_wall_ms": g["wall_s"] * 1e3})
                     runs.append(row)
                     bar.update()
-            if args.cprofile:
-                import cProfile
-                import threading
+        if args.cprofile:
+            import cProfile
+            import threading
 
-                c = max(args.concurrency)
-                prof = cProfile.Profile()
-                step = engine.step
+            c = max(args.concurrency)
+            prof = cProfile.Profile()
+            step = engine.step
 
-                def profiled_step():
-                    prof.enable()
-                    try:
-                        step()
-                    finally:
-                        prof.disable()
-                engine.step = profiled_step
-                engine_run(engine, prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
-                engine.step = step
-                prof.dump_stats(str(args.cprofile))
-                print(f"wrote {args.cprofile} (cProfile of the engine steps at c={c}; thread "
-                      f"{threading.current_thread().name} drove the requests)")
+            def profiled_step():
+                prof.enable()
+                try:
+                    step()
+                finally:
+                    prof.disable()
+            engine.step = profiled_step
+            engine_run(engine, prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
+            engine.step = step
+            prof.dump_stats(str(args.cprofile))
+            print(f"wrote {args.cprofile} (cProfile of the engine steps at c={c}; thread "
+                  f"{threading.current_thread().name} drove the requests)")
     finally:
         engine.shutdown()
 
@@ -147,13 +147,14 @@ def main(argv=None) -> int:
     for c in args.concurrency:
         mine = [r for r in runs if r["concurrency"] == c]
 
+        def med(key: str) -> float:
+            return median(r[key] for r in mine)
+
         def per_step(key: str, steps: str = "engine_steps") -> float:
             return median(r[key] / r[steps] for r in mine)
 
-        row = {"concurrency": c, "engine_tok_s": median(r["engine_tok_s"] for r in mine),
-               "genai_tok_s": median(r["genai_tok_s"] for r in mine), "engine_steps": median(r["engine_steps"]
-                                                                                            for r in mine),
-               "genai_steps": median(r["genai_steps"] for r in mine),
+        row = {"concurrency": c, "engine_tok_s": med("engine_tok_s"), "genai_tok_s": med("genai_tok_s"),
+               "engine_steps": med("engine_steps"), "genai_steps": med("genai_steps"),
                "step_ms": per_step("step_ms"), "forward_ms": per_step("forward_ms"),
                "infer_ms": per_step("infer_ms") if "infer_ms" in mine[0] else None,
                "sample_ms": per_step("sample_ms") if "sample_ms" in mine[0] else None,

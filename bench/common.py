@@ -39,15 +39,6 @@ def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [rng.integers(100, vocab - 100, size=length).tolist() for _ in range(n)]
 
 
-def engine_properties(config=None) -> dict:
-    """The OpenVINO compile properties our engine uses for `config` (default: EngineConfig()), to give the
-    openvino_genai pipelines the same ones (same inference precision, KV precision and hint)."""
-    from appliance.backends.openvino_common import compile_properties
-    from appliance.config import EngineConfig
-
-    return compile_properties(config or EngineConfig())
-
-
 # ---------------------------------------------------------------- statistics
 
 def median(values: Iterable[float]) -> float:
@@ -64,14 +55,16 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def paired_ratio(runs: list[dict], key: str, a: str, b: str, **match) -> float:
-    """Median over repetitions of run[a][key] / run[b][key], pairing the two runs of the same repetition (they
-    ran back to back, so slow drifts of the machine's load cancel better than in a ratio of medians)."""
-    mine = [r for r in runs if all(r[k] == v for k, v in match.items())]
+def paired_ratio(runs: list[dict], key: str, a: str, b: str, *, b_key: str | None = None, side: str = "impl",
+                 **match) -> float:
+    """Median over repetitions of run[a][key] / run[b][b_key or key], pairing the two runs of the same repetition
+    (they ran back to back, so slow drifts of the machine's load cancel better than in a ratio of medians).
+    `side`: the run field that names a and b."""
     by_rep: dict = {}
-    for r in mine:
-        by_rep.setdefault(r["rep"], {})[r["impl"]] = r[key]
-    return median(ratio(p[a], p[b]) for p in by_rep.values() if a in p and b in p)
+    for r in runs:
+        if all(r[k] == v for k, v in match.items()):
+            by_rep.setdefault(r["rep"], {})[r[side]] = r
+    return median(ratio(p[a][key], p[b][b_key or key]) for p in by_rep.values() if a in p and b in p)
 
 
 # ---------------------------------------------------------------- output
@@ -167,26 +160,35 @@ def _jsonable(value: Any):
     return str(value)
 
 
-def args_dict(args) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-
-
 def save_results(args, benchmark: str, machine_before: dict, **payload) -> Path:
     """args.out <- {benchmark, args, machine_before, machine_after (now), **payload}: every benchmark's JSON."""
-    return write_json(args.out, {"benchmark": benchmark, "args": args_dict(args), "machine_before": machine_before,
+    return write_json(args.out, {"benchmark": benchmark, "args": vars(args), "machine_before": machine_before,
                                  "machine_after": machine(), **payload})
 
 
 # ---------------------------------------------------------------- command line
 
+class _Parser(argparse.ArgumentParser):
+    """parse_args() applies `quick_sets` (option dest -> value) when --quick is given."""
+
+    quick_sets: dict = {}
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "quick", False):
+            vars(parsed).update(self.quick_sets)
+        return parsed
+
+
 def arg_parser(doc: str, out_name: str, *, model: str | None = None, models: Sequence[str] | None = None,
                levels: bool = False, reps: int | None = None, prompt_len: int | None = 128,
-               new_tokens: int | None = 128, quick: str | None = None) -> argparse.ArgumentParser:
+               new_tokens: int | None = 128, quick: dict | None = None) -> argparse.ArgumentParser:
     """The options the benchmarks share, each only where asked for: --model (one, default `model`) or --models
-    (several), --concurrency (the levels swept), --reps, --prompt-len / --new-tokens (the workload), --quick (its
-    help says what it cuts), and always --out (default bench/results/<out_name>.json). The caller adds its own
-    options and applies --quick. `doc`: the module's docstring (its first paragraph is the description)."""
-    ap = argparse.ArgumentParser(description=" ".join(doc.strip().split("\n\n")[0].split()))
+    (several), --concurrency (the levels swept), --reps, --prompt-len / --new-tokens (the workload), --quick (sets
+    the options in `quick`, {dest: value}, over whatever was given; parse_args() applies it), and always --out
+    (default bench/results/<out_name>.json). The caller adds its own options. `doc`: the module's docstring (its
+    first paragraph is the description)."""
+    ap = _Parser(description=" ".join(doc.strip().split("\n\n")[0].split()))
     if model is not None:
         ap.add_argument("--model", default=model, help=f"{', '.join(MODEL_CHOICES)} or an export directory")
     if models is not None:
@@ -201,7 +203,9 @@ def arg_parser(doc: str, out_name: str, *, model: str | None = None, models: Seq
     if new_tokens is not None:
         ap.add_argument("--new-tokens", type=int, default=new_tokens)
     if quick is not None:
-        ap.add_argument("--quick", action="store_true", help=quick)
+        ap.quick_sets = quick
+        ap.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in quick.items()))
     ap.add_argument("--out", type=Path, default=RESULTS / f"{out_name}.json")
     return ap
 
@@ -355,6 +359,12 @@ class ServerProcess(LoopbackServer):
 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         super().__init__(command, log_path, start_timeout, env)
+
+    def model_id(self) -> str:
+        """The name the server serves its model under (what requests put in "model")."""
+        import requests
+
+        return requests.get(self.base + "/v3/models", timeout=30).json()["data"][0]["id"]
 
     def metrics(self) -> dict[str, float]:
         import requests

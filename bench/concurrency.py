@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import (MODEL_CHOICES, arg_parser, engine_properties, machine, median, model_dir, paired_ratio,
-                          percentile, print_table, prompts, ratio, rotate, save_results, side_medians)
+from bench.common import (MODEL_CHOICES, arg_parser, machine, median, model_dir, paired_ratio, percentile,
+                          print_table, prompts, ratio, rotate, save_results, side_medians)
 
 _request_ids = itertools.count()
 
@@ -40,26 +40,17 @@ def load_engine(path: Path, config=None):
 def engine_settings(engine) -> dict:
     """What the engine ran with (engine internals read defensively: they may move, the benchmark should not
     break over a settings report)."""
+    from appliance.backends.openvino_common import compile_properties
+
     c, pool, backend = engine.config, engine.pool, engine.backend
     compiled = getattr(backend, "compiled", None)
     return {"impl": "appliance.engine.Engine", "max_num_seqs": engine.scheduler.max_num_seqs,
             "max_num_batched_tokens": c.max_num_batched_tokens, "chunked_prefill": True,
             "kv_cache_tokens": pool.num_blocks * pool.block_size, "kv_blocks": pool.num_blocks,
             "kv_block_size": pool.block_size, "kv_cache_bytes": getattr(backend, "cache_bytes", None),
-            "prefix_caching": pool.prefix_caching, "compile_properties": engine_properties(c),
-            "inference_precision": _type_name(compiled.get_property("INFERENCE_PRECISION_HINT")) if compiled else None,
-            "kv_precision": _type_name(getattr(backend, "kv_precision", None))}
-
-
-def _type_name(t) -> str | None:
-    """bf16, u8, ...: an ov.Type, or its repr "<Type: 'uint8_t'>" as some backends keep it."""
-    if t is None:
-        return None
-    if hasattr(t, "to_string"):
-        return t.to_string()
-    import re
-    m = re.fullmatch(r"<Type: '(\w+)'>", str(t))
-    return {"uint8_t": "u8", "float16": "f16", "float32": "f32", "bfloat16": "bf16"}.get(m[1], m[1]) if m else str(t)
+            "prefix_caching": pool.prefix_caching, "compile_properties": compile_properties(c),
+            "inference_precision": compiled.get_property("INFERENCE_PRECISION_HINT").to_string() if compiled else None,
+            "kv_precision": getattr(backend, "kv_precision", None)}   # the paged backend's: "u8", "f16", ...
 
 
 def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
@@ -90,6 +81,8 @@ def load_genai(path: Path, engine) -> tuple[object, dict]:
     """A ContinuousBatchingPipeline with the engine's scheduler limits, KV budget and compile properties."""
     import openvino_genai as ov_genai
 
+    from appliance.backends.openvino_common import compile_properties
+
     c = engine.config
     sc = ov_genai.SchedulerConfig()
     sc.max_num_seqs = engine.scheduler.max_num_seqs
@@ -97,7 +90,7 @@ def load_genai(path: Path, engine) -> tuple[object, dict]:
     sc.num_kv_blocks = engine.pool.num_blocks            # block size 32 on CPU, as ours (checked below)
     sc.dynamic_split_fuse = True
     sc.enable_prefix_caching = engine.pool.prefix_caching
-    props = engine_properties(c)
+    props = compile_properties(c)
     pipe = ov_genai.ContinuousBatchingPipeline(str(path), sc, "CPU", props)
     genai_run(pipe, [[100 + i for i in range(16)]], 4)   # compile kernels, allocate the cache
     settings = {"impl": "openvino_genai.ContinuousBatchingPipeline (add_request + step loop)",
@@ -161,9 +154,9 @@ def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, 
         pipe, genai_settings = load_genai(path, engine)
         runs = []
         for rep in range(reps):
-            for c in levels:
+            for k, c in enumerate(levels):
                 sides = rotate([("engine", lambda b: engine_run(engine, b, new_tokens)),
-                                ("genai", lambda b: genai_run(pipe, b, new_tokens))], rep + levels.index(c))
+                                ("genai", lambda b: genai_run(pipe, b, new_tokens))], rep + k)
                 for side, fn in sides:
                     bar.set_postfix_str(f"{name} c={c} rep {rep + 1} {side}")
                     batch = prompts(vocab, c, prompt_len, seed)
@@ -194,9 +187,7 @@ COLUMNS = [("model", "model", ""), ("concurrency", "conc", "d"), ("engine_tok_s"
 
 def main(argv=None) -> int:
     args = arg_parser(__doc__, "concurrency", models=MODEL_CHOICES, levels=True, reps=5,
-                      quick="default-fp16 only, 1 repetition").parse_args(argv)
-    if args.quick:
-        args.models, args.reps = ["default-fp16"], 1
+                      quick={"models": ["default-fp16"], "reps": 1}).parse_args(argv)
 
     info = machine()
     results = []

@@ -84,6 +84,7 @@ def http_run(base: str, model: str, batch: list, new_tokens: int, server_pid: in
     generated token of the server's processes and of this (client) process."""
     import requests
 
+    stream = stream or (lambda prompt, session: stream_one(base, model, prompt, new_tokens, session))
     results: list[dict | None] = [None] * len(batch)
     sessions = [requests.Session() for _ in batch]
     barrier = threading.Barrier(len(batch) + 1)
@@ -91,10 +92,7 @@ def http_run(base: str, model: str, batch: list, new_tokens: int, server_pid: in
     def client(i: int) -> None:
         barrier.wait()
         try:
-            if stream is None:
-                results[i] = stream_one(base, model, batch[i], new_tokens, sessions[i])
-            else:
-                results[i] = stream(batch[i], sessions[i])
+            results[i] = stream(batch[i], sessions[i])
         except Exception as exc:   # reported below with the others
             results[i] = {"times": [], "tokens": 0, "text_events": 0, "error": repr(exc)}
 
@@ -244,7 +242,7 @@ CPU_COLUMNS = [("concurrency", "conc", "d"), ("engine_cpu_ms_tok", "in-process e
 
 
 def main(argv=None) -> int:
-    ap = arg_parser(__doc__, "http", model="default-fp16", levels=True, reps=5, quick="1 repetition")
+    ap = arg_parser(__doc__, "http", model="default-fp16", levels=True, reps=5, quick={"reps": 1})
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--llamacpp-python", metavar="PATH",
                     help="a python with llama-cpp-python[server]: add llama.cpp's server on the same GGUF "
@@ -252,12 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even if it is installed")
     ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(), help="its --n_threads (default: CPUs)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.reps = 1
 
     import contextlib
-
-    import requests
 
     from appliance.manifest import Manifest
     from bench.concurrency import engine_settings, load_engine
@@ -281,7 +275,7 @@ def main(argv=None) -> int:
             llama = start_llamacpp(llama_python, args, servers)
         srv = servers.enter_context(ServerProcess(path, "--workers", str(args.workers), "--log-level", "warning",
                                                   log_path=LOGS / "http-serve.log"))
-        model = requests.get(srv.base + "/v3/models", timeout=30).json()["data"][0]["id"]
+        model = srv.model_id()
         http_run(srv.base, model, prompts(manifest.vocab_size, max(levels), 16, 1), 4)   # warm the workers
         sides = [("engine", lambda b, _: engine_cpu_run(engine, b, args.new_tokens)),
                  ("http", lambda b, _: http_run(srv.base, model, b, args.new_tokens, srv.pid))]

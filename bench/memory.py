@@ -57,14 +57,12 @@ class Sampler(threading.Thread):
 
 def measure(path: Path, workers: int, concurrency: int, rounds: int, prompt_len: int, new_tokens: int,
             log_path: Path, bar) -> dict:
-    import requests
-
     from appliance.manifest import Manifest
     from bench.http import http_run
 
     vocab = Manifest.load(path).vocab_size
     with ServerProcess(path, "--workers", str(workers), "--log-level", "warning", log_path=log_path) as srv:
-        model = requests.get(srv.base + "/v3/models", timeout=30).json()["data"][0]["id"]
+        model = srv.model_id()
         time.sleep(3)
         idle = _sums(memory_snapshot(srv.pid))
         bar.update()
@@ -85,13 +83,11 @@ COLUMNS = [("workers", "workers", "d"), ("idle_rss", "idle RSS MB", ".0f"), ("id
 
 
 def main(argv=None) -> int:
-    ap = arg_parser(__doc__, "memory", model="default-fp16", quick="1 round of load")
+    ap = arg_parser(__doc__, "memory", model="default-fp16", quick={"rounds": 1})
     ap.add_argument("--workers", nargs="+", type=int, default=[1, 4])
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.rounds = 1
 
     info = machine()
     path = model_dir(args.model)

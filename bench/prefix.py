@@ -18,7 +18,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import arg_parser, machine, median, model_dir, percentile, print_table, ratio, save_results
+from bench.common import (arg_parser, machine, median, model_dir, paired_ratio, percentile, print_table, ratio,
+                          rotate, save_results)
 
 
 def workload(vocab: int, prefix_len: int, suffix_len: int, n: int, seed: int) -> list[list[int]]:
@@ -62,13 +63,6 @@ def run(engine, batch: list[list[int]], in_flight: int, new_tokens: int, bar=Non
             "wall_s": wall, "cache_hit_tokens": hits, "prompt_tokens": sum(map(len, batch))}
 
 
-def _pairs(runs: list[dict]):
-    """(on, off) runs of the same repetition: same workload, back to back."""
-    for rep in sorted({r["rep"] for r in runs}):
-        mine = {r["caching"]: r for r in runs if r["rep"] == rep}
-        yield mine["on"], mine["off"]
-
-
 COLUMNS = [("model", "model", ""), ("on_ttft_ms", "cache on TTFT ms", ".0f"),
            ("off_ttft_ms", "cache off TTFT ms", ".0f"),
            ("ttft_speedup", "speedup", ".2f"), ("on_p90_ms", "on p90 ms", ".0f"), ("off_p90_ms", "off p90 ms", ".0f"),
@@ -78,14 +72,12 @@ COLUMNS = [("model", "model", ""), ("on_ttft_ms", "cache on TTFT ms", ".0f"),
 
 def main(argv=None) -> int:
     ap = arg_parser(__doc__, "prefix", model="default-fp16", reps=3, prompt_len=None, new_tokens=16,
-                    quick="1 repetition")
+                    quick={"reps": 1})
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--suffix-len", type=int, default=32)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--in-flight", type=int, default=4)
     args = ap.parse_args(argv)
-    if args.quick:
-        args.reps = 1
 
     from appliance.config import EngineConfig
     from appliance.manifest import Manifest
@@ -101,7 +93,7 @@ def main(argv=None) -> int:
         with tqdm(total=2 * args.reps * args.requests, desc="prefix", file=sys.stderr, leave=False) as bar:
             for rep in range(args.reps):
                 batch = workload(vocab, args.prefix_len, args.suffix_len, args.requests, seed=500 + rep)
-                order = ["on", "off"] if rep % 2 == 0 else ["off", "on"]
+                order = rotate(["on", "off"], rep)
                 for mode in order:
                     bar.set_postfix_str(f"rep {rep + 1} caching {mode}")
                     runs.append({"caching": mode, "rep": rep, "first": mode == order[0],
@@ -119,7 +111,7 @@ def main(argv=None) -> int:
            "hit_rate": med("on", "cache_hit_tokens") / med("on", "prompt_tokens"),
            "wall_speedup": ratio(med("off", "wall_s"), med("on", "wall_s"))}
     for key, col in (("ttft_median_s", "ttft_speedup"), ("ttft_p90_s", "p90_speedup")):
-        row[col] = median(ratio(off[key], on[key]) for on, off in _pairs(runs))
+        row[col] = paired_ratio(runs, key, "off", "on", side="caching")   # same workload, back to back
     print_table([row], COLUMNS, title=f"shared {args.prefix_len}-token prefix + {args.suffix_len}-token suffixes, "
                                       f"{args.requests} requests, {args.in_flight} in flight "
                                       "(speedup = median of per-repetition off / on, higher is better)")
