@@ -178,7 +178,7 @@ class Engine:
         if beam:
             seq.max_len = self._beam_max_len(len(prompt_ids), params, seq.max_len)
             seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
-        self._inbox.put(("add", [seq]))
+        self._inbox.put(("add", [[seq]]))
         self._wake.set()
         return BeamHandle(self, seq.group) if beam else RequestHandle(self, seq)
 
@@ -187,13 +187,24 @@ class Engine:
         """n sampled choices of one prompt (params[j] for choice j, e.g. seeds apart). The prompt is computed
         once: the other choices then share its KV blocks (copy-on-write: full blocks by reference, the partly
         filled last one copied) and sample their first token from the same logits."""
-        ids = request_ids or [None] * len(params)
-        seqs = [self._new_sequence(prompt_ids, p, r, len(params)) for p, r in zip(params, ids)]
-        if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
-            seqs[0].followers = seqs[1:]
-        self._inbox.put(("add", seqs))
+        return self.submit_prompts([(prompt_ids, params, request_ids)])[0]
+
+    def submit_prompts(self, requests: list[tuple[list[int], list[SamplingParams], list[str] | None]]
+                       ) -> list[list[RequestHandle]]:
+        """Several prompts at once, each with its choices as in submit_choices (a completions request's prompt
+        list, a burst of clients): all are queued or none (429), and they reach the scheduler in the same step,
+        so their prefills batch together instead of the first one starting alone."""
+        total = sum(len(params) for _, params, _ in requests)
+        groups = []
+        for prompt_ids, params, request_ids in requests:
+            ids = request_ids or [None] * len(params)
+            seqs = [self._new_sequence(prompt_ids, p, r, total) for p, r in zip(params, ids)]
+            if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
+                seqs[0].followers = seqs[1:]
+            groups.append(seqs)
+        self._inbox.put(("add", groups))
         self._wake.set()
-        return [RequestHandle(self, seq) for seq in seqs]
+        return [[RequestHandle(self, seq) for seq in seqs] for seqs in groups]
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
                       count: int) -> Sequence:
@@ -275,7 +286,8 @@ class Engine:
             except queue.Empty:
                 return
             if op == "add":
-                self._start_all(seq)
+                for seqs in seq:
+                    self._start_all(seqs)
             elif isinstance(seq, BeamGroup):
                 if not seq.done:
                     self.counters["aborted"] += 1
@@ -288,6 +300,8 @@ class Engine:
         """A request's sequences: the first is scheduled, its followers (n > 1) wait for its prompt KV. They
         start first, so that a leader failing to start hands ready followers to the scheduler (_finish)."""
         share = bool(seqs[0].followers)
+        self.counters["requests"] += 1   # one prompt, however many choices
+        self.counters["prompt_tokens"] += seqs[0].prompt_len
         for seq in seqs[1:] + seqs[:1] if share else seqs:
             try:
                 self._start(seq, scheduled=seq is seqs[0] or not share)
@@ -304,8 +318,6 @@ class Engine:
         if p.prompt_logprobs is not None:   # nothing predicts the first prompt token: its logprob is None
             first = seq.token_ids[0]
             seq.prompt_logprobs = [TokenLogprob(first, self.token_text(first), None)]
-        self.counters["requests"] += 1
-        self.counters["prompt_tokens"] += seq.prompt_len
         if scheduled:
             self.scheduler.add(seq)
 

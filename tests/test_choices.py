@@ -126,3 +126,32 @@ def test_leader_failing_to_start_hands_over(engine, monkeypatch):
         handles[0].result()
     assert [h.result().token_ids for h in handles[1:]] == [alone, alone]
     assert engine.scheduler.running == [] and not engine.scheduler.waiting
+
+
+def test_prompts_submitted_together_prefill_in_one_step(engine):
+    """Engine.submit_prompts: several prompts with their choices reach the scheduler in the same step (their
+    prompts fill the first forward call together), each answers as it would alone."""
+    ids = [prompt(engine, 10 + i)[:40] for i in range(3)]
+    alone = [engine.submit(p, greedy()).result().token_ids for p in ids]
+    before = engine.stats()
+    with watch(engine) as seen:
+        handles = engine.submit_prompts([(p, [greedy()] * 2, None) for p in ids])
+        results = [[h.result().token_ids for h in hs] for hs in handles]
+    assert results == [[a, a] for a in alone]
+    after = engine.stats()   # counted per prompt, not per choice
+    assert (after["requests"] - before["requests"], after["prompt_tokens"] - before["prompt_tokens"]) == (3, 3 * 40)
+    assert seen["fed"][0] == 3 * 40               # every prompt in the first step (128-token budget)
+    assert sum(seen["fed"]) == 3 * 40 + 6 * (NEW - 1)
+
+
+def test_prompts_queued_all_or_none(engine, monkeypatch):
+    from dataclasses import replace
+
+    from appliance.engine import QueueFull
+
+    monkeypatch.setattr(engine, "config", replace(engine.config, max_queued=3))
+    before = engine.stats()["requests"]
+    with pytest.raises(QueueFull):
+        engine.submit_prompts([(prompt(engine, 20), [greedy()] * 2, None), (prompt(engine, 21), [greedy()] * 2, None)])
+    engine.submit(prompt(engine, 22), greedy()).result()   # the engine goes on; nothing of the refused one ran
+    assert engine.stats()["requests"] == before + 1

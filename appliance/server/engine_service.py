@@ -144,17 +144,19 @@ class EngineService:
         beam = job.params.best_of is not None and job.params.best_of > 1
         handles = []
         try:
-            for i, ids in enumerate(prompts):
-                if beam:   # one search per prompt answers its n choices (events carry the choice offset)
+            if beam:   # one search per prompt answers its n choices (events carry the choice offset)
+                for i, ids in enumerate(prompts):
                     handles.append((i * job.n, engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}"),
                                     time.monotonic()))
-                    continue
+            else:      # every prompt and choice in one submission: all queued or none, prefilled together
                 p0 = job.params   # n choices must differ even with a fixed seed
                 params = [p0 if j == 0 or p0.seed is None else replace(p0, seed=(p0.seed + j) % 2**32)
                           for j in range(job.n)]
-                indexes = range(i * job.n, (i + 1) * job.n)
-                choices = engine.submit_choices(ids, params, [f"{job.request_id}-{k}" for k in indexes])
-                handles += [(k, h, time.monotonic()) for k, h in zip(indexes, choices)]
+                choices = engine.submit_prompts(
+                    [(ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)])
+                     for i, ids in enumerate(prompts)])
+                now = time.monotonic()
+                handles = [(k, h, now) for k, h in enumerate(h for hs in choices for h in hs)]
         except QueueFull as exc:
             self._cancel(handles)
             self.metrics.rejected.inc("queue_full")
