@@ -10,11 +10,8 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from appliance import procinfo
+from appliance.loopback import ApplianceServer
 from appliance.procinfo import process_tree, status_field
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -275,103 +273,12 @@ def _role(pid: int, root_pid: int) -> str:
 
 # ---------------------------------------------------------------- the real server
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LoopbackServer:
-    """A server subprocess on a free loopback port, output to a log file; `with LoopbackServer(...) as srv:`
-    waits until GET `ready_path` answers 200 and stops it with SIGTERM at the end. `command(port)` gives the
-    argv."""
-
-    what = "server"
-    ready_path = "/"
-
-    def __init__(self, command, log_path: Path | None = None, start_timeout: float = 300, env: dict | None = None):
-        import requests   # noqa: F401  (fail early if the test extras are missing)
-
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path or LOGS / f"serve-{self.port}.log"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(command(self.port), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env or dict(os.environ), cwd=ROOT)
-        self.start_timeout = start_timeout
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def wait_ready(self) -> "LoopbackServer":
-        import requests
-
-        deadline = time.monotonic() + self.start_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.what} exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                if requests.get(self.base + self.ready_path, timeout=5).status_code == 200:
-                    return self
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"{self.what} not ready after {self.start_timeout}s:\n{self.output()}")
-
-    def stop(self, timeout: float = 60) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
-
-    def __enter__(self):
-        try:
-            return self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-class ServerProcess(LoopbackServer):
-    """`appliance serve` on loopback (this checkout's code)."""
-
-    what = "appliance serve"
-    ready_path = "/v2/health/ready"
+class ServerProcess(ApplianceServer):
+    """`appliance serve` on loopback (this checkout's code), its log under LOGS unless given."""
 
     def __init__(self, model_dir: Path, *args: str, log_path: Path | None = None, start_timeout: float = 300):
-        def command(port: int) -> list[str]:
-            return [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host",
-                    "127.0.0.1", "--port", str(port), *args]
-
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        super().__init__(command, log_path, start_timeout, env)
-
-    def model_id(self) -> str:
-        """The name the server serves its model under (what requests put in "model")."""
-        import requests
-
-        return requests.get(self.base + "/v3/models", timeout=30).json()["data"][0]["id"]
-
-    def metrics(self) -> dict[str, float]:
-        import requests
-
-        text = requests.get(self.base + "/metrics", timeout=30).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
+        super().__init__(model_dir, *args, log_path=log_path or LOGS / f"serve-{time.time_ns()}.log",
+                         start_timeout=start_timeout)
 
 
 # ---------------------------------------------------------------- model selection

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import (LOGS, LoopbackServer, ServerProcess, arg_parser, cpu_seconds, machine, median, model_dir,
+from appliance.loopback import LoopbackServer
+from bench.common import (LOGS, ServerProcess, arg_parser, cpu_seconds, machine, median, model_dir,
                           paired_ratio, percentile, print_table, prompts, ratio, rotate, save_results, side_medians)
 
 

@@ -10,28 +10,20 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
+from appliance.loopback import ApplianceServer, ServerNotReady
 from appliance.manifest import Manifest
 from appliance.paths import default_export_dir
 from appliance.procinfo import children, is_zombie, process_tree, status_field
 
-ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 300      # hang guards only: nothing asserts how fast anything is
 WAIT_TIMEOUT = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:
@@ -58,26 +50,18 @@ def sse_events(response: requests.Response) -> list:
     return events
 
 
-class Server:
-    """`python -m appliance.cli serve` as a subprocess: engine process -> gunicorn arbiter -> workers."""
+class Server(ApplianceServer):
+    """appliance.loopback's server, with what tests check on top: a clean exit code, the gunicorn workers, and
+    no process left behind after a stop."""
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = log_path.open("wb")
-        cmd = [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        self.startup_answers: list[requests.Response] = []
+        super().__init__(model_dir, *args, log_path=log_path, start_timeout=START_TIMEOUT)
 
-    def output(self, since: int = 0) -> str:
-        """The server's log (stdout + stderr): its last 6000 characters, or everything past byte `since`."""
-        data = Path(self.log.name).read_bytes()
-        return data[since:].decode(errors="replace") if since else data.decode(errors="replace")[-6000:]
-
-    def log_size(self) -> int:
-        return Path(self.log.name).stat().st_size
+    def wait_ready(self) -> None:
+        try:
+            super().wait_ready()
+        except ServerNotReady as exc:
+            pytest.fail(str(exc))
 
     def close(self) -> None:
         """Fixture teardown: a clean SIGTERM stop if still running."""
@@ -86,25 +70,8 @@ class Server:
                 code = self.stop()
                 assert code == 0, f"unclean exit {code}:\n{self.output()}"
         finally:
-            self.stop_now()
-            self.log.close()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"appliance serve exited with {self.proc.returncode}:\n{self.output()}")
-            try:
-                r = requests.get(self.base + "/v2/health/ready", timeout=5)
-            except requests.ConnectionError:
-                time.sleep(0.2)
-                continue
-            self.startup_answers.append(r)
-            if r.status_code == 200:
-                return
-            time.sleep(0.2)
-        self.stop_now()
-        pytest.fail(f"appliance serve not ready after {START_TIMEOUT}s:\n{self.output()}")
+            self.kill()
+            self._log.close()
 
     def process_tree(self) -> list[int]:
         return process_tree(self.proc.pid)
@@ -117,28 +84,18 @@ class Server:
         return {pid for pid in children(arbiters[0]) if not is_zombie(pid)}
 
     def stop(self, signalled: bool = False) -> int:
-        """SIGTERM, as systemd does; returns the exit code after checking nothing is left behind."""
+        """SIGTERM (unless the test sent a signal itself); the exit code, after checking nothing is left behind."""
         tree = self.process_tree()
         if not signalled:
             self.proc.send_signal(signal.SIGTERM)
         try:
             code = self.proc.wait(timeout=WAIT_TIMEOUT)
         except subprocess.TimeoutExpired:
-            self.stop_now()
+            self.kill()
             pytest.fail(f"appliance serve ignored SIGTERM:\n{self.output()}")
         wait_until(lambda: not [p for p in tree[1:] if Path(f"/proc/{p}").exists() and not is_zombie(p)],
                    "the gunicorn processes to exit")
         return code
-
-    def stop_now(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def metrics(self, headers: dict | None = None) -> dict[str, float]:
-        text = requests.get(self.base + "/metrics", headers=headers, timeout=10).text
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines() if line and not line.startswith("#")}
 
 
 @pytest.fixture(scope="session")
