@@ -174,7 +174,8 @@ class Engine:
         """One sequence (a RequestHandle streaming Chunks), or with params.best_of > 1 a beam search (a
         BeamHandle whose result is the params.n best beams)."""
         beam = params.best_of is not None and params.best_of > 1
-        seq = self._new_sequence(prompt_ids, params, request_id, 1)
+        seq = self._new_sequence(prompt_ids, params, request_id)
+        self._check_queue(1)
         if beam:
             seq.max_len = self._beam_max_len(len(prompt_ids), params, seq.max_len)
             seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
@@ -194,29 +195,31 @@ class Engine:
         """Several prompts at once, each with its choices as in submit_choices (a completions request's prompt
         list, a burst of clients): all are queued or none (429), and they reach the scheduler in the same step,
         so their prefills batch together instead of the first one starting alone."""
-        total = sum(len(params) for _, params, _ in requests)
         groups = []
         for prompt_ids, params, request_ids in requests:
             ids = request_ids or [None] * len(params)
-            seqs = [self._new_sequence(prompt_ids, p, r, total) for p, r in zip(params, ids)]
+            seqs = [self._new_sequence(prompt_ids, p, r) for p, r in zip(params, ids)]
             if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
                 seqs[0].followers = seqs[1:]
             groups.append(seqs)
+        self._check_queue(sum(map(len, groups)))
         self._inbox.put(("add", groups))
         self._wake.set()
         return [[RequestHandle(self, seq) for seq in seqs] for seqs in groups]
 
-    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None,
-                      count: int) -> Sequence:
-        """Checks made on the caller's thread (400 / 429 before anything is queued), then the Sequence."""
+    def _check_queue(self, count: int) -> None:
+        """429 before anything is queued: `count` more sequences would pass max_queued."""
+        if self._inbox.qsize() + len(self.scheduler.waiting) + count > self.config.max_queued:
+            raise QueueFull("the server is busy: too many queued requests, retry later")
+
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+        """The prompt's checks, made on the caller's thread (400 before anything is queued), then the Sequence."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
         limit = self.max_context
         if len(prompt_ids) + (params.max_tokens or 0) > limit or len(prompt_ids) >= limit:
             raise PromptTooLong(f"Number of prompt tokens: {len(prompt_ids)} + max tokens value: "
                                 f"{params.max_tokens or 0} exceeds model max length: {limit}")
-        if self._inbox.qsize() + len(self.scheduler.waiting) + count > self.config.max_queued:
-            raise QueueFull("the server is busy: too many queued requests, retry later")
         max_len = min(limit, len(prompt_ids) + params.max_tokens if params.max_tokens is not None else limit)
         return Sequence(request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", len(prompt_ids),
                         list(prompt_ids), params, max_len, queue.SimpleQueue(), Timing(created=time.time()))

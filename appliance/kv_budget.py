@@ -38,10 +38,6 @@ def meminfo_bytes(field: str) -> int | None:
     return None
 
 
-def mem_available() -> int | None:
-    return meminfo_bytes("MemAvailable")
-
-
 def auto_kv_bytes(ceiling: int, available: int | None) -> int:
     """AUTO_FRACTION x available, clamped to [min(AUTO_FLOOR, ceiling), ceiling]; the floor when unknown."""
     floor = min(AUTO_FLOOR, ceiling)
@@ -59,7 +55,7 @@ def pool_blocks(config, block_size: int, bytes_per_block: int, max_context: int)
     if config.kv_cache_tokens is not None:
         return max(1, -(-config.kv_cache_tokens // block_size))
     ceiling = config.max_num_seqs * -(-max_context // block_size) * bytes_per_block
-    available = mem_available()
+    available = meminfo_bytes("MemAvailable")
     budget = auto_kv_bytes(ceiling, available)
     log.info("KV cache size auto: %.0f MB (%.0f%% of %s MB available, clamped to [%.0f, %.0f] MB; the ceiling is "
              "%d sequences x %d tokens)", budget / 2**20, AUTO_FRACTION * 100,

@@ -1,5 +1,5 @@
-"""Helpers shared by the benchmarks: command-line options, prompts, the genai side's settings, statistics, paired
-runs, tables, the results JSON, server subprocesses and /proc memory and CPU readings.
+"""Helpers shared by the benchmarks: command-line options, prompts, statistics, paired runs, tables, the results
+JSON, `appliance serve` as a subprocess (appliance.loopback's harness) and /proc memory and CPU readings.
 
 Every benchmark compares two things measured in the same run on the same IR, alternating which goes first, and
 reports medians over repetitions: the machine is shared and noisy, so read the ratios, not the absolutes.

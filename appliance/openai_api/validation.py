@@ -445,7 +445,7 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
         min_tokens=int(pick(gen.min_tokens, "min_new_tokens", 0)),
         logprobs=gen.logprobs,
         skip_special_tokens=True if gen.skip_special_tokens is None else gen.skip_special_tokens,
-        n=gen.n if beam else 1,   # sampling: the n choices are submitted together (Engine.submit_choices)
+        n=gen.n if beam else 1,   # sampling: the n choices are submitted together (Engine.submit_prompts)
         best_of=gen.best_of if beam else None,   # beam search: one search returns the n best of best_of beams
         length_penalty=float(pick(gen.length_penalty, "length_penalty", 1.0)),
     )
