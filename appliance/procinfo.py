@@ -1,5 +1,5 @@
 """Read-only views of Linux's /proc: a process's parent and state, its children and whole tree, numeric fields
-of /proc/PID/status, CPU time.
+of /proc/PID/status, open fds and sockets, CPU time.
 
 The server does not use this; the benchmarks (bench/common.py: memory and CPU of `appliance serve`'s process
 tree) and the tests' server harness (tests/conftest.py: the gunicorn workers, leaks after stop) do. It lives in
@@ -59,6 +59,19 @@ def status_field(pid: int, name: str) -> int:
         if line.startswith(name + ":"):
             return int(line.split()[1])
     raise KeyError(f"no {name} in /proc/{pid}/status")
+
+
+def fd_counts(pid: int) -> tuple[int, int]:
+    """(open file descriptors, of which sockets) of `pid`; fds closing during the scan are skipped."""
+    fds = sockets = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        fds += 1
+        sockets += target.startswith("socket:")
+    return fds, sockets
 
 
 def cpu_seconds(pid: int) -> float:

@@ -11,12 +11,15 @@ from multiprocessing.connection import Client, Connection
 from appliance.server import protocol as p
 
 
+POOL_SIZE = 8   # idle engine connections a worker keeps; the engine has one thread per open connection
+
+
 class EngineUnavailable(Exception):
     """The engine process cannot be reached (not started yet, or gone)."""
 
 
 class EngineClient:
-    def __init__(self, socket_path: str, authkey: bytes, max_idle: int = 8):
+    def __init__(self, socket_path: str, authkey: bytes, max_idle: int = POOL_SIZE):
         self._address, self._authkey = socket_path, authkey
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
