@@ -33,7 +33,7 @@ SERVE_OPTIONS: dict[str, tuple] = {
     "enable-prefix-caching": (bool, True, "reuse the KV blocks of shared prompt prefixes (paged attention)"),
     "max-num-seqs": (int, 32, "sequences decoded together in one step"),
     "max-num-batched-tokens": (int, 512, "tokens per step: one per running sequence + prefill chunks"),
-    "max-queued": (int, 256, "waiting requests before answering 429"),
+    "max-queued": (int, 256, "waiting sequences (each choice, each prompt of a list) before answering 429"),
     "num-threads": (int, None, "inference threads (CPU); default: the runtime's"),
     "cache-dir": (str, None, "OpenVINO compiled-model cache directory (faster restarts)"),
     "static": (bool, None, "static shapes, what an NPU needs (implied by --device NPU)"),

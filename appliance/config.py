@@ -19,7 +19,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     max_num_seqs: int = 32              # sequences decoded together in one step
     max_num_batched_tokens: int = 512   # tokens per step: decode tokens + prefill chunks (chunked prefill)
-    max_queued: int = 256               # waiting requests before submit() raises QueueFull
+    max_queued: int = 256               # waiting sequences before a submission raises QueueFull
     prefix_caching: bool = True         # reuse KV blocks of shared prompt prefixes (paged backends)
     static: bool = False                # static shapes (what an NPU needs); implied by device NPU
     static_context: int = 1024          # static: KV positions per sequence slot

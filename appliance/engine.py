@@ -161,6 +161,8 @@ class Engine:
         max_seqs = min(self.config.max_num_seqs, self.backend.max_batch or self.config.max_num_seqs)
         self.scheduler = Scheduler(self.pool, max_seqs, self.config.max_num_batched_tokens)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox_seqs = 0                  # sequences submitted, not yet taken by the engine thread
+        self._admit = threading.Lock()        # check and count a submission at once (no two pass on one slot)
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
@@ -175,12 +177,10 @@ class Engine:
         BeamHandle whose result is the params.n best beams)."""
         beam = params.best_of is not None and params.best_of > 1
         seq = self._new_sequence(prompt_ids, params, request_id)
-        self._check_queue(1)
         if beam:
             seq.max_len = self._beam_max_len(len(prompt_ids), params, seq.max_len)
             seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
-        self._inbox.put(("add", [[seq]]))
-        self._wake.set()
+        self._enqueue([[seq]])
         return BeamHandle(self, seq.group) if beam else RequestHandle(self, seq)
 
     def submit_choices(self, prompt_ids: list[int], params: list[SamplingParams],
@@ -202,15 +202,24 @@ class Engine:
             if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
                 seqs[0].followers = seqs[1:]
             groups.append(seqs)
-        self._check_queue(sum(map(len, groups)))
-        self._inbox.put(("add", groups))
-        self._wake.set()
+        self._enqueue(groups)
         return [[RequestHandle(self, seq) for seq in seqs] for seqs in groups]
 
-    def _check_queue(self, count: int) -> None:
-        """429 before anything is queued: `count` more sequences would pass max_queued."""
-        if self._inbox.qsize() + len(self.scheduler.waiting) + count > self.config.max_queued:
-            raise QueueFull("the server is busy: too many queued requests, retry later")
+    def _enqueue(self, groups: list[list[Sequence]]) -> None:
+        """Hands a submission to the engine thread, or refuses all of it (429) if its sequences would take the
+        queue past max_queued. Counted in sequences, not submissions: a prompt list or n > 1 is several."""
+        count = sum(map(len, groups))
+        with self._admit:
+            if self._queued() + count > self.config.max_queued:
+                raise QueueFull("the server is busy: too many queued requests, retry later")
+            self._inbox_seqs += count
+            self._inbox.put(("add", groups))
+        self._wake.set()
+
+    def _queued(self) -> int:
+        """Sequences not started: in the inbox, or waiting in the scheduler with the n > 1 choices that wait for
+        their prompt (a snapshot: the engine thread may be moving them)."""
+        return self._inbox_seqs + sum(1 + len(s.followers or ()) for s in list(self.scheduler.waiting))
 
     def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
         """The prompt's checks, made on the caller's thread (400 before anything is queued), then the Sequence."""
@@ -246,7 +255,7 @@ class Engine:
         return self.submit(ids, params or SamplingParams()).result()
 
     def stats(self) -> dict:
-        return {"queued": len(self.scheduler.waiting) + self._inbox.qsize(), "running": len(self.scheduler.running),
+        return {"queued": self._queued(), "running": len(self.scheduler.running),
                 "kv_blocks_used": self.pool.num_used, "kv_blocks_total": self.pool.num_blocks,
                 "kv_block_size": self.pool.block_size, "prefix_cache_hit_tokens": self.pool.hits,
                 "prefix_cache_query_tokens": self.pool.queries,
@@ -291,6 +300,8 @@ class Engine:
             if op == "add":
                 for seqs in seq:
                     self._start_all(seqs)
+                with self._admit:   # after the start: counted as queued until in the scheduler's waiting list
+                    self._inbox_seqs -= sum(map(len, seq))
             elif isinstance(seq, BeamGroup):
                 if not seq.done:
                     self.counters["aborted"] += 1

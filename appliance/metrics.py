@@ -112,7 +112,7 @@ class ServerMetrics:
         lines = _gauge("ready", "1 when the model is loaded and warmed up.", 1 if ready else 0)
         stats = stats or {}
         used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
-        lines += _gauge("queue_depth", "Requests waiting for a sequence slot or KV blocks.", stats.get("queued", 0))
+        lines += _gauge("queue_depth", "Sequences waiting for a sequence slot or KV blocks.", stats.get("queued", 0))
         lines += _gauge("running_sequences", "Sequences being decoded.", stats.get("running", 0))
         lines += _gauge("kv_cache_blocks_used", "KV cache blocks in use.", used)
         lines += _gauge("kv_cache_blocks_total", "KV cache blocks allocated at load.", total)

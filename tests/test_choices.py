@@ -155,3 +155,33 @@ def test_prompts_queued_all_or_none(engine, monkeypatch):
         engine.submit_prompts([(prompt(engine, 20), [greedy()] * 2, None), (prompt(engine, 21), [greedy()] * 2, None)])
     engine.submit(prompt(engine, 22), greedy()).result()   # the engine goes on; nothing of the refused one ran
     assert engine.stats()["requests"] == before + 1
+
+
+def test_queue_limit_counts_sequences(engine, monkeypatch):
+    """max_queued counts queued sequences, whether still in the inbox or in the scheduler (a choice waiting for
+    its prompt included), not submissions: with the engine thread held, a 2-choice request and one waiting
+    sequence fill a queue of 3, so one more sequence is refused."""
+    import threading
+    from dataclasses import replace
+
+    from appliance.engine import QueueFull
+
+    monkeypatch.setattr(engine, "config", replace(engine.config, max_queued=3))
+    entered, gate, step = threading.Event(), threading.Event(), engine.step
+
+    def held():
+        entered.set()
+        assert gate.wait(60)
+        step()
+    monkeypatch.setattr(engine, "step", held)
+    try:
+        first = engine.submit(prompt(engine, 30), greedy())
+        assert entered.wait(60)                                  # taken into the scheduler's waiting list
+        pair = engine.submit_choices(prompt(engine, 31), [greedy()] * 2)
+        assert engine.stats()["queued"] == 3
+        with pytest.raises(QueueFull):
+            engine.submit(prompt(engine, 32), greedy())
+    finally:
+        gate.set()
+    assert [len(h.result().token_ids) for h in [first, *pair]] == [NEW] * 3
+    assert engine.stats()["queued"] == 0
