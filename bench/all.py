@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, machine, print_table, write_json
 
-BENCHMARKS = ("batch1_paired", "concurrency", "prefix", "http", "memory")   # bench.run is batch1_paired
+BENCHMARKS = ("batch1_paired", "concurrency", "prefix", "http", "memory")
 
 
 def command(name: str, quick: bool, out_dir: Path = RESULTS, llamacpp_python: str | None = None) -> list[str]:

@@ -6,12 +6,11 @@ the step that produced it), decode tok/s = (tokens - 1) / (last token - first to
 the per-run ratios (runs back to back share the machine's load of the moment).
 
 LLMPipeline's own perf counters (`perf_metrics.get_ttft()` / `get_tpot()`) of the same calls are recorded too
-and compared with the engine's wall-clock numbers in a second table ("own timers", what bench/run.py reported
-before it became this benchmark's second name).
+and compared with the engine's wall-clock numbers in a second table ("own timers", what the former bench/run.py
+reported).
 
     python -m bench.batch1_paired [--models default-fp16 default-int8] [--runs 9] [--prompt-len 128]
                                   [--new-tokens 128] [--quick]
-    python -m bench.run [--formats fp16 int8] [...]      # the same benchmark on the default model's exports
 """
 from __future__ import annotations
 
@@ -105,7 +104,6 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
                 bar.update()
         settings = {"engine": engine_settings(engine), "cb": cb_settings,
                     "llm": {"impl": "openvino_genai.LLMPipeline (stateful IR, SDPA)", "compile_properties": props}}
-        del llm, cb
     finally:
         engine.shutdown()
 

@@ -87,8 +87,8 @@ def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], t
 def machine() -> dict:
     """What the numbers were measured on, and what else was eating CPU (the load caveat)."""
     try:
-        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                   if l.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor()
     versions = {}

@@ -167,7 +167,6 @@ def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, 
                                  **fn(batch)})
                     bar.update()
         settings = {"engine": engine_settings(engine), "genai": genai_settings}
-        del pipe
     finally:
         engine.shutdown()
     rows = []

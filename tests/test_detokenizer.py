@@ -59,7 +59,9 @@ def test_text_streams_exactly(tok, text):
 
 def test_multibyte_held_until_complete(bl):
     b2t = {b: c for c, b in gpt2_unicode_to_byte().items()}
-    byte_ids = lambda bs: [bl.token_to_id(b2t[b]) for b in bs]  # one token per byte: the worst case
+
+    def byte_ids(bs: bytes) -> list[int]:   # one token per byte: the worst case
+        return [bl.token_to_id(b2t[b]) for b in bs]
     for text in ["你", "é", "👍🏽", "👩‍👩‍👧", "aé你👍🏽z"]:
         ids = byte_ids(text.encode())
         pieces = stream(bl, ids)
