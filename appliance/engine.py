@@ -294,21 +294,21 @@ class Engine:
     def _drain_inbox(self) -> None:
         while True:
             try:
-                op, seq = self._inbox.get_nowait()
+                op, target = self._inbox.get_nowait()   # ("add", groups of sequences) or ("cancel", one)
             except queue.Empty:
                 return
             if op == "add":
-                for seqs in seq:
+                for seqs in target:
                     self._start_all(seqs)
                 with self._admit:   # after the start: counted as queued until in the scheduler's waiting list
-                    self._inbox_seqs -= sum(map(len, seq))
-            elif isinstance(seq, BeamGroup):
-                if not seq.done:
+                    self._inbox_seqs -= sum(map(len, target))
+            elif isinstance(target, BeamGroup):
+                if not target.done:
                     self.counters["aborted"] += 1
-                    self._finish_group(seq)
-            elif seq.status is not Status.FINISHED:
+                    self._finish_group(target)
+            elif target.status is not Status.FINISHED:
                 self.counters["aborted"] += 1
-                self._finish(seq, "abort")
+                self._finish(target, "abort")
 
     def _start_all(self, seqs: list[Sequence]) -> None:
         """A request's sequences: the first is scheduled, its followers (n > 1) wait for its prompt KV. They

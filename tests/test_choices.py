@@ -5,12 +5,14 @@ outputs equal to independent requests, and the fallbacks (a cancelled leader, a 
 from __future__ import annotations
 
 import contextlib
+import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
+from appliance.engine import Engine, QueueFull
 from appliance.params import SamplingParams
 
 NEW = 12
@@ -145,10 +147,6 @@ def test_prompts_submitted_together_prefill_in_one_step(engine):
 
 
 def test_prompts_queued_all_or_none(engine, monkeypatch):
-    from dataclasses import replace
-
-    from appliance.engine import QueueFull
-
     monkeypatch.setattr(engine, "config", replace(engine.config, max_queued=3))
     before = engine.stats()["requests"]
     with pytest.raises(QueueFull):
@@ -161,11 +159,6 @@ def test_queue_limit_counts_sequences(engine, monkeypatch):
     """max_queued counts queued sequences, whether still in the inbox or in the scheduler (a choice waiting for
     its prompt included), not submissions: with the engine thread held, a 2-choice request and one waiting
     sequence fill a queue of 3, so one more sequence is refused."""
-    import threading
-    from dataclasses import replace
-
-    from appliance.engine import QueueFull
-
     monkeypatch.setattr(engine, "config", replace(engine.config, max_queued=3))
     entered, gate, step = threading.Event(), threading.Event(), engine.step
 

@@ -1,5 +1,6 @@
 """Sibling projections fused into one MatMul (appliance/backends/projection_fusion.py): which groups fuse on the
-default model's IRs (not the one feeding an activation), and that the paged backend's f32 logits are bit-identical with and without the fusion."""
+default model's IRs (not the one feeding an activation), and that the paged backend's f32 logits are
+bit-identical with and without the fusion."""
 from __future__ import annotations
 
 import numpy as np

@@ -50,8 +50,8 @@ def _cache_tensor(device: str, kind: ov.Type, shape: list[int]) -> tuple[ov.Tens
 
     Zeros, because a kernel reading a never-written position must not meet NaN bit patterns. On CPU the memory
     is calloc'ed and 64-byte aligned: the OS maps pages only as blocks are first written (2 MB huge pages:
-    numpy asks for them), so an idle server's RSS is not the whole pool. On a GPU it is the plugin's USM host memory (an iGPU reads it in place, no copy
-    per inference) from the device's default context."""
+    numpy asks for them), so an idle server's RSS is not the whole pool. On a GPU it is the plugin's USM host
+    memory (an iGPU reads it in place, no copy per inference) from the device's default context."""
     nbytes = int(np.prod(shape)) * kind.size
     if device.upper().startswith("CPU"):
         raw = np.zeros(nbytes + 64, np.uint8)
