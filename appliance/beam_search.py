@@ -4,7 +4,8 @@ The selection rule is transformers' `generate(num_beams=B, do_sample=False, leng
 `early_stopping=False`, step for step:
 
   1. every running beam's next-token log-probabilities (log-softmax, then the logits processors) plus the beam's
-     running sum give B x V candidates; the best K = max(2, 1 + #stop tokens) * B are kept, best first;
+     running sum give B x V candidates; the best K = max(2, 1 + #stop tokens) * B are kept, best first
+     (#stop tokens capped at WIDTH_STOP_TOKENS, see BeamSearch);
   2. a candidate that ends its sequence (a stop token, a stop string, max_tokens) becomes a finished hypothesis
      with score sum / generated_len ** length_penalty, but only if it ranks among the first B of the K (the
      others are only there so that B candidates can keep running); the pool keeps the B best hypotheses;
@@ -19,6 +20,7 @@ the parent's full blocks and copies its partly filled last block) and the text.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,13 +65,30 @@ def top_continuations(logprobs: np.ndarray, scores: np.ndarray, k: int) -> list[
     return out
 
 
+# Stop tokens counted in the candidate width. transformers sizes it for a model's handful of EOS ids; a client's
+# stop_token_ids list must not widen it (each kept candidate costs a Python object and a stop check per step).
+WIDTH_STOP_TOKENS = 8
+
+
 class BeamSearch:
+    """The search state. Candidate width: max(2, 1 + min(num_stop_tokens, WIDTH_STOP_TOKENS)) * num_beams.
+
+    Why a capped width stays correct: the kept candidates only have to hold num_beams continuations that do not
+    end (the next running beams) plus the ending ones that rank in the first num_beams. Each beam has at most
+    #stop-token ending continuations, so with #stop tokens <= WIDTH_STOP_TOKENS (every model's EOS set, plus a
+    few stop_token_ids) the width is transformers' own and the steps are identical. With more, a step in which
+    more than WIDTH_STOP_TOKENS * num_beams of the best candidates end runs with fewer beams for that step (the
+    finished hypotheses are still the best ones among those ranked first); nothing is wrong, the search is just
+    narrower than transformers' there. Stop strings and max_tokens can end any candidate, so the width never
+    covered them anyway.
+    """
+
     def __init__(self, num_beams: int, length_penalty: float = 1.0, num_stop_tokens: int = 1):
         if num_beams < 1:
             raise ValueError("num_beams must be >= 1")
         self.num_beams = num_beams
         self.length_penalty = length_penalty
-        self.width = max(2, 1 + num_stop_tokens) * num_beams   # candidates kept per step
+        self.width = max(2, 1 + min(num_stop_tokens, WIDTH_STOP_TOKENS)) * num_beams   # candidates kept per step
         self.finished: list[Hypothesis] = []                     # best first, at most num_beams
         self.done = False
         self._count = 0
@@ -79,7 +98,16 @@ class BeamSearch:
         return top_continuations(logprobs, np.asarray(scores, np.float32), self.width)
 
     def normalized(self, score: float, generated_len: int) -> float:
-        return score / (generated_len ** self.length_penalty)
+        """score / generated_len ** length_penalty (transformers), for any length_penalty: never raises. Sane
+        values take transformers' own expression (bit for bit); where the power overflows (2 ** 2000) or
+        underflows to 0 (2 ** -2000), the quotient is taken in logs and saturates to +-inf or 0."""
+        try:
+            return score / generated_len ** self.length_penalty
+        except (OverflowError, ZeroDivisionError):
+            if score == 0.0:
+                return 0.0
+            exponent = math.log(abs(score)) - self.length_penalty * math.log(generated_len)
+            return math.copysign(math.exp(exponent) if exponent < 709.0 else math.inf, score)
 
     def update(self, cands: list[Candidate], ended: list[bool], generated_len: int,
                payloads: list | None = None) -> list[Candidate]:

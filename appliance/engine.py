@@ -1,7 +1,15 @@
 """The generation loop: requests in, streamed chunks out, one engine thread driving scheduler -> backend ->
-sampler -> detokenizer -> stop rules. Usable without HTTP: `Engine(model_dir).generate(prompt, params)`."""
+sampler -> detokenizer -> stop rules. Usable without HTTP: `Engine(model_dir).generate(prompt, params)`.
+
+No request can hurt another: an exception in one request's part of a step fails that request alone (see
+Engine.step), a failed backend call fails that step's requests, and the engine goes on. The engine thread itself
+never dies silently: if something escapes its loop, `Engine.dead` records it, every request ends with an error and
+`Engine.on_death` is called (the server exits so that systemd / Docker restart it); `Engine.heartbeat` and
+`Engine.alive` let readiness see a live loop.
+"""
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -11,7 +19,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -23,7 +31,7 @@ from appliance.kv_cache import BlockPool
 from appliance.manifest import Manifest
 from appliance.outputs import Chunk, GenerationResult, Timing, TokenLogprob
 from appliance.params import SamplingParams
-from appliance.sampling import SequenceSampler, apply_processors, ranked, sample_batch
+from appliance.sampling import SampleOutput, SequenceSampler, apply_processors, ranked, sample_batch
 from appliance.scheduler import Scheduler
 from appliance.sequence import Sequence, Status
 from appliance.stopping import StopStringMatcher, check_token_stop, stop_token_ids
@@ -38,6 +46,19 @@ class QueueFull(Exception):
 
 class PromptTooLong(ValueError):
     """Prompt (+ max_tokens) does not fit the context (HTTP 400)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread died (Engine.dead): nothing submitted can run (HTTP 503)."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised by Engine.inject_fault's faults (tests of the failure paths)."""
+
+
+IDLE_WAIT = 0.5            # seconds the idle loop sleeps between checks: the heartbeat's longest idle gap
+STOP_WINDOW_TOKENS = 256   # beam search: most tokens decoded per candidate to look for a stop string
+FAULT_KINDS = ("loop", "forward")
 
 
 def _text_step(detok: IncrementalDetokenizer, stop: StopStringMatcher | None, token: int, reason: str | None,
@@ -106,6 +127,10 @@ class BeamGroup:
     def __init__(self, root: Sequence, num_stop_tokens: int):
         self.root, self.params = root, root.params
         self.search = BeamSearch(root.params.best_of, root.params.length_penalty, num_stop_tokens)
+        # tokens decoded per candidate to find a stop string ending there: enough for the longest one (a token is
+        # at least one character, 8 spare for byte pieces), bounded so that no stop string makes a step costly
+        longest = max((len(s) for s in root.params.stop), default=0)
+        self.stop_window = min(longest + 8, STOP_WINDOW_TOKENS)
         self.beams: list[Sequence] = [root]
         self.logits: dict[Sequence, np.ndarray] = {}
         self.out: queue.SimpleQueue = queue.SimpleQueue()   # once: the n result Chunks
@@ -166,7 +191,13 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self._ids = itertools.count()
-        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0}
+        self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
+        # liveness: time.monotonic() of the loop's last iteration (at least every IDLE_WAIT s when idle, every step
+        # when busy); what ended the engine thread (None: running); called from the engine thread when it dies
+        self.heartbeat = time.monotonic()
+        self.dead: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None
+        self._faults: set[str] = set()        # inject_fault: pending injected faults
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -210,6 +241,8 @@ class Engine:
         queue past max_queued. Counted in sequences, not submissions: a prompt list or n > 1 is several."""
         count = sum(map(len, groups))
         with self._admit:
+            if self.dead is not None:   # checked under the lock _die takes: nothing is queued after its drain
+                raise EngineDead(f"the engine stopped: internal error: {type(self.dead).__name__}")
             if self._queued() + count > self.config.max_queued:
                 raise QueueFull("the server is busy: too many queued requests, retry later")
             self._inbox_seqs += count
@@ -261,6 +294,26 @@ class Engine:
                 "prefix_cache_query_tokens": self.pool.queries,
                 "preemptions": self.scheduler.preemptions, **self.counters}
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs its loop (readiness also wants a fresh `heartbeat`: a wedged loop is alive)."""
+        return self._thread.is_alive() and self.dead is None
+
+    def inject_fault(self, kind: str) -> None:
+        """Test hook for the failure paths (the server exposes it only with APPLIANCE_FAULT_INJECTION=1).
+        "loop": the engine thread's loop raises on its next iteration, outside every guard: the real death path
+        (dead set, requests aborted, on_death called). "forward": the next backend forward raises once: that
+        step's requests fail, later ones run."""
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"unknown fault {kind!r}: one of {', '.join(FAULT_KINDS)}")
+        self._faults.add(kind)
+        self._wake.set()
+
+    def _injected(self, kind: str) -> None:
+        if kind in self._faults:
+            self._faults.discard(kind)
+            raise InjectedFault(f"injected {kind} fault")
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -273,23 +326,109 @@ class Engine:
 
     # ---- engine thread ----
     def _loop(self) -> None:
-        while not self._stop:
+        """The engine thread. Each iteration's failures are contained by _iterate; what still escapes (a bug in
+        the loop itself) ends the thread through _die, never silently."""
+        try:
+            while not self._stop:
+                self.heartbeat = time.monotonic()
+                self._injected("loop")
+                self._iterate()
+            self._abort_all("server shutting down")
+        except BaseException as exc:
+            self._die(exc)
+
+    def _iterate(self) -> None:
+        """One loop iteration: take new requests and cancels, then one step (or wait for work). A failure outside
+        every request's own part (the scheduler, say) leaves state that cannot be trusted: every request in the
+        scheduler fails, and the engine starts over empty."""
+        try:
             self._drain_inbox()
             if not self.scheduler.has_work():
-                self._wake.wait(0.5)
+                self._wake.wait(IDLE_WAIT)
                 self._wake.clear()
-                continue
+                return
+            self.step()
+        except Exception as exc:
+            log.exception("engine step failed: failing every scheduled request")
+            self._abort_scheduled(f"internal error: {type(exc).__name__}")
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop is gone: record why, end every request (best effort), tell the owner (on_death)."""
+        with self._admit:
+            self.dead = exc
+        log.critical("the engine thread died", exc_info=exc)
+        try:
+            self._abort_all(f"the engine stopped: internal error: {type(exc).__name__}")
+        except BaseException:
+            log.exception("could not abort every request of the dead engine")
+        if self.on_death is not None:
             try:
-                self.step()
-            except Exception as exc:  # a failed step must not kill the engine: fail its sequences, go on
-                log.exception("engine step failed")
-                for seq in list(self.scheduler.running):
-                    self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")
+                self.on_death(exc)
+            except BaseException:
+                log.exception("Engine.on_death failed")
+
+    def _abort_all(self, error: str) -> None:
+        """End every request the engine holds (inbox, waiting, running) with an error; each on its own, best
+        effort (one that cannot be ended does not keep the others waiting)."""
+        while True:
+            try:
+                op, target = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if op == "add":
+                with self._admit:
+                    self._inbox_seqs -= sum(map(len, target))
+                for seqs in target:
+                    for seq in seqs:
+                        self._try_fail(seq, error)
+        self._abort_scheduled(error)
+
+    def _abort_scheduled(self, error: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            for f in seq.followers or []:   # n > 1 choices still waiting for this prompt end with it
-                if f.status is not Status.FINISHED:
-                    self._finish(f, "abort", error="server shutting down")
-            self._finish(seq, "abort", error="server shutting down")
+            self._try_fail(seq, error)
+
+    def _try_fail(self, seq: Sequence, error: str) -> None:
+        """_fail, and if even that raises: drop seq from the scheduler and tell its requester all the same (its KV
+        may stay held: a bug is in the log, the requester must not wait forever)."""
+        try:
+            self._fail(seq, error)
+        except Exception:
+            log.exception("could not end request %s", seq.request_id)
+            seq.status = Status.FINISHED
+            with contextlib.suppress(ValueError):
+                self.scheduler.running.remove(seq)
+            with contextlib.suppress(ValueError):
+                self.scheduler.waiting.remove(seq)
+            end = Chunk(finish_reason="abort", error=error, prompt_tokens=seq.prompt_len)
+            if seq.group is None:
+                seq.emit(end)
+            elif not seq.group.done:
+                seq.group.done = True
+                seq.group.out.put([copy.copy(end) for _ in range(seq.params.n)])
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        """End seq's request with `error` (finish "abort"). The unit: a beam search as a whole (its beams share
+        one result); otherwise this sequence, with the n > 1 choices still waiting to start from its prompt KV
+        (their prompt is the one that failed; a fork of them that raised leaves them all here). Choices already
+        forked are sequences of their own and go on: each choice fails alone. A finished sequence is left alone."""
+        if seq.group is None and seq.status is Status.FINISHED:
+            return
+        for f in seq.followers or ():
+            if f.status is not Status.FINISHED:
+                self._finish(f, "abort", error=error)
+        seq.followers = None
+        self._finish(seq, "abort", error=error)
+
+    @contextlib.contextmanager
+    def _isolated(self, seq: Sequence) -> Iterator[None]:
+        """Runs one request's part of a step: an exception fails that request alone (_fail, with the exception's
+        type as the error; the traceback goes to the log) and the caller goes on with the rest of the batch."""
+        try:
+            yield
+        except Exception as exc:
+            log.exception("request %s failed in the engine step", seq.request_id)
+            self.counters["failed"] += 1
+            self._fail(seq, f"internal error: {type(exc).__name__}")
 
     def _drain_inbox(self) -> None:
         while True:
@@ -297,18 +436,30 @@ class Engine:
                 op, target = self._inbox.get_nowait()   # ("add", groups of sequences) or ("cancel", one)
             except queue.Empty:
                 return
-            if op == "add":
+            try:
+                self._take(op, target)
+            except Exception as exc:   # one submission or cancel fails alone
+                log.exception("could not take %s from the inbox", op)
+                if op == "add":
+                    for seqs in target:
+                        for seq in seqs:
+                            self._try_fail(seq, f"internal error: {type(exc).__name__}")
+
+    def _take(self, op: str, target) -> None:
+        if op == "add":
+            try:
                 for seqs in target:
                     self._start_all(seqs)
+            finally:
                 with self._admit:   # after the start: counted as queued until in the scheduler's waiting list
                     self._inbox_seqs -= sum(map(len, target))
-            elif isinstance(target, BeamGroup):
-                if not target.done:
-                    self.counters["aborted"] += 1
-                    self._finish_group(target)
-            elif target.status is not Status.FINISHED:
+        elif isinstance(target, BeamGroup):
+            if not target.done:
                 self.counters["aborted"] += 1
-                self._finish(target, "abort")
+                self._finish_group(target)
+        elif target.status is not Status.FINISHED:
+            self.counters["aborted"] += 1
+            self._finish(target, "abort")
 
     def _start_all(self, seqs: list[Sequence]) -> None:
         """A request's sequences: the first is scheduled, its followers (n > 1) wait for its prompt KV. They
@@ -336,6 +487,16 @@ class Engine:
             self.scheduler.add(seq)
 
     def step(self) -> None:
+        """One step: schedule -> forward -> postprocess.
+
+        Fault isolation: each request's part of the postprocess (prompt logprobs, naming its full blocks, forking
+        its n > 1 choices, its sampled row, logprobs, detokenizing, stop rules, beam scoring; a later per-request
+        hook such as a grammar mask belongs in the same places, or in the sampler's processors) runs inside
+        `_isolated`, so an exception there fails that request alone (`_fail`: a sequence, or a whole beam search)
+        and the rest of the batch goes on in this step. n > 1 choices are separate sequences: a choice fails
+        alone, except while the leader forks them from its prompt (then all of them: _fail). A failed
+        backend.forward fails every request of the step (their KV freed); the engine goes on with the next ones.
+        """
         # A beam whose logits are in but whose siblings' are not (a search advances all its beams at once) has
         # nothing to feed: the scheduler lists it with 0 tokens.
         plan = [(s, n) for s, n in self.scheduler.schedule() if n > 0]
@@ -351,35 +512,62 @@ class Engine:
         batch = StepBatch([s.token_ids[s.num_computed: s.num_computed + n] for s, n in plan],
                           [s.num_computed for s, _ in plan], [s.block_table for s, _ in plan],
                           all_logits=flags if any(flags) else None)
-        logits = self.backend.forward(batch)
-        rows, ready, beams = [], [], []
+        try:
+            self._injected("forward")
+            logits = self.backend.forward(batch)
+        except Exception as exc:
+            log.exception("backend forward failed: failing the step's %d sequences", len(plan))
+            self.counters["failed"] += len(plan)
+            for seq, _ in plan:
+                self._try_fail(seq, f"internal error: {type(exc).__name__}")
+            return
+        ready: list[tuple[Sequence, int]] = []   # (sequence, its logits row): sample the next token now
+        beams: list[tuple[Sequence, int]] = []
         for i, (seq, n) in enumerate(plan):
-            if flags[i]:
-                self._prompt_logprobs(seq, seq.num_computed, batch.position_logits[i])
-            seq.num_computed += n
-            self.scheduler.computed(seq)
-            if seq.num_computed != len(seq.token_ids):
-                continue
-            if seq.params.max_tokens == 0:   # echo + prompt logprobs: the prompt is all that was asked for
-                self._finish_prompt_only(seq)
-            elif seq.group is not None:
-                beams.append((seq, logits[i]))
-            else:
-                for s in [seq] + (self._fork_followers(seq) if seq.followers else []):
-                    rows.append(i)
-                    ready.append(s)
-        if ready:
-            whole = rows == list(range(len(plan)))
-            out = sample_batch(logits if whole else logits[rows], [s.sampler for s in ready])
-            for j, seq in enumerate(ready):
+            with self._isolated(seq):
+                if flags[i]:
+                    self._prompt_logprobs(seq, seq.num_computed, batch.position_logits[i])
+                seq.num_computed += n
+                self.scheduler.computed(seq)
+                if seq.num_computed != len(seq.token_ids):
+                    continue
+                if seq.params.max_tokens == 0:   # echo + prompt logprobs: the prompt is all that was asked for
+                    self._finish_prompt_only(seq)
+                elif seq.group is not None:
+                    beams.append((seq, i))
+                else:
+                    ready += [(s, i) for s in [seq] + (self._fork_followers(seq) if seq.followers else [])]
+        for seq, out, j in self._sample(logits, ready):
+            with self._isolated(seq):
                 self._append(seq, int(out.token_ids[j]), out, j)
-        for seq, row in beams:
+        for seq, i in beams:
             group = seq.group
             if group.done or seq not in group.beams:
                 continue
-            group.logits[seq] = np.array(row, dtype=np.float32)
-            if len(group.logits) == len(group.beams):
-                self._beam_step(group)
+            with self._isolated(seq):
+                group.logits[seq] = np.array(logits[i], dtype=np.float32)
+                if len(group.logits) == len(group.beams):
+                    self._beam_step(group)
+
+    def _sample(self, logits: np.ndarray, ready: list[tuple[Sequence, int]]
+                ) -> list[tuple[Sequence, SampleOutput, int]]:
+        """The next token of every ready sequence, (sequence, output, its row in output): one batched call. If
+        that raises, each row is sampled alone (the error path only), so the row that fails is found and fails
+        alone; a seeded row then may draw differently than in the batch (its generator may have moved on)."""
+        if not ready:
+            return []
+        rows = [i for _, i in ready]
+        try:
+            out = sample_batch(logits if rows == list(range(len(logits))) else logits[rows],
+                               [s.sampler for s, _ in ready])
+            return [(s, out, j) for j, (s, _) in enumerate(ready)]
+        except Exception:
+            log.exception("batched sampling failed: sampling the %d rows one by one", len(ready))
+        alone = []
+        for seq, i in ready:
+            with self._isolated(seq):
+                alone.append((seq, sample_batch(logits[i:i + 1], [seq.sampler]), 0))
+        return alone
 
     def _append(self, seq: Sequence, token: int, out, j: int) -> None:
         now = time.monotonic()
@@ -388,7 +576,7 @@ class Engine:
         seq.token_ids.append(token)
         seq.sampler.append(token)
         self.counters["generated_tokens"] += 1
-        reason = check_token_stop(token, seq.num_generated, seq.params, self.eos_token_ids,
+        reason = check_token_stop(token, seq.num_generated, seq.params, seq.sampler.stop_set,
                                   len(seq.token_ids) >= seq.max_len)
         text, stopped = _text_step(seq.detok, seq.stop, token, reason, seq.params.include_stop_str_in_output)
         if stopped:
@@ -532,9 +720,9 @@ class Engine:
     def _beam_stop(self, parent: Sequence, token: int, generated: int, context_full: bool) -> str | None:
         """Whether parent + token ends: "stop" (a stop token), "stop_string", "length", or None."""
         p = parent.params
-        reason = check_token_stop(token, generated, p, self.eos_token_ids, context_full)
+        reason = check_token_stop(token, generated, p, parent.sampler.stop_set, context_full)
         if reason != "stop" and p.stop:
-            window = max(len(s) for s in p.stop) + 8   # tokens: enough to hold any stop string that ends here
+            window = parent.group.stop_window   # tokens: enough to hold any stop string that ends here (bounded)
             ids = parent.token_ids[max(parent.prompt_len, len(parent.token_ids) - window):] + [token]
             text = self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
             if any(s in text for s in p.stop):   # a running beam holds no stop string: a match is new
@@ -582,10 +770,9 @@ class Engine:
     def _fork_followers(self, leader: Sequence) -> list[Sequence]:
         """n > 1: leader's prompt KV is complete; the other choices start from it and sample their first token
         from the same logits row. One without a free block for its tail computes its own prompt later."""
-        followers, leader.followers = leader.followers, None
         forked, copies = [], []
         tail = int(leader.num_computed % self.pool.block_size > 0)
-        for f in followers:
+        for f in leader.followers:
             if f.status is Status.FINISHED:   # cancelled while waiting
                 continue
             if not self.pool.can_allocate(tail):
@@ -597,6 +784,7 @@ class Engine:
                 f.prompt_logprobs = list(leader.prompt_logprobs)
             forked.append(f)
         self._copy_tails(copies)
+        leader.followers = None   # only now: if forking raised, _fail ends them all with the leader
         return forked
 
     def _make_room(self, blocks: int, group: BeamGroup) -> bool:
@@ -649,7 +837,9 @@ class Engine:
         if group.done:
             return
         group.done = True
-        for seq in group.beams:
+        # its beams, and any a failed _beam_step forked before it could list them in group.beams
+        sched = self.scheduler
+        for seq in group.beams + [s for s in sched.running + list(sched.waiting) if s.group is group]:
             self.scheduler.finish(seq)
         group.logits.clear()
         self._set_timing(group.root)

@@ -76,7 +76,8 @@ class SequenceSampler:
         p = self.params
         seed = p.seed if p.seed is None or self.seq_index == 0 else [p.seed, self.seq_index]
         self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
-        self.stop_ids = np.array(sorted(stop_token_ids(p, self.eos_ids)), dtype=np.int64)
+        self.stop_set = stop_token_ids(p, self.eos_ids)   # frozenset: the engine's O(1) stop-token check
+        self.stop_ids = np.array(sorted(self.stop_set), dtype=np.int64)   # the same tokens, for the min_tokens mask
         self.bias_ids = np.array(list(p.logit_bias), dtype=np.int64)
         self.bias_vals = np.array(list(p.logit_bias.values()), dtype=np.float32)
         # repetition: prompt + generated (transformers); frequency/presence: generated only (OpenAI)

@@ -35,7 +35,7 @@ class Sequence:
     arrived: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
-    block_hashes: list[int] = field(default_factory=list)  # prefix-cache names of the full blocks, in order
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of the full blocks, in order
     # prompt logprobs (params.prompt_logprobs): TokenLogprobs of the prompt tokens so far (the first: logprob None)
     prompt_logprobs: list | None = None
     # beam search (params.best_of > 1): the request's BeamGroup, this beam's running sum of log-probabilities

@@ -1,7 +1,7 @@
 """When a sequence stops: stop strings on the text stream, and stop tokens / length limits per token."""
 from __future__ import annotations
 
-from typing import Collection
+from typing import AbstractSet, Collection
 
 from appliance.params import SamplingParams
 
@@ -59,22 +59,24 @@ class StopStringMatcher:
         return out
 
 
-def stop_token_ids(params: SamplingParams, eos_ids: Collection[int]) -> set[int]:
-    """Tokens that end the sequence: EOS (unless ignore_eos) and stop_token_ids (which ignore_eos leaves on)."""
-    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
+def stop_token_ids(params: SamplingParams, eos_ids: Collection[int]) -> frozenset[int]:
+    """Tokens that end the sequence: EOS (unless ignore_eos) and stop_token_ids (which ignore_eos leaves on).
+    Built once per sequence (SequenceSampler.stop_set): every membership test after that is O(1), however long
+    a client's stop_token_ids list is."""
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
 
 
-def check_token_stop(token_id: int, num_generated: int, params: SamplingParams, eos_ids: Collection[int],
+def check_token_stop(token_id: int, num_generated: int, params: SamplingParams, stops: AbstractSet[int],
                      context_full: bool) -> str | None:
     """finish_reason after sampling `token_id`, or None to continue.
 
-    num_generated counts generated tokens including this one. A stop token ends the sequence only once at
-    least min_tokens tokens came before it (the sampler masks stop tokens until then, so this matters only to
-    callers that do not mask). "stop" beats "length" when both apply. context_full: prompt + generated tokens
-    fill the model's context, so no further token fits.
+    stops: the sequence's stop tokens, stop_token_ids(params, eos) (a set: O(1) per check). num_generated counts
+    generated tokens including this one. A stop token ends the sequence only once at least min_tokens tokens came
+    before it (the sampler masks stop tokens until then, so this matters only to callers that do not mask). "stop"
+    beats "length" when both apply. context_full: prompt + generated tokens fill the model's context, so no
+    further token fits.
     """
-    if num_generated > params.min_tokens and (
-            token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids)):
+    if num_generated > params.min_tokens and token_id in stops:
         return "stop"
     if (params.max_tokens is not None and num_generated >= params.max_tokens) or context_full:
         return "length"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import in_process_api, one_torch_thread
 
-from appliance.beam_search import BeamSearch, log_softmax, top_continuations
+from appliance.beam_search import WIDTH_STOP_TOKENS, BeamSearch, log_softmax, top_continuations
 from appliance.config import EngineConfig
 from appliance.engine import Engine
 from appliance.params import SamplingParams
@@ -65,6 +65,31 @@ def test_length_penalty_normalizes_finished_scores():
     search.update(cands, [True, True], 3, payloads=["x", "y"])
     assert search.finished[0].score == pytest.approx((-3.0 + np.log(0.5)) / 9)
     assert search.done                                    # every candidate ended
+
+
+@pytest.mark.parametrize("lp", [2000.0, -2000.0, 1e308, -1e308, float("inf")])
+def test_extreme_length_penalty_never_raises(lp):
+    search = BeamSearch(2, length_penalty=lp)
+    for score in (-3.0, 0.0, 2.5):
+        for n in (1, 2, 500):
+            value = search.normalized(score, n)
+            assert not np.isnan(value) and (value == 0.0 or np.sign(value) == np.sign(score))
+    assert search.normalized(-3.0, 1) == -3.0                         # 1 ** lp is 1
+    assert search.normalized(-3.0, 2) == (0.0 if lp > 0 else -np.inf)  # saturates, never raises
+    cands = search.candidates(np.log(np.array([[0.5, 0.5]], np.float32)), [-3.0])
+    search.update(cands, [True, True], 3, payloads=["x", "y"])       # the review's reproducer path
+    assert search.done and len(search.finished) == 2
+
+
+def test_sane_length_penalty_keeps_transformers_expression():
+    for lp in (-1.5, 0.0, 0.5, 1.0, 2.0):
+        assert BeamSearch(2, length_penalty=lp).normalized(-7.25, 13) == -7.25 / (13 ** lp)
+
+
+def test_width_counts_a_few_stop_tokens_only():
+    assert BeamSearch(3, num_stop_tokens=1).width == 6                 # transformers: max(2, 1 + n_eos) * beams
+    assert BeamSearch(3, num_stop_tokens=4).width == 15
+    assert BeamSearch(3, num_stop_tokens=10_000).width == (1 + WIDTH_STOP_TOKENS) * 3
 
 
 def _toy_model():

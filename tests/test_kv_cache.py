@@ -1,7 +1,7 @@
 """Block pool bookkeeping: allocation, reference counts, prefix caching with LRU reuse."""
 import pytest
 
-from appliance.kv_cache import BlockPool
+from appliance.kv_cache import BlockPool, chain_hash
 
 
 def test_allocate_free_and_exhaustion():
@@ -66,3 +66,25 @@ def test_prefix_caching_off_matches_nothing():
     pool = BlockPool(4, 4)
     pool.free(_fill(pool, list(range(9))))
     assert pool.match_prefix(list(range(9))) == ([], [])
+
+
+def test_block_names_are_a_salted_chain():
+    pool = BlockPool(8, 4, prefix_caching=True)
+    block = (5, 6, 7, 8)
+    first = chain_hash(pool.salt, None, (1, 2, 3, 4))
+    assert chain_hash(pool.salt, first, block) != chain_hash(pool.salt, chain_hash(pool.salt, None, (9, 9, 9, 9)),
+                                                             block)   # same tokens, different parents
+    assert chain_hash(pool.salt, None, block) != chain_hash(pool.salt, first, block)
+    assert len(first) == 16 and chain_hash(pool.salt, None, (1, 2, 3, 4)) == first   # deterministic in a pool
+    other = BlockPool(8, 4, prefix_caching=True)
+    assert other.salt != pool.salt and chain_hash(other.salt, None, (1, 2, 3, 4)) != first
+    assert chain_hash(pool.salt, None, (1 << 40, 0, 0, 0)) != chain_hash(pool.salt, None, (0, 1 << 8, 0, 0))
+
+
+def test_register_returns_the_chain_and_match_uses_it():
+    pool = BlockPool(8, 4, prefix_caching=True)
+    blocks = _fill(pool, list(range(9)))
+    pool.free(blocks)
+    hit, names = pool.match_prefix(list(range(9)))
+    a = chain_hash(pool.salt, None, (0, 1, 2, 3))
+    assert hit == blocks[:2] and names == [a, chain_hash(pool.salt, a, (4, 5, 6, 7))]

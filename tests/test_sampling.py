@@ -329,3 +329,10 @@ def test_logprobs_only_for_rows_that_ask():
 def test_batch_size_mismatch_raises():
     with pytest.raises(ValueError):
         sample_batch(np.zeros((2, 10), np.float32), [seq()])
+
+
+def test_stop_set_is_eos_and_stop_token_ids_as_a_frozenset():
+    s = SequenceSampler(SamplingParams(stop_token_ids=[9, 9, 4]), eos_ids=[2])
+    assert s.stop_set == frozenset({2, 4, 9}) and s.stop_ids.tolist() == [2, 4, 9]
+    kept = SequenceSampler(SamplingParams(stop_token_ids=[9], ignore_eos=True), eos_ids=[2])
+    assert kept.stop_set == frozenset({9})

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 from appliance.params import SamplingParams
-from appliance.stopping import StopStringMatcher, check_token_stop
+from appliance.stopping import StopStringMatcher, check_token_stop, stop_token_ids
 
 
 def run(stops, pieces, include=False):
@@ -119,30 +120,44 @@ def test_chunking_never_changes_the_result(include):
 EOS = {2, 7}
 
 
+def stops(token: int, num_generated: int, p: SamplingParams, context_full: bool) -> str | None:
+    return check_token_stop(token, num_generated, p, stop_token_ids(p, EOS), context_full)
+
+
 def test_eos_and_stop_token_ids():
     p = SamplingParams(stop_token_ids=[9])
-    assert check_token_stop(2, 1, p, EOS, False) == "stop"
-    assert check_token_stop(7, 1, p, EOS, False) == "stop"
-    assert check_token_stop(9, 1, p, EOS, False) == "stop"
-    assert check_token_stop(5, 1, p, EOS, False) is None
+    assert stops(2, 1, p, False) == "stop"
+    assert stops(7, 1, p, False) == "stop"
+    assert stops(9, 1, p, False) == "stop"
+    assert stops(5, 1, p, False) is None
 
 
 def test_ignore_eos_keeps_stop_token_ids():
     p = SamplingParams(ignore_eos=True, stop_token_ids=[9])
-    assert check_token_stop(2, 1, p, EOS, False) is None
-    assert check_token_stop(9, 1, p, EOS, False) == "stop"
+    assert stops(2, 1, p, False) is None
+    assert stops(9, 1, p, False) == "stop"
 
 
 def test_min_tokens():
     p = SamplingParams(min_tokens=3, stop_token_ids=[9])
-    assert [check_token_stop(2, n, p, EOS, False) for n in (1, 2, 3, 4)] == [None, None, None, "stop"]
-    assert check_token_stop(9, 3, p, EOS, False) is None
+    assert [stops(2, n, p, False) for n in (1, 2, 3, 4)] == [None, None, None, "stop"]
+    assert stops(9, 3, p, False) is None
 
 
 def test_length_limits():
     p = SamplingParams(max_tokens=3)
-    assert check_token_stop(5, 2, p, EOS, False) is None
-    assert check_token_stop(5, 3, p, EOS, False) == "length"
-    assert check_token_stop(2, 3, p, EOS, False) == "stop"  # stop beats length
-    assert check_token_stop(5, 1, SamplingParams(), EOS, True) == "length"
-    assert check_token_stop(5, 10_000, SamplingParams(), EOS, False) is None  # max_tokens None: unbounded
+    assert stops(5, 2, p, False) is None
+    assert stops(5, 3, p, False) == "length"
+    assert stops(2, 3, p, False) == "stop"  # stop beats length
+    assert stops(5, 1, SamplingParams(), True) == "length"
+    assert stops(5, 10_000, SamplingParams(), False) is None  # max_tokens None: unbounded
+
+
+def test_stop_token_set_is_built_once_and_membership_is_constant_time():
+    p = SamplingParams(stop_token_ids=list(range(100_000, 200_000)))
+    stops_set = stop_token_ids(p, EOS)
+    assert isinstance(stops_set, frozenset) and {2, 7, 150_000} <= stops_set
+    t = time.perf_counter()
+    for _ in range(10_000):
+        check_token_stop(5, 1, p, stops_set, False)
+    assert time.perf_counter() - t < 0.5   # a list scan: 10,000 x 100,000 comparisons, minutes
