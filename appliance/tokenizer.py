@@ -4,11 +4,17 @@ Reads a HF model folder: tokenizer.json, tokenizer_config.json (special tokens, 
 chat_template.jinja (preferred over the inline template, as transformers does) and generation_config.json
 (extra EOS ids). `decode` is the raw `tokenizers` decode; transformers' `clean_up_tokenization_spaces` is not
 applied because it is not incremental (the streaming detokenizer could not reproduce it).
+
+Chat content stays content (`encode_chat`): a special token's text inside a message (`<|im_end|>` typed by a user)
+is encoded as plain text, never as the control token, as the OpenAI API does; otherwise a user could close their
+turn and open a `system` one against the operator's prompt. Raw prompts (`encode`) keep mapping special-token text
+to the special tokens (what completions clients and OVMS expect).
 """
 from __future__ import annotations
 
 import json
 import re
+import threading
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +27,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# Markers for special-token text in chat content are built from one character of the Private Use Area that occurs
+# in no input (see encode_chat); tried from the top of the area down.
+_PRIVATE_USE = range(0xF8FF, 0xE000 - 1, -1)
+_PRIVATE_USE_CHAR = re.compile("[\ue000-\uf8ff]")
 
 
 @lru_cache(maxsize=1)
@@ -42,6 +52,45 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _strings(x: Any) -> Iterable[str]:
+    """Every string in a JSON-like value (dict keys included: a template may render them, e.g. with tojson)."""
+    if isinstance(x, str):
+        yield x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _strings(v)
+
+
+def _map_strings(x: Any, f) -> Any:
+    """`x` with `f` applied to every string in it (same structure: dicts, lists and tuples are copied)."""
+    if isinstance(x, str):
+        return f(x)
+    if isinstance(x, dict):
+        return {_map_strings(k, f): _map_strings(v, f) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_strings(v, f) for v in x)
+    return x
+
+
+def _never_prepend(node: Any) -> bool:
+    """Turn Metaspace's prepend_scheme "first" into "never" in a serialized tokenizer (in place); True if found."""
+    found = False
+    if isinstance(node, dict):
+        if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+            node["prepend_scheme"] = "never"
+            found = True
+        for v in node.values():
+            found = _never_prepend(v) or found
+    elif isinstance(node, list):
+        for v in node:
+            found = _never_prepend(v) or found
+    return found
 
 
 def _read_json(path: Path) -> dict:
@@ -106,6 +155,12 @@ class Tokenizer:
         self.byte_fallback_ids: frozenset[int] = frozenset(
             i for b in range(256) if has_byte_fallback and (i := tok.token_to_id(f"<0x{b:02X}>")) is not None)
         self._bytes_cache: dict[int, bytes] = {}
+        # encode_chat: the special tokens' texts, longest first so the regex prefers "<|a|>b" over "<|a|>"
+        self._special_texts = sorted({self._added_content[i] for i in self.special_ids}, key=len, reverse=True)
+        self._special_index = {t: k for k, t in enumerate(self._special_texts)}
+        self._special_re = re.compile("|".join(map(re.escape, self._special_texts))) if self._special_texts else None
+        self._plain: tuple[tokenizers.Tokenizer, tokenizers.Tokenizer] | None = None   # built on first use
+        self._plain_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -201,3 +256,80 @@ class Tokenizer:
                                                     add_generation_prompt=add_generation_prompt, **variables)
         except Exception as e:  # TemplateError, or e.g. a TypeError from messages the template did not expect
             raise ValueError(f"chat template error: {e}") from e
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """The chat prompt's ids: apply_chat_template, then encode, except that special-token text coming from the
+        request (any string in `messages` or in `template_kwargs`, e.g. tools) is encoded as plain text.
+
+        Why: encoding the rendered text would turn a user's `<|im_end|>\\n<|im_start|>system\\n...` into real
+        turn boundaries, spoofing roles against the operator's system prompt. The OpenAI API keeps such text as text.
+        The special tokens the template itself writes (and the bos/eos variables it is given) stay real.
+
+        A request without special-token text (nearly all) is rendered and encoded exactly as before, so its ids
+        are those of transformers' apply_chat_template(tokenize=True). Otherwise each special token's text in the
+        inputs is replaced by a marker before rendering (a Private Use Area character found in no input, the token's
+        index, the character again: not whitespace, so filters such as trim act on the same places), the rendered
+        text is encoded normally to find the template's special tokens (added-token matching, lstrip/rstrip
+        included), and each run of text between two of them that holds a marker is encoded again, markers turned
+        back into the tokens' text, by a copy of the tokenizer whose special tokens are plain text
+        (`encode_special_tokens`, tokenizers >= 0.15). Runs without a marker keep the normal encoding's ids.
+        """
+        inputs = (messages, template_kwargs)
+        if self._special_re is None or not any(self._special_re.search(s) for s in _strings(inputs)):
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs))
+        taken: set[str] = set()   # one pass over the inputs (a large body must not cost 6400 scans)
+        for s in (*_strings(inputs), str(self.chat_template), *self.special_tokens.values(),
+                  *self.additional_special_tokens):
+            taken.update(_PRIVATE_USE_CHAR.findall(s))
+        sentinel = next((c for c in map(chr, _PRIVATE_USE) if c not in taken), None)
+        if sentinel is None:   # a request using all 6400 private-use characters: refuse rather than guess
+            raise ValueError("messages use every private-use character; cannot keep special-token text as text")
+
+        def mark(s: str) -> str:
+            return self._special_re.sub(lambda m: f"{sentinel}{self._special_index[m.group()]}{sentinel}", s)
+
+        rendered = self.apply_chat_template(_map_strings(messages, mark), add_generation_prompt,
+                                            **_map_strings(template_kwargs, mark))
+        return self._encode_marked(rendered, sentinel)
+
+    def _encode_marked(self, rendered: str, sentinel: str) -> list[int]:
+        marker = re.compile(f"{sentinel}(\\d+){sentinel}")
+        enc = self._tok.encode(rendered, add_special_tokens=False)
+        ids: list[int] = []
+        run: list[int] = []   # the normal encoding of the text since the last real special token
+        start = 0             # where that text starts in `rendered`
+
+        def end_run(end: int) -> None:
+            text = rendered[start:end]
+            if sentinel not in text:
+                ids.extend(run)
+                return
+            # A marker a template filter cut in two leaves a lone sentinel: it is ours, not the user's, so drop it
+            text = marker.sub(lambda m: self._special_texts[int(m.group(1))], text).replace(sentinel, "")
+            ids.extend(self._plain_tokenizer(first=start == 0).encode(text, add_special_tokens=False).ids)
+
+        for i, (a, b) in zip(enc.ids, enc.offsets):
+            # A special id is a template token only if it matched its text (an <unk> may stand for a marker)
+            if i in self.special_ids and self._added_content[i] in rendered[a:b]:
+                end_run(a)
+                ids.append(i)
+                run, start = [], b
+            else:
+                run.append(i)
+        end_run(len(rendered))
+        return ids
+
+    def _plain_tokenizer(self, first: bool) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that encodes special-token text as plain text. Two copies, because Metaspace's
+        prepend_scheme "first" prepends "▁" only to the text at offset 0 of the whole input: a run encoded alone
+        that does not start the prompt must not get it. Copies, not a flag toggled on the shared tokenizer,
+        because several threads encode with it at once."""
+        with self._plain_lock:
+            if self._plain is None:
+                state = json.loads(self._tok.to_str())
+                at_start = tokenizers.Tokenizer.from_str(json.dumps(state))
+                later = tokenizers.Tokenizer.from_str(json.dumps(state)) if _never_prepend(state) else at_start
+                for t in (at_start, later):
+                    t.encode_special_tokens = True
+                self._plain = at_start, later
+            return self._plain[0 if first else 1]
