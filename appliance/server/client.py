@@ -2,11 +2,16 @@
 
 Thread-safe (gthread workers serve many requests at once). A connection goes back to the pool only after a
 call's reply or a job's `End`; a job abandoned half-way closes its connection, which cancels it engine-side.
+Nothing here waits on the engine without a bound: connecting and the handshake take at most
+protocol.HANDSHAKE_SECONDS, a call's reply protocol.CALL_SECONDS (a job's events are waited for by the caller,
+with its own deadline).
 """
 from __future__ import annotations
 
+import socket
 import threading
-from multiprocessing.connection import Client, Connection
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection
 
 from appliance.server import protocol as p
 
@@ -24,17 +29,30 @@ class EngineClient:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._max_idle = max_idle
-        self._ready_status: p.EngineStatus | None = None
 
     # ---- connections
     def _take(self) -> Connection:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
+        return self._connect()
+
+    def _connect(self) -> Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            return Client(self._address, "AF_UNIX", authkey=self._authkey)
-        except (OSError, EOFError) as exc:
+            sock.settimeout(p.HANDSHAKE_SECONDS)
+            sock.connect(self._address)
+            sock.settimeout(None)   # Connection reads the fd with blocking os.read
+        except OSError as exc:
+            sock.close()
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
+        conn = Connection(sock.detach())
+        try:
+            p.handshake(conn, self._authkey, server=False)
+        except (OSError, EOFError, AuthenticationError) as exc:
+            conn.close()
+            raise EngineUnavailable(f"engine handshake failed: {exc!r}") from None
+        return conn
 
     def _give_back(self, conn: Connection) -> None:
         with self._lock:
@@ -43,30 +61,30 @@ class EngineClient:
                 return
         conn.close()
 
-    def call(self, op: str, *args):
-        """One request, one reply. Retries once on a fresh connection: a pooled one may have gone stale."""
+    def call(self, op: str, *args, timeout: float = p.CALL_SECONDS):
+        """One request, one reply within `timeout` seconds. Retries once on a fresh connection when a pooled one
+        turns out stale (closed); an engine that does not answer in time is not asked again."""
         for attempt in (0, 1):
             conn = self._take()
             try:
                 conn.send((op, *args))
-                reply: p.Reply = conn.recv()
+                answered = conn.poll(timeout)
+                reply: p.Reply | None = conn.recv() if answered else None
             except (OSError, EOFError) as exc:
                 conn.close()
                 if attempt:
                     raise EngineUnavailable(f"engine connection lost: {exc}") from None
                 continue
+            if reply is None:
+                conn.close()   # the late reply must not be read as the answer to another call
+                raise EngineUnavailable(f"the engine did not answer {op!r} within {timeout:g} s")
             self._give_back(conn)
             return reply
 
     # ---- typed calls
     def status(self) -> p.EngineStatus:
-        """Cached once ready: readiness does not go back (shutdown ends the workers first)."""
-        if self._ready_status is not None:
-            return self._ready_status
-        status = self.call(p.STATUS).value
-        if status.ready:
-            self._ready_status = status
-        return status
+        """Asked every time, never cached: readiness reports the engine loop's heartbeat as it is now."""
+        return self.call(p.STATUS).value
 
     def metrics(self) -> str:
         return self.call(p.METRICS).value

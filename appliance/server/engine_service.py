@@ -3,6 +3,11 @@
 One thread per worker connection. A job's sequences are each drained by a pump thread that forwards chunks as
 the engine produces them; the connection's thread meanwhile watches the socket, and when the worker closes it
 (its client went away, or the request timed out) every sequence of the job is cancelled at once.
+
+Liveness: the accept loop only accepts; the HMAC handshake runs in the connection's own thread with a timeout, so
+a worker killed mid-handshake, a stalled peer or a wrong key costs that connection alone and never ends or
+blocks accepting. `status()` is computed on every call from the engine loop's heartbeat: a dead engine thread or
+one stuck in a step for ENGINE_STALL_SECONDS reads as not ready (the supervisor exits on a dead one).
 """
 from __future__ import annotations
 
@@ -11,15 +16,22 @@ import os
 import threading
 import time
 from dataclasses import replace
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
 
-from appliance.engine import QueueFull
+from appliance.engine import EngineDead, QueueFull
 from appliance.metrics import ServerMetrics
 from appliance.outputs import Chunk, Timing
 from appliance.server import protocol as p
 from appliance.server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
+
+LISTEN_BACKLOG = 128            # workers x their pools reconnecting at once after a restart
+ACCEPT_BACKOFF_SECONDS = 0.05
+# A step that has not ended after this long means the engine is wedged (the longest legitimate step, a
+# max_num_batched_tokens prefill of a large model on a slow CPU, is seconds). Readiness then answers 503.
+ENGINE_STALL_SECONDS = 60.0
 
 
 class _Rejected(Exception):
@@ -36,11 +48,15 @@ class EngineService:
         self.device = ""
         self.state, self.error = "loading", None
         self._listener: Listener | None = None
+        self._authkey = b""
+        self._faults = os.environ.get(p.FAULT_INJECTION_ENV) == "1"
 
     # ---- lifecycle (supervisor thread)
     def start(self) -> None:
-        """Listen before the model loads, so workers can answer 503 "loading" instead of failing to connect."""
-        self._listener = Listener(self.settings.socket_path, "AF_UNIX", authkey=self.settings.authkey())
+        """Listen before the model loads, so workers can answer 503 "loading" instead of failing to connect.
+        No authkey on the Listener: its accept() would run the handshake in the accept thread (see _serve)."""
+        self._authkey = self.settings.authkey()
+        self._listener = Listener(self.settings.socket_path, "AF_UNIX", backlog=LISTEN_BACKLOG)
         os.chmod(self.settings.socket_path, 0o600)
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
 
@@ -64,15 +80,20 @@ class EngineService:
         while self.state != "stopping":
             try:
                 conn = self._listener.accept()
-            except OSError:
+                threading.Thread(target=self._serve, args=(conn,), name="engine-conn", daemon=True).start()
+            except Exception:   # OSError (EMFILE, ...), RuntimeError (no thread): this loop must outlive it
                 if self.state == "stopping":
                     return
-                log.warning("engine socket: rejected a connection", exc_info=log.isEnabledFor(logging.DEBUG))
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="engine-conn", daemon=True).start()
+                log.warning("engine socket: could not accept a connection", exc_info=True)
+                time.sleep(ACCEPT_BACKOFF_SECONDS)   # e.g. out of fds: do not spin
 
     def _serve(self, conn: Connection) -> None:
         with conn:
+            try:
+                p.handshake(conn, self._authkey, server=True)
+            except (OSError, EOFError, AuthenticationError) as exc:
+                log.warning("engine socket: handshake failed", extra={"error": repr(exc)})
+                return
             while True:
                 try:
                     op, *args = conn.recv()
@@ -93,6 +114,9 @@ class EngineService:
     def _call(self, op: str, args: list) -> p.Reply:
         if op == p.STATUS:
             return p.Reply(self.status())
+        if op == p.FAULT and self._faults and self.engine is not None:
+            self.engine.inject_fault(args[0])
+            return p.Reply()
         if op == p.RECORD_HTTP:
             r: p.HttpRecord = args[0]
             self.metrics.record_http(r.route, r.method, r.status, r.error_type)
@@ -110,12 +134,32 @@ class EngineService:
         e = self.engine
         if e is None:
             return p.EngineStatus(self.state, self.error)
-        return p.EngineStatus(self.state, self.error, e.max_context, e.manifest.vocab_size, e.generation_defaults,
+        state, error = self.state, self.error
+        if state == "ready" and (problem := self.engine_problem()):
+            state, error = "failed", problem
+        return p.EngineStatus(state, error, e.max_context, e.manifest.vocab_size, e.generation_defaults,
                               e.manifest.backend, e.manifest.weight_format, self.device)
+
+    def engine_problem(self) -> str | None:
+        """Why the attached engine cannot serve now (None: it can): its loop died, or one step has taken
+        longer than ENGINE_STALL_SECONDS."""
+        e = self.engine
+        if e is None:
+            return None
+        if not e.alive:
+            return f"the engine loop stopped: {type(e.dead).__name__ if e.dead else 'exited'}"
+        stalled = time.monotonic() - e.heartbeat
+        if stalled > ENGINE_STALL_SECONDS:
+            return f"the engine loop has not advanced for {stalled:.0f} s"
+        return None
 
     # ---- jobs
     def _run_job(self, conn: Connection, job: p.Job) -> bool:
         """Streams the job's events. False when the worker closed the connection (the job was cancelled)."""
+        if problem := self.engine_problem():
+            conn.send(p.Failed(503, f"The engine cannot serve: {problem}", code="engine_failed"))
+            conn.send(p.End())
+            return True
         try:
             handles, accepted = self._submit(job)
         except _Rejected as exc:
@@ -136,8 +180,22 @@ class EngineService:
         engine = self.engine
         if engine is None:
             raise _Rejected(_not_ready(self.state))
-        prompts = [self._prompt_ids(spec) for spec in job.prompts]
-        echo = [self._echo_text(spec) for spec in job.prompts] if job.echo else None
+        vocab, limits = engine.manifest.vocab_size, self.settings.limits
+        bad = next((t for t in job.params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise _Rejected(p.Failed(400, f"stop token id {bad} is out of the vocabulary range [0, {vocab})",
+                                     "stop_token_ids"))
+        try:
+            prompts = [self._prompt_ids(spec) for spec in job.prompts]
+            echo = [self._echo_text(spec) for spec in job.prompts] if job.echo else None
+        except (TypeError, ValueError) as exc:   # the tokenizer refused the text: the request's fault, not ours
+            raise _Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
+        k = job.params.prompt_logprobs
+        volume = sum(map(len, prompts)) * (1 + k) * job.n if k is not None else 0
+        if volume > limits.prompt_logprobs:   # echo + logprobs: an entry per prompt token and alternative, per choice
+            raise _Rejected(p.Failed(400, f"echo with logprobs: {sum(map(len, prompts))} prompt tokens x (1 + {k}) "
+                                          f"logprobs x n {job.n} = {volume} entries, more than the limit of "
+                                          f"{limits.prompt_logprobs} per request", "logprobs"))
         accepted = p.Accepted([len(ids) for ids in prompts], echo)
         if job.params.max_tokens == 0 and job.params.prompt_logprobs is None:
             return [], accepted
@@ -161,6 +219,9 @@ class EngineService:
             self._cancel(handles)
             self.metrics.rejected.inc("queue_full")
             raise _Rejected(p.Failed(429, str(exc), code="queue_full")) from None
+        except EngineDead as exc:   # died between engine_problem() and the submission
+            self._cancel(handles)
+            raise _Rejected(p.Failed(503, f"The engine cannot serve: {exc}", code="engine_failed")) from None
         except ValueError as exc:   # PromptTooLong and other prompt problems the engine found
             self._cancel(handles)
             self.metrics.rejected.inc("invalid")
@@ -178,10 +239,10 @@ class EngineService:
             return list(spec.token_ids)
         if spec.messages is not None:
             try:
-                rendered = tok.apply_chat_template(spec.messages, add_generation_prompt=True)
+                # the template spells out BOS and friends; special-token text in content stays text
+                ids = tok.encode_chat(spec.messages, add_generation_prompt=True)
             except Exception as exc:   # no template, a broken one, or its raise_exception (roles must alternate)
                 raise _Rejected(p.Failed(400, str(exc), "messages")) from None
-            ids = tok.encode(rendered, add_special_tokens=False)   # the template spells out BOS and friends
         else:
             ids = tok.encode(spec.text, add_special_tokens=True)   # as OVMS: a raw prompt gets BOS if the model has one
         if not ids:

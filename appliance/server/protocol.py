@@ -8,7 +8,12 @@ frees its KV at once.
 """
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Iterator
 
 from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
@@ -20,6 +25,43 @@ METRICS = "metrics"      # () -> str (Prometheus text)
 TOKENIZE = "tokenize"    # (list[str]) -> list[list[int]]
 RECORD_HTTP = "http"     # (HttpRecord) -> Reply()
 JOB = "job"              # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
+FAULT = "fault"          # (kind) -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
+
+FAULT_INJECTION_ENV = "APPLIANCE_FAULT_INJECTION"
+
+# Bounds on a peer that stops answering. The handshake is a few small messages: a peer silent for this long is
+# gone (a worker killed mid-handshake) or hostile, and must not hold a thread. Calls are answered between two
+# engine steps (the engine process's GIL): seconds mean the engine is wedged, and a worker must not wait forever.
+HANDSHAKE_SECONDS = 5.0
+CALL_SECONDS = 10.0
+
+
+@contextlib.contextmanager
+def io_timeout(conn: Connection, seconds: float) -> Iterator[None]:
+    """Kernel send/receive timeouts (SO_RCVTIMEO / SO_SNDTIMEO) on a Connection's socket for the block: a read
+    or write that waits longer fails with OSError. The socket stays blocking, which Connection needs."""
+    sec = int(seconds)
+    on, off = struct.pack("ll", sec, int((seconds - sec) * 1e6)), struct.pack("ll", 0, 0)
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:   # a dup: same socket
+        for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            sock.setsockopt(socket.SOL_SOCKET, opt, on)
+        try:
+            yield
+        finally:
+            for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+                sock.setsockopt(socket.SOL_SOCKET, opt, off)
+
+
+def handshake(conn: Connection, authkey: bytes, *, server: bool) -> None:
+    """multiprocessing's HMAC challenge both ways, bounded by HANDSHAKE_SECONDS. Raises OSError, EOFError or
+    multiprocessing.AuthenticationError on a peer that is gone, slow or without the key."""
+    with io_timeout(conn, HANDSHAKE_SECONDS):
+        if server:
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+        else:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
 
 
 @dataclass
@@ -30,7 +72,7 @@ class Reply:
 
 @dataclass
 class EngineStatus:
-    state: str                                  # loading | ready | failed | stopping
+    state: str                                  # loading | ready | failed | stopping (failed: also a dead engine)
     error: str | None = None
     max_context: int = 0
     vocab_size: int = 0

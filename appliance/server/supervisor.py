@@ -5,11 +5,16 @@ Start order: private runtime dir (socket, authkey, settings) -> engine socket li
 workers finish their in-flight requests (up to graceful_timeout); then the engine shuts down. Being the parent
 means the engine cannot be orphaned by gunicorn, and gunicorn gets SIGTERM from the kernel if we die
 (PR_SET_PDEATHSIG, set in gunicorn_conf).
+
+If the engine loop dies (a bug: per-request errors are isolated inside the engine), readiness turns 503 at once,
+gunicorn is stopped and the process exits 1, so systemd's Restart=on-failure or Docker's restart policy brings
+up a fresh one: a server that cannot generate must not look alive.
 """
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -44,9 +49,11 @@ class Supervisor:
         self.gunicorn: subprocess.Popen | None = None
         self.stopping = threading.Event()
         self.load_failed = False
+        self.engine_died = False
         self._lock = threading.Lock()
 
     def run(self) -> int:
+        self._install_signals()   # first: a SIGTERM during start-up still stops gunicorn and cleans up below
         runtime = Path(tempfile.mkdtemp(prefix="appliance-"))          # mode 0700: only this user
         try:
             key = runtime / AUTHKEY_FILE
@@ -54,9 +61,11 @@ class Supervisor:
             key.chmod(0o600)
             self.settings.runtime_dir, self.settings.supervisor_pid = str(runtime), os.getpid()
             self.settings.save()
+            raise_fd_limit()
             self.service.start()
-            self._install_signals()
             self.gunicorn = self._start_gunicorn()
+            if self.stopping.is_set():   # a signal before this point found no gunicorn to stop
+                self._signal_gunicorn(signal.SIGTERM)
             threading.Thread(target=self._load, name="engine-load", daemon=True).start()
             code = self.gunicorn.wait()
             return self._finish(code)
@@ -89,9 +98,23 @@ class Supervisor:
                 engine.shutdown()
                 return
             self.engine = engine
+            engine.on_death = self._engine_died
             self.service.attach(engine, self.engine_config.device)
+            if not engine.alive:   # died before on_death was set
+                self._engine_died(engine.dead or RuntimeError("engine loop exited"))
         log.info("ready", extra={"model": s.served_model_name, "url": f"http://{s.host}:{s.port}/v3",
                                  "workers": s.workers})
+
+    def _engine_died(self, exc: BaseException) -> None:
+        """Engine.on_death (called on the dying engine thread): fail readiness, stop serving, exit 1."""
+        if self.engine_died:
+            return
+        self.engine_died = True
+        log.critical("the engine loop died; stopping so the service manager restarts the server",
+                     extra={"error": f"{type(exc).__name__}: {exc}"})
+        self.service.fail(f"engine loop died: {type(exc).__name__}")
+        self.stopping.set()
+        self._signal_gunicorn(signal.SIGTERM)
 
     def _install_signals(self) -> None:
         def handle(signum, frame):
@@ -116,13 +139,27 @@ class Supervisor:
             engine, self.engine = self.engine, None
         if engine is not None:
             engine.shutdown()
-        if self.load_failed:
+        if self.load_failed or self.engine_died:
             return 1
+        if gunicorn_code == -signal.SIGTERM and self.stopping.is_set():
+            gunicorn_code = 0   # our SIGTERM reached it before it installed its handlers: a stop all the same
         if gunicorn_code != 0:
             log.error("HTTP server exited", extra={"code": gunicorn_code})
             return gunicorn_code if gunicorn_code > 0 else 1
         log.info("stopped")
         return 0
+
+
+def raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit (inherited by gunicorn): every client connection is an fd in a
+    worker, every worker connection one in this process, and 1024 (a common soft default) is a few hundred
+    clients. systemd's LimitNOFILE= or Docker's --ulimit set the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            log.warning("could not raise the open-file limit", extra={"soft": soft, "hard": hard})
 
 
 def serve(settings: ServeSettings, engine_config: EngineConfig, engine_factory=_default_engine) -> int:
