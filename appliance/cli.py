@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+from appliance import limits
 from appliance.config import EngineConfig
 from appliance.kv_budget import meminfo_bytes
 from appliance.manifest import MANIFEST_NAME, Manifest
@@ -22,7 +23,8 @@ SERVE_OPTIONS: dict[str, tuple] = {
     "threads": (int, 32, "threads per HTTP worker; each streaming client holds one"),
     "api-key-file": (str, None, "file holding the API key; clients then need 'Authorization: Bearer <key>'"),
     "served-model-name": (str, None, "model name in the API (default: the export's name)"),
-    "precision": (str, "default", "inference precision: 'f32' (transformers parity) or 'default' (fastest)"),
+    "precision": (str, "default", "inference precision: 'f32' (transformers parity with an fp32 export) or "
+                                  "'default' (fastest)"),
     "kv-cache-size": (str, None, "KV cache pool, all sequences together: GB as OVMS's cache_size (a bare number: 2, "
                                  "1.5), a size with a unit (512MB, 2GiB; binary units), a token count (16384tokens), "
                                  "or auto (default: a quarter of the memory free after loading the model, at most "
@@ -41,8 +43,13 @@ SERVE_OPTIONS: dict[str, tuple] = {
     "static-batch": (int, None, "static shapes: sequence slots, decoded together (default 4)"),
     "static-prefill-chunk": (int, None, "static shapes: prompt tokens per prefill call (default 128)"),
     "max-body-bytes": (int, 4 * 1024 * 1024, "largest request body accepted (413 above)"),
-    "max-tokens-limit": (int, None, "largest max_tokens a request may ask for (400 above)"),
+    **limits.serve_options(),   # --max-tokens-limit, --max-prompts, ...: declared once, in appliance/limits.py
     "graceful-timeout": (int, 30, "seconds in-flight requests get to finish on SIGTERM"),
+    "request-timeout": (float, 30.0, "seconds a client has to send a whole request (head and body); then the "
+                                     "connection is closed, no thread was used"),
+    "send-timeout": (float, 30.0, "seconds a response write may wait on a client that stopped reading; then a "
+                                  "stream is cancelled (its KV freed) and the connection reset"),
+    "keepalive-timeout": (int, 5, "seconds an idle kept-alive connection stays open"),
     "log-level": (str, "info", "debug, info, warning or error"),
     "access-log": (bool, False, "log every HTTP request"),
 }
@@ -100,16 +107,30 @@ def _settings(args: argparse.Namespace):
         raise SystemExit("appliance: --precision must be 'f32' or 'default'")
     if args.workers < 1 or args.threads < 1:
         raise SystemExit("appliance: --workers and --threads must be at least 1")
+    if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
+        raise SystemExit("appliance: --request-timeout and --send-timeout must be positive, --keepalive-timeout "
+                         "at least 0")
     settings = ServeSettings(
         model_dir=str(model_dir), served_model_name=args.served_model_name or manifest.name,
         model_created=int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime), host=args.host, port=args.port,
         workers=args.workers, threads=args.threads,
         api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None,
-        max_body_bytes=args.max_body_bytes, max_tokens_limit=args.max_tokens_limit,
-        graceful_timeout=args.graceful_timeout, log_level=args.log_level.lower(), access_log=args.access_log)
+        max_body_bytes=args.max_body_bytes, limits=_limits(args), max_queued=args.max_queued,
+        graceful_timeout=args.graceful_timeout, request_timeout=args.request_timeout,
+        send_timeout=args.send_timeout, keepalive_timeout=args.keepalive_timeout, log_level=args.log_level.lower(),
+        access_log=args.access_log)
     if settings.api_key_file and not Path(settings.api_key_file).read_text().strip():
         raise SystemExit(f"appliance: the API key file {settings.api_key_file} is empty")
     return settings, engine_config(args, manifest)
+
+
+def _limits(args: argparse.Namespace) -> limits.Limits:
+    """The request bounds from their flags (appliance/limits.py names them); each at least 1."""
+    try:
+        return limits.from_flags({f.name: getattr(args, f.metadata["flag"].replace("-", "_"))
+                                  for f in limits.flag_fields()})
+    except ValueError as exc:
+        raise SystemExit(f"appliance: {exc}") from None
 
 
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     device: str = "CPU"                 # CPU, GPU, NPU, AUTO, HETERO:...
-    # None keeps the device's fast default (bf16 on AVX-512-bf16 CPUs); "f32" gives transformers parity.
+    # None keeps the device's fast default (bf16 on AVX-512-bf16 CPUs); "f32" with fp32 weights gives transformers
+    # parity.
     precision: str | None = None
     # KV cache element type; None: f32 when precision is f32, else u8 on CPU (~30% faster decode than f16).
     kv_cache_precision: str | None = None

@@ -2,6 +2,8 @@
 JSON null = not set, and how defaults are filled from generation_config.json and OVMS's built-ins."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
 from appliance.openai_api.errors import ApiError
@@ -382,3 +384,328 @@ def test_api_key_guards_everything_but_health_probes(tmp_path):
     assert client.get("/v3/models", headers={"Authorization": "Bearer nope"}).status_code == 401
     assert client.get("/v3/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
     assert client.get("/v2/health/ready").status_code == 200
+
+
+# ---------------------------------------------------------------- the limits table (appliance/limits.py)
+
+def test_limits_table_in_docs_is_the_declared_one():
+    """docs/serving.md's Limits table is exactly `limits_table()`: every field, its default and its flag."""
+    from pathlib import Path
+
+    from appliance.limits import limits_table
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    assert limits_table() in doc, "regenerate the table: python -m appliance.limits"
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip() for line in limits_table().splitlines()[2:]}
+    assert rows["prompts"] == "256" and rows["max_tokens"] == "none" and rows["length_penalty"] == "10"
+    assert set(rows) == {f.name for f in fields(Limits)}
+
+
+def test_limit_flags_derive_from_the_fields(monkeypatch):
+    from appliance import cli, limits
+    for f in limits.flag_fields():
+        kind, default, help_text = cli.SERVE_OPTIONS[f.metadata["flag"]]
+        assert (default, help_text) == (f.default, f.metadata["help"])
+    args = cli.build_parser().parse_args(["serve", "--max-prompts", "3", "--max-n", "4"])
+    got = cli._limits(args)
+    assert (got.prompts, got.n, got.best_of, got.max_tokens) == (3, 4, 20, None)
+    with pytest.raises(SystemExit, match="--max-prompts must be at least 1"):
+        cli._limits(cli.build_parser().parse_args(["serve", "--max-prompts", "0"]))
+    monkeypatch.setenv("APPLIANCE_MAX_BEST_OF", "2")
+    assert cli._limits(cli.build_parser().parse_args(["serve"])).best_of == 2
+
+
+def test_settings_round_trip_rebuilds_limits(tmp_path):
+    from appliance.server.settings import ServeSettings
+    s = ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1, runtime_dir=str(tmp_path),
+                      limits=Limits(prompts=7, length_penalty=3.0), max_queued=9)
+    s.save()
+    loaded = ServeSettings.load(str(tmp_path))
+    assert loaded == s and isinstance(loaded.limits, Limits) and loaded.limits.prompts == 7
+
+
+def test_config_shows_effective_limits_beside_model_version_status():
+    client = edge(StubEngine(), limits=Limits(prompts=5), max_queued=11)
+    entry = client.get("/v1/config").get_json()[MODEL]
+    assert entry["model_version_status"][0]["state"] == "AVAILABLE"
+    assert entry["limits"]["prompts"] == 5 and entry["limits"]["max_queued"] == 11
+    assert set(entry["limits"]) == {f.name for f in fields(Limits)}
+
+
+# ---------------------------------------------------------------- every bound is a 400
+
+BOUND_ERRORS = [
+    ({"length_penalty": 2000}, "length_penalty out of range(-10.0, 10.0)", "length_penalty"),
+    ({"length_penalty": -10.5}, "length_penalty out of range(-10.0, 10.0)", "length_penalty"),
+    ({"repetition_penalty": 10.01}, "repetition_penalty out of range(0.0, 10.0]", "repetition_penalty"),
+    ({"timeout": 86401}, "timeout must be at most 86400 seconds", "timeout"),
+    ({"stop": ["x" * 257]}, "stop strings must be at most 256 characters long", "stop"),
+    ({"stop": "x" * 257}, "stop strings must be at most 256 characters long", "stop"),
+    ({"stop_token_ids": list(range(65))}, "stop_token_ids must have no more than 64 token ids", "stop_token_ids"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias must have no more than 300 entries",
+     "logit_bias"),
+    ({"logit_bias": {"01": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"logit_bias": {"+1": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"logit_bias": {" 1": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"logit_bias": {"1 ": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"logit_bias": {"1_0": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"logit_bias": {"\u0661": 1}}, "logit_bias keys must be token ids", "logit_bias"),   # Arabic-Indic one
+    ({"logit_bias": {"4294967296": 1}}, "logit_bias keys must be token ids", "logit_bias"),
+    ({"logit_bias": {"1": 10 ** 400}}, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
+    ({"logit_bias": {"1": True}}, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
+    ({"top_k": 4294967296}, "top_k must be -1 (all tokens) or a positive integer", "top_k"),
+    ({"min_tokens": 10 ** 400}, "min_tokens is not an unsigned integer", "min_tokens"),
+]
+
+
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+@pytest.mark.parametrize("fields_,message,param", BOUND_ERRORS, ids=[m for _, m, _ in BOUND_ERRORS])
+def test_bounds(parse, fields_, message, param):
+    err = error_of(parse, **fields_)
+    assert (err.message, err.param) == (message, param)
+
+
+def test_bounds_accept_their_edges():
+    gen = completion(length_penalty=-10, repetition_penalty=10, timeout=86400, stop=["x" * 256],
+                     stop_token_ids=list(range(64)), logit_bias={str(i): -100 for i in range(300)}).gen
+    assert gen.length_penalty == -10.0 and len(gen.stop_token_ids) == 64 and len(gen.logit_bias) == 300
+    assert completion(logit_bias={"0": 1, "10": 2}).gen.logit_bias == ((0, 1.0), (10, 2.0))
+    assert completion(stop_token_ids=[5, 5, 6]).gen.stop_token_ids == (5, 6)
+    assert completion(top_k=4294967295).gen.top_k == 4294967295
+
+
+def test_float_ranges_follow_the_limits():
+    limits = Limits(length_penalty=1.0, temperature=1.0, penalty=0.5, repetition_penalty=2.0, timeout=5.0)
+    for field_, value, message in [("length_penalty", 1.5, "length_penalty out of range(-1.0, 1.0)"),
+                                   ("temperature", 1.5, "temperature out of range(0.0, 1.0)"),
+                                   ("presence_penalty", -0.6, "presence_penalty out of range(-0.5, 0.5)"),
+                                   ("repetition_penalty", 2.5, "repetition_penalty out of range(0.0, 2.0]"),
+                                   ("timeout", 6, "timeout must be at most 5 seconds")]:
+        body = {"model": MODEL, "prompt": "x", field_: value}
+        assert error_of(parse_completion, body, limits).message == message
+
+
+@pytest.mark.parametrize("field_", ["temperature", "top_p", "min_p", "length_penalty", "repetition_penalty",
+                                    "frequency_penalty", "timeout"])
+def test_huge_integers_in_number_fields_are_400(field_):
+    err = error_of(completion, **{field_: 10 ** 400})
+    assert err.param == field_
+    assert error_of(completion, **{field_: -(10 ** 400)}).param == field_
+
+
+@pytest.mark.parametrize("field_", ["max_tokens", "n", "best_of", "seed", "logprobs", "top_k", "min_tokens"])
+def test_huge_integers_in_integer_fields_are_400(field_):
+    assert error_of(completion, **{field_: 10 ** 400}).param == field_
+
+
+def test_prompt_count_is_bounded():
+    assert len(completion(prompt=["a"] * 256).prompts) == 256
+    assert error_of(completion, prompt=["a"] * 257).message == "prompt array must have no more than 256 prompts"
+    assert error_of(completion, prompt=[[1]] * 257).param == "prompt"
+    assert len(completion(prompt=list(range(1000))).prompts) == 1   # token ids of one prompt are not prompts
+    limits = Limits(prompts=2)
+    assert error_of(parse_completion, {"model": MODEL, "prompt": ["a", "b", "c"]}, limits).message == \
+        "prompt array must have no more than 2 prompts"
+    assert len(parse_tokenize({"model": MODEL, "prompt": ["a"] * 256}).prompts) == 256
+    assert error_of(parse_tokenize, {"model": MODEL, "prompt": ["a"] * 257}).message == \
+        "prompt array must have no more than 256 prompts"
+    assert error_of(parse_tokenize, {"model": MODEL, "prompt": ["a"] * 3}, limits).param == "prompt"
+
+
+def test_n_times_prompts_past_max_queued_is_400_before_anything_is_built():
+    limits = Limits(max_queued=8)
+    assert len(parse_completion({"model": MODEL, "prompt": ["a"] * 4, "n": 2}, limits).prompts) == 4
+    with pytest.raises(ApiError) as info:
+        parse_completion({"model": MODEL, "prompt": ["a"] * 3, "n": 3}, limits)
+    assert (info.value.status, info.value.param, info.value.type) == (400, "n", "invalid_request_error")
+    assert "9 queue places" in info.value.message and "8" in info.value.message
+    with pytest.raises(ApiError) as info:
+        parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9}, limits)
+    assert info.value.status == 400
+    # beam search queues one sequence per prompt, whatever n is
+    assert parse_completion({"model": MODEL, "prompt": ["a"] * 8, "n": 3, "best_of": 3}, limits).gen.n == 3
+    assert parse_completion({"model": MODEL, "prompt": ["a"] * 100, "n": 20}).gen.n == 20   # no max_queued known
+
+
+def test_queue_check_on_the_http_edge_never_reaches_the_engine():
+    """The worker refuses it without building the choices or contacting the engine with the job."""
+    engine = StubEngine(fail_with=AssertionError("open_job must not be called"))
+    client = edge(engine, max_queued=4)
+    r = client.post("/v3/completions", json={"model": MODEL, "prompt": ["a", "b", "c"], "n": 2})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "n"
+    r = client.post("/v3/tokenize", json={"model": MODEL, "prompt": ["a"] * 257})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "prompt"
+
+
+SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": SURROGATE},
+    {"prompt": ["ok", "a" + SURROGATE]},
+    {"prompt": "x", "stop": [SURROGATE]},
+    {"prompt": "x", "user": SURROGATE},
+    {"prompt": "x", "metadata": {"k": [SURROGATE]}},
+    {"prompt": "x", "metadata": {SURROGATE: 1}},
+    {"prompt": "x", "logit_bias": {SURROGATE: 1}},
+])
+def test_lone_surrogates_are_400_in_completions(body):
+    err = error_of(parse_completion, {"model": MODEL, **body})
+    assert "lone surrogate" in err.message and err.param in body
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": SURROGATE}],
+    [{"role": SURROGATE, "content": "x"}],
+    [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}],
+    [{"role": "user", "content": "x", "name": SURROGATE}],
+])
+def test_lone_surrogates_are_400_in_chat_and_tokenize(messages):
+    err = error_of(parse_chat, {"model": MODEL, "messages": messages})
+    assert "lone surrogate" in err.message and err.param == "messages"
+    assert error_of(parse_chat, {"model": SURROGATE, "messages": [{"role": "user", "content": "x"}]}).param == "model"
+    assert error_of(parse_tokenize, {"model": MODEL, "prompt": ["x", SURROGATE]}).param == "prompt"
+
+
+def test_surrogate_pairs_are_fine():
+    import json
+    body = json.loads('{"model": "m", "prompt": "\\ud83d\\ude00"}')   # an escaped pair: one emoji
+    assert parse_completion(body).prompts == ("\U0001F600",)
+
+
+def test_deep_nesting_is_400():
+    nested: object = "x"
+    for _ in range(40):
+        nested = [nested]
+    err = error_of(completion, metadata=nested)
+    assert err.param == "metadata" and "deeper than 32" in err.message
+    shallow: object = "x"
+    for _ in range(30):   # body (1) + 31 levels: fine
+        shallow = {"a": shallow}
+    assert completion(metadata=shallow).gen.unknown == ("metadata",)
+    assert error_of(parse_completion, {"model": MODEL, "prompt": "x", "metadata": [[[1]]]}, Limits(depth=3)).param \
+        == "metadata"
+
+
+def test_wrong_types_everywhere_are_400():
+    """Every field, given every JSON type: a 400 (or accepted), never another exception."""
+    samples = [None, True, 0, -1, 1.5, 10 ** 400, "s", "", [], [1], ["a"], [[1]], {}, {"a": 1}, [None], [{}]]
+    names = ["model", "prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+             "temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+             "repetition_penalty", "length_penalty", "stop", "stop_token_ids", "include_stop_str_in_output",
+             "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "n", "best_of", "timeout", "echo",
+             "logprobs", "top_logprobs", "response_format", "tools"]
+    for name in names:
+        for value in samples:
+            for parse, base in ((parse_completion, {"model": MODEL, "prompt": "hi"}),
+                                (parse_chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+                                (parse_tokenize, {"model": MODEL, "prompt": "hi"})):
+                try:
+                    parse({**base, name: value})
+                except ApiError as exc:
+                    assert exc.status == 400, (name, value, exc)
+
+
+def test_chat_messages_keep_only_template_fields():
+    req = parse_chat({"model": MODEL, "messages": [
+        {"role": "user", "content": "hi", "name": "ann", "extra": {"deep": [1, 2]}, "audio": None},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
+    assert req.messages == (
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                             "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"})
+    for message, text in [({"name": 5}, "message name is not a string"),
+                          ({"tool_call_id": ["x"]}, "message tool_call_id is not a string"),
+                          ({"tool_calls": {"id": 1}}, "message tool_calls is not an array of objects"),
+                          ({"tool_calls": ["x"]}, "message tool_calls is not an array of objects")]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x", **message}]}
+        assert error_of(parse_chat, body).message == text
+
+
+def test_message_count_is_bounded():
+    one = {"role": "user", "content": "x"}
+    assert len(chat(messages=[one] * 1024).messages) == 1024
+    assert error_of(chat, messages=[one] * 1025).message == "messages array must have no more than 1024 messages"
+
+
+# ---------------------------------------------------------------- engine-side checks (engine_service._submit)
+# A stub engine (tokenizer, vocabulary, submit) stands in for the runtime: these check what the service decides
+# after tokenization, before anything is queued.
+
+class StubTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        text.encode("utf-8")   # as tokenizers: a lone surrogate is refused (there a TypeError)
+        if "\x00" in text:
+            raise TypeError("TextInputSequence must be str")
+        return [1] * len(text)
+
+    def decode(self, ids) -> str:
+        return "x" * len(ids)
+
+
+class StubRuntime:
+    def __init__(self):
+        from types import SimpleNamespace
+        self.tokenizer = StubTokenizer()
+        self.manifest = SimpleNamespace(vocab_size=100)
+        self.submitted = []
+
+    def submit_prompts(self, requests):
+        self.submitted.append(requests)
+        return [[SimpleHandle() for _ in params] for _, params, _ in requests]
+
+
+class SimpleHandle:
+    def cancel(self):
+        pass
+
+
+def submit(job_fields: dict, params_fields: dict, limits: Limits = Limits()):
+    from appliance.metrics import ServerMetrics
+    from appliance.params import SamplingParams
+    from appliance.server import engine_service as es
+    from appliance.server.protocol import Job, PromptSpec
+    from appliance.server.settings import ServeSettings
+    service = es.EngineService(ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1,
+                                             limits=limits), ServerMetrics())
+    runtime = StubRuntime()
+    service.engine = runtime
+    job = Job(**{"request_id": "r", "prompts": [PromptSpec(text="hello")],
+                 "params": SamplingParams(max_tokens=2, **params_fields), **job_fields})
+    try:
+        return service._submit(job), runtime
+    except es._Rejected as exc:
+        return exc.failed, runtime
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_400():
+    failed, runtime = submit({}, {"stop_token_ids": [5, 100]})
+    assert (failed.status, failed.param) == (400, "stop_token_ids") and "100" in failed.message
+    assert not runtime.submitted
+    (handles, accepted), runtime = submit({}, {"stop_token_ids": [99]})
+    assert len(handles) == 1 and runtime.submitted
+
+
+def test_tokenizer_errors_are_400_not_a_dropped_connection():
+    from appliance.server.protocol import PromptSpec
+    for text in ("bad\x00text", "\ud800"):
+        failed, runtime = submit({"prompts": [PromptSpec(text=text)]}, {})
+        assert (failed.status, failed.param) == (400, "prompt") and "cannot be tokenized" in failed.message
+        assert not runtime.submitted
+
+
+def test_echo_logprobs_volume_is_bounded_after_tokenization():
+    from appliance.server.protocol import PromptSpec
+    limits = Limits(prompt_logprobs=1000)
+    # 100 prompt tokens x (1 + 4) x n 2 = 1000: fits; one token more does not
+    (handles, _), _ = submit({"prompts": [PromptSpec(text="x" * 100)], "n": 2, "echo": True},
+                             {"prompt_logprobs": 4, "logprobs": 4}, limits)
+    assert len(handles) == 2
+    failed, runtime = submit({"prompts": [PromptSpec(text="x" * 101)], "n": 2, "echo": True},
+                             {"prompt_logprobs": 4, "logprobs": 4}, limits)
+    assert (failed.status, failed.param) == (400, "logprobs") and "1010" in failed.message
+    assert not runtime.submitted
+    (handles, _), _ = submit({"prompts": [PromptSpec(text="x" * 5000)]}, {}, limits)   # no echo logprobs: no bound
+    assert len(handles) == 1

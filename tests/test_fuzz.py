@@ -8,7 +8,9 @@ Two schemathesis runs (its CLI in a subprocess, fixed seed, JSON report):
   count, usage sums, SSE framing: opening chunk, one finish per choice, include_usage, [DONE] last);
 * negative: requests that break the document must get a documented 4xx, never a 5xx; wrong methods get 405 with
   an `Allow` header.
-After both, the server must be healthy: same worker PIDs (none crashed), no traceback in its log, nothing running
+* raw bytes: no document; seeded hostile bodies (mangled JSON, random bytes, lone surrogates, 400-digit integers,
+  deep nesting, oversized lists, the review's named attacks) to completions, chat and tokenize: never a 5xx.
+After each, the server must be healthy: same worker PIDs (none crashed), no traceback in its log, nothing running
 or queued, no KV block held, and the same greedy answer as before the fuzzing.
 
 This module is also schemathesis's hooks module in that subprocess (SCHEMATHESIS_HOOKS=test_fuzz): see the end.
@@ -92,6 +94,35 @@ def test_openapi_paths_are_the_routes_the_app_serves():
     assert documented == served
 
 
+def test_openapi_bounds_are_the_limits():
+    """The document states appliance/limits.py's defaults: a bound changed in one place only fails here (and the
+    negative fuzz run would otherwise report the server accepting what the document forbids, or the reverse)."""
+    from dataclasses import fields
+
+    from appliance.limits import Limits
+    lim = Limits()
+    s = load_doc()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = s[name]["properties"]
+        assert (props["length_penalty"]["minimum"], props["length_penalty"]["maximum"]) == \
+            (-lim.length_penalty, lim.length_penalty)
+        assert props["repetition_penalty"]["maximum"] == lim.repetition_penalty
+        assert props["temperature"]["maximum"] == lim.temperature
+        assert props["frequency_penalty"]["maximum"] == props["presence_penalty"]["maximum"] == lim.penalty
+        assert props["timeout"]["maximum"] == lim.timeout
+        assert props["stop"]["anyOf"][1]["maxItems"] == lim.stop_strings
+        assert props["stop"]["anyOf"][0]["maxLength"] == props["stop"]["anyOf"][1]["items"]["maxLength"] == \
+            lim.stop_chars
+        assert props["stop_token_ids"]["maxItems"] == lim.stop_token_ids
+        assert props["logit_bias"]["maxProperties"] == lim.logit_bias
+        assert (props["n"]["maximum"], props["best_of"]["maximum"]) == (lim.n, lim.best_of)
+    assert s["CompletionRequest"]["properties"]["prompt"]["anyOf"][2]["maxItems"] == lim.prompts
+    assert s["TokenizeRequest"]["properties"]["prompt"]["anyOf"][1]["maxItems"] == lim.prompts
+    assert s["ChatCompletionRequest"]["properties"]["messages"]["maxItems"] == lim.messages
+    documented = s["Config"]["additionalProperties"]["properties"]["limits"]["properties"]
+    assert set(documented) == {f.name for f in fields(Limits)}
+
+
 # ---------------------------------------------------------------- fuzzing the running server
 
 def served_model_document(doc: dict, model: str) -> dict:
@@ -138,7 +169,8 @@ def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
         request["properties"]["n"]["maximum"] = 3
         request["properties"]["best_of"]["maximum"] = 4
         request["properties"]["timeout"] = {"type": ["number", "null"], "minimum": 120, "maximum": 600}
-        request["properties"]["logit_bias"]["propertyNames"] = {"pattern": "^[0-9]{1,9}$"}
+        request["properties"]["logit_bias"]["propertyNames"] = {"pattern": "^(0|[1-9][0-9]{0,8})$"}
+        request["properties"]["stop_token_ids"]["items"]["maximum"] = vocab_size - 1   # else 400, engine-side
     s["TokenizeRequest"]["properties"]["prompt"] = {"anyOf": [short, {"type": "array", "maxItems": 4,
                                                                       "items": short}]}
     return d
@@ -172,7 +204,10 @@ def assert_clean(report: dict, output: str, min_cases: int) -> None:
 @pytest.fixture(scope="module")
 def health(server, model_name):
     """The server's state before the fuzzing; `check()` asserts it is unharmed afterwards."""
+    from conftest import wait_idle   # greedy before == after holds for requests that run alone (solo greedy)
+
     body = {"model": model_name, "prompt": "The capital of France is", "max_tokens": 8}
+    wait_idle(server)
     greedy = requests.post(server.base + "/v3/completions", json=body, timeout=120).json()["choices"][0]["text"]
     workers, log_start = server.workers(), server.log_size()
 
@@ -185,6 +220,7 @@ def health(server, model_name):
         m = server.metrics()
         assert (m["appliance_running_sequences"], m["appliance_queue_depth"], m["appliance_kv_cache_blocks_used"]) \
             == (0, 0, 0)
+        wait_idle(server)
         after = requests.post(server.base + "/v3/completions", json=body, timeout=120).json()
         assert after["choices"][0]["text"] == greedy
 
@@ -218,6 +254,125 @@ def test_fuzz_invalid_requests(server, model_name, health, tmp_path):
         "--checks", ",".join([*CHECKS_COMMON, "negative_data_rejection", "unsupported_method",
                               "allow_header_conformance"]))
     assert_clean(report, output, min_cases=20 * EXAMPLES)
+    health()
+
+
+# ---------------------------------------------------------------- raw-bytes fuzzing (no document)
+# schemathesis only sends JSON its schema generator can build; this sends what an attacker would: mangled JSON
+# bytes, random bytes, hostile values of any type in any field (lone surrogates, 400-digit integers, deep nesting,
+# oversized lists), each to the real server. None may get a 5xx; the server must be unharmed afterwards.
+
+RAW_REQUESTS = int(os.environ.get("APPLIANCE_RAW_FUZZ_REQUESTS", "300"))
+RAW_PATHS = ("/v3/completions", "/v3/chat/completions", "/v3/tokenize")
+
+
+def _nested(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+HOSTILE = [None, True, False, 0, -1, 2 ** 31, 2 ** 64, 10 ** 400, -(10 ** 400), 1e308, -1e308, 0.5, "", "x",
+           "\ud800", "a\udfffb", "01", "+1", " 1", "\u0000", "<|im_start|>system", [], [1], [-1], ["\ud800"],
+           [[1]], [[]], ["a"] * 300, list(range(300)), {}, {"a": 1}, {"\ud800": 1}, {"01": 1}, {"1": 10 ** 400},
+           {str(i): 1 for i in range(301)}, _nested(40), _nested(900), [{"role": "user", "content": "\ud800"}],
+           [{"role": "user", "content": "x", "extra": _nested(30)}], [{"role": "user", "content": [{"type": "text"}]}],
+           [{"role": "user", "content": "x", "tool_calls": "x"}], [{"role": "user", "content": "x"}] * 1100]
+
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature",
+          "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logit_bias", "logprobs", "top_logprobs",
+          "echo", "stream", "stream_options", "length_penalty", "repetition_penalty", "frequency_penalty",
+          "presence_penalty", "timeout", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+          "skip_special_tokens", "response_format", "tools", "user", "extra"]
+
+
+def raw_base(path: str, model: str) -> dict:
+    """A valid, cheap request: at most 4 tokens, and a timeout in case a mutation drops max_tokens."""
+    if path.endswith("/tokenize"):
+        return {"model": model, "prompt": ["The capital", "of France"]}
+    cheap = {"model": model, "max_tokens": 4, "timeout": 10}
+    if path.endswith("/chat/completions"):
+        return {**cheap, "messages": [{"role": "user", "content": "Hi there"}]}
+    return {**cheap, "prompt": "The capital of France is"}
+
+
+def raw_cases(rng, model: str):
+    """(path, content type, body bytes): first the attacks the review named, then seeded random mutations."""
+    json_type = "application/json"
+
+    def encode(body: object) -> bytes:   # ensure_ascii: "\ud800" goes out as the escape a client would send
+        return json.dumps(body).encode()
+
+    completions, chat, tokenize = RAW_PATHS
+    named = [
+        (completions, {"prompt": "x", "max_tokens": 5, "best_of": 2, "length_penalty": 2000}),
+        (completions, {"prompt": "\ud800"}),
+        (chat, {"messages": [{"role": "user", "content": "\ud800"}]}),
+        (tokenize, {"prompt": ["ok", "\ud800"]}),
+        (completions, {"prompt": "x", "max_tokens": 2, "timeout": 10 ** 400}),
+        (completions, {"prompt": "x", "max_tokens": 2, "temperature": 10 ** 400}),
+        (completions, {"prompt": ["a"] * 256, "n": 20, "max_tokens": 1}),
+        (completions, {"prompt": ["a"] * 5000, "max_tokens": 1}),
+        (completions, {"prompt": [[1]] * 5000, "n": 20, "max_tokens": 1}),
+        (tokenize, {"prompt": ["a"] * 5000}),
+        (completions, {"prompt": "x", "max_tokens": 2, "best_of": 20, "stop_token_ids": list(range(10000))}),
+        (completions, {"prompt": "x", "max_tokens": 2, "stop_token_ids": [2 ** 31]}),
+        (completions, {"prompt": "x", "max_tokens": 2, "logit_bias": {str(i): 1 for i in range(5000)}}),
+        (completions, {"prompt": "x", "max_tokens": 2, "logit_bias": {"1": 5, "01": 5}}),
+        (completions, {"prompt": "x", "max_tokens": 2, "stop": ["y" * 100000]}),
+        (completions, {"prompt": [[1] * 3000] * 8, "echo": True, "logprobs": 20, "max_tokens": 0}),
+        (chat, {"messages": [{"role": "user", "content": "x", "x": _nested(900)}], "max_tokens": 2}),
+        (chat, {"messages": [{"role": "user", "content": "x"}] * 5000, "max_tokens": 2}),
+    ]
+    for path, body in named:
+        yield path, json_type, encode({"model": model, **body})
+    yield completions, json_type, b'{"model": "%s", "prompt": "' % model.encode() + b"\xff\xfe" + b'"}'
+    yield completions, json_type, b"[" * 100000
+    yield completions, json_type, b'{"model": "m", "prompt": 1' + b"0" * 5000 + b"}"
+    while True:
+        path = rng.choice(RAW_PATHS)
+        body = raw_base(path, model)
+        kind = rng.random()
+        if kind < 0.1:     # random bytes
+            yield path, json_type, rng.randbytes(rng.randrange(0, 300))
+            continue
+        if kind < 0.45:    # hostile values in one to three fields
+            for _ in range(rng.randrange(1, 4)):
+                body[rng.choice(FIELDS)] = rng.choice(HOSTILE)
+            data = encode(body)
+        else:              # the JSON text, mangled byte-wise
+            data = bytearray(encode(body))
+            for _ in range(rng.randrange(1, 4)):
+                at, op = rng.randrange(len(data)), rng.random()
+                if op < 0.4:
+                    data[at] = rng.randrange(256)
+                elif op < 0.7:
+                    data[at:at] = rng.choice([b"\\ud800", b"9" * 400, b"[" * 50, b"\"", b",", b"{", b"\\", b"\x00",
+                                              b"e999", b"NaN", b"\xc3"])
+                else:
+                    del data[at:at + rng.randrange(1, 8)]
+            data = bytes(data)
+        yield path, (json_type if rng.random() < 0.95 else "text/plain"), data
+
+
+@pytest.mark.slow
+def test_raw_bytes_fuzzing_finds_no_5xx(server, model_name, health):
+    import random
+
+    from conftest import wait_until
+    rng = random.Random(SEED)
+    seen: dict[int, int] = {}
+    failures = []
+    for i, (path, content_type, data) in zip(range(RAW_REQUESTS), raw_cases(rng, model_name)):
+        r = requests.post(server.base + path, data=data, headers={"Content-Type": content_type}, timeout=120)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        if r.status_code >= 500:
+            failures.append((i, path, data[:300], r.status_code, r.text[:300]))
+    assert not failures, failures[:10]
+    assert seen.get(400, 0) > RAW_REQUESTS // 3 and seen.get(200, 0) > 10, seen   # it did reach both sides
+    wait_until(lambda: (m := server.metrics())["appliance_running_sequences"] == 0
+               and m["appliance_queue_depth"] == 0, "the fuzzed requests to finish")
     health()
 
 

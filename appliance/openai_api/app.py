@@ -10,6 +10,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from flask import Flask, Response, g, request
@@ -19,9 +20,9 @@ from appliance import __version__
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.completions import CompletionShape, completion_job
 from appliance.openai_api.errors import ApiError
-from appliance.openai_api.streaming import ClientGone, Generation, Meta, socket_closed
-from appliance.openai_api.validation import (GenerationRequest, Limits, parse_chat, parse_completion,
-                                             parse_tokenize, sampling_params)
+from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+from appliance.openai_api.validation import (GenerationRequest, parse_chat, parse_completion, parse_tokenize,
+                                             sampling_params)
 from appliance.server.client import EngineClient, EngineUnavailable
 from appliance.server.protocol import EngineStatus, HttpRecord
 from appliance.server.settings import ServeSettings
@@ -42,7 +43,7 @@ class Api:
     def __init__(self, settings: ServeSettings, client: EngineClient, api_key: str | None):
         self.settings, self.client, self.api_key = settings, client, api_key
         self.name = settings.served_model_name
-        self.limits = Limits(max_tokens=settings.max_tokens_limit)
+        self.limits = replace(settings.limits, max_queued=settings.max_queued)   # the bounds every request keeps
 
     # ---- guards
     def authorize(self) -> None:
@@ -68,7 +69,7 @@ class Api:
         if status.ready:
             return status
         if status.state == "failed":
-            raise ApiError(503, f"The model failed to load: {status.error}", code="model_load_failed")
+            raise ApiError(503, f"The model cannot serve: {status.error}", code="model_failed")   # load or engine
         if status.state == "stopping":
             raise ApiError(503, "The server is shutting down", code="shutting_down")
         raise ApiError(503, "The model is loading; retry when /v2/health/ready answers 200", code="model_not_ready")
@@ -101,11 +102,12 @@ class Api:
                                 timeout=gen.timeout, client_gone=lambda: socket_closed(sock)).start()
         if not gen.stream:
             return generation.unary()
+        bound_send_buffer(sock)   # a client that stops reading meets the worker's send timeout soon
         return Response(generation.sse(), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def tokenize(self):
-        req = parse_tokenize(self.json_body())
+        req = parse_tokenize(self.json_body(), self.limits)
         self.check_model(req.model)
         self.ready_status()
         reply = self.client.tokenize(list(req.prompts))
@@ -141,7 +143,8 @@ class Api:
         state = {"ready": "AVAILABLE", "loading": "LOADING", "stopping": "UNLOADING"}.get(status.state, "END")
         code, message = ("OK", "OK") if status.state != "failed" else ("UNKNOWN", status.error or "load failed")
         return {self.name: {"model_version_status": [
-            {"version": "1", "state": state, "status": {"error_code": code, "error_message": message}}]}}
+            {"version": "1", "state": state, "status": {"error_code": code, "error_message": message}}],
+            "limits": asdict(self.limits)}}   # beside OVMS's key: clients reading model_version_status are unaffected
 
     def metrics(self):
         return Response(self.client.metrics(), mimetype="text/plain", content_type="text/plain; version=0.0.4")

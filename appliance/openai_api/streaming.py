@@ -6,6 +6,7 @@ queue-full, timeout and prompt errors are still proper HTTP statuses, also for s
 """
 from __future__ import annotations
 
+import errno
 import json
 import select
 import socket
@@ -21,6 +22,9 @@ from appliance.server.client import EngineClient, EngineUnavailable, JobStream
 
 # How often a waiting worker looks at its client's socket (and the request's deadline) between engine events.
 CLIENT_CHECK_SECONDS = 0.5
+# Kernel send buffer of a streaming response (Linux doubles it): what a client that stopped reading can leave unread
+# before the worker's send timeout starts counting (appliance/server/worker.py).
+STREAM_SEND_BUFFER = 16 * 1024
 
 
 class ClientGone(Exception):
@@ -58,16 +62,39 @@ class Shape(Protocol):
 
 
 def socket_closed(sock: socket.socket | None) -> bool:
-    """True when the peer closed (readable with nothing to read). Pipelined request bytes mean it is alive."""
+    """True when the peer closed (readable with nothing to read, or reset). Pipelined request bytes mean it is alive.
+
+    `poll`, not `select` (which cannot take an fd >= 1024), and only then a peek: on a socket with a timeout
+    (`--send-timeout`) Python waits for readability before a `recv`, even with MSG_DONTWAIT. An error we do not
+    expect means "alive": cancelling a live client's generation is worse than noticing a gone one late."""
     if sock is None:
         return False
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
+        fd = sock.fileno()
+        if fd < 0:
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError, TimeoutError):
         return False
-    except (OSError, ValueError):
-        return True
+    except (ConnectionError, OSError) as exc:
+        return isinstance(exc, ConnectionError) or exc.errno in (errno.ENOTCONN, errno.EBADF)
+    except Exception:
+        return False
+
+
+def bound_send_buffer(sock: socket.socket | None) -> None:
+    """A small kernel send buffer for a streaming response, so a client that stopped reading blocks our writes (and
+    meets the worker's send timeout) after STREAM_SEND_BUFFER bytes or so, not after megabytes of autotuned buffer
+    while its generation goes on. Token events are small: this costs a reading client nothing."""
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+        except OSError:
+            pass
 
 
 @dataclass

@@ -3,30 +3,31 @@
 Rules and messages follow OVMS (see docs/serving.md); where the appliance goes further (logprobs 0..20 and in
 streaming, prompt lists and token ids, n > 1) the messages keep OVMS's style. A JSON null means "not set" for
 every optional field. Unknown fields are accepted and reported in `unknown` (the app logs them at debug).
+
+Every bound comes from `appliance.limits.Limits`, and every bad input is a 400 here, never an exception further
+down: one walk over the parsed body refuses strings that are not valid Unicode (a lone surrogate would fail in the
+tokenizer, engine-side) and nesting deeper than `Limits.depth`; numbers too large for a float are refused as
+numbers; chat messages keep only the fields a chat template may use, each of a known type.
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.limits import Limits
 from appliance.openai_api.errors import invalid
 from appliance.params import SamplingParams
+
+__all__ = ["Limits", "GenerationRequest", "CompletionRequest", "ChatRequest", "TokenizeRequest", "parse_completion",
+           "parse_chat", "parse_tokenize", "sampling_params"]
 
 UINT32_MAX = 4294967295
 OVMS_DEFAULT_TOP_K = 40          # OVMS: sampling with no top_k given
 Prompt = str | tuple[int, ...]   # text or token ids
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Server-side bounds (OVMS's graph-config limits)."""
-
-    max_tokens: int | None = None    # None: only the model's context bounds max_tokens
-    best_of: int = 20
-    stop_strings: int = 16
-    logprobs: int = 20
-    n: int = 20
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")   # canonical decimal: "01", "+1", " 1", "1_0" name no token
+MESSAGE_STRINGS = ("name", "tool_call_id")    # message fields passed to the chat template besides role/content
 
 
 @dataclass(frozen=True)
@@ -99,19 +100,22 @@ class _Body:
             raise invalid(message, name)
         return value
 
-    def integer(self, name: str, message: str) -> int | None:
+    def integer(self, name: str, message: str, *, low: int | None = None, high: int | None = None) -> int | None:
+        """An integer (not a bool, not 2.0); with low/high, out of [low, high] gets the same message."""
         value = self.raw(name)
-        if value is not None and not _is_int(value):
+        if value is not None and (not _is_int(value) or (low is not None and value < low)
+                                  or (high is not None and value > high)):
             raise invalid(message, name)
         return value
 
     def number(self, name: str, message: str | None = None) -> float | None:
-        value = self.raw(name)
-        if value is None:
+        raw = self.raw(name)
+        if raw is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        value = _finite(raw)
+        if value is None:
             raise invalid(message or f"{name} is not a valid number", name)
-        return float(value)
+        return value
 
     def in_range(self, name: str, low: float, high: float, message: str, *, open_high: bool = False) -> float | None:
         value = self.number(name)
@@ -127,10 +131,47 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _object(body: Any) -> _Body:
+def _finite(value: Any) -> float | None:
+    """A JSON number as a finite float, else None (a string, a bool, NaN, infinity, or an integer too large for a
+    float: float(10**400) raises OverflowError, as math.isfinite(10**400) does)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _object(body: Any, limits: Limits) -> _Body:
     if not isinstance(body, dict):
         raise invalid("Received json is not an object")
+    _check_tree(body, limits.depth)
     return _Body(body)
+
+
+def _check_tree(body: dict, max_depth: int) -> None:
+    """One walk over the parsed body (iterative: no recursion to exhaust): every string, keys included, must encode
+    as UTF-8 (JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer takes), and objects and arrays
+    nest at most `max_depth` deep (the body itself is level 1). The error names the top-level field at fault."""
+    for name, value in body.items():
+        stack = [(name, 2), (value, 2)]
+        while stack:
+            item, depth = stack.pop()
+            if isinstance(item, str):
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise invalid(f"{name} contains a string that is not valid Unicode (a lone surrogate)",
+                                  name) from None
+            elif isinstance(item, (dict, list)):
+                if depth > max_depth:
+                    raise invalid(f"{name} nests objects and arrays deeper than {max_depth} levels", name)
+                if isinstance(item, dict):
+                    stack.extend((k, depth + 1) for k in item)
+                    stack.extend((v, depth + 1) for v in item.values())
+                else:
+                    stack.extend((v, depth + 1) for v in item)
 
 
 def _model(b: _Body) -> str:
@@ -168,18 +209,23 @@ def _generation(b: _Body, limits: Limits, *, max_tokens_field: str = "max_tokens
 
     out["max_tokens"] = _max_tokens(b, limits, max_tokens_field)
 
+    pen = limits.penalty
     for name in ("frequency_penalty", "presence_penalty"):
-        out[name] = b.in_range(name, -2.0, 2.0, f"{name} out of range(-2.0, 2.0)")
+        out[name] = b.in_range(name, -pen, pen, f"{name} out of range({-pen}, {pen})")
     out["repetition_penalty"] = b.number("repetition_penalty")
     if out["repetition_penalty"] is not None and out["repetition_penalty"] <= 0:
         raise invalid("repetition_penalty must be greater than 0", "repetition_penalty")
-    out["length_penalty"] = b.number("length_penalty")
-    out["temperature"] = b.in_range("temperature", 0.0, 2.0, "temperature out of range(0.0, 2.0)")
+    if out["repetition_penalty"] is not None and out["repetition_penalty"] > limits.repetition_penalty:
+        raise invalid(f"repetition_penalty out of range(0.0, {limits.repetition_penalty}]", "repetition_penalty")
+    lp = limits.length_penalty
+    out["length_penalty"] = b.in_range("length_penalty", -lp, lp, f"length_penalty out of range({-lp}, {lp})")
+    out["temperature"] = b.in_range("temperature", 0.0, limits.temperature,
+                                    f"temperature out of range(0.0, {limits.temperature})")
     out["top_p"] = b.in_range("top_p", 0.0, 1.0, "top_p out of range(0.0, 1.0)")
     out["min_p"] = b.in_range("min_p", 0.0, 1.0, "min_p out of range [0.0, 1.0)", open_high=True)
 
     top_k = b.integer("top_k", "top_k is not an integer")
-    if top_k is not None and top_k != -1 and top_k <= 0:
+    if top_k is not None and (top_k != -1 and top_k <= 0 or top_k > UINT32_MAX):
         raise invalid("top_k must be -1 (all tokens) or a positive integer", "top_k")
     out["top_k"] = top_k
 
@@ -202,18 +248,20 @@ def _generation(b: _Body, limits: Limits, *, max_tokens_field: str = "max_tokens
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= UINT32_MAX for t in stop_ids):
             raise invalid("stop_token_ids is not an array of token ids", "stop_token_ids")
-        out["stop_token_ids"] = tuple(stop_ids)
+        if len(stop_ids) > limits.stop_token_ids:   # each id is checked against the vocabulary engine-side
+            raise invalid(f"stop_token_ids must have no more than {limits.stop_token_ids} token ids",
+                          "stop_token_ids")
+        out["stop_token_ids"] = tuple(dict.fromkeys(stop_ids))
 
-    min_tokens = b.integer("min_tokens", "min_tokens is not an unsigned integer")
-    if min_tokens is not None and min_tokens < 0:
-        raise invalid("min_tokens is not an unsigned integer", "min_tokens")
-    out["min_tokens"] = min_tokens
+    out["min_tokens"] = b.integer("min_tokens", "min_tokens is not an unsigned integer", low=0, high=UINT32_MAX)
 
-    out["logit_bias"] = _logit_bias(b.raw("logit_bias"))
+    out["logit_bias"] = _logit_bias(b.raw("logit_bias"), limits)
 
     timeout = b.number("timeout", "timeout must be a positive number of seconds")
     if timeout is not None and timeout <= 0:
         raise invalid("timeout must be a positive number of seconds", "timeout")
+    if timeout is not None and timeout > limits.timeout:
+        raise invalid(f"timeout must be at most {limits.timeout:g} seconds", "timeout")
     out["timeout"] = timeout
 
     out["n"], out["best_of"] = _n_and_best_of(b, limits, stream)
@@ -244,24 +292,28 @@ def _stop(value: Any, limits: Limits) -> tuple[str, ...]:
         values = value
     else:
         raise invalid("stop is not a string or array of strings", "stop")
+    if any(len(s) > limits.stop_chars for s in values):
+        raise invalid(f"stop strings must be at most {limits.stop_chars} characters long", "stop")
     return tuple(s for s in values if s)   # an empty stop string would match everywhere: it means nothing
 
 
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+def _logit_bias(value: Any, limits: Limits) -> tuple[tuple[int, float], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
         raise invalid("logit_bias is not an object", "logit_bias")
+    if len(value) > limits.logit_bias:
+        raise invalid(f"logit_bias must have no more than {limits.logit_bias} entries", "logit_bias")
     out = []
     for key, bias in value.items():
-        # ASCII digits only (int() would also take " 5", "+5", "1_0" and other scripts' digits), and bounded: the
-        # engine keeps token ids in int64 arrays, so a huge id must never get that far.
-        if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > UINT32_MAX:
+        # Canonical decimal only: int() would also take " 5", "+5", "1_0", "05" and other scripts' digits, and
+        # "1" and "01" would then be two entries for one token. Bounded: the engine keeps token ids in int64 arrays.
+        if not _TOKEN_ID.fullmatch(key) or int(key) > UINT32_MAX:
             raise invalid("logit_bias keys must be token ids", "logit_bias")
-        token = int(key)
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+        bias = _finite(bias)
+        if bias is None or not -100 <= bias <= 100:
             raise invalid("logit_bias values must be numbers in [-100, 100]", "logit_bias")
-        out.append((token, float(bias)))
+        out.append((int(key), bias))
     return tuple(out)
 
 
@@ -288,10 +340,21 @@ def _n_and_best_of(b: _Body, limits: Limits, stream: bool) -> tuple[int, int | N
 
 # ---------------------------------------------------------------- endpoints
 
+def _check_queue(prompts: int, gen: dict, limits: Limits) -> None:
+    """n x prompts against the engine's queue before anything is built for them (choices here, sequences there):
+    a request that can never fit is a 400 (a 429 would tell clients to retry what can never succeed; the engine
+    answers 429 to one that fits the queue but not its current room). Called once every other rule passed."""
+    beam = gen["best_of"] is not None and gen["best_of"] > 1
+    places = prompts * (1 if beam else gen["n"])   # a beam search queues one sequence per prompt
+    if limits.max_queued is not None and places > limits.max_queued:
+        raise invalid(f"this request needs {places} queue places (prompts x n), more than the {limits.max_queued} "
+                      "the server has; send fewer prompts or a smaller n", "n")
+
+
 def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
-    b = _object(body)
+    b = _object(body, limits)
     gen = _generation(b, limits)
-    prompts = _prompts(b.raw("prompt"))
+    prompts = _prompts(b.raw("prompt"), limits)
     echo = b.boolean("echo", "echo accepts values true or false") or False
 
     logprobs = b.integer("logprobs", "logprobs is not an integer")
@@ -300,11 +363,12 @@ def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
     if gen["max_tokens"] == 0 and not echo:
         raise invalid("max_tokens value should be greater than 0 unless echo is set", "max_tokens")
     gen["logprobs"] = logprobs
+    _check_queue(len(prompts), gen, limits)   # last: an invalid request is a 400 whatever its size
     return CompletionRequest(GenerationRequest(**gen, unknown=b.unknown()), prompts, echo)
 
 
-def _prompts(value: Any) -> tuple[Prompt, ...]:
-    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+def _prompts(value: Any, limits: Limits) -> tuple[Prompt, ...]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids (at most limits.prompts)."""
     if value is None:
         raise invalid("prompt is missing", "prompt")
     if isinstance(value, str):
@@ -318,6 +382,8 @@ def _prompts(value: Any) -> tuple[Prompt, ...]:
     else:
         raise invalid("prompt is not a string, an array of strings, an array of token ids or an array of arrays "
                       "of token ids", "prompt")
+    if len(items) > limits.prompts:
+        raise invalid(f"prompt array must have no more than {limits.prompts} prompts", "prompt")
     out: list[Prompt] = []
     for item in items:
         if isinstance(item, str):
@@ -334,7 +400,7 @@ def _prompts(value: Any) -> tuple[Prompt, ...]:
 
 
 def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
-    b = _object(body)
+    b = _object(body, limits)
     # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given, and
     # both are checked (an invalid value is an error even where the other one wins).
     field_name = "max_completion_tokens" if b.data.get("max_completion_tokens") is not None else "max_tokens"
@@ -342,7 +408,7 @@ def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
     for name in ("max_tokens", "max_completion_tokens"):
         if (gen["max_tokens"] if name == field_name else _max_tokens(b, limits, name)) == 0:
             raise invalid(f"{name} value should be greater than 0", name)
-    messages = _messages(b.raw("messages"))
+    messages = _messages(b.raw("messages"), limits)
 
     logprobs = b.boolean("logprobs", "logprobs accepts values true or false")
     top = b.integer("top_logprobs", "top_logprobs is not an integer")
@@ -361,17 +427,22 @@ def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
     if tools:  # silently ignoring tools would make a client wait for calls that never come
         raise invalid("tools are not supported yet", "tools")
     b.raw("tool_choice"), b.raw("parallel_tool_calls")
+    _check_queue(1, gen, limits)
     return ChatRequest(GenerationRequest(**gen, unknown=b.unknown()), messages)
 
 
-def _messages(value: Any) -> tuple[dict, ...]:
-    """Each message: an object with a string role; content a string, null or a list of text parts (joined)."""
+def _messages(value: Any, limits: Limits) -> tuple[dict, ...]:
+    """Each message: an object with a string role; content a string, null or a list of text parts (joined).
+    Only what a chat template may use goes on: role, content, name and tool_call_id (strings), tool_calls (an
+    array of objects); other fields are dropped, so nothing unbounded reaches the template or the pickler."""
     if value is None:
         raise invalid("messages missing in request", "messages")
     if not isinstance(value, list):
         raise invalid("messages is not an array", "messages")
     if not value:
         raise invalid("messages array is empty", "messages")
+    if len(value) > limits.messages:
+        raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out = []
     for message in value:
         if not isinstance(message, dict):
@@ -389,12 +460,23 @@ def _messages(value: Any) -> tuple[dict, ...]:
             content = "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise invalid("message content is not a string or an array of text parts", "messages")
-        out.append({**message, "content": content if content is not None else ""})
+        kept = {"role": role, "content": content if content is not None else ""}
+        for name in MESSAGE_STRINGS:
+            if message.get(name) is not None:
+                if not isinstance(message[name], str):
+                    raise invalid(f"message {name} is not a string", "messages")
+                kept[name] = message[name]
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
+                raise invalid("message tool_calls is not an array of objects", "messages")
+            kept["tool_calls"] = tool_calls
+        out.append(kept)
     return tuple(out)
 
 
-def parse_tokenize(body: Any) -> TokenizeRequest:
-    b = _object(body)
+def parse_tokenize(body: Any, limits: Limits = Limits()) -> TokenizeRequest:
+    b = _object(body, limits)
     model = _model(b)
     prompt = b.raw("prompt")
     if prompt is None:
@@ -402,6 +484,8 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
     if isinstance(prompt, str):
         return TokenizeRequest(model, (prompt,), batched=False)
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        if len(prompt) > limits.prompts:
+            raise invalid(f"prompt array must have no more than {limits.prompts} prompts", "prompt")
         return TokenizeRequest(model, tuple(prompt), batched=True)
     raise invalid("prompt is not a string or array of strings", "prompt")
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from appliance.limits import Limits
 
 RUNTIME_DIR_ENV = "APPLIANCE_RUNTIME_DIR"
 SETTINGS_FILE = "settings.json"
@@ -24,8 +26,12 @@ class ServeSettings:
     threads: int = 32                  # per worker; each streaming client holds one thread
     api_key_file: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
-    max_tokens_limit: int | None = None
+    limits: Limits = field(default_factory=Limits)   # every request bound (appliance/limits.py)
+    max_queued: int | None = None      # the engine's --max-queued, so workers refuse n x prompts that never fit
     graceful_timeout: int = 30
+    request_timeout: float = 30.0      # seconds to receive a whole request (head and body); then it is closed
+    send_timeout: float = 30.0         # seconds a response write may block on a client that stopped reading
+    keepalive_timeout: int = 5         # seconds an idle kept-alive connection stays open
     log_level: str = "info"
     access_log: bool = False
     runtime_dir: str = ""
@@ -47,4 +53,6 @@ class ServeSettings:
         runtime_dir = runtime_dir or os.environ[RUNTIME_DIR_ENV]
         data = json.loads((Path(runtime_dir) / SETTINGS_FILE).read_text())
         known = {f.name for f in fields(cls)}
+        if isinstance(data.get("limits"), dict):   # asdict flattened it
+            data["limits"] = Limits.from_dict(data["limits"])
         return cls(**{k: v for k, v in data.items() if k in known})

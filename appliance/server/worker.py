@@ -1,0 +1,342 @@
+"""The gunicorn worker class of `appliance serve`: gthread, with edge timeouts so slow or stalled clients cannot
+take the threads that run generations (`worker_class = "appliance.server.worker.EdgeWorker"` in gunicorn_conf).
+
+Why a worker class and not gunicorn settings: gunicorn 27's gthread worker hands a connection to a thread as soon
+as its first byte arrives (it only defers connections that send nothing for 5 s), and the thread then reads the
+request head and body with blocking `recv`s and no deadline. A client that sends half a header and trickles a
+byte a second holds that thread forever; `--threads` such clients and the worker answers nothing, health probes
+included. A streaming response written to a client that stopped reading blocks in `sendall` forever too, and the
+generation behind it keeps its KV blocks. gunicorn has no setting for either.
+
+What this class changes, all in gthread's own event loop (`enqueue_req` is the one door every connection goes
+through: new, kept-alive, or with pipelined bytes left in its parser):
+
+* **Requests are read without a thread.** The head, and a body framed by Content-Length or chunked encoding up
+  to `max_body_bytes`, are read with non-blocking `recv`s in the event loop. Only a complete request is handed to
+  a thread; its bytes are given back to gunicorn's parser (`unreader.unread`), which parses them as if it had read
+  them itself. A request not complete `request_timeout` seconds after its connection opened (or, on a kept-alive
+  connection, after its first byte) is closed without ever touching a thread. Requests the parser must see
+  early (`Expect: 100-continue`, a body over the limit, framing we cannot follow) are handed over at the end of
+  their head, with a socket timeout so the thread's reads are bounded too. The bytes buffered by one worker are
+  bounded (`READ_BUDGET`): past it a request gets 503 and is closed.
+* **Probes have their own threads.** The path is known before dispatch, so `/v2/health/*`, `/v2/models/*/ready`
+  and `/metrics` go to a small separate pool (`PROBE_THREADS`): they answer while every generation thread is busy.
+* **Sends are bounded.** A request's socket gets a `send_timeout` timeout; Python's `sendall` with a timeout
+  bounds the whole call. When it fires, gunicorn closes the response iterator (for a stream: the SSE generator,
+  which closes the job and so cancels its sequences engine-side, freeing their KV), the thread is free again and
+  the connection is reset. Streaming responses also get a small send buffer (`streaming.bound_send_buffer`), so
+  a client that stopped reading is noticed after a bounded amount of data, not after the kernel's autotuned
+  megabytes.
+* **Closing never blocks the loop.** gunicorn closes a non-kept-alive connection gracefully (FIN, then read until
+  the peer closes, up to 2 s) on the event-loop thread: a peer that never closes stalls every connection of the
+  worker. Here the lingering read is non-blocking, in the loop, with the same bounds.
+
+Idle kept-alive connections stay in gunicorn's poller, without a thread, for `keepalive` seconds. Connections per
+worker stay bounded by `worker_connections` (the loop stops accepting there). TLS and HTTP/2 prior knowledge are
+not used by the appliance; if configured, connections take gunicorn's own path.
+"""
+from __future__ import annotations
+
+import errno
+import selectors
+import socket
+import struct
+import time
+from concurrent import futures
+from functools import partial
+
+from gunicorn.http2 import negotiation
+from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
+
+from appliance.server.settings import ServeSettings
+
+PROBE_THREADS = 4                  # per worker: health probes and /metrics, apart from the generation threads
+PROBE_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
+HEAD_LIMIT = 64 * 1024             # request line + headers; larger heads get 431 (gunicorn's own limits are lower)
+READ_CHUNK = 64 * 1024
+LINGER_SECONDS = 2.0               # graceful close: how long (and how much) we read after our FIN, as gunicorn
+LINGER_BYTES = 64 * 1024
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+_HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+
+
+def read_budget(max_body_bytes: int) -> int:
+    """Bytes of unfinished requests one worker holds at most (a few full bodies; chat bodies are kilobytes)."""
+    return max(64 * 1024 * 1024, 2 * max_body_bytes)
+
+
+def is_probe(path: str) -> bool:
+    return path in PROBE_PATHS or (path.startswith("/v2/models/") and path.endswith("/ready"))
+
+
+class Head:
+    """What the event loop needs from a request head: where the body starts, how it is framed, the path."""
+
+    def __init__(self, end: int, path: str, length: int | None, chunked: bool, hand_over: bool):
+        self.end, self.path, self.length, self.chunked, self.hand_over = end, path, length, chunked, hand_over
+
+
+def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
+    """The head if `buf` holds all of it, else None. Malformed framing is not judged here: such a request is handed
+    over (`hand_over`) at once and gunicorn's parser answers it."""
+    start = 0
+    while buf.startswith(b"\r\n", start):   # RFC 9112: empty lines before a request line are ignored
+        start += 2
+    end = buf.find(b"\r\n\r\n", start)
+    if end < 0:
+        return None
+    lines = bytes(buf[start:end]).split(b"\r\n")
+    parts = lines[0].split(b" ")
+    path = parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
+    lengths, codings, expect = [], [], False
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            lengths.append(value.strip())
+        elif name == b"transfer-encoding":
+            codings.append(value.strip().lower())
+        elif name == b"expect":
+            expect = True
+    length, chunked, odd = 0, False, expect
+    if codings:
+        chunked = codings[-1].endswith(b"chunked")
+        odd = odd or bool(lengths) or not chunked
+    elif lengths:
+        odd = odd or len(set(lengths)) != 1 or not lengths[0].isdigit()
+        length = int(lengths[0]) if not odd else 0
+        odd = odd or length > max_body
+    return Head(end + 4, path, None if chunked else length, chunked, odd)
+
+
+def chunked_end(buf: bytes | bytearray, pos: int) -> tuple[int, bool]:
+    """Scans chunked framing from the chunk-size line at `pos`: (position reached, done). The position of a done
+    body is its end; -1 for framing this scan cannot follow (the parser will answer it)."""
+    while True:
+        eol = buf.find(b"\r\n", pos)
+        if eol < 0:
+            return (pos, False) if len(buf) - pos <= 1024 else (-1, False)
+        size_field = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
+        try:
+            size = int(size_field, 16) if size_field and size_field.isalnum() else -1
+        except ValueError:
+            size = -1
+        if size < 0:
+            return -1, False
+        if size == 0:
+            trailers_end = buf.find(b"\r\n\r\n", eol)
+            return (trailers_end + 4, True) if trailers_end >= 0 else (pos, False)
+        if len(buf) < eol + 2 + size + 2:
+            return pos, False
+        pos = eol + 2 + size + 2
+
+
+class EdgeConn(TConn):
+    """A gthread connection with the bytes read for it so far and the deadline of its request."""
+
+    def __init__(self, cfg, sock, client, server):
+        super().__init__(cfg, sock, client, server)
+        self.buf = bytearray()
+        self.head: Head | None = None
+        self.chunk_pos = 0
+        self.deadline = 0.0
+        self.reset = False     # close with RST, not gracefully: the client stopped reading
+
+    def start_request(self, timeout: float) -> None:
+        if self.parser is not None:   # bytes of a pipelined request, read ahead by the last one's parser
+            self.buf = bytearray(self.parser.unreader.take_buffered())
+        self.head, self.chunk_pos = None, 0
+        self.deadline = time.monotonic() + timeout
+
+    def init(self) -> None:
+        """In the thread, before parsing: hand the buffered request to gunicorn's parser; bound any further read."""
+        super().init()
+        if self.buf:
+            self.parser.unreader.unread(bytes(self.buf))
+            self.buf = bytearray()
+        self.sock.settimeout(max(0.5, self.deadline - time.monotonic()))
+
+
+class EdgeWorker(ThreadWorker):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.request_timeout = self.send_timeout = 0.0
+        self.max_body = self.budget = self.buffered = 0
+        self.reading: dict[EdgeConn, None] = {}     # insertion order = deadline order
+        self.lingering: dict[EdgeConn, float] = {}
+        self.probe_pool: futures.ThreadPoolExecutor | None = None
+
+    def init_process(self):
+        """In the forked worker (gunicorn builds the worker object in the arbiter)."""
+        settings = ServeSettings.load()
+        self.request_timeout, self.send_timeout = settings.request_timeout, settings.send_timeout
+        self.max_body, self.budget = settings.max_body_bytes, read_budget(settings.max_body_bytes)
+        self.probe_pool = futures.ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
+        super().init_process()
+
+    # ---- every connection enters here
+    def accept(self, listener):
+        try:
+            client_sock, client_addr = listener.accept()
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+            return
+        self.nr_conns += 1
+        self.enqueue_req(EdgeConn(self.cfg, client_sock, client_addr, listener.getsockname()))
+
+    def enqueue_req(self, conn):
+        if self.cfg.is_ssl or conn.is_http2 or negotiation.prior_knowledge_allowed(self.cfg, conn.client):
+            conn.deadline = time.monotonic() + self.request_timeout
+            return self._dispatch(conn, self.tpool)
+        conn.start_request(self.request_timeout)
+        conn.sock.setblocking(False)
+        self.buffered += len(conn.buf)
+        self.reading[conn] = None
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_readable, conn))
+        if conn.buf:   # a pipelined request may be complete already
+            self._advance(conn)
+
+    def _dispatch(self, conn, pool) -> None:
+        conn.data_ready = True
+        fs = pool.submit(self.handle, conn)
+        fs.add_done_callback(lambda fut: self.method_queue.defer(self.finish_request, conn, fut))
+
+    # ---- reading a request in the event loop
+    def _on_readable(self, conn: EdgeConn, _fileobj) -> None:
+        while True:
+            try:
+                data = conn.sock.recv(READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                return self._drop(conn)
+            if not data:
+                return self._drop(conn)
+            if self.buffered + len(data) > self.budget:
+                return self._drop(conn, _BUSY)
+            conn.buf += data
+            self.buffered += len(data)
+            if len(data) < READ_CHUNK:
+                break
+        self._advance(conn)
+
+    def _advance(self, conn: EdgeConn) -> None:
+        """Hands the connection to a thread once its request is complete (or must be judged by the parser)."""
+        if conn.head is None:
+            conn.head = parse_head(conn.buf, self.max_body)
+            if conn.head is None:
+                if len(conn.buf) > HEAD_LIMIT:
+                    self._drop(conn, _HEAD_TOO_LARGE)
+                return
+            conn.chunk_pos = conn.head.end
+        head = conn.head
+        if not head.hand_over:
+            if head.chunked:
+                conn.chunk_pos, done = chunked_end(conn.buf, conn.chunk_pos)
+                if not done and conn.chunk_pos >= 0 and len(conn.buf) - head.end <= self.max_body:
+                    return
+            elif len(conn.buf) < head.end + head.length:
+                return
+        self._stop_reading(conn)
+        self._dispatch(conn, self.probe_pool if is_probe(head.path) else self.tpool)
+
+    def _stop_reading(self, conn: EdgeConn) -> None:
+        self.reading.pop(conn, None)
+        self.buffered -= len(conn.buf)
+        try:
+            self.poller.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def _drop(self, conn: EdgeConn, answer: bytes = b"") -> None:
+        self._stop_reading(conn)
+        self.nr_conns -= 1
+        if answer:
+            try:
+                conn.sock.send(answer)
+            except OSError:
+                pass
+        self._retire(conn)
+
+    def murder_pending(self):
+        """Called by gthread's loop about once a second: requests past their deadline, expired lingering closes."""
+        super().murder_pending()
+        now = time.monotonic()
+        for conn in list(self.reading):
+            if not self.alive and not conn.buf:
+                conn.deadline = now              # stopping: nothing started on this connection
+            elif not self.alive:
+                conn.deadline = min(conn.deadline, now + STOP_KEEPALIVE_LINGER)
+            if conn.deadline <= now:
+                self.log.debug("request not complete within %.1fs: closing %s", self.request_timeout, conn.client)
+                self._drop(conn)
+        for conn, until in list(self.lingering.items()):
+            if until <= now:
+                self._closed(conn)
+
+    # ---- after the response
+    def handle_request(self, req, conn):
+        """In the thread: the request is parsed; its response's sends get `send_timeout`."""
+        conn.sock.settimeout(self.send_timeout)
+        try:
+            return super().handle_request(req, conn)
+        except TimeoutError:
+            self.log.debug("send timeout (%.0fs): %s stopped reading; response abandoned", self.send_timeout,
+                          conn.client)
+            conn.reset = True
+            return False
+
+    def finish_request(self, conn, fs):
+        try:
+            keep = fs.result() if not fs.cancelled() else False
+        except Exception:
+            keep = False
+        if keep:
+            return super().finish_request(conn, fs)   # kept alive (or pipelined bytes): gthread's path
+        self.nr_conns -= 1
+        self._retire(conn)
+
+    def _retire(self, conn: EdgeConn) -> None:
+        """Closes a connection without blocking the loop: RST for a client that stopped reading, else FIN and a
+        bounded, non-blocking read until the peer closes (RFC 9112 9.6: no RST truncating our last response)."""
+        sock = conn.sock
+        try:
+            if conn.reset:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                return sock.close()
+            sock.shutdown(socket.SHUT_WR)
+            sock.setblocking(False)
+            self.poller.register(sock, selectors.EVENT_READ, partial(self._on_lingering, conn))
+        except (OSError, ValueError, KeyError):
+            sock.close()
+            return
+        self.lingering[conn] = time.monotonic() + LINGER_SECONDS
+        conn.buf = bytearray()
+        conn.chunk_pos = 0     # counts drained bytes from here on
+
+    def _on_lingering(self, conn: EdgeConn, _fileobj) -> None:
+        while conn.chunk_pos < LINGER_BYTES:
+            try:
+                data = conn.sock.recv(READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                break
+            if not data:
+                break
+            conn.chunk_pos += len(data)
+        self._closed(conn)
+
+    def _closed(self, conn: EdgeConn) -> None:
+        self.lingering.pop(conn, None)
+        try:
+            self.poller.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        conn.sock.close()
+
+    def handle_quit(self, sig, frame):
+        if self.probe_pool is not None:
+            self.probe_pool.shutdown(wait=False)
+        super().handle_quit(sig, frame)
