@@ -199,3 +199,46 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# ================================================================ greedy runs that may part at a near-tie
+# Used by test_server_e2e.py, test_parity.py, test_choices.py and test_prompt_logprobs.py. Two greedy runs of the
+# same prompt are not bit-identical once anything changes the arithmetic: the batch a sequence shares (kernel
+# blocking, u8 KV rounding), the CPU (bf16 compute on AVX-512-bf16 CPUs, f32 on AVX2-only ones), the weights
+# (an fp16 export against transformers' fp32). Where the top two candidates are closer than that noise, argmax
+# may pick either, and from there on the runs continue from different contexts. So the rule, written once here:
+# two greedy token streams may part only at a position where the reference run's chosen token and the other run's
+# token are both among the reference's candidates and within `margin` nats of each other; nothing after that
+# position is compared. Margins (per-logprob differences measured on the default model, SmolLM2-135M; a flip
+# needs a gap below twice that, each margin leaves about 2x more on top):
+NEAR_TIE_F32 = 1e-3              # f32 compute, different batch / CPU: logprobs differ by <= 7e-5
+NEAR_TIE_FP16_WEIGHTS = 0.05     # fp16 export in f32 vs transformers on the fp32 weights: <= 0.009
+NEAR_TIE_DEFAULT = 1.0           # default precision (bf16 compute, u8 KV), batched vs alone: <= 0.25
+
+from collections.abc import Mapping, Sequence  # noqa: E402
+
+
+def greedy_divergence(reference: Sequence, candidates: Sequence[Mapping], other: Sequence, margin: float,
+                      what: str = "") -> int:
+    """Index of the first position where greedy stream `other` differs from `reference` (len(reference) if they
+    are equal), after asserting that it is a near-tie. `candidates[i]` maps the reference run's top candidates at
+    position i (its chosen token among them) to their logprobs; tokens are ids or texts, the same kind throughout.
+    Without a divergence the two streams must have the same length."""
+    for i, (want, have) in enumerate(zip(reference, other)):
+        if want == have:
+            continue
+        top = candidates[i]
+        assert have in top, f"{what}: diverged at token {i}: {have!r} is not among the reference's {dict(top)}"
+        gap = top[want] - top[have]
+        assert gap <= margin, (f"{what}: diverged at token {i}: {want!r} -> {have!r} with a logprob gap of "
+                               f"{gap:.4f} nats, not a near-tie (margin {margin})")
+        return i
+    assert len(other) == len(reference), f"{what}: {len(other)} tokens, the reference has {len(reference)}"
+    return len(reference)
+
+
+def wait_idle(server: Server) -> None:
+    """Until the server runs and queues nothing: two greedy runs compared token for token (unary vs streaming, echo
+    vs plain) are only equal when each has the engine to itself, as numerics depend on the batch (see above)."""
+    wait_until(lambda: (m := server.metrics())["appliance_running_sequences"] == 0
+               and m["appliance_queue_depth"] == 0, "the server to be idle")

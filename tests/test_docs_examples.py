@@ -1,7 +1,8 @@
 """docs/api-examples.md is executed: its fenced ```bash and ```python blocks run against the session's real server
 (conftest.py's `server`), with only `http://localhost:8000` replaced by that server's address, and what they print
 is checked. The examples are: a unary completion (curl), the same completion streamed with include_usage (curl),
-a chat with the official `openai` client (Python)."""
+a chat with the official `openai` client (Python). Outputs are compared between requests made one at a time on
+an otherwise idle server (greedy in the default precision depends on the batch, see conftest.greedy_divergence)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from conftest import wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +38,7 @@ def examples(server, model_name, tmp_path_factory) -> dict[str, str]:
     (curl_home / ".curlrc").write_text('write-out = "\\nHTTP %{http_code}\\n"\n')
     env = {**os.environ, "CURL_HOME": str(curl_home)}
     out = {}
+    wait_idle(server)   # each example then runs alone (they run one after the other)
     for name, (kind, code) in zip(("unary", "stream", "chat"), found):
         assert DOC_BASE in code and f'"{model_name}"' in code, code   # the documented address and served model
         code = code.replace(DOC_BASE, server.base)
@@ -100,7 +103,8 @@ def test_curl_streaming_with_usage(examples):
 def test_python_openai_chat(examples, server, model_name):
     printed = examples["chat"]
     assert printed.strip()
-    # what it printed is the server's answer to that request (greedy: the same every time)
+    # what it printed is the server's answer to that request (greedy, alone in the engine: the same every time)
+    wait_idle(server)
     same = requests.post(server.base + "/v3/chat/completions", timeout=120, json={
         "model": model_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 32}).json()

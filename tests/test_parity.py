@@ -1,8 +1,12 @@
 """Greedy output of every backend equals transformers token for token on the same weights.
 
 The default model (SmolLM2-135M) runs in f32 (INFERENCE_PRECISION_HINT=f32, f32 KV): the CPU's bf16 default
-diverges from transformers within a few dozen tokens. All prompts go through the engine at once, so this also
-proves continuous batching (mixed prefill and decode, chunked prefill) does not change any sequence's tokens.
+diverges from transformers within a few dozen tokens. The fp32 exports (OpenVINO, ONNX) must equal transformers'
+fp32 greedy tokens exactly. The fp16 export (the one `make model` builds and `make serve` serves) has rounded
+weights: its logprobs differ from transformers' by up to ~0.01 nats, so it may part from transformers at a near-tie
+(conftest.greedy_divergence, NEAR_TIE_FP16_WEIGHTS); on held-out prompts it matched 5 of 6 over 48 tokens.
+All prompts go through the engine at once, so this also proves continuous batching (mixed prefill and decode,
+chunked prefill) does not change any sequence's tokens.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import numpy as np
 import pytest
 
 from appliance.config import EngineConfig
+from conftest import NEAR_TIE_FP16_WEIGHTS, greedy_divergence
 from appliance.engine import Engine
 from appliance.params import SamplingParams
 
@@ -33,17 +38,26 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def hf_greedy(hf_dir, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    return hf_greedy_top(hf_dir, prompts, new_tokens)[0]
+
+
+def hf_greedy_top(hf_dir, prompts: list[list[int]], new_tokens: int,
+                  top: int = 5) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
+    """transformers' fp32 greedy tokens, and at each position its `top` candidates (token id -> logprob)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    out = []
+    tokens, candidates = [], []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
+            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+            tokens.append(out.sequences[0, len(p):].tolist())
+            steps = [torch.log_softmax(step[0].float(), -1).topk(top) for step in out.logits]
+            candidates.append([dict(zip(s.indices.tolist(), s.values.tolist())) for s in steps])
+    return tokens, candidates
 
 
 def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -59,8 +73,13 @@ def default_prompts(default_hf):
 
 
 @pytest.fixture(scope="module")
-def default_reference(default_hf, default_prompts):
-    return hf_greedy(default_hf, default_prompts, NEW_TOKENS)
+def default_reference_top(default_hf, default_prompts):
+    return hf_greedy_top(default_hf, default_prompts, NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def default_reference(default_reference_top):
+    return default_reference_top[0]
 
 
 F32 = dict(precision="f32", max_num_batched_tokens=64)   # small budget: prompts are prefilled in chunks
@@ -74,18 +93,24 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_default_model_greedy_matches_transformers(case, default_prompts, default_reference):
+def test_default_model_greedy_matches_transformers(case, default_prompts, default_reference_top):
+    """fp32 weights: exactly transformers' tokens. fp16 weights: the same up to a near-tie of the rounding."""
     from export.default_model import ensure_export
 
     backend, fmt, cfg = CASES[case]
+    default_reference, candidates = default_reference_top
     engine = Engine(ensure_export(backend, fmt), EngineConfig(**cfg))
     try:
         got = engine_greedy(engine, default_prompts, NEW_TOKENS)
         assert engine.stats()["kv_blocks_used"] == 0          # every block back in the pool
     finally:
         engine.shutdown()
-    for prompt, want, have in zip(default_prompts, default_reference, got):
-        assert have == want, f"{case}: diverged at token {next(i for i, (a, b) in enumerate(zip(have, want)) if a != b)}"
+    for n, (want, top, have) in enumerate(zip(default_reference, candidates, got)):
+        if fmt == "fp32":
+            assert have == want, f"{case}: prompt {n} diverged at token " \
+                                 f"{next(i for i, (a, b) in enumerate(zip(have, want)) if a != b)}"
+        else:
+            greedy_divergence(want, top, have, NEAR_TIE_FP16_WEIGHTS, f"{case}: prompt {n}")
 
 
 # Weight-only quantization of a 135M model is lossy (measured here: int8 next-token total-variation distance

@@ -8,7 +8,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import in_process_api, one_torch_thread
+from conftest import NEAR_TIE_F32, greedy_divergence, in_process_api, one_torch_thread
 
 from appliance.config import EngineConfig
 from appliance.engine import Engine
@@ -64,11 +64,14 @@ def engine(reference):
 
 def test_prompt_logprobs_match_transformers(engine, prompts, reference):
     handles = [engine.submit(p, SamplingParams(max_tokens=3, prompt_logprobs=TOP)) for p in prompts]
-    plain = [engine.submit(p, SamplingParams(max_tokens=3)) for p in prompts]   # batched alongside
+    plain = [engine.submit(p, SamplingParams(max_tokens=3, logprobs=TOP)) for p in prompts]   # batched alongside
     for p, ref, h, q in zip(prompts, reference, handles, plain):
-        r = h.result()
+        r, q = h.result(), q.result()
         check(r.prompt_logprobs, p, ref, engine)
-        assert r.token_ids == q.result().token_ids and r.completion_tokens == 3
+        # the same greedy tokens, up to a near-tie: the two are prefilled in different chunks and batches
+        candidates = [{i: lp for i, _, lp in e.top} | {e.token_id: e.logprob} for e in q.logprobs]
+        greedy_divergence(q.token_ids, candidates, r.token_ids, NEAR_TIE_F32, "prompt logprobs on vs off")
+        assert r.completion_tokens == 3
     assert engine.stats()["kv_blocks_used"] == 0
 
 
@@ -141,15 +144,20 @@ def test_echo_logprobs_unary(api, engine, prompts, reference):
     plain = api.post("/v3/completions", json={**body, "echo": False}).get_json()["choices"][0]
     ids = prompts[2]
     lp = choice["logprobs"]
-    assert choice["text"] == text + plain["text"]
-    assert lp["tokens"] == [engine.token_text(t) for t in ids] + plain["logprobs"]["tokens"]
+    assert lp["tokens"][:len(ids)] == [engine.token_text(t) for t in ids]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     np.testing.assert_allclose(lp["token_logprobs"][1:len(ids)], reference[2][np.arange(len(ids) - 1), ids[1:]],
                                atol=2e-4)
     assert all(len(t) == 2 for t in lp["top_logprobs"][1:])
-    assert lp["token_logprobs"][len(ids):] == plain["logprobs"]["token_logprobs"]
     _offsets_follow_tokens({k: v[:len(ids)] for k, v in lp.items()})            # prompt: from 0
-    assert lp["text_offset"][len(ids):] == [o + len(text) for o in plain["logprobs"]["text_offset"]]
+    # the echo request computes every prompt position's logits, the plain one only the last: f32 numerics may
+    # differ in the last bits, so the completions agree up to a near-tie (conftest.greedy_divergence)
+    mine = plain["logprobs"]
+    if greedy_divergence(mine["tokens"], mine["top_logprobs"], lp["tokens"][len(ids):], NEAR_TIE_F32,
+                         "echo vs plain") == len(mine["tokens"]):
+        assert choice["text"] == text + plain["text"]
+        np.testing.assert_allclose(lp["token_logprobs"][len(ids):], mine["token_logprobs"], atol=2e-4)
+        assert lp["text_offset"][len(ids):] == [o + len(text) for o in mine["text_offset"]]
     only = api.post("/v3/completions", json={**body, "max_tokens": 0}).get_json()["choices"][0]
     assert only["text"] == text and only["logprobs"]["tokens"] == lp["tokens"][:len(ids)]
     assert only["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]

@@ -1,6 +1,8 @@
 """End to end: `appliance serve` as a subprocess (real gunicorn on loopback, the engine process, the default
 model), driven with the official `openai` client and raw `requests`. Expected outputs are never written down:
-each test derives them from another request (unary vs streaming, tokenize vs usage, text vs stop strings).
+each test derives them from another request (unary vs streaming, tokenize vs usage, text vs stop strings),
+made with the engine otherwise idle. The server runs in the default precision, whose numerics differ by CPU
+and by batch: runs that share the engine (concurrent streams) are compared up to a near-tie only.
 
 Two servers: `server` (2 workers, open) for the API, and `guarded` (4 workers, API key, one sequence slot,
 queue of one) for auth, 429s, the shared-model memory check and a graceful SIGTERM with a stream in flight.
@@ -18,7 +20,8 @@ import pytest
 import requests
 
 from appliance.manifest import Manifest
-from conftest import Server, children, is_zombie, rss_mb, wait_until
+from conftest import (NEAR_TIE_DEFAULT, Server, children, greedy_divergence, is_zombie, rss_mb, wait_idle,
+                      wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -50,6 +53,15 @@ def guarded(model_dir, api_key, tmp_path_factory):
 @pytest.fixture(scope="session")
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(autouse=True)
+def alone_on_the_shared_server(request) -> None:
+    """Tests here compare greedy runs made one after the other (unary vs streaming, echo vs plain, by text vs by
+    ids): each must have the engine to itself, or numerics may differ with the batch (conftest.greedy_divergence).
+    Another file's test may have left work running on the session's server."""
+    if "server" in request.fixturenames:
+        wait_idle(request.getfixturevalue("server"))
 
 
 def complete(client, model_name, **kw):
@@ -215,8 +227,8 @@ def test_models_health_config(server, client, model_name):
     assert requests.get(server.base + "/v2/health/ready").status_code == 200
     assert requests.get(f"{server.base}/v2/models/{model_name}/ready").status_code == 200
     config = requests.get(server.base + "/v1/config").json()
-    assert config == {model_name: {"model_version_status": [
-        {"version": "1", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": "OK"}}]}}
+    assert set(config) == {model_name} and config[model_name]["model_version_status"] == [
+        {"version": "1", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": "OK"}}]
 
 
 def test_tokenize(server, model_name):
@@ -312,8 +324,7 @@ def test_huge_token_ids_are_400_and_the_engine_survives(server, client, model_na
         e = error(requests.post(url, json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, field: value},
                                 timeout=60), 400)   # (the engine's death made it hang)
         assert (e["message"], e["param"]) == (message, field)
-    ok = complete(client, model_name, max_tokens=4, logit_bias={"4294967295": 5},
-                  extra_body={"stop_token_ids": [4294967295]})
+    ok = complete(client, model_name, max_tokens=4, logit_bias={"4294967295": 5})
     assert ok.choices[0].text == before   # ids past the vocabulary change nothing
     assert complete(client, model_name, max_tokens=4).choices[0].text == before
 
@@ -352,9 +363,15 @@ CONCURRENT_PROMPTS = ["The capital of France is", "Once upon a time", "The best 
 
 def test_concurrent_streaming_clients(server, model_name, client):
     """32 streams at once (8 distinct prompts, 4 clients each), each a client of its own: every stream is complete
-    and well formed, and its text is exactly the greedy unary answer to its own prompt, computed alone first."""
-    max_tokens = 16
-    expected = {p: complete(client, model_name, prompt=p, max_tokens=max_tokens) for p in CONCURRENT_PROMPTS}
+    and well formed, and its tokens are the greedy answer to its own prompt computed alone first, up to a near-tie.
+
+    Batched greedy is not solo greedy token for token in the default precision (bf16 on AVX-512-bf16 CPUs, f32
+    with u8 KV on AVX2-only ones): a stream may part from the solo answer only where the solo run's top two
+    candidates are within NEAR_TIE_DEFAULT nats (conftest.greedy_divergence); its text is compared up to there.
+    A stream given another prompt's tokens, a lost or repeated chunk, a mixed-up usage still fails."""
+    max_tokens, top = 16, 5
+    body = dict(max_tokens=max_tokens, logprobs=top, extra_body={"ignore_eos": True})   # always max_tokens tokens
+    expected = {p: complete(client, model_name, prompt=p, **body) for p in CONCURRENT_PROMPTS}
     assert len({r.choices[0].text for r in expected.values()}) == len(CONCURRENT_PROMPTS)   # tells mix-ups apart
     prompts = [CONCURRENT_PROMPTS[i % len(CONCURRENT_PROMPTS)] for i in range(32)]
     results: dict[int, list] = {}
@@ -365,8 +382,8 @@ def test_concurrent_streaming_clients(server, model_name, client):
         try:
             c = openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=300)
             start.wait(timeout=60)
-            results[i] = list(c.completions.create(model=model_name, prompt=prompts[i], max_tokens=max_tokens,
-                                                   stream=True, stream_options={"include_usage": True}))
+            results[i] = list(c.completions.create(model=model_name, prompt=prompts[i], stream=True,
+                                                   stream_options={"include_usage": True}, **body))
         except BaseException as exc:   # reported below, with the thread's index
             errors.append((i, exc))
 
@@ -377,14 +394,25 @@ def test_concurrent_streaming_clients(server, model_name, client):
         t.join(timeout=600)
     assert not errors and not any(t.is_alive() for t in threads), errors
     assert len({chunks[0].id for chunks in results.values()}) == len(prompts)
+    parted = []
     for i, chunks in results.items():
         *content, usage = chunks
         assert content[0].choices[0].text == ""
         assert not any(c.choices[0].finish_reason for c in content[:-1])
+        assert content[-1].choices[0].finish_reason == "length"
         unary = expected[prompts[i]]
-        assert content[-1].choices[0].finish_reason == unary.choices[0].finish_reason
-        assert "".join(c.choices[0].text for c in content) == unary.choices[0].text, (i, prompts[i])
         assert usage.choices == [] and usage.usage.model_dump() == unary.usage.model_dump()
+        assert usage.usage.completion_tokens == max_tokens
+        tokens = [t for c in content if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        text = "".join(c.choices[0].text for c in content)
+        want = unary.choices[0].logprobs
+        at = greedy_divergence(want.tokens, want.top_logprobs, tokens, NEAR_TIE_DEFAULT, f"stream {i} {prompts[i]!r}")
+        if at == max_tokens:
+            assert text == unary.choices[0].text, (i, prompts[i])
+        else:   # the same text up to the token where it parted
+            assert text.startswith(unary.choices[0].text[:want.text_offset[at]]), (i, prompts[i])
+            parted.append((prompts[i], at))
+    print(f"\nstreams that parted from the solo answer at a near-tie (prompt, token): {parted}")
     m = wait_until(lambda: (m := server.metrics())["appliance_running_sequences"] == 0 and m, "all streams to end")
     assert m["appliance_kv_cache_blocks_used"] == 0 and m["appliance_queue_depth"] == 0
 
@@ -420,22 +448,30 @@ def _blocker(guarded, api_key, model_name) -> requests.Response:
 
 
 def test_429_queue_full_and_timeout(guarded, api_key, model_name):
+    url = guarded.base + "/v3/completions"
+    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 2}
     blocker = _blocker(guarded, api_key, model_name)
+    queued = threading.Thread(target=requests.post, args=(url,),
+                              kwargs={"headers": auth(api_key), "json": body, "timeout": 120})
     try:
-        url = guarded.base + "/v3/completions"
-        # n=2: the first waits in the queue (max-queued 1), the second does not fit -> the whole request is refused
-        e = error(requests.post(url, headers=auth(api_key),
-                                json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, "n": 2}), 429)
-        assert e["code"] == "queue_full"
-        wait_until(lambda: guarded.metrics(auth(api_key))["appliance_queue_depth"] == 0, "the refused one to go")
-        e = error(requests.post(url, headers=auth(api_key), json={
-            "model": model_name, "prompt": PROMPT, "max_tokens": 2, "timeout": 0.5, "stream": True}), 429)
+        # the slot is taken: a request waits in the queue until its timeout ends it
+        e = error(requests.post(url, headers=auth(api_key), json={**body, "timeout": 0.5, "stream": True}), 429)
         assert e["code"] == "timeout" and e["param"] == "timeout"
+        wait_until(lambda: guarded.metrics(auth(api_key))["appliance_queue_depth"] == 0, "the timed-out one to go")
+        # one request waits in the queue (max-queued 1): the next is refused whole by the engine
+        queued.start()
+        wait_until(lambda: guarded.metrics(auth(api_key))["appliance_queue_depth"] == 1, "one to wait in the queue")
+        e = error(requests.post(url, headers=auth(api_key), json=body), 429)
+        assert e["code"] == "queue_full"
         keyed = openai.OpenAI(base_url=guarded.base + "/v3", api_key=api_key, max_retries=0, timeout=120)
         with pytest.raises(openai.RateLimitError):
-            keyed.completions.create(model=model_name, prompt=PROMPT, max_tokens=2, n=2)
+            keyed.completions.create(model=model_name, prompt=PROMPT, max_tokens=2)
+        # n=2 can never fit a queue of 1: a 400 at the edge (a 429 would invite retries in vain)
+        e = error(requests.post(url, headers=auth(api_key), json={**body, "n": 2}), 400)
+        assert e["param"] == "n"
     finally:
         blocker.close()
+        queued.join(timeout=120)
     wait_until(lambda: guarded.metrics(auth(api_key))["appliance_running_sequences"] == 0, "the slot to free up")
     m = guarded.metrics(auth(api_key))
     assert m["appliance_queue_depth"] == 0 and m['appliance_requests_rejected_total{reason="queue_full"}'] == 2
