@@ -6,6 +6,7 @@ well-behaved ones are served (complete, in bounded time) and that the server's r
 """
 from __future__ import annotations
 
+import resource
 import socket
 import threading
 import time
@@ -292,6 +293,11 @@ def test_slow_headers_and_stalled_streams_do_not_take_the_box(hostile, name):
 def test_requests_on_sockets_past_fd_1024_are_served(model_dir, tmp_path):
     """Past 1023 open fds, select() cannot watch a socket: a disconnect check based on it cancelled every request
     there as if its client had left. With 1,100 idle connections open, a request on a fd above 1024 runs to its end."""
+    from appliance.server.supervisor import raise_fd_limit
+
+    raise_fd_limit()   # this test process holds the 1,100 client sockets (the server raises its own limit alike)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft > 1300, f"RLIMIT_NOFILE hard limit {soft}: this drill needs more than 1300 fds"
     srv = Server(model_dir, tmp_path / "serve.log", "--threads", "600", "--request-timeout", "120")
     idle = []
     try:
