@@ -1,4 +1,5 @@
 """What the engine hands back, per step and at the end. Plain data: it crosses process boundaries (pickle)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,8 +8,8 @@ from dataclasses import dataclass, field
 @dataclass
 class TokenLogprob:
     token_id: int
-    token: str                      # the token's text (bytes decoded with errors="replace")
-    logprob: float                  # under the model's raw distribution (log-softmax of the logits)
+    token: str  # the token's text (bytes decoded with errors="replace")
+    logprob: float | None  # under the model's raw distribution (log-softmax of the logits); None: first prompt token
     top: list[tuple[int, str, float]] = field(default_factory=list)  # (id, text, logprob), best first
 
 
@@ -20,8 +21,8 @@ class Chunk:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None   # "stop" | "length" | "abort" (cancelled / error)
-    error: str | None = None           # set with finish_reason "abort" when the engine failed the request
+    finish_reason: str | None = None  # "stop" | "length" | "abort" (cancelled / error)
+    error: str | None = None  # set with finish_reason "abort" when the engine failed the request
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # with the first chunk of a sequence when params.prompt_logprobs is set: one entry per prompt token; the
@@ -33,9 +34,9 @@ class Chunk:
 class Timing:
     """Seconds, as the Cerebras API's time_info gives them."""
 
-    created: float = 0.0          # unix time the request arrived
-    queue_time: float = 0.0       # waiting before the first prefill step
-    prompt_time: float = 0.0      # prefill, up to the first token
+    created: float = 0.0  # unix time the request arrived
+    queue_time: float = 0.0  # waiting before the first prefill step
+    prompt_time: float = 0.0  # prefill, up to the first token
     completion_time: float = 0.0  # first token to last
     total_time: float = 0.0
 

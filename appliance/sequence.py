@@ -1,14 +1,22 @@
 """One generation in flight: its tokens, KV blocks, and the per-sequence processors (sampler, detokenizer,
 stop matcher). Owned by the engine thread only."""
+
 from __future__ import annotations
 
 import enum
 import queue
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from appliance.outputs import Chunk, Timing
+from appliance.outputs import Chunk, Timing, TokenLogprob
 from appliance.params import SamplingParams
+
+if TYPE_CHECKING:
+    from appliance.detokenizer import IncrementalDetokenizer
+    from appliance.engine.beams import BeamGroup
+    from appliance.sampling import SequenceSampler
+    from appliance.stopping import StopStringMatcher
 
 
 class Status(enum.Enum):
@@ -21,15 +29,16 @@ class Status(enum.Enum):
 class Sequence:
     request_id: str
     prompt_len: int
-    token_ids: list[int]          # prompt + generated
+    token_ids: list[int]  # prompt + generated
     params: SamplingParams
-    max_len: int                  # prompt + max_tokens, capped by the context
-    out: queue.SimpleQueue        # Chunks for the requester
+    max_len: int  # prompt + max_tokens, capped by the context
+    out: queue.SimpleQueue  # Chunks for the requester
     timing: Timing
-    sampler: object = None
-    detok: object = None
-    stop: object = None
-    num_computed: int = 0         # positions whose KV is in the cache
+    # set when the engine thread starts the sequence (Engine._start), before any step uses them
+    sampler: SequenceSampler = None  # type: ignore[assignment]
+    detok: IncrementalDetokenizer = None  # type: ignore[assignment]
+    stop: StopStringMatcher | None = None
+    num_computed: int = 0  # positions whose KV is in the cache
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     arrived: float = field(default_factory=time.monotonic)
@@ -37,14 +46,14 @@ class Sequence:
     first_token: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of the full blocks, in order
     # prompt logprobs (params.prompt_logprobs): TokenLogprobs of the prompt tokens so far (the first: logprob None)
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     # beam search (params.best_of > 1): the request's BeamGroup, this beam's running sum of log-probabilities
     # and its tokens' logprob entries (when params.logprobs is set)
-    group: object = None
+    group: BeamGroup | None = None
     beam_score: float = 0.0
-    beam_logprobs: list | None = None
+    beam_logprobs: list[TokenLogprob] | None = None
     # n > 1: the request's other choices, waiting for this sequence's prompt KV to start from (copy-on-write)
-    followers: list | None = None
+    followers: list[Sequence] | None = None
 
     @property
     def num_generated(self) -> int:
@@ -52,7 +61,7 @@ class Sequence:
 
     @property
     def generated(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
     def emit(self, chunk: Chunk) -> None:
         self.out.put(chunk)

@@ -8,6 +8,7 @@ bench.concurrency). Measurement only: the engine is instrumented from outside by
 --cprofile also writes a cProfile of the engine thread's steps at the highest concurrency (pstats file;
 `python -m pstats FILE` then `sort cumtime`, `stats 30`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -63,7 +64,7 @@ class _RequestProxy:
 
 
 def instrument(engine) -> dict[str, _Timed]:
-    import appliance.engine as engine_module
+    import appliance.engine.core as engine_module  # where the step calls sample_batch
 
     timers = {"step": _Timed(engine.step), "forward": _Timed(engine.backend.forward)}
     engine.step = timers["step"]
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
     timers = instrument(engine)
     genai_step = _Timed(pipe.step)
 
-    class _Pipe:   # genai_run calls pipe.step(); time it
+    class _Pipe:  # genai_run calls pipe.step(); time it
         def __getattr__(self, name):
             return genai_step if name == "step" else getattr(pipe, name)
 
@@ -108,16 +109,27 @@ def main(argv=None) -> int:
                     r = engine_run(engine, prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
                     seed += 1
                     steps = timers["step"].calls
-                    row = {"concurrency": c, "rep": rep, "engine_tok_s": r["tok_s"], "engine_steps": steps,
-                           "engine_wall_ms": r["wall_s"] * 1e3}
+                    row = {
+                        "concurrency": c,
+                        "rep": rep,
+                        "engine_tok_s": r["tok_s"],
+                        "engine_steps": steps,
+                        "engine_wall_ms": r["wall_s"] * 1e3,
+                    }
                     for name, t in timers.items():
                         row[f"{name}_ms"] = t.total * 1e3
                     bar.update()
                     genai_step.reset()
                     g = genai_run(_Pipe(), prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
                     seed += 1
-                    row.update({"genai_tok_s": g["tok_s"], "genai_steps": genai_step.calls,
-                                "genai_step_ms": genai_step.total * 1e3, "genai_wall_ms": g["wall_s"] * 1e3})
+                    row.update(
+                        {
+                            "genai_tok_s": g["tok_s"],
+                            "genai_steps": genai_step.calls,
+                            "genai_step_ms": genai_step.total * 1e3,
+                            "genai_wall_ms": g["wall_s"] * 1e3,
+                        }
+                    )
                     runs.append(row)
                     bar.update()
         if args.cprofile:
@@ -134,12 +146,15 @@ def main(argv=None) -> int:
                     step()
                 finally:
                     prof.disable()
+
             engine.step = profiled_step
             engine_run(engine, prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
             engine.step = step
             prof.dump_stats(str(args.cprofile))
-            print(f"wrote {args.cprofile} (cProfile of the engine steps at c={c}; thread "
-                  f"{threading.current_thread().name} drove the requests)")
+            print(
+                f"wrote {args.cprofile} (cProfile of the engine steps at c={c}; thread "
+                f"{threading.current_thread().name} drove the requests)"
+            )
     finally:
         engine.shutdown()
 
@@ -147,29 +162,46 @@ def main(argv=None) -> int:
     for c in args.concurrency:
         mine = [r for r in runs if r["concurrency"] == c]
 
-        def med(key: str) -> float:
+        def med(key: str, mine: list[dict] = mine) -> float:
             return median(r[key] for r in mine)
 
-        def per_step(key: str, steps: str = "engine_steps") -> float:
+        def per_step(key: str, steps: str = "engine_steps", mine: list[dict] = mine) -> float:
             return median(r[key] / r[steps] for r in mine)
 
-        row = {"concurrency": c, "engine_tok_s": med("engine_tok_s"), "genai_tok_s": med("genai_tok_s"),
-               "engine_steps": med("engine_steps"), "genai_steps": med("genai_steps"),
-               "step_ms": per_step("step_ms"), "forward_ms": per_step("forward_ms"),
-               "infer_ms": per_step("infer_ms") if "infer_ms" in mine[0] else None,
-               "sample_ms": per_step("sample_ms") if "sample_ms" in mine[0] else None,
-               "genai_step_ms": per_step("genai_step_ms", "genai_steps"),
-               "loop_gap_ms": median((r["engine_wall_ms"] - r["step_ms"]) / r["engine_steps"] for r in mine)}
+        row = {
+            "concurrency": c,
+            "engine_tok_s": med("engine_tok_s"),
+            "genai_tok_s": med("genai_tok_s"),
+            "engine_steps": med("engine_steps"),
+            "genai_steps": med("genai_steps"),
+            "step_ms": per_step("step_ms"),
+            "forward_ms": per_step("forward_ms"),
+            "infer_ms": per_step("infer_ms") if "infer_ms" in mine[0] else None,
+            "sample_ms": per_step("sample_ms") if "sample_ms" in mine[0] else None,
+            "genai_step_ms": per_step("genai_step_ms", "genai_steps"),
+            "loop_gap_ms": median((r["engine_wall_ms"] - r["step_ms"]) / r["engine_steps"] for r in mine),
+        }
         row["prep_ms"] = row["forward_ms"] - (row["infer_ms"] or 0)
         row["other_ms"] = row["step_ms"] - row["forward_ms"] - (row["sample_ms"] or 0)
         rows.append(row)
-    print_table(rows, [("concurrency", "conc", "d"), ("engine_tok_s", "engine tok/s", ".1f"),
-                       ("genai_tok_s", "genai tok/s", ".1f"), ("engine_steps", "steps", ".0f"),
-                       ("step_ms", "engine ms/step", ".2f"), ("infer_ms", "infer", ".2f"),
-                       ("prep_ms", "fwd prep+copy", ".2f"), ("sample_ms", "sample", ".2f"),
-                       ("other_ms", "other python", ".2f"), ("loop_gap_ms", "between steps", ".2f"),
-                       ("genai_steps", "genai steps", ".0f"), ("genai_step_ms", "genai ms/step", ".2f")],
-                title=f"per-step time, {args.model} (engine step = infer + forward prep/copy + sample + other)")
+    print_table(
+        rows,
+        [
+            ("concurrency", "conc", "d"),
+            ("engine_tok_s", "engine tok/s", ".1f"),
+            ("genai_tok_s", "genai tok/s", ".1f"),
+            ("engine_steps", "steps", ".0f"),
+            ("step_ms", "engine ms/step", ".2f"),
+            ("infer_ms", "infer", ".2f"),
+            ("prep_ms", "fwd prep+copy", ".2f"),
+            ("sample_ms", "sample", ".2f"),
+            ("other_ms", "other python", ".2f"),
+            ("loop_gap_ms", "between steps", ".2f"),
+            ("genai_steps", "genai steps", ".0f"),
+            ("genai_step_ms", "genai ms/step", ".2f"),
+        ],
+        title=f"per-step time, {args.model} (engine step = infer + forward prep/copy + sample + other)",
+    )
     save_results(args, "breakdown", info, model_dir=str(path), runs=runs, summary=rows)
     return 0
 

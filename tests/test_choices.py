@@ -4,6 +4,7 @@ the same logits. Checked on the default model in f32: what the backend is fed, t
 outputs equal to independent requests, and the fallbacks (a cancelled leader, a full pool). Greedy choices run
 batched, the independent request alone: they are compared up to a near-tie of f32 arithmetic
 (conftest.greedy_divergence); a choice with wrong KV parts where the answer is not a near-tie."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,15 +13,15 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import NEAR_TIE_F32, greedy_divergence
 
 from appliance.config import EngineConfig
 from appliance.engine import Engine, QueueFull
 from appliance.outputs import GenerationResult
 from appliance.params import SamplingParams
-from conftest import NEAR_TIE_F32, greedy_divergence
 
 NEW = 12
-PROMPT_LEN = 70   # not a multiple of the 32-token block: the last prompt block is copied, not shared
+PROMPT_LEN = 70  # not a multiple of the 32-token block: the last prompt block is copied, not shared
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def greedy(**kw) -> SamplingParams:
 
 def alone(engine, ids: list[int]) -> GenerationResult:
     """The prompt's greedy answer as a request of its own, with the candidates at each token."""
-    return engine.submit(ids, greedy(logprobs=3)).result()
+    return engine.submit(ids, greedy(logprobs=3)).results()[0]
 
 
 def assert_same_greedy(reference: GenerationResult, others: list[list[int]]) -> None:
@@ -59,6 +60,7 @@ def watch(engine):
         seen["fed"].append(batch.num_tokens)
         seen["peak"] = max(seen["peak"], engine.pool.num_used)
         return forward(batch)
+
     engine.backend.forward = counted
     try:
         yield seen
@@ -71,9 +73,9 @@ def test_prompt_computed_once_blocks_shared_outputs_equal(engine):
     reference = alone(engine, ids)
     before = engine.pool.num_used
     with watch(engine) as seen:
-        results = [h.result() for h in engine.submit_choices(ids, [greedy()] * n)]
-    assert_same_greedy(reference, [r.token_ids for r in results])     # the copied tail block holds the right KV
-    assert sum(seen["fed"]) == PROMPT_LEN + n * (NEW - 1)           # not n * PROMPT_LEN
+        results = [h.results()[0] for h in engine.submit_choices(ids, [greedy()] * n)]
+    assert_same_greedy(reference, [r.token_ids for r in results])  # the copied tail block holds the right KV
+    assert sum(seen["fed"]) == PROMPT_LEN + n * (NEW - 1)  # not n * PROMPT_LEN
     bs = engine.pool.block_size
     blocks, shared = engine.pool.blocks_for(PROMPT_LEN + NEW - 1), PROMPT_LEN // bs
     assert seen["peak"] == blocks + (n - 1) * (blocks - shared)
@@ -83,17 +85,18 @@ def test_prompt_computed_once_blocks_shared_outputs_equal(engine):
 
 def test_seeded_choices_equal_independent_requests(engine):
     ids = prompt(engine, 2)
-    params = [SamplingParams(max_tokens=NEW, temperature=1.0, top_k=50, seed=100 + j, ignore_eos=True)
-              for j in range(3)]
-    independent = [engine.submit(ids, p).result().token_ids for p in params]
-    together = [h.result().token_ids for h in engine.submit_choices(ids, params)]
+    params = [
+        SamplingParams(max_tokens=NEW, temperature=1.0, top_k=50, seed=100 + j, ignore_eos=True) for j in range(3)
+    ]
+    independent = [engine.submit(ids, p).results()[0].token_ids for p in params]
+    together = [h.results()[0].token_ids for h in engine.submit_choices(ids, params)]
     assert together == independent
-    assert len({tuple(t) for t in together}) > 1   # the seeds differ, so do the choices
+    assert len({tuple(t) for t in together}) > 1  # the seeds differ, so do the choices
 
 
 def test_prompt_logprobs_reach_every_choice(engine):
     ids = prompt(engine, 3)
-    results = [h.result() for h in engine.submit_choices(ids, [greedy(prompt_logprobs=1)] * 2)]
+    results = [h.results()[0] for h in engine.submit_choices(ids, [greedy(prompt_logprobs=1)] * 2)]
     first, second = (r.prompt_logprobs for r in results)
     assert len(first) == PROMPT_LEN and [e.token_id for e in first] == ids
     assert [(e.token_id, e.logprob) for e in second] == [(e.token_id, e.logprob) for e in first]
@@ -104,10 +107,10 @@ def test_cancelled_leader_leaves_the_others_whole(engine):
     reference = alone(engine, ids)
     before = engine.pool.num_used
     handles = engine.submit_choices(ids, [greedy()] * 3)
-    handles[0].cancel()   # before or after the fork: the others must not notice
+    handles[0].cancel()  # before or after the fork: the others must not notice
     leader = list(handles[0])[-1]
     assert leader.finish_reason in ("abort", "length")
-    assert_same_greedy(reference, [h.result().token_ids for h in handles[1:]])
+    assert_same_greedy(reference, [h.results()[0].token_ids for h in handles[1:]])
     assert engine.pool.num_used == before
 
 
@@ -119,10 +122,10 @@ def test_full_pool_falls_back_to_own_prefill(model_dir):
         ids = prompt(e, 5)
         reference = alone(e, ids)
         with watch(e) as seen:
-            results = [h.result().token_ids for h in e.submit_choices(ids, [greedy()] * 4)]
+            results = [h.results()[0].token_ids for h in e.submit_choices(ids, [greedy()] * 4)]
         assert_same_greedy(reference, results)
         assert e.pool.num_blocks == 4 and e.pool.blocks_for(PROMPT_LEN) == 3
-        assert sum(seen["fed"]) >= 3 * PROMPT_LEN + 4 * (NEW - 1)   # two followers computed their own prompt
+        assert sum(seen["fed"]) >= 3 * PROMPT_LEN + 4 * (NEW - 1)  # two followers computed their own prompt
         assert e.pool.num_used == 0
     finally:
         e.shutdown()
@@ -137,11 +140,12 @@ def test_leader_failing_to_start_hands_over(engine, monkeypatch):
         if seq.request_id == "lead":
             raise RuntimeError("boom")
         return start(self, seq, scheduled)
+
     monkeypatch.setattr(Engine, "_start", flaky)
     handles = engine.submit_choices(ids, [greedy()] * 3, ["lead", "b", "c"])
     with pytest.raises(RuntimeError, match="internal error"):
-        handles[0].result()
-    assert_same_greedy(reference, [h.result().token_ids for h in handles[1:]])
+        handles[0].results()[0]
+    assert_same_greedy(reference, [h.results()[0].token_ids for h in handles[1:]])
     assert engine.scheduler.running == [] and not engine.scheduler.waiting
 
 
@@ -153,12 +157,12 @@ def test_prompts_submitted_together_prefill_in_one_step(engine):
     before = engine.stats()
     with watch(engine) as seen:
         handles = engine.submit_prompts([(p, [greedy()] * 2, None) for p in ids])
-        results = [[h.result().token_ids for h in hs] for hs in handles]
+        results = [[h.results()[0].token_ids for h in hs] for hs in handles]
     for reference, tokens in zip(references, results):
         assert_same_greedy(reference, tokens)
-    after = engine.stats()   # counted per prompt, not per choice
+    after = engine.stats()  # counted per prompt, not per choice
     assert (after["requests"] - before["requests"], after["prompt_tokens"] - before["prompt_tokens"]) == (3, 3 * 40)
-    assert seen["fed"][0] == 3 * 40               # every prompt in the first step (128-token budget)
+    assert seen["fed"][0] == 3 * 40  # every prompt in the first step (128-token budget)
     assert sum(seen["fed"]) == 3 * 40 + 6 * (NEW - 1)
 
 
@@ -167,7 +171,7 @@ def test_prompts_queued_all_or_none(engine, monkeypatch):
     before = engine.stats()["requests"]
     with pytest.raises(QueueFull):
         engine.submit_prompts([(prompt(engine, 20), [greedy()] * 2, None), (prompt(engine, 21), [greedy()] * 2, None)])
-    engine.submit(prompt(engine, 22), greedy()).result()   # the engine goes on; nothing of the refused one ran
+    engine.submit(prompt(engine, 22), greedy()).results()[0]  # the engine goes on; nothing of the refused one ran
     assert engine.stats()["requests"] == before + 1
 
 
@@ -182,15 +186,16 @@ def test_queue_limit_counts_sequences(engine, monkeypatch):
         entered.set()
         assert gate.wait(60)
         step()
+
     monkeypatch.setattr(engine, "step", held)
     try:
         first = engine.submit(prompt(engine, 30), greedy())
-        assert entered.wait(60)                                  # taken into the scheduler's waiting list
+        assert entered.wait(60)  # taken into the scheduler's waiting list
         pair = engine.submit_choices(prompt(engine, 31), [greedy()] * 2)
         assert engine.stats()["queued"] == 3
         with pytest.raises(QueueFull):
             engine.submit(prompt(engine, 32), greedy())
     finally:
         gate.set()
-    assert [len(h.result().token_ids) for h in [first, *pair]] == [NEW] * 3
+    assert [len(h.results()[0].token_ids) for h in [first, *pair]] == [NEW] * 3
     assert engine.stats()["queued"] == 0

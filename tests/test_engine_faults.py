@@ -2,6 +2,7 @@
 its step's requests and the engine goes on, a dead engine thread says so (Engine.dead, on_death, alive) and ends
 every request. On a tiny random llama exported in fp32 (fast steps); the failures are injected by wrapping one
 engine function or with Engine.inject_fault."""
+
 from __future__ import annotations
 
 import threading
@@ -11,13 +12,14 @@ import numpy as np
 import pytest
 
 import appliance.engine as engine_mod
+import appliance.engine.core as engine_core  # the step's sampling and logprobs calls
 from appliance.beam_search import WIDTH_STOP_TOKENS, BeamSearch
 from appliance.config import EngineConfig
 from appliance.engine import STOP_WINDOW_TOKENS, Engine, EngineDead
 from appliance.params import SamplingParams
 
 NEW = 24
-BAD_SEED = 666   # marks the request whose part of the step is made to raise
+BAD_SEED = 666  # marks the request whose part of the step is made to raise
 
 
 def tiny_engine(exported) -> Engine:
@@ -65,9 +67,9 @@ def test_huge_length_penalty_among_live_sequences(engine):
     others = [engine.submit(prompt(i), greedy()) for i in range(4)]
     for lp in (2000.0, -2000.0):
         beam = engine.submit(prompt(9), SamplingParams(max_tokens=5, best_of=2, n=2, length_penalty=lp))
-        results = beam.result()
+        results = beam.results()
         assert len(results) == 2 and all(r.finish_reason in ("length", "stop") for r in results)
-    finished_normally([h.result() for h in others])
+    finished_normally([h.results()[0] for h in others])
     settled(engine)
 
 
@@ -75,12 +77,12 @@ def test_a_failing_beam_step_fails_only_that_search(engine):
     """A beam search whose scoring raises (transformers' old expression: 2 ** 2000.0 overflows) ends with an
     error; the live sequences beside it finish normally."""
     others = [engine.submit(prompt(i), greedy()) for i in range(4)]
-    for h in others:   # they are running when the search starts
+    for h in others:  # they are running when the search starts
         next(iter(h))
     beam = engine.submit(prompt(9), SamplingParams(max_tokens=3, best_of=2, length_penalty=2000.0))
-    beam._group.search.normalized = lambda score, n: score / (n ** 2000.0)
+    beam._seq.group.search.normalized = lambda score, n: score / (n**2000.0)
     with pytest.raises(RuntimeError, match="internal error: OverflowError"):
-        beam.result()
+        beam.results()
     for h in others:
         rest = list(h)
         assert rest[-1].finish_reason == "length" and not rest[-1].error
@@ -91,7 +93,7 @@ def test_a_failing_beam_step_fails_only_that_search(engine):
 @pytest.fixture
 def bad_sampling(monkeypatch):
     """sample_batch raises whenever a row of the request with BAD_SEED is among its rows."""
-    real = engine_mod.sample_batch
+    real = engine_core.sample_batch
     calls = {"batched": 0, "alone": 0}
 
     def sample(logits, samplers):
@@ -99,7 +101,8 @@ def bad_sampling(monkeypatch):
         if any(s.params.seed == BAD_SEED for s in samplers):
             raise ValueError("broken sampler")
         return real(logits, samplers)
-    monkeypatch.setattr(engine_mod, "sample_batch", sample)
+
+    monkeypatch.setattr(engine_core, "sample_batch", sample)
     return calls
 
 
@@ -109,27 +112,28 @@ def test_a_failing_sampler_fails_only_its_sequence(engine, bad_sampling):
     more = [engine.submit(prompt(i + 10), greedy()) for i in range(2)]
     end = last_chunk(bad)
     assert end.finish_reason == "abort" and end.error == "internal error: ValueError"
-    finished_normally([h.result() for h in handles + more])
-    assert bad_sampling["alone"] > 0    # the batch raised: rows were sampled one by one to find the bad one
+    finished_normally([h.results()[0] for h in handles + more])
+    assert bad_sampling["alone"] > 0  # the batch raised: rows were sampled one by one to find the bad one
     settled(engine)
 
 
 def test_a_failing_choice_fails_alone_and_its_siblings_finish(engine, monkeypatch):
     """n > 1: each choice is a sequence of its own. A choice whose logprobs raise ends with an error; the other
     choices of the same request (forked from its prompt KV) and other requests finish."""
-    real = Engine._logprobs
+    real = engine_core.sampled_logprobs
 
-    def logprobs(self, seq, token, out, j):
+    def logprobs(tokenizer, seq, token, out, j):
         if seq.params.seed == BAD_SEED:
             raise KeyError("broken logprobs")
-        return real(self, seq, token, out, j)
-    monkeypatch.setattr(Engine, "_logprobs", logprobs)
+        return real(tokenizer, seq, token, out, j)
+
+    monkeypatch.setattr(engine_core, "sampled_logprobs", logprobs)
     other = engine.submit(prompt(3), greedy(logprobs=1))
     choices = engine.submit_choices(prompt(4), [greedy(logprobs=1, seed=s) for s in (1, BAD_SEED, 2)])
     ends = [last_chunk(h) for h in choices]
     assert ends[1].finish_reason == "abort" and ends[1].error == "internal error: KeyError"
     assert [e.error for e in ends[::2]] == [None, None] and [e.finish_reason for e in ends[::2]] == ["length"] * 2
-    finished_normally([other.result()])
+    finished_normally([other.results()[0]])
     settled(engine)
 
 
@@ -142,17 +146,18 @@ def test_a_failing_submission_fails_alone(engine, monkeypatch):
         if seqs[0].params.seed == BAD_SEED:
             raise RuntimeError("broken start")
         real(seqs)
+
     monkeypatch.setattr(engine, "_start_all", start_all)
     bad = engine.submit_choices(prompt(5), [greedy(seed=BAD_SEED)] * 2)
     assert [last_chunk(h).error for h in bad] == ["internal error: RuntimeError"] * 2
-    finished_normally([engine.submit(prompt(6), greedy()).result()])
+    finished_normally([engine.submit(prompt(6), greedy()).results()[0]])
     settled(engine)
 
 
 def test_forward_fault_fails_the_step_and_the_engine_recovers(engine):
     streaming = engine.submit(prompt(1), greedy(max_tokens=200))
     it = iter(streaming)
-    assert next(it).finish_reason is None           # running
+    assert next(it).finish_reason is None  # running
     engine.inject_fault("forward")
     end = list(it)[-1]
     assert end.finish_reason == "abort" and end.error == "internal error: InjectedFault"
@@ -160,7 +165,7 @@ def test_forward_fault_fails_the_step_and_the_engine_recovers(engine):
     engine.inject_fault("forward")
     together = engine.submit_choices(prompt(2), [greedy(seed=s) for s in range(3)])
     assert {last_chunk(h).error for h in together} == {"internal error: InjectedFault"}
-    finished_normally([engine.submit(prompt(3), greedy()).result()])
+    finished_normally([engine.submit(prompt(3), greedy()).results()[0]])
     assert engine.alive and engine.dead is None
     settled(engine)
 
@@ -173,29 +178,29 @@ def test_unknown_fault_kind_is_refused(engine):
 def test_heartbeat_advances_when_idle(engine):
     settled(engine)
     before = engine.heartbeat
-    time.sleep(1.2)                                 # two idle waits
-    assert engine.heartbeat > before and time.monotonic() - engine.heartbeat < 2.0   # slack for a busy CPU
+    time.sleep(1.2)  # two idle waits
+    assert engine.heartbeat > before and time.monotonic() - engine.heartbeat < 2.0  # slack for a busy CPU
     assert engine.alive
 
 
 def test_stop_token_ids_do_not_widen_the_beam(engine):
     assert BeamSearch(4, 1.0, 10_001).width == (1 + WIDTH_STOP_TOKENS) * 4
-    assert BeamSearch(4, 1.0, 1).width == 2 * 4            # transformers' width for one EOS id
+    assert BeamSearch(4, 1.0, 1).width == 2 * 4  # transformers' width for one EOS id
     vocab = engine.manifest.vocab_size
     params = SamplingParams(max_tokens=8, best_of=4, n=2, stop_token_ids=list(range(vocab, vocab + 10_000)))
     t = time.monotonic()
     handle = engine.submit(prompt(8), params)
-    assert handle._group.search.width == (1 + WIDTH_STOP_TOKENS) * 4
-    results = handle.result()
+    assert handle._seq.group.search.width == (1 + WIDTH_STOP_TOKENS) * 4
+    results = handle.results()
     assert len(results) == 2 and all(len(r.token_ids) == 8 for r in results)
-    assert time.monotonic() - t < 10                        # list scans of 10,000 ids per candidate: far slower
+    assert time.monotonic() - t < 10  # list scans of 10,000 ids per candidate: far slower
     settled(engine)
 
 
 def test_stop_string_window_is_bounded(engine):
     handle = engine.submit(prompt(8), SamplingParams(max_tokens=4, best_of=2, stop=["x" * 100_000, "zz"]))
-    assert handle._group.stop_window == STOP_WINDOW_TOKENS
-    assert len(handle.result()) == 1
+    assert handle._seq.group.stop_window == STOP_WINDOW_TOKENS
+    assert len(handle.results()) == 1
     settled(engine)
 
 
@@ -206,6 +211,7 @@ def test_loop_fault_kills_the_engine_loudly(exported):
     def on_death(exc: BaseException) -> None:
         seen.append((exc, threading.current_thread().name))
         died.set()
+
     eng.on_death = on_death
     try:
         running = [eng.submit(prompt(i), greedy(max_tokens=400)) for i in range(2)]
@@ -216,14 +222,14 @@ def test_loop_fault_kills_the_engine_loudly(exported):
         assert eng.alive
         eng.inject_fault("loop")
         assert died.wait(10)
-        (exc, thread), = seen
+        ((exc, thread),) = seen
         assert isinstance(exc, engine_mod.InjectedFault) and thread == "engine"
         assert eng.dead is exc and not eng.alive
         for it in its:
             end = list(it)[-1]
             assert end.finish_reason == "abort" and end.error == "the engine stopped: internal error: InjectedFault"
         with pytest.raises(RuntimeError, match="the engine stopped"):
-            beam.result()
+            beam.results()
         with pytest.raises(EngineDead):
             eng.submit(prompt(6), greedy())
         assert eng.pool.num_used == 0

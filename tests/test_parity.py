@@ -8,15 +8,16 @@ weights: its logprobs differ from transformers' by up to ~0.01 nats, so it may p
 All prompts go through the engine at once, so this also proves continuous batching (mixed prefill and decode,
 chunked prefill) does not change any sequence's tokens.
 """
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
 import pytest
+from conftest import NEAR_TIE_FP16_WEIGHTS, greedy_divergence
 
 from appliance.config import EngineConfig
-from conftest import NEAR_TIE_FP16_WEIGHTS, greedy_divergence
 from appliance.engine import Engine
 from appliance.params import SamplingParams
 
@@ -41,8 +42,9 @@ def hf_greedy(hf_dir, prompts: list[list[int]], new_tokens: int) -> list[list[in
     return hf_greedy_top(hf_dir, prompts, new_tokens)[0]
 
 
-def hf_greedy_top(hf_dir, prompts: list[list[int]], new_tokens: int,
-                  top: int = 5) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
+def hf_greedy_top(
+    hf_dir, prompts: list[list[int]], new_tokens: int, top: int = 5
+) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
     """transformers' fp32 greedy tokens, and at each position its `top` candidates (token id -> logprob)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -51,10 +53,17 @@ def hf_greedy_top(hf_dir, prompts: list[list[int]], new_tokens: int,
     tokens, candidates = [], []
     with torch.no_grad():
         for p in prompts:
-            out = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
-                                 output_logits=True, return_dict_in_generate=True)
-            tokens.append(out.sequences[0, len(p):].tolist())
+            out = model.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens.append(out.sequences[0, len(p) :].tolist())
             steps = [torch.log_softmax(step[0].float(), -1).topk(top) for step in out.logits]
             candidates.append([dict(zip(s.indices.tolist(), s.values.tolist())) for s in steps])
     return tokens, candidates
@@ -62,13 +71,14 @@ def hf_greedy_top(hf_dir, prompts: list[list[int]], new_tokens: int,
 
 def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    handles = [engine.submit(p, params) for p in prompts]   # all at once: batched together
-    return [h.result().token_ids for h in handles]
+    handles = [engine.submit(p, params) for p in prompts]  # all at once: batched together
+    return [h.results()[0].token_ids for h in handles]
 
 
 @pytest.fixture(scope="module")
 def default_prompts(default_hf):
     from appliance.tokenizer import Tokenizer
+
     return _prompts(Tokenizer.from_dir(default_hf))
 
 
@@ -82,12 +92,15 @@ def default_reference(default_reference_top):
     return default_reference_top[0]
 
 
-F32 = dict(precision="f32", max_num_batched_tokens=64)   # small budget: prompts are prefilled in chunks
+F32 = dict(precision="f32", max_num_batched_tokens=64)  # small budget: prompts are prefilled in chunks
 CASES = {
     "openvino-fp32-paged": ("openvino", "fp32", F32),
     "openvino-fp16-paged": ("openvino", "fp16", F32),
-    "openvino-fp16-static": ("openvino", "fp16", dict(F32, static=True, static_context=256, static_batch=4,
-                                                       static_prefill_chunk=32)),
+    "openvino-fp16-static": (
+        "openvino",
+        "fp16",
+        dict(F32, static=True, static_context=256, static_batch=4, static_prefill_chunk=32),
+    ),
     "onnx-fp32": ("onnx", "fp32", dict(F32, static_context=256, static_batch=4)),
 }
 
@@ -102,13 +115,14 @@ def test_default_model_greedy_matches_transformers(case, default_prompts, defaul
     engine = Engine(ensure_export(backend, fmt), EngineConfig(**cfg))
     try:
         got = engine_greedy(engine, default_prompts, NEW_TOKENS)
-        assert engine.stats()["kv_blocks_used"] == 0          # every block back in the pool
+        assert engine.stats()["kv_blocks_used"] == 0  # every block back in the pool
     finally:
         engine.shutdown()
     for n, (want, top, have) in enumerate(zip(default_reference, candidates, got)):
         if fmt == "fp32":
-            assert have == want, f"{case}: prompt {n} diverged at token " \
-                                 f"{next(i for i, (a, b) in enumerate(zip(have, want)) if a != b)}"
+            assert have == want, (
+                f"{case}: prompt {n} diverged at token {next(i for i, (a, b) in enumerate(zip(have, want)) if a != b)}"
+            )
         else:
             greedy_divergence(want, top, have, NEAR_TIE_FP16_WEIGHTS, f"{case}: prompt {n}")
 
@@ -133,7 +147,7 @@ def test_quantized_default_model_stays_close(fmt, default_hf, default_prompts, d
         ours = []
         for p in default_prompts:
             table = engine.pool.allocate(engine.pool.blocks_for(len(p)))
-            ours.append(engine.backend.forward(StepBatch([p], [0], [table]))[0].copy())   # a view until the next call
+            ours.append(engine.backend.forward(StepBatch([p], [0], [table]))[0].copy())  # a view until the next call
             engine.pool.free(table)
     finally:
         engine.shutdown()
@@ -143,8 +157,8 @@ def test_quantized_default_model_stays_close(fmt, default_hf, default_prompts, d
     tv = [0.5 * np.abs(_softmax(r) - _softmax(o)).sum() for r, o in zip(ref, ours)]
     n = rule["chat_tokens"]
     if fmt == "int8":
-        assert [g[:n] for g in got[:len(CHAT)]] == [r[:n] for r in default_reference[:len(CHAT)]]
-    else:   # int4 flips near-ties: most prompts keep their first token
+        assert [g[:n] for g in got[: len(CHAT)]] == [r[:n] for r in default_reference[: len(CHAT)]]
+    else:  # int4 flips near-ties: most prompts keep their first token
         assert sum(g[0] == r[0] for g, r in zip(got, default_reference)) >= len(got) // 2
     assert max(tv) < rule["max_tv"], tv
 
@@ -159,7 +173,7 @@ def test_prefix_cache_reuse_keeps_parity(default_hf, default_prompts):
     a token: f32 engine vs transformers, prefix caching on, a pool small enough to force preemption."""
     from export.default_model import ensure_export
 
-    shared = default_prompts[4] * 12                       # ~60 tokens of raw text, > one 32-token block
+    shared = default_prompts[4] * 12  # ~60 tokens of raw text, > one 32-token block
     prompts = [shared + p for p in default_prompts[:4]]
     want = hf_greedy(default_hf, prompts, 16)
     engine = Engine(ensure_export("openvino", "fp32"), EngineConfig(**F32, kv_cache_tokens=32 * 6))
@@ -170,6 +184,6 @@ def test_prefix_cache_reuse_keeps_parity(default_hf, default_prompts):
     finally:
         engine.shutdown()
     assert first + rest == want
-    assert stats["prefix_cache_hit_tokens"] >= 3 * 32      # each later prompt reused the shared block(s)
+    assert stats["prefix_cache_hit_tokens"] >= 3 * 32  # each later prompt reused the shared block(s)
     assert stats["kv_blocks_used"] == 0
-    assert stats["preemptions"] > 0, stats                 # the 6-block pool cannot hold them all at once
+    assert stats["preemptions"] > 0, stats  # the 6-block pool cannot hold them all at once

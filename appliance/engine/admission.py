@@ -1,0 +1,201 @@
+"""Request admission: from a caller's thread into the engine thread.
+
+The prompt's checks run on the caller's thread, so a bad request is refused (400) before anything is queued; the
+queue bound is checked and counted under one lock, so two callers never pass on one slot (429). What passes goes
+through an inbox the engine thread drains at the top of each iteration, where each request gets its per-sequence
+processors (sampler, detokenizer, stop matcher) and enters the scheduler. Cancels take the same inbox, so a
+request's KV is freed by the engine thread, between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+
+from appliance.detokenizer import IncrementalDetokenizer
+from appliance.engine.beams import BeamGroup
+from appliance.engine.handles import RequestHandle
+from appliance.engine.liveness import EngineDead
+from appliance.engine.logprobs import first_prompt_logprob
+from appliance.engine.state import EngineState
+from appliance.outputs import GenerationResult, Timing
+from appliance.params import SamplingParams
+from appliance.sampling import SequenceSampler
+from appliance.sequence import Sequence, Status
+from appliance.stopping import StopStringMatcher, stop_token_ids
+
+log = logging.getLogger("appliance.engine")
+
+
+class QueueFull(Exception):
+    """More requests are waiting than `max_queued` allows (HTTP 429)."""
+
+
+class PromptTooLong(ValueError):
+    """Prompt (+ max_tokens) does not fit the context (HTTP 400)."""
+
+
+class Admission(EngineState):
+    """Engine's submission side (a part of Engine: see state.py for the state it uses)."""
+
+    # ---- requester side (any thread) ----
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        """One sequence (streaming Chunks), or with params.best_of > 1 a beam search (its params.n best beams
+        arrive together): either way one RequestHandle."""
+        seq = self._new_sequence(prompt_ids, params, request_id)
+        if params.best_of is not None and params.best_of > 1:
+            seq.max_len = self._beam_max_len(len(prompt_ids), params, seq.max_len)
+            seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
+        self._enqueue([[seq]])
+        return RequestHandle(self, seq)
+
+    def submit_choices(
+        self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str] | None = None
+    ) -> list[RequestHandle]:
+        """n sampled choices of one prompt (params[j] for choice j, e.g. seeds apart). The prompt is computed
+        once: the other choices then share its KV blocks (copy-on-write: full blocks by reference, the partly
+        filled last one copied) and sample their first token from the same logits."""
+        return self.submit_prompts([(prompt_ids, params, request_ids)])[0]
+
+    def submit_prompts(
+        self, requests: list[tuple[list[int], list[SamplingParams], list[str] | None]]
+    ) -> list[list[RequestHandle]]:
+        """Several prompts at once, each with its choices as in submit_choices (a completions request's prompt
+        list, a burst of clients): all are queued or none (429), and they reach the scheduler in the same step,
+        so their prefills batch together instead of the first one starting alone."""
+        groups = []
+        for prompt_ids, params, request_ids in requests:
+            ids: list[str] | list[None] = request_ids or [None] * len(params)
+            seqs = [self._new_sequence(prompt_ids, p, r) for p, r in zip(params, ids)]
+            if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
+                seqs[0].followers = seqs[1:]
+            groups.append(seqs)
+        self._enqueue(groups)
+        return [[RequestHandle(self, seq) for seq in seqs] for seqs in groups]
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[GenerationResult]:
+        """Submit and wait: the request's choices (one, or params.n for a beam search)."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return self.submit(ids, params or SamplingParams()).results()
+
+    def _enqueue(self, groups: list[list[Sequence]]) -> None:
+        """Hands a submission to the engine thread, or refuses all of it (429) if its sequences would take the
+        queue past max_queued. Counted in sequences, not submissions: a prompt list or n > 1 is several."""
+        count = sum(map(len, groups))
+        with self._admit:
+            if self.dead is not None:  # checked under the lock _die takes: nothing is queued after its drain
+                raise EngineDead(f"the engine stopped: internal error: {type(self.dead).__name__}")
+            if self._queued() + count > self.config.max_queued:
+                raise QueueFull("the server is busy: too many queued requests, retry later")
+            self._inbox_seqs += count
+            self._inbox.put(("add", groups))
+        self._wake.set()
+
+    def _queued(self) -> int:
+        """Sequences not started: in the inbox, or waiting in the scheduler (with their n > 1 choices)."""
+        return self._inbox_seqs + self.scheduler.num_queued()
+
+    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+        """The prompt's checks, made on the caller's thread (400 before anything is queued), then the Sequence."""
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        limit = self.max_context
+        if len(prompt_ids) + (params.max_tokens or 0) > limit or len(prompt_ids) >= limit:
+            raise PromptTooLong(
+                f"Number of prompt tokens: {len(prompt_ids)} + max tokens value: "
+                f"{params.max_tokens or 0} exceeds model max length: {limit}"
+            )
+        max_len = min(limit, len(prompt_ids) + params.max_tokens if params.max_tokens is not None else limit)
+        return Sequence(
+            request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
+            len(prompt_ids),
+            list(prompt_ids),
+            params,
+            max_len,
+            queue.SimpleQueue(),
+            Timing(created=time.time()),
+        )
+
+    def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int:
+        """All beams of a search must fit in the KV pool and the sequence slots together, or they could wait on
+        each other forever. Without max_tokens the search is capped at what fits."""
+        beams, pool = params.best_of, self.pool
+        assert beams is not None  # called for best_of > 1 only (submit)
+        if params.n > beams:
+            raise ValueError(f"n value cannot be greater than best_of ({params.n} > {beams})")
+        if beams > self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"best_of {beams} runs {beams} sequences at once; this server runs at most "
+                f"{self.scheduler.max_num_seqs}"
+            )
+        fits = pool.num_blocks // beams * pool.block_size
+        if max_len > fits and (params.max_tokens is not None or prompt_len >= fits):
+            raise PromptTooLong(
+                f"best_of {beams}: {beams} beams of {prompt_len} prompt tokens + max tokens value "
+                f"{params.max_tokens or 0} do not fit the KV cache ({pool.num_blocks * pool.block_size}"
+                " positions)"
+            )
+        return min(max_len, fits)
+
+    def _cancel(self, target: Sequence | BeamGroup) -> None:
+        self._inbox.put(("cancel", target))
+        self._wake.set()
+
+    # ---- engine thread ----
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, target = self._inbox.get_nowait()  # ("add", groups of sequences) or ("cancel", one)
+            except queue.Empty:
+                return
+            try:
+                self._take(op, target)
+            except Exception as exc:  # one submission or cancel fails alone
+                log.exception("could not take %s from the inbox", op)
+                if op == "add":
+                    for seqs in target:
+                        for seq in seqs:
+                            self._try_fail(seq, f"internal error: {type(exc).__name__}")
+
+    def _take(self, op: str, target) -> None:
+        if op == "add":
+            try:
+                for seqs in target:
+                    self._start_all(seqs)
+            finally:
+                with self._admit:  # after the start: counted as queued until in the scheduler's waiting list
+                    self._inbox_seqs -= sum(map(len, target))
+        elif isinstance(target, BeamGroup):
+            if not target.done:
+                self.counters["aborted"] += 1
+                self._finish_group(target)
+        elif target.status is not Status.FINISHED:
+            self.counters["aborted"] += 1
+            self._finish(target, "abort")
+
+    def _start_all(self, seqs: list[Sequence]) -> None:
+        """A request's sequences: the first is scheduled, its followers (n > 1) wait for its prompt KV. They
+        start first, so that a leader failing to start hands ready followers to the scheduler (_finish)."""
+        share = bool(seqs[0].followers)
+        self.counters["requests"] += 1  # one prompt, however many choices
+        self.counters["prompt_tokens"] += seqs[0].prompt_len
+        for seq in seqs[1:] + seqs[:1] if share else seqs:
+            try:
+                self._start(seq, scheduled=seq is seqs[0] or not share)
+            except Exception as exc:  # one bad request fails alone; the engine thread goes on
+                log.exception("could not start request %s", seq.request_id)
+                self._finish(seq, "abort", error=f"internal error: {type(exc).__name__}")
+
+    def _start(self, seq: Sequence, scheduled: bool = True) -> None:
+        p = seq.params
+        seq.sampler = SequenceSampler(p, seq.token_ids[: seq.prompt_len], self.eos_token_ids)
+        seq.detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=p.skip_special_tokens, prompt_ids=seq.token_ids[: seq.prompt_len]
+        )
+        seq.stop = StopStringMatcher(p.stop, p.include_stop_str_in_output) if p.stop else None
+        if p.prompt_logprobs is not None:
+            seq.prompt_logprobs = first_prompt_logprob(self.tokenizer, seq)
+        if scheduled:
+            self.scheduler.add(seq)
