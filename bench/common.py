@@ -1,9 +1,10 @@
 """Helpers shared by the benchmarks: command-line options, prompts, statistics, paired runs, tables, the results
-JSON, `appliance serve` as a subprocess (appliance.loopback's harness) and /proc memory and CPU readings.
+JSON, `appliance serve` as a subprocess (appliance.testing.loopback's harness) and /proc memory and CPU readings.
 
 Every benchmark compares two things measured in the same run on the same IR, alternating which goes first, and
 reports medians over repetitions: the machine is shared and noisy, so read the ratios, not the absolutes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,22 +15,24 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from appliance import procinfo
-from appliance.loopback import ApplianceServer
-from appliance.procinfo import process_tree, status_field
+from appliance.testing import procinfo
+from appliance.testing.loopback import ApplianceServer
+from appliance.testing.procinfo import process_tree, status_field
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-LOGS = Path(tempfile.gettempdir()) / "appliance-bench"     # server logs: not results
+LOGS = Path(tempfile.gettempdir()) / "appliance-bench"  # server logs: not results
 CONCURRENCY = (1, 4, 8, 16)
 
 
 # ---------------------------------------------------------------- workload
+
 
 def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     """`n` random-token prompts: nothing is shared between them or with any earlier run (no cache helps)."""
@@ -38,6 +41,7 @@ def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
 
 
 # ---------------------------------------------------------------- statistics
+
 
 def median(values: Iterable[float]) -> float:
     values = list(values)
@@ -53,8 +57,9 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 
 
-def paired_ratio(runs: list[dict], key: str, a: str, b: str, *, b_key: str | None = None, side: str = "impl",
-                 **match) -> float:
+def paired_ratio(
+    runs: list[dict], key: str, a: str, b: str, *, b_key: str | None = None, side: str = "impl", **match
+) -> float:
     """Median over repetitions of run[a][key] / run[b][b_key or key], pairing the two runs of the same repetition
     (they ran back to back, so slow drifts of the machine's load cancel better than in a ratio of medians).
     `side`: the run field that names a and b."""
@@ -67,10 +72,13 @@ def paired_ratio(runs: list[dict], key: str, a: str, b: str, *, b_key: str | Non
 
 # ---------------------------------------------------------------- output
 
+
 def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], title: str | None = None) -> str:
     """columns: (key, header, format spec). Prints and returns the table."""
-    widths = [max(len(h), *(len(format(r.get(k, ""), f) if r.get(k) is not None else "-") for r in rows))
-              for k, h, f in columns]
+    widths = [
+        max(len(h), *(len(format(r.get(k, ""), f) if r.get(k) is not None else "-") for r in rows))
+        for k, h, f in columns
+    ]
     lines = [title] if title else []
     lines.append("  ".join(h.rjust(w) for (_, h, _), w in zip(columns, widths)))
     for r in rows:
@@ -87,34 +95,47 @@ def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], t
 def machine() -> dict:
     """What the numbers were measured on, and what else was eating CPU (the load caveat)."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         cpu = platform.processor()
     versions = {}
     for mod in ("openvino", "openvino_genai"):
         try:
             versions[mod] = __import__(mod).__version__
-        except Exception:   # not installed: the benchmark that needs it fails on its own
+        except Exception:  # not installed: the benchmark that needs it fails on its own
             pass
-    return {"cpu": cpu, "nproc": os.cpu_count(), "loadavg": os.getloadavg(), "python": platform.python_version(),
-            "versions": versions, "code": code_state(), "busy_processes": busy_processes()}
+    return {
+        "cpu": cpu,
+        "nproc": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "code": code_state(),
+        "busy_processes": busy_processes(),
+    }
 
 
 def code_state() -> dict:
     """The commit measured, and which runtime files differed from it (read-only git calls)."""
+
     def git(*args: str) -> str:
         try:
             done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
             return done.stdout.rstrip("\n")
         except (OSError, subprocess.SubprocessError):
             return ""
+
     changed = [line[3:] for line in git("status", "--porcelain", "--", "appliance", "export").splitlines()]
     return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_runtime_files": changed}
 
 
 def busy_processes(sample_s: float = 0.5, min_pct: float = 10.0) -> list[dict]:
     """Other processes using >= min_pct of a CPU over a short sample (not us, not our children)."""
+
     def ticks() -> dict[int, tuple[float, str]]:
         out = {}
         for entry in os.listdir("/proc"):
@@ -160,11 +181,20 @@ def _jsonable(value: Any):
 
 def save_results(args, benchmark: str, machine_before: dict, **payload) -> Path:
     """args.out <- {benchmark, args, machine_before, machine_after (now), **payload}: every benchmark's JSON."""
-    return write_json(args.out, {"benchmark": benchmark, "args": vars(args), "machine_before": machine_before,
-                                 "machine_after": machine(), **payload})
+    return write_json(
+        args.out,
+        {
+            "benchmark": benchmark,
+            "args": vars(args),
+            "machine_before": machine_before,
+            "machine_after": machine(),
+            **payload,
+        },
+    )
 
 
 # ---------------------------------------------------------------- command line
+
 
 class _Parser(argparse.ArgumentParser):
     """parse_args() applies `quick_sets` (option dest -> value) when --quick is given."""
@@ -178,9 +208,18 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
 
-def arg_parser(doc: str, out_name: str, *, model: str | None = None, models: Sequence[str] | None = None,
-               levels: bool = False, reps: int | None = None, prompt_len: int | None = 128,
-               new_tokens: int | None = 128, quick: dict | None = None) -> argparse.ArgumentParser:
+def arg_parser(
+    doc: str,
+    out_name: str,
+    *,
+    model: str | None = None,
+    models: Sequence[str] | None = None,
+    levels: bool = False,
+    reps: int | None = None,
+    prompt_len: int | None = 128,
+    new_tokens: int | None = 128,
+    quick: dict | None = None,
+) -> argparse.ArgumentParser:
     """The options the benchmarks share, each only where asked for: --model (one, default `model`) or --models
     (several), --concurrency (the levels swept), --reps, --prompt-len / --new-tokens (the workload), --quick (sets
     the options in `quick`, {dest: value}, over whatever was given; parse_args() applies it), and always --out
@@ -190,8 +229,9 @@ def arg_parser(doc: str, out_name: str, *, model: str | None = None, models: Seq
     if model is not None:
         ap.add_argument("--model", default=model, help=f"{', '.join(MODEL_CHOICES)} or an export directory")
     if models is not None:
-        ap.add_argument("--models", nargs="+", default=list(models),
-                        help=f"{', '.join(MODEL_CHOICES)} or export directories")
+        ap.add_argument(
+            "--models", nargs="+", default=list(models), help=f"{', '.join(MODEL_CHOICES)} or export directories"
+        )
     if levels:
         ap.add_argument("--concurrency", nargs="+", type=int, default=list(CONCURRENCY))
     if reps is not None:
@@ -202,13 +242,21 @@ def arg_parser(doc: str, out_name: str, *, model: str | None = None, models: Seq
         ap.add_argument("--new-tokens", type=int, default=new_tokens)
     if quick is not None:
         ap.quick_sets = quick
-        ap.add_argument("--quick", action="store_true", help="a smoke run: " + ", ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in quick.items()))
+        ap.add_argument(
+            "--quick",
+            action="store_true",
+            help="a smoke run: "
+            + ", ".join(
+                f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                for k, v in quick.items()
+            ),
+        )
     ap.add_argument("--out", type=Path, default=RESULTS / f"{out_name}.json")
     return ap
 
 
 # ---------------------------------------------------------------- paired runs
+
 
 def rotate(sides: Sequence, k: int) -> list:
     """`sides` rotated by k: with the run index as k, each side goes first in turn (for two sides: alternating)."""
@@ -216,8 +264,9 @@ def rotate(sides: Sequence, k: int) -> list:
     return list(sides[k:]) + list(sides[:k])
 
 
-def side_medians(runs: list[dict], side: str, rates: Iterable[str] = ("tok_s",),
-                 seconds: Iterable[str] = ("ttft_s",), **match) -> dict:
+def side_medians(
+    runs: list[dict], side: str, rates: Iterable[str] = ("tok_s",), seconds: Iterable[str] = ("ttft_s",), **match
+) -> dict:
     """Medians over the runs of `side` matching `match`: `<side>_<key>` for each key of `rates`, and
     `<side>_<key less _s>_ms` (in milliseconds) for each key of `seconds`."""
     mine = [r for r in runs if r["impl"] == side and all(r[k] == v for k, v in match.items())]
@@ -227,7 +276,8 @@ def side_medians(runs: list[dict], side: str, rates: Iterable[str] = ("tok_s",),
 
 
 # ---------------------------------------------------------------- processes and memory (/proc)
-# process_tree / status_field: appliance.procinfo (shared with tests/conftest.py).
+# process_tree / status_field: appliance.testing.procinfo (shared with tests/conftest.py).
+
 
 def pss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -241,8 +291,12 @@ def memory_snapshot(root_pid: int) -> dict[int, dict]:
     snap = {}
     for pid in process_tree(root_pid):
         try:
-            snap[pid] = {"rss_kb": status_field(pid, "VmRSS"), "hwm_kb": status_field(pid, "VmHWM"),
-                         "pss_kb": pss_kb(pid), "name": _role(pid, root_pid)}
+            snap[pid] = {
+                "rss_kb": status_field(pid, "VmRSS"),
+                "hwm_kb": status_field(pid, "VmHWM"),
+                "pss_kb": pss_kb(pid),
+                "name": _role(pid, root_pid),
+            }
         except (OSError, KeyError):
             continue
     return snap
@@ -273,12 +327,14 @@ def _role(pid: int, root_pid: int) -> str:
 
 # ---------------------------------------------------------------- the real server
 
+
 class ServerProcess(ApplianceServer):
     """`appliance serve` on loopback (this checkout's code), its log under LOGS unless given."""
 
     def __init__(self, model_dir: Path, *args: str, log_path: Path | None = None, start_timeout: float = 300):
-        super().__init__(model_dir, *args, log_path=log_path or LOGS / f"serve-{time.time_ns()}.log",
-                         start_timeout=start_timeout)
+        super().__init__(
+            model_dir, *args, log_path=log_path or LOGS / f"serve-{time.time_ns()}.log", start_timeout=start_timeout
+        )
 
 
 # ---------------------------------------------------------------- model selection
@@ -291,9 +347,11 @@ def model_dir(name: str) -> Path:
     anything else: a path to an exported model directory."""
     if name.startswith("default-"):
         from export.default_model import ensure_export
+
         return ensure_export("openvino", name.split("-", 1)[1])
     if name.startswith("random250m-"):
         from bench.models import ensure_random_llama
+
         return ensure_random_llama(name.split("-", 1)[1])
     path = Path(name).expanduser()
     if not path.is_dir():

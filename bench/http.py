@@ -23,6 +23,7 @@ for the default model (`--model default-*`).
     python -m bench.http [--model default-fp16] [--workers 1] [--concurrency 1 4 8 16] [--reps 5]
                          [--prompt-len 128] [--new-tokens 128] [--quick] [--llamacpp-python PATH | --no-llamacpp]
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -36,9 +37,24 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from appliance.loopback import LoopbackServer
-from bench.common import (LOGS, ServerProcess, arg_parser, cpu_seconds, machine, median, model_dir,
-                          paired_ratio, percentile, print_table, prompts, ratio, rotate, save_results, side_medians)
+from appliance.testing.loopback import LoopbackServer
+from bench.common import (
+    LOGS,
+    ServerProcess,
+    arg_parser,
+    cpu_seconds,
+    machine,
+    median,
+    model_dir,
+    paired_ratio,
+    percentile,
+    print_table,
+    prompts,
+    ratio,
+    rotate,
+    save_results,
+    side_medians,
+)
 
 
 def sse_events(url: str, body: dict, session=None, timeout: float = 600):
@@ -62,8 +78,15 @@ def sse_events(url: str, body: dict, session=None, timeout: float = 600):
 
 def stream_one(base: str, model: str, prompt_ids: list[int], new_tokens: int, session=None) -> dict:
     """One streaming completion; returns event timestamps (perf_counter) and the usage's completion tokens."""
-    body = {"model": model, "prompt": prompt_ids, "max_tokens": new_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": new_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
     times, tokens, text_events, error = [], None, 0, None
     for now, event in sse_events(base + "/v3/completions", body, session):
         if "error" in event:
@@ -78,8 +101,7 @@ def stream_one(base: str, model: str, prompt_ids: list[int], new_tokens: int, se
     return {"times": times, "tokens": tokens or 0, "text_events": text_events, "error": error}
 
 
-def http_run(base: str, model: str, batch: list, new_tokens: int, server_pid: int | None = None,
-             stream=None) -> dict:
+def http_run(base: str, model: str, batch: list, new_tokens: int, server_pid: int | None = None, stream=None) -> dict:
     """c = len(batch) clients start together (a barrier); one thread and one connection each, streaming from our
     server (stream_one), or calling `stream(prompt, session)` if given. With server_pid, also the CPU seconds per
     generated token of the server's processes and of this (client) process."""
@@ -94,7 +116,7 @@ def http_run(base: str, model: str, batch: list, new_tokens: int, server_pid: in
         barrier.wait()
         try:
             results[i] = stream(batch[i], sessions[i])
-        except Exception as exc:   # reported below with the others
+        except Exception as exc:  # reported below with the others
             results[i] = {"times": [], "tokens": 0, "text_events": 0, "error": repr(exc)}
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(batch))]
@@ -114,12 +136,17 @@ def http_run(base: str, model: str, batch: list, new_tokens: int, server_pid: in
     if errors or any(r["tokens"] != new_tokens for r in results):
         raise RuntimeError(f"HTTP run failed: tokens {[r['tokens'] for r in results]}, errors {errors[:3]}")
     end = max(r["times"][-1] for r in results)
-    gaps = [b - a for r in results for a, b in zip(r["times"][1:], r["times"][2:])]   # after the opening event
-    return {"tok_s": sum(r["tokens"] for r in results) / (end - t0),
-            "ttft_s": median(r["times"][0] - t0 for r in results),
-            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
-            "events_per_token": sum(len(r["times"]) - 1 for r in results) / sum(r["tokens"] for r in results),
-            "wall_s": end - t0, "itl_gaps": len(gaps), **_cpu_per_token(cpu0, cpu1, client_cpu, results)}
+    gaps = [b - a for r in results for a, b in zip(r["times"][1:], r["times"][2:])]  # after the opening event
+    return {
+        "tok_s": sum(r["tokens"] for r in results) / (end - t0),
+        "ttft_s": median(r["times"][0] - t0 for r in results),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+        "events_per_token": sum(len(r["times"]) - 1 for r in results) / sum(r["tokens"] for r in results),
+        "wall_s": end - t0,
+        "itl_gaps": len(gaps),
+        **_cpu_per_token(cpu0, cpu1, client_cpu, results),
+    }
 
 
 def _cpu_per_token(cpu0: dict, cpu1: dict, client_cpu: float, results: list[dict]) -> dict:
@@ -131,6 +158,7 @@ def _cpu_per_token(cpu0: dict, cpu1: dict, client_cpu: float, results: list[dict
 
 
 # ---------------------------------------------------------------- llama.cpp's server (optional)
+
 
 def llamacpp_python(arg: str | None, disabled: bool = False) -> str | None:
     """The python that runs llama.cpp's server: --llamacpp-python, else this one if it has llama_cpp (found, not
@@ -150,14 +178,27 @@ class LlamaCppServer(LoopbackServer):
     ready_path = "/v1/models"
 
     def __init__(self, python: str, gguf: Path, threads: int, n_ctx: int, log_path: Path):
-        self.settings = {"model": str(gguf), "n_threads": threads, "n_threads_batch": threads, "n_ctx": n_ctx,
-                         "interrupt_requests": False, "logits_all": False}
-        self.version = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                                      capture_output=True, text=True, timeout=120).stdout.strip()
+        self.settings = {
+            "model": str(gguf),
+            "n_threads": threads,
+            "n_threads_batch": threads,
+            "n_ctx": n_ctx,
+            "interrupt_requests": False,
+            "logits_all": False,
+        }
+        self.version = subprocess.run(
+            [python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout.strip()
 
         def command(port: int) -> list[str]:
-            opts = [x for k, v in self.settings.items() for x in (f"--{k}", str(v).lower() if isinstance(v, bool)
-                                                                  else str(v))]
+            opts = [
+                x
+                for k, v in self.settings.items()
+                for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))
+            ]
             return [python, "-m", "llama_cpp.server", *opts, "--host", "127.0.0.1", "--port", str(port)]
 
         super().__init__(command, log_path)
@@ -205,15 +246,25 @@ def stream_llamacpp(base: str, prompt: str, new_tokens: int, logit_bias: dict[st
             finish = choice.get("finish_reason") or finish
     if finish != "length" and not error:
         error = f"finish_reason {finish!r}, not 'length'"
-    return {"times": times, "tokens": new_tokens if finish == "length" else 0, "text_events": text_events,
-            "error": error}
+    return {
+        "times": times,
+        "tokens": new_tokens if finish == "length" else 0,
+        "text_events": text_events,
+        "error": error,
+    }
 
 
 def llamacpp_run(srv: LlamaCppServer, logit_bias: dict[str, float], texts: list[str], new_tokens: int) -> dict:
     """http_run against llama.cpp's server, with its prompt token counts (taken before the clock starts)."""
     counts = [srv.prompt_tokens(t) for t in texts]
-    r = http_run(srv.base, "", texts, new_tokens, srv.pid,
-                 stream=lambda text, session: stream_llamacpp(srv.base, text, new_tokens, logit_bias, session))
+    r = http_run(
+        srv.base,
+        "",
+        texts,
+        new_tokens,
+        srv.pid,
+        stream=lambda text, session: stream_llamacpp(srv.base, text, new_tokens, logit_bias, session),
+    )
     return {**r, "prompt_tokens": median(counts), "prompt_tokens_min": min(counts), "prompt_tokens_max": max(counts)}
 
 
@@ -226,28 +277,51 @@ def engine_cpu_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
     return {**r, "engine_cpu_ms_per_token": (time.process_time() - cpu0) * 1e3 / (len(batch) * new_tokens)}
 
 
-COLUMNS = [("concurrency", "conc", "d"), ("engine_tok_s", "engine tok/s", ".1f"), ("http_tok_s", "HTTP tok/s", ".1f"),
-           ("tok_s_ratio", "HTTP/engine", ".2f"), ("engine_ttft_ms", "engine TTFT ms", ".0f"),
-           ("http_ttft_ms", "HTTP TTFT ms", ".0f"), ("http_itl_p50_ms", "HTTP ITL p50 ms", ".1f"),
-           ("http_itl_p99_ms", "HTTP ITL p99 ms", ".1f"), ("engine_itl_p50_ms", "engine ITL p50", ".1f"),
-           ("engine_itl_p99_ms", "engine ITL p99", ".1f"), ("events_per_token", "events/token", ".2f")]
-LLAMACPP_COLUMNS = [("concurrency", "conc", "d"), ("http_tok_s", "ours HTTP tok/s", ".1f"),
-                    ("llamacpp_tok_s", "llama.cpp tok/s", ".1f"), ("tok_s_ratio_llamacpp", "ours/llama.cpp", ".2f"),
-                    ("http_ttft_ms", "ours TTFT ms", ".0f"), ("llamacpp_ttft_ms", "llama.cpp TTFT ms", ".0f"),
-                    ("ttft_ratio_llamacpp", "TTFT ours/l.cpp", ".2f"), ("llamacpp_itl_p50_ms", "l.cpp ITL p50", ".1f"),
-                    ("llamacpp_itl_p99_ms", "l.cpp ITL p99", ".1f"), ("llamacpp_events_per_token", "events/token", ".2f"),
-                    ("llamacpp_prompt_tokens", "l.cpp prompt tok", ".0f")]
-CPU_COLUMNS = [("concurrency", "conc", "d"), ("engine_cpu_ms_tok", "in-process engine", ".2f"),
-               ("http_engine_cpu_ms_tok", "server engine proc", ".2f"), ("http_worker_cpu_ms_tok", "workers", ".2f"),
-               ("http_arbiter_cpu_ms_tok", "arbiter", ".2f"), ("http_client_cpu_ms_tok", "HTTP clients", ".2f")]
+COLUMNS = [
+    ("concurrency", "conc", "d"),
+    ("engine_tok_s", "engine tok/s", ".1f"),
+    ("http_tok_s", "HTTP tok/s", ".1f"),
+    ("tok_s_ratio", "HTTP/engine", ".2f"),
+    ("engine_ttft_ms", "engine TTFT ms", ".0f"),
+    ("http_ttft_ms", "HTTP TTFT ms", ".0f"),
+    ("http_itl_p50_ms", "HTTP ITL p50 ms", ".1f"),
+    ("http_itl_p99_ms", "HTTP ITL p99 ms", ".1f"),
+    ("engine_itl_p50_ms", "engine ITL p50", ".1f"),
+    ("engine_itl_p99_ms", "engine ITL p99", ".1f"),
+    ("events_per_token", "events/token", ".2f"),
+]
+LLAMACPP_COLUMNS = [
+    ("concurrency", "conc", "d"),
+    ("http_tok_s", "ours HTTP tok/s", ".1f"),
+    ("llamacpp_tok_s", "llama.cpp tok/s", ".1f"),
+    ("tok_s_ratio_llamacpp", "ours/llama.cpp", ".2f"),
+    ("http_ttft_ms", "ours TTFT ms", ".0f"),
+    ("llamacpp_ttft_ms", "llama.cpp TTFT ms", ".0f"),
+    ("ttft_ratio_llamacpp", "TTFT ours/l.cpp", ".2f"),
+    ("llamacpp_itl_p50_ms", "l.cpp ITL p50", ".1f"),
+    ("llamacpp_itl_p99_ms", "l.cpp ITL p99", ".1f"),
+    ("llamacpp_events_per_token", "events/token", ".2f"),
+    ("llamacpp_prompt_tokens", "l.cpp prompt tok", ".0f"),
+]
+CPU_COLUMNS = [
+    ("concurrency", "conc", "d"),
+    ("engine_cpu_ms_tok", "in-process engine", ".2f"),
+    ("http_engine_cpu_ms_tok", "server engine proc", ".2f"),
+    ("http_worker_cpu_ms_tok", "workers", ".2f"),
+    ("http_arbiter_cpu_ms_tok", "arbiter", ".2f"),
+    ("http_client_cpu_ms_tok", "HTTP clients", ".2f"),
+]
 
 
 def main(argv=None) -> int:
     ap = arg_parser(__doc__, "http", model="default-fp16", levels=True, reps=5, quick={"reps": 1})
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--llamacpp-python", metavar="PATH",
-                    help="a python with llama-cpp-python[server]: add llama.cpp's server on the same GGUF "
-                         "(default: this python, if it has llama_cpp)")
+    ap.add_argument(
+        "--llamacpp-python",
+        metavar="PATH",
+        help="a python with llama-cpp-python[server]: add llama.cpp's server on the same GGUF "
+        "(default: this python, if it has llama_cpp)",
+    )
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp out even if it is installed")
     ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count(), help="its --n_threads (default: CPUs)")
     args = ap.parse_args(argv)
@@ -269,22 +343,38 @@ def main(argv=None) -> int:
         llama_python = None
     n_sides = 3 if llama_python else 2
     llama = None
-    with tqdm(total=n_sides * args.reps * len(levels), desc="http", file=sys.stderr, leave=False) as bar, \
-            contextlib.ExitStack() as servers:
+    with (
+        tqdm(total=n_sides * args.reps * len(levels), desc="http", file=sys.stderr, leave=False) as bar,
+        contextlib.ExitStack() as servers,
+    ):
         bar.set_postfix_str("starting the server(s)")
         if llama_python:
             llama = start_llamacpp(llama_python, args, servers)
-        srv = servers.enter_context(ServerProcess(path, "--workers", str(args.workers), "--log-level", "warning",
-                                                  log_path=LOGS / "http-serve.log"))
+        srv = servers.enter_context(
+            ServerProcess(
+                path, "--workers", str(args.workers), "--log-level", "warning", log_path=LOGS / "http-serve.log"
+            )
+        )
         model = srv.model_id()
-        http_run(srv.base, model, prompts(manifest.vocab_size, max(levels), 16, 1), 4)   # warm the workers
-        sides = [("engine", lambda b, _: engine_cpu_run(engine, b, args.new_tokens)),
-                 ("http", lambda b, _: http_run(srv.base, model, b, args.new_tokens, srv.pid))]
+        http_run(srv.base, model, prompts(manifest.vocab_size, max(levels), 16, 1), 4)  # warm the workers
+        sides = [
+            ("engine", lambda b, _: engine_cpu_run(engine, b, args.new_tokens)),
+            ("http", lambda b, _: http_run(srv.base, model, b, args.new_tokens, srv.pid)),
+        ]
         if llama is not None:
             tokenizer, logit_bias = llamacpp_workload(path)
-            llamacpp_run(llama, logit_bias, text_prompts(tokenizer, manifest.vocab_size, 1, 16, 2), 4)   # warm-up
-            sides.append(("llamacpp", lambda b, s: llamacpp_run(llama, logit_bias, text_prompts(
-                tokenizer, manifest.vocab_size, len(b), args.prompt_len, s), args.new_tokens)))
+            llamacpp_run(llama, logit_bias, text_prompts(tokenizer, manifest.vocab_size, 1, 16, 2), 4)  # warm-up
+            sides.append(
+                (
+                    "llamacpp",
+                    lambda b, s: llamacpp_run(
+                        llama,
+                        logit_bias,
+                        text_prompts(tokenizer, manifest.vocab_size, len(b), args.prompt_len, s),
+                        args.new_tokens,
+                    ),
+                )
+            )
         bar.set_postfix_str("loading the in-process engine")
         engine = load_engine(path)
         try:
@@ -294,8 +384,15 @@ def main(argv=None) -> int:
                     for side, fn in order:
                         bar.set_postfix_str(f"c={c} rep {rep + 1} {side}")
                         batch = prompts(manifest.vocab_size, c, args.prompt_len, seed)
-                        runs.append({"impl": side, "concurrency": c, "rep": rep, "first": side == order[0][0],
-                                     **fn(batch, seed)})
+                        runs.append(
+                            {
+                                "impl": side,
+                                "concurrency": c,
+                                "rep": rep,
+                                "first": side == order[0][0],
+                                **fn(batch, seed),
+                            }
+                        )
                         seed += 1
                         bar.update()
             settings = engine_settings(engine)
@@ -312,34 +409,61 @@ def main(argv=None) -> int:
         row["events_per_token"] = median(r["events_per_token"] for r in http)
         for role in ("engine", "worker", "arbiter", "client"):
             row[f"http_{role}_cpu_ms_tok"] = median(r.get(f"{role}_cpu_ms_per_token", 0.0) for r in http)
-        row["engine_cpu_ms_tok"] = median(r["engine_cpu_ms_per_token"] for r in runs
-                                          if r["impl"] == "engine" and r["concurrency"] == c)
+        row["engine_cpu_ms_tok"] = median(
+            r["engine_cpu_ms_per_token"] for r in runs if r["impl"] == "engine" and r["concurrency"] == c
+        )
         row["tok_s_ratio"] = paired_ratio(runs, "tok_s", "http", "engine", concurrency=c)
         row["tok_s_ratio_of_medians"] = ratio(row["http_tok_s"], row["engine_tok_s"])
         if llama is not None:
-            row.update(side_medians(runs, "llamacpp", rates=("tok_s", "events_per_token", "prompt_tokens"),
-                                    seconds=("ttft_s", "itl_p50_s", "itl_p99_s"), concurrency=c))
-            row["llamacpp_cpu_ms_tok"] = median(r.get("engine_cpu_ms_per_token", 0.0) for r in runs
-                                                if r["impl"] == "llamacpp" and r["concurrency"] == c)
+            row.update(
+                side_medians(
+                    runs,
+                    "llamacpp",
+                    rates=("tok_s", "events_per_token", "prompt_tokens"),
+                    seconds=("ttft_s", "itl_p50_s", "itl_p99_s"),
+                    concurrency=c,
+                )
+            )
+            row["llamacpp_cpu_ms_tok"] = median(
+                r.get("engine_cpu_ms_per_token", 0.0) for r in runs if r["impl"] == "llamacpp" and r["concurrency"] == c
+            )
             row["tok_s_ratio_llamacpp"] = paired_ratio(runs, "tok_s", "http", "llamacpp", concurrency=c)
             row["ttft_ratio_llamacpp"] = paired_ratio(runs, "ttft_s", "http", "llamacpp", concurrency=c)
             row["engine_tok_s_ratio_llamacpp"] = paired_ratio(runs, "tok_s", "engine", "llamacpp", concurrency=c)
         rows.append(row)
-    print_table(rows, COLUMNS, title=f"HTTP streaming ({args.workers} worker(s)) vs the engine in-process, "
-                                     f"{args.model} (medians; ratio = median of per-repetition HTTP / engine)")
+    print_table(
+        rows,
+        COLUMNS,
+        title=f"HTTP streaming ({args.workers} worker(s)) vs the engine in-process, "
+        f"{args.model} (medians; ratio = median of per-repetition HTTP / engine)",
+    )
     cpu_columns = CPU_COLUMNS
     if llama is not None:
-        print_table(rows, LLAMACPP_COLUMNS, title=f"ours over HTTP vs llama.cpp's server (llama-cpp-python "
-                                                  f"{llama.version}, {Path(llama.settings['model']).name}, text "
-                                                  "prompts; ratios = median of per-repetition ours / llama.cpp)")
+        print_table(
+            rows,
+            LLAMACPP_COLUMNS,
+            title=f"ours over HTTP vs llama.cpp's server (llama-cpp-python "
+            f"{llama.version}, {Path(llama.settings['model']).name}, text "
+            "prompts; ratios = median of per-repetition ours / llama.cpp)",
+        )
         cpu_columns = [*CPU_COLUMNS, ("llamacpp_cpu_ms_tok", "llama.cpp server", ".2f")]
     print_table(rows, cpu_columns, title="CPU milliseconds per generated token (all threads of each process)")
-    extra = {"llamacpp": {"version": llama.version, "python": llama_python, "settings": llama.settings}} \
-        if llama is not None else {}
-    save_results(args, "http", info, model_dir=str(path), engine_settings=settings, **extra,
-                 server_metrics_after={k: v for k, v in server_metrics.items()
-                                       if not k.split("{")[0].endswith("_bucket")},
-                 runs=runs, summary=rows)
+    extra = (
+        {"llamacpp": {"version": llama.version, "python": llama_python, "settings": llama.settings}}
+        if llama is not None
+        else {}
+    )
+    save_results(
+        args,
+        "http",
+        info,
+        model_dir=str(path),
+        engine_settings=settings,
+        **extra,
+        server_metrics_after={k: v for k, v in server_metrics.items() if not k.split("{")[0].endswith("_bucket")},
+        runs=runs,
+        summary=rows,
+    )
     return 0
 
 
@@ -350,8 +474,9 @@ def start_llamacpp(python: str, args, servers) -> LlamaCppServer | None:
 
     n_ctx = max(2048, args.prompt_len + args.new_tokens + 16)
     try:
-        return servers.enter_context(LlamaCppServer(python, gguf_path(), args.llamacpp_threads, n_ctx,
-                                                    LOGS / "http-llamacpp.log"))
+        return servers.enter_context(
+            LlamaCppServer(python, gguf_path(), args.llamacpp_threads, n_ctx, LOGS / "http-llamacpp.log")
+        )
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         if args.llamacpp_python:
             raise

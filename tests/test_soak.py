@@ -12,6 +12,7 @@ apart rather than allowed for by a slack (which a 2-core CI box once exceeded: 5
 
 Marked slow (deselect with `-m "not slow"`); it runs in the default `make test`.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,23 +26,24 @@ import requests
 import tiny_models
 from conftest import Server
 
-from appliance.procinfo import fd_counts, status_field
 from appliance.server.client import POOL_SIZE
+from appliance.testing.procinfo import fd_counts, status_field
 
 pytestmark = pytest.mark.slow
 
 REQUESTS = 10_000
 WARMUP = 200
-CLIENTS = 16                 # concurrent clients (a bounded thread pool)
-WORKERS = 2                  # HTTP worker processes
-LOAD_DEADLINE = 240          # seconds for the 10,000 requests: fail beyond (a hang guard, not a benchmark)
-DISCONNECT = 0.2             # share of streaming clients that leave after the first chunk
-SLACK = 2                    # threads / fds other than pooled connections allowed above the baseline
+CLIENTS = 16  # concurrent clients (a bounded thread pool)
+WORKERS = 2  # HTTP worker processes
+LOAD_DEADLINE = 240  # seconds for the 10,000 requests: fail beyond (a hang guard, not a benchmark)
+DISCONNECT = 0.2  # share of streaming clients that leave after the first chunk
+SLACK = 2  # threads / fds other than pooled connections allowed above the baseline
 SETTLE_TIMEOUT = 30
 WORDS = " ".join(tiny_models.CORPUS).split()
 
 
 # ---------------------------------------------------------------- the server
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -76,8 +78,13 @@ def _request(base: str, i: int) -> tuple[str, str | None]:
     stream = rng.random() < 0.5
     leave = stream and rng.random() < DISCONNECT
     chat = rng.random() < 0.2
-    body: dict = {"model": "tiny-llama", "max_tokens": max_tokens, "stream": stream,
-                  "temperature": rng.choice([0.0, 0.0, 0.8]), "seed": i}
+    body: dict = {
+        "model": "tiny-llama",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "temperature": rng.choice([0.0, 0.0, 0.8]),
+        "seed": i,
+    }
     if chat:
         body["messages"] = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 40)))}]
     elif rng.random() < 0.5:
@@ -94,7 +101,7 @@ def _request(base: str, i: int) -> tuple[str, str | None]:
             return kind, f"HTTP {r.status_code}: {r.text[:300]}"
         if leave:
             next(line for line in r.iter_lines() if line.startswith(b"data: "))
-            return kind, None   # r.close() in finally: the client goes away mid-stream
+            return kind, None  # r.close() in finally: the client goes away mid-stream
         if stream:
             return kind, _check_stream(r, chat, max_tokens)
         return kind, _check_unary(r.json(), chat, max_tokens)
@@ -118,8 +125,9 @@ def _check_stream(r: requests.Response, chat: bool, max_tokens: int) -> str | No
     *chunks, usage = events
     if not chunks or usage.get("choices") != [] or "usage" not in usage:
         return f"bad SSE events: {events[-2:]}"
-    if len({e["id"] for e in events}) != 1 or any(e["object"] != ("chat.completion.chunk" if chat else
-                                                                    "text_completion.chunk") for e in events):
+    if len({e["id"] for e in events}) != 1 or any(
+        e["object"] != ("chat.completion.chunk" if chat else "text_completion.chunk") for e in events
+    ):
         return f"inconsistent chunks: {events[:2]}"
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
     if reasons[-1] is None or any(reasons[:-1]):
@@ -154,7 +162,7 @@ def _drive(base: str, ids: range, deadline: float | None = None) -> tuple[dict, 
             return
         try:
             kind, problem = _request(base, i)
-        except Exception as exc:   # connection errors, bad JSON: a problem of this request
+        except Exception as exc:  # connection errors, bad JSON: a problem of this request
             kind, problem = "error", f"{type(exc).__name__}: {exc}"
         with lock:
             counts[kind] = counts.get(kind, 0) + 1
@@ -176,12 +184,28 @@ def _settled(server: Server, pid: int, base: dict | None = None) -> dict:
     while True:
         m = server.metrics()
         fds, sockets = fd_counts(pid)
-        seen = {"running": m["appliance_running_sequences"], "queued": m["appliance_queue_depth"],
-                "kv_blocks_used": m["appliance_kv_cache_blocks_used"], "connections": sockets - 1,
-                "threads": status_field(pid, "Threads") - sockets, "fds": fds - sockets, "metrics": m}
-        if not seen["running"] and not seen["queued"] and not seen["kv_blocks_used"] and (
-                base is None or (seen["threads"] <= base["threads"] + SLACK and seen["fds"] <= base["fds"] + SLACK
-                                 and seen["connections"] <= WORKERS * POOL_SIZE)):
+        seen = {
+            "running": m["appliance_running_sequences"],
+            "queued": m["appliance_queue_depth"],
+            "kv_blocks_used": m["appliance_kv_cache_blocks_used"],
+            "connections": sockets - 1,
+            "threads": status_field(pid, "Threads") - sockets,
+            "fds": fds - sockets,
+            "metrics": m,
+        }
+        if (
+            not seen["running"]
+            and not seen["queued"]
+            and not seen["kv_blocks_used"]
+            and (
+                base is None
+                or (
+                    seen["threads"] <= base["threads"] + SLACK
+                    and seen["fds"] <= base["fds"] + SLACK
+                    and seen["connections"] <= WORKERS * POOL_SIZE
+                )
+            )
+        ):
             return seen
         if time.monotonic() > deadline:
             return seen
@@ -189,6 +213,7 @@ def _settled(server: Server, pid: int, base: dict | None = None) -> dict:
 
 
 # ---------------------------------------------------------------- the test
+
 
 def test_no_leak_after_10000_requests(server):
     pid = server.proc.pid
@@ -209,9 +234,11 @@ def test_no_leak_after_10000_requests(server):
     after = _settled(server, pid, base)
     m = after["metrics"]
     delta = {k: m.get(k, 0) - before.get(k, 0) for k in m}
-    print(f"soak: engine connections {base['connections']} -> {after['connections']}, other threads "
-          f"{base['threads']} -> {after['threads']}, other fds {base['fds']} -> {after['fds']}, "
-          f"cancelled {delta['appliance_sequences_cancelled_total']:.0f}")
+    print(
+        f"soak: engine connections {base['connections']} -> {after['connections']}, other threads "
+        f"{base['threads']} -> {after['threads']}, other fds {base['fds']} -> {after['fds']}, "
+        f"cancelled {delta['appliance_sequences_cancelled_total']:.0f}"
+    )
     assert after["running"] == 0 and after["queued"] == 0, after
     assert after["kv_blocks_used"] == 0, f"KV blocks leaked: {after['kv_blocks_used']}"
     assert after["connections"] <= WORKERS * POOL_SIZE, f"{after['connections']} engine connections left open"

@@ -3,6 +3,7 @@
 The runtime owns the KV memory layout decisions (block pool, block tables); a backend owns the device tensors
 that hold the cache and runs the graph over a batch of sequences in one call.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -34,10 +35,10 @@ class Backend(ABC):
     """Runs the model. `forward` returns float32 logits [num_seqs, vocab] for each sequence's last fed token; they
     may be a view of the device's output buffer, valid only until the next `forward` (the engine samples first)."""
 
-    block_size: int      # KV positions per block
-    num_blocks: int      # blocks in the pool the backend allocated once at load
-    max_batch: int | None = None   # fixed number of sequences per call (static shapes), None if dynamic
-    max_context: int     # longest sequence the KV layout can hold
+    block_size: int  # KV positions per block
+    num_blocks: int  # blocks in the pool the backend allocated once at load
+    max_batch: int | None = None  # fixed number of sequences per call (static shapes), None if dynamic
+    max_context: int  # longest sequence the KV layout can hold
 
     @abstractmethod
     def forward(self, batch: StepBatch) -> np.ndarray: ...
@@ -47,7 +48,7 @@ class Backend(ABC):
         last block). `num_tokens[i]`: positions of pair i that hold KV (the rest need not be copied)."""
         raise NotImplementedError(f"{type(self).__name__} cannot copy KV blocks")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a backend with nothing to release keeps this no-op)
         """Release device memory; the backend is unusable afterwards."""
 
 

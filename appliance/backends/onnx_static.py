@@ -4,10 +4,12 @@ The exported graph concatenates past and new KV and returns the whole `present`;
 new positions only (the second input of each Concat) and keep the past in our slot buffers, bound to the
 session without copies through IOBinding. Chunks of any length run (ONNX Runtime takes dynamic shapes).
 """
+
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -15,6 +17,9 @@ import onnxruntime as ort
 
 from appliance.backends.static_slots import StaticSlotBackend
 from appliance.manifest import Manifest
+
+if TYPE_CHECKING:
+    from appliance.config import EngineConfig
 
 log = logging.getLogger(__name__)
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
@@ -44,7 +49,7 @@ def new_kv_only(model: onnx.ModelProto) -> None:
 class OnnxBackend(StaticSlotBackend):
     pad_prefill = False
 
-    def __init__(self, model_dir: Path, manifest: Manifest, config):
+    def __init__(self, model_dir: Path, manifest: Manifest, config: EngineConfig):
         if config.device.upper() != "CPU":
             raise ValueError(f"the ONNX Runtime backend runs on CPU only (asked for {config.device})")
         path = Path(model_dir) / manifest.model_file
@@ -61,7 +66,7 @@ class OnnxBackend(StaticSlotBackend):
         opts.log_severity_level = 3
         if config.num_threads:
             opts.intra_op_num_threads = config.num_threads
-        if external:   # weights stay in their files; the rewritten graph is written beside them once
+        if external:  # weights stay in their files; the rewritten graph is written beside them once
             source = path.with_name(path.stem + ".newkv.onnx")
             if not source.exists() or source.stat().st_mtime < path.stat().st_mtime:
                 onnx.save(model, str(source))
@@ -69,12 +74,22 @@ class OnnxBackend(StaticSlotBackend):
         else:
             self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         del model
-        self._init_slots(manifest.num_layers, manifest.num_kv_heads, manifest.head_dim, _NP[past_type],
-                         config.static_batch, min(config.static_context, manifest.max_context),
-                         config.static_prefill_chunk)
+        self._init_slots(
+            manifest.num_layers,
+            manifest.num_kv_heads,
+            manifest.head_dim,
+            _NP[past_type],
+            config.static_batch,
+            min(config.static_context, manifest.max_context),
+            config.static_prefill_chunk,
+        )
         self.inputs = {i.name for i in self.session.get_inputs()}
-        log.info("onnx static KV: %d slots x %d positions, %.1f MB", self.max_batch, self.block_size,
-                 self.cache_bytes / 2**20)
+        log.info(
+            "onnx static KV: %d slots x %d positions, %.1f MB",
+            self.max_batch,
+            self.block_size,
+            self.cache_bytes / 2**20,
+        )
 
     def _run(self, kind, slot, input_ids, position_ids, attention_mask, last_index):
         binding = self.session.io_binding()
@@ -84,7 +99,7 @@ class OnnxBackend(StaticSlotBackend):
                 binding.bind_cpu_input(name, value)
         layers = [t for pair in zip(self.keys, self.values) for t in pair]
         for name, buf in zip(self.kv_names, layers):
-            binding.bind_cpu_input(name, buf if slot is None else buf[slot:slot + 1])
+            binding.bind_cpu_input(name, buf if slot is None else buf[slot : slot + 1])
         binding.bind_output("logits")
         for name in self.new_names:
             binding.bind_output(name)

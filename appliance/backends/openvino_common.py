@@ -1,12 +1,17 @@
 """OpenVINO helpers shared by the paged and static backends: core, device checks, compile properties."""
+
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 
 from appliance.backends.base import DeviceError
+
+if TYPE_CHECKING:
+    from appliance.config import EngineConfig
 
 log = logging.getLogger(__name__)
 _core: ov.Core | None = None
@@ -32,8 +37,8 @@ def check_device(device: str) -> None:
             raise DeviceError(f"device {name} is not available on this machine (found: {', '.join(available)})")
 
 
-def compile_properties(config, *, kv_precision: str | None = True) -> dict:
-    props: dict = {"PERFORMANCE_HINT": "LATENCY"}
+def compile_properties(config: EngineConfig, *, kv_precision: bool = True) -> dict[str, Any]:
+    props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
     if config.precision:
         props["INFERENCE_PRECISION_HINT"] = config.precision
     if kv_precision:

@@ -6,11 +6,13 @@ allocate once here and bind to the infer request once. Per step only small index
 is copied per token. We also gather the last token of each sequence before the LM head, so a prefill does
 not compute vocabulary-sized logits for every prompt token.
 """
+
 from __future__ import annotations
 
 import logging
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import openvino as ov
@@ -18,10 +20,13 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from appliance.backends.base import Backend, StepBatch
+from appliance.backends.kv_budget import pool_blocks
 from appliance.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
 from appliance.backends.projection_fusion import fuse_sibling_projections
-from appliance.kv_budget import pool_blocks
 from appliance.manifest import Manifest
+
+if TYPE_CHECKING:
+    from appliance.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +60,7 @@ def _cache_tensor(device: str, kind: ov.Type, shape: list[int]) -> tuple[ov.Tens
     nbytes = int(np.prod(shape)) * kind.size
     if device.upper().startswith("CPU"):
         raw = np.zeros(nbytes + 64, np.uint8)
-        mem = raw[-raw.ctypes.data % 64:][:nbytes]   # the views keep raw alive
+        mem = raw[-raw.ctypes.data % 64 :][:nbytes]  # the views keep raw alive
         tensor = ov.Tensor(mem, ov.Shape(shape), kind)
     else:
         tensor = core().get_default_context(device).create_host_tensor(kind, ov.Shape(shape))
@@ -65,7 +70,7 @@ def _cache_tensor(device: str, kind: ov.Type, shape: list[int]) -> tuple[ov.Tens
 
 
 class OpenVINOPagedBackend(Backend):
-    def __init__(self, model_dir: Path, manifest: Manifest, config):
+    def __init__(self, model_dir: Path, manifest: Manifest, config: EngineConfig):
         check_device(config.device)
         if not manifest.stateful:
             raise ValueError("paged attention needs the stateful OpenVINO IR (export with the default options)")
@@ -79,22 +84,30 @@ class OpenVINOPagedBackend(Backend):
         # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.
         values = next(i for i in cache_inputs if i.get_any_name().startswith("value_cache."))
         self.block_size = values.get_partial_shape()[2].get_length()
-        block_dims = [[ps[d].get_length() for d in range(1, ps.rank.get_length())]
-                      for ps in (port.get_partial_shape() for port in cache_inputs)]
-        self.bytes_per_block = sum(int(np.prod(dims)) * port.get_element_type().size
-                                   for port, dims in zip(cache_inputs, block_dims))
+        block_dims = [
+            [ps[d].get_length() for d in range(1, ps.rank.get_length())]
+            for ps in (port.get_partial_shape() for port in cache_inputs)
+        ]
+        self.bytes_per_block = sum(
+            int(np.prod(dims)) * port.get_element_type().size for port, dims in zip(cache_inputs, block_dims)
+        )
         self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
         self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
-        self._inputs: dict[str, np.ndarray] = {}   # input name -> numpy view of the tensor bound to it
-        self._blocks = []   # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
+        self._inputs: dict[str, np.ndarray] = {}  # input name -> numpy view of the tensor bound to it
+        self._blocks = []  # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
         for port, dims in zip(cache_inputs, block_dims):
             tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
             self.request.set_tensor(port, tensor)
             self._blocks.append(blocks)
         self.cache_bytes = self.num_blocks * self.bytes_per_block
-        self.kv_precision = cache_inputs[0].get_element_type().get_type_name()   # "u8", not "<Type: 'uint8_t'>"
-        log.info("paged KV: %d blocks x %d tokens, %s, %.1f MB", self.num_blocks, self.block_size,
-                 self.kv_precision, self.cache_bytes / 2**20)
+        self.kv_precision = cache_inputs[0].get_element_type().get_type_name()  # "u8", not "<Type: 'uint8_t'>"
+        log.info(
+            "paged KV: %d blocks x %d tokens, %s, %.1f MB",
+            self.num_blocks,
+            self.block_size,
+            self.kv_precision,
+            self.cache_bytes / 2**20,
+        )
 
     def forward(self, batch: StepBatch) -> np.ndarray:
         """The returned logits are a view of the output tensor: valid until the next forward call."""
@@ -105,42 +118,50 @@ class OpenVINOPagedBackend(Backend):
         np.cumsum(lens, out=begins[1:])
         total = int(begins[-1])
         ids = np.fromiter(chain.from_iterable(batch.token_ids), np.int64, total)
-        if total == n:   # decode only: one token per sequence, at position past_len
+        if total == n:  # decode only: one token per sequence, at position past_len
             positions = past.astype(np.int64)
         else:
             positions = np.repeat((past - begins[:-1]).astype(np.int64), lens) + np.arange(total)
         used = (past + lens + (bs - 1)) // bs
         block_begins = np.zeros(n + 1, np.int32)
         np.cumsum(used, out=block_begins[1:])
-        blocks = np.fromiter(chain.from_iterable(t[:u] for t, u in zip(batch.block_tables, used.tolist())),
-                             np.int32, int(block_begins[-1]))
+        blocks = np.fromiter(
+            chain.from_iterable(t[:u] for t, u in zip(batch.block_tables, used.tolist())),
+            np.int32,
+            int(block_begins[-1]),
+        )
         flags = batch.all_logits
-        if flags is not None and any(flags):   # every position of the flagged sequences, the last of the others
+        if flags is not None and any(flags):  # every position of the flagged sequences, the last of the others
             counts = np.where(np.asarray(flags, bool), lens, 1)
             logits_indices = np.repeat(begins[1:] - counts, counts) + _ranges(counts)
         else:
             flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
         request = self.request
-        for name, value in (("input_ids", ids), ("position_ids", positions), ("past_lens", past),
-                            ("subsequence_begins", begins), ("block_indices", blocks),
-                            ("block_indices_begins", block_begins),
-                            ("max_context_len", np.array(int((past + lens).max()), np.int32)),
-                            ("logits_indices", logits_indices.astype(np.int64, copy=False))):
+        for name, value in (
+            ("input_ids", ids),
+            ("position_ids", positions),
+            ("past_lens", past),
+            ("subsequence_begins", begins),
+            ("block_indices", blocks),
+            ("block_indices_begins", block_begins),
+            ("max_context_len", np.array(int((past + lens).max()), np.int32)),
+            ("logits_indices", logits_indices.astype(np.int64, copy=False)),
+        ):
             view = self._inputs.get(name)
             if view is not None and view.shape == value.shape:
-                view[...] = value   # decode steps keep their shapes: write into the bound tensor
+                view[...] = value  # decode steps keep their shapes: write into the bound tensor
             else:
-                tensor = ov.Tensor(value)   # owns a copy, stays bound until the shape changes
+                tensor = ov.Tensor(value)  # owns a copy, stays bound until the shape changes
                 request.set_tensor(name, tensor)
                 self._inputs[name] = tensor.data
-        request.start_async()   # infer() would also copy every output into a fresh numpy array
+        request.start_async()  # infer() would also copy every output into a fresh numpy array
         request.wait()
         logits = request.get_tensor("logits").data
         if flags is None:
             return logits.reshape(n, -1)
-        rows = np.array(logits, dtype=np.float32).reshape(len(logits_indices), -1)   # kept past this call
+        rows = np.array(logits, dtype=np.float32).reshape(len(logits_indices), -1)  # kept past this call
         ends = np.cumsum(counts)
-        batch.position_logits = [rows[e - c:e] if f else None for e, c, f in zip(ends, counts, flags)]
+        batch.position_logits = [rows[e - c : e] if f else None for e, c, f in zip(ends, counts, flags)]
         return rows[ends - 1]
 
     def copy_blocks(self, pairs: list[tuple[int, int]], num_tokens: list[int] | None = None) -> None:

@@ -4,10 +4,12 @@ From the stateful IR: state -> explicit KV inputs/outputs (`stateful_to_stateles
 cut down to the new positions, a Gather before the LM head so only one row of logits is computed, then two
 fixed-shape compilations: prefill [1, chunk] and decode [slots, 1], both reading the full slot buffers.
 """
+
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import openvino as ov
@@ -17,6 +19,9 @@ from openvino._offline_transformations import stateful_to_stateless_transformati
 from appliance.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
 from appliance.backends.static_slots import StaticSlotBackend
 from appliance.manifest import Manifest
+
+if TYPE_CHECKING:
+    from appliance.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +57,7 @@ def gather_row(model: ov.Model) -> None:
 class OpenVINOStaticBackend(StaticSlotBackend):
     pad_prefill = True
 
-    def __init__(self, model_dir: Path, manifest: Manifest, config):
+    def __init__(self, model_dir: Path, manifest: Manifest, config: EngineConfig):
         check_device(config.device)
         model = read_model(model_dir, manifest.model_file)
         if manifest.stateful:
@@ -63,8 +68,15 @@ class OpenVINOStaticBackend(StaticSlotBackend):
         self.kv_names = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values")]
         past = next(p for p in model.inputs if p.get_any_name() == self.kv_names[0])
         dtype = np.float16 if past.get_element_type() == ov.Type.f16 else np.float32
-        self._init_slots(manifest.num_layers, manifest.num_kv_heads, manifest.head_dim, dtype,
-                         config.static_batch, length, config.static_prefill_chunk)
+        self._init_slots(
+            manifest.num_layers,
+            manifest.num_kv_heads,
+            manifest.head_dim,
+            dtype,
+            config.static_batch,
+            length,
+            config.static_prefill_chunk,
+        )
         self._model, self._props, self._device = model, compile_properties(config, kv_precision=False), config.device
         self._kv_shape = (manifest.num_kv_heads, length, manifest.head_dim)
         self.requests = {}
@@ -73,13 +85,19 @@ class OpenVINOStaticBackend(StaticSlotBackend):
         self.inputs = {p.get_any_name() for p in model.inputs}
         # Bind the slot buffers once: the whole buffer for decode, one slot view per prefill slot.
         layers = [t for pair in zip(self.keys, self.values) for t in pair]
-        self._slot_tensors = [[ov.Tensor(buf[s:s + 1], shared_memory=True) for buf in layers]
-                              for s in range(self.max_batch)]
+        self._slot_tensors = [
+            [ov.Tensor(buf[s : s + 1], shared_memory=True) for buf in layers] for s in range(self.max_batch)
+        ]
         for name, buf in zip(self.kv_names, layers):
             self.requests["decode"].set_tensor(name, ov.Tensor(buf, shared_memory=True))
         self._out_names = [n.replace("past_key_values", "present") for n in self.kv_names]
-        log.info("static KV: %d slots x %d positions, prefill chunk %d, %.1f MB", self.max_batch, length,
-                 self.chunk, self.cache_bytes / 2**20)
+        log.info(
+            "static KV: %d slots x %d positions, prefill chunk %d, %.1f MB",
+            self.max_batch,
+            length,
+            self.chunk,
+            self.cache_bytes / 2**20,
+        )
 
     def _compile(self, b: int, t: int, rows: int) -> ov.InferRequest:
         """[b, t] tokens per call, logits for `rows` positions of each."""
@@ -103,20 +121,24 @@ class OpenVINOStaticBackend(StaticSlotBackend):
 
     def _run(self, kind, slot, input_ids, position_ids, attention_mask, last_index):
         every = not np.isscalar(last_index)
-        if every:   # logits of every position of the chunk (prompt logprobs): a third shape, compiled on demand
+        if every:  # logits of every position of the chunk (prompt logprobs): a third shape, compiled on demand
             if "prefill_every" not in self.requests:
                 self.requests["prefill_every"] = self._compile(1, self.chunk, self.chunk)
             kind = "prefill_every"
             rows = np.zeros(self.chunk, np.int64)
-            rows[:len(last_index)] = last_index
+            rows[: len(last_index)] = last_index
         else:
             rows = np.array([last_index], np.int64)
         req = self.requests[kind]
         if kind != "decode":
             for name, tensor in zip(self.kv_names, self._slot_tensors[slot]):
                 req.set_tensor(name, tensor)
-        feeds = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": attention_mask,
-                 "logits_index": rows}
+        feeds = {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+            "logits_index": rows,
+        }
         if "beam_idx" in self.inputs:
             feeds["beam_idx"] = np.arange(input_ids.shape[0], dtype=np.int32)
         for name, value in feeds.items():
@@ -124,7 +146,7 @@ class OpenVINOStaticBackend(StaticSlotBackend):
         req.infer()
         news = [req.get_tensor(n).data for n in self._out_names]
         data = req.get_tensor("logits").data
-        logits = data[:, :len(last_index)].copy() if every else data[:, 0].copy()  # the next call reuses it
+        logits = data[:, : len(last_index)].copy() if every else data[:, 0].copy()  # the next call reuses it
         return logits, news[0::2], news[1::2]
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ tell the plugin to decompress on the fly instead of folding the weights to f32. 
 constant is per output row (dim 0 = the projection's width) are fused; anything else (e.g. group-wise int4
 with a Reshape) is left alone.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -34,8 +35,7 @@ def _signature(node: ov.Node, rows: int) -> tuple | None:
     kind = node.get_type_name()
     if kind == "Constant":
         shape = tuple(node.get_output_shape(0))
-        return ("C", str(node.get_output_element_type(0)), shape[1:]) if len(shape) >= 2 and shape[0] == rows \
-            else None
+        return ("C", str(node.get_output_element_type(0)), shape[1:]) if len(shape) >= 2 and shape[0] == rows else None
     if kind not in _CHAIN:
         return None
     parts = tuple(_signature(node.input_value(i).get_node(), rows) for i in range(node.get_input_size()))
@@ -68,8 +68,9 @@ def fuse_sibling_projections(model: ov.Model) -> int:
             groups[(x.get_node().get_friendly_name(), x.get_index(), sig)].append(node)
     fused = 0
     for mms in groups.values():
-        if len(mms) < 2 or any(t.get_node().get_type_name() in _ACTIVATIONS
-                               for m in mms for t in m.output(0).get_target_inputs()):
+        if len(mms) < 2 or any(
+            t.get_node().get_type_name() in _ACTIVATIONS for m in mms for t in m.output(0).get_target_inputs()
+        ):
             continue
         widths = [m.get_output_partial_shape(0)[-1].get_length() for m in mms]
         consumers = [list(m.output(0).get_target_inputs()) for m in mms]

@@ -4,6 +4,7 @@ Workers report each HTTP request over the engine socket; the engine service reco
 latencies as chunks pass through it; queue/running/KV gauges are read from `Engine.stats()` at scrape time.
 Hand-written text exposition (format 0.0.4): a dependency for five metric types is not worth it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -85,23 +86,28 @@ class ServerMetrics:
     """Everything /metrics shows. Thread-safe; one instance in the engine process."""
 
     def __init__(self):
-        self.http_requests = Counter("http_requests_total", "HTTP requests by route, method and status.",
-                                     ("route", "method", "status"))
-        self.http_errors = Counter("http_errors_total", "HTTP error responses by OpenAI error type.",
-                                   ("status", "type"))
-        self.sequences = Counter("sequences_finished_total",
-                                 "Sequences (choices) finished, by finish reason (abort = cancelled or failed).",
-                                 ("reason",))
-        self.cancelled = Counter("sequences_cancelled_total",
-                                 "Sequences cancelled because the client went away or timed out.")
-        self.rejected = Counter("requests_rejected_total", "Generation requests refused before running.",
-                                ("reason",))
+        self.http_requests = Counter(
+            "http_requests_total", "HTTP requests by route, method and status.", ("route", "method", "status")
+        )
+        self.http_errors = Counter(
+            "http_errors_total", "HTTP error responses by OpenAI error type.", ("status", "type")
+        )
+        self.sequences = Counter(
+            "sequences_finished_total",
+            "Sequences (choices) finished, by finish reason (abort = cancelled or failed).",
+            ("reason",),
+        )
+        self.cancelled = Counter(
+            "sequences_cancelled_total", "Sequences cancelled because the client went away or timed out."
+        )
+        self.rejected = Counter("requests_rejected_total", "Generation requests refused before running.", ("reason",))
         self.prompt_tokens = Counter("prompt_tokens_total", "Prompt tokens of finished sequences.")
         self.generated_tokens = Counter("generation_tokens_total", "Generated tokens.")
         self.ttft = Histogram("time_to_first_token_seconds", "Request arrival to first generated token.")
         self.itl = Histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
-        self.e2e = Histogram("request_duration_seconds", "Sequence arrival to its last token.",
-                             LATENCY_BUCKETS + (60.0, 120.0, 300.0))
+        self.e2e = Histogram(
+            "request_duration_seconds", "Sequence arrival to its last token.", LATENCY_BUCKETS + (60.0, 120.0, 300.0)
+        )
 
     def record_http(self, route: str, method: str, status: int, error_type: str | None) -> None:
         self.http_requests.inc(route, method, str(status))
@@ -117,9 +123,23 @@ class ServerMetrics:
         lines += _gauge("kv_cache_blocks_used", "KV cache blocks in use.", used)
         lines += _gauge("kv_cache_blocks_total", "KV cache blocks allocated at load.", total)
         lines += _gauge("kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", used / total if total else 0)
-        lines += _gauge("preemptions_total", "Sequences preempted (KV freed, recomputed later).",
-                        stats.get("preemptions", 0), "counter")
-        for metric in (self.http_requests, self.http_errors, self.sequences, self.cancelled, self.rejected,
-                       self.prompt_tokens, self.generated_tokens, self.ttft, self.itl, self.e2e):
+        lines += _gauge(
+            "preemptions_total",
+            "Sequences preempted (KV freed, recomputed later).",
+            stats.get("preemptions", 0),
+            "counter",
+        )
+        for metric in (
+            self.http_requests,
+            self.http_errors,
+            self.sequences,
+            self.cancelled,
+            self.rejected,
+            self.prompt_tokens,
+            self.generated_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+        ):
             lines += metric.render()
         return "\n".join(lines) + "\n"

@@ -1,4 +1,4 @@
-"""Gunicorn settings for `appliance serve` (loaded as `python:appliance.gunicorn_conf`).
+"""Gunicorn settings for `appliance serve` (loaded as `python:appliance.server.gunicorn_conf`).
 
 Everything comes from the settings file in the runtime directory the engine process made; this module only
 maps it onto gunicorn. gthread workers: a streaming response holds a thread, not a process, and the threads
@@ -6,6 +6,7 @@ mostly wait on the engine socket, so a few processes with many threads each serv
 is gthread's with edge timeouts (appliance/server/worker.py): requests are read without a thread, under
 --request-timeout; writes are bounded by --send-timeout; health probes have their own threads.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -21,14 +22,14 @@ _settings = ServeSettings.load()
 wsgi_app = "appliance.openai_api.app:create_app()"
 bind = [f"[{_settings.host}]:{_settings.port}" if ":" in _settings.host else f"{_settings.host}:{_settings.port}"]
 workers = _settings.workers
-worker_class = "appliance.server.worker.EdgeWorker"   # gthread + edge timeouts (its docstring says why)
+worker_class = "appliance.server.worker.EdgeWorker"  # gthread + edge timeouts (its docstring says why)
 threads = _settings.threads
 worker_connections = max(1000, 2 * _settings.threads)
 graceful_timeout = max(1, int(_settings.graceful_timeout))
-timeout = 60                       # worker heartbeat; gthread beats from its event loop, not per request
-keepalive = _settings.keepalive_timeout   # idle kept-alive connections wait in the worker's poller, not in a thread
+timeout = 60  # worker heartbeat; gthread beats from its event loop, not per request
+keepalive = _settings.keepalive_timeout  # idle kept-alive connections wait in the worker's poller, not in a thread
 proc_name = "appliance-http"
-control_socket_disable = True      # gunicorn's default control socket path is shared by every instance
+control_socket_disable = True  # gunicorn's default control socket path is shared by every instance
 accesslog = "-" if _settings.access_log else None
 loglevel = _settings.log_level
 logconfig_dict = dict_config(_settings.log_level, _settings.access_log)

@@ -4,6 +4,7 @@ and environment, readiness wait, SIGTERM stop, its log, /metrics parsed.
 The server does not use this. It lives in the package for the reason procinfo does: tests and bench import
 the same code without importing each other. `requests` (a test and bench extra) is imported where used.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,10 +13,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-ROOT = Path(__file__).resolve().parent.parent   # this checkout: put on the server's PYTHONPATH
+ROOT = Path(__file__).resolve().parents[2]  # this checkout: put on the server's PYTHONPATH
 
 
 class ServerNotReady(RuntimeError):
@@ -30,8 +31,11 @@ def free_port() -> int:
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text format -> {"name{labels}": value}."""
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line and not line.startswith("#")}
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 class LoopbackServer:
@@ -41,17 +45,24 @@ class LoopbackServer:
     what = "server"
     ready_path = "/"
 
-    def __init__(self, command: Callable[[int], list[str]], log_path: Path, *, env: dict | None = None,
-                 start_timeout: float = 300):
+    def __init__(
+        self,
+        command: Callable[[int], list[str]],
+        log_path: Path,
+        *,
+        env: dict | None = None,
+        start_timeout: float = 300,
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         self.start_timeout = start_timeout
-        self.startup_answers: list = []   # every readiness answer before the 200 (the tests check the 503s)
-        self.proc = subprocess.Popen(command(self.port), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env or dict(os.environ), cwd=ROOT)
+        self.startup_answers: list = []  # every readiness answer before the 200 (the tests check the 503s)
+        self.proc = subprocess.Popen(
+            command(self.port), stdout=self._log, stderr=subprocess.STDOUT, env=env or dict(os.environ), cwd=ROOT
+        )
 
     @property
     def pid(self) -> int:
@@ -119,8 +130,19 @@ class ApplianceServer(LoopbackServer):
 
     def __init__(self, model_dir: Path, *args: str, log_path: Path, start_timeout: float = 300):
         def command(port: int) -> list[str]:
-            return [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--host",
-                    "127.0.0.1", "--port", str(port), *args]
+            return [
+                sys.executable,
+                "-m",
+                "appliance.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *args,
+            ]
 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         super().__init__(command, log_path, env=env, start_timeout=start_timeout)

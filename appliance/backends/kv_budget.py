@@ -5,6 +5,7 @@ Only the backend knows the bytes per block (KV precision, the device's layout, a
 so it calls `pool_blocks` after compiling the model. Static-shape backends (NPU, ONNX Runtime) do not use a
 budget: their KV is `static_batch` slots x `static_context` positions.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,16 +50,25 @@ def pool_blocks(config, block_size: int, bytes_per_block: int, max_context: int)
     (capped at what config.max_num_seqs sequences of max_context tokens could ever hold)."""
     if config.kv_cache_bytes is not None:
         if config.kv_cache_bytes < bytes_per_block:
-            raise ValueError(f"the KV cache budget ({config.kv_cache_bytes} bytes) is smaller than one block "
-                             f"({bytes_per_block} bytes, {block_size} tokens)")
+            raise ValueError(
+                f"the KV cache budget ({config.kv_cache_bytes} bytes) is smaller than one block "
+                f"({bytes_per_block} bytes, {block_size} tokens)"
+            )
         return config.kv_cache_bytes // bytes_per_block
     if config.kv_cache_tokens is not None:
         return max(1, -(-config.kv_cache_tokens // block_size))
     ceiling = config.max_num_seqs * -(-max_context // block_size) * bytes_per_block
     available = meminfo_bytes("MemAvailable")
     budget = auto_kv_bytes(ceiling, available)
-    log.info("KV cache size auto: %.0f MB (%.0f%% of %s MB available, clamped to [%.0f, %.0f] MB; the ceiling is "
-             "%d sequences x %d tokens)", budget / 2**20, AUTO_FRACTION * 100,
-             "unknown" if available is None else f"{available / 2**20:.0f}", min(AUTO_FLOOR, ceiling) / 2**20,
-             ceiling / 2**20, config.max_num_seqs, max_context)
+    log.info(
+        "KV cache size auto: %.0f MB (%.0f%% of %s MB available, clamped to [%.0f, %.0f] MB; the ceiling is "
+        "%d sequences x %d tokens)",
+        budget / 2**20,
+        AUTO_FRACTION * 100,
+        "unknown" if available is None else f"{available / 2**20:.0f}",
+        min(AUTO_FLOOR, ceiling) / 2**20,
+        ceiling / 2**20,
+        config.max_num_seqs,
+        max_context,
+    )
     return max(1, budget // bytes_per_block)

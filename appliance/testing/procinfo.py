@@ -6,6 +6,7 @@ tree) and the tests' server harness (tests/conftest.py: the gunicorn workers, le
 the package so both import the same code without tests importing bench or bench importing tests, and it
 imports nothing outside the standard library.
 """
+
 from __future__ import annotations
 
 import os
