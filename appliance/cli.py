@@ -1,58 +1,66 @@
-"""`appliance serve`: flags, else APPLIANCE_* environment variables (e.g. APPLIANCE_WORKERS=4), else defaults."""
+"""`appliance serve`: flags, else APPLIANCE_* environment variables (e.g. APPLIANCE_WORKERS=4), else defaults.
+
+The flags, their help and defaults are the fields of ServeSettings, EngineConfig and Limits, declared there once;
+this module keeps only what a command line needs: words and units (--precision, --kv-cache-size) and refusing
+flags that cannot act (static shapes, NPU, ONNX)."""
+
 from __future__ import annotations
 
 import argparse
 import os
 import re
 import sys
+from dataclasses import Field
 from pathlib import Path
+from typing import Any, NamedTuple, get_args, get_type_hints
 
 from appliance import limits
 from appliance.config import EngineConfig
-from appliance.kv_budget import meminfo_bytes
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import resolve_model
+from appliance.server.settings import ServeSettings
 
-# flag -> (type, default, help). The environment variable is APPLIANCE_<FLAG IN UPPER SNAKE CASE>.
-SERVE_OPTIONS: dict[str, tuple] = {
-    "model": (str, "default", "exported model directory, or 'default' for the default model"),
-    "host": (str, "127.0.0.1", "address to listen on"),
-    "port": (int, 8000, "TCP port"),
-    "device": (str, "CPU", "OpenVINO device: CPU, GPU, NPU, AUTO, ..."),
-    "workers": (int, 1, "HTTP worker processes (they share one engine: one copy of the weights)"),
-    "threads": (int, 32, "threads per HTTP worker; each streaming client holds one"),
-    "api-key-file": (str, None, "file holding the API key; clients then need 'Authorization: Bearer <key>'"),
-    "served-model-name": (str, None, "model name in the API (default: the export's name)"),
-    "precision": (str, "default", "inference precision: 'f32' (transformers parity with an fp32 export) or "
-                                  "'default' (fastest)"),
-    "kv-cache-size": (str, None, "KV cache pool, all sequences together: GB as OVMS's cache_size (a bare number: 2, "
-                                 "1.5), a size with a unit (512MB, 2GiB; binary units), a token count (16384tokens), "
-                                 "or auto (default: a quarter of the memory free after loading the model, at most "
-                                 "max-num-seqs full contexts, at least 256 MB)"),
-    "kv-cache-tokens": (int, None, "KV cache budget in tokens (the same as --kv-cache-size Ntokens)"),
-    "kv-cache-precision": (str, "auto", "KV cache element type: u8, f16, f32, or auto (u8 on CPU; f32 with "
-                                        "--precision f32; the device's choice elsewhere)"),
-    "enable-prefix-caching": (bool, True, "reuse the KV blocks of shared prompt prefixes (paged attention)"),
-    "max-num-seqs": (int, 32, "sequences decoded together in one step"),
-    "max-num-batched-tokens": (int, 512, "tokens per step: one per running sequence + prefill chunks"),
-    "max-queued": (int, 256, "waiting sequences (each choice, each prompt of a list) before answering 429"),
-    "num-threads": (int, None, "inference threads (CPU); default: the runtime's"),
-    "cache-dir": (str, None, "OpenVINO compiled-model cache directory (faster restarts)"),
-    "static": (bool, None, "static shapes, what an NPU needs (implied by --device NPU)"),
-    "static-context": (int, None, "static shapes: KV positions per sequence slot (default 1024)"),
-    "static-batch": (int, None, "static shapes: sequence slots, decoded together (default 4)"),
-    "static-prefill-chunk": (int, None, "static shapes: prompt tokens per prefill call (default 128)"),
-    "max-body-bytes": (int, 4 * 1024 * 1024, "largest request body accepted (413 above)"),
-    **limits.serve_options(),   # --max-tokens-limit, --max-prompts, ...: declared once, in appliance/limits.py
-    "graceful-timeout": (int, 30, "seconds in-flight requests get to finish on SIGTERM"),
-    "request-timeout": (float, 30.0, "seconds a client has to send a whole request (head and body); then the "
-                                     "connection is closed, no thread was used"),
-    "send-timeout": (float, 30.0, "seconds a response write may wait on a client that stopped reading; then a "
-                                  "stream is cancelled (its KV freed) and the connection reset"),
-    "keepalive-timeout": (int, 5, "seconds an idle kept-alive connection stays open"),
-    "log-level": (str, "info", "debug, info, warning or error"),
-    "access-log": (bool, False, "log every HTTP request"),
+# The serve flags, in --help's and docs/serving.md's order, by group: each is a field of one of these dataclasses,
+# which declares its default and help once (appliance/limits.py `setting`); nothing below repeats a default.
+# The environment variable is APPLIANCE_<FLAG IN UPPER SNAKE CASE>.
+GROUPS: tuple[tuple[str, type], ...] = (
+    ("server (ServeSettings, appliance/server/settings.py)", ServeSettings),
+    ("engine (EngineConfig, appliance/config.py: the Python API's configuration too)", EngineConfig),
+    ("request limits (Limits, appliance/limits.py)", limits.Limits),
+)
+
+
+class Option(NamedTuple):
+    kind: type  # what argparse converts the text to
+    default: Any  # the flag's default before its environment variable; None: not given
+    help: str
+
+
+def _kind(cls: type, f: Field) -> type:
+    """The flag's type: declared (`kind`), else the field's annotation without its None."""
+    if f.metadata.get("kind"):
+        return f.metadata["kind"]
+    hint = get_type_hints(cls)[f.name]
+    return next((t for t in get_args(hint) if t is not type(None)), hint)
+
+
+def _option(cls: type, f: Field) -> Option:
+    default = f.metadata["cli"] if "cli" in f.metadata else limits.field_default(f)
+    return Option(_kind(cls, f), default, f.metadata["help"])
+
+
+def shown_default(f: Field) -> str:
+    """A flag's default as --help and docs/serving.md write it: declared (`show`), else the flag's own, else the
+    field's (a flag left unset gets the field's default)."""
+    if f.metadata.get("show"):
+        return f.metadata["show"].format(default=limits.show(limits.field_default(f)))
+    return limits.show(f.metadata["cli"] if f.metadata.get("cli") is not None else limits.field_default(f))
+
+
+FIELDS: dict[str, tuple[type, Field]] = {
+    f.metadata["flag"]: (cls, f) for _, cls in GROUPS for f in limits.flag_fields(cls)
 }
+SERVE_OPTIONS: dict[str, Option] = {flag: _option(cls, f) for flag, (cls, f) in FIELDS.items()}
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -78,25 +86,50 @@ def _env_default(flag: str, kind, default):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="appliance", description=__doc__)
+    parser = argparse.ArgumentParser(prog="appliance", description=(__doc__ or "").splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API (OVMS flavour)",
-                           description="Serve a model over the OVMS-compatible OpenAI API. Every flag can also "
-                                       "be set with an APPLIANCE_* environment variable, e.g. APPLIANCE_WORKERS=4.")
-    for flag, (kind, default, help_text) in SERVE_OPTIONS.items():
-        value = _env_default(flag, kind, default)
-        if kind is bool:
-            serve.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=value,
-                               help=f"{help_text} (env {env_name(flag)}=1/0)")
-        else:
-            shown = "" if default is None else f", default {default}"
-            serve.add_argument(f"--{flag}", type=kind, default=value, help=f"{help_text} (env {env_name(flag)}{shown})")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API (OVMS flavour)",
+        description="Serve a model over the OVMS-compatible OpenAI API. Every flag can also "
+        "be set with an APPLIANCE_* environment variable, e.g. APPLIANCE_WORKERS=4.",
+    )
+    for title, cls in GROUPS:
+        group = serve.add_argument_group(title)
+        for f in limits.flag_fields(cls):
+            flag = f.metadata["flag"]
+            kind, default, help_text = SERVE_OPTIONS[flag]
+            value = _env_default(flag, kind, default)
+            if kind is bool:
+                group.add_argument(
+                    f"--{flag}",
+                    action=argparse.BooleanOptionalAction,
+                    default=value,
+                    help=f"{help_text} (env {env_name(flag)}=1/0, default {shown_default(f)})".replace("%", "%%"),
+                )
+            else:
+                shown = "" if shown_default(f) == "none" else f", default {shown_default(f)}"
+                group.add_argument(
+                    f"--{flag}",
+                    type=kind,
+                    default=value,
+                    help=f"{help_text} (env {env_name(flag)}{shown})".replace("%", "%%"),
+                )
     return parser
 
 
-def _settings(args: argparse.Namespace):
-    from appliance.server.settings import ServeSettings
+def options_table() -> str:
+    """docs/serving.md's "Options" table (tests/test_cli.py checks the document holds exactly this)."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for _, cls in GROUPS:
+        for f in limits.flag_fields(cls):
+            flag = f.metadata["flag"]
+            name = f"`--{flag}` / `--no-{flag}`" if SERVE_OPTIONS[flag].kind is bool else f"`--{flag}`"
+            rows.append(f"| {name} | {shown_default(f)} | {f.metadata['help']} |")
+    return "\n".join(rows) + "\n"
 
+
+def _settings(args: argparse.Namespace):
     model_dir = resolve_model(args.model)
     try:
         manifest = Manifest.load(model_dir)
@@ -108,17 +141,28 @@ def _settings(args: argparse.Namespace):
     if args.workers < 1 or args.threads < 1:
         raise SystemExit("appliance: --workers and --threads must be at least 1")
     if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
-        raise SystemExit("appliance: --request-timeout and --send-timeout must be positive, --keepalive-timeout "
-                         "at least 0")
+        raise SystemExit(
+            "appliance: --request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0"
+        )
     settings = ServeSettings(
-        model_dir=str(model_dir), served_model_name=args.served_model_name or manifest.name,
-        model_created=int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime), host=args.host, port=args.port,
-        workers=args.workers, threads=args.threads,
+        model_dir=str(model_dir),
+        served_model_name=args.served_model_name or manifest.name,
+        model_created=int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime),
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        threads=args.threads,
         api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None,
-        max_body_bytes=args.max_body_bytes, limits=_limits(args), max_queued=args.max_queued,
-        graceful_timeout=args.graceful_timeout, request_timeout=args.request_timeout,
-        send_timeout=args.send_timeout, keepalive_timeout=args.keepalive_timeout, log_level=args.log_level.lower(),
-        access_log=args.access_log)
+        max_body_bytes=args.max_body_bytes,
+        limits=_limits(args),
+        max_queued=args.max_queued,
+        graceful_timeout=args.graceful_timeout,
+        request_timeout=args.request_timeout,
+        send_timeout=args.send_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+        log_level=args.log_level.lower(),
+        access_log=args.access_log,
+    )
     if settings.api_key_file and not Path(settings.api_key_file).read_text().strip():
         raise SystemExit(f"appliance: the API key file {settings.api_key_file} is empty")
     return settings, engine_config(args, manifest)
@@ -127,8 +171,9 @@ def _settings(args: argparse.Namespace):
 def _limits(args: argparse.Namespace) -> limits.Limits:
     """The request bounds from their flags (appliance/limits.py names them); each at least 1."""
     try:
-        return limits.from_flags({f.name: getattr(args, f.metadata["flag"].replace("-", "_"))
-                                  for f in limits.flag_fields()})
+        return limits.from_flags(
+            {f.name: getattr(args, f.metadata["flag"].replace("-", "_")) for f in limits.flag_fields()}
+        )
     except ValueError as exc:
         raise SystemExit(f"appliance: {exc}") from None
 
@@ -150,22 +195,30 @@ def parse_kv_cache_size(text: str) -> tuple[str, int] | None:
         value = int(float(m[1]) * (_UNITS[m[3]] if m[3] else 1 if m[4] else 1 << 30))
         if value > 0:
             return "bytes", value
-    raise SystemExit(f"appliance: --kv-cache-size {text!r}: use GB as a bare number (2, 1.5), a size with a unit "
-                     "(512MB, 2GiB), a token count (16384tokens) or auto")
+    raise SystemExit(
+        f"appliance: --kv-cache-size {text!r}: use GB as a bare number (2, 1.5), a size with a unit "
+        "(512MB, 2GiB), a token count (16384tokens) or auto"
+    )
 
 
 def _kv_size(args: argparse.Namespace) -> tuple[str, int] | None:
     """--kv-cache-size or its alias --kv-cache-tokens (not both); None = auto."""
     if args.kv_cache_size is not None and args.kv_cache_tokens is not None:
-        raise SystemExit("appliance: give --kv-cache-size or --kv-cache-tokens (its alias), not both "
-                         f"(check {env_name('kv-cache-size')} / {env_name('kv-cache-tokens')})")
+        raise SystemExit(
+            "appliance: give --kv-cache-size or --kv-cache-tokens (its alias), not both "
+            f"(check {env_name('kv-cache-size')} / {env_name('kv-cache-tokens')})"
+        )
     if args.kv_cache_tokens is not None:
         return "tokens", args.kv_cache_tokens
     size = parse_kv_cache_size(args.kv_cache_size) if args.kv_cache_size is not None else None
+    from appliance.backends.kv_budget import meminfo_bytes  # here: the backends package loads numpy
+
     total = meminfo_bytes("MemTotal")
     if size and size[0] == "bytes" and total and size[1] > total:
-        raise SystemExit(f"appliance: --kv-cache-size {args.kv_cache_size} is more than this machine's memory "
-                         f"({total / 2**30:.1f} GB); a bare number is GB (a token count is written 16384tokens)")
+        raise SystemExit(
+            f"appliance: --kv-cache-size {args.kv_cache_size} is more than this machine's memory "
+            f"({total / 2**30:.1f} GB); a bare number is GB (a token count is written 16384tokens)"
+        )
     return size
 
 
@@ -178,10 +231,15 @@ def _static_knobs(args: argparse.Namespace, manifest, paged_only: bool) -> tuple
     if args.static is False and static:
         raise SystemExit("appliance: --device NPU needs static shapes; drop --no-static")
     if slots and paged_only:
-        raise SystemExit(f"appliance: --kv-cache-size/-tokens/-precision do not apply to {where}: their KV is "
-                         "--static-batch slots x --static-context positions in the graph's type")
-    knobs = {k: getattr(args, k) for k in ("static_context", "static_batch", "static_prefill_chunk")
-             if getattr(args, k) is not None}
+        raise SystemExit(
+            f"appliance: --kv-cache-size/-tokens/-precision do not apply to {where}: their KV is "
+            "--static-batch slots x --static-context positions in the graph's type"
+        )
+    knobs = {
+        k: getattr(args, k)
+        for k in ("static_context", "static_batch", "static_prefill_chunk")
+        if getattr(args, k) is not None
+    }
     if knobs and not slots:
         raise SystemExit(f"appliance: --{next(iter(knobs)).replace('_', '-')} applies to {where} only")
     return slots, knobs
@@ -189,8 +247,16 @@ def _static_knobs(args: argparse.Namespace, manifest, paged_only: bool) -> tuple
 
 def engine_config(args: argparse.Namespace, manifest) -> EngineConfig:
     """The engine's knobs from the parsed flags, checked here so a mistake is one line, not a traceback."""
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_queued", "num_threads", "kv_cache_tokens",
-                 "static_context", "static_batch", "static_prefill_chunk"):
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_queued",
+        "num_threads",
+        "kv_cache_tokens",
+        "static_context",
+        "static_batch",
+        "static_prefill_chunk",
+    ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"appliance: --{name.replace('_', '-')} must be at least 1")
     precision = args.kv_cache_precision.strip().lower()
@@ -204,24 +270,37 @@ def engine_config(args: argparse.Namespace, manifest) -> EngineConfig:
     if cache_dir and cache_dir.exists() and not cache_dir.is_dir():
         raise SystemExit(f"appliance: --cache-dir {args.cache_dir} is not a directory")
     engine = EngineConfig(
-        device=args.device, precision="f32" if args.precision == "f32" else None,
+        device=args.device,
+        precision="f32" if args.precision == "f32" else None,
         kv_cache_precision=None if precision == "auto" else precision,
         kv_cache_tokens=size[1] if size and size[0] == "tokens" else None,
         kv_cache_bytes=size[1] if size and size[0] == "bytes" else None,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_queued=args.max_queued, prefix_caching=args.enable_prefix_caching, static=bool(args.static),
-        num_threads=args.num_threads, cache_dir=str(cache_dir) if cache_dir else None, **knobs)
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queued=args.max_queued,
+        prefix_caching=args.enable_prefix_caching,
+        static=bool(args.static),
+        num_threads=args.num_threads,
+        cache_dir=str(cache_dir) if cache_dir else None,
+        **knobs,
+    )
     seqs = min(engine.max_num_seqs, engine.static_batch) if slots else engine.max_num_seqs
     if engine.max_num_batched_tokens < seqs:
-        raise SystemExit(f"appliance: --max-num-batched-tokens ({engine.max_num_batched_tokens}) must be at least "
-                         f"the sequences decoded per step ({seqs}): each takes one token of it")
+        raise SystemExit(
+            f"appliance: --max-num-batched-tokens ({engine.max_num_batched_tokens}) must be at least "
+            f"the sequences decoded per step ({seqs}): each takes one token of it"
+        )
     return engine
 
 
 def main(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else argv) == ["--options-table"]:  # the table for docs/serving.md
+        print(options_table(), end="")
+        return 0
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from appliance.server.supervisor import serve
+
         settings, engine = _settings(args)
         return serve(settings, engine)
     return 2

@@ -4,19 +4,38 @@ One client must not be able to hurt the others: the engine is one thread shared 
 builds a choice per prompt x n. So every count, length and float range a request can carry is bounded here, and
 everything else derives from these fields: validation (appliance/openai_api/validation.py) and the engine service
 check them (400), `appliance serve` makes a flag of the
-ones an operator may need to change (`flag` in a field's metadata: its default and help come from the field),
+ones an operator may need to change (`flag` in a field's metadata: its default and help come from the field; the
+`setting` field factory below declares EngineConfig's and ServeSettings' fields the same way),
 `/v1/config` shows the effective values, and docs/serving.md's "Limits" table is `limits_table()` (a test keeps
 the two equal). No numpy here: HTTP workers import this.
 """
+
 from __future__ import annotations
 
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 
-def _bound(default: Any, help_text: str, *, flag: str | None = None) -> Any:
-    """A Limits field: its default, a short help (doc table, flag help) and the serve flag that sets it, if any."""
-    return field(default=default, metadata={"help": help_text, "flag": flag})
+def setting(
+    default: Any = MISSING,
+    help_text: str = "",
+    *,
+    flag: str | None = None,
+    default_factory: Any = MISSING,
+    cli: Any = MISSING,
+    show: str | None = None,
+    kind: type | None = None,
+) -> Any:
+    """A configuration field, the one declaration of a default (Limits here, EngineConfig, ServeSettings): its
+    default, a short help (flag help, docs tables) and the `appliance serve` flag that sets it, if an operator may
+    (appliance/cli.py derives the flag, its APPLIANCE_* variable, its help and docs/serving.md's Options table).
+    `cli`: the flag's own default where it differs on purpose from the field's (None: "not given", so the CLI can
+    refuse a flag that cannot act; or a word the CLI converts, "auto"); `show`: how help and docs write the default
+    when the value alone would not say it; `kind`: the flag's type where it is not the field's."""
+    metadata = {"help": help_text, "flag": flag, "show": show, "kind": kind}
+    if cli is not MISSING:
+        metadata["cli"] = cli
+    return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -24,52 +43,57 @@ class Limits:
     """Server-side bounds of one request (OVMS's graph-config limits and what the appliance adds)."""
 
     # counts
-    max_tokens: int | None = _bound(None, "largest `max_tokens` / `max_completion_tokens` (OVMS's "
-                                          "`max_tokens_limit`); none: only the model's context bounds it",
-                                    flag="max-tokens-limit")
-    prompts: int = _bound(256, "prompts per request: a completions prompt list, a `/tokenize` list",
-                          flag="max-prompts")
-    n: int = _bound(20, "choices per request (`n`)", flag="max-n")
-    best_of: int = _bound(20, "beams of a beam search (`best_of`)", flag="max-best-of")
-    logprobs: int = _bound(20, "alternatives per token (completions `logprobs`, chat `top_logprobs`)")
-    prompt_logprobs: int = _bound(65536, "`echo` + `logprobs`: prompt tokens x (1 + logprobs) x n per request, "
-                                         "checked after tokenization", flag="max-prompt-logprobs")
-    stop_strings: int = _bound(16, "stop strings per request (OVMS)")
-    stop_chars: int = _bound(256, "characters per stop string")
-    stop_token_ids: int = _bound(64, "`stop_token_ids` per request (each also below the vocabulary size)")
-    logit_bias: int = _bound(300, "`logit_bias` entries (as OpenAI); keys are canonical decimal token ids")
-    messages: int = _bound(1024, "chat messages per request", flag="max-messages")
-    depth: int = _bound(32, "nesting of objects and arrays in a request body")
+    max_tokens: int | None = setting(
+        None,
+        "largest `max_tokens` / `max_completion_tokens` (OVMS's "
+        "`max_tokens_limit`); none: only the model's context bounds it",
+        flag="max-tokens-limit",
+    )
+    prompts: int = setting(
+        256, "prompts per request: a completions prompt list, a `/tokenize` list", flag="max-prompts"
+    )
+    n: int = setting(20, "choices per request (`n`)", flag="max-n")
+    best_of: int = setting(20, "beams of a beam search (`best_of`)", flag="max-best-of")
+    logprobs: int = setting(20, "alternatives per token (completions `logprobs`, chat `top_logprobs`)")
+    prompt_logprobs: int = setting(
+        65536,
+        "`echo` + `logprobs`: prompt tokens x (1 + logprobs) x n per request, checked after tokenization",
+        flag="max-prompt-logprobs",
+    )
+    stop_strings: int = setting(16, "stop strings per request (OVMS)")
+    stop_chars: int = setting(256, "characters per stop string")
+    stop_token_ids: int = setting(64, "`stop_token_ids` per request (each also below the vocabulary size)")
+    logit_bias: int = setting(300, "`logit_bias` entries (as OpenAI); keys are canonical decimal token ids")
+    messages: int = setting(1024, "chat messages per request", flag="max-messages")
+    depth: int = setting(32, "nesting of objects and arrays in a request body")
     # float ranges
-    temperature: float = _bound(2.0, "`temperature` in [0, this]")
-    penalty: float = _bound(2.0, "`frequency_penalty`, `presence_penalty` in [-this, this]")
-    repetition_penalty: float = _bound(10.0, "`repetition_penalty` in (0, this]")
-    length_penalty: float = _bound(10.0, "`length_penalty` (beam search) in [-this, this]")
-    timeout: float = _bound(86400.0, "`timeout` in (0, this] seconds")
+    temperature: float = setting(2.0, "`temperature` in [0, this]")
+    penalty: float = setting(2.0, "`frequency_penalty`, `presence_penalty` in [-this, this]")
+    repetition_penalty: float = setting(10.0, "`repetition_penalty` in (0, this]")
+    length_penalty: float = setting(10.0, "`length_penalty` (beam search) in [-this, this]")
+    timeout: float = setting(86400.0, "`timeout` in (0, this] seconds")
     # the engine's queue, as the HTTP workers see it (not a flag of its own: `appliance serve` copies it here)
-    max_queued: int | None = _bound(None, "queue places one request may take, n x prompts (beam search: prompts), "
-                                          "else 400; `appliance serve` sets it from `--max-queued`")
+    max_queued: int | None = setting(
+        None,
+        "queue places one request may take, n x prompts (beam search: prompts), "
+        "else 400; `appliance serve` sets it from `--max-queued`",
+    )
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Limits":
+    def from_dict(cls, data: dict) -> Limits:
         """The inverse of dataclasses.asdict (settings.json); unknown keys are dropped."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-def flag_fields() -> tuple[Field, ...]:
-    return tuple(f for f in fields(Limits) if f.metadata["flag"])
+def flag_fields(cls: type = Limits) -> tuple[Field, ...]:
+    """The fields of a `setting` dataclass (Limits by default) that `appliance serve` makes flags of."""
+    return tuple(f for f in fields(cls) if f.metadata.get("flag"))
 
 
-def _default(f: Field) -> Any:
+def field_default(f: Field) -> Any:
+    """A field's default; None for a required one (or a default_factory)."""
     return f.default if f.default is not MISSING else None
-
-
-def serve_options() -> dict[str, tuple]:
-    """`appliance serve` options for the flagged limits, as cli.SERVE_OPTIONS spells them: flag -> (type, default,
-    help)."""
-    return {f.metadata["flag"]: (float if isinstance(_default(f), float) else int, _default(f), f.metadata["help"])
-            for f in flag_fields()}
 
 
 def from_flags(values: dict[str, Any], **extra: Any) -> Limits:
@@ -77,7 +101,7 @@ def from_flags(values: dict[str, Any], **extra: Any) -> Limits:
     its default). ValueError names the flag."""
     for f in flag_fields():
         value = values.get(f.name)
-        if value is None and _default(f) is None:
+        if value is None and field_default(f) is None:
             continue
         if value is None or value < 1:
             raise ValueError(f"--{f.metadata['flag']} must be at least 1")
@@ -88,6 +112,8 @@ def show(value: Any) -> str:
     """A default as docs/serving.md's table writes it."""
     if value is None:
         return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
@@ -98,9 +124,9 @@ def limits_table() -> str:
     rows = ["| limit | default | flag | bounds |", "|---|---|---|---|"]
     for f in fields(Limits):
         flag = f"`--{f.metadata['flag']}`" if f.metadata["flag"] else ""
-        rows.append(f"| `{f.name}` | {show(_default(f))} | {flag} | {f.metadata['help']} |")
+        rows.append(f"| `{f.name}` | {show(field_default(f))} | {flag} | {f.metadata['help']} |")
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":   # python -m appliance.limits: the table for docs/serving.md
+if __name__ == "__main__":  # python -m appliance.limits: the table for docs/serving.md
     print(limits_table(), end="")

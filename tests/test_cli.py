@@ -1,7 +1,9 @@
-"""`appliance serve`'s engine flags (appliance/cli.py) and the KV pool sizing they lead to (appliance/kv_budget.py).
+"""`appliance serve`'s engine flags (appliance/cli.py) and the KV pool sizing they lead to
+(appliance/backends/kv_budget.py).
 
 Parsing and validation run without a model (a stub manifest); one test builds a real paged engine on a tiny
 random model to check that a bytes budget sizes the pool the backend allocates."""
+
 from __future__ import annotations
 
 import logging
@@ -9,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from appliance import cli, kv_budget
+from appliance import cli
+from appliance.backends import kv_budget
 
 GiB, MiB = 1 << 30, 1 << 20
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
@@ -36,26 +39,31 @@ def refused(*flags: str, manifest=OPENVINO) -> str:
 
 # ---------------------------------------------------------------- --kv-cache-size values
 
-@pytest.mark.parametrize("text, want", [
-    ("2", ("bytes", 2 * GiB)),              # a bare number is GB, as OVMS's cache_size
-    ("1.5", ("bytes", int(1.5 * GiB))),
-    ("512MB", ("bytes", 512 * MiB)),
-    ("512mib", ("bytes", 512 * MiB)),
-    ("2GiB", ("bytes", 2 * GiB)),
-    ("2 GB", ("bytes", 2 * GiB)),            # GB and GiB are the same: binary, like OVMS
-    ("64k", ("bytes", 64 << 10)),
-    ("4096b", ("bytes", 4096)),
-    ("16384tokens", ("tokens", 16384)),
-    ("16384 Tokens", ("tokens", 16384)),
-    ("auto", None),
-    (" AUTO ", None),
-])
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("2", ("bytes", 2 * GiB)),  # a bare number is GB, as OVMS's cache_size
+        ("1.5", ("bytes", int(1.5 * GiB))),
+        ("512MB", ("bytes", 512 * MiB)),
+        ("512mib", ("bytes", 512 * MiB)),
+        ("2GiB", ("bytes", 2 * GiB)),
+        ("2 GB", ("bytes", 2 * GiB)),  # GB and GiB are the same: binary, like OVMS
+        ("64k", ("bytes", 64 << 10)),
+        ("4096b", ("bytes", 4096)),
+        ("16384tokens", ("tokens", 16384)),
+        ("16384 Tokens", ("tokens", 16384)),
+        ("auto", None),
+        (" AUTO ", None),
+    ],
+)
 def test_kv_cache_size_values(text, want):
     assert cli.parse_kv_cache_size(text) == want
 
 
-@pytest.mark.parametrize("text", ["", "abc", "0", "-1", "2XB", "2i", "1.5tokens", "0tokens", "16k tokens",
-                                  "2GB extra", "tokens", ".5"])
+@pytest.mark.parametrize(
+    "text", ["", "abc", "0", "-1", "2XB", "2i", "1.5tokens", "0tokens", "16k tokens", "2GB extra", "tokens", ".5"]
+)
 def test_kv_cache_size_garbage_is_one_clean_line(text):
     with pytest.raises(SystemExit) as info:
         cli.parse_kv_cache_size(text)
@@ -69,12 +77,30 @@ def test_defaults_leave_the_kv_budget_to_auto():
 
 
 def test_flags_reach_the_engine_config(tmp_path):
-    engine = config("--kv-cache-size", "1.5", "--no-enable-prefix-caching", "--max-num-seqs", "8",
-                    "--max-num-batched-tokens", "64", "--max-queued", "3", "--kv-cache-precision", "F16",
-                    "--num-threads", "2", "--cache-dir", str(tmp_path / "ov-cache"))
+    engine = config(
+        "--kv-cache-size",
+        "1.5",
+        "--no-enable-prefix-caching",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "64",
+        "--max-queued",
+        "3",
+        "--kv-cache-precision",
+        "F16",
+        "--num-threads",
+        "2",
+        "--cache-dir",
+        str(tmp_path / "ov-cache"),
+    )
     assert (engine.kv_cache_bytes, engine.kv_cache_tokens) == (int(1.5 * GiB), None)
-    assert (engine.prefix_caching, engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_queued) == \
-        (False, 8, 64, 3)
+    assert (engine.prefix_caching, engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_queued) == (
+        False,
+        8,
+        64,
+        3,
+    )
     assert (engine.kv_cache_precision, engine.kv_precision(), engine.num_threads) == ("f16", "f16", 2)
     assert engine.cache_dir == str(tmp_path / "ov-cache")
     tokens = config("--kv-cache-size", "4096tokens")
@@ -111,34 +137,151 @@ def test_a_size_beyond_the_machine_is_refused(monkeypatch):
     assert config("--kv-cache-size", "512MB").kv_cache_bytes == 512 * MiB
 
 
-@pytest.mark.parametrize("flags, manifest, words", [
-    (("--device", "NPU", "--no-static"), OPENVINO, "needs static shapes"),
-    (("--static", "--kv-cache-size", "1"), OPENVINO, "do not apply to static shapes"),
-    (("--device", "NPU", "--kv-cache-tokens", "4096"), OPENVINO, "do not apply to static shapes"),
-    (("--kv-cache-precision", "u8"), ONNX, "do not apply to static shapes"),
-    (("--static-context", "512"), OPENVINO, "--static-context applies to static shapes"),
-    (("--cache-dir", "/tmp"), ONNX, "ONNX model"),
-    (("--kv-cache-precision", "i4"), OPENVINO, "must be u8, f16, f32 or auto"),
-    (("--max-num-seqs", "0"), OPENVINO, "--max-num-seqs must be at least 1"),
-    (("--kv-cache-tokens", "0"), OPENVINO, "--kv-cache-tokens must be at least 1"),
-    (("--max-num-seqs", "64", "--max-num-batched-tokens", "32"), OPENVINO, "must be at least the sequences"),
-])
+@pytest.mark.parametrize(
+    "flags, manifest, words",
+    [
+        (("--device", "NPU", "--no-static"), OPENVINO, "needs static shapes"),
+        (("--static", "--kv-cache-size", "1"), OPENVINO, "do not apply to static shapes"),
+        (("--device", "NPU", "--kv-cache-tokens", "4096"), OPENVINO, "do not apply to static shapes"),
+        (("--kv-cache-precision", "u8"), ONNX, "do not apply to static shapes"),
+        (("--static-context", "512"), OPENVINO, "--static-context applies to static shapes"),
+        (("--cache-dir", "/tmp"), ONNX, "ONNX model"),
+        (("--kv-cache-precision", "i4"), OPENVINO, "must be u8, f16, f32 or auto"),
+        (("--max-num-seqs", "0"), OPENVINO, "--max-num-seqs must be at least 1"),
+        (("--kv-cache-tokens", "0"), OPENVINO, "--kv-cache-tokens must be at least 1"),
+        (("--max-num-seqs", "64", "--max-num-batched-tokens", "32"), OPENVINO, "must be at least the sequences"),
+    ],
+)
 def test_misplaced_or_invalid_flags_are_refused(flags, manifest, words):
     assert words in refused(*flags, manifest=manifest)
 
 
 def test_static_knobs():
     engine = config("--static", "--static-context", "256", "--static-batch", "2", "--static-prefill-chunk", "32")
-    assert (engine.static, engine.static_context, engine.static_batch, engine.static_prefill_chunk) == \
-        (True, 256, 2, 32)
-    npu = config("--device", "NPU", "--static-batch", "8")     # NPU implies static; ONNX runs slots too
+    assert (engine.static, engine.static_context, engine.static_batch, engine.static_prefill_chunk) == (
+        True,
+        256,
+        2,
+        32,
+    )
+    npu = config("--device", "NPU", "--static-batch", "8")  # NPU implies static; ONNX runs slots too
     assert npu.static_batch == 8 and npu.static is False
     assert config("--static-context", "128", manifest=ONNX).static_context == 128
     # 64 sequences asked, but only 4 slots decode per step: a 16-token step budget is enough
     assert config("--static", "--max-num-seqs", "64", "--max-num-batched-tokens", "16").max_num_batched_tokens == 16
 
 
+# ---------------------------------------------------------------- one declaration: flags, env, help, docs
+
+# Every serve flag as it was before the flags were derived from the dataclasses: (type, default before the
+# environment). A rename, a new default or a lost flag fails here.
+FLAGS = {
+    "model": (str, "default"),
+    "served-model-name": (str, None),
+    "host": (str, "127.0.0.1"),
+    "port": (int, 8000),
+    "workers": (int, 1),
+    "threads": (int, 32),
+    "api-key-file": (str, None),
+    "max-body-bytes": (int, 4 * MiB),
+    "graceful-timeout": (int, 30),
+    "request-timeout": (float, 30.0),
+    "send-timeout": (float, 30.0),
+    "keepalive-timeout": (int, 5),
+    "log-level": (str, "info"),
+    "access-log": (bool, False),
+    "device": (str, "CPU"),
+    "precision": (str, "default"),
+    "kv-cache-precision": (str, "auto"),
+    "kv-cache-size": (str, None),
+    "kv-cache-tokens": (int, None),
+    "max-num-seqs": (int, 32),
+    "max-num-batched-tokens": (int, 512),
+    "max-queued": (int, 256),
+    "enable-prefix-caching": (bool, True),
+    "static": (bool, None),
+    "static-context": (int, None),
+    "static-batch": (int, None),
+    "static-prefill-chunk": (int, None),
+    "num-threads": (int, None),
+    "cache-dir": (str, None),
+    "max-tokens-limit": (int, None),
+    "max-prompts": (int, 256),
+    "max-n": (int, 20),
+    "max-best-of": (int, 20),
+    "max-prompt-logprobs": (int, 65536),
+    "max-messages": (int, 1024),
+}
+
+
+def test_flags_keep_their_names_types_and_defaults():
+    assert {flag: (o.kind, o.default) for flag, o in cli.SERVE_OPTIONS.items()} == FLAGS
+    args = cli.build_parser().parse_args(["serve"])
+    assert {flag: getattr(args, flag.replace("-", "_")) for flag in FLAGS} == {f: d for f, (_, d) in FLAGS.items()}
+    assert cli.env_name("max-num-batched-tokens") == "APPLIANCE_MAX_NUM_BATCHED_TOKENS"
+    timed = cli.build_parser().parse_args(["serve", "--request-timeout", "2.5", "--port", "9000"])
+    assert (timed.request_timeout, timed.port) == (2.5, 9000)
+
+
+def test_every_flag_is_a_declared_field():
+    """Each flag's default is its field's, or the flag's own where the field declares one (`cli=`), and its help
+    is the field's."""
+    from dataclasses import MISSING
+
+    for flag, (_, f) in cli.FIELDS.items():
+        option = cli.SERVE_OPTIONS[flag]
+        assert option.default == (f.metadata["cli"] if "cli" in f.metadata else f.default), flag
+        assert f.default is not MISSING or "cli" in f.metadata, f"{flag}: a required field needs the flag's default"
+        assert option.help == f.metadata["help"] and "|" not in option.help
+
+
+def test_python_api_and_serve_share_their_defaults_but_the_kv_pool():
+    """`EngineConfig()` and a bare `appliance serve` configure the same engine, except the KV pool: a fixed token
+    count for the library, auto for the server (said once, at EngineConfig.kv_cache_tokens)."""
+    from dataclasses import asdict
+
+    from appliance.config import EngineConfig
+
+    served, api = asdict(config()), asdict(EngineConfig())
+    assert {k for k in api if served[k] != api[k]} == {"kv_cache_tokens"}
+    assert served["kv_cache_tokens"] is None and served["kv_cache_bytes"] is None and api["kv_cache_tokens"] > 0
+
+
+def test_help_shows_each_environment_variable_and_the_declared_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag in FLAGS:
+        assert f"--{flag}" in text and cli.env_name(flag) in text
+    # the static knobs are "not given" to the parser but show the engine's default; nothing writes it twice
+    assert "(env APPLIANCE_STATIC_CONTEXT, default 1024)" in text
+    assert "(env APPLIANCE_PORT, default 8000)" in text and "(env APPLIANCE_ACCESS_LOG=1/0, default off)" in text
+    assert "(env APPLIANCE_KV_CACHE_SIZE, default auto)" in text
+
+
+def test_options_table_in_docs_is_the_declared_one(capsys):
+    """docs/serving.md's Options table is exactly `options_table()`: one row per flag, its default and help."""
+    from pathlib import Path
+
+    table = cli.options_table()
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    assert table in doc, "regenerate the table: python -m appliance.cli --options-table"
+    rows = {
+        line.split("|")[1].split("`")[1].removeprefix("--"): line.split("|")[2].strip()
+        for line in table.splitlines()[2:]
+    }
+    assert set(rows) == set(FLAGS)
+    assert (rows["static-context"], rows["max-num-seqs"], rows["kv-cache-size"], rows["access-log"]) == (
+        "1024",
+        "32",
+        "auto",
+        "off",
+    )
+    assert cli.main(["--options-table"]) == 0 and capsys.readouterr().out == table
+
+
 # ---------------------------------------------------------------- kv_budget.pool_blocks: explicit and auto
+
 
 def budget_config(**kw):
     return SimpleNamespace(**{"kv_cache_bytes": None, "kv_cache_tokens": None, "max_num_seqs": 32, **kw})
@@ -149,18 +292,21 @@ def meminfo(monkeypatch, available_kb: int | None):
     monkeypatch.setattr(kv_budget, "read_meminfo", lambda: text)
 
 
-BLOCK = MiB          # bytes per block in these cases: 32 seqs x 32 blocks (1024 / 32 tokens) = a 1 GiB ceiling
+BLOCK = MiB  # bytes per block in these cases: 32 seqs x 32 blocks (1024 / 32 tokens) = a 1 GiB ceiling
 
 
-@pytest.mark.parametrize("available, want", [
-    (64 * GiB, GiB),              # plenty: the ceiling, what 32 full-context sequences can use
-    (2 * GiB, GiB // 2),          # a quarter of what is available
-    (600 * MiB, 256 * MiB),       # the floor
-    (None, 256 * MiB),            # no /proc/meminfo: the floor
-])
+@pytest.mark.parametrize(
+    "available, want",
+    [
+        (64 * GiB, GiB),  # plenty: the ceiling, what 32 full-context sequences can use
+        (2 * GiB, GiB // 2),  # a quarter of what is available
+        (600 * MiB, 256 * MiB),  # the floor
+        (None, 256 * MiB),  # no /proc/meminfo: the floor
+    ],
+)
 def test_auto_budget_bounds(monkeypatch, caplog, available, want):
     meminfo(monkeypatch, None if available is None else available // 1024)
-    with caplog.at_level(logging.INFO, logger="appliance.kv_budget"):
+    with caplog.at_level(logging.INFO, logger="appliance.backends.kv_budget"):
         blocks = kv_budget.pool_blocks(budget_config(), 32, BLOCK, 1024)
     assert blocks * BLOCK == want
     assert 256 * MiB <= blocks * BLOCK <= GiB
@@ -177,13 +323,14 @@ def test_auto_budget_ceiling_below_the_floor(monkeypatch):
 def test_explicit_budgets(monkeypatch):
     monkeypatch.setattr(kv_budget, "read_meminfo", lambda: pytest.fail("an explicit budget must not read meminfo"))
     assert kv_budget.pool_blocks(budget_config(kv_cache_bytes=10 * BLOCK + 5), 32, BLOCK, 1024) == 10
-    assert kv_budget.pool_blocks(budget_config(kv_cache_tokens=100), 32, BLOCK, 1024) == 4     # rounded up
+    assert kv_budget.pool_blocks(budget_config(kv_cache_tokens=100), 32, BLOCK, 1024) == 4  # rounded up
     assert kv_budget.pool_blocks(budget_config(kv_cache_tokens=100, kv_cache_bytes=2 * BLOCK), 32, BLOCK, 1024) == 2
     with pytest.raises(ValueError, match="smaller than one block"):
         kv_budget.pool_blocks(budget_config(kv_cache_bytes=BLOCK - 1), 32, BLOCK, 1024)
 
 
 # ---------------------------------------------------------------- a real paged engine on a bytes budget
+
 
 def test_paged_backend_sizes_its_pool_from_a_bytes_budget(exported):
     from appliance.config import EngineConfig
@@ -199,14 +346,17 @@ def test_paged_backend_sizes_its_pool_from_a_bytes_budget(exported):
         backend = engine.backend
         assert backend.bytes_per_block == backend.block_size * per_token
         assert budget - backend.bytes_per_block < backend.num_blocks * backend.bytes_per_block <= budget
-        assert backend.cache_bytes == backend.num_blocks * backend.bytes_per_block == engine.pool.num_blocks * \
-            backend.bytes_per_block
+        assert (
+            backend.cache_bytes
+            == backend.num_blocks * backend.bytes_per_block
+            == engine.pool.num_blocks * backend.bytes_per_block
+        )
         assert backend.kv_precision == "f32"
         # the pool is smaller than the model's context: longer requests are refused, shorter ones run
         assert engine.max_context == backend.num_blocks * backend.block_size < manifest.max_context
         with pytest.raises(PromptTooLong):
             engine.submit([5] * engine.max_context, SamplingParams(max_tokens=1))
-        assert engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)).completion_tokens == 4
+        assert engine.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))[0].completion_tokens == 4
     finally:
         engine.shutdown()
 

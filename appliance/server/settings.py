@@ -1,13 +1,14 @@
 """The resolved `appliance serve` settings, shared with gunicorn's config and workers through one JSON file in
 the private runtime directory (workers are separate processes started by gunicorn, not by us)."""
+
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from appliance.limits import Limits
+from appliance.limits import Limits, setting
 
 RUNTIME_DIR_ENV = "APPLIANCE_RUNTIME_DIR"
 SETTINGS_FILE = "settings.json"
@@ -17,23 +18,56 @@ AUTHKEY_FILE = "authkey"
 
 @dataclass
 class ServeSettings:
-    model_dir: str
-    served_model_name: str
-    model_created: int                 # unix time of the export (OVMS `created` of /v3/models)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int = 1
-    threads: int = 32                  # per worker; each streaming client holds one thread
-    api_key_file: str | None = None
-    max_body_bytes: int = 4 * 1024 * 1024
-    limits: Limits = field(default_factory=Limits)   # every request bound (appliance/limits.py)
-    max_queued: int | None = None      # the engine's --max-queued, so workers refuse n x prompts that never fit
-    graceful_timeout: int = 30
-    request_timeout: float = 30.0      # seconds to receive a whole request (head and body); then it is closed
-    send_timeout: float = 30.0         # seconds a response write may block on a client that stopped reading
-    keepalive_timeout: int = 5         # seconds an idle kept-alive connection stays open
-    log_level: str = "info"
-    access_log: bool = False
+    """What `appliance serve` runs with besides the engine's EngineConfig. A field with a `flag` is a serve option:
+    its default and help are declared here once (appliance/limits.py `setting`; appliance/cli.py derives the flag)."""
+
+    model_dir: str = setting(
+        help_text="exported model directory, or 'default': the default model's OpenVINO fp16 export",
+        flag="model",
+        cli="default",
+    )
+    served_model_name: str = setting(
+        help_text="model name in the API, the `model` clients send and /v3/models lists",
+        flag="served-model-name",
+        cli=None,
+        show="the export's name",
+    )
+    model_created: int = setting(help_text="unix time of the export (OVMS `created` of /v3/models)")
+    host: str = setting("127.0.0.1", "address to listen on (loopback unless you ask for more)", flag="host")
+    port: int = setting(8000, "TCP port", flag="port")
+    workers: int = setting(1, "HTTP worker processes (they share one engine: one copy of the weights)", flag="workers")
+    threads: int = setting(32, "threads per HTTP worker; each streaming client holds one", flag="threads")
+    api_key_file: str | None = setting(
+        None,
+        "file holding the API key; clients then need 'Authorization: Bearer <key>' (401 otherwise)",
+        flag="api-key-file",
+    )
+    max_body_bytes: int = setting(
+        4 * 1024 * 1024, "largest request body accepted (413 above)", flag="max-body-bytes", show="4194304 (4 MiB)"
+    )
+    limits: Limits = setting(
+        default_factory=Limits,  # every request bound: their flags are Limits' own
+        help_text="every request bound (appliance/limits.py)",
+    )
+    max_queued: int | None = setting(None, "the engine's --max-queued, so workers refuse n x prompts that never fit")
+    graceful_timeout: int = setting(30, "seconds in-flight requests get to finish on SIGTERM", flag="graceful-timeout")
+    request_timeout: float = setting(
+        30.0,
+        "seconds a client has to send a whole request (head and body); then the "
+        "connection is closed, no thread was used",
+        flag="request-timeout",
+    )
+    send_timeout: float = setting(
+        30.0,
+        "seconds a response write may wait on a client that stopped reading; then a "
+        "stream is cancelled (its KV freed) and the connection reset",
+        flag="send-timeout",
+    )
+    keepalive_timeout: int = setting(
+        5, "seconds an idle kept-alive connection stays open (0: no keep-alive)", flag="keepalive-timeout"
+    )
+    log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
+    access_log: bool = setting(False, "log every HTTP request", flag="access-log")
     runtime_dir: str = ""
     supervisor_pid: int = 0
 
@@ -49,10 +83,10 @@ class ServeSettings:
         path.write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, runtime_dir: str | None = None) -> "ServeSettings":
+    def load(cls, runtime_dir: str | None = None) -> ServeSettings:
         runtime_dir = runtime_dir or os.environ[RUNTIME_DIR_ENV]
         data = json.loads((Path(runtime_dir) / SETTINGS_FILE).read_text())
         known = {f.name for f in fields(cls)}
-        if isinstance(data.get("limits"), dict):   # asdict flattened it
+        if isinstance(data.get("limits"), dict):  # asdict flattened it
             data["limits"] = Limits.from_dict(data["limits"])
         return cls(**{k: v for k, v in data.items() if k in known})
