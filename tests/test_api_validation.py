@@ -1,5 +1,6 @@
 """Unit tests of the request validation layer (appliance/openai_api/validation.py): OVMS's rules and messages,
 JSON null = not set, and how defaults are filled from generation_config.json and OVMS's built-ins."""
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -7,8 +8,7 @@ from dataclasses import fields
 import pytest
 
 from appliance.openai_api.errors import ApiError
-from appliance.openai_api.validation import (Limits, parse_chat, parse_completion, parse_tokenize,
-                                             sampling_params)
+from appliance.openai_api.validation import Limits, parse_chat, parse_completion, parse_tokenize, sampling_params
 
 MODEL = "m"
 
@@ -33,14 +33,23 @@ def error_of(fn, *args, **kwargs) -> ApiError:
 COMMON_ERRORS = [
     ({"stream": "yes"}, "Stream is not bool", "stream"),
     ({"stream": 1}, "Stream is not bool", "stream"),
-    ({"stream_options": {"include_usage": True}}, "stream_options provided, but stream not set to true",
-     "stream_options"),
+    (
+        {"stream_options": {"include_usage": True}},
+        "stream_options provided, but stream not set to true",
+        "stream_options",
+    ),
     ({"stream": False, "stream_options": {}}, "stream_options provided, but stream not set to true", "stream_options"),
     ({"stream": True, "stream_options": [1]}, "stream_options is not an object", "stream_options"),
-    ({"stream": True, "stream_options": {"include_usage": True, "other": 1}},
-     "Found unexpected stream options. Properties accepted in stream_options: include_usage", "stream_options"),
-    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage is not a boolean",
-     "stream_options"),
+    (
+        {"stream": True, "stream_options": {"include_usage": True, "other": 1}},
+        "Found unexpected stream options. Properties accepted in stream_options: include_usage",
+        "stream_options",
+    ),
+    (
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+        "stream_options.include_usage is not a boolean",
+        "stream_options",
+    ),
     ({"ignore_eos": "no"}, "ignore_eos accepts values true or false", "ignore_eos"),
     ({"max_tokens": -1}, "max_tokens is not an unsigned integer", "max_tokens"),
     ({"max_tokens": 2.5}, "max_tokens is not an unsigned integer", "max_tokens"),
@@ -72,10 +81,16 @@ COMMON_ERRORS = [
     ({"stop": ["a", 1]}, "stop array contains non string element", "stop"),
     ({"stop": 5}, "stop is not a string or array of strings", "stop"),
     ({"stop": {"a": 1}}, "stop is not a string or array of strings", "stop"),
-    ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output accepts values true or false",
-     "include_stop_str_in_output"),
-    ({"stream": True, "include_stop_str_in_output": False},
-     "include_stop_str_in_output cannot be set to false if streaming is used", "include_stop_str_in_output"),
+    (
+        {"include_stop_str_in_output": "yes"},
+        "include_stop_str_in_output accepts values true or false",
+        "include_stop_str_in_output",
+    ),
+    (
+        {"stream": True, "include_stop_str_in_output": False},
+        "include_stop_str_in_output cannot be set to false if streaming is used",
+        "include_stop_str_in_output",
+    ),
     ({"best_of": 0}, "best_of value should be greater than 0", "best_of"),
     ({"best_of": 21}, "best_of exceeds limit provided in graph config: 20", "best_of"),
     ({"best_of": 2, "stream": True}, "best_of cannot be used in streaming mode", "best_of"),
@@ -99,8 +114,7 @@ COMMON_ERRORS = [
 def test_common_rules(parse, fields, message, param):
     err = error_of(parse, **fields)
     assert (err.message, err.param) == (message, param)
-    assert err.body() == {"error": {"message": message, "type": "invalid_request_error", "param": param,
-                                    "code": None}}
+    assert err.body() == {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
 
 
 COMPLETION_ERRORS = [
@@ -115,10 +129,14 @@ COMPLETION_ERRORS = [
     ({"prompt": []}, "prompt is empty"),
     ({"prompt": [[]]}, "prompt is empty"),
     ({"prompt": ["a", ""]}, "prompt is empty"),
-    ({"prompt": 5}, "prompt is not a string, an array of strings, an array of token ids or an array of arrays of "
-                    "token ids"),
-    ({"prompt": ["a", 1]}, "prompt is not a string, an array of strings, an array of token ids or an array of "
-                           "arrays of token ids"),
+    (
+        {"prompt": 5},
+        "prompt is not a string, an array of strings, an array of token ids or an array of arrays of token ids",
+    ),
+    (
+        {"prompt": ["a", 1]},
+        "prompt is not a string, an array of strings, an array of token ids or an array of arrays of token ids",
+    ),
     ({"prompt": [[1, -2]]}, "prompt token ids must be non-negative integers"),
     ({"prompt": [[1, "a"]]}, "prompt token ids must be non-negative integers"),
 ]
@@ -137,8 +155,10 @@ CHAT_ERRORS = [
     ({"messages": ["hi"]}, "message is not an object"),
     ({"messages": [{"content": "hi"}]}, "message role is missing or not a string"),
     ({"messages": [{"role": "user", "content": 5}]}, "message content is not a string or an array of text parts"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "only text content parts are supported"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "only text content parts are supported",
+    ),
 ]
 
 
@@ -147,27 +167,36 @@ def test_chat_message_rules(fields, message):
     assert error_of(parse_chat, {"model": MODEL, **fields}).message == message
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"max_tokens": 0}, "max_tokens value should be greater than 0"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens value should be greater than 0"),
-    ({"max_completion_tokens": -3}, "max_completion_tokens is not an unsigned integer"),
-    ({"logprobs": 1}, "logprobs accepts values true or false"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs out of range [0, 20]"),
-    ({"top_logprobs": 2}, "top_logprobs requires logprobs to be true"),
-    ({"response_format": {"type": "json_object"}}, 'response_format other than {"type": "text"} is not supported yet'),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported yet"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"max_tokens": 0}, "max_tokens value should be greater than 0"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens value should be greater than 0"),
+        ({"max_completion_tokens": -3}, "max_completion_tokens is not an unsigned integer"),
+        ({"logprobs": 1}, "logprobs accepts values true or false"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs out of range [0, 20]"),
+        ({"top_logprobs": 2}, "top_logprobs requires logprobs to be true"),
+        (
+            {"response_format": {"type": "json_object"}},
+            'response_format other than {"type": "text"} is not supported yet',
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported yet"),
+    ],
+)
 def test_chat_rules(fields, message):
     assert error_of(chat, **fields).message == message
 
 
-@pytest.mark.parametrize("body,message", [
-    ([1, 2], "Received json is not an object"),
-    ("text", "Received json is not an object"),
-    ({"prompt": "hi"}, "model missing in request"),
-    ({"model": None, "prompt": "hi"}, "model missing in request"),
-    ({"model": 5, "prompt": "hi"}, "model is not a string"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ([1, 2], "Received json is not an object"),
+        ("text", "Received json is not an object"),
+        ({"prompt": "hi"}, "model missing in request"),
+        ({"model": None, "prompt": "hi"}, "model missing in request"),
+        ({"model": 5, "prompt": "hi"}, "model is not a string"),
+    ],
+)
 def test_body_and_model(body, message):
     assert error_of(parse_completion, body).message == message
     assert error_of(parse_chat, body).message == message
@@ -182,21 +211,57 @@ def test_configured_max_tokens_limit():
 
 def test_stop_limit_is_configurable_and_16_is_fine():
     assert len(completion(stop=[f"s{i}" for i in range(16)]).gen.stop) == 16
-    assert error_of(parse_completion, {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c"]},
-                    Limits(stop_strings=2)).message == "stop array must have no more than 2 strings"
+    assert (
+        error_of(
+            parse_completion, {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c"]}, Limits(stop_strings=2)
+        ).message
+        == "stop array must have no more than 2 strings"
+    )
 
 
 # ---------------------------------------------------------------- accepted forms, nulls, unknown fields
 
+
 def test_every_optional_field_accepts_null_as_not_set():
-    optional = ["stream", "stream_options", "ignore_eos", "max_tokens", "frequency_penalty", "presence_penalty",
-                "repetition_penalty", "length_penalty", "temperature", "top_p", "min_p", "top_k", "seed", "stop",
-                "include_stop_str_in_output", "best_of", "n", "skip_special_tokens", "stop_token_ids", "min_tokens",
-                "logit_bias", "timeout", "user"]
+    optional = [
+        "stream",
+        "stream_options",
+        "ignore_eos",
+        "max_tokens",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "temperature",
+        "top_p",
+        "min_p",
+        "top_k",
+        "seed",
+        "stop",
+        "include_stop_str_in_output",
+        "best_of",
+        "n",
+        "skip_special_tokens",
+        "stop_token_ids",
+        "min_tokens",
+        "logit_bias",
+        "timeout",
+        "user",
+    ]
     nulls = {name: None for name in optional}
     assert completion(**nulls, echo=None, logprobs=None) == completion()
-    assert chat(**nulls, logprobs=None, top_logprobs=None, max_completion_tokens=None, response_format=None,
-                tools=None, tool_choice=None) == chat()
+    assert (
+        chat(
+            **nulls,
+            logprobs=None,
+            top_logprobs=None,
+            max_completion_tokens=None,
+            response_format=None,
+            tools=None,
+            tool_choice=None,
+        )
+        == chat()
+    )
 
 
 def test_stream_options_null_include_usage_and_false_stream():
@@ -205,12 +270,15 @@ def test_stream_options_null_include_usage_and_false_stream():
     assert completion(stream=True, stream_options={}).gen.include_usage is False
 
 
-@pytest.mark.parametrize("prompt,expected", [
-    ("hello", ("hello",)),
-    (["a", "b"], ("a", "b")),
-    ([1, 2, 3], ((1, 2, 3),)),
-    ([[1, 2], [3]], ((1, 2), (3,))),
-])
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        ("hello", ("hello",)),
+        (["a", "b"], ("a", "b")),
+        ([1, 2, 3], ((1, 2, 3),)),
+        ([[1, 2], [3]], ((1, 2), (3,))),
+    ],
+)
 def test_prompt_forms(prompt, expected):
     assert completion(prompt=prompt).prompts == expected
 
@@ -240,9 +308,15 @@ def test_best_of_one_and_n_default():
 
 
 def test_chat_content_parts_are_joined_and_null_content_is_empty():
-    req = parse_chat({"model": MODEL, "messages": [
-        {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "name": "bot"}]})
+    req = parse_chat(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "name": "bot"},
+            ],
+        }
+    )
     assert req.messages == ({"role": "system", "content": "a\nb"}, {"role": "assistant", "content": "", "name": "bot"})
 
 
@@ -260,8 +334,9 @@ def test_tokenize_forms():
     req = parse_tokenize({"model": MODEL, "prompt": ["x", "y"]})
     assert (req.prompts, req.batched) == (("x", "y"), True)
     assert error_of(parse_tokenize, {"model": MODEL}).message == "prompt is missing"
-    assert error_of(parse_tokenize, {"model": MODEL, "prompt": 3}).message == \
-        "prompt is not a string or array of strings"
+    assert (
+        error_of(parse_tokenize, {"model": MODEL, "prompt": 3}).message == "prompt is not a string or array of strings"
+    )
 
 
 def test_non_finite_numbers_are_rejected():
@@ -270,10 +345,11 @@ def test_non_finite_numbers_are_rejected():
 
 # ---------------------------------------------------------------- defaults
 
+
 def test_builtin_defaults_are_greedy_and_unbounded():
     sp = sampling_params(completion().gen, {})
     assert (sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty) == (0.0, -1, 1.0, 1.0)
-    assert sp.max_tokens is None            # until EOS or the context is full
+    assert sp.max_tokens is None  # until EOS or the context is full
     assert sp.include_stop_str_in_output is False
     assert sp.skip_special_tokens is True and sp.seed is None and sp.logprobs is None
 
@@ -296,7 +372,7 @@ def test_generation_config_defaults_apply_before_builtins():
 def test_generation_config_temperature_needs_do_sample():
     sp = sampling_params(completion().gen, {"temperature": 0.6, "top_k": 0})
     assert (sp.temperature, sp.top_k) == (0.0, -1)
-    assert sampling_params(completion(temperature=1.0).gen, {"top_k": 0}).top_k == -1   # HF 0 = disabled
+    assert sampling_params(completion(temperature=1.0).gen, {"top_k": 0}).top_k == -1  # HF 0 = disabled
 
 
 def test_include_stop_str_defaults_follow_streaming():
@@ -306,23 +382,42 @@ def test_include_stop_str_defaults_follow_streaming():
 
 
 def test_request_values_reach_sampling_params():
-    gen = completion(max_tokens=7, seed=3, stop=["x"], stop_token_ids=[9], ignore_eos=True, min_tokens=2,
-                     logit_bias={"5": -100}, logprobs=2, presence_penalty=0.5, frequency_penalty=-0.5,
-                     skip_special_tokens=False, n=2).gen
+    gen = completion(
+        max_tokens=7,
+        seed=3,
+        stop=["x"],
+        stop_token_ids=[9],
+        ignore_eos=True,
+        min_tokens=2,
+        logit_bias={"5": -100},
+        logprobs=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        skip_special_tokens=False,
+        n=2,
+    ).gen
     sp = sampling_params(gen, {})
-    assert (sp.max_tokens, sp.seed, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.min_tokens) == \
-        (7, 3, ["x"], [9], True, 2)
+    assert (sp.max_tokens, sp.seed, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.min_tokens) == (
+        7,
+        3,
+        ["x"],
+        [9],
+        True,
+        2,
+    )
     assert (sp.logit_bias, sp.logprobs, sp.presence_penalty, sp.frequency_penalty) == ({5: -100.0}, 2, 0.5, -0.5)
     assert sp.skip_special_tokens is False
-    assert sp.n == 1 and gen.n == 2    # n choices are n independent submissions
+    assert sp.n == 1 and gen.n == 2  # n choices are n independent submissions
 
 
 # ---------------------------------------------------------------- the HTTP edge around validation (app.py)
 # A stub engine client stands in for the engine process: these check what the app itself decides.
 
+
 class StubEngine:
     def __init__(self, state: str = "ready", fail_with: Exception | None = None):
         from appliance.server.protocol import EngineStatus
+
         self._status = EngineStatus(state, max_context=64, vocab_size=100)
         self.fail_with = fail_with
         self.records = []
@@ -340,6 +435,7 @@ class StubEngine:
 def edge(engine: StubEngine, **settings):
     from appliance.openai_api.app import create_app
     from appliance.server.settings import ServeSettings
+
     app = create_app(ServeSettings(model_dir="unused", served_model_name=MODEL, model_created=1, **settings), engine)
     return app.test_client()
 
@@ -348,8 +444,9 @@ def test_unexpected_errors_are_500_without_internals():
     engine = StubEngine(fail_with=RuntimeError("secret internal detail"))
     r = edge(engine).post("/v3/completions", json={"model": MODEL, "prompt": "hi"})
     assert r.status_code == 500
-    assert r.get_json() == {"error": {"message": "Internal server error", "type": "server_error", "param": None,
-                                      "code": "internal_error"}}
+    assert r.get_json() == {
+        "error": {"message": "Internal server error", "type": "server_error", "param": None, "code": "internal_error"}
+    }
     assert b"secret" not in r.data and b"Traceback" not in r.data
     assert engine.records[-1].status == 500 and engine.records[-1].error_type == "server_error"
 
@@ -388,11 +485,13 @@ def test_api_key_guards_everything_but_health_probes(tmp_path):
 
 # ---------------------------------------------------------------- the limits table (appliance/limits.py)
 
+
 def test_limits_table_in_docs_is_the_declared_one():
     """docs/serving.md's Limits table is exactly `limits_table()`: every field, its default and its flag."""
     from pathlib import Path
 
     from appliance.limits import limits_table
+
     doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
     assert limits_table() in doc, "regenerate the table: python -m appliance.limits"
     rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip() for line in limits_table().splitlines()[2:]}
@@ -402,6 +501,7 @@ def test_limits_table_in_docs_is_the_declared_one():
 
 def test_limit_flags_derive_from_the_fields(monkeypatch):
     from appliance import cli, limits
+
     for f in limits.flag_fields():
         kind, default, help_text = cli.SERVE_OPTIONS[f.metadata["flag"]]
         assert (default, help_text) == (f.default, f.metadata["help"])
@@ -416,8 +516,15 @@ def test_limit_flags_derive_from_the_fields(monkeypatch):
 
 def test_settings_round_trip_rebuilds_limits(tmp_path):
     from appliance.server.settings import ServeSettings
-    s = ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1, runtime_dir=str(tmp_path),
-                      limits=Limits(prompts=7, length_penalty=3.0), max_queued=9)
+
+    s = ServeSettings(
+        model_dir="x",
+        served_model_name=MODEL,
+        model_created=1,
+        runtime_dir=str(tmp_path),
+        limits=Limits(prompts=7, length_penalty=3.0),
+        max_queued=9,
+    )
     s.save()
     loaded = ServeSettings.load(str(tmp_path))
     assert loaded == s and isinstance(loaded.limits, Limits) and loaded.limits.prompts == 7
@@ -441,19 +548,18 @@ BOUND_ERRORS = [
     ({"stop": ["x" * 257]}, "stop strings must be at most 256 characters long", "stop"),
     ({"stop": "x" * 257}, "stop strings must be at most 256 characters long", "stop"),
     ({"stop_token_ids": list(range(65))}, "stop_token_ids must have no more than 64 token ids", "stop_token_ids"),
-    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias must have no more than 300 entries",
-     "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias must have no more than 300 entries", "logit_bias"),
     ({"logit_bias": {"01": 1}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"logit_bias": {"+1": 1}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"logit_bias": {" 1": 1}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"logit_bias": {"1 ": 1}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"logit_bias": {"1_0": 1}}, "logit_bias keys must be token ids", "logit_bias"),
-    ({"logit_bias": {"\u0661": 1}}, "logit_bias keys must be token ids", "logit_bias"),   # Arabic-Indic one
+    ({"logit_bias": {"\u0661": 1}}, "logit_bias keys must be token ids", "logit_bias"),  # Arabic-Indic one
     ({"logit_bias": {"4294967296": 1}}, "logit_bias keys must be token ids", "logit_bias"),
-    ({"logit_bias": {"1": 10 ** 400}}, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
+    ({"logit_bias": {"1": 10**400}}, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
     ({"logit_bias": {"1": True}}, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
     ({"top_k": 4294967296}, "top_k must be -1 (all tokens) or a positive integer", "top_k"),
-    ({"min_tokens": 10 ** 400}, "min_tokens is not an unsigned integer", "min_tokens"),
+    ({"min_tokens": 10**400}, "min_tokens is not an unsigned integer", "min_tokens"),
 ]
 
 
@@ -465,8 +571,14 @@ def test_bounds(parse, fields_, message, param):
 
 
 def test_bounds_accept_their_edges():
-    gen = completion(length_penalty=-10, repetition_penalty=10, timeout=86400, stop=["x" * 256],
-                     stop_token_ids=list(range(64)), logit_bias={str(i): -100 for i in range(300)}).gen
+    gen = completion(
+        length_penalty=-10,
+        repetition_penalty=10,
+        timeout=86400,
+        stop=["x" * 256],
+        stop_token_ids=list(range(64)),
+        logit_bias={str(i): -100 for i in range(300)},
+    ).gen
     assert gen.length_penalty == -10.0 and len(gen.stop_token_ids) == 64 and len(gen.logit_bias) == 300
     assert completion(logit_bias={"0": 1, "10": 2}).gen.logit_bias == ((0, 1.0), (10, 2.0))
     assert completion(stop_token_ids=[5, 5, 6]).gen.stop_token_ids == (5, 6)
@@ -475,39 +587,46 @@ def test_bounds_accept_their_edges():
 
 def test_float_ranges_follow_the_limits():
     limits = Limits(length_penalty=1.0, temperature=1.0, penalty=0.5, repetition_penalty=2.0, timeout=5.0)
-    for field_, value, message in [("length_penalty", 1.5, "length_penalty out of range(-1.0, 1.0)"),
-                                   ("temperature", 1.5, "temperature out of range(0.0, 1.0)"),
-                                   ("presence_penalty", -0.6, "presence_penalty out of range(-0.5, 0.5)"),
-                                   ("repetition_penalty", 2.5, "repetition_penalty out of range(0.0, 2.0]"),
-                                   ("timeout", 6, "timeout must be at most 5 seconds")]:
+    for field_, value, message in [
+        ("length_penalty", 1.5, "length_penalty out of range(-1.0, 1.0)"),
+        ("temperature", 1.5, "temperature out of range(0.0, 1.0)"),
+        ("presence_penalty", -0.6, "presence_penalty out of range(-0.5, 0.5)"),
+        ("repetition_penalty", 2.5, "repetition_penalty out of range(0.0, 2.0]"),
+        ("timeout", 6, "timeout must be at most 5 seconds"),
+    ]:
         body = {"model": MODEL, "prompt": "x", field_: value}
         assert error_of(parse_completion, body, limits).message == message
 
 
-@pytest.mark.parametrize("field_", ["temperature", "top_p", "min_p", "length_penalty", "repetition_penalty",
-                                    "frequency_penalty", "timeout"])
+@pytest.mark.parametrize(
+    "field_", ["temperature", "top_p", "min_p", "length_penalty", "repetition_penalty", "frequency_penalty", "timeout"]
+)
 def test_huge_integers_in_number_fields_are_400(field_):
-    err = error_of(completion, **{field_: 10 ** 400})
+    err = error_of(completion, **{field_: 10**400})
     assert err.param == field_
-    assert error_of(completion, **{field_: -(10 ** 400)}).param == field_
+    assert error_of(completion, **{field_: -(10**400)}).param == field_
 
 
 @pytest.mark.parametrize("field_", ["max_tokens", "n", "best_of", "seed", "logprobs", "top_k", "min_tokens"])
 def test_huge_integers_in_integer_fields_are_400(field_):
-    assert error_of(completion, **{field_: 10 ** 400}).param == field_
+    assert error_of(completion, **{field_: 10**400}).param == field_
 
 
 def test_prompt_count_is_bounded():
     assert len(completion(prompt=["a"] * 256).prompts) == 256
     assert error_of(completion, prompt=["a"] * 257).message == "prompt array must have no more than 256 prompts"
     assert error_of(completion, prompt=[[1]] * 257).param == "prompt"
-    assert len(completion(prompt=list(range(1000))).prompts) == 1   # token ids of one prompt are not prompts
+    assert len(completion(prompt=list(range(1000))).prompts) == 1  # token ids of one prompt are not prompts
     limits = Limits(prompts=2)
-    assert error_of(parse_completion, {"model": MODEL, "prompt": ["a", "b", "c"]}, limits).message == \
-        "prompt array must have no more than 2 prompts"
+    assert (
+        error_of(parse_completion, {"model": MODEL, "prompt": ["a", "b", "c"]}, limits).message
+        == "prompt array must have no more than 2 prompts"
+    )
     assert len(parse_tokenize({"model": MODEL, "prompt": ["a"] * 256}).prompts) == 256
-    assert error_of(parse_tokenize, {"model": MODEL, "prompt": ["a"] * 257}).message == \
-        "prompt array must have no more than 256 prompts"
+    assert (
+        error_of(parse_tokenize, {"model": MODEL, "prompt": ["a"] * 257}).message
+        == "prompt array must have no more than 256 prompts"
+    )
     assert error_of(parse_tokenize, {"model": MODEL, "prompt": ["a"] * 3}, limits).param == "prompt"
 
 
@@ -523,7 +642,7 @@ def test_n_times_prompts_past_max_queued_is_400_before_anything_is_built():
     assert info.value.status == 400
     # beam search queues one sequence per prompt, whatever n is
     assert parse_completion({"model": MODEL, "prompt": ["a"] * 8, "n": 3, "best_of": 3}, limits).gen.n == 3
-    assert parse_completion({"model": MODEL, "prompt": ["a"] * 100, "n": 20}).gen.n == 20   # no max_queued known
+    assert parse_completion({"model": MODEL, "prompt": ["a"] * 100, "n": 20}).gen.n == 20  # no max_queued known
 
 
 def test_queue_check_on_the_http_edge_never_reaches_the_engine():
@@ -539,26 +658,32 @@ def test_queue_check_on_the_http_edge_never_reaches_the_engine():
 SURROGATE = "\ud800"
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": SURROGATE},
-    {"prompt": ["ok", "a" + SURROGATE]},
-    {"prompt": "x", "stop": [SURROGATE]},
-    {"prompt": "x", "user": SURROGATE},
-    {"prompt": "x", "metadata": {"k": [SURROGATE]}},
-    {"prompt": "x", "metadata": {SURROGATE: 1}},
-    {"prompt": "x", "logit_bias": {SURROGATE: 1}},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": SURROGATE},
+        {"prompt": ["ok", "a" + SURROGATE]},
+        {"prompt": "x", "stop": [SURROGATE]},
+        {"prompt": "x", "user": SURROGATE},
+        {"prompt": "x", "metadata": {"k": [SURROGATE]}},
+        {"prompt": "x", "metadata": {SURROGATE: 1}},
+        {"prompt": "x", "logit_bias": {SURROGATE: 1}},
+    ],
+)
 def test_lone_surrogates_are_400_in_completions(body):
     err = error_of(parse_completion, {"model": MODEL, **body})
     assert "lone surrogate" in err.message and err.param in body
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": SURROGATE}],
-    [{"role": SURROGATE, "content": "x"}],
-    [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}],
-    [{"role": "user", "content": "x", "name": SURROGATE}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": SURROGATE}],
+        [{"role": SURROGATE, "content": "x"}],
+        [{"role": "user", "content": [{"type": "text", "text": SURROGATE}]}],
+        [{"role": "user", "content": "x", "name": SURROGATE}],
+    ],
+)
 def test_lone_surrogates_are_400_in_chat_and_tokenize(messages):
     err = error_of(parse_chat, {"model": MODEL, "messages": messages})
     assert "lone surrogate" in err.message and err.param == "messages"
@@ -568,8 +693,9 @@ def test_lone_surrogates_are_400_in_chat_and_tokenize(messages):
 
 def test_surrogate_pairs_are_fine():
     import json
-    body = json.loads('{"model": "m", "prompt": "\\ud83d\\ude00"}')   # an escaped pair: one emoji
-    assert parse_completion(body).prompts == ("\U0001F600",)
+
+    body = json.loads('{"model": "m", "prompt": "\\ud83d\\ude00"}')  # an escaped pair: one emoji
+    assert parse_completion(body).prompts == ("\U0001f600",)
 
 
 def test_deep_nesting_is_400():
@@ -579,26 +705,58 @@ def test_deep_nesting_is_400():
     err = error_of(completion, metadata=nested)
     assert err.param == "metadata" and "deeper than 32" in err.message
     shallow: object = "x"
-    for _ in range(30):   # body (1) + 31 levels: fine
+    for _ in range(30):  # body (1) + 31 levels: fine
         shallow = {"a": shallow}
     assert completion(metadata=shallow).gen.unknown == ("metadata",)
-    assert error_of(parse_completion, {"model": MODEL, "prompt": "x", "metadata": [[[1]]]}, Limits(depth=3)).param \
+    assert (
+        error_of(parse_completion, {"model": MODEL, "prompt": "x", "metadata": [[[1]]]}, Limits(depth=3)).param
         == "metadata"
+    )
 
 
 def test_wrong_types_everywhere_are_400():
     """Every field, given every JSON type: a 400 (or accepted), never another exception."""
-    samples = [None, True, 0, -1, 1.5, 10 ** 400, "s", "", [], [1], ["a"], [[1]], {}, {"a": 1}, [None], [{}]]
-    names = ["model", "prompt", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-             "temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
-             "repetition_penalty", "length_penalty", "stop", "stop_token_ids", "include_stop_str_in_output",
-             "ignore_eos", "min_tokens", "logit_bias", "skip_special_tokens", "n", "best_of", "timeout", "echo",
-             "logprobs", "top_logprobs", "response_format", "tools"]
+    samples = [None, True, 0, -1, 1.5, 10**400, "s", "", [], [1], ["a"], [[1]], {}, {"a": 1}, [None], [{}]]
+    names = [
+        "model",
+        "prompt",
+        "messages",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "stop",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "min_tokens",
+        "logit_bias",
+        "skip_special_tokens",
+        "n",
+        "best_of",
+        "timeout",
+        "echo",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+        "tools",
+    ]
     for name in names:
         for value in samples:
-            for parse, base in ((parse_completion, {"model": MODEL, "prompt": "hi"}),
-                                (parse_chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
-                                (parse_tokenize, {"model": MODEL, "prompt": "hi"})):
+            for parse, base in (
+                (parse_completion, {"model": MODEL, "prompt": "hi"}),
+                (parse_chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+                (parse_tokenize, {"model": MODEL, "prompt": "hi"}),
+            ):
                 try:
                     parse({**base, name: value})
                 except ApiError as exc:
@@ -606,20 +764,35 @@ def test_wrong_types_everywhere_are_400():
 
 
 def test_chat_messages_keep_only_template_fields():
-    req = parse_chat({"model": MODEL, "messages": [
-        {"role": "user", "content": "hi", "name": "ann", "extra": {"deep": [1, 2]}, "audio": None},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-                                                               "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
+    req = parse_chat(
+        {
+            "model": MODEL,
+            "messages": [
+                {"role": "user", "content": "hi", "name": "ann", "extra": {"deep": [1, 2]}, "audio": None},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                },
+                {"role": "tool", "content": "42", "tool_call_id": "c1"},
+            ],
+        }
+    )
     assert req.messages == (
         {"role": "user", "content": "hi", "name": "ann"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
-                                                             "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "content": "42", "tool_call_id": "c1"})
-    for message, text in [({"name": 5}, "message name is not a string"),
-                          ({"tool_call_id": ["x"]}, "message tool_call_id is not a string"),
-                          ({"tool_calls": {"id": 1}}, "message tool_calls is not an array of objects"),
-                          ({"tool_calls": ["x"]}, "message tool_calls is not an array of objects")]:
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    )
+    for message, text in [
+        ({"name": 5}, "message name is not a string"),
+        ({"tool_call_id": ["x"]}, "message tool_call_id is not a string"),
+        ({"tool_calls": {"id": 1}}, "message tool_calls is not an array of objects"),
+        ({"tool_calls": ["x"]}, "message tool_calls is not an array of objects"),
+    ]:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "x", **message}]}
         assert error_of(parse_chat, body).message == text
 
@@ -634,9 +807,10 @@ def test_message_count_is_bounded():
 # A stub engine (tokenizer, vocabulary, submit) stands in for the runtime: these check what the service decides
 # after tokenization, before anything is queued.
 
+
 class StubTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        text.encode("utf-8")   # as tokenizers: a lone surrogate is refused (there a TypeError)
+        text.encode("utf-8")  # as tokenizers: a lone surrogate is refused (there a TypeError)
         if "\x00" in text:
             raise TypeError("TextInputSequence must be str")
         return [1] * len(text)
@@ -648,6 +822,7 @@ class StubTokenizer:
 class StubRuntime:
     def __init__(self):
         from types import SimpleNamespace
+
         self.tokenizer = StubTokenizer()
         self.manifest = SimpleNamespace(vocab_size=100)
         self.submitted = []
@@ -663,17 +838,25 @@ class SimpleHandle:
 
 
 def submit(job_fields: dict, params_fields: dict, limits: Limits = Limits()):
-    from appliance.metrics import ServerMetrics
     from appliance.params import SamplingParams
     from appliance.server import engine_service as es
+    from appliance.server.metrics import ServerMetrics
     from appliance.server.protocol import Job, PromptSpec
     from appliance.server.settings import ServeSettings
-    service = es.EngineService(ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1,
-                                             limits=limits), ServerMetrics())
+
+    service = es.EngineService(
+        ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1, limits=limits), ServerMetrics()
+    )
     runtime = StubRuntime()
     service.engine = runtime
-    job = Job(**{"request_id": "r", "prompts": [PromptSpec(text="hello")],
-                 "params": SamplingParams(max_tokens=2, **params_fields), **job_fields})
+    job = Job(
+        **{
+            "request_id": "r",
+            "prompts": [PromptSpec(text="hello")],
+            "params": SamplingParams(max_tokens=2, **params_fields),
+            **job_fields,
+        }
+    )
     try:
         return service._submit(job), runtime
     except es._Rejected as exc:
@@ -690,6 +873,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_400():
 
 def test_tokenizer_errors_are_400_not_a_dropped_connection():
     from appliance.server.protocol import PromptSpec
+
     for text in ("bad\x00text", "\ud800"):
         failed, runtime = submit({"prompts": [PromptSpec(text=text)]}, {})
         assert (failed.status, failed.param) == (400, "prompt") and "cannot be tokenized" in failed.message
@@ -698,14 +882,17 @@ def test_tokenizer_errors_are_400_not_a_dropped_connection():
 
 def test_echo_logprobs_volume_is_bounded_after_tokenization():
     from appliance.server.protocol import PromptSpec
+
     limits = Limits(prompt_logprobs=1000)
     # 100 prompt tokens x (1 + 4) x n 2 = 1000: fits; one token more does not
-    (handles, _), _ = submit({"prompts": [PromptSpec(text="x" * 100)], "n": 2, "echo": True},
-                             {"prompt_logprobs": 4, "logprobs": 4}, limits)
+    (handles, _), _ = submit(
+        {"prompts": [PromptSpec(text="x" * 100)], "n": 2, "echo": True}, {"prompt_logprobs": 4, "logprobs": 4}, limits
+    )
     assert len(handles) == 2
-    failed, runtime = submit({"prompts": [PromptSpec(text="x" * 101)], "n": 2, "echo": True},
-                             {"prompt_logprobs": 4, "logprobs": 4}, limits)
+    failed, runtime = submit(
+        {"prompts": [PromptSpec(text="x" * 101)], "n": 2, "echo": True}, {"prompt_logprobs": 4, "logprobs": 4}, limits
+    )
     assert (failed.status, failed.param) == (400, "logprobs") and "1010" in failed.message
     assert not runtime.submitted
-    (handles, _), _ = submit({"prompts": [PromptSpec(text="x" * 5000)]}, {}, limits)   # no echo logprobs: no bound
+    (handles, _), _ = submit({"prompts": [PromptSpec(text="x" * 5000)]}, {}, limits)  # no echo logprobs: no bound
     assert len(handles) == 1

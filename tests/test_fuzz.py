@@ -15,6 +15,7 @@ or queued, no KV block held, and the same greedy answer as before the fuzzing.
 
 This module is also schemathesis's hooks module in that subprocess (SCHEMATHESIS_HOOKS=test_fuzz): see the end.
 """
+
 from __future__ import annotations
 
 import copy
@@ -30,11 +31,16 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC_PATH = ROOT / "docs" / "openapi.json"
-SEED = int(os.environ.get("APPLIANCE_FUZZ_SEED", "20261122"))           # fixed: CI runs are reproducible
-EXAMPLES = int(os.environ.get("APPLIANCE_FUZZ_EXAMPLES", "40"))         # per operation; raise it for a long hunt
+SEED = int(os.environ.get("APPLIANCE_FUZZ_SEED", "20261122"))  # fixed: CI runs are reproducible
+EXAMPLES = int(os.environ.get("APPLIANCE_FUZZ_EXAMPLES", "40"))  # per operation; raise it for a long hunt
 FUZZ_MAX_TOKENS = 8
-CHECKS_COMMON = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
-                 "response_schema_conformance", "appliance_generation"]
+CHECKS_COMMON = [
+    "not_a_server_error",
+    "status_code_conformance",
+    "content_type_conformance",
+    "response_schema_conformance",
+    "appliance_generation",
+]
 
 
 def load_doc() -> dict:
@@ -42,6 +48,7 @@ def load_doc() -> dict:
 
 
 # ---------------------------------------------------------------- the document itself (fast, no server)
+
 
 def test_openapi_document_is_valid_openapi_3_1():
     from jsonschema import Draft202012Validator
@@ -53,13 +60,13 @@ def test_openapi_document_is_valid_openapi_3_1():
 
     doc = load_doc()
     assert doc["openapi"].startswith("3.1.")
-    validate(doc, cls=OpenAPIV31SpecValidator)   # raises on any error, $refs included
+    validate(doc, cls=OpenAPIV31SpecValidator)  # raises on any error, $refs included
     assert doc["info"]["version"] == appliance.__version__
-    for name, schema in doc["components"]["schemas"].items():
-        Draft202012Validator.check_schema(schema)   # each schema is a valid JSON Schema 2020-12 one
+    for schema in doc["components"]["schemas"].values():
+        Draft202012Validator.check_schema(schema)  # each schema is a valid JSON Schema 2020-12 one
     # the documented request examples are valid requests, by the document
-    for path, item in doc["paths"].items():
-        for method, op in item.items():
+    for item in doc["paths"].values():
+        for op in item.values():
             media = op.get("requestBody", {}).get("content", {}).get("application/json")
             if media and "example" in media:
                 Draft202012Validator({**media["schema"], "components": doc["components"]}).validate(media["example"])
@@ -70,7 +77,7 @@ def test_openapi_document_is_valid_openapi_3_1():
     with pytest.raises(SchemaError):
         Draft202012Validator.check_schema(broken["components"]["schemas"]["Usage"])
     broken = copy.deepcopy(doc)
-    broken["paths"]["/v1/completions"]["post"]["operationId"] = "createCompletion"   # an alias copied carelessly
+    broken["paths"]["/v1/completions"]["post"]["operationId"] = "createCompletion"  # an alias copied carelessly
     with pytest.raises(OpenAPIValidationError, match="not unique"):
         validate(broken, cls=OpenAPIV31SpecValidator)
     broken = copy.deepcopy(doc)
@@ -86,11 +93,17 @@ def test_openapi_paths_are_the_routes_the_app_serves():
     from appliance.server.settings import ServeSettings
 
     app = create_app(ServeSettings(model_dir="unused", served_model_name="m", model_created=1), client=object())
-    served = {(re.sub(r"<[^>]+>", "{}", rule.rule), method.lower())
-              for rule in app.url_map.iter_rules() if rule.endpoint != "static"
-              for method in rule.methods - {"HEAD", "OPTIONS"}}
-    documented = {(re.sub(r"{[^}]+}", "{}", path), method)   # path variables are named differently
-                  for path, item in load_doc()["paths"].items() for method in item}
+    served = {
+        (re.sub(r"<[^>]+>", "{}", rule.rule), method.lower())
+        for rule in app.url_map.iter_rules()
+        if rule.endpoint != "static"
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    documented = {
+        (re.sub(r"{[^}]+}", "{}", path), method)  # path variables are named differently
+        for path, item in load_doc()["paths"].items()
+        for method in item
+    }
     assert documented == served
 
 
@@ -100,19 +113,23 @@ def test_openapi_bounds_are_the_limits():
     from dataclasses import fields
 
     from appliance.limits import Limits
+
     lim = Limits()
     s = load_doc()["components"]["schemas"]
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = s[name]["properties"]
-        assert (props["length_penalty"]["minimum"], props["length_penalty"]["maximum"]) == \
-            (-lim.length_penalty, lim.length_penalty)
+        assert (props["length_penalty"]["minimum"], props["length_penalty"]["maximum"]) == (
+            -lim.length_penalty,
+            lim.length_penalty,
+        )
         assert props["repetition_penalty"]["maximum"] == lim.repetition_penalty
         assert props["temperature"]["maximum"] == lim.temperature
         assert props["frequency_penalty"]["maximum"] == props["presence_penalty"]["maximum"] == lim.penalty
         assert props["timeout"]["maximum"] == lim.timeout
         assert props["stop"]["anyOf"][1]["maxItems"] == lim.stop_strings
-        assert props["stop"]["anyOf"][0]["maxLength"] == props["stop"]["anyOf"][1]["items"]["maxLength"] == \
-            lim.stop_chars
+        assert (
+            props["stop"]["anyOf"][0]["maxLength"] == props["stop"]["anyOf"][1]["items"]["maxLength"] == lim.stop_chars
+        )
         assert props["stop_token_ids"]["maxItems"] == lim.stop_token_ids
         assert props["logit_bias"]["maxProperties"] == lim.logit_bias
         assert (props["n"]["maximum"], props["best_of"]["maximum"]) == (lim.n, lim.best_of)
@@ -124,6 +141,7 @@ def test_openapi_bounds_are_the_limits():
 
 
 # ---------------------------------------------------------------- fuzzing the running server
+
 
 def served_model_document(doc: dict, model: str) -> dict:
     """The document with the served model as the only valid `model` and model path parameter. Else a request
@@ -147,32 +165,50 @@ def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
     d = served_model_document(doc, model)
     s = d["components"]["schemas"]
     text = {"type": "string", "minLength": 1, "maxLength": 64}
-    ids = {"type": "array", "minItems": 1, "maxItems": 16,
-           "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    ids = {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 16,
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1},
+    }
     completion, chat = s["CompletionRequest"], s["ChatCompletionRequest"]
-    completion["properties"]["prompt"] = {"anyOf": [
-        text, ids, {"type": "array", "minItems": 1, "maxItems": 3, "items": {"anyOf": [text, ids]}}]}
+    completion["properties"]["prompt"] = {
+        "anyOf": [text, ids, {"type": "array", "minItems": 1, "maxItems": 3, "items": {"anyOf": [text, ids]}}]
+    }
     completion["properties"]["max_tokens"] = {"type": "integer", "minimum": 0, "maximum": FUZZ_MAX_TOKENS}
     chat["properties"]["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": FUZZ_MAX_TOKENS}
-    chat["properties"]["max_completion_tokens"] = {"type": ["integer", "null"], "minimum": 1,
-                                                   "maximum": FUZZ_MAX_TOKENS}
+    chat["properties"]["max_completion_tokens"] = {
+        "type": ["integer", "null"],
+        "minimum": 1,
+        "maximum": FUZZ_MAX_TOKENS,
+    }
     short = {"type": "string", "maxLength": 64}
     message = chat["properties"]["messages"]
     message["maxItems"] = 4
     message["items"]["properties"]["role"]["maxLength"] = 16
-    message["items"]["properties"]["content"] = {"anyOf": [short, {"type": "null"}, {
-        "type": "array", "maxItems": 3,
-        "items": {"type": "object", "required": ["type", "text"],
-                  "properties": {"type": {"const": "text"}, "text": short}}}]}
+    message["items"]["properties"]["content"] = {
+        "anyOf": [
+            short,
+            {"type": "null"},
+            {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "required": ["type", "text"],
+                    "properties": {"type": {"const": "text"}, "text": short},
+                },
+            },
+        ]
+    }
     for request in (completion, chat):
         request["required"] = [*request["required"], "max_tokens"]
         request["properties"]["n"]["maximum"] = 3
         request["properties"]["best_of"]["maximum"] = 4
         request["properties"]["timeout"] = {"type": ["number", "null"], "minimum": 120, "maximum": 600}
         request["properties"]["logit_bias"]["propertyNames"] = {"pattern": "^(0|[1-9][0-9]{0,8})$"}
-        request["properties"]["stop_token_ids"]["items"]["maximum"] = vocab_size - 1   # else 400, engine-side
-    s["TokenizeRequest"]["properties"]["prompt"] = {"anyOf": [short, {"type": "array", "maxItems": 4,
-                                                                      "items": short}]}
+        request["properties"]["stop_token_ids"]["items"]["maximum"] = vocab_size - 1  # else 400, engine-side
+    s["TokenizeRequest"]["properties"]["prompt"] = {"anyOf": [short, {"type": "array", "maxItems": 4, "items": short}]}
     return d
 
 
@@ -180,14 +216,40 @@ def run_schemathesis(schema_path: Path, base: str, workdir: Path, *args: str) ->
     """The schemathesis CLI against `base`; returns its JSON report and its console output."""
     report = workdir / "report.json"
     config = workdir / "schemathesis.toml"
-    config.write_text("max-stream-events = 100000\n")   # read whole streams (default: the first 20 events)
-    cmd = [sys.executable, "-m", "schemathesis.cli", "--config-file", str(config), "run", str(schema_path),
-           "--url", base, "--seed", str(SEED), "--workers", "1",   # 1: hypothesis' lambda sourcing is not thread safe
-           "--request-timeout", "120", "--generation-database", "none", "--no-color",
-           "--output-sanitize", "false", "--report", "json", "--report-json-path", str(report), *args]
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "test_fuzz", "APPLIANCE_FUZZ_DOC": str(DOC_PATH),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT),
-                                                       os.environ.get("PYTHONPATH")]))}
+    config.write_text("max-stream-events = 100000\n")  # read whole streams (default: the first 20 events)
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "--config-file",
+        str(config),
+        "run",
+        str(schema_path),
+        "--url",
+        base,
+        "--seed",
+        str(SEED),
+        "--workers",
+        "1",  # 1: hypothesis' lambda sourcing is not thread safe
+        "--request-timeout",
+        "120",
+        "--generation-database",
+        "none",
+        "--no-color",
+        "--output-sanitize",
+        "false",
+        "--report",
+        "json",
+        "--report-json-path",
+        str(report),
+        *args,
+    ]
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "test_fuzz",
+        "APPLIANCE_FUZZ_DOC": str(DOC_PATH),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert report.is_file(), output[-15000:]
@@ -204,7 +266,7 @@ def assert_clean(report: dict, output: str, min_cases: int) -> None:
 @pytest.fixture(scope="module")
 def health(server, model_name):
     """The server's state before the fuzzing; `check()` asserts it is unharmed afterwards."""
-    from conftest import wait_idle   # greedy before == after holds for requests that run alone (solo greedy)
+    from conftest import wait_idle  # greedy before == after holds for requests that run alone (solo greedy)
 
     body = {"model": model_name, "prompt": "The capital of France is", "max_tokens": 8}
     wait_idle(server)
@@ -218,8 +280,11 @@ def health(server, model_name):
         assert "Traceback" not in log and "Exception in thread" not in log, log[-6000:]
         assert requests.get(server.base + "/v2/health/ready", timeout=10).status_code == 200
         m = server.metrics()
-        assert (m["appliance_running_sequences"], m["appliance_queue_depth"], m["appliance_kv_cache_blocks_used"]) \
-            == (0, 0, 0)
+        assert (m["appliance_running_sequences"], m["appliance_queue_depth"], m["appliance_kv_cache_blocks_used"]) == (
+            0,
+            0,
+            0,
+        )
         wait_idle(server)
         after = requests.post(server.base + "/v3/completions", json=body, timeout=120).json()
         assert after["choices"][0]["text"] == greedy
@@ -234,12 +299,21 @@ def test_fuzz_valid_requests(server, model_dir, model_name, health, tmp_path):
     schema = tmp_path / "openapi-fuzz.json"
     schema.write_text(json.dumps(fuzz_document(load_doc(), model_name, Manifest.load(model_dir).vocab_size)))
     report, output = run_schemathesis(
-        schema, server.base, tmp_path, "--mode", "positive", "--max-examples", str(EXAMPLES),
-        "--exclude-deprecated",   # /v3/v1/...: the same handlers again
-        "--exclude-path-regex", "^/v1/(chat/)?completions$",   # ditto, and the costly ones (the negative run has them)
-        "--checks", ",".join([*CHECKS_COMMON, "response_headers_conformance", "positive_data_acceptance"]))
+        schema,
+        server.base,
+        tmp_path,
+        "--mode",
+        "positive",
+        "--max-examples",
+        str(EXAMPLES),
+        "--exclude-deprecated",  # /v3/v1/...: the same handlers again
+        "--exclude-path-regex",
+        "^/v1/(chat/)?completions$",  # ditto, and the costly ones (the negative run has them)
+        "--checks",
+        ",".join([*CHECKS_COMMON, "response_headers_conformance", "positive_data_acceptance"]),
+    )
     assert_clean(report, output, min_cases=10 * EXAMPLES)
-    for op in ("POST /v3/completions", "POST /v3/chat/completions"):   # real generations, not just 4xx
+    for op in ("POST /v3/completions", "POST /v3/chat/completions"):  # real generations, not just 4xx
         assert report["valid_rates"][op]["fuzzing"]["accepted"] >= EXAMPLES // 2, report["valid_rates"][op]
     health()
 
@@ -249,10 +323,17 @@ def test_fuzz_invalid_requests(server, model_name, health, tmp_path):
     schema = tmp_path / "openapi-served.json"
     schema.write_text(json.dumps(served_model_document(load_doc(), model_name)))
     report, output = run_schemathesis(
-        schema, server.base, tmp_path, "--mode", "negative", "--max-examples", str(EXAMPLES),
+        schema,
+        server.base,
+        tmp_path,
+        "--mode",
+        "negative",
+        "--max-examples",
+        str(EXAMPLES),
         "--exclude-deprecated",
-        "--checks", ",".join([*CHECKS_COMMON, "negative_data_rejection", "unsupported_method",
-                              "allow_header_conformance"]))
+        "--checks",
+        ",".join([*CHECKS_COMMON, "negative_data_rejection", "unsupported_method", "allow_header_conformance"]),
+    )
     assert_clean(report, output, min_cases=20 * EXAMPLES)
     health()
 
@@ -273,18 +354,86 @@ def _nested(depth: int) -> object:
     return value
 
 
-HOSTILE = [None, True, False, 0, -1, 2 ** 31, 2 ** 64, 10 ** 400, -(10 ** 400), 1e308, -1e308, 0.5, "", "x",
-           "\ud800", "a\udfffb", "01", "+1", " 1", "\u0000", "<|im_start|>system", [], [1], [-1], ["\ud800"],
-           [[1]], [[]], ["a"] * 300, list(range(300)), {}, {"a": 1}, {"\ud800": 1}, {"01": 1}, {"1": 10 ** 400},
-           {str(i): 1 for i in range(301)}, _nested(40), _nested(900), [{"role": "user", "content": "\ud800"}],
-           [{"role": "user", "content": "x", "extra": _nested(30)}], [{"role": "user", "content": [{"type": "text"}]}],
-           [{"role": "user", "content": "x", "tool_calls": "x"}], [{"role": "user", "content": "x"}] * 1100]
+HOSTILE = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    2**31,
+    2**64,
+    10**400,
+    -(10**400),
+    1e308,
+    -1e308,
+    0.5,
+    "",
+    "x",
+    "\ud800",
+    "a\udfffb",
+    "01",
+    "+1",
+    " 1",
+    "\u0000",
+    "<|im_start|>system",
+    [],
+    [1],
+    [-1],
+    ["\ud800"],
+    [[1]],
+    [[]],
+    ["a"] * 300,
+    list(range(300)),
+    {},
+    {"a": 1},
+    {"\ud800": 1},
+    {"01": 1},
+    {"1": 10**400},
+    {str(i): 1 for i in range(301)},
+    _nested(40),
+    _nested(900),
+    [{"role": "user", "content": "\ud800"}],
+    [{"role": "user", "content": "x", "extra": _nested(30)}],
+    [{"role": "user", "content": [{"type": "text"}]}],
+    [{"role": "user", "content": "x", "tool_calls": "x"}],
+    [{"role": "user", "content": "x"}] * 1100,
+]
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of", "temperature",
-          "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "logit_bias", "logprobs", "top_logprobs",
-          "echo", "stream", "stream_options", "length_penalty", "repetition_penalty", "frequency_penalty",
-          "presence_penalty", "timeout", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-          "skip_special_tokens", "response_format", "tools", "user", "extra"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "best_of",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "stream",
+    "stream_options",
+    "length_penalty",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "timeout",
+    "min_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "response_format",
+    "tools",
+    "user",
+    "extra",
+]
 
 
 def raw_base(path: str, model: str) -> dict:
@@ -301,7 +450,7 @@ def raw_cases(rng, model: str):
     """(path, content type, body bytes): first the attacks the review named, then seeded random mutations."""
     json_type = "application/json"
 
-    def encode(body: object) -> bytes:   # ensure_ascii: "\ud800" goes out as the escape a client would send
+    def encode(body: object) -> bytes:  # ensure_ascii: "\ud800" goes out as the escape a client would send
         return json.dumps(body).encode()
 
     completions, chat, tokenize = RAW_PATHS
@@ -310,14 +459,14 @@ def raw_cases(rng, model: str):
         (completions, {"prompt": "\ud800"}),
         (chat, {"messages": [{"role": "user", "content": "\ud800"}]}),
         (tokenize, {"prompt": ["ok", "\ud800"]}),
-        (completions, {"prompt": "x", "max_tokens": 2, "timeout": 10 ** 400}),
-        (completions, {"prompt": "x", "max_tokens": 2, "temperature": 10 ** 400}),
+        (completions, {"prompt": "x", "max_tokens": 2, "timeout": 10**400}),
+        (completions, {"prompt": "x", "max_tokens": 2, "temperature": 10**400}),
         (completions, {"prompt": ["a"] * 256, "n": 20, "max_tokens": 1}),
         (completions, {"prompt": ["a"] * 5000, "max_tokens": 1}),
         (completions, {"prompt": [[1]] * 5000, "n": 20, "max_tokens": 1}),
         (tokenize, {"prompt": ["a"] * 5000}),
         (completions, {"prompt": "x", "max_tokens": 2, "best_of": 20, "stop_token_ids": list(range(10000))}),
-        (completions, {"prompt": "x", "max_tokens": 2, "stop_token_ids": [2 ** 31]}),
+        (completions, {"prompt": "x", "max_tokens": 2, "stop_token_ids": [2**31]}),
         (completions, {"prompt": "x", "max_tokens": 2, "logit_bias": {str(i): 1 for i in range(5000)}}),
         (completions, {"prompt": "x", "max_tokens": 2, "logit_bias": {"1": 5, "01": 5}}),
         (completions, {"prompt": "x", "max_tokens": 2, "stop": ["y" * 100000]}),
@@ -334,24 +483,25 @@ def raw_cases(rng, model: str):
         path = rng.choice(RAW_PATHS)
         body = raw_base(path, model)
         kind = rng.random()
-        if kind < 0.1:     # random bytes
+        if kind < 0.1:  # random bytes
             yield path, json_type, rng.randbytes(rng.randrange(0, 300))
             continue
-        if kind < 0.45:    # hostile values in one to three fields
+        if kind < 0.45:  # hostile values in one to three fields
             for _ in range(rng.randrange(1, 4)):
                 body[rng.choice(FIELDS)] = rng.choice(HOSTILE)
             data = encode(body)
-        else:              # the JSON text, mangled byte-wise
+        else:  # the JSON text, mangled byte-wise
             data = bytearray(encode(body))
             for _ in range(rng.randrange(1, 4)):
                 at, op = rng.randrange(len(data)), rng.random()
                 if op < 0.4:
                     data[at] = rng.randrange(256)
                 elif op < 0.7:
-                    data[at:at] = rng.choice([b"\\ud800", b"9" * 400, b"[" * 50, b"\"", b",", b"{", b"\\", b"\x00",
-                                              b"e999", b"NaN", b"\xc3"])
+                    data[at:at] = rng.choice(
+                        [b"\\ud800", b"9" * 400, b"[" * 50, b"\"", b",", b"{", b"\\", b"\x00", b"e999", b"NaN", b"\xc3"]
+                    )
                 else:
-                    del data[at:at + rng.randrange(1, 8)]
+                    del data[at : at + rng.randrange(1, 8)]
             data = bytes(data)
         yield path, (json_type if rng.random() < 0.95 else "text/plain"), data
 
@@ -361,6 +511,7 @@ def test_raw_bytes_fuzzing_finds_no_5xx(server, model_name, health):
     import random
 
     from conftest import wait_until
+
     rng = random.Random(SEED)
     seen: dict[int, int] = {}
     failures = []
@@ -370,9 +521,11 @@ def test_raw_bytes_fuzzing_finds_no_5xx(server, model_name, health):
         if r.status_code >= 500:
             failures.append((i, path, data[:300], r.status_code, r.text[:300]))
     assert not failures, failures[:10]
-    assert seen.get(400, 0) > RAW_REQUESTS // 3 and seen.get(200, 0) > 10, seen   # it did reach both sides
-    wait_until(lambda: (m := server.metrics())["appliance_running_sequences"] == 0
-               and m["appliance_queue_depth"] == 0, "the fuzzed requests to finish")
+    assert seen.get(400, 0) > RAW_REQUESTS // 3 and seen.get(200, 0) > 10, seen  # it did reach both sides
+    wait_until(
+        lambda: (m := server.metrics())["appliance_running_sequences"] == 0 and m["appliance_queue_depth"] == 0,
+        "the fuzzed requests to finish",
+    )
     health()
 
 
@@ -385,8 +538,20 @@ def test_fuzzer_catches_a_document_stricter_than_the_server(server, model_name, 
     schema = tmp_path / "wrong.json"
     schema.write_text(json.dumps(doc))
     report, output = run_schemathesis(
-        schema, server.base, tmp_path, "--mode", "negative", "--phases", "coverage",
-        "--include-path", "/v3/tokenize", "--max-examples", "20", "--checks", "negative_data_rejection")
+        schema,
+        server.base,
+        tmp_path,
+        "--mode",
+        "negative",
+        "--phases",
+        "coverage",
+        "--include-path",
+        "/v3/tokenize",
+        "--max-examples",
+        "20",
+        "--checks",
+        "negative_data_rejection",
+    )
     assert report["exit_code"] != 0 and report["failures"], output[-5000:]
     assert "Schema-violating request accepted" in output, output[-5000:]
 
@@ -394,11 +559,12 @@ def test_fuzzer_catches_a_document_stricter_than_the_server(server, model_name, 
 # ---------------------------------------------------------------- hooks, loaded by schemathesis only
 # In the schemathesis subprocess (SCHEMATHESIS_HOOKS=test_fuzz) this module is imported as its hooks module.
 
+
 def _whole_numbers(value):
     """2.0 -> 2. JSON Schema 2020-12 counts 2.0 as an integer, so schemathesis sends it for integer fields; the
     server, like OVMS, takes only integers written without a fraction (`"max_tokens": 8.0` is a 400, as in OVMS,
     and as docs/openapi.json says)."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return int(value)
     if isinstance(value, list):
         return [_whole_numbers(v) for v in value]
@@ -430,7 +596,7 @@ def _check_stream(path: str, body: dict, text: str) -> None:
     assert text.endswith("data: [DONE]\n\n"), f"the stream does not end with [DONE]: ...{text[-300:]!r}"
     events = text.split("\n\n")[:-1]
     assert all(e.startswith("data: ") and "\n" not in e for e in events), "one `data:` line per event"
-    payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert not any("error" in p for p in payloads), f"in-band error: {[p for p in payloads if 'error' in p]}"
     assert len({(p["id"], p["created"]) for p in payloads}) == 1, "one id and created for the whole stream"
     chat = path.endswith("/chat/completions")
@@ -452,7 +618,7 @@ def _check_stream(path: str, body: dict, text: str) -> None:
     for index, choices in by_index.items():
         first = choices[0]
         assert first["finish_reason"] is None
-        if not (body.get("echo") and body.get("logprobs") is not None):   # else: the echoed prompt's logprobs
+        if not (body.get("echo") and body.get("logprobs") is not None):  # else: the echoed prompt's logprobs
             assert first["logprobs"] is None
         if chat:
             assert first["delta"] == {"role": "assistant", "content": None}, "chat: the opening chunk names the role"
@@ -471,8 +637,12 @@ if os.environ.get("SCHEMATHESIS_HOOKS") == __name__:
     @schemathesis.check
     def appliance_generation(ctx, response, case):
         """This server's rules a schema cannot say; only for accepted generation requests."""
-        if (response.status_code != 200 or response.request.method != "POST"
-                or not case.path.endswith("/completions") or not isinstance(case.body, dict)):
+        if (
+            response.status_code != 200
+            or response.request.method != "POST"
+            or not case.path.endswith("/completions")
+            or not isinstance(case.body, dict)
+        ):
             return None
         content_type = response.headers.get("content-type", [""])[0]
         if content_type.startswith("text/event-stream"):

@@ -3,6 +3,7 @@
 Data flows one way: HTTP body -> validation (typed request) -> Job -> engine process -> chunks -> Shape ->
 JSON / SSE. No model, tokenizer or numpy in here: a worker is a thin translator, so N workers cost little.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -12,8 +13,10 @@ import time
 import uuid
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import cast
 
 from flask import Flask, Response, g, request
+from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
 from appliance import __version__
@@ -21,16 +24,21 @@ from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.completions import CompletionShape, completion_job
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
-from appliance.openai_api.validation import (GenerationRequest, parse_chat, parse_completion, parse_tokenize,
-                                             sampling_params)
+from appliance.openai_api.validation import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_tokenize,
+    sampling_params,
+)
 from appliance.server.client import EngineClient, EngineUnavailable
 from appliance.server.protocol import EngineStatus, HttpRecord
 from appliance.server.settings import ServeSettings
 
 log = logging.getLogger("appliance.http")
 
-OPEN_PATHS = {"/v2/health/live", "/v2/health/ready"}   # probes work without the API key
-PREFIXES = ("/v3", "/v1", "/v3/v1")                    # /v3/v1/... is OVMS's deprecated spelling
+OPEN_PATHS = {"/v2/health/live", "/v2/health/ready"}  # probes work without the API key
+PREFIXES = ("/v3", "/v1", "/v3/v1")  # /v3/v1/... is OVMS's deprecated spelling
 
 
 def _reject_constant(name: str):
@@ -43,7 +51,7 @@ class Api:
     def __init__(self, settings: ServeSettings, client: EngineClient, api_key: str | None):
         self.settings, self.client, self.api_key = settings, client, api_key
         self.name = settings.served_model_name
-        self.limits = replace(settings.limits, max_queued=settings.max_queued)   # the bounds every request keeps
+        self.limits = replace(settings.limits, max_queued=settings.max_queued)  # the bounds every request keeps
 
     # ---- guards
     def authorize(self) -> None:
@@ -58,7 +66,7 @@ class Api:
     def json_body():
         if request.mimetype != "application/json":
             raise ApiError(415, "Content-Type must be application/json")
-        data = request.get_data(cache=False)      # 413 past MAX_CONTENT_LENGTH
+        data = request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
         try:
             return json.loads(data, parse_constant=_reject_constant)
         except (ValueError, RecursionError):
@@ -69,7 +77,7 @@ class Api:
         if status.ready:
             return status
         if status.state == "failed":
-            raise ApiError(503, f"The model cannot serve: {status.error}", code="model_failed")   # load or engine
+            raise ApiError(503, f"The model cannot serve: {status.error}", code="model_failed")  # load or engine
         if status.state == "stopping":
             raise ApiError(503, "The server is shutting down", code="shutting_down")
         raise ApiError(503, "The model is loading; retry when /v2/health/ready answers 200", code="model_not_ready")
@@ -96,15 +104,29 @@ class Api:
         g.request_id = request_id
         job = make_job(sampling_params(gen, status.generation_defaults), request_id)
         sock = request.environ.get("gunicorn.socket")
-        meta = Meta(request_id, int(time.time()), self.name,
-                    f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower())
-        generation = Generation(self.client, job, shape, meta, include_usage=gen.include_usage,
-                                timeout=gen.timeout, client_gone=lambda: socket_closed(sock)).start()
+        meta = Meta(
+            request_id,
+            int(time.time()),
+            self.name,
+            f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower(),
+        )
+        generation = Generation(
+            self.client,
+            job,
+            shape,
+            meta,
+            include_usage=gen.include_usage,
+            timeout=gen.timeout,
+            client_gone=lambda: socket_closed(sock),
+        ).start()
         if not gen.stream:
             return generation.unary()
-        bound_send_buffer(sock)   # a client that stops reading meets the worker's send timeout soon
-        return Response(generation.sse(), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        bound_send_buffer(sock)  # a client that stops reading meets the worker's send timeout soon
+        return Response(
+            generation.sse(),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     def tokenize(self):
         req = parse_tokenize(self.json_body(), self.limits)
@@ -142,9 +164,14 @@ class Api:
         status = self.client.status()
         state = {"ready": "AVAILABLE", "loading": "LOADING", "stopping": "UNLOADING"}.get(status.state, "END")
         code, message = ("OK", "OK") if status.state != "failed" else ("UNKNOWN", status.error or "load failed")
-        return {self.name: {"model_version_status": [
-            {"version": "1", "state": state, "status": {"error_code": code, "error_message": message}}],
-            "limits": asdict(self.limits)}}   # beside OVMS's key: clients reading model_version_status are unaffected
+        return {
+            self.name: {
+                "model_version_status": [
+                    {"version": "1", "state": state, "status": {"error_code": code, "error_message": message}}
+                ],
+                "limits": asdict(self.limits),
+            }
+        }  # beside OVMS's key: clients reading model_version_status are unaffected
 
     def metrics(self):
         return Response(self.client.metrics(), mimetype="text/plain", content_type="text/plain; version=0.0.4")
@@ -165,16 +192,18 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
 
     app = Flask("appliance")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.json.sort_keys = False
+    cast(DefaultJSONProvider, app.json).sort_keys = False
 
     for prefix in PREFIXES:
-        app.add_url_rule(f"{prefix}/completions", view_func=api.completions, methods=["POST"],
-                         endpoint=f"completions{prefix}")
+        app.add_url_rule(
+            f"{prefix}/completions", view_func=api.completions, methods=["POST"], endpoint=f"completions{prefix}"
+        )
         app.add_url_rule(f"{prefix}/chat/completions", view_func=api.chat, methods=["POST"], endpoint=f"chat{prefix}")
         app.add_url_rule(f"{prefix}/tokenize", view_func=api.tokenize, methods=["POST"], endpoint=f"tokenize{prefix}")
         app.add_url_rule(f"{prefix}/models", view_func=api.models, methods=["GET"], endpoint=f"models{prefix}")
-        app.add_url_rule(f"{prefix}/models/<path:model_id>", view_func=api.model, methods=["GET"],
-                         endpoint=f"model{prefix}")
+        app.add_url_rule(
+            f"{prefix}/models/<path:model_id>", view_func=api.model, methods=["GET"], endpoint=f"model{prefix}"
+        )
     app.add_url_rule("/v2/health/live", view_func=api.live, methods=["GET"])
     app.add_url_rule("/v2/health/ready", view_func=api.ready, methods=["GET"])
     app.add_url_rule("/v2/models/<path:name>/ready", view_func=api.model_ready, methods=["GET"])
@@ -189,9 +218,15 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     @app.after_request
     def _record(response: Response):
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        api.client.record_http(HttpRecord(rule, request.method, response.status_code,
-                                          time.monotonic() - g.get("started", time.monotonic()),
-                                          g.get("error_type")))
+        api.client.record_http(
+            HttpRecord(
+                rule,
+                request.method,
+                response.status_code,
+                time.monotonic() - g.get("started", time.monotonic()),
+                g.get("error_type"),
+            )
+        )
         if g.get("request_id"):
             response.headers["X-Request-Id"] = g.request_id
         return response
@@ -207,19 +242,20 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     @app.errorhandler(ClientGone)
     def _client_gone(exc: ClientGone):
         g.error_type = "client_closed_request"
-        return Response(status=499)   # nginx's convention; nobody reads it
+        return Response(status=499)  # nginx's convention; nobody reads it
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
         if exc.code == 404:
             return _error_response(ApiError(404, f"Route {request.method} {request.path} does not exist"))
-        if exc.code == 405:   # RFC 9110: a 405 names the allowed methods
+        if exc.code == 405:  # RFC 9110: a 405 names the allowed methods
             response = _error_response(ApiError(405, f"Method {request.method} is not allowed on {request.path}"))
             response.headers["Allow"] = ", ".join(sorted(getattr(exc, "valid_methods", None) or ()))
             return response
         if exc.code == 413:
-            return _error_response(ApiError(413, f"Request body too large: the limit is {settings.max_body_bytes} "
-                                                 "bytes"))
+            return _error_response(
+                ApiError(413, f"Request body too large: the limit is {settings.max_body_bytes} bytes")
+            )
         return _error_response(ApiError(exc.code or 500, exc.description or exc.name))
 
     @app.errorhandler(Exception)

@@ -1,4 +1,5 @@
 """`/v3/completions`: the job a completion request makes, and how its choices and chunks are spelled."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,7 +13,7 @@ from appliance.server.protocol import Job, PromptSpec
 
 def completion_job(req: CompletionRequest, params: SamplingParams, request_id: str) -> Job:
     prompts = [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in req.prompts]
-    if req.echo and params.logprobs is not None:   # echo + logprobs: the echoed prompt's tokens get logprobs too
+    if req.echo and params.logprobs is not None:  # echo + logprobs: the echoed prompt's tokens get logprobs too
         params = replace(params, prompt_logprobs=params.logprobs)
     return Job(request_id, prompts, params, n=req.gen.n, echo=req.echo)
 
@@ -43,15 +44,27 @@ class CompletionShape:
     id_prefix = "cmpl-"
 
     def choice(self, c: Choice, logprobs: bool) -> dict:
-        return {"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                "logprobs": logprobs_object(c.logprobs, c.offset, c.prompt_logprobs) if logprobs else None}
+        return {
+            "index": c.index,
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "logprobs": logprobs_object(c.logprobs, c.offset, c.prompt_logprobs) if logprobs else None,
+        }
 
     def opening(self, c: Choice) -> dict:
         """OVMS 2026.1+: a first chunk right after prefill, with no generated text (the echo, if asked, with its
         logprobs when those were asked too)."""
-        return {"index": c.index, "text": c.prefix, "finish_reason": None,
-                "logprobs": logprobs_object([], 0, c.prompt_logprobs) if c.prompt_logprobs is not None else None}
+        return {
+            "index": c.index,
+            "text": c.prefix,
+            "finish_reason": None,
+            "logprobs": logprobs_object([], 0, c.prompt_logprobs) if c.prompt_logprobs is not None else None,
+        }
 
     def delta(self, c: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
-        return {"index": c.index, "text": text, "finish_reason": finish_reason,
-                "logprobs": logprobs_object(logprobs, c.offset) if logprobs is not None else None}
+        return {
+            "index": c.index,
+            "text": text,
+            "finish_reason": finish_reason,
+            "logprobs": logprobs_object(logprobs, c.offset) if logprobs is not None else None,
+        }

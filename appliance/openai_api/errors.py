@@ -3,6 +3,7 @@
 OVMS answers 400/412 with `{"error": "Mediapipe execution failed. ..."}`; we keep its messages but use
 `{"error": {"message", "type", "param", "code"}}` and plain statuses, which is what OpenAI clients parse.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,7 @@ class ApiError(Exception):
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.message)
-        kind, code = _KINDS.get(self.status, ("server_error" if self.status >= 500 else "invalid_request_error",
-                                              None))
+        kind, code = _KINDS.get(self.status, ("server_error" if self.status >= 500 else "invalid_request_error", None))
         self.type = self.type or kind
         self.code = self.code or code
 

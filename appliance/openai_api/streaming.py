@@ -4,6 +4,7 @@ Shared by completions and chat; the two differ only in their `Shape` (how a choi
 The response starts only after the engine accepted the job and produced its first chunk (prefill done), so
 queue-full, timeout and prompt errors are still proper HTTP statuses, also for streaming requests.
 """
+
 from __future__ import annotations
 
 import errno
@@ -11,12 +12,13 @@ import json
 import select
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Callable, Iterator, Protocol
+from typing import Protocol
 
 from appliance.openai_api.errors import ApiError
-from appliance.outputs import TokenLogprob, Timing
+from appliance.outputs import Timing, TokenLogprob
 from appliance.server import protocol as p
 from appliance.server.client import EngineClient, EngineUnavailable, JobStream
 
@@ -34,15 +36,15 @@ class ClientGone(Exception):
 @dataclass
 class Choice:
     index: int
-    prefix: str = ""                     # echoed prompt
+    prefix: str = ""  # echoed prompt
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
     timing: Timing | None = None
     started: bool = False
-    offset: int = 0                      # text_offset of the next token (characters, echo included)
-    prompt_logprobs: list[TokenLogprob] | None = None   # echo + logprobs: the echoed prompt's tokens
+    offset: int = 0  # text_offset of the next token (characters, echo included)
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs: the echoed prompt's tokens
 
     @property
     def text(self) -> str:
@@ -108,8 +110,17 @@ class Meta:
 
 
 class Generation:
-    def __init__(self, client: EngineClient, job: p.Job, shape: Shape, meta: Meta, *, include_usage: bool = False,
-                 timeout: float | None = None, client_gone: Callable[[], bool] = lambda: False):
+    def __init__(
+        self,
+        client: EngineClient,
+        job: p.Job,
+        shape: Shape,
+        meta: Meta,
+        *,
+        include_usage: bool = False,
+        timeout: float | None = None,
+        client_gone: Callable[[], bool] = lambda: False,
+    ):
         self.client, self.job, self.shape, self.meta = client, job, shape, meta
         self.include_usage = include_usage
         self.want_logprobs = job.params.logprobs is not None
@@ -121,7 +132,7 @@ class Generation:
         self._first: list[p.ChoiceChunk] = []
 
     # ---- phase 1: before any byte of the response
-    def start(self) -> "Generation":
+    def start(self) -> Generation:
         self._stream = self.client.open_job(self.job)
         try:
             self._events = self._receive()
@@ -144,19 +155,22 @@ class Generation:
             self._stream.close()
 
     def _receive(self) -> Iterator:
+        stream = self._stream
+        assert stream is not None, "start() opened it"
         next_check = time.monotonic() + CLIENT_CHECK_SECONDS
         while True:
             now = time.monotonic()
             if self.deadline is not None and now >= self.deadline:
-                raise ApiError(429, "request timeout exceeded: the request was cancelled", param="timeout",
-                               code="timeout")
-            if now >= next_check:   # also while tokens flow: a unary client may leave mid-generation
+                raise ApiError(
+                    429, "request timeout exceeded: the request was cancelled", param="timeout", code="timeout"
+                )
+            if now >= next_check:  # also while tokens flow: a unary client may leave mid-generation
                 if self.client_gone():
                     raise ClientGone()
                 next_check = now + CLIENT_CHECK_SECONDS
             wait = next_check - now if self.deadline is None else min(next_check, self.deadline) - now
             try:
-                event = self._stream.next(wait)
+                event = stream.next(wait)
             except EngineUnavailable as exc:
                 raise ApiError(503, str(exc), code="engine_unavailable") from None
             if event is None:
@@ -203,10 +217,14 @@ class Generation:
         finally:
             self.close()
         for c in self.choices:
-            c.offset = len(c.prefix)   # shapes number text_offset from the start of the text
+            c.offset = len(c.prefix)  # shapes number text_offset from the start of the text
         choices = [self.shape.choice(c, self.want_logprobs) for c in self.choices]
-        return {**self._head(self.shape.object), "choices": choices, "usage": self.usage(),
-                "time_info": self.time_info()}
+        return {
+            **self._head(self.shape.object),
+            "choices": choices,
+            "usage": self.usage(),
+            "time_info": self.time_info(),
+        }
 
     # ---- phase 2b: streaming (Server-Sent Events)
     def sse(self) -> Iterator[str]:
@@ -214,12 +232,23 @@ class Generation:
         try:
             for event in self._chunks():
                 for choice in self._apply(event):
-                    yield self._event({**self._head(self.shape.chunk_object), "choices": [choice],
-                                       **({"usage": None} if self.include_usage else {})})
+                    yield self._event(
+                        {
+                            **self._head(self.shape.chunk_object),
+                            "choices": [choice],
+                            **({"usage": None} if self.include_usage else {}),
+                        }
+                    )
             if self.include_usage:
-                yield self._event({**self._head(self.shape.chunk_object), "choices": [], "usage": self.usage(),
-                                   "time_info": self.time_info()})
-        except ApiError as exc:   # headers are sent: report in-band, as OpenAI does
+                yield self._event(
+                    {
+                        **self._head(self.shape.chunk_object),
+                        "choices": [],
+                        "usage": self.usage(),
+                        "time_info": self.time_info(),
+                    }
+                )
+        except ApiError as exc:  # headers are sent: report in-band, as OpenAI does
             yield self._event(exc.body())
         except ClientGone:
             return
@@ -233,8 +262,13 @@ class Generation:
 
     def _head(self, obj: str) -> dict:
         m = self.meta
-        return {"id": m.id, "object": obj, "created": m.created, "model": m.model,
-                "system_fingerprint": m.system_fingerprint}
+        return {
+            "id": m.id,
+            "object": obj,
+            "created": m.created,
+            "model": m.model,
+            "system_fingerprint": m.system_fingerprint,
+        }
 
     def usage(self) -> dict:
         prompt = sum(self.accepted.prompt_tokens) if self.accepted else 0
@@ -244,6 +278,10 @@ class Generation:
     def time_info(self) -> dict:
         timings = [c.timing for c in self.choices if c.timing is not None]
         slowest = max(timings, key=lambda t: t.total_time, default=Timing(created=time.time()))
-        return {"queue_time": slowest.queue_time, "prompt_time": slowest.prompt_time,
-                "completion_time": slowest.completion_time, "total_time": slowest.total_time,
-                "created": min(t.created for t in timings) if timings else slowest.created}
+        return {
+            "queue_time": slowest.queue_time,
+            "prompt_time": slowest.prompt_time,
+            "completion_time": slowest.completion_time,
+            "total_time": slowest.total_time,
+            "created": min(t.created for t in timings) if timings else slowest.created,
+        }

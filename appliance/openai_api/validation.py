@@ -8,26 +8,43 @@ Every bound comes from `appliance.limits.Limits`, and every bad input is a 400 h
 down: one walk over the parsed body refuses strings that are not valid Unicode (a lone surrogate would fail in the
 tokenizer, engine-side) and nesting deeper than `Limits.depth`; numbers too large for a float are refused as
 numbers; chat messages keep only the fields a chat template may use, each of a known type.
+
+Which fields there are, their types, bounds and messages are declared in appliance/openai_api/fields.py (which also
+writes docs/openapi.json's request schemas); this module walks those tables (`_read`), parses the structured fields
+(`PARSERS`) and keeps the rules across fields as code (`_generation`, the endpoint parsers, `_check_queue`).
 """
+
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.limits import Limits
+from appliance.openai_api import fields as F
 from appliance.openai_api.errors import invalid
 from appliance.params import SamplingParams
 
-__all__ = ["Limits", "GenerationRequest", "CompletionRequest", "ChatRequest", "TokenizeRequest", "parse_completion",
-           "parse_chat", "parse_tokenize", "sampling_params"]
+__all__ = [
+    "Limits",
+    "GenerationRequest",
+    "CompletionRequest",
+    "ChatRequest",
+    "TokenizeRequest",
+    "parse_completion",
+    "parse_chat",
+    "parse_tokenize",
+    "sampling_params",
+]
 
-UINT32_MAX = 4294967295
-OVMS_DEFAULT_TOP_K = 40          # OVMS: sampling with no top_k given
-Prompt = str | tuple[int, ...]   # text or token ids
-_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")   # canonical decimal: "01", "+1", " 1", "1_0" name no token
-MESSAGE_STRINGS = ("name", "tool_call_id")    # message fields passed to the chat template besides role/content
+UINT32_MAX = F.UINT32_MAX
+OVMS_DEFAULT_TOP_K = 40  # OVMS: sampling with no top_k given
+Prompt = str | tuple[int, ...]  # text or token ids
+_TOKEN_ID = re.compile(F.TOKEN_ID_PATTERN)
+MESSAGE_STRINGS = ("name", "tool_call_id")  # message fields passed to the chat template besides role/content
+Parser = Callable[[Any, Limits, dict], Any]  # a custom field's check: (value, limits, fields read so far) -> value
 
 
 @dataclass(frozen=True)
@@ -54,11 +71,11 @@ class GenerationRequest:
     min_tokens: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     skip_special_tokens: bool | None = None
-    logprobs: int | None = None      # None: off; k: chosen token + k alternatives
+    logprobs: int | None = None  # None: off; k: chosen token + k alternatives
     n: int = 1
-    timeout: float | None = None     # seconds; past it the request is cancelled and answered 429
+    timeout: float | None = None  # seconds; past it the request is cancelled and answered 429
     unknown: tuple[str, ...] = ()
-    best_of: int | None = None       # > 1: beam search with best_of beams, the n best returned
+    best_of: int | None = None  # > 1: beam search with best_of beams, the n best returned
 
 
 @dataclass(frozen=True)
@@ -78,14 +95,15 @@ class ChatRequest:
 class TokenizeRequest:
     model: str
     prompts: tuple[str, ...]
-    batched: bool                    # prompt was a list: answer a list of lists
+    batched: bool  # prompt was a list: answer a list of lists
 
 
 # ---------------------------------------------------------------- field readers
 
+
 @dataclass
 class _Body:
-    """Typed getters over a JSON object; null reads as absent; remembers which fields were read."""
+    """A JSON object; null reads as absent; remembers which fields were read (the rest are `unknown`)."""
 
     data: dict
     seen: set = field(default_factory=set)
@@ -93,35 +111,6 @@ class _Body:
     def raw(self, name: str) -> Any:
         self.seen.add(name)
         return self.data.get(name)
-
-    def boolean(self, name: str, message: str) -> bool | None:
-        value = self.raw(name)
-        if value is not None and not isinstance(value, bool):
-            raise invalid(message, name)
-        return value
-
-    def integer(self, name: str, message: str, *, low: int | None = None, high: int | None = None) -> int | None:
-        """An integer (not a bool, not 2.0); with low/high, out of [low, high] gets the same message."""
-        value = self.raw(name)
-        if value is not None and (not _is_int(value) or (low is not None and value < low)
-                                  or (high is not None and value > high)):
-            raise invalid(message, name)
-        return value
-
-    def number(self, name: str, message: str | None = None) -> float | None:
-        raw = self.raw(name)
-        if raw is None:
-            return None
-        value = _finite(raw)
-        if value is None:
-            raise invalid(message or f"{name} is not a valid number", name)
-        return value
-
-    def in_range(self, name: str, low: float, high: float, message: str, *, open_high: bool = False) -> float | None:
-        value = self.number(name)
-        if value is not None and not (low <= value < high if open_high else low <= value <= high):
-            raise invalid(message, name)
-        return value
 
     def unknown(self) -> tuple[str, ...]:
         return tuple(sorted(set(self.data) - self.seen))
@@ -162,8 +151,9 @@ def _check_tree(body: dict, max_depth: int) -> None:
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise invalid(f"{name} contains a string that is not valid Unicode (a lone surrogate)",
-                                  name) from None
+                    raise invalid(
+                        f"{name} contains a string that is not valid Unicode (a lone surrogate)", name
+                    ) from None
             elif isinstance(item, (dict, list)):
                 if depth > max_depth:
                     raise invalid(f"{name} nests objects and arrays deeper than {max_depth} levels", name)
@@ -174,114 +164,128 @@ def _check_tree(body: dict, max_depth: int) -> None:
                     stack.extend((v, depth + 1) for v in item)
 
 
-def _model(b: _Body) -> str:
-    model = b.raw("model")
-    if model is None:
-        raise invalid("model missing in request", "model")
-    if not isinstance(model, str):
-        raise invalid("model is not a string", "model")
-    return model
+# ---------------------------------------------------------------- the table walk
+
+
+def _read(b: _Body, table: tuple[F.Field, ...], limits: Limits, parsers: dict[str, Parser]) -> dict[str, Any]:
+    """Every field of `table`, in its order, checked alone (custom ones by `parsers`): name -> value (None: not
+    set)."""
+    out: dict[str, Any] = {}
+    for f in table:
+        value = b.raw(f.name)
+        if value is None:
+            if f.required:
+                raise invalid(f.required, f.name)
+            out[f.name] = None
+        elif f.kind == "custom":
+            out[f.name] = parsers[f.name](value, limits, out)
+        else:
+            out[f.name] = _scalar(f, value, limits)
+    return out
+
+
+def _scalar(f: F.Field, value: Any, limits: Limits) -> Any:
+    """A boolean, string, integer or number field's value, checked against its type and bounds in their order."""
+    if f.kind == "any":
+        return value
+    if f.kind == "number":
+        value = _finite(value)
+        ok = value is not None
+    else:
+        ok = (
+            isinstance(value, bool)
+            if f.kind == "boolean"
+            else isinstance(value, str)
+            if f.kind == "string"
+            else _is_int(value)
+        )
+    if not ok:
+        raise invalid(f.text(f.message, limits), f.name)
+    if value in f.also:  # top_k: -1
+        return value
+    for bound in f.bounds:
+        edge = bound.resolve(limits)
+        if edge is None:
+            continue
+        outside = value < edge if bound.side == "min" else value > edge
+        if outside or (bound.exclusive and value == edge):
+            raise invalid(f.text(bound.message or f.message, limits), f.name)
+    return value
 
 
 # ---------------------------------------------------------------- shared rules
 
-def _generation(b: _Body, limits: Limits, *, max_tokens_field: str = "max_tokens") -> dict:
-    """The common fields, as keyword arguments for GenerationRequest (cross-field rules are checked by callers)."""
-    out: dict[str, Any] = {"model": _model(b)}
-    stream = b.boolean("stream", "Stream is not bool") or False
-    out["stream"] = stream
-
-    options = b.raw("stream_options")
-    if options is not None:
-        if not stream:
-            raise invalid("stream_options provided, but stream not set to true", "stream_options")
-        if not isinstance(options, dict):
-            raise invalid("stream_options is not an object", "stream_options")
-        if set(options) - {"include_usage"}:
-            raise invalid("Found unexpected stream options. Properties accepted in stream_options: include_usage",
-                          "stream_options")
-        usage = options.get("include_usage")
-        if usage is not None and not isinstance(usage, bool):
-            raise invalid("stream_options.include_usage is not a boolean", "stream_options")
-        out["include_usage"] = bool(usage)
-
-    out["ignore_eos"] = b.boolean("ignore_eos", "ignore_eos accepts values true or false")
-
-    out["max_tokens"] = _max_tokens(b, limits, max_tokens_field)
-
-    pen = limits.penalty
-    for name in ("frequency_penalty", "presence_penalty"):
-        out[name] = b.in_range(name, -pen, pen, f"{name} out of range({-pen}, {pen})")
-    out["repetition_penalty"] = b.number("repetition_penalty")
-    if out["repetition_penalty"] is not None and out["repetition_penalty"] <= 0:
-        raise invalid("repetition_penalty must be greater than 0", "repetition_penalty")
-    if out["repetition_penalty"] is not None and out["repetition_penalty"] > limits.repetition_penalty:
-        raise invalid(f"repetition_penalty out of range(0.0, {limits.repetition_penalty}]", "repetition_penalty")
-    lp = limits.length_penalty
-    out["length_penalty"] = b.in_range("length_penalty", -lp, lp, f"length_penalty out of range({-lp}, {lp})")
-    out["temperature"] = b.in_range("temperature", 0.0, limits.temperature,
-                                    f"temperature out of range(0.0, {limits.temperature})")
-    out["top_p"] = b.in_range("top_p", 0.0, 1.0, "top_p out of range(0.0, 1.0)")
-    out["min_p"] = b.in_range("min_p", 0.0, 1.0, "min_p out of range [0.0, 1.0)", open_high=True)
-
-    top_k = b.integer("top_k", "top_k is not an integer")
-    if top_k is not None and (top_k != -1 and top_k <= 0 or top_k > UINT32_MAX):
-        raise invalid("top_k must be -1 (all tokens) or a positive integer", "top_k")
-    out["top_k"] = top_k
-
-    seed = b.integer("seed", "seed is not an integer")
-    if seed is not None and not 0 <= seed <= UINT32_MAX:
-        raise invalid("seed out of range [0, 4294967295]", "seed")
-    out["seed"] = seed
-
-    out["stop"] = _stop(b.raw("stop"), limits)
-
-    include_stop = b.boolean("include_stop_str_in_output", "include_stop_str_in_output accepts values true or false")
-    if include_stop is False and stream:
-        raise invalid("include_stop_str_in_output cannot be set to false if streaming is used",
-                      "include_stop_str_in_output")
-    out["include_stop_str_in_output"] = include_stop
-
-    out["skip_special_tokens"] = b.boolean("skip_special_tokens", "skip_special_tokens is not a bool")
-
-    stop_ids = b.raw("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= UINT32_MAX for t in stop_ids):
-            raise invalid("stop_token_ids is not an array of token ids", "stop_token_ids")
-        if len(stop_ids) > limits.stop_token_ids:   # each id is checked against the vocabulary engine-side
-            raise invalid(f"stop_token_ids must have no more than {limits.stop_token_ids} token ids",
-                          "stop_token_ids")
-        out["stop_token_ids"] = tuple(dict.fromkeys(stop_ids))
-
-    out["min_tokens"] = b.integer("min_tokens", "min_tokens is not an unsigned integer", low=0, high=UINT32_MAX)
-
-    out["logit_bias"] = _logit_bias(b.raw("logit_bias"), limits)
-
-    timeout = b.number("timeout", "timeout must be a positive number of seconds")
-    if timeout is not None and timeout <= 0:
-        raise invalid("timeout must be a positive number of seconds", "timeout")
-    if timeout is not None and timeout > limits.timeout:
-        raise invalid(f"timeout must be at most {limits.timeout:g} seconds", "timeout")
-    out["timeout"] = timeout
-
-    out["n"], out["best_of"] = _n_and_best_of(b, limits, stream)
-    b.raw("user")  # accepted, unused
-    return out
+_PLAIN = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "length_penalty",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "timeout",
+)  # read fields passed on as they are
 
 
-def _max_tokens(b: _Body, limits: Limits, name: str) -> int | None:
-    value = b.integer(name, f"{name} is not an unsigned integer")
-    if value is not None:
-        if not 0 <= value <= UINT32_MAX:
-            raise invalid(f"{name} is not an unsigned integer", name)
-        if limits.max_tokens is not None and value > limits.max_tokens:
-            raise invalid(f"{name} exceeds limit provided in graph config: {limits.max_tokens}", name)
-    return value
+def _generation(values: dict[str, Any], *, max_tokens: int | None) -> dict:
+    """GenerationRequest's keyword arguments from the fields read, once the rules across fields hold (the
+    endpoint-specific ones are checked by callers)."""
+    stream = bool(values["stream"])
+    if values["include_stop_str_in_output"] is False and stream:
+        raise invalid(
+            "include_stop_str_in_output cannot be set to false if streaming is used", "include_stop_str_in_output"
+        )
+    best_of = values["best_of"]
+    if best_of is not None and stream:
+        raise invalid("best_of cannot be used in streaming mode", "best_of")
+    n = 1 if values["n"] is None else values["n"]
+    if best_of is not None and n > best_of:
+        raise invalid("n value cannot be greater than best_of", "n")
+    return {
+        "model": values["model"],
+        "stream": stream,
+        "include_usage": bool(values["stream_options"]),
+        "max_tokens": max_tokens,
+        "stop": values["stop"] or (),
+        "stop_token_ids": values["stop_token_ids"] or (),
+        "logit_bias": values["logit_bias"] or (),
+        "n": n,
+        "best_of": best_of,
+        **{name: values[name] for name in _PLAIN},
+    }
 
 
-def _stop(value: Any, limits: Limits) -> tuple[str, ...]:
-    if value is None:
-        return ()
+def _stream_options(options: Any, limits: Limits, read: dict) -> bool:
+    """include_usage; stream_options is only for streams (OVMS checks that first)."""
+    if not read["stream"]:
+        raise invalid("stream_options provided, but stream not set to true", "stream_options")
+    if not isinstance(options, dict):
+        raise invalid("stream_options is not an object", "stream_options")
+    if set(options) - {"include_usage"}:
+        raise invalid(
+            "Found unexpected stream options. Properties accepted in stream_options: include_usage", "stream_options"
+        )
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise invalid("stream_options.include_usage is not a boolean", "stream_options")
+    return bool(usage)
+
+
+def _stop_token_ids(stop_ids: Any, limits: Limits, read: dict) -> tuple[int, ...]:
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= UINT32_MAX for t in stop_ids):
+        raise invalid("stop_token_ids is not an array of token ids", "stop_token_ids")
+    if len(stop_ids) > limits.stop_token_ids:  # each id is checked against the vocabulary engine-side
+        raise invalid(f"stop_token_ids must have no more than {limits.stop_token_ids} token ids", "stop_token_ids")
+    return tuple(dict.fromkeys(stop_ids))
+
+
+def _stop(value: Any, limits: Limits, read: dict) -> tuple[str, ...]:
     if isinstance(value, str):
         values = [value]
     elif isinstance(value, list):
@@ -294,12 +298,10 @@ def _stop(value: Any, limits: Limits) -> tuple[str, ...]:
         raise invalid("stop is not a string or array of strings", "stop")
     if any(len(s) > limits.stop_chars for s in values):
         raise invalid(f"stop strings must be at most {limits.stop_chars} characters long", "stop")
-    return tuple(s for s in values if s)   # an empty stop string would match everywhere: it means nothing
+    return tuple(s for s in values if s)  # an empty stop string would match everywhere: it means nothing
 
 
-def _logit_bias(value: Any, limits: Limits) -> tuple[tuple[int, float], ...]:
-    if value is None:
-        return ()
+def _logit_bias(value: Any, limits: Limits, read: dict) -> tuple[tuple[int, float], ...]:
     if not isinstance(value, dict):
         raise invalid("logit_bias is not an object", "logit_bias")
     if len(value) > limits.logit_bias:
@@ -317,60 +319,37 @@ def _logit_bias(value: Any, limits: Limits) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _n_and_best_of(b: _Body, limits: Limits, stream: bool) -> tuple[int, int | None]:
-    best_of = b.integer("best_of", "best_of is not an integer")
-    if best_of is not None:
-        if best_of <= 0:
-            raise invalid("best_of value should be greater than 0", "best_of")
-        if best_of > limits.best_of:
-            raise invalid(f"best_of exceeds limit provided in graph config: {limits.best_of}", "best_of")
-        if stream:
-            raise invalid("best_of cannot be used in streaming mode", "best_of")
-    n = b.integer("n", "n is not an integer")
-    if n is None:
-        n = 1
-    if n <= 0:
-        raise invalid("n value should be greater than 0", "n")
-    if best_of is not None and n > best_of:
-        raise invalid("n value cannot be greater than best_of", "n")
-    if n > limits.n:
-        raise invalid(f"n exceeds limit provided in graph config: {limits.n}", "n")
-    return n, best_of
-
-
 # ---------------------------------------------------------------- endpoints
+
 
 def _check_queue(prompts: int, gen: dict, limits: Limits) -> None:
     """n x prompts against the engine's queue before anything is built for them (choices here, sequences there):
     a request that can never fit is a 400 (a 429 would tell clients to retry what can never succeed; the engine
     answers 429 to one that fits the queue but not its current room). Called once every other rule passed."""
     beam = gen["best_of"] is not None and gen["best_of"] > 1
-    places = prompts * (1 if beam else gen["n"])   # a beam search queues one sequence per prompt
+    places = prompts * (1 if beam else gen["n"])  # a beam search queues one sequence per prompt
     if limits.max_queued is not None and places > limits.max_queued:
-        raise invalid(f"this request needs {places} queue places (prompts x n), more than the {limits.max_queued} "
-                      "the server has; send fewer prompts or a smaller n", "n")
+        raise invalid(
+            f"this request needs {places} queue places (prompts x n), more than the {limits.max_queued} "
+            "the server has; send fewer prompts or a smaller n",
+            "n",
+        )
 
 
 def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
     b = _object(body, limits)
-    gen = _generation(b, limits)
-    prompts = _prompts(b.raw("prompt"), limits)
-    echo = b.boolean("echo", "echo accepts values true or false") or False
-
-    logprobs = b.integer("logprobs", "logprobs is not an integer")
-    if logprobs is not None and not 0 <= logprobs <= limits.logprobs:
-        raise invalid(f"logprobs out of range [0, {limits.logprobs}]", "logprobs")
+    values = _read(b, F.COMPLETION, limits, {**PARSERS, "prompt": _prompts})
+    gen = _generation(values, max_tokens=values["max_tokens"])
+    prompts, echo = values["prompt"], bool(values["echo"])
     if gen["max_tokens"] == 0 and not echo:
         raise invalid("max_tokens value should be greater than 0 unless echo is set", "max_tokens")
-    gen["logprobs"] = logprobs
-    _check_queue(len(prompts), gen, limits)   # last: an invalid request is a 400 whatever its size
+    gen["logprobs"] = values["logprobs"]
+    _check_queue(len(prompts), gen, limits)  # last: an invalid request is a 400 whatever its size
     return CompletionRequest(GenerationRequest(**gen, unknown=b.unknown()), prompts, echo)
 
 
-def _prompts(value: Any, limits: Limits) -> tuple[Prompt, ...]:
+def _prompts(value: Any, limits: Limits, read: dict) -> tuple[Prompt, ...]:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids (at most limits.prompts)."""
-    if value is None:
-        raise invalid("prompt is missing", "prompt")
     if isinstance(value, str):
         items: list = [value]
     elif isinstance(value, list) and value and all(_is_int(t) for t in value):
@@ -380,8 +359,10 @@ def _prompts(value: Any, limits: Limits) -> tuple[Prompt, ...]:
     elif isinstance(value, list) and not value:
         raise invalid("prompt is empty", "prompt")
     else:
-        raise invalid("prompt is not a string, an array of strings, an array of token ids or an array of arrays "
-                      "of token ids", "prompt")
+        raise invalid(
+            "prompt is not a string, an array of strings, an array of token ids or an array of arrays of token ids",
+            "prompt",
+        )
     if len(items) > limits.prompts:
         raise invalid(f"prompt array must have no more than {limits.prompts} prompts", "prompt")
     out: list[Prompt] = []
@@ -401,42 +382,33 @@ def _prompts(value: Any, limits: Limits) -> tuple[Prompt, ...]:
 
 def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
     b = _object(body, limits)
-    # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given, and
-    # both are checked (an invalid value is an error even where the other one wins).
-    field_name = "max_completion_tokens" if b.data.get("max_completion_tokens") is not None else "max_tokens"
-    gen = _generation(b, limits, max_tokens_field=field_name)
-    for name in ("max_tokens", "max_completion_tokens"):
-        if (gen["max_tokens"] if name == field_name else _max_tokens(b, limits, name)) == 0:
-            raise invalid(f"{name} value should be greater than 0", name)
-    messages = _messages(b.raw("messages"), limits)
-
-    logprobs = b.boolean("logprobs", "logprobs accepts values true or false")
-    top = b.integer("top_logprobs", "top_logprobs is not an integer")
-    if top is not None:
-        if not 0 <= top <= limits.logprobs:
-            raise invalid(f"top_logprobs out of range [0, {limits.logprobs}]", "top_logprobs")
-        if not logprobs:
-            raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    values = _read(b, F.CHAT, limits, PARSERS)
+    # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given (both
+    # are checked: an invalid value is an error even where the other one wins).
+    newer = values["max_completion_tokens"]
+    gen = _generation(values, max_tokens=values["max_tokens"] if newer is None else newer)
+    logprobs, top = values["logprobs"], values["top_logprobs"]
+    if top is not None and not logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     gen["logprobs"] = (top or 0) if logprobs else None
-
-    response_format = b.raw("response_format")
-    if response_format is not None:
-        if not isinstance(response_format, dict) or response_format.get("type") != "text":
-            raise invalid("response_format other than {\"type\": \"text\"} is not supported yet", "response_format")
-    tools = b.raw("tools")
-    if tools:  # silently ignoring tools would make a client wait for calls that never come
-        raise invalid("tools are not supported yet", "tools")
-    b.raw("tool_choice"), b.raw("parallel_tool_calls")
     _check_queue(1, gen, limits)
-    return ChatRequest(GenerationRequest(**gen, unknown=b.unknown()), messages)
+    return ChatRequest(GenerationRequest(**gen, unknown=b.unknown()), values["messages"])
 
 
-def _messages(value: Any, limits: Limits) -> tuple[dict, ...]:
+def _response_format(value: Any, limits: Limits, read: dict) -> None:
+    if not isinstance(value, dict) or value.get("type") != "text":
+        raise invalid("response_format other than {\"type\": \"text\"} is not supported yet", "response_format")
+
+
+def _tools(value: Any, limits: Limits, read: dict) -> None:
+    if value:  # silently ignoring tools would make a client wait for calls that never come
+        raise invalid("tools are not supported yet", "tools")
+
+
+def _messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     """Each message: an object with a string role; content a string, null or a list of text parts (joined).
     Only what a chat template may use goes on: role, content, name and tool_call_id (strings), tool_calls (an
     array of objects); other fields are dropped, so nothing unbounded reaches the template or the pickler."""
-    if value is None:
-        raise invalid("messages missing in request", "messages")
     if not isinstance(value, list):
         raise invalid("messages is not an array", "messages")
     if not value:
@@ -460,7 +432,7 @@ def _messages(value: Any, limits: Limits) -> tuple[dict, ...]:
             content = "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise invalid("message content is not a string or an array of text parts", "messages")
-        kept = {"role": role, "content": content if content is not None else ""}
+        kept: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
         for name in MESSAGE_STRINGS:
             if message.get(name) is not None:
                 if not isinstance(message[name], str):
@@ -476,21 +448,36 @@ def _messages(value: Any, limits: Limits) -> tuple[dict, ...]:
 
 
 def parse_tokenize(body: Any, limits: Limits = Limits()) -> TokenizeRequest:
-    b = _object(body, limits)
-    model = _model(b)
-    prompt = b.raw("prompt")
-    if prompt is None:
-        raise invalid("prompt is missing", "prompt")
+    values = _read(_object(body, limits), F.TOKENIZE, limits, {"prompt": _tokenize_prompt})
+    prompts, batched = values["prompt"]
+    return TokenizeRequest(values["model"], prompts, batched=batched)
+
+
+def _tokenize_prompt(prompt: Any, limits: Limits, read: dict) -> tuple[tuple[str, ...], bool]:
+    """(prompts, batched): a string, or a list of strings (answered as a list of lists)."""
     if isinstance(prompt, str):
-        return TokenizeRequest(model, (prompt,), batched=False)
+        return (prompt,), False
     if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
         if len(prompt) > limits.prompts:
             raise invalid(f"prompt array must have no more than {limits.prompts} prompts", "prompt")
-        return TokenizeRequest(model, tuple(prompt), batched=True)
+        return tuple(prompt), True
     raise invalid("prompt is not a string or array of strings", "prompt")
 
 
+# custom fields (fields.py) -> their parser (completions and /tokenize add their own "prompt")
+PARSERS: dict[str, Parser] = {
+    "stream_options": _stream_options,
+    "stop": _stop,
+    "stop_token_ids": _stop_token_ids,
+    "logit_bias": _logit_bias,
+    "messages": _messages,
+    "response_format": _response_format,
+    "tools": _tools,
+}
+
+
 # ---------------------------------------------------------------- defaults
+
 
 def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
     """Request values, else the model's generation_config.json, else OVMS's built-ins.
@@ -498,6 +485,7 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
     generation_config.json only makes sampling the default when it says `do_sample: true` (as in Hugging Face);
     a request with temperature > 0 samples, and without a top_k from request or model gets OVMS's top_k = 40.
     """
+
     def pick(value, key: str, builtin):
         if value is not None:
             return value
@@ -508,7 +496,7 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
         temperature = float(defaults.get("temperature", 1.0)) if defaults.get("do_sample") else 0.0
     top_k = pick(gen.top_k, "top_k", None)
     beam = gen.best_of is not None and gen.best_of > 1
-    if top_k is None or top_k == 0:   # HF writes top_k 0 for "disabled"
+    if top_k is None or top_k == 0:  # HF writes top_k 0 for "disabled"
         top_k = OVMS_DEFAULT_TOP_K if temperature > 0 and top_k is None else -1
     return SamplingParams(
         max_tokens=gen.max_tokens,
@@ -523,13 +511,14 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
         seed=gen.seed,
         stop=list(gen.stop),
         stop_token_ids=list(gen.stop_token_ids),
-        include_stop_str_in_output=gen.stream if gen.include_stop_str_in_output is None
+        include_stop_str_in_output=gen.stream
+        if gen.include_stop_str_in_output is None
         else gen.include_stop_str_in_output,
         ignore_eos=bool(gen.ignore_eos),
         min_tokens=int(pick(gen.min_tokens, "min_new_tokens", 0)),
         logprobs=gen.logprobs,
         skip_special_tokens=True if gen.skip_special_tokens is None else gen.skip_special_tokens,
-        n=gen.n if beam else 1,   # sampling: the n choices are submitted together (Engine.submit_prompts)
-        best_of=gen.best_of if beam else None,   # beam search: one search returns the n best of best_of beams
+        n=gen.n if beam else 1,  # sampling: the n choices are submitted together (Engine.submit_prompts)
+        best_of=gen.best_of if beam else None,  # beam search: one search returns the n best of best_of beams
         length_penalty=float(pick(gen.length_penalty, "length_penalty", 1.0)),
     )

@@ -1,0 +1,441 @@
+"""The request fields, declared once: what validation.py checks and what docs/openapi.json's request schemas say.
+
+Each `Field` names a JSON type, its bounds (numbers, or `Limits` field names so that a flag moves both the check and
+the document), the exact OVMS message of each failure, and the document's description. validation.py walks these
+tables in order (the order is the order of the checks, so of which message a body with several faults gets);
+appliance/openai_api/openapi.py writes the request schemas from them. Messages and descriptions are `str.format`
+templates over the `Limits` fields (and `name`: the field's own name).
+
+Fields whose value has structure (prompt, messages, stop, logit_bias, ...) are `custom`: their JSON schema is
+declared here, their check is code in validation.py (`PARSERS`). Rules across fields (stream and stream_options,
+n and best_of, echo and max_tokens, ...) are code in validation.py, and their JSON-schema form in openapi.py.
+No numpy here: HTTP workers import this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from appliance.limits import Limits
+
+UINT32_MAX = 4294967295
+TOKEN_ID_PATTERN = r"0|[1-9][0-9]{0,9}"  # canonical decimal: "01", "+1", " 1", "1_0" name no token
+
+Kind = Literal["boolean", "integer", "number", "string", "any", "custom"]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """One bound, checked in the order a field lists them. `value`: a number, or a `Limits` field name ("-penalty":
+    minus that field; a limit that is None is no bound). `message`: None means the field's type message."""
+
+    side: Literal["min", "max"]
+    value: int | float | str
+    message: str | None = None
+    exclusive: bool = False
+
+    def resolve(self, limits: Limits) -> int | float | None:
+        if not isinstance(self.value, str):
+            return self.value
+        sign, name = (-1, self.value[1:]) if self.value.startswith("-") else (1, self.value)
+        value = getattr(limits, name)
+        return None if value is None else sign * value
+
+
+def Min(value: int | float | str, message: str | None = None, *, exclusive: bool = False) -> Bound:  # noqa: N802
+    return Bound("min", value, message, exclusive)
+
+
+def Max(value: int | float | str, message: str | None = None, *, exclusive: bool = False) -> Bound:  # noqa: N802
+    return Bound("max", value, message, exclusive)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field. A JSON null means "not set" (optional fields) or missing (`required` ones)."""
+
+    name: str
+    kind: Kind
+    message: str = ""  # wrong type (and any failed bound without a message of its own)
+    bounds: tuple[Bound, ...] = ()
+    also: tuple[int, ...] = ()  # values accepted outside the bounds (top_k: -1)
+    required: str | None = None  # the message when missing; None: optional
+    description: str = ""
+    schema: Callable[[Limits], dict] | None = None  # custom fields: the JSON schema (nullable added if optional)
+
+    def text(self, template: str, limits: Limits) -> str:
+        return template.format(name=self.name, **vars(limits))
+
+
+def boolean(name: str, message: str, description: str = "") -> Field:
+    return Field(name, "boolean", message, description=description)
+
+
+def integer(name: str, message: str, *bounds: Bound, description: str = "", also: tuple[int, ...] = ()) -> Field:
+    return Field(name, "integer", message, bounds, also, description=description)
+
+
+def number(name: str, *bounds: Bound, message: str = "{name} is not a valid number", description: str = "") -> Field:
+    return Field(name, "number", message, bounds, description=description)
+
+
+def custom(name: str, schema: Callable[[Limits], dict], description: str = "", required: str | None = None) -> Field:
+    return Field(name, "custom", required=required, description=description, schema=schema)
+
+
+def ignored(name: str) -> Field:
+    return Field(name, "any", description="Accepted and ignored.")
+
+
+def max_tokens(name: str, *, positive: bool, description: str) -> Field:
+    """max_tokens (completions: 0 allowed with echo) and chat's max_tokens / max_completion_tokens (at least 1)."""
+    zero = (Min(1, "{name} value should be greater than 0"),) if positive else ()
+    return integer(
+        name,
+        "{name} is not an unsigned integer",
+        Min(0),
+        Max(UINT32_MAX),
+        Max("max_tokens", "{name} exceeds limit provided in graph config: {max_tokens}"),
+        *zero,
+        description=description,
+    )
+
+
+# ---------------------------------------------------------------- schemas of the structured fields
+
+
+def _token_ids(minimum: int = 0) -> dict:
+    return {
+        "type": "array",
+        "minItems": 1,
+        "items": {"type": "integer", "minimum": minimum},
+        "description": "Token ids (each below the model's vocabulary size, else 400).",
+    }
+
+
+def _completion_prompt(limits: Limits) -> dict:
+    text = {"type": "string", "minLength": 1}
+    return {
+        "anyOf": [
+            text,
+            _token_ids(),
+            {"type": "array", "minItems": 1, "items": {"anyOf": [text, _token_ids()]}, "maxItems": limits.prompts},
+        ]
+    }
+
+
+def _tokenize_prompt(limits: Limits) -> dict:
+    return {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": limits.prompts}]}
+
+
+def _messages(limits: Limits) -> dict:
+    text_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }
+    return {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {"type": "string", "minLength": 1},
+                "content": {
+                    "anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}],
+                    "description": "Text, or a list of text parts (joined with newlines); null = \"\".",
+                },
+                "name": {"type": ["string", "null"]},
+                "tool_call_id": {"type": ["string", "null"]},
+                "tool_calls": {"type": ["array", "null"], "items": {"type": "object"}},
+            },
+            "additionalProperties": True,
+        },
+        "maxItems": limits.messages,
+    }
+
+
+def _stream_options(limits: Limits) -> dict:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {
+            "include_usage": {
+                "type": ["boolean", "null"],
+                "description": "Add `\"usage\": null` to every chunk and, after the finish "
+                "chunk, one chunk with `choices: []` and the usage.",
+            }
+        },
+    }
+
+
+def _stop(limits: Limits) -> dict:
+    text = {"type": "string", "maxLength": limits.stop_chars}
+    return {"anyOf": [text, {"type": "array", "maxItems": limits.stop_strings, "items": dict(text)}]}
+
+
+def _stop_token_ids(limits: Limits) -> dict:
+    return {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": UINT32_MAX},
+        "maxItems": limits.stop_token_ids,
+    }
+
+
+def _logit_bias(limits: Limits) -> dict:
+    return {
+        "type": "object",
+        "propertyNames": {"pattern": f"^({TOKEN_ID_PATTERN})$"},
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        "maxProperties": limits.logit_bias,
+    }
+
+
+def _response_format(limits: Limits) -> dict:
+    return {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}
+
+
+def _tools(limits: Limits) -> dict:
+    return {"type": "array", "maxItems": 0}
+
+
+# ---------------------------------------------------------------- the tables (check order)
+
+MODEL = Field(
+    "model",
+    "string",
+    "model is not a string",
+    required="model missing in request",
+    description="The served model name (`GET /v3/models`); another name gets 404 `model_not_found`.",
+)
+MAX_TOKENS_TEXT = (
+    "Generated tokens at most (unsigned 32-bit). Also bounded by `--max-tokens-limit` (400 above it) "
+    "and by the model's context: prompt + max_tokens over it is a 400 \"Number of prompt tokens: X + "
+    "max tokens value: Y exceeds model max length: Z\". Not set: until a stop condition or the end of "
+    "the context."
+)
+OPEN = Min(0, "{name} must be greater than 0", exclusive=True)
+
+
+def generation(max_tokens_fields: tuple[Field, ...]) -> tuple[Field, ...]:
+    """The fields completions and chat share, with the endpoint's max_tokens field(s) in their place."""
+    return (
+        MODEL,
+        boolean(
+            "stream",
+            "Stream is not bool",
+            "Answer with Server-Sent Events (`text/event-stream`) instead of one JSON body. Default false.",
+        ),
+        custom("stream_options", _stream_options, "Only with `stream: true`; the only key is `include_usage`."),
+        boolean(
+            "ignore_eos", "ignore_eos accepts values true or false", "Keep generating past the end-of-sequence token."
+        ),
+        *max_tokens_fields,
+        number(
+            "frequency_penalty",
+            Min("-penalty", "{name} out of range(-{penalty}, {penalty})"),
+            Max("penalty", "{name} out of range(-{penalty}, {penalty})"),
+        ),
+        number(
+            "presence_penalty",
+            Min("-penalty", "{name} out of range(-{penalty}, {penalty})"),
+            Max("penalty", "{name} out of range(-{penalty}, {penalty})"),
+        ),
+        number(
+            "repetition_penalty",
+            OPEN,
+            Max("repetition_penalty", "repetition_penalty out of range(0.0, {repetition_penalty}]"),
+        ),
+        number(
+            "length_penalty",
+            Min("-length_penalty", "length_penalty out of range(-{length_penalty}, {length_penalty})"),
+            Max("length_penalty", "length_penalty out of range(-{length_penalty}, {length_penalty})"),
+            description="Beam search (`best_of` > 1): the score of a finished beam is divided by its length to "
+            "this power (transformers' `length_penalty`). Default 1.",
+        ),
+        number(
+            "temperature",
+            Min(0, "temperature out of range(0.0, {temperature})"),
+            Max("temperature", "temperature out of range(0.0, {temperature})"),
+            description="0 = greedy. Default: the model's generation_config.json (sampling only with do_sample), "
+            "else 0.",
+        ),
+        number("top_p", Min(0, "top_p out of range(0.0, 1.0)"), Max(1, "top_p out of range(0.0, 1.0)")),
+        number(
+            "min_p", Min(0, "min_p out of range [0.0, 1.0)"), Max(1, "min_p out of range [0.0, 1.0)", exclusive=True)
+        ),
+        integer(
+            "top_k",
+            "top_k is not an integer",
+            Min(1, "top_k must be -1 (all tokens) or a positive integer"),
+            Max(UINT32_MAX, "top_k must be -1 (all tokens) or a positive integer"),
+            also=(-1,),
+            description="-1 = all tokens. Sampling with no top_k from the request or the model uses 40 (OVMS).",
+        ),
+        integer(
+            "seed",
+            "seed is not an integer",
+            Min(0, "seed out of range [0, 4294967295]"),
+            Max(UINT32_MAX, "seed out of range [0, 4294967295]"),
+            description="Choice j of `n` uses seed + j. Not set: a random seed.",
+        ),
+        custom(
+            "stop",
+            _stop,
+            "Up to {stop_strings} stop strings of at most {stop_chars} characters (empty strings are "
+            "ignored). Unary answers leave the stop string out unless `include_stop_str_in_output`; "
+            "streams include it (OVMS).",
+        ),
+        boolean(
+            "include_stop_str_in_output",
+            "include_stop_str_in_output accepts values true or false",
+            "Default false for unary requests, true for streams; false together with `stream: true` is a 400.",
+        ),
+        boolean("skip_special_tokens", "skip_special_tokens is not a bool", "Default true."),
+        custom(
+            "stop_token_ids",
+            _stop_token_ids,
+            "At most {stop_token_ids} token ids, each below the model's vocabulary size (else 400).",
+        ),
+        integer("min_tokens", "min_tokens is not an unsigned integer", Min(0), Max(UINT32_MAX)),
+        custom(
+            "logit_bias",
+            _logit_bias,
+            "At most {logit_bias} entries (as OpenAI). Token id (canonical ASCII "
+            "decimal: no sign, spaces or leading zeros; at most 4294967295) -> bias "
+            "added to its logit; ids outside the vocabulary have no effect.",
+        ),
+        number(
+            "timeout",
+            Min(0, exclusive=True),
+            Max("timeout", "timeout must be at most {timeout:g} seconds"),
+            message="timeout must be a positive number of seconds",
+            description="Seconds, at most {timeout:g} (a day). Past it the request is cancelled and answered 429 "
+            "`timeout` (in-band error event if the stream already started).",
+        ),
+        integer(
+            "best_of",
+            "best_of is not an integer",
+            Min(1, "best_of value should be greater than 0"),
+            Max("best_of", "best_of exceeds limit provided in graph config: {best_of}"),
+            description="Above 1: beam search with this many beams, answering the `n` best (n <= best_of). Not "
+            "together with `stream: true`.",
+        ),
+        integer(
+            "n",
+            "n is not an integer",
+            Min(1, "n value should be greater than 0"),
+            Max("n", "n exceeds limit provided in graph config: {n}"),
+            description="Independent choices per prompt (seed + j for choice j). n x prompts (beam search: "
+            "prompts) above the server's `--max-queued` is a 400: it could never be queued.",
+        ),
+        ignored("user"),
+    )
+
+
+DEPTH_TEXT = (
+    "Every string must be valid Unicode (no lone surrogates) and objects and arrays nest at most {depth} "
+    "deep (the body is level 1), else 400."
+)
+
+COMPLETION = (
+    *generation((max_tokens("max_tokens", positive=False, description=MAX_TOKENS_TEXT),)),
+    custom(
+        "prompt",
+        _completion_prompt,
+        "A string, a list of strings, token ids, or a list of token-id lists (one "
+        "choice set per prompt; at most {prompts} prompts, `--max-prompts`). A text "
+        "prompt gets the tokenizer's special tokens (BOS), as in OVMS.",
+        required="prompt is missing",
+    ),
+    boolean(
+        "echo",
+        "echo accepts values true or false",
+        "Prefix each choice's text with its prompt (`completion_tokens` excludes it). With echo, `max_tokens: 0` "
+        "answers the prompt alone.",
+    ),
+    integer(
+        "logprobs",
+        "logprobs is not an integer",
+        Min(0, "logprobs out of range [0, {logprobs}]"),
+        Max("logprobs", "logprobs out of range [0, {logprobs}]"),
+        description="Log-probabilities of the chosen tokens plus this many alternatives (OVMS: 1 only, not "
+        "streaming). With `echo`, the prompt's tokens come first, the very first with a null "
+        "logprob. `echo` + `logprobs`: prompt tokens x (1 + logprobs) x n may be at most "
+        "{prompt_logprobs} per request (`--max-prompt-logprobs`, else 400).",
+    ),
+)
+
+CHAT = (
+    *generation(
+        (
+            max_tokens("max_tokens", positive=True, description=MAX_TOKENS_TEXT),
+            max_tokens(
+                "max_completion_tokens",
+                positive=True,
+                description="OpenAI's newer name of max_tokens; wins when both are set.",
+            ),
+        )
+    ),
+    custom(
+        "messages",
+        _messages,
+        "At most {messages} messages (`--max-messages`). Only `role`, `content`, `name`, "
+        "`tool_call_id` and `tool_calls` reach the chat template; other message fields are "
+        "dropped.",
+        required="messages missing in request",
+    ),
+    boolean("logprobs", "logprobs accepts values true or false", "Log-probabilities of the chosen tokens."),
+    integer(
+        "top_logprobs",
+        "top_logprobs is not an integer",
+        Min(0, "top_logprobs out of range [0, {logprobs}]"),
+        Max("logprobs", "top_logprobs out of range [0, {logprobs}]"),
+        description="Alternatives per token; needs `logprobs: true`.",
+    ),
+    custom(
+        "response_format",
+        _response_format,
+        "Only `{{\"type\": \"text\"}}` (structured output is not supported yet: 400).",
+    ),
+    custom(
+        "tools",
+        _tools,
+        "Tool calling is not supported yet: a non-empty list is a 400 (ignoring it would leave a "
+        "client waiting for calls that never come).",
+    ),
+    ignored("tool_choice"),
+    ignored("parallel_tool_calls"),
+)
+
+TOKENIZE = (
+    MODEL,
+    custom(
+        "prompt",
+        _tokenize_prompt,
+        "Tokenized with the tokenizer's special tokens, as a completion prompt is. A "
+        "list holds at most {prompts} prompts (`--max-prompts`).",
+        required="prompt is missing",
+    ),
+)
+
+REQUESTS: dict[str, tuple[tuple[Field, ...], str]] = {  # components.schemas name -> (fields, description)
+    "CompletionRequest": (
+        COMPLETION,
+        "OVMS's completions request (`/work/shared/reference/ovms-openai-api.md`). "
+        "Unknown fields are accepted (logged at debug level); a JSON null means \"not "
+        "set\" for every optional field. " + DEPTH_TEXT,
+    ),
+    "ChatCompletionRequest": (
+        CHAT,
+        "Chat completions: the messages go through the model's chat template (engine "
+        "side; a template error is a 400 with its message). Unknown fields are accepted. " + DEPTH_TEXT,
+    ),
+    "TokenizeRequest": (TOKENIZE, DEPTH_TEXT),
+}
+
+
+__all__ = ["Bound", "Field", "Kind", "UINT32_MAX", "TOKEN_ID_PATTERN", "COMPLETION", "CHAT", "TOKENIZE", "REQUESTS"]

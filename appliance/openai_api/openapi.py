@@ -1,0 +1,188 @@
+"""docs/openapi.json's generated parts, so that the document cannot drift from what the server checks.
+
+The request schemas (CompletionRequest, ChatCompletionRequest, TokenizeRequest) come from the field tables in
+appliance/openai_api/fields.py, the same tables validation.py walks, with bounds from `Limits()` defaults; the
+rules across fields are written here in JSON-schema form (the code that enforces them is in validation.py). The
+`limits` object of the Config schema comes from `appliance.limits.Limits`. The rest of the document (paths,
+responses, response schemas) is written by hand in docs/openapi.json itself: edit it there, then regenerate.
+
+    python -m appliance.openai_api.openapi           # rewrite docs/openapi.json in place
+    python -m appliance.openai_api.openapi --check   # exit 1 if it is not current (tests/test_openapi_current.py)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+import appliance
+from appliance.limits import Limits
+from appliance.openai_api.fields import REQUESTS, Field
+
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
+
+
+def field_schema(f: Field, limits: Limits) -> dict:
+    """One property's JSON schema; an optional field also takes null ("not set")."""
+    if f.kind == "any":
+        schema: dict[str, Any] = {}
+    elif f.kind == "custom":
+        assert f.schema is not None, f.name
+        schema = f.schema(limits)
+    else:
+        schema = {"type": f.kind, **_bounds(f, limits)}
+        if f.also:
+            schema = {"anyOf": [schema, *({"type": f.kind, "const": v} for v in f.also)]}
+    if not f.required and f.kind != "any":
+        schema = _nullable(schema)
+    if f.description:
+        schema["description"] = f.text(f.description, limits)
+    return schema
+
+
+def _bounds(f: Field, limits: Limits) -> dict:
+    """The tightest bound on each side (a limit that is None is no bound)."""
+    out: dict[str, Any] = {}
+    for side, tighter in (("min", max), ("max", min)):
+        resolved = [(b.resolve(limits), b.exclusive) for b in f.bounds if b.side == side]
+        edges: list[tuple[float, bool]] = [(v, x) for v, x in resolved if v is not None]
+        if edges:
+            value = tighter(v for v, _ in edges)
+            exclusive = any(x for v, x in edges if v == value)
+            key = (
+                ("exclusiveMinimum" if exclusive else "minimum")
+                if side == "min"
+                else ("exclusiveMaximum" if exclusive else "maximum")
+            )
+            out[key] = value
+    return out
+
+
+def _nullable(schema: dict) -> dict:
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+def _when(name: str, condition: dict, then: dict) -> dict:
+    return {"if": {"required": [name], "properties": {name: condition}}, "then": then}
+
+
+def _rules(request: str, limits: Limits) -> list[dict]:
+    """validation.py's rules across fields, as JSON Schema (for schemathesis and readers)."""
+    if request == "TokenizeRequest":
+        return []
+    rules = [
+        {
+            "description": "\"stream_options provided, but stream not set to true\"",
+            **_when(
+                "stream_options",
+                {"type": "object"},
+                {"required": ["stream"], "properties": {"stream": {"const": True}}},
+            ),
+        },
+        {
+            "description": "\"include_stop_str_in_output cannot be set to false if streaming is used\"; \"best_of "
+            "cannot be used in streaming mode\"",
+            **_when(
+                "stream",
+                {"const": True},
+                {"properties": {"include_stop_str_in_output": {"enum": [True, None]}, "best_of": {"type": "null"}}},
+            ),
+        },
+        {
+            "description": "\"n value cannot be greater than best_of\" (JSON Schema cannot compare two fields: "
+            "one rule per best_of value)",
+            "allOf": [
+                _when("best_of", {"const": k}, {"properties": {"n": {"type": ["integer", "null"], "maximum": k}}})
+                for k in range(1, min(limits.best_of + 1, limits.n))
+            ],
+        },
+    ]
+    if request == "CompletionRequest":
+        rules.append(
+            {
+                "description": "\"max_tokens value should be greater than 0 unless echo is set\"",
+                **_when("max_tokens", {"const": 0}, {"required": ["echo"], "properties": {"echo": {"const": True}}}),
+            }
+        )
+    else:
+        rules.append(
+            {
+                "description": "\"top_logprobs requires logprobs to be true\"",
+                **_when(
+                    "top_logprobs",
+                    {"type": "integer"},
+                    {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+                ),
+            }
+        )
+    return rules
+
+
+def request_schema(request: str, limits: Limits = Limits()) -> dict:
+    """components.schemas[request]: required fields first, then the table's order."""
+    table, description = REQUESTS[request]
+    ordered = sorted(table, key=lambda f: not f.required)
+    schema: dict[str, Any] = {
+        "type": "object",
+        "required": [f.name for f in ordered if f.required],
+        "description": description.format(**vars(limits)),
+        "properties": {f.name: field_schema(f, limits) for f in ordered},
+    }
+    rules = _rules(request, limits)
+    if rules:
+        schema["allOf"] = rules
+    schema["additionalProperties"] = True  # unknown fields are accepted (and logged)
+    return schema
+
+
+def limits_schema() -> dict:
+    """Config's `limits` object: every Limits field, its type and help."""
+    props = {}
+    for f in fields(Limits):
+        kind = {"int": "integer", "float": "number"}[str(f.type).split(" | ")[0]]
+        nullable = f.default is not MISSING and f.default is None
+        props[f.name] = {"type": [kind, "null"] if nullable else kind, "description": f.metadata["help"]}
+    return {"type": "object", "additionalProperties": False, "required": list(props), "properties": props}
+
+
+def document(base: dict, limits: Limits = Limits()) -> dict:
+    """`base` (the hand-written document) with its generated parts replaced."""
+    doc = copy.deepcopy(base)
+    doc["info"]["version"] = appliance.__version__
+    schemas = doc["components"]["schemas"]
+    for request in REQUESTS:
+        schemas[request] = request_schema(request, limits)
+    schemas["Config"]["additionalProperties"]["properties"]["limits"] = limits_schema()
+    return doc
+
+
+def render(doc: dict) -> str:
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def current(path: Path = DOC_PATH) -> tuple[str, str]:
+    """(the document as it is, as it should be)."""
+    text = path.read_text()
+    return text, render(document(json.loads(text)))
+
+
+def main(argv: list[str]) -> int:
+    text, wanted = current()
+    if "--check" in argv:
+        if text != wanted:
+            print(f"{DOC_PATH} is stale: run python -m appliance.openai_api.openapi", file=sys.stderr)
+            return 1
+        return 0
+    if text != wanted:
+        DOC_PATH.write_text(wanted)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
