@@ -19,7 +19,7 @@ FROM python:3.11-slim-bookworm
 WORKDIR /opt/appliance
 COPY --from=build /opt/appliance /opt/appliance
 COPY --from=build /var/lib/appliance /var/lib/appliance
-# Runtime only: the pinned install_requires of setup.cfg, their dependencies held to the lock's versions.
+# Runtime only: the pinned dependencies of pyproject.toml, their dependencies held to the lock's versions.
 RUN pip install --no-cache-dir -c requirements/lock.txt -e . \
  && useradd --system appliance && chown -R appliance /var/lib/appliance
 USER appliance

@@ -1,23 +1,24 @@
-# The two commands a user needs: `make serve` and `make test`. Everything else is a step they depend on.
+# The two commands a user needs: `make serve` and `make test`. Everything else is a step they depend on, or a
+# quicker check for a developer: `make test-fast` (no default model) and `make lint` (both run by .ci/run).
 PYTHON   ?= python3
 VENV     ?= .venv
 BIN      := $(VENV)/bin
 DATA_DIR ?= $(HOME)/.cache/appliance
-HOST     ?= 127.0.0.1
-PORT     ?= 8000
-DEVICE   ?= CPU
-WORKERS  ?= 1
+# `make serve HOST=0.0.0.0 PORT=9000 DEVICE=GPU WORKERS=4`: each becomes its flag only when set, so the defaults
+# stay where they are declared (`appliance serve --help`); any APPLIANCE_* variable works too.
+SERVE_FLAGS = $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(if $(DEVICE),--device $(DEVICE)) \
+              $(if $(WORKERS),--workers $(WORKERS))
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
 export APPLIANCE_DATA_DIR := $(DATA_DIR)
 
-.PHONY: venv model serve test bench clean-venv
+.PHONY: venv model serve test test-fast lint bench clean-venv
 
 venv: $(VENV)/.installed
 
 # torch first, from the pinned local CPU wheel: anything that lets pip choose pulls a multi-GB CUDA build.
-$(VENV)/.installed: requirements/lock.txt setup.cfg
+$(VENV)/.installed: requirements/lock.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -31,10 +32,23 @@ model: venv
 	$(BIN)/python -m export.default_model
 
 serve: model
-	$(BIN)/appliance serve --model default --host $(HOST) --port $(PORT) --device $(DEVICE) --workers $(WORKERS)
+	$(BIN)/appliance serve $(SERVE_FLAGS)
 
 test: model
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Unit tests and tiny random models only: never builds the default model (markers in setup.cfg, set by
+# tests/conftest.py from the fixtures a test uses).
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not default_model and not slow" $(PYTEST_ARGS)
+
+# ruff (lint, format) and mypy, configured in pyproject.toml; every check runs, the target fails if any did.
+lint: venv
+	@status=0; \
+	$(BIN)/ruff check . || status=1; \
+	$(BIN)/ruff format --check . || status=1; \
+	$(BIN)/mypy || status=1; \
+	exit $$status
 
 # Every benchmark, then the issue's targets (~45 min): BENCH_ARGS=--quick for a ~4 min smoke run, or e.g.
 # BENCH_ARGS="--only http --llamacpp-python /tmp/llama-venv/bin/python" to add llama.cpp's server to the HTTP

@@ -10,9 +10,11 @@ byte-fallback tokens are held while their run lasts: the ByteFallback decoder tu
 any of it is invalid, so a later byte can change how earlier ones decode. Offsets only move at character
 boundaries, so the window stays a few tokens long and the pieces concatenate to exactly the full decode.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT = 5  # prompt tokens decoded as context before the first generated one (vLLM uses the same idea)
@@ -41,7 +43,7 @@ class IncrementalDetokenizer:
         # Skipped specials are dropped up front: decode(ids, skip=True) == decode(ids without them, skip=False)
         # for the tokenizers library, and the window then never stalls on them.
         self._skip = tokenizer.special_ids if skip_special_tokens else frozenset()
-        self._byte_run = getattr(tokenizer, "byte_fallback_ids", frozenset())
+        self._byte_run: frozenset[int] = getattr(tokenizer, "byte_fallback_ids", frozenset())
         context = [] if prompt_ids is None else [int(i) for i in prompt_ids[-PROMPT_CONTEXT:]]
         # The window: ids[:read_offset] is emitted text kept as context ("prefix"), ids[read_offset:] is pending.
         self.ids: list[int] = [i for i in context if i not in self._skip]
@@ -69,8 +71,8 @@ class IncrementalDetokenizer:
         text = self._decode(self.ids)
         if len(text) <= len(self.prefix_text) or text.endswith(REPLACEMENT):
             return ""  # nothing yet, or an unfinished character: hold until a later token completes it
-        delta = text[len(self.prefix_text):]
-        del self.ids[:self.read_offset]  # the pending tokens become the next prefix: the window stays short
+        delta = text[len(self.prefix_text) :]
+        del self.ids[: self.read_offset]  # the pending tokens become the next prefix: the window stays short
         self.read_offset = len(self.ids)
         self.prefix_text = self._decode(self.ids)
         return delta
@@ -81,4 +83,4 @@ class IncrementalDetokenizer:
         if self.read_offset == len(self.ids):
             return ""
         self.read_offset = len(self.ids)
-        return self._decode(self.ids)[len(self.prefix_text):]
+        return self._decode(self.ids)[len(self.prefix_text) :]

@@ -16,6 +16,7 @@ ids, keyed with a per-process random salt (a fresh one per BlockPool), so nobody
 offline. Cost: about 1.5 us per full block (timeit, 16 or 32 tokens, on the 2-core dev box; hash() was 0.15 us),
 once per block a prompt fills or looks up, never per token.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,7 +24,7 @@ import os
 from array import array
 from collections import OrderedDict
 
-DIGEST_SIZE = 16          # bytes of a block name
+DIGEST_SIZE = 16  # bytes of a block name
 _ROOT = bytes(DIGEST_SIZE)  # the parent of a prompt's first block
 
 
@@ -42,9 +43,9 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._key: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks  # (name, tokens) of a full block
         self._by_hash: dict[bytes, int] = {}
-        self.salt = os.urandom(DIGEST_SIZE)   # per process and pool: names cannot be precomputed elsewhere
-        self.hits = 0      # prompt tokens served from the cache
-        self.queries = 0   # prompt tokens looked up
+        self.salt = os.urandom(DIGEST_SIZE)  # per process and pool: names cannot be precomputed elsewhere
+        self.hits = 0  # prompt tokens served from the cache
+        self.queries = 0  # prompt tokens looked up
 
     @property
     def num_free(self) -> int:
@@ -76,7 +77,7 @@ class BlockPool:
             self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
-        for b in reversed(blocks):   # a sequence's tail blocks are the least likely to be shared: reuse first
+        for b in reversed(blocks):  # a sequence's tail blocks are the least likely to be shared: reuse first
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 self._free[b] = None
@@ -92,7 +93,7 @@ class BlockPool:
         bs, blocks, hashes, parent = self.block_size, [], [], None
         self.queries += len(tokens)
         for start in range(0, len(tokens) - 1 - bs + 1, bs):
-            key = tuple(tokens[start:start + bs])
+            key = tuple(tokens[start : start + bs])
             h = chain_hash(self.salt, parent, key)
             block = self._by_hash.get(h)
             if block is None or self._key[block] != (h, key):

@@ -2,6 +2,7 @@
 
 Written by `export/`, read by the runtime. One exported directory holds one backend and one weight format.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,21 +15,21 @@ FORMAT_VERSION = 1
 
 @dataclass
 class Manifest:
-    name: str                       # served model name (overridable at serve time)
-    backend: str                    # "openvino" | "onnx"
-    weight_format: str              # fp32 | fp16 | int8 | int4
-    model_file: str                 # relative: openvino_model.xml or model.onnx
-    architecture: str               # e.g. LlamaForCausalLM
-    model_type: str                 # e.g. llama
+    name: str  # served model name (overridable at serve time)
+    backend: str  # "openvino" | "onnx"
+    weight_format: str  # fp32 | fp16 | int8 | int4
+    model_file: str  # relative: openvino_model.xml or model.onnx
+    architecture: str  # e.g. LlamaForCausalLM
+    model_type: str  # e.g. llama
     num_layers: int
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_context: int                # max_position_embeddings
-    kv_dtype: str                   # dtype of the KV tensors the graph produces: f32 | f16
-    stateful: bool                  # OpenVINO: KV cache held as graph state (needed for paged attention)
+    max_context: int  # max_position_embeddings
+    kv_dtype: str  # dtype of the KV tensors the graph produces: f32 | f16
+    stateful: bool  # OpenVINO: KV cache held as graph state (needed for paged attention)
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
@@ -37,7 +38,7 @@ class Manifest:
     tokenizer_file: str = "tokenizer.json"
     chat_template_file: str | None = "chat_template.jinja"
     generation_config_file: str = "generation_config.json"
-    source: str = ""                # where the weights came from
+    source: str = ""  # where the weights came from
     weight_compression: dict = field(default_factory=dict)  # what the exporter did to the weights, for humans
     format_version: int = FORMAT_VERSION
 
@@ -47,7 +48,7 @@ class Manifest:
         return path
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Manifest":
+    def load(cls, directory: str | Path) -> Manifest:
         path = Path(directory) / MANIFEST_NAME
         if not path.is_file():
             raise FileNotFoundError(f"{directory}: no {MANIFEST_NAME}; export the model first (python -m export)")

@@ -1,4 +1,5 @@
 """Where models live. The runtime resolves `--model default` here without importing the export tools."""
+
 from __future__ import annotations
 
 import os

@@ -15,11 +15,12 @@ top_p is renormalised after top_k (transformers, vLLM); min_p is relative to the
 Rankings (top_k, top_p, logprobs) break ties towards the lowest token id.
 Reported logprobs are the model's raw log-softmax, before bias, penalties and temperature.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from appliance.params import SamplingParams
 from appliance.stopping import stop_token_ids
 
 GREEDY_EPS = 1e-5
-_BLOCK = 64          # ids per block: blocked top-m preselection and blocked inverse-CDF sums
+_BLOCK = 64  # ids per block: blocked top-m preselection and blocked inverse-CDF sums
 _NUCLEUS_START = 64  # top_p: candidates ranked first; a larger nucleus takes a value sort of its row
 
 
@@ -54,11 +55,11 @@ class TokenCounts:
 
     @property
     def ids(self) -> np.ndarray:
-        return self._ids[:self.n]
+        return self._ids[: self.n]
 
     @property
     def counts(self) -> np.ndarray:
-        return self._cnt[:self.n]
+        return self._cnt[: self.n]
 
 
 @dataclass
@@ -66,6 +67,7 @@ class SequenceSampler:
     """Per-sequence sampling state. The engine calls `append(token)` after every step (sample_batch does not:
     the engine decides which tokens are kept). seq_index separates the n > 1 children of one seeded request
     (child 0 uses the seed as is, so n=1 and n>1 agree on the first sequence)."""
+
     params: SamplingParams
     prompt_ids: Sequence[int] = ()
     eos_ids: Collection[int] = ()
@@ -76,8 +78,8 @@ class SequenceSampler:
         p = self.params
         seed = p.seed if p.seed is None or self.seq_index == 0 else [p.seed, self.seq_index]
         self.rng = np.random.default_rng(seed)  # None: fresh OS entropy
-        self.stop_set = stop_token_ids(p, self.eos_ids)   # frozenset: the engine's O(1) stop-token check
-        self.stop_ids = np.array(sorted(self.stop_set), dtype=np.int64)   # the same tokens, for the min_tokens mask
+        self.stop_set = stop_token_ids(p, self.eos_ids)  # frozenset: the engine's O(1) stop-token check
+        self.stop_ids = np.array(sorted(self.stop_set), dtype=np.int64)  # the same tokens, for the min_tokens mask
         self.bias_ids = np.array(list(p.logit_bias), dtype=np.int64)
         self.bias_vals = np.array(list(p.logit_bias.values()), dtype=np.float32)
         # repetition: prompt + generated (transformers); frequency/presence: generated only (OpenAI)
@@ -107,9 +109,9 @@ class SequenceSampler:
 
 @dataclass
 class SampleOutput:
-    token_ids: np.ndarray     # int64[B]
-    logprobs: np.ndarray      # float32[B]: the chosen token under the raw log-softmax (NaN: row did not ask)
-    top_ids: np.ndarray       # int64[B, k], k = max requested logprobs over the batch; best first
+    token_ids: np.ndarray  # int64[B]
+    logprobs: np.ndarray  # float32[B]: the chosen token under the raw log-softmax (NaN: row did not ask)
+    top_ids: np.ndarray  # int64[B, k], k = max requested logprobs over the batch; best first
     top_logprobs: np.ndarray  # float32[B, k] (NaN in rows that did not ask)
 
 
@@ -146,8 +148,9 @@ def apply_processors(logits: np.ndarray, seqs: list[SequenceSampler], out: np.nd
         x[r, c] += np.concatenate([s.bias_vals for _, s in biased])[ok]  # (row, id) pairs unique: no add.at
     if rep := [(i, s.seen.ids) for i, s in enumerate(seqs) if s.seen is not None]:
         r, c, ok = _scatter(rep, V)
-        rp = np.repeat(np.array([seqs[i].params.repetition_penalty for i, _ in rep], np.float32),
-                       [len(ids) for _, ids in rep])[ok]
+        rp = np.repeat(
+            np.array([seqs[i].params.repetition_penalty for i, _ in rep], np.float32), [len(ids) for _, ids in rep]
+        )[ok]
         v = x[r, c]
         x[r, c] = np.where(v < 0, v * rp, v / rp)
     if gen := [(i, s.generated) for i, s in enumerate(seqs) if s.generated is not None and s.generated.n]:
@@ -167,6 +170,7 @@ def apply_processors(logits: np.ndarray, seqs: list[SequenceSampler], out: np.nd
 
 
 # -- ranking ---------------------------------------------------------------------------------------------------
+
 
 def _ranked_exact(x: np.ndarray, m: int) -> np.ndarray:
     B, W = x.shape
@@ -202,7 +206,7 @@ def ranked(x: np.ndarray, m: int) -> np.ndarray:
         return _ranked_exact(x, m)
     bmax = np.maximum.reduceat(x, np.arange(0, V, _BLOCK), axis=1)
     nb = bmax.shape[1]
-    top = np.sort(np.argpartition(bmax, nb - m, axis=1)[:, nb - m:], axis=1)
+    top = np.sort(np.argpartition(bmax, nb - m, axis=1)[:, nb - m :], axis=1)
     mth = np.take_along_axis(bmax, top, axis=1).min(axis=1, keepdims=True)
     cols, real = _block_cols(top, V)
     cand = np.where(real, np.take_along_axis(x, cols, axis=1), -np.inf)
@@ -213,6 +217,7 @@ def ranked(x: np.ndarray, m: int) -> np.ndarray:
 
 
 # -- truncation and drawing, on weights w = exp(x - max) (the best token weighs 1) ------------------------------
+
 
 def _exclusive_cumsum(w: np.ndarray) -> np.ndarray:
     """Mass ranked strictly above each position (float64, sequential: the same sums for any prefix length)."""
@@ -253,7 +258,7 @@ def _top_p_full(e: np.ndarray, top_p: np.ndarray) -> tuple[np.ndarray, np.ndarra
     pending = np.arange(len(r))
     while len(pending):
         m = min(m * 8, V)
-        part = sub[pending] if m == V else np.partition(sub[pending], V - m, axis=1)[:, V - m:]
+        part = sub[pending] if m == V else np.partition(sub[pending], V - m, axis=1)[:, V - m :]
         s = np.sort(part, axis=1)[:, ::-1]
         excl = _exclusive_cumsum(s)
         closed = (excl[:, -1] + s[:, -1] >= limit[r[pending]]) | (m == V)
@@ -269,7 +274,7 @@ def _top_p_full(e: np.ndarray, top_p: np.ndarray) -> tuple[np.ndarray, np.ndarra
     rows, cols = np.nonzero(take | eq)  # row-major: ascending ids, n[i] of them in row i
     width = max(int(n.max()), ids.shape[1])
     out_ids, out_w = np.zeros((B, width), np.int64), np.zeros((B, width), np.float32)
-    out_ids[:, :ids.shape[1]], out_w[:, :w.shape[1]] = ids, w
+    out_ids[:, : ids.shape[1]], out_w[:, : w.shape[1]] = ids, w
     out_ids[r], out_w[r] = 0, 0.0
     pos = np.arange(len(cols)) - np.repeat(np.cumsum(n) - n, n)
     out_ids[r[rows], pos], out_w[r[rows], pos] = cols, sub[rows, cols]
@@ -359,7 +364,7 @@ def sample_batch(logits: np.ndarray, seqs: list[SequenceSampler]) -> SampleOutpu
         tokens[rows] = _sample(xs, [seqs[i].params for i in rows], u)
     # The log-softmax costs a pass over B x V: only for the rows that report logprobs (NaN elsewhere).
     want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    k = min(max((seqs[i].params.logprobs for i in want), default=0), V)
+    k = min(max((seqs[i].params.logprobs or 0 for i in want), default=0), V)
     logprobs = np.full(B, np.nan, np.float32)
     top_ids, top_logprobs = np.zeros((B, k), np.int64), np.full((B, k), np.nan, np.float32)
     if want:

@@ -1,7 +1,8 @@
 """When a sequence stops: stop strings on the text stream, and stop tokens / length limits per token."""
+
 from __future__ import annotations
 
-from typing import AbstractSet, Collection
+from collections.abc import Collection, Set
 
 from appliance.params import SamplingParams
 
@@ -42,8 +43,8 @@ class StopStringMatcher:
             self.stopped, self.stop_str, self.held = True, s, ""
             return buf[:end] if self.include else buf[:start], True
         hold = self._partial_len(buf)
-        self.held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], False
+        self.held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], False
 
     def _partial_len(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""
@@ -66,8 +67,9 @@ def stop_token_ids(params: SamplingParams, eos_ids: Collection[int]) -> frozense
     return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
 
 
-def check_token_stop(token_id: int, num_generated: int, params: SamplingParams, stops: AbstractSet[int],
-                     context_full: bool) -> str | None:
+def check_token_stop(
+    token_id: int, num_generated: int, params: SamplingParams, stops: Set[int], context_full: bool
+) -> str | None:
     """finish_reason after sampling `token_id`, or None to continue.
 
     stops: the sequence's stop tokens, stop_token_ids(params, eos) (a set: O(1) per check). num_generated counts

@@ -10,15 +10,17 @@ is encoded as plain text, never as the control token, as the OpenAI API does; ot
 turn and open a `system` one against the operator's prompt. Raw prompts (`encode`) keep mapping special-token text
 to the special tokens (what completions clients and OVMS expect).
 """
+
 from __future__ import annotations
 
 import json
 import re
 import threading
+from collections.abc import Iterable
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -99,6 +101,7 @@ def _read_json(path: Path) -> dict:
 
 class _GenerationTag(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (assistant-mask marker in some templates): render the body as is."""
+
     tags = {"generation"}
 
     def parse(self, parser):
@@ -121,8 +124,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 @lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -132,8 +136,13 @@ def _compile_template(source: str) -> jinja2.Template:
 class Tokenizer:
     """A HF tokenizer folder, loaded without transformers."""
 
-    def __init__(self, tok: tokenizers.Tokenizer, config: dict | None = None,
-                 chat_template: str | dict | list | None = None, generation_config: dict | None = None):
+    def __init__(
+        self,
+        tok: tokenizers.Tokenizer,
+        config: dict | None = None,
+        chat_template: str | dict | list | None = None,
+        generation_config: dict | None = None,
+    ):
         self._tok = tok
         config = config or {}
         self.config = config
@@ -153,17 +162,18 @@ class Tokenizer:
         self._decoder_kind, has_byte_fallback = self._detect_decoder()
         # <0xNN> tokens a ByteFallback decoder merges run-wise (a run decodes only if all of it is valid UTF-8)
         self.byte_fallback_ids: frozenset[int] = frozenset(
-            i for b in range(256) if has_byte_fallback and (i := tok.token_to_id(f"<0x{b:02X}>")) is not None)
+            i for b in range(256) if has_byte_fallback and (i := tok.token_to_id(f"<0x{b:02X}>")) is not None
+        )
         self._bytes_cache: dict[int, bytes] = {}
         # encode_chat: the special tokens' texts, longest first so the regex prefers "<|a|>b" over "<|a|>"
         self._special_texts = sorted({self._added_content[i] for i in self.special_ids}, key=len, reverse=True)
         self._special_index = {t: k for k, t in enumerate(self._special_texts)}
         self._special_re = re.compile("|".join(map(re.escape, self._special_texts))) if self._special_texts else None
-        self._plain: tuple[tokenizers.Tokenizer, tokenizers.Tokenizer] | None = None   # built on first use
+        self._plain: tuple[tokenizers.Tokenizer, tokenizers.Tokenizer] | None = None  # built on first use
         self._plain_lock = threading.Lock()
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
@@ -176,8 +186,9 @@ class Tokenizer:
             template = (path / "chat_template.jinja").read_text(encoding="utf-8")
         elif (path / "chat_template.json").is_file():
             template = _read_json(path / "chat_template.json").get("chat_template", template)
-        return cls(tokenizers.Tokenizer.from_file(str(tok_file)), config, template,
-                   _read_json(path / "generation_config.json"))
+        return cls(
+            tokenizers.Tokenizer.from_file(str(tok_file)), config, template, _read_json(path / "generation_config.json")
+        )
 
     # -- vocabulary ---------------------------------------------------------------------------------------------
     @property
@@ -245,15 +256,26 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain completion or give the model a template")
         return t
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, documents: list[dict] | None = None, **kwargs) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        **kwargs,
+    ) -> str:
         """Render like transformers' apply_chat_template(tokenize=False). Template errors (including its own
         raise_exception) become ValueError so the HTTP layer can answer 400."""
         source = self._select_template(tools)
         variables = {**self.special_tokens, "additional_special_tokens": self.additional_special_tokens, **kwargs}
         try:
-            return _compile_template(source).render(messages=messages, tools=tools, documents=documents,
-                                                    add_generation_prompt=add_generation_prompt, **variables)
+            return _compile_template(source).render(
+                messages=messages,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
         except Exception as e:  # TemplateError, or e.g. a TypeError from messages the template did not expect
             raise ValueError(f"chat template error: {e}") from e
 
@@ -277,27 +299,33 @@ class Tokenizer:
         inputs = (messages, template_kwargs)
         if self._special_re is None or not any(self._special_re.search(s) for s in _strings(inputs)):
             return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs))
-        taken: set[str] = set()   # one pass over the inputs (a large body must not cost 6400 scans)
-        for s in (*_strings(inputs), str(self.chat_template), *self.special_tokens.values(),
-                  *self.additional_special_tokens):
+        special_re = self._special_re
+        taken: set[str] = set()  # one pass over the inputs (a large body must not cost 6400 scans)
+        for s in (
+            *_strings(inputs),
+            str(self.chat_template),
+            *self.special_tokens.values(),
+            *self.additional_special_tokens,
+        ):
             taken.update(_PRIVATE_USE_CHAR.findall(s))
         sentinel = next((c for c in map(chr, _PRIVATE_USE) if c not in taken), None)
-        if sentinel is None:   # a request using all 6400 private-use characters: refuse rather than guess
+        if sentinel is None:  # a request using all 6400 private-use characters: refuse rather than guess
             raise ValueError("messages use every private-use character; cannot keep special-token text as text")
 
         def mark(s: str) -> str:
-            return self._special_re.sub(lambda m: f"{sentinel}{self._special_index[m.group()]}{sentinel}", s)
+            return special_re.sub(lambda m: f"{sentinel}{self._special_index[m.group()]}{sentinel}", s)
 
-        rendered = self.apply_chat_template(_map_strings(messages, mark), add_generation_prompt,
-                                            **_map_strings(template_kwargs, mark))
+        rendered = self.apply_chat_template(
+            _map_strings(messages, mark), add_generation_prompt, **_map_strings(template_kwargs, mark)
+        )
         return self._encode_marked(rendered, sentinel)
 
     def _encode_marked(self, rendered: str, sentinel: str) -> list[int]:
         marker = re.compile(f"{sentinel}(\\d+){sentinel}")
         enc = self._tok.encode(rendered, add_special_tokens=False)
         ids: list[int] = []
-        run: list[int] = []   # the normal encoding of the text since the last real special token
-        start = 0             # where that text starts in `rendered`
+        run: list[int] = []  # the normal encoding of the text since the last real special token
+        start = 0  # where that text starts in `rendered`
 
         def end_run(end: int) -> None:
             text = rendered[start:end]

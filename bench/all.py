@@ -7,6 +7,7 @@ then the issue's targets checked against the results: met / NOT met, written to 
     python -m bench.all --targets-only   # re-check the targets against the JSON already in bench/results/
     python -m bench.all --llamacpp-python /tmp/llama-venv/bin/python   # bench.http with llama.cpp's server too
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,15 @@ BENCHMARKS = ("batch1_paired", "concurrency", "prefix", "http", "memory")
 
 def command(name: str, quick: bool, out_dir: Path = RESULTS, llamacpp_python: str | None = None) -> list[str]:
     extra = ["--llamacpp-python", llamacpp_python] if name == "http" and llamacpp_python else []
-    return [sys.executable, "-m", f"bench.{name}", *(["--quick"] if quick else []), *extra,
-            "--out", str(out_dir / f"{name}.json")]
+    return [
+        sys.executable,
+        "-m",
+        f"bench.{name}",
+        *(["--quick"] if quick else []),
+        *extra,
+        "--out",
+        str(out_dir / f"{name}.json"),
+    ]
 
 
 def _load(name: str, out_dir: Path = RESULTS) -> dict | None:
@@ -38,22 +46,33 @@ def targets(out_dir: Path = RESULTS) -> list[dict]:
 
     def add(target: str, case: str, value: float, bound: float, higher_is_better: bool) -> None:
         met = value >= bound if higher_is_better else value <= bound
-        rows.append({"target": target, "case": case, "value": value,
-                     "bound": f"{'>=' if higher_is_better else '<='} {bound:g}", "met": "yes" if met else "NO"})
+        rows.append(
+            {
+                "target": target,
+                "case": case,
+                "value": value,
+                "bound": f"{'>=' if higher_is_better else '<='} {bound:g}",
+                "met": "yes" if met else "NO",
+            }
+        )
 
     if (b := _load("batch1_paired", out_dir)) is not None:
         for t in b["summary"]:
             add("batch-1 decode vs LLMPipeline", f"{t['model']} (paired)", t["decode_ratio"], 1.0, True)
             add("batch-1 TTFT vs LLMPipeline", f"{t['model']} (paired)", t["ttft_ratio"], 1.1, False)
-            if "decode_ratio_own" in t:   # the same runs, LLMPipeline by its own perf counters
-                add("batch-1 decode vs LLMPipeline", f"{t['model']} (genai's timers)", t["decode_ratio_own"], 1.0,
-                    True)
+            if "decode_ratio_own" in t:  # the same runs, LLMPipeline by its own perf counters
+                add("batch-1 decode vs LLMPipeline", f"{t['model']} (genai's timers)", t["decode_ratio_own"], 1.0, True)
                 add("batch-1 TTFT vs LLMPipeline", f"{t['model']} (genai's timers)", t["ttft_ratio_own"], 1.1, False)
     if (c := _load("concurrency", out_dir)) is not None:
         for t in c["summary"]:
             if t["concurrency"] in (8, 16):
-                add("aggregate tok/s vs ContinuousBatchingPipeline", f"{t['model']} c={t['concurrency']}",
-                    t["tok_s_ratio"], 1.0, True)
+                add(
+                    "aggregate tok/s vs ContinuousBatchingPipeline",
+                    f"{t['model']} c={t['concurrency']}",
+                    t["tok_s_ratio"],
+                    1.0,
+                    True,
+                )
     if (h := _load("http", out_dir)) is not None:
         for t in h["summary"]:
             add("HTTP streaming tok/s vs engine", f"{t['model']} c={t['concurrency']}", t["tok_s_ratio"], 0.9, True)
@@ -69,8 +88,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
     ap.add_argument("--targets-only", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON goes (default bench/results)")
-    ap.add_argument("--llamacpp-python", metavar="PATH", help="passed to bench.http: a python with "
-                    "llama-cpp-python[server] (requirements/llamacpp.txt) to compare with llama.cpp's server")
+    ap.add_argument(
+        "--llamacpp-python",
+        metavar="PATH",
+        help="passed to bench.http: a python with "
+        "llama-cpp-python[server] (requirements/llamacpp.txt) to compare with llama.cpp's server",
+    )
     args = ap.parse_args(argv)
 
     failed, timings = [], {}
@@ -86,11 +109,28 @@ def main(argv=None) -> int:
                 print(f"=== {name} failed with exit code {code}", flush=True)
     print()
     rows = targets(args.out_dir)
-    print_table(rows, [("target", "target", ""), ("case", "case", ""), ("value", "measured", ".2f"),
-                       ("bound", "target", ""), ("met", "met", "")], title="issue targets")
-    write_json(args.out_dir / "summary.json", {"quick": args.quick, "ran": args.only if not args.targets_only else [],
-                                          "seconds": timings, "failed": failed, "machine": machine(),
-                                          "targets": rows})
+    print_table(
+        rows,
+        [
+            ("target", "target", ""),
+            ("case", "case", ""),
+            ("value", "measured", ".2f"),
+            ("bound", "target", ""),
+            ("met", "met", ""),
+        ],
+        title="issue targets",
+    )
+    write_json(
+        args.out_dir / "summary.json",
+        {
+            "quick": args.quick,
+            "ran": args.only if not args.targets_only else [],
+            "seconds": timings,
+            "failed": failed,
+            "machine": machine(),
+            "targets": rows,
+        },
+    )
     return 1 if failed else 0
 
 

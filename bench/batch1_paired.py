@@ -12,6 +12,7 @@ reported).
     python -m bench.batch1_paired [--models default-fp16 default-int8] [--runs 9] [--prompt-len 128]
                                   [--new-tokens 128] [--quick]
 """
+
 from __future__ import annotations
 
 import sys
@@ -20,8 +21,17 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import (arg_parser, machine, model_dir, paired_ratio, print_table, prompts, rotate, save_results,
-                          side_medians)
+from bench.common import (
+    arg_parser,
+    machine,
+    model_dir,
+    paired_ratio,
+    print_table,
+    prompts,
+    rotate,
+    save_results,
+    side_medians,
+)
 
 
 def engine_call(engine, prompt: list[int], new_tokens: int) -> dict:
@@ -54,11 +64,20 @@ def llm_call(pipe, prompt: list[int], new_tokens: int) -> dict:
 
     streamer = Stamps()
     t0 = time.perf_counter()
-    res = pipe.generate(ov.Tensor(np.array([prompt], np.int64)), max_new_tokens=new_tokens,
-                        min_new_tokens=new_tokens, ignore_eos=True, apply_chat_template=False, streamer=streamer)
-    own = res.perf_metrics   # genai's own timers of the same call (ms)
-    return {**_timing(t0, streamer.t, new_tokens), "own_ttft_s": own.get_ttft().mean / 1e3,
-            "own_decode_tok_s": 1e3 / own.get_tpot().mean}
+    res = pipe.generate(
+        ov.Tensor(np.array([prompt], np.int64)),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        ignore_eos=True,
+        apply_chat_template=False,
+        streamer=streamer,
+    )
+    own = res.perf_metrics  # genai's own timers of the same call (ms)
+    return {
+        **_timing(t0, streamer.t, new_tokens),
+        "own_ttft_s": own.get_ttft().mean / 1e3,
+        "own_decode_tok_s": 1e3 / own.get_tpot().mean,
+    }
 
 
 def cb_call(pipe, prompt: list[int], new_tokens: int) -> dict:
@@ -87,23 +106,30 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     engine = load_engine(path)
     try:
         cb, cb_settings = load_genai(path, engine)
-        props = compile_properties(engine.config)   # the engine's, so only the generation loops differ
+        props = compile_properties(engine.config)  # the engine's, so only the generation loops differ
         llm = ov_genai.LLMPipeline(str(path), "CPU", **props)
-        llm.generate(ov.Tensor(np.array([[100 + i for i in range(16)]], np.int64)), max_new_tokens=4,
-                     apply_chat_template=False)
-        sides = [("engine", lambda p: engine_call(engine, p, new_tokens)),
-                 ("llm", lambda p: llm_call(llm, p, new_tokens)),
-                 ("cb", lambda p: cb_call(cb, p, new_tokens))]
+        llm.generate(
+            ov.Tensor(np.array([[100 + i for i in range(16)]], np.int64)), max_new_tokens=4, apply_chat_template=False
+        )
+        sides = [
+            ("engine", lambda p: engine_call(engine, p, new_tokens)),
+            ("llm", lambda p: llm_call(llm, p, new_tokens)),
+            ("cb", lambda p: cb_call(cb, p, new_tokens)),
+        ]
         results = []
         for rep in range(runs):
             for position, (impl, fn) in enumerate(rotate(sides, rep)):
                 bar.set_postfix_str(f"{name} run {rep + 1} {impl}")
-                results.append({"impl": impl, "rep": rep, "position": position,
-                                **fn(prompts(vocab, 1, prompt_len, seed)[0])})
+                results.append(
+                    {"impl": impl, "rep": rep, "position": position, **fn(prompts(vocab, 1, prompt_len, seed)[0])}
+                )
                 seed += 1
                 bar.update()
-        settings = {"engine": engine_settings(engine), "cb": cb_settings,
-                    "llm": {"impl": "openvino_genai.LLMPipeline (stateful IR, SDPA)", "compile_properties": props}}
+        settings = {
+            "engine": engine_settings(engine),
+            "cb": cb_settings,
+            "llm": {"impl": "openvino_genai.LLMPipeline (stateful IR, SDPA)", "compile_properties": props},
+        }
     finally:
         engine.shutdown()
 
@@ -120,21 +146,34 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     return {"model": name, "model_dir": str(path), "settings": settings, "runs": results, "summary": row}
 
 
-COLUMNS = [("model", "model", ""), ("engine_decode_tok_s", "engine tok/s", ".1f"),
-           ("llm_decode_tok_s", "LLMPipe tok/s", ".1f"),
-           ("decode_ratio", "ratio", ".2f"), ("engine_ttft_ms", "engine TTFT ms", ".0f"),
-           ("llm_ttft_ms", "LLMPipe TTFT ms", ".0f"), ("ttft_ratio", "ratio", ".2f"),
-           ("cb_decode_tok_s", "CB tok/s", ".1f"), ("decode_ratio_cb", "ratio", ".2f"),
-           ("cb_ttft_ms", "CB TTFT ms", ".0f"), ("ttft_ratio_cb", "ratio", ".2f")]
-OWN_COLUMNS = [("model", "model", ""), ("engine_decode_tok_s", "engine tok/s", ".1f"),
-               ("llm_own_decode_tok_s", "LLMPipe tok/s (own)", ".1f"), ("decode_ratio_own", "ratio", ".2f"),
-               ("engine_ttft_ms", "engine TTFT ms", ".0f"), ("llm_own_ttft_ms", "LLMPipe TTFT ms (own)", ".0f"),
-               ("ttft_ratio_own", "ratio", ".2f")]
+COLUMNS = [
+    ("model", "model", ""),
+    ("engine_decode_tok_s", "engine tok/s", ".1f"),
+    ("llm_decode_tok_s", "LLMPipe tok/s", ".1f"),
+    ("decode_ratio", "ratio", ".2f"),
+    ("engine_ttft_ms", "engine TTFT ms", ".0f"),
+    ("llm_ttft_ms", "LLMPipe TTFT ms", ".0f"),
+    ("ttft_ratio", "ratio", ".2f"),
+    ("cb_decode_tok_s", "CB tok/s", ".1f"),
+    ("decode_ratio_cb", "ratio", ".2f"),
+    ("cb_ttft_ms", "CB TTFT ms", ".0f"),
+    ("ttft_ratio_cb", "ratio", ".2f"),
+]
+OWN_COLUMNS = [
+    ("model", "model", ""),
+    ("engine_decode_tok_s", "engine tok/s", ".1f"),
+    ("llm_own_decode_tok_s", "LLMPipe tok/s (own)", ".1f"),
+    ("decode_ratio_own", "ratio", ".2f"),
+    ("engine_ttft_ms", "engine TTFT ms", ".0f"),
+    ("llm_own_ttft_ms", "LLMPipe TTFT ms (own)", ".0f"),
+    ("ttft_ratio_own", "ratio", ".2f"),
+]
 
 
 def main(argv=None) -> int:
-    ap = arg_parser(__doc__, "batch1_paired", models=["default-fp16", "default-int8"],
-                    quick={"models": ["default-fp16"], "runs": 3})
+    ap = arg_parser(
+        __doc__, "batch1_paired", models=["default-fp16", "default-int8"], quick={"models": ["default-fp16"], "runs": 3}
+    )
     ap.add_argument("--runs", type=int, default=9)
     args = ap.parse_args(argv)
 
@@ -144,10 +183,17 @@ def main(argv=None) -> int:
         for k, name in enumerate(args.models):
             results.append(bench_model(name, args.runs, args.prompt_len, args.new_tokens, bar, 40000 + 1000 * k))
     summary = [r["summary"] for r in results]
-    print_table(summary, COLUMNS, title="batch 1, interleaved: engine vs LLMPipeline and ContinuousBatchingPipeline "
-                                        "(ratio = median of per-run engine / other; TTFT ratio < 1 is better)")
-    print_table(summary, OWN_COLUMNS, title="the same runs, LLMPipeline timed by its own perf counters "
-                                            "(perf_metrics TTFT / TPOT)")
+    print_table(
+        summary,
+        COLUMNS,
+        title="batch 1, interleaved: engine vs LLMPipeline and ContinuousBatchingPipeline "
+        "(ratio = median of per-run engine / other; TTFT ratio < 1 is better)",
+    )
+    print_table(
+        summary,
+        OWN_COLUMNS,
+        title="the same runs, LLMPipeline timed by its own perf counters (perf_metrics TTFT / TPOT)",
+    )
     save_results(args, "batch1_paired", info, models=results, summary=summary)
     return 0
 

@@ -9,6 +9,7 @@ first at every (c, repetition); each run gets fresh prompts. Medians over repeti
     python -m bench.concurrency [--models default-fp16 default-int8 random250m-fp16 random250m-int8]
                                 [--concurrency 1 4 8 16] [--reps 3] [--prompt-len 128] [--new-tokens 128] [--quick]
 """
+
 from __future__ import annotations
 
 import itertools
@@ -20,20 +21,34 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import (MODEL_CHOICES, arg_parser, machine, median, model_dir, paired_ratio, percentile,
-                          print_table, prompts, ratio, rotate, save_results, side_medians)
+from bench.common import (
+    MODEL_CHOICES,
+    arg_parser,
+    machine,
+    median,
+    model_dir,
+    paired_ratio,
+    percentile,
+    print_table,
+    prompts,
+    ratio,
+    rotate,
+    save_results,
+    side_medians,
+)
 
 _request_ids = itertools.count()
 
 
 # ---------------------------------------------------------------- our engine
 
+
 def load_engine(path: Path, config=None):
     from appliance.engine import Engine
     from appliance.params import SamplingParams
 
     engine = Engine(path, config)
-    engine.generate([100 + i for i in range(16)], SamplingParams(max_tokens=4))   # compile kernels
+    engine.generate([100 + i for i in range(16)], SamplingParams(max_tokens=4))  # compile kernels
     return engine
 
 
@@ -44,13 +59,20 @@ def engine_settings(engine) -> dict:
 
     c, pool, backend = engine.config, engine.pool, engine.backend
     compiled = getattr(backend, "compiled", None)
-    return {"impl": "appliance.engine.Engine", "max_num_seqs": engine.scheduler.max_num_seqs,
-            "max_num_batched_tokens": c.max_num_batched_tokens, "chunked_prefill": True,
-            "kv_cache_tokens": pool.num_blocks * pool.block_size, "kv_blocks": pool.num_blocks,
-            "kv_block_size": pool.block_size, "kv_cache_bytes": getattr(backend, "cache_bytes", None),
-            "prefix_caching": pool.prefix_caching, "compile_properties": compile_properties(c),
-            "inference_precision": compiled.get_property("INFERENCE_PRECISION_HINT").to_string() if compiled else None,
-            "kv_precision": getattr(backend, "kv_precision", None)}   # the paged backend's: "u8", "f16", ...
+    return {
+        "impl": "appliance.engine.Engine",
+        "max_num_seqs": engine.scheduler.max_num_seqs,
+        "max_num_batched_tokens": c.max_num_batched_tokens,
+        "chunked_prefill": True,
+        "kv_cache_tokens": pool.num_blocks * pool.block_size,
+        "kv_blocks": pool.num_blocks,
+        "kv_block_size": pool.block_size,
+        "kv_cache_bytes": getattr(backend, "cache_bytes", None),
+        "prefix_caching": pool.prefix_caching,
+        "compile_properties": compile_properties(c),
+        "inference_precision": compiled.get_property("INFERENCE_PRECISION_HINT").to_string() if compiled else None,
+        "kv_precision": getattr(backend, "kv_precision", None),
+    }  # the paged backend's: "u8", "f16", ...
 
 
 def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
@@ -58,7 +80,7 @@ def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
     from appliance.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    times: list[list[float]] = [[] for _ in batch]   # arrival time of each token, consumer side
+    times: list[list[float]] = [[] for _ in batch]  # arrival time of each token, consumer side
 
     def consume(i: int, handle) -> None:
         for chunk in handle:
@@ -79,6 +101,7 @@ def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
 
 # ---------------------------------------------------------------- openvino_genai
 
+
 def load_genai(path: Path, engine) -> tuple[object, dict]:
     """A ContinuousBatchingPipeline with the engine's scheduler limits, KV budget and compile properties."""
     import openvino_genai as ov_genai
@@ -89,18 +112,23 @@ def load_genai(path: Path, engine) -> tuple[object, dict]:
     sc = ov_genai.SchedulerConfig()
     sc.max_num_seqs = engine.scheduler.max_num_seqs
     sc.max_num_batched_tokens = c.max_num_batched_tokens
-    sc.num_kv_blocks = engine.pool.num_blocks            # block size 32 on CPU, as ours (checked below)
+    sc.num_kv_blocks = engine.pool.num_blocks  # block size 32 on CPU, as ours (checked below)
     sc.dynamic_split_fuse = True
     sc.enable_prefix_caching = engine.pool.prefix_caching
     props = compile_properties(c)
     pipe = ov_genai.ContinuousBatchingPipeline(str(path), sc, "CPU", props)
-    genai_run(pipe, [[100 + i for i in range(16)]], 4)   # compile kernels, allocate the cache
-    settings = {"impl": "openvino_genai.ContinuousBatchingPipeline (add_request + step loop)",
-                "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
-                "dynamic_split_fuse": sc.dynamic_split_fuse, "num_kv_blocks": sc.num_kv_blocks,
-                "kv_cache_bytes": pipe.get_metrics().kv_cache_size_in_bytes,
-                "prefix_caching": sc.enable_prefix_caching, "compile_properties": props,
-                "inference_precision": "device default, as the engine's (same compile properties)"}
+    genai_run(pipe, [[100 + i for i in range(16)]], 4)  # compile kernels, allocate the cache
+    settings = {
+        "impl": "openvino_genai.ContinuousBatchingPipeline (add_request + step loop)",
+        "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "dynamic_split_fuse": sc.dynamic_split_fuse,
+        "num_kv_blocks": sc.num_kv_blocks,
+        "kv_cache_bytes": pipe.get_metrics().kv_cache_size_in_bytes,
+        "prefix_caching": sc.enable_prefix_caching,
+        "compile_properties": props,
+        "inference_precision": "device default, as the engine's (same compile properties)",
+    }
     return pipe, settings
 
 
@@ -138,12 +166,19 @@ def _summary(t0: float, times: list[list[float]], new_tokens: int) -> dict:
     ttft = [t[0] - t0 for t in times]
     gaps = [b - a for t in times for a, b in zip(t, t[1:])]
     per_req = [(len(t) - 1) / (t[-1] - t[0]) for t in times if t[-1] > t[0]]
-    return {"tok_s": sum(counts) / (end - t0), "ttft_s": median(ttft), "ttft_max_s": max(ttft),
-            "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99),
-            "decode_tok_s_per_request": median(per_req), "wall_s": end - t0}
+    return {
+        "tok_s": sum(counts) / (end - t0),
+        "ttft_s": median(ttft),
+        "ttft_max_s": max(ttft),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
+        "decode_tok_s_per_request": median(per_req),
+        "wall_s": end - t0,
+    }
 
 
 # ---------------------------------------------------------------- the benchmark
+
 
 def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, bar, seed: int) -> dict:
     from appliance.manifest import Manifest
@@ -157,22 +192,30 @@ def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, 
         runs = []
         for rep in range(reps):
             for k, c in enumerate(levels):
-                sides = rotate([("engine", lambda b: engine_run(engine, b, new_tokens)),
-                                ("genai", lambda b: genai_run(pipe, b, new_tokens))], rep + k)
+                sides = rotate(
+                    [
+                        ("engine", lambda b: engine_run(engine, b, new_tokens)),
+                        ("genai", lambda b: genai_run(pipe, b, new_tokens)),
+                    ],
+                    rep + k,
+                )
                 for side, fn in sides:
                     bar.set_postfix_str(f"{name} c={c} rep {rep + 1} {side}")
                     batch = prompts(vocab, c, prompt_len, seed)
                     seed += 1
-                    runs.append({"impl": side, "concurrency": c, "rep": rep, "first": side == sides[0][0],
-                                 **fn(batch)})
+                    runs.append({"impl": side, "concurrency": c, "rep": rep, "first": side == sides[0][0], **fn(batch)})
                     bar.update()
         settings = {"engine": engine_settings(engine), "genai": genai_settings}
     finally:
         engine.shutdown()
     rows = []
     for c in levels:
-        row = {"model": name, "concurrency": c, **side_medians(runs, "engine", concurrency=c),
-               **side_medians(runs, "genai", concurrency=c)}
+        row = {
+            "model": name,
+            "concurrency": c,
+            **side_medians(runs, "engine", concurrency=c),
+            **side_medians(runs, "genai", concurrency=c),
+        }
         row["tok_s_ratio"] = paired_ratio(runs, "tok_s", "engine", "genai", concurrency=c)
         row["ttft_ratio"] = paired_ratio(runs, "ttft_s", "engine", "genai", concurrency=c)
         row["tok_s_ratio_of_medians"] = ratio(row["engine_tok_s"], row["genai_tok_s"])
@@ -180,27 +223,41 @@ def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, 
     return {"model": name, "model_dir": str(path), "settings": settings, "runs": runs, "summary": rows}
 
 
-COLUMNS = [("model", "model", ""), ("concurrency", "conc", "d"), ("engine_tok_s", "engine tok/s", ".1f"),
-           ("genai_tok_s", "genai tok/s", ".1f"), ("tok_s_ratio", "ratio", ".2f"),
-           ("engine_ttft_ms", "engine TTFT ms", ".0f"), ("genai_ttft_ms", "genai TTFT ms", ".0f"),
-           ("ttft_ratio", "TTFT ratio", ".2f")]
+COLUMNS = [
+    ("model", "model", ""),
+    ("concurrency", "conc", "d"),
+    ("engine_tok_s", "engine tok/s", ".1f"),
+    ("genai_tok_s", "genai tok/s", ".1f"),
+    ("tok_s_ratio", "ratio", ".2f"),
+    ("engine_ttft_ms", "engine TTFT ms", ".0f"),
+    ("genai_ttft_ms", "genai TTFT ms", ".0f"),
+    ("ttft_ratio", "TTFT ratio", ".2f"),
+]
 
 
 def main(argv=None) -> int:
-    args = arg_parser(__doc__, "concurrency", models=MODEL_CHOICES, levels=True, reps=5,
-                      quick={"models": ["default-fp16"], "reps": 1}).parse_args(argv)
+    args = arg_parser(
+        __doc__, "concurrency", models=MODEL_CHOICES, levels=True, reps=5, quick={"models": ["default-fp16"], "reps": 1}
+    ).parse_args(argv)
 
     info = machine()
     results = []
     total = len(args.models) * args.reps * len(args.concurrency) * 2
     with tqdm(total=total, desc="concurrency", file=sys.stderr, leave=False) as bar:
         for k, name in enumerate(args.models):
-            results.append(bench_model(name, list(args.concurrency), args.reps, args.prompt_len, args.new_tokens,
-                                       bar, seed=1000 * (k + 1)))
+            results.append(
+                bench_model(
+                    name, list(args.concurrency), args.reps, args.prompt_len, args.new_tokens, bar, seed=1000 * (k + 1)
+                )
+            )
     summary = [row for r in results for row in r["summary"]]
-    print_table(summary, COLUMNS, title="engine vs openvino_genai.ContinuousBatchingPipeline (medians over "
-                                        "repetitions; ratio = median of per-repetition engine / genai; TTFT ratio < 1 "
-                                        "is better)")
+    print_table(
+        summary,
+        COLUMNS,
+        title="engine vs openvino_genai.ContinuousBatchingPipeline (medians over "
+        "repetitions; ratio = median of per-repetition engine / genai; TTFT ratio < 1 "
+        "is better)",
+    )
     save_results(args, "concurrency", info, models=results, summary=summary)
     return 0
 

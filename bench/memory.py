@@ -8,6 +8,7 @@ times, and keeps the peak of each sum; `hwm` is the sum of the processes' own RS
 
     python -m bench.memory [--model default-fp16] [--workers 1 4] [--concurrency 16] [--rounds 2] [--quick]
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,18 +18,30 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import (LOGS, ServerProcess, arg_parser, machine, memory_snapshot, model_dir, print_table, prompts,
-                          save_results)
+from bench.common import (
+    LOGS,
+    ServerProcess,
+    arg_parser,
+    machine,
+    memory_snapshot,
+    model_dir,
+    print_table,
+    prompts,
+    save_results,
+)
 
 
 def _sums(snap: dict[int, dict]) -> dict:
-    out = {"rss_mb": sum(p["rss_kb"] for p in snap.values()) / 1024,
-           "pss_mb": sum(p["pss_kb"] for p in snap.values()) / 1024,
-           "hwm_mb": sum(p["hwm_kb"] for p in snap.values()) / 1024, "processes": len(snap)}
+    out = {
+        "rss_mb": sum(p["rss_kb"] for p in snap.values()) / 1024,
+        "pss_mb": sum(p["pss_kb"] for p in snap.values()) / 1024,
+        "hwm_mb": sum(p["hwm_kb"] for p in snap.values()) / 1024,
+        "processes": len(snap),
+    }
     for role in ("engine", "arbiter", "worker"):
         mine = [p for p in snap.values() if p["name"] == role]
         if mine:
-            out[f"{role}_rss_mb"] = max(p["rss_kb"] for p in mine) / 1024   # per process (the largest worker)
+            out[f"{role}_rss_mb"] = max(p["rss_kb"] for p in mine) / 1024  # per process (the largest worker)
             out[f"{role}_pss_mb"] = max(p["pss_kb"] for p in mine) / 1024
     return out
 
@@ -55,8 +68,9 @@ class Sampler(threading.Thread):
         return self.peak
 
 
-def measure(path: Path, workers: int, concurrency: int, rounds: int, prompt_len: int, new_tokens: int,
-            log_path: Path, bar) -> dict:
+def measure(
+    path: Path, workers: int, concurrency: int, rounds: int, prompt_len: int, new_tokens: int, log_path: Path, bar
+) -> dict:
     from appliance.manifest import Manifest
     from bench.http import http_run
 
@@ -76,10 +90,17 @@ def measure(path: Path, workers: int, concurrency: int, rounds: int, prompt_len:
     return {"workers": workers, "idle": idle, "load_peak": peak, "after_load": after}
 
 
-COLUMNS = [("workers", "workers", "d"), ("idle_rss", "idle RSS MB", ".0f"), ("idle_pss", "idle PSS MB", ".0f"),
-           ("peak_rss", "load peak RSS MB", ".0f"), ("peak_pss", "load peak PSS MB", ".0f"),
-           ("hwm", "sum VmHWM MB", ".0f"), ("engine_rss", "engine RSS MB", ".0f"),
-           ("worker_rss", "worker RSS MB", ".0f"), ("worker_pss", "worker PSS MB", ".0f")]
+COLUMNS = [
+    ("workers", "workers", "d"),
+    ("idle_rss", "idle RSS MB", ".0f"),
+    ("idle_pss", "idle PSS MB", ".0f"),
+    ("peak_rss", "load peak RSS MB", ".0f"),
+    ("peak_pss", "load peak PSS MB", ".0f"),
+    ("hwm", "sum VmHWM MB", ".0f"),
+    ("engine_rss", "engine RSS MB", ".0f"),
+    ("worker_rss", "worker RSS MB", ".0f"),
+    ("worker_pss", "worker PSS MB", ".0f"),
+]
 
 
 def main(argv=None) -> int:
@@ -95,15 +116,38 @@ def main(argv=None) -> int:
     with tqdm(total=len(args.workers) * (1 + args.rounds), desc="memory", file=sys.stderr, leave=False) as bar:
         for w in args.workers:
             bar.set_postfix_str(f"{w} worker(s)")
-            results.append(measure(path, w, args.concurrency, args.rounds, args.prompt_len, args.new_tokens,
-                                   LOGS / f"memory-serve-{w}.log", bar))
-    rows = [{"workers": r["workers"], "idle_rss": r["idle"]["rss_mb"], "idle_pss": r["idle"]["pss_mb"],
-             "peak_rss": r["load_peak"]["rss_mb"], "peak_pss": r["load_peak"]["pss_mb"],
-             "hwm": r["after_load"]["hwm_mb"], "engine_rss": r["load_peak"].get("engine_rss_mb"),
-             "worker_rss": r["load_peak"].get("worker_rss_mb"), "worker_pss": r["load_peak"].get("worker_pss_mb")}
-            for r in results]
-    print_table(rows, COLUMNS, title=f"appliance serve memory, {args.model}, sums over the process tree; load = "
-                                     f"{args.concurrency} concurrent streams x {args.rounds} round(s)")
+            results.append(
+                measure(
+                    path,
+                    w,
+                    args.concurrency,
+                    args.rounds,
+                    args.prompt_len,
+                    args.new_tokens,
+                    LOGS / f"memory-serve-{w}.log",
+                    bar,
+                )
+            )
+    rows = [
+        {
+            "workers": r["workers"],
+            "idle_rss": r["idle"]["rss_mb"],
+            "idle_pss": r["idle"]["pss_mb"],
+            "peak_rss": r["load_peak"]["rss_mb"],
+            "peak_pss": r["load_peak"]["pss_mb"],
+            "hwm": r["after_load"]["hwm_mb"],
+            "engine_rss": r["load_peak"].get("engine_rss_mb"),
+            "worker_rss": r["load_peak"].get("worker_rss_mb"),
+            "worker_pss": r["load_peak"].get("worker_pss_mb"),
+        }
+        for r in results
+    ]
+    print_table(
+        rows,
+        COLUMNS,
+        title=f"appliance serve memory, {args.model}, sums over the process tree; load = "
+        f"{args.concurrency} concurrent streams x {args.rounds} round(s)",
+    )
     save_results(args, "memory", info, model_dir=str(path), results=results, summary=rows)
     return 0
 

@@ -7,6 +7,7 @@ vocabulary). Built once and exported to OpenVINO fp16 and int8 under `appliance.
 
     python -m bench.models [fp16] [int8]   # build + export (both formats by default; idempotent)
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,19 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-              num_key_value_heads=4, vocab_size=VOCAB_SIZE, max_position_embeddings=4096, rms_norm_eps=1e-5,
-              bos_token_id=BOS_ID, eos_token_id=EOS_ID, tie_word_embeddings=False)
+CONFIG = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=VOCAB_SIZE,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    tie_word_embeddings=False,
+)
 
 
 def root() -> Path:
@@ -49,24 +60,46 @@ def _write_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     assert tok.get_vocab_size() <= VOCAB_SIZE
     tok.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID], "pad_token": SPECIAL_TOKENS[BOS_ID],
-        "model_max_length": CONFIG["max_position_embeddings"], "clean_up_tokenization_spaces": False,
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "pad_token": SPECIAL_TOKENS[BOS_ID],
+        "model_max_length": CONFIG["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
-        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False}
-                                 for i, t in enumerate(SPECIAL_TOKENS)},
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    (folder / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
-         "pad_token": SPECIAL_TOKENS[BOS_ID]}, indent=2))
+    (folder / "special_tokens_map.json").write_text(
+        json.dumps(
+            {
+                "bos_token": SPECIAL_TOKENS[BOS_ID],
+                "eos_token": SPECIAL_TOKENS[EOS_ID],
+                "pad_token": SPECIAL_TOKENS[BOS_ID],
+            },
+            indent=2,
+        )
+    )
 
 
 def ensure_hf_folder() -> Path:
@@ -79,12 +112,13 @@ def ensure_hf_folder() -> Path:
     staging = folder.with_name(".hf-staging")
     if staging.exists():
         import shutil
+
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**CONFIG), dtype=torch.float32)
     model.save_pretrained(staging)
-    _write_tokenizer(staging)   # last: its presence marks a complete folder
+    _write_tokenizer(staging)  # last: its presence marks a complete folder
     staging.rename(folder)
     return folder
 

@@ -1,4 +1,5 @@
 """`python -m export SRC OUT` (also `appliance-export`): export a local HF causal-LM folder for the appliance."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,21 +18,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend", choices=list(BACKENDS), default="openvino")
     parser.add_argument("--weight-format", choices=WEIGHT_FORMATS, default="fp16")
     parser.add_argument("--name", help="served model name (default: the source folder's name)")
-    parser.add_argument("--group-size", type=int,
-                        help="quantization group: OpenVINO int4 (default 128; int8 is per-channel), ONNX int4/int8 "
-                             "block size (default 32)")
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        help="quantization group: OpenVINO int4 (default 128; int8 is per-channel), ONNX int4/int8 "
+        "block size (default 32)",
+    )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--verbose", action="store_true", help="show library warnings and logs")
     args = parser.parse_args(argv)
     start = time.monotonic()
     try:
-        manifest = export_model(args.src, args.out, args.backend, args.weight_format, name=args.name,
-                                group_size=args.group_size, force=args.force, verbose=args.verbose)
+        manifest = export_model(
+            args.src,
+            args.out,
+            args.backend,
+            args.weight_format,
+            name=args.name,
+            group_size=args.group_size,
+            force=args.force,
+            verbose=args.verbose,
+        )
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"exported {manifest.name} ({manifest.architecture}, {manifest.backend} {manifest.weight_format}) "
-          f"to {args.out} in {time.monotonic() - start:.1f}s", file=sys.stderr)
+    print(
+        f"exported {manifest.name} ({manifest.architecture}, {manifest.backend} {manifest.weight_format}) "
+        f"to {args.out} in {time.monotonic() - start:.1f}s",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -7,6 +7,7 @@ renamed into place, so an interrupted build never looks finished.
 
     python -m export.default_model [--data-dir DIR] [--hf-only] [--force]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,10 @@ def read_gguf_meta(path: Path) -> GGUFMeta:
 
     arch, tokenizer_model, pre = get("general.architecture"), get("tokenizer.ggml.model"), get("tokenizer.ggml.pre")
     if arch != "llama" or tokenizer_model != "gpt2" or pre not in SUPPORTED_PRE:
-        raise ValueError(f"{path.name}: expected a llama model with a {SUPPORTED_PRE} byte-level BPE tokenizer, "
-                         f"got architecture={arch} tokenizer={tokenizer_model} pre={pre}")
+        raise ValueError(
+            f"{path.name}: expected a llama model with a {SUPPORTED_PRE} byte-level BPE tokenizer, "
+            f"got architecture={arch} tokenizer={tokenizer_model} pre={pre}"
+        )
     return GGUFMeta(
         tokens=get("tokenizer.ggml.tokens"),
         token_types=get("tokenizer.ggml.token_type"),
@@ -208,17 +211,27 @@ def _build_weights(gguf: Path, meta: GGUFMeta, out: Path) -> None:
         src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
     with _step("copying weights into a fresh float32 model and saving safetensors"):
-        fields = {k: v for k, v in src.config.to_dict().items()
-                  if not k.startswith("_") and k not in ("transformers_version", "unk_token_id", "dtype")}
-        fields.update(rope_theta=meta.rope_theta, max_position_embeddings=meta.context_length,
-                      tie_word_embeddings=meta.tied_embeddings, bos_token_id=meta.bos_id,
-                      eos_token_id=meta.eos_id, pad_token_id=meta.pad_id, dtype="float32")
+        fields = {
+            k: v
+            for k, v in src.config.to_dict().items()
+            if not k.startswith("_") and k not in ("transformers_version", "unk_token_id", "dtype")
+        }
+        fields.update(
+            rope_theta=meta.rope_theta,
+            max_position_embeddings=meta.context_length,
+            tie_word_embeddings=meta.tied_embeddings,
+            bos_token_id=meta.bos_id,
+            eos_token_id=meta.eos_id,
+            pad_token_id=meta.pad_id,
+            dtype="float32",
+        )
         config = type(src.config)(**fields)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         result = model.load_state_dict(src.state_dict(), strict=False)
         if result.missing_keys or result.unexpected_keys:
-            raise RuntimeError(f"state dict mismatch: missing={result.missing_keys} "
-                               f"unexpected={result.unexpected_keys}")
+            raise RuntimeError(
+                f"state dict mismatch: missing={result.missing_keys} unexpected={result.unexpected_keys}"
+            )
         tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
         if tied != meta.tied_embeddings:
             raise RuntimeError(f"lm_head tied={tied}, but the GGUF says tied={meta.tied_embeddings}")
@@ -234,8 +247,11 @@ def _build_weights(gguf: Path, meta: GGUFMeta, out: Path) -> None:
         ids = torch.randint(len(meta.tokens), (1, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             torch.testing.assert_close(saved(ids).logits, src(ids).logits)
-        for key, want in (("rope_theta", meta.rope_theta), ("max_position_embeddings", meta.context_length),
-                          ("tie_word_embeddings", meta.tied_embeddings)):
+        for key, want in (
+            ("rope_theta", meta.rope_theta),
+            ("max_position_embeddings", meta.context_length),
+            ("tie_word_embeddings", meta.tied_embeddings),
+        ):
             if getattr(saved.config, key) != want:
                 raise RuntimeError(f"saved config {key}={getattr(saved.config, key)}, GGUF says {want}")
 
@@ -253,17 +269,29 @@ def _build_tokenizer(meta: GGUFMeta):
     if any(len(m) != 2 for m in merges):
         raise ValueError("GGUF merges must be 'left right' pairs")
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.decoder = decoders.ByteLevel()
     special = {TokenType.CONTROL, TokenType.UNKNOWN}
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False)
-                          for t, kind in zip(meta.tokens, meta.token_types) if kind == TokenType.USER_DEFINED])
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                  for t, kind in zip(meta.tokens, meta.token_types) if kind in special])
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(meta.tokens, meta.token_types)
+            if kind == TokenType.USER_DEFINED
+        ]
+    )
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(meta.tokens, meta.token_types)
+            if kind in special
+        ]
+    )
     return tokenizer
 
 
@@ -272,10 +300,15 @@ def _write_tokenizer_files(meta: GGUFMeta, out: Path) -> None:
     from transformers import GenerationConfig
 
     _build_tokenizer(meta).save(str(out / "tokenizer.json"))
-    roles = {"bos_token": meta.token(meta.bos_id), "eos_token": meta.token(meta.eos_id),
-             "pad_token": meta.token(meta.pad_id), "unk_token": meta.token(meta.unk_id)}
-    extra = [t for t, kind in zip(meta.tokens, meta.token_types)
-             if kind == TokenType.CONTROL and t not in roles.values()]
+    roles = {
+        "bos_token": meta.token(meta.bos_id),
+        "eos_token": meta.token(meta.eos_id),
+        "pad_token": meta.token(meta.pad_id),
+        "unk_token": meta.token(meta.unk_id),
+    }
+    extra = [
+        t for t, kind in zip(meta.tokens, meta.token_types) if kind == TokenType.CONTROL and t not in roles.values()
+    ]
     special_map = {**roles, "additional_special_tokens": extra}
     tokenizer_config = {
         **special_map,
@@ -290,8 +323,7 @@ def _write_tokenizer_files(meta: GGUFMeta, out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
     (out / "chat_template.jinja").write_text(meta.chat_template)
-    GenerationConfig(bos_token_id=meta.bos_id, eos_token_id=meta.eos_id,
-                     pad_token_id=meta.pad_id).save_pretrained(out)
+    GenerationConfig(bos_token_id=meta.bos_id, eos_token_id=meta.eos_id, pad_token_id=meta.pad_id).save_pretrained(out)
 
 
 def check_tokenizer(hf_dir: Path, gguf: Path, meta: GGUFMeta, texts: Sequence[str] = CHECK_TEXTS) -> None:
@@ -310,12 +342,13 @@ def check_tokenizer(hf_dir: Path, gguf: Path, meta: GGUFMeta, texts: Sequence[st
     for token in CHAT_SPECIALS:
         gguf_id = meta.tokens.index(token)
         if ours.token_to_id(token) != gguf_id or ours.encode(token).ids != [gguf_id]:
-            errors.append(f"{token}: id {ours.token_to_id(token)}, encodes to {ours.encode(token).ids}, "
-                          f"GGUF id {gguf_id}")
+            errors.append(
+                f"{token}: id {ours.token_to_id(token)}, encodes to {ours.encode(token).ids}, GGUF id {gguf_id}"
+            )
     for text in texts:
         ids = ours.encode(text).ids
         ref = reference.encode(text)
-        if ref[:len(ref_prefix)] != ref_prefix or ref[len(ref_prefix):] != ids:
+        if ref[: len(ref_prefix)] != ref_prefix or ref[len(ref_prefix) :] != ids:
             errors.append(f"{text!r}: ours {ids} != GGUF reference {ref} (minus prefix {ref_prefix})")
         if ours_hf.encode(text) != ids:
             errors.append(f"{text!r}: AutoTokenizer on our folder gives {ours_hf.encode(text)}, tokenizers {ids}")

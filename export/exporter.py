@@ -5,6 +5,7 @@ manifest, so the runtime serves it without transformers or torch. Everything is 
 folder beside OUT and renamed into place at the end, and the manifest is written last: a killed export never
 leaves a folder that looks complete.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,11 +20,12 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from appliance.manifest import Manifest
+from export.graph import ExportBackend
 from export.metadata import write_metadata
 from export.source import ExportError, Source, check_destination, check_disk, inspect_source
 
@@ -31,7 +33,11 @@ __all__ = ["BACKENDS", "WEIGHT_FORMATS", "ExportError", "export_model"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # an export never downloads; from_pretrained also gets local_files_only
 
-BACKENDS = {"openvino": "export.openvino_backend", "onnx": "export.onnx_backend"}
+BACKENDS = {"openvino": "export.openvino_backend", "onnx": "export.onnx_backend"}  # imported when used (heavy)
+if TYPE_CHECKING:  # both modules implement ExportBackend: mypy checks it here
+    from export import onnx_backend, openvino_backend
+
+    _IMPLEMENTATIONS: tuple[ExportBackend, ...] = (openvino_backend, onnx_backend)
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
 STAGES = ("load", "convert", "compress", "save tokenizer", "verify")
 # Largest allowed max|exported - transformers fp32| over max|transformers| on the probe; None: finite is enough,
@@ -45,6 +51,7 @@ QUIET_LOGGERS = ("transformers", "optimum", "nncf", "openvino", "onnxruntime", "
 @dataclass(frozen=True)
 class Dims:
     """The model geometry the runtime sizes its KV cache from, read from the transformers config."""
+
     num_layers: int
     num_attention_heads: int
     num_kv_heads: int
@@ -54,8 +61,17 @@ class Dims:
     max_context: int
 
 
-def export_model(src: Path, out: Path, backend: str, weight_format: str, *, name: str | None = None,
-                 group_size: int | None = None, force: bool = False, verbose: bool = False) -> Manifest:
+def export_model(
+    src: Path,
+    out: Path,
+    backend: str,
+    weight_format: str,
+    *,
+    name: str | None = None,
+    group_size: int | None = None,
+    force: bool = False,
+    verbose: bool = False,
+) -> Manifest:
     """Exports `src` to `out` and returns the manifest written there. Raises ExportError for anything the user
     can fix. `group_size` overrides the OpenVINO int4 group size (default 128) or the ONNX int4/int8 block size
     (default 32)."""
@@ -73,20 +89,29 @@ def export_model(src: Path, out: Path, backend: str, weight_format: str, *, name
     staging = _staging_dir(out)
     try:
         with _Progress(f"export {backend} {weight_format}") as progress:
-            manifest = _export(source, staging, backend, weight_format, name or src.resolve().name, group_size,
-                               progress, verbose)
+            manifest = _export(
+                source, staging, backend, weight_format, name or src.resolve().name, group_size, progress, verbose
+            )
         _replace(out, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
 
-def _export(source: Source, staging: Path, backend: str, weight_format: str, name: str, group_size: int | None,
-            progress: _Progress, verbose: bool) -> Manifest:
+def _export(
+    source: Source,
+    staging: Path,
+    backend: str,
+    weight_format: str,
+    name: str,
+    group_size: int | None,
+    progress: _Progress,
+    verbose: bool,
+) -> Manifest:
     scratch = staging / ".convert"
     progress.stage("load")
     # Before _quiet: transformers, optimum and nncf set their loggers' levels when first imported.
-    backend_module = importlib.import_module(BACKENDS[backend])
+    backend_module = cast(ExportBackend, importlib.import_module(BACKENDS[backend]))
     with _quiet(verbose):
         model, dims = _load(source.folder)
         probe = _probe_ids(dims.vocab_size)
@@ -103,16 +128,31 @@ def _export(source: Source, staging: Path, backend: str, weight_format: str, nam
         progress.stage("verify")
         graph = backend_module.describe(staging)
         if (graph.kv_heads, graph.head_dim) not in ((dims.num_kv_heads, dims.head_dim), (None, None)):
-            raise ExportError(f"the graph's KV cache has {graph.kv_heads} heads x {graph.head_dim} dims but the "
-                              f"config says {dims.num_kv_heads} x {dims.head_dim}; the runtime would mis-size it")
+            raise ExportError(
+                f"the graph's KV cache has {graph.kv_heads} heads x {graph.head_dim} dims but the "
+                f"config says {dims.num_kv_heads} x {dims.head_dim}; the runtime would mis-size it"
+            )
         backend_module.check(staging)
         _compare(backend_module.first_step(staging, probe), reference, weight_format)
     manifest = Manifest(
-        name=name, backend=backend, weight_format=weight_format, model_file=backend_module.MODEL_FILE,
-        architecture=source.architecture, model_type=source.model_type, **vars(dims),
-        kv_dtype=graph.kv_dtype, stateful=graph.stateful, inputs=graph.inputs, outputs=graph.outputs,
-        eos_token_ids=metadata.eos_token_ids, bos_token_id=metadata.bos_token_id, pad_token_id=metadata.pad_token_id,
-        chat_template_file=metadata.chat_template_file, source=str(source.folder), weight_compression=compression)
+        name=name,
+        backend=backend,
+        weight_format=weight_format,
+        model_file=backend_module.MODEL_FILE,
+        architecture=source.architecture,
+        model_type=source.model_type,
+        **vars(dims),
+        kv_dtype=graph.kv_dtype,
+        stateful=graph.stateful,
+        inputs=graph.inputs,
+        outputs=graph.outputs,
+        eos_token_ids=metadata.eos_token_ids,
+        bos_token_id=metadata.bos_token_id,
+        pad_token_id=metadata.pad_token_id,
+        chat_template_file=metadata.chat_template_file,
+        source=str(source.folder),
+        weight_compression=compression,
+    )
     manifest.save(staging)
     return manifest
 
@@ -130,11 +170,15 @@ def _load(folder: Path) -> tuple[Any, Dims]:
     model.eval()
     config = model.config
     heads = config.num_attention_heads
-    dims = Dims(num_layers=config.num_hidden_layers, num_attention_heads=heads,
-                num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-                hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                max_context=config.max_position_embeddings)
+    dims = Dims(
+        num_layers=config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        max_context=config.max_position_embeddings,
+    )
     return model, dims
 
 
@@ -152,13 +196,17 @@ def _logits(model: Any, input_ids: np.ndarray) -> np.ndarray:
 
 def _compare(logits: np.ndarray, reference: np.ndarray, weight_format: str) -> None:
     if logits.shape != reference.shape or not np.isfinite(logits).all():
-        raise ExportError(f"the exported graph's logits are broken (shape {logits.shape}, finite: "
-                          f"{bool(np.isfinite(logits).all())}); expected shape {reference.shape}")
+        raise ExportError(
+            f"the exported graph's logits are broken (shape {logits.shape}, finite: "
+            f"{bool(np.isfinite(logits).all())}); expected shape {reference.shape}"
+        )
     tolerance = TOLERANCE[weight_format]
     diff, scale = float(np.abs(logits - reference).max()), float(np.abs(reference).max())
     if tolerance is not None and diff > tolerance * scale:
-        raise ExportError(f"the exported {weight_format} logits differ from transformers by {diff:.3g} "
-                          f"(allowed {tolerance * scale:.3g})")
+        raise ExportError(
+            f"the exported {weight_format} logits differ from transformers by {diff:.3g} "
+            f"(allowed {tolerance * scale:.3g})"
+        )
 
 
 def _staging_dir(out: Path) -> Path:
@@ -217,8 +265,9 @@ class _Progress:
 
         self._label = label
         self._started = False
-        self._bar = tqdm(total=len(STAGES), desc=label, file=sys.stderr,
-                         bar_format="{desc} [{n_fmt}/{total_fmt}, {elapsed}]")
+        self._bar = tqdm(
+            total=len(STAGES), desc=label, file=sys.stderr, bar_format="{desc} [{n_fmt}/{total_fmt}, {elapsed}]"
+        )
 
     def __enter__(self) -> _Progress:
         return self

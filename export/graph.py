@@ -1,7 +1,11 @@
-"""What both backends report about an exported graph, and the one-step probe both run to verify it."""
+"""What both backends report about an exported graph, the one-step probe both run to verify it, and the interface
+exporter.py drives them through."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -13,15 +17,39 @@ class GraphInfo:
     inputs: list[str]
     outputs: list[str]
     stateful: bool
-    kv_dtype: str                       # f32 | f16: what the KV state / present.* tensors hold
-    kv_heads: int | None                # as the graph declares them (None: dynamic), checked against config.json
+    kv_dtype: str  # f32 | f16: what the KV state / present.* tensors hold
+    kv_heads: int | None  # as the graph declares them (None: dynamic), checked against config.json
     head_dim: int | None
 
 
 def first_step_feed(inputs: list[str], input_ids: np.ndarray) -> dict[str, np.ndarray]:
     """input_ids / attention_mask / position_ids for a first step with no past, restricted to what the graph takes."""
     batch, length = input_ids.shape
-    feed = {"input_ids": input_ids,
-            "attention_mask": np.ones((batch, length), np.int64),
-            "position_ids": np.tile(np.arange(length, dtype=np.int64), (batch, 1))}
+    feed = {
+        "input_ids": input_ids,
+        "attention_mask": np.ones((batch, length), np.int64),
+        "position_ids": np.tile(np.arange(length, dtype=np.int64), (batch, 1)),
+    }
     return {k: v for k, v in feed.items() if k in inputs}
+
+
+class ExportBackend(Protocol):
+    """A backend module (export/openvino_backend.py, export/onnx_backend.py), as exporter.py calls it, stage by
+    stage. Modules satisfy this structurally; exporter.py has mypy check both."""
+
+    MODEL_FILE: str  # the graph file the runtime loads, recorded in the manifest
+
+    def convert(self, model: Any, scratch: Path, weight_format: str) -> None:
+        """The transformers model to a graph in `scratch` (fp16 may be written directly, else fp32)."""
+
+    def compress(self, scratch: Path, dest: Path, weight_format: str, group_size: int | None) -> dict[str, Any]:
+        """The graph in `scratch` compressed to `weight_format` into `dest`; what was done, for the manifest."""
+
+    def describe(self, dest: Path) -> GraphInfo:
+        """Inputs, outputs and KV layout of the graph written to `dest`."""
+
+    def check(self, dest: Path) -> None:
+        """Raise ExportError if the runtime could not serve the graph in `dest`."""
+
+    def first_step(self, dest: Path, input_ids: np.ndarray) -> np.ndarray:
+        """Logits of a first step with no past on `input_ids` [batch, length], in f32 compute."""

@@ -1,4 +1,5 @@
 """Tokenizer, chat template and generation config: the files the runtime reads instead of transformers."""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 @dataclass(frozen=True)
 class Metadata:
-    chat_template_file: str | None      # None: the model has no chat template
+    chat_template_file: str | None  # None: the model has no chat template
     eos_token_ids: list[int]
     bos_token_id: int | None
     pad_token_id: int | None
@@ -39,9 +40,12 @@ def write_metadata(src: Path, dst: Path, config: dict[str, Any]) -> Metadata:
     ids = {k: config.get(k) if generation.get(k) is None else generation[k] for k in TOKEN_KEYS}
     eos = ids["eos_token_id"]
     eos_list = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    return Metadata(chat_template_file=CHAT_TEMPLATE_FILE if template is not None else None,
-                    eos_token_ids=list(dict.fromkeys(eos_list)),
-                    bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"])
+    return Metadata(
+        chat_template_file=CHAT_TEMPLATE_FILE if template is not None else None,
+        eos_token_ids=list(dict.fromkeys(eos_list)),
+        bos_token_id=ids["bos_token_id"],
+        pad_token_id=ids["pad_token_id"],
+    )
 
 
 def _write_tokenizer_json(src: Path, path: Path) -> None:

@@ -3,6 +3,7 @@
 Only fp32 is exported by optimum; the other formats are rewrites of that graph with onnxruntime's own tools,
 since optimum's fp16 export needs CUDA.
 """
+
 from __future__ import annotations
 
 from importlib.metadata import version
@@ -41,8 +42,11 @@ def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | No
         # keep_io_types: inputs, logits and present.* stay f32, so the runtime feeds one dtype for every format.
         # Shape inference is skipped because it serializes the model, which fails past 2 GiB; it adds nothing here.
         model = convert_float_to_float16(model, keep_io_types=True, disable_shape_infer=True)
-        info = {"method": "onnxruntime convert_float_to_float16", "compute": "f16 inside, f32 inputs/outputs",
-                "tool": f"onnxruntime {version('onnxruntime')}"}
+        info = {
+            "method": "onnxruntime convert_float_to_float16",
+            "compute": "f16 inside, f32 inputs/outputs",
+            "tool": f"onnxruntime {version('onnxruntime')}",
+        }
     elif weight_format in ("int8", "int4"):
         model, info = _quantize(model, 8 if weight_format == "int8" else 4, group_size or DEFAULT_BLOCK_SIZE)
     _save(model, dest / MODEL_FILE)
@@ -64,9 +68,14 @@ def _quantize(model: Any, bits: int, block_size: int) -> tuple[Any, dict[str, An
     count = sum(node.op_type == "MatMulNBits" for node in quantized.graph.node)
     if not count:
         raise ExportError(f"int{bits}: no MatMul weight in the ONNX graph could be quantized")
-    return quantized, {"method": "weight-only", "tool": f"onnxruntime {version('onnxruntime')} MatMulNBitsQuantizer",
-                       "mode": f"int{bits}_sym", "block_size": block_size, "quantized_matmuls": count,
-                       "not_quantized": "embeddings (Gather)"}
+    return quantized, {
+        "method": "weight-only",
+        "tool": f"onnxruntime {version('onnxruntime')} MatMulNBitsQuantizer",
+        "mode": f"int{bits}_sym",
+        "block_size": block_size,
+        "quantized_matmuls": count,
+        "not_quantized": "embeddings (Gather)",
+    }
 
 
 def _gemm_to_matmul(model: Any) -> None:
@@ -76,8 +85,10 @@ def _gemm_to_matmul(model: Any) -> None:
     nodes = []
     for node in model.graph.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        plain = all(attrs.get(k, default) == default for k, default in
-                    (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0)))
+        plain = all(
+            attrs.get(k, default) == default
+            for k, default in (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0))
+        )
         if node.op_type != "Gemm" or node.input[1] not in initializers or not plain:
             nodes.append(node)
             continue
@@ -95,8 +106,14 @@ def _save(model: Any, path: Path) -> None:
     if size < EXTERNAL_DATA_THRESHOLD:
         onnx.save_model(model, str(path))
     else:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=DATA_FILE, size_threshold=1024)
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=DATA_FILE,
+            size_threshold=1024,
+        )
 
 
 def describe(dest: Path) -> GraphInfo:
@@ -104,8 +121,14 @@ def describe(dest: Path) -> GraphInfo:
     inputs, outputs = session.get_inputs(), session.get_outputs()
     past = next(i for i in inputs if i.name.startswith("past_key_values."))
     present = next(o for o in outputs if o.name.startswith("present."))
-    return GraphInfo(inputs=[i.name for i in inputs], outputs=[o.name for o in outputs], stateful=False,
-                     kv_dtype=ORT_TYPES[present.type], kv_heads=_static(past.shape, 1), head_dim=_static(past.shape, 3))
+    return GraphInfo(
+        inputs=[i.name for i in inputs],
+        outputs=[o.name for o in outputs],
+        stateful=False,
+        kv_dtype=ORT_TYPES[present.type],
+        kv_heads=_static(past.shape, 1),
+        head_dim=_static(past.shape, 3),
+    )
 
 
 def _static(shape: list[Any], axis: int) -> int | None:

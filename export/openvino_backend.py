@@ -1,5 +1,6 @@
 """OpenVINO backend: a stateful IR (the KV cache held as graph state), which the runtime's paged attention
 transformation and openvino_genai both require."""
+
 from __future__ import annotations
 
 from importlib.metadata import version
@@ -49,8 +50,11 @@ def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | No
         # put in rt_info for float models, exactly as `optimum-cli export openvino --weight-format int4` does.
         model = _weight_only_quantization(model, config)
     else:
-        info = {"method": "none"} if weight_format == "fp32" else {
-            "method": "openvino compress_to_fp16", "compute": "f32 (weights decompressed at load)"}
+        info = (
+            {"method": "none"}
+            if weight_format == "fp32"
+            else {"method": "openvino compress_to_fp16", "compute": "f32 (weights decompressed at load)"}
+        )
     ov.save_model(model, dest / MODEL_FILE, compress_to_fp16=False)
     return info
 
@@ -63,11 +67,18 @@ def _quantization_config(weight_format: str, group_size: int) -> tuple[Any, dict
         return config, {"method": "weight-only", "tool": tool, "mode": "int8_asym", "group_size": "per-channel"}
     # ADJUST: a weight whose input channels the group size does not divide (tiny or odd hidden sizes) gets the
     # largest smaller power-of-two group that fits, instead of failing the export.
-    config = OVWeightQuantizationConfig(bits=4, sym=False, group_size=group_size, ratio=1.0,
-                                        group_size_fallback="adjust")
-    return config, {"method": "weight-only", "tool": tool, "mode": "int4_asym", "group_size": group_size,
-                    "group_size_fallback": "adjust", "ratio": 1.0,
-                    "backup_mode": "int8_asym for the embeddings and lm_head"}
+    config = OVWeightQuantizationConfig(
+        bits=4, sym=False, group_size=group_size, ratio=1.0, group_size_fallback="adjust"
+    )
+    return config, {
+        "method": "weight-only",
+        "tool": tool,
+        "mode": "int4_asym",
+        "group_size": group_size,
+        "group_size_fallback": "adjust",
+        "ratio": 1.0,
+        "backup_mode": "int8_asym for the embeddings and lm_head",
+    }
 
 
 def describe(dest: Path) -> GraphInfo:
@@ -76,10 +87,14 @@ def describe(dest: Path) -> GraphInfo:
     if not variables:
         raise ExportError("the exported IR holds no KV-cache state; the runtime needs a stateful model")
     kv = variables[0]
-    return GraphInfo(inputs=[i.get_any_name() for i in model.inputs],
-                     outputs=[o.get_any_name() for o in model.outputs], stateful=True,
-                     kv_dtype=kv.data_type.get_type_name(),
-                     kv_heads=_static(kv.data_shape, 1), head_dim=_static(kv.data_shape, 3))
+    return GraphInfo(
+        inputs=[i.get_any_name() for i in model.inputs],
+        outputs=[o.get_any_name() for o in model.outputs],
+        stateful=True,
+        kv_dtype=kv.data_type.get_type_name(),
+        kv_heads=_static(kv.data_shape, 1),
+        head_dim=_static(kv.data_shape, 3),
+    )
 
 
 def _static(shape: Any, axis: int) -> int | None:

@@ -2,6 +2,7 @@
 
 A bad source or a full disk should fail in a second with one clear line, not after minutes of conversion.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,23 @@ from typing import Any
 # mixtral, starcoder2 (optimum-onnx cannot export them); gemma2, gemma3_text (per-layer sliding windows, untested
 # in the runtime); qwen3_moe (optimum-intel's export fails); falcon, gpt_bigcode (multi-query KV that does not
 # follow num_key_value_heads, which the exporter's KV-shape check rejects).
-SUPPORTED = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2",
-                       "gemma", "granite", "olmo2", "smollm3", "stablelm", "phi", "gpt_neox"})
+SUPPORTED = frozenset(
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "phi3",
+        "gpt2",
+        "gemma",
+        "granite",
+        "olmo2",
+        "smollm3",
+        "stablelm",
+        "phi",
+        "gpt_neox",
+    }
+)
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 BYTES_PER_PARAM = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -52,12 +68,16 @@ def inspect_source(src: Path) -> Source:
     architectures = [str(a) for a in config.get("architectures") or []]
     causal = [a for a in architectures if a.endswith(CAUSAL_LM_SUFFIXES)]
     if architectures and not causal:
-        raise ExportError(f"{src} is not a causal language model "
-                          f"(architectures: {', '.join(architectures)}; model_type: {model_type or '?'})")
+        raise ExportError(
+            f"{src} is not a causal language model "
+            f"(architectures: {', '.join(architectures)}; model_type: {model_type or '?'})"
+        )
     architecture = causal[0] if causal else f"{model_type}ForCausalLM"
     if model_type not in SUPPORTED:
-        raise ExportError(f"unsupported architecture {architecture} (model_type {model_type or '?'}); "
-                          f"supported model types: {', '.join(sorted(SUPPORTED))}")
+        raise ExportError(
+            f"unsupported architecture {architecture} (model_type {model_type or '?'}); "
+            f"supported model types: {', '.join(sorted(SUPPORTED))}"
+        )
     return Source(folder=src, config=config, model_type=model_type, architecture=architecture)
 
 
@@ -83,5 +103,6 @@ def check_disk(source: Source, out: Path) -> None:
     parent = out.parent
     free = shutil.disk_usage(parent).free
     if free < need:
-        raise ExportError(f"not enough free disk space in {parent}: "
-                          f"need about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+        raise ExportError(
+            f"not enough free disk space in {parent}: need about {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+        )

@@ -1,11 +1,10 @@
 """Shared test fixtures. Each section is self-contained: add yours as a new section, leave the others alone."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 # ================================================================ a real `appliance serve` on loopback
 # Used by test_server_e2e.py, test_fuzz.py and test_docs_examples.py: `server` is one session-wide server
 # (2 workers, no API key) on a free port; `Server` starts others (test_server_e2e.py's `guarded` one).
-
 import contextlib
 import json
 import os
@@ -17,12 +16,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from appliance.loopback import ApplianceServer, ServerNotReady
 from appliance.manifest import Manifest
 from appliance.paths import default_export_dir
-from appliance.procinfo import children, is_zombie, process_tree, status_field
+from appliance.testing.loopback import ApplianceServer, ServerNotReady
+from appliance.testing.procinfo import children, is_zombie, process_tree, status_field
 
-START_TIMEOUT = 300      # hang guards only: nothing asserts how fast anything is
+START_TIMEOUT = 300  # hang guards only: nothing asserts how fast anything is
 WAIT_TIMEOUT = 60
 
 
@@ -45,13 +44,13 @@ def sse_events(response: requests.Response) -> list:
     events = []
     for line in response.iter_lines(decode_unicode=True):
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
 
 
 class Server(ApplianceServer):
-    """appliance.loopback's server, with what tests check on top: a clean exit code, the gunicorn workers, and
+    """appliance.testing.loopback's server, with what tests check on top: a clean exit code, the gunicorn workers, and
     no process left behind after a stop."""
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str):
@@ -93,8 +92,10 @@ class Server(ApplianceServer):
         except subprocess.TimeoutExpired:
             self.kill()
             pytest.fail(f"appliance serve ignored SIGTERM:\n{self.output()}")
-        wait_until(lambda: not [p for p in tree[1:] if Path(f"/proc/{p}").exists() and not is_zombie(p)],
-                   "the gunicorn processes to exit")
+        wait_until(
+            lambda: not [p for p in tree[1:] if Path(f"/proc/{p}").exists() and not is_zombie(p)],
+            "the gunicorn processes to exit",
+        )
         return code
 
 
@@ -110,6 +111,7 @@ def model_dir() -> Path:
 def default_hf() -> Path:
     """The default model's transformers folder (built from the GGUF once, cached)."""
     from export.default_model import ensure_hf_folder
+
     return ensure_hf_folder()
 
 
@@ -146,6 +148,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
         if family not in built:
             built[family] = tiny_models.build_tiny_model(family, root / family)
         return built[family]
+
     return get
 
 
@@ -162,24 +165,27 @@ def exported(tiny, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
             out = root / "-".join(key)
             done[key] = out, export_model(tiny(family), out, backend, weight_format)
         return done[key]
+
     return get
 
 
 # ================================================================ the Flask app over an in-process engine
 # Used by test_beam_search.py and test_prompt_logprobs.py: the real app and engine service, no gunicorn.
 
+
 @contextlib.contextmanager
 def in_process_api(engine, runtime: Path):
     """A Flask test client wired through the real engine service to `engine` (the caller's f32 engine)."""
-    from appliance.metrics import ServerMetrics
     from appliance.openai_api.app import create_app
     from appliance.server.client import EngineClient
     from appliance.server.engine_service import EngineService
+    from appliance.server.metrics import ServerMetrics
     from appliance.server.settings import AUTHKEY_FILE, ServeSettings
 
     (runtime / AUTHKEY_FILE).write_bytes(os.urandom(32))
-    settings = ServeSettings(model_dir=str(engine.model_dir), served_model_name="m", model_created=0,
-                             runtime_dir=str(runtime))
+    settings = ServeSettings(
+        model_dir=str(engine.model_dir), served_model_name="m", model_created=0, runtime_dir=str(runtime)
+    )
     service = EngineService(settings, ServerMetrics())
     service.start()
     service.attach(engine, "CPU")
@@ -193,6 +199,7 @@ def in_process_api(engine, runtime: Path):
 def one_torch_thread():
     """transformers on one thread: on a busy 2-core machine two OpenMP threads spin-wait each other ~10x slower."""
     import torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -211,15 +218,16 @@ def one_torch_thread():
 # token are both among the reference's candidates and within `margin` nats of each other; nothing after that
 # position is compared. Margins (per-logprob differences measured on the default model, SmolLM2-135M; a flip
 # needs a gap below twice that, each margin leaves about 2x more on top):
-NEAR_TIE_F32 = 1e-3              # f32 compute, different batch / CPU: logprobs differ by <= 7e-5
-NEAR_TIE_FP16_WEIGHTS = 0.05     # fp16 export in f32 vs transformers on the fp32 weights: <= 0.009
-NEAR_TIE_DEFAULT = 1.0           # default precision (bf16 compute, u8 KV), batched vs alone: <= 0.25
+NEAR_TIE_F32 = 1e-3  # f32 compute, different batch / CPU: logprobs differ by <= 7e-5
+NEAR_TIE_FP16_WEIGHTS = 0.05  # fp16 export in f32 vs transformers on the fp32 weights: <= 0.009
+NEAR_TIE_DEFAULT = 1.0  # default precision (bf16 compute, u8 KV), batched vs alone: <= 0.25
 
 from collections.abc import Mapping, Sequence  # noqa: E402
 
 
-def greedy_divergence(reference: Sequence, candidates: Sequence[Mapping], other: Sequence, margin: float,
-                      what: str = "") -> int:
+def greedy_divergence(
+    reference: Sequence, candidates: Sequence[Mapping], other: Sequence, margin: float, what: str = ""
+) -> int:
     """Index of the first position where greedy stream `other` differs from `reference` (len(reference) if they
     are equal), after asserting that it is a near-tie. `candidates[i]` maps the reference run's top candidates at
     position i (its chosen token among them) to their logprobs; tokens are ids or texts, the same kind throughout.
@@ -230,8 +238,10 @@ def greedy_divergence(reference: Sequence, candidates: Sequence[Mapping], other:
         top = candidates[i]
         assert have in top, f"{what}: diverged at token {i}: {have!r} is not among the reference's {dict(top)}"
         gap = top[want] - top[have]
-        assert gap <= margin, (f"{what}: diverged at token {i}: {want!r} -> {have!r} with a logprob gap of "
-                               f"{gap:.4f} nats, not a near-tie (margin {margin})")
+        assert gap <= margin, (
+            f"{what}: diverged at token {i}: {want!r} -> {have!r} with a logprob gap of "
+            f"{gap:.4f} nats, not a near-tie (margin {margin})"
+        )
         return i
     assert len(other) == len(reference), f"{what}: {len(other)} tokens, the reference has {len(reference)}"
     return len(reference)
@@ -240,5 +250,21 @@ def greedy_divergence(reference: Sequence, candidates: Sequence[Mapping], other:
 def wait_idle(server: Server) -> None:
     """Until the server runs and queues nothing: two greedy runs compared token for token (unary vs streaming, echo
     vs plain) are only equal when each has the engine to itself, as numerics depend on the batch (see above)."""
-    wait_until(lambda: (m := server.metrics())["appliance_running_sequences"] == 0
-               and m["appliance_queue_depth"] == 0, "the server to be idle")
+    wait_until(
+        lambda: (m := server.metrics())["appliance_running_sequences"] == 0 and m["appliance_queue_depth"] == 0,
+        "the server to be idle",
+    )
+
+
+# ================================================================ test tiers: what needs the default model
+# `make test-fast` runs `-m "not default_model and not slow"`: unit tests and tiny random models, no `make model`.
+# A test needs the default model when it uses one of these fixtures (directly or through another fixture); a test
+# module that calls export.default_model.ensure_export itself says so with `pytestmark = pytest.mark.default_model`.
+
+DEFAULT_MODEL_FIXTURES = frozenset({"model_dir", "default_hf", "server"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if DEFAULT_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.default_model)

@@ -3,6 +3,7 @@
 The reference is independent of our builder: transformers' own GGUF loaders for tokenizer and weights, and
 the raw GGUF header read with gguf-py. The first run builds the folder (about a minute), later runs reuse it.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 from export import default_model
 from export.default_model import ensure_hf_folder, gguf_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.default_model]
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TEXTS = [
@@ -43,8 +44,14 @@ def gguf_fields() -> dict:
     from gguf import GGUFReader
 
     reader = GGUFReader(gguf_path())
-    keys = ("tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-            "tokenizer.chat_template", "llama.rope.freq_base", "llama.context_length")
+    keys = (
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.chat_template",
+        "llama.rope.freq_base",
+        "llama.context_length",
+    )
     return {key: reader.fields[key].contents() for key in keys}
 
 
@@ -75,7 +82,7 @@ def reference():
 def test_token_ids_match_gguf_reference(text, ours, ours_hf, reference):
     prefix = reference.encode("")
     assert prefix in ([], [reference.bos_token_id])
-    expected = reference.encode(text)[len(prefix):]
+    expected = reference.encode(text)[len(prefix) :]
     ids = ours.encode(text).ids
     assert ids == expected
     assert ours_hf.encode(text) == expected
@@ -150,7 +157,7 @@ def test_greedy_chat_answer_is_sensible(hf_dir, ours_hf):
     ids = ours_hf.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
-    answer = ours_hf.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    answer = ours_hf.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
     assert out[0, -1].item() == ours_hf.eos_token_id  # stops by itself on <|im_end|>
 

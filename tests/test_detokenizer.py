@@ -1,4 +1,5 @@
 """appliance.detokenizer: streamed pieces concatenate to the full decode, never split a character, stay O(window)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -45,7 +46,7 @@ def spl(tmp_path_factory) -> Tokenizer:
 
 def stream(tok, ids, chunk=1, **kw) -> list[str]:
     det = IncrementalDetokenizer(tok, **kw)
-    pieces = [det.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    pieces = [det.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     return pieces + [det.flush()]
 
 
@@ -60,8 +61,9 @@ def test_text_streams_exactly(tok, text):
 def test_multibyte_held_until_complete(bl):
     b2t = {b: c for c, b in gpt2_unicode_to_byte().items()}
 
-    def byte_ids(bs: bytes) -> list[int]:   # one token per byte: the worst case
+    def byte_ids(bs: bytes) -> list[int]:  # one token per byte: the worst case
         return [bl.token_to_id(b2t[b]) for b in bs]
+
     for text in ["你", "é", "👍🏽", "👩‍👩‍👧", "aé你👍🏽z"]:
         ids = byte_ids(text.encode())
         pieces = stream(bl, ids)
@@ -98,7 +100,7 @@ def test_prompt_context(kind, tmp_path_factory):
         gen = t.encode("Hello world")  # `▁Hello ▁world`: what a model continues the prompt with
     out = "".join(stream(t, gen, prompt_ids=prompt))
     # with a prompt, pieces are what the generated tokens add to the prompt's text
-    assert out == t.decode(prompt + gen)[len(t.decode(prompt)):]
+    assert out == t.decode(prompt + gen)[len(t.decode(prompt)) :]
     assert out == " Hello world"
     assert "".join(stream(t, gen)) == t.decode(gen)  # without: exactly decode(generated)
 

@@ -3,6 +3,7 @@
 is checked. The examples are: a unary completion (curl), the same completion streamed with include_usage (curl),
 a chat with the official `openai` client (Python). Outputs are compared between requests made one at a time on
 an otherwise idle server (greedy in the default precision depends on the batch, see conftest.greedy_divergence)."""
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,14 @@ def examples(server, model_name, tmp_path_factory) -> dict[str, str]:
     (curl_home / ".curlrc").write_text('write-out = "\\nHTTP %{http_code}\\n"\n')
     env = {**os.environ, "CURL_HOME": str(curl_home)}
     out = {}
-    wait_idle(server)   # each example then runs alone (they run one after the other)
+    wait_idle(server)  # each example then runs alone (they run one after the other)
     for name, (kind, code) in zip(("unary", "stream", "chat"), found):
-        assert DOC_BASE in code and f'"{model_name}"' in code, code   # the documented address and served model
+        assert DOC_BASE in code and f'"{model_name}"' in code, code  # the documented address and served model
         code = code.replace(DOC_BASE, server.base)
         cmd = ["bash", "-e", "-c", code] if kind == "bash" else [sys.executable, "-c", code]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
-                              cwd=tmp_path_factory.mktemp(name))
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path_factory.mktemp(name)
+        )
         assert proc.returncode == 0, (name, proc.stdout, proc.stderr)
         out[name] = proc.stdout
     return out
@@ -87,10 +89,10 @@ def test_curl_streaming_with_usage(examples):
     lines = [line for line in body.split("\n") if line]
     assert all(line.startswith("data: ") for line in lines), lines
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
-    *chunks, usage = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    *chunks, usage = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
     assert all(c["object"] == "text_completion.chunk" and len(c["choices"]) == 1 for c in chunks)
     assert all("usage" in c and c["usage"] is None for c in chunks)
-    assert chunks[0]["choices"][0]["text"] == ""                       # sent once the prompt is processed
+    assert chunks[0]["choices"][0]["text"] == ""  # sent once the prompt is processed
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]
     assert reasons[-1] in ("stop", "length") and not any(reasons[:-1])
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
@@ -105,7 +107,13 @@ def test_python_openai_chat(examples, server, model_name):
     assert printed.strip()
     # what it printed is the server's answer to that request (greedy, alone in the engine: the same every time)
     wait_idle(server)
-    same = requests.post(server.base + "/v3/chat/completions", timeout=120, json={
-        "model": model_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "max_tokens": 32}).json()
+    same = requests.post(
+        server.base + "/v3/chat/completions",
+        timeout=120,
+        json={
+            "model": model_name,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 32,
+        },
+    ).json()
     assert printed == same["choices"][0]["message"]["content"] + "\n"

@@ -3,6 +3,7 @@ transformers over a prefill and one decode step, so the KV-cache plumbing is che
 
 Each tiny model, its transformers reference and each export are built once per session (about 3 min on 2 cores).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,14 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello world! The appliance serves tiny models."
 LAYOUTS = {name: spec[2] for name, spec in {**tiny_models.FAMILIES, **tiny_models.EXTRA_FAMILIES}.items()}
 # Max |exported - transformers| on logits of magnitude ~1 (the random models' scale).
-ATOL = {("openvino", "fp32"): 1e-4, ("onnx", "fp32"): 1e-4,
-        ("openvino", "fp16"): 2e-3, ("onnx", "fp16"): 2e-2,     # ONNX fp16 also computes in f16, OpenVINO in f32
-        ("openvino", "int8"): 5e-2, ("onnx", "int8"): 5e-2,
-        ("openvino", "int4"): 0.3, ("onnx", "int4"): 0.3}
-CASES = ([(f, "openvino", "fp16") for f in LAYOUTS] + [(f, "onnx", "fp32") for f in LAYOUTS]
-         + [("llama", "openvino", w) for w in ("fp32", "int8", "int4")]
-         + [("llama", "onnx", w) for w in ("fp16", "int8", "int4")]
-         + [("gpt2", "onnx", "int4")])                        # GPT-2's Gemm layers must be quantized too
+ATOL = {
+    ("openvino", "fp32"): 1e-4,
+    ("onnx", "fp32"): 1e-4,
+    ("openvino", "fp16"): 2e-3,
+    ("onnx", "fp16"): 2e-2,  # ONNX fp16 also computes in f16, OpenVINO in f32
+    ("openvino", "int8"): 5e-2,
+    ("onnx", "int8"): 5e-2,
+    ("openvino", "int4"): 0.3,
+    ("onnx", "int4"): 0.3,
+}
+CASES = (
+    [(f, "openvino", "fp16") for f in LAYOUTS]
+    + [(f, "onnx", "fp32") for f in LAYOUTS]
+    + [("llama", "openvino", w) for w in ("fp32", "int8", "int4")]
+    + [("llama", "onnx", w) for w in ("fp16", "int8", "int4")]
+    + [("gpt2", "onnx", "int4")]
+)  # GPT-2's Gemm layers must be quantized too
 
 Exported = Callable[[str, str, str], tuple[Path, Manifest]]
 Reference = Callable[[str], tuple[np.ndarray, np.ndarray]]
@@ -54,13 +64,18 @@ def reference(tiny: Callable[[str], Path]) -> Reference:
             with torch.no_grad():
                 cache[family] = ids, model(torch.from_numpy(ids)).logits.numpy()
         return cache[family]
+
     return get
 
 
 def _step_feed(manifest: Manifest, tokens: np.ndarray, start: int) -> dict[str, np.ndarray]:
     length = tokens.shape[1]
-    feed = {"input_ids": tokens, "attention_mask": np.ones((1, start + length), np.int64),
-            "position_ids": np.arange(start, start + length, dtype=np.int64)[None], "beam_idx": np.zeros(1, np.int32)}
+    feed = {
+        "input_ids": tokens,
+        "attention_mask": np.ones((1, start + length), np.int64),
+        "position_ids": np.arange(start, start + length, dtype=np.int64)[None],
+        "beam_idx": np.zeros(1, np.int32),
+    }
     return {k: v for k, v in feed.items() if k in manifest.inputs}
 
 
@@ -71,8 +86,10 @@ def _openvino_two_steps(out: Path, manifest: Manifest, ids: np.ndarray) -> list[
     compiled = ov.Core().compile_model(out / manifest.model_file, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     request = compiled.create_infer_request()
     split = ids.shape[1] - 1
-    return [request.infer(_step_feed(manifest, ids[:, :split], 0))["logits"].copy(),
-            request.infer(_step_feed(manifest, ids[:, split:], split))["logits"].copy()]
+    return [
+        request.infer(_step_feed(manifest, ids[:, :split], 0))["logits"].copy(),
+        request.infer(_step_feed(manifest, ids[:, split:], split))["logits"].copy(),
+    ]
 
 
 def _onnx_two_steps(out: Path, manifest: Manifest, ids: np.ndarray) -> list[np.ndarray]:
@@ -80,8 +97,11 @@ def _onnx_two_steps(out: Path, manifest: Manifest, ids: np.ndarray) -> list[np.n
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(out / manifest.model_file), providers=["CPUExecutionProvider"])
-    past = {f"past_key_values.{layer}.{kind}": np.zeros((1, manifest.num_kv_heads, 0, manifest.head_dim), np.float32)
-            for layer in range(manifest.num_layers) for kind in ("key", "value")}
+    past = {
+        f"past_key_values.{layer}.{kind}": np.zeros((1, manifest.num_kv_heads, 0, manifest.head_dim), np.float32)
+        for layer in range(manifest.num_layers)
+        for kind in ("key", "value")
+    }
     split = ids.shape[1] - 1
     logits = []
     for tokens, start in ((ids[:, :split], 0), (ids[:, split:], split)):
@@ -98,14 +118,22 @@ def _check_manifest(manifest: Manifest, folder: Path, family: str, backend: str,
     config = AutoConfig.from_pretrained(folder)
     heads = config.num_attention_heads
     assert (manifest.name, manifest.backend, manifest.weight_format, manifest.source) == (
-        family, backend, weight_format, str(folder))
+        family,
+        backend,
+        weight_format,
+        str(folder),
+    )
     assert (manifest.model_type, manifest.architecture) == (config.model_type, config.architectures[0])
-    assert (manifest.num_layers, manifest.num_attention_heads, manifest.hidden_size, manifest.vocab_size,
-            manifest.max_context) == (config.num_hidden_layers, heads, config.hidden_size, config.vocab_size,
-                                      config.max_position_embeddings)
+    assert (
+        manifest.num_layers,
+        manifest.num_attention_heads,
+        manifest.hidden_size,
+        manifest.vocab_size,
+        manifest.max_context,
+    ) == (config.num_hidden_layers, heads, config.hidden_size, config.vocab_size, config.max_position_embeddings)
     assert manifest.num_kv_heads == (getattr(config, "num_key_value_heads", None) or heads)
     assert manifest.head_dim == (getattr(config, "head_dim", None) or config.hidden_size // heads)
-    assert manifest.kv_dtype == "f32"      # f16 weights or not, both backends keep KV tensors f32 at the boundary
+    assert manifest.kv_dtype == "f32"  # f16 weights or not, both backends keep KV tensors f32 at the boundary
     eos = [tiny_models.EOS_ID, tiny_models.BOS_ID] if LAYOUTS[family].get("eos_list") else [config.eos_token_id]
     assert (manifest.eos_token_ids, manifest.bos_token_id) == (eos, tiny_models.BOS_ID)
     if backend == "openvino":
@@ -118,8 +146,13 @@ def _check_manifest(manifest: Manifest, folder: Path, family: str, backend: str,
 
 
 def _check_files(out: Path, manifest: Manifest, family: str) -> None:
-    for name in (manifest.model_file, manifest.tokenizer_file, "tokenizer_config.json", "special_tokens_map.json",
-                 "config.json"):
+    for name in (
+        manifest.model_file,
+        manifest.tokenizer_file,
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "config.json",
+    ):
         assert (out / name).is_file(), name
     generation = json.loads((out / manifest.generation_config_file).read_text())
     assert generation["eos_token_id"] in (manifest.eos_token_ids, manifest.eos_token_ids[0])
@@ -127,12 +160,11 @@ def _check_files(out: Path, manifest: Manifest, family: str) -> None:
         assert manifest.chat_template_file is None and not (out / "chat_template.jinja").exists()
     else:
         assert (out / manifest.chat_template_file).read_text() == tiny_models.CHAT_TEMPLATE
-    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]   # no staging left
+    assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]  # no staging left
 
 
 @pytest.mark.parametrize("family,backend,weight_format", CASES, ids=["-".join(c) for c in CASES])
-def test_export(family: str, backend: str, weight_format: str, tiny, exported: Exported,
-                reference: Reference) -> None:
+def test_export(family: str, backend: str, weight_format: str, tiny, exported: Exported, reference: Reference) -> None:
     out, manifest = exported(family, backend, weight_format)
     assert Manifest.load(out) == manifest
     _check_manifest(manifest, tiny(family), family, backend, weight_format)
@@ -157,7 +189,7 @@ def test_quantized_weights_are_recorded(exported: Exported) -> None:
     gpt2_int4 = exported("gpt2", "onnx", "int4")[1].weight_compression
     assert (ov_int4["mode"], ov_int4["group_size"], ov_int4["group_size_fallback"]) == ("int4_asym", 128, "adjust")
     assert (onnx_int4["mode"], onnx_int4["block_size"]) == ("int4_sym", 32)
-    assert gpt2_int4["quantized_matmuls"] == 8     # 2 blocks x 4 Gemm; GPT-2's tied lm_head is not an initializer
+    assert gpt2_int4["quantized_matmuls"] == 8  # 2 blocks x 4 Gemm; GPT-2's tied lm_head is not an initializer
 
 
 def test_onnx_external_data(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Reference) -> None:
@@ -175,7 +207,7 @@ def test_onnx_external_data(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_force_replaces_and_failure_leaves_nothing(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "model"
-    out.mkdir()                              # an empty placeholder is free (export.default_model stages this way)
+    out.mkdir()  # an empty placeholder is free (export.default_model stages this way)
     assert export_model(tiny("gpt2"), out, "onnx", "fp32", name="served").name == "served"
     (out / "stale.txt").write_text("old export")
     with pytest.raises(ExportError, match="output exists"):
@@ -185,6 +217,7 @@ def test_force_replaces_and_failure_leaves_nothing(tiny, tmp_path: Path, monkeyp
 
     def broken(*args: object) -> None:
         raise RuntimeError("converter crashed")
+
     monkeypatch.setattr("export.onnx_backend.convert", broken)
     with pytest.raises(RuntimeError, match="converter crashed"):
         export_model(tiny("gpt2"), tmp_path / "never", "onnx", "fp32")
@@ -202,18 +235,25 @@ def test_metadata_variants(tmp_path: Path) -> None:
     (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 5, "temperature": 0.7}))
     metadata = write_metadata(src, dst, {"bos_token_id": 1, "eos_token_id": 7, "pad_token_id": None})
     assert (metadata.chat_template_file, metadata.eos_token_ids, metadata.bos_token_id) == (
-        "chat_template.jinja", [7], 5)
+        "chat_template.jinja",
+        [7],
+        5,
+    )
     assert (dst / "chat_template.jinja").read_text() == "D"
     assert json.loads((dst / "generation_config.json").read_text())["temperature"] == 0.7
 
 
 def _cli(*args: str, prelude: str | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m export ARGS`; with a prelude, the same main() after running that code (to fake a full disk)."""
-    command = ["-m", "export"] if prelude is None else [
-        "-c", f"{prelude}; import sys; from export.__main__ import main; sys.exit(main(sys.argv[1:]))"]
+    command = (
+        ["-m", "export"]
+        if prelude is None
+        else ["-c", f"{prelude}; import sys; from export.__main__ import main; sys.exit(main(sys.argv[1:]))"]
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *command, *args], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, *command, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300
+    )
 
 
 def _config_folder(root: Path, name: str, config: dict | None) -> Path:
@@ -230,8 +270,9 @@ def test_cli_errors(tiny, tmp_path: Path) -> None:
     missing = tmp_path / "missing"
     empty = _config_folder(tmp_path, "empty", None)
     bert = _config_folder(tmp_path, "bert", {"architectures": ["BertModel"], "model_type": "bert"})
-    classifier = _config_folder(tmp_path, "classifier", {"architectures": ["LlamaForSequenceClassification"],
-                                                         "model_type": "llama"})
+    classifier = _config_folder(
+        tmp_path, "classifier", {"architectures": ["LlamaForSequenceClassification"], "model_type": "llama"}
+    )
     falcon = _config_folder(tmp_path, "falcon", {"architectures": ["FalconForCausalLM"], "model_type": "falcon"})
     out = tmp_path / "out"
     supported = "gemma, gpt2, gpt_neox, granite, llama, mistral, olmo2, phi, phi3, qwen2, qwen3, smollm3, stablelm"
@@ -239,10 +280,15 @@ def test_cli_errors(tiny, tmp_path: Path) -> None:
         ([missing, out], f"source folder not found: {missing}"),
         ([empty, out], f"no config.json in {empty}: not a Hugging Face model folder"),
         ([bert, out], f"{bert} is not a causal language model (architectures: BertModel; model_type: bert)"),
-        ([classifier, out], f"{classifier} is not a causal language model "
-                            "(architectures: LlamaForSequenceClassification; model_type: llama)"),
-        ([falcon, out], "unsupported architecture FalconForCausalLM (model_type falcon); "
-                        f"supported model types: {supported}"),
+        (
+            [classifier, out],
+            f"{classifier} is not a causal language model "
+            "(architectures: LlamaForSequenceClassification; model_type: llama)",
+        ),
+        (
+            [falcon, out],
+            f"unsupported architecture FalconForCausalLM (model_type falcon); supported model types: {supported}",
+        ),
         ([llama, existing], f"output exists: {existing} (pass --force to replace it)"),
         ([llama, llama.parent, "--force"], f"output {llama.parent} would replace the source folder {llama}"),
         ([llama, out, "--group-size", "48"], "group size must be a power of two >= 16, got 48"),
@@ -250,11 +296,15 @@ def test_cli_errors(tiny, tmp_path: Path) -> None:
     for args, message in cases:
         result = _cli(*map(str, args))
         assert (result.returncode, result.stderr) == (2, f"error: {message}\n"), args
-    full_disk = ("import shutil, collections; "
-                 "shutil.disk_usage = lambda p: collections.namedtuple('u', 'total used free')(1, 1, 0)")
+    full_disk = (
+        "import shutil, collections; "
+        "shutil.disk_usage = lambda p: collections.namedtuple('u', 'total used free')(1, 1, 0)"
+    )
     result = _cli(str(llama), str(out), "--backend", "onnx", prelude=full_disk)
     assert (result.returncode, result.stderr) == (
-        2, f"error: not enough free disk space in {tmp_path}: need about 0.3 GB, 0.0 GB free\n")
+        2,
+        f"error: not enough free disk space in {tmp_path}: need about 0.3 GB, 0.0 GB free\n",
+    )
     assert not out.exists()
 
 

@@ -1,14 +1,15 @@
 """Every supported family, every backend: the engine's greedy tokens equal transformers' on tiny random models
 (fixed seed). Paged OpenVINO, static-shape OpenVINO (the NPU mode, run on CPU) and ONNX Runtime."""
+
 from __future__ import annotations
 
 import pytest
-
 import tiny_models
+from test_parity import engine_greedy, hf_greedy
+
 from appliance.config import EngineConfig
 from appliance.engine import Engine
 from appliance.tokenizer import Tokenizer
-from test_parity import engine_greedy, hf_greedy
 
 PROMPTS = ["Hello world! How are you today?", "The appliance serves", "def main():\n"]
 NEW_TOKENS = 24
@@ -30,6 +31,7 @@ def family_reference(tiny):
             prompts = [tok.encode(p) for p in PROMPTS]
             cache[family] = prompts, hf_greedy(folder, prompts, NEW_TOKENS)
         return cache[family]
+
     return get
 
 

@@ -1,4 +1,5 @@
 """Block pool bookkeeping: allocation, reference counts, prefix caching with LRU reuse."""
+
 import pytest
 
 from appliance.kv_cache import BlockPool, chain_hash
@@ -12,7 +13,7 @@ def test_allocate_free_and_exhaustion():
         pool.allocate(2)
     pool.fork(a[:1])
     pool.free(a)
-    assert pool.num_free == 3          # a[0] still held by the fork
+    assert pool.num_free == 3  # a[0] still held by the fork
     pool.free(a[:1])
     assert pool.num_free == 4
     with pytest.raises(RuntimeError):
@@ -24,41 +25,41 @@ def _fill(pool: BlockPool, tokens: list[int]) -> list[int]:
     blocks = pool.allocate(pool.blocks_for(len(tokens)))
     parent = None
     for j in range(len(tokens) // pool.block_size):
-        parent = pool.register(blocks[j], parent, tuple(tokens[j * 4:(j + 1) * 4]))
+        parent = pool.register(blocks[j], parent, tuple(tokens[j * 4 : (j + 1) * 4]))
     return blocks
 
 
 def test_prefix_match_reuses_full_blocks_and_leaves_one_token():
     pool = BlockPool(8, 4, prefix_caching=True)
-    prompt = list(range(10))                       # blocks [0-3] [4-7] and a partial [8, 9]
+    prompt = list(range(10))  # blocks [0-3] [4-7] and a partial [8, 9]
     blocks = _fill(pool, prompt)
     pool.free(blocks)
     hit, hashes = pool.match_prefix(prompt + [99])
     assert hit == blocks[:2] and len(hashes) == 2 and pool.hits == 8
     pool.free(hit)
-    exact, _ = pool.match_prefix(list(range(8)))   # a prompt that is exactly two blocks: recompute the last
+    exact, _ = pool.match_prefix(list(range(8)))  # a prompt that is exactly two blocks: recompute the last
     assert exact == blocks[:1]
     pool.free(exact)
     other, _ = pool.match_prefix([0, 1, 2, 5, 4, 5, 6, 7, 8])
-    assert other == []                             # differs inside the first block
+    assert other == []  # differs inside the first block
 
 
 def test_prefix_chain_depends_on_everything_before():
     pool = BlockPool(8, 4, prefix_caching=True)
     pool.free(_fill(pool, [1, 2, 3, 4, 5, 6, 7, 8, 0]))
-    hit, _ = pool.match_prefix([9, 9, 9, 9, 5, 6, 7, 8, 0])   # same second block, different first
+    hit, _ = pool.match_prefix([9, 9, 9, 9, 5, 6, 7, 8, 0])  # same second block, different first
     assert hit == []
 
 
 def test_shared_blocks_are_counted_once_and_evicted_lru():
     pool = BlockPool(3, 4, prefix_caching=True)
     first = _fill(pool, [1, 1, 1, 1, 2])
-    hit, _ = pool.match_prefix([1, 1, 1, 1, 3])     # running alongside: shares block 0
+    hit, _ = pool.match_prefix([1, 1, 1, 1, 3])  # running alongside: shares block 0
     assert hit == first[:1] and pool.num_used == 2
     pool.free(first)
     pool.free(hit)
     assert pool.num_used == 0
-    pool.allocate(3)                               # pressure: the cached block is reused for new content
+    pool.allocate(3)  # pressure: the cached block is reused for new content
     assert pool.match_prefix([1, 1, 1, 1, 3]) == ([], [])
 
 
@@ -72,10 +73,11 @@ def test_block_names_are_a_salted_chain():
     pool = BlockPool(8, 4, prefix_caching=True)
     block = (5, 6, 7, 8)
     first = chain_hash(pool.salt, None, (1, 2, 3, 4))
-    assert chain_hash(pool.salt, first, block) != chain_hash(pool.salt, chain_hash(pool.salt, None, (9, 9, 9, 9)),
-                                                             block)   # same tokens, different parents
+    assert chain_hash(pool.salt, first, block) != chain_hash(
+        pool.salt, chain_hash(pool.salt, None, (9, 9, 9, 9)), block
+    )  # same tokens, different parents
     assert chain_hash(pool.salt, None, block) != chain_hash(pool.salt, first, block)
-    assert len(first) == 16 and chain_hash(pool.salt, None, (1, 2, 3, 4)) == first   # deterministic in a pool
+    assert len(first) == 16 and chain_hash(pool.salt, None, (1, 2, 3, 4)) == first  # deterministic in a pool
     other = BlockPool(8, 4, prefix_caching=True)
     assert other.salt != pool.salt and chain_hash(other.salt, None, (1, 2, 3, 4)) != first
     assert chain_hash(pool.salt, None, (1 << 40, 0, 0, 0)) != chain_hash(pool.salt, None, (0, 1 << 8, 0, 0))

@@ -1,6 +1,7 @@
 """Sibling projections fused into one MatMul (appliance/backends/projection_fusion.py): which groups fuse on the
 default model's IRs (not the one feeding an activation), and that the paged backend's f32 logits are
 bit-identical with and without the fusion."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,6 +15,8 @@ from appliance.config import EngineConfig
 from appliance.manifest import Manifest
 from export.default_model import ensure_export
 
+pytestmark = pytest.mark.default_model
+
 
 def _matmuls(model) -> int:
     return sum(n.get_type_name() == "MatMul" for n in model.get_ordered_ops())
@@ -26,12 +29,14 @@ def test_groups_fused_per_layer(fmt, fusable):
     model = read_model(path, manifest.model_file)
     before = _matmuls(model)
     fused = fuse_sibling_projections(model)
-    if fusable:   # q/k/v in every layer: 3 MatMuls become 1; gate (feeds SiLU) and up stay apart
+    if fusable:  # q/k/v in every layer: 3 MatMuls become 1; gate (feeds SiLU) and up stay apart
         assert fused == manifest.num_layers
         assert _matmuls(model) == before - 2 * manifest.num_layers
-        assert not any(n.get_type_name() == "Swish" and n.input_value(0).get_node().get_type_name() == "VariadicSplit"
-                       for n in model.get_ordered_ops())
-    else:         # group-wise int4 weights go through a Reshape: left alone, graph unchanged
+        assert not any(
+            n.get_type_name() == "Swish" and n.input_value(0).get_node().get_type_name() == "VariadicSplit"
+            for n in model.get_ordered_ops()
+        )
+    else:  # group-wise int4 weights go through a Reshape: left alone, graph unchanged
         assert fused == 0 and _matmuls(model) == before
 
 

@@ -1,4 +1,5 @@
 """appliance.sampling: every processor against a hand computation, and sampling statistics with fixed seeds."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,17 +47,19 @@ LOGITS = np.log(np.array([0.05, 0.4, 0.25, 0.15, 0.1, 0.05], np.float32))  # pro
 
 # -- ranking ----------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("V,m", [(10, 3), (5000, 5), (5000, 40), (5000, 300), (4099, 64), (300, 300)])
 def test_ranked_matches_full_sort_with_ties(V, m):
     rng = np.random.default_rng(V + m)
     x = rng.integers(-20, 20, (6, V)).astype(np.float32)  # many ties
     x[1] = 3.0  # a row that is one big tie
-    x[2, :V // 2] = -np.inf
+    x[2, : V // 2] = -np.inf
     ref = np.lexsort((np.broadcast_to(np.arange(V), x.shape), -x), axis=1)[:, :m]  # value desc, then id asc
     np.testing.assert_array_equal(ranked(x, m), ref)
 
 
 # -- greedy -----------------------------------------------------------------------------------------------------
+
 
 def test_greedy_is_argmax_lowest_id_on_ties():
     logits = np.array([[1, 5, 5, 2], [9, 0, 9, 9], [0, 0, 0, 0]], np.float32)
@@ -72,6 +75,7 @@ def test_tiny_temperature_is_greedy_and_ignores_truncation():
 
 
 # -- temperature, top_k, top_p, min_p --------------------------------------------------------------------------
+
 
 def test_temperature_one_follows_softmax():
     assert_follows(draw_many(LOGITS, temperature=1.0), np.exp(log_softmax(LOGITS)), len(LOGITS))
@@ -176,6 +180,7 @@ def test_full_vocab_draw_follows_distribution_odd_vocab():
 
 # -- penalties and bias (processors, checked on the logits) ------------------------------------------------------
 
+
 def test_repetition_penalty_matches_transformers_rule():
     logits = np.array([[2.0, -2.0, 1.0, -1.0, 0.5]], np.float32)
     s = seq(prompt=[0, 1], repetition_penalty=2.0)
@@ -237,11 +242,12 @@ def test_everything_masked_falls_back_to_raw_logits():
 
 # -- seeds and batches ------------------------------------------------------------------------------------------
 
+
 def generate(logit_steps, seqs, watch):
     """Run steps over a batch, appending every token; return the watched sequence's tokens."""
     toks = []
     for step in logit_steps:
-        out = sample_batch(step[:len(seqs)], seqs)
+        out = sample_batch(step[: len(seqs)], seqs)
         for s, t in zip(seqs, out.token_ids):
             s.append(t)
         toks.append(int(out.token_ids[watch]))
@@ -288,6 +294,7 @@ def test_unseeded_sequences_differ_and_children_are_distinct():
 
 # -- logprobs ---------------------------------------------------------------------------------------------------
 
+
 def test_logprobs_are_raw_and_top_k_sorted():
     rng = np.random.default_rng(2)
     V = 5000
@@ -311,7 +318,7 @@ def test_logprobs_are_raw_and_top_k_sorted():
 def test_no_logprobs_requested():
     out = sample_batch(np.zeros((2, 10), np.float32), [seq(), seq(logprobs=0)])
     assert out.top_ids.shape == (2, 0) and out.top_logprobs.shape == (2, 0)
-    assert np.isnan(out.logprobs[0])   # not asked: the log-softmax pass is skipped for that row
+    assert np.isnan(out.logprobs[0])  # not asked: the log-softmax pass is skipped for that row
     np.testing.assert_allclose(out.logprobs[1], np.log(0.1), rtol=1e-6)
 
 

@@ -7,6 +7,7 @@ and by batch: runs that share the engine (concurrent streams) are compared up to
 Two servers: `server` (2 workers, open) for the API, and `guarded` (4 workers, API key, one sequence slot,
 queue of one) for auth, 429s, the shared-model memory check and a graceful SIGTERM with a stream in flight.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,9 @@ from pathlib import Path
 import openai
 import pytest
 import requests
+from conftest import NEAR_TIE_DEFAULT, Server, children, greedy_divergence, is_zombie, rss_mb, wait_idle, wait_until
 
 from appliance.manifest import Manifest
-from conftest import (NEAR_TIE_DEFAULT, Server, children, greedy_divergence, is_zombie, rss_mb, wait_idle,
-                      wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 # ---------------------------------------------------------------- fixtures (`server`, `model_dir`, `model_name`
 # and the `Server` harness are in conftest.py, shared with test_fuzz.py and test_docs_examples.py)
 
+
 @pytest.fixture(scope="session")
 def api_key() -> str:
     return "e2e-" + os.urandom(8).hex()
@@ -41,13 +42,25 @@ def api_key() -> str:
 def guarded(model_dir, api_key, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("auth") / "key"
     key_file.write_text(api_key + "\n")
-    srv = Server(model_dir, key_file.parent / "serve.log", "--workers", "4", "--api-key-file", str(key_file),
-                 "--max-num-seqs", "1", "--max-queued", "1", "--graceful-timeout", "120")
+    srv = Server(
+        model_dir,
+        key_file.parent / "serve.log",
+        "--workers",
+        "4",
+        "--api-key-file",
+        str(key_file),
+        "--max-num-seqs",
+        "1",
+        "--max-queued",
+        "1",
+        "--graceful-timeout",
+        "120",
+    )
     try:
         srv.wait_ready()
         yield srv
     finally:
-        srv.close()   # test_graceful_sigterm normally stopped it already
+        srv.close()  # test_graceful_sigterm normally stopped it already
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +82,7 @@ def complete(client, model_name, **kw):
 
 
 # ---------------------------------------------------------------- completions
+
 
 def test_startup_answers_503_until_ready(server):
     """Whatever the readiness probe saw before 200 was the OpenAI-style 503 (how many depends on load time)."""
@@ -99,16 +113,24 @@ def test_streaming_equals_unary_greedy(client, model_name):
     chunks = list(complete(client, model_name, max_tokens=12, stream=True))
     assert {c.id for c in chunks} == {chunks[0].id} and {c.created for c in chunks} == {chunks[0].created}
     assert all(c.object == "text_completion.chunk" for c in chunks)
-    assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None   # after prefill
+    assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None  # after prefill
     reasons = [c.choices[0].finish_reason for c in chunks]
     assert reasons[-1] == unary.choices[0].finish_reason and not any(reasons[:-1])
     assert "".join(c.choices[0].text for c in chunks) == unary.choices[0].text
 
 
 def test_raw_sse_framing(server, model_name):
-    r = requests.post(server.base + "/v3/completions", stream=True, json={
-        "model": model_name, "prompt": PROMPT, "max_tokens": 4, "stream": True,
-        "stream_options": {"include_usage": True}})
+    r = requests.post(
+        server.base + "/v3/completions",
+        stream=True,
+        json={
+            "model": model_name,
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert r.status_code == 200
     assert r.headers["Content-Type"].startswith("text/event-stream")
     assert r.headers["Cache-Control"] == "no-cache"
@@ -116,8 +138,8 @@ def test_raw_sse_framing(server, model_name):
     assert body.endswith("data: [DONE]\n\n")
     parts = [part for part in body.split("\n\n") if part]
     assert all(part.startswith("data: ") for part in parts)
-    *chunks, usage = [json.loads(part[len("data: "):]) for part in parts[:-1]]
-    assert all("usage" in c and c["usage"] is None for c in chunks)   # present and null, as OVMS
+    *chunks, usage = [json.loads(part[len("data: ") :]) for part in parts[:-1]]
+    assert all("usage" in c and c["usage"] is None for c in chunks)  # present and null, as OVMS
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
 
 
@@ -144,8 +166,8 @@ def test_stop_string_never_leaks(client, model_name):
     assert stop not in unary.choices[0].text
 
     pieces = [c.choices[0].text for c in complete(client, model_name, max_tokens=24, stop=stop, stream=True)]
-    assert not any(stop in "".join(pieces[:i]) for i in range(len(pieces)))   # nothing before the last chunk
-    assert "".join(pieces) == cut + stop   # streaming includes the stop string by default (OVMS)
+    assert not any(stop in "".join(pieces[:i]) for i in range(len(pieces)))  # nothing before the last chunk
+    assert "".join(pieces) == cut + stop  # streaming includes the stop string by default (OVMS)
 
 
 def test_echo(client, model_name):
@@ -167,7 +189,7 @@ def test_logprobs_unary_and_streaming(client, model_name):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and 1 <= len(top) <= 3
-        assert chosen == pytest.approx(max(top.values()), abs=1e-4)   # greedy picks the most likely token
+        assert chosen == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the most likely token
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
     if r.choices[0].finish_reason == "length":
         assert "".join(lp.tokens) == r.choices[0].text
@@ -194,6 +216,7 @@ def test_prompt_forms_and_n(client, model_name, server):
 
 # ---------------------------------------------------------------- chat
 
+
 def test_chat_unary_and_streaming(client, model_name):
     r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
@@ -218,6 +241,7 @@ def test_chat_logprobs(client, model_name):
 
 # ---------------------------------------------------------------- models, health, config, metrics, tokenize
 
+
 def test_models_health_config(server, client, model_name):
     assert [m.id for m in client.models.list().data] == [model_name]
     assert client.models.retrieve(model_name).owned_by == "OVMS"
@@ -228,7 +252,8 @@ def test_models_health_config(server, client, model_name):
     assert requests.get(f"{server.base}/v2/models/{model_name}/ready").status_code == 200
     config = requests.get(server.base + "/v1/config").json()
     assert set(config) == {model_name} and config[model_name]["model_version_status"] == [
-        {"version": "1", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": "OK"}}]
+        {"version": "1", "state": "AVAILABLE", "status": {"error_code": "OK", "error_message": "OK"}}
+    ]
 
 
 def test_tokenize(server, model_name):
@@ -244,8 +269,10 @@ def test_metrics_count_requests_and_tokens(server, client, model_name):
     after = server.metrics()
     key = 'appliance_http_requests_total{route="/v3/completions",method="POST",status="200"}'
     assert after[key] == before.get(key, 0) + 1
-    assert after["appliance_generation_tokens_total"] - before["appliance_generation_tokens_total"] \
+    assert (
+        after["appliance_generation_tokens_total"] - before["appliance_generation_tokens_total"]
         == r.usage.completion_tokens
+    )
     assert after["appliance_prompt_tokens_total"] - before["appliance_prompt_tokens_total"] == r.usage.prompt_tokens
     ttft = "appliance_time_to_first_token_seconds_count"
     assert after[ttft] == before[ttft] + 1
@@ -254,6 +281,7 @@ def test_metrics_count_requests_and_tokens(server, client, model_name):
 
 
 # ---------------------------------------------------------------- errors
+
 
 def error(r: requests.Response, status: int) -> dict:
     assert r.status_code == status, r.text
@@ -268,27 +296,42 @@ def test_validation_errors_are_400_json_even_for_streams(server, model_name):
     url = server.base + "/v3/completions"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "temperature": 3, "stream": True}), 400)
     assert e["message"] == "temperature out of range(0.0, 2.0)" and e["param"] == "temperature"
-    e = error(requests.post(url, json={"model": model_name, "prompt": "x", "stream": True,
-                                       "include_stop_str_in_output": False}), 400)
+    e = error(
+        requests.post(
+            url, json={"model": model_name, "prompt": "x", "stream": True, "include_stop_str_in_output": False}
+        ),
+        400,
+    )
     assert e["message"] == "include_stop_str_in_output cannot be set to false if streaming is used"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "best_of": 2, "stream": True}), 400)
     assert e["message"] == "best_of cannot be used in streaming mode" and e["param"] == "best_of"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "max_tokens": 0}), 400)
     assert e["message"] == "max_tokens value should be greater than 0 unless echo is set"
     # chat: max_completion_tokens wins over max_tokens, but both are checked (found by tests/test_fuzz.py)
-    e = error(requests.post(server.base + "/v3/chat/completions", json={
-        "model": model_name, "messages": CHAT, "max_tokens": 0, "max_completion_tokens": 4}), 400)
+    e = error(
+        requests.post(
+            server.base + "/v3/chat/completions",
+            json={"model": model_name, "messages": CHAT, "max_tokens": 0, "max_completion_tokens": 4},
+        ),
+        400,
+    )
     assert (e["message"], e["param"]) == ("max_tokens value should be greater than 0", "max_tokens")
 
 
 def test_prompt_over_context_is_400_with_counts(server, model_name, model_dir):
-    prompt_tokens = len(requests.post(server.base + "/v3/tokenize",
-                                      json={"model": model_name, "prompt": PROMPT}).json()["tokens"])
+    prompt_tokens = len(
+        requests.post(server.base + "/v3/tokenize", json={"model": model_name, "prompt": PROMPT}).json()["tokens"]
+    )
     too_many = Manifest.load(model_dir).max_context
-    e = error(requests.post(server.base + "/v3/completions",
-                            json={"model": model_name, "prompt": PROMPT, "max_tokens": too_many}), 400)
-    assert e["message"].startswith(f"Number of prompt tokens: {prompt_tokens} + max tokens value: {too_many} "
-                                   "exceeds model max length: ")
+    e = error(
+        requests.post(
+            server.base + "/v3/completions", json={"model": model_name, "prompt": PROMPT, "max_tokens": too_many}
+        ),
+        400,
+    )
+    assert e["message"].startswith(
+        f"Number of prompt tokens: {prompt_tokens} + max tokens value: {too_many} exceeds model max length: "
+    )
     limit = int(e["message"].rsplit(" ", 1)[1])
     assert limit < prompt_tokens + too_many
 
@@ -299,12 +342,19 @@ def test_http_error_statuses(server, model_name):
     assert e["code"] == "model_not_found" and e["param"] == "model"
     error(requests.get(base + "/v3/models/no-such-model"), 404)
     error(requests.get(base + "/v3/nowhere"), 404)
-    assert error(requests.get(base + "/v3/completions"), 405) and \
-        requests.get(base + "/v3/completions").headers["Allow"] == "OPTIONS, POST"   # RFC 9110
-    error(requests.post(base + "/v3/completions", data=json.dumps({"model": model_name, "prompt": "x"}),
-                        headers={"Content-Type": "text/plain"}), 415)
-    error(requests.post(base + "/v3/completions", data=b"{not json", headers={"Content-Type": "application/json"}),
-          400)
+    assert (
+        error(requests.get(base + "/v3/completions"), 405)
+        and requests.get(base + "/v3/completions").headers["Allow"] == "OPTIONS, POST"
+    )  # RFC 9110
+    error(
+        requests.post(
+            base + "/v3/completions",
+            data=json.dumps({"model": model_name, "prompt": "x"}),
+            headers={"Content-Type": "text/plain"},
+        ),
+        415,
+    )
+    error(requests.post(base + "/v3/completions", data=b"{not json", headers={"Content-Type": "application/json"}), 400)
     huge = json.dumps({"model": model_name, "prompt": "x" * (5 * 1024 * 1024)})
     error(requests.post(base + "/v3/completions", data=huge, headers={"Content-Type": "application/json"}), 413)
     e = error(requests.post(base + "/v3/chat/completions", json={"model": model_name, "messages": []}), 400)
@@ -317,15 +367,18 @@ def test_huge_token_ids_are_400_and_the_engine_survives(server, client, model_na
     before = complete(client, model_name, max_tokens=4).choices[0].text
     url = server.base + "/v3/completions"
     for field, value, message in (
-            ("logit_bias", {str(2**64): 1}, "logit_bias keys must be token ids"),
-            ("logit_bias", {"4294967296": 1}, "logit_bias keys must be token ids"),
-            ("logit_bias", {"\u0661": 1}, "logit_bias keys must be token ids"),   # an Arabic-Indic digit one
-            ("stop_token_ids", [2**63], "stop_token_ids is not an array of token ids")):
-        e = error(requests.post(url, json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, field: value},
-                                timeout=60), 400)   # (the engine's death made it hang)
+        ("logit_bias", {str(2**64): 1}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"4294967296": 1}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"\u0661": 1}, "logit_bias keys must be token ids"),  # an Arabic-Indic digit one
+        ("stop_token_ids", [2**63], "stop_token_ids is not an array of token ids"),
+    ):
+        e = error(
+            requests.post(url, json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, field: value}, timeout=60),
+            400,
+        )  # (the engine's death made it hang)
         assert (e["message"], e["param"]) == (message, field)
     ok = complete(client, model_name, max_tokens=4, logit_bias={"4294967295": 5})
-    assert ok.choices[0].text == before   # ids past the vocabulary change nothing
+    assert ok.choices[0].text == before  # ids past the vocabulary change nothing
     assert complete(client, model_name, max_tokens=4).choices[0].text == before
 
 
@@ -339,26 +392,44 @@ def test_openai_client_sees_typed_errors(client, model_name):
 
 # ---------------------------------------------------------------- cancellation and concurrency
 
+
 def test_disconnect_mid_stream_frees_the_sequence(server, model_name):
     before = server.metrics()
-    r = requests.post(server.base + "/v3/completions", stream=True, timeout=120, json={
-        "model": model_name, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    r = requests.post(
+        server.base + "/v3/completions",
+        stream=True,
+        timeout=120,
+        json={"model": model_name, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True},
+    )
     lines = r.iter_lines()
     received = [line for line in (next(lines) for _ in range(6)) if line]
     assert len(received) == 3
     assert server.metrics()["appliance_running_sequences"] == 1
-    r.close()   # the client goes away
-    after = wait_until(lambda: (m := server.metrics())["appliance_running_sequences"] == 0 and m,
-                       "the sequence to be freed")
-    assert after["appliance_sequences_cancelled_total"] == before.get("appliance_sequences_cancelled_total", 0) + 1
+    r.close()  # the client goes away
+    cancelled = before.get("appliance_sequences_cancelled_total", 0)
+    # the slot is freed on the engine thread, the cancel counted as its last chunk passes the pump thread: wait for both
+    after = wait_until(
+        lambda: (m := server.metrics())["appliance_running_sequences"] == 0
+        and m.get("appliance_sequences_cancelled_total", 0) > cancelled
+        and m,
+        "the sequence to be freed",
+    )
+    assert after["appliance_sequences_cancelled_total"] == cancelled + 1
     assert after["appliance_kv_cache_blocks_used"] == 0
     generated = after["appliance_generation_tokens_total"] - before["appliance_generation_tokens_total"]
     assert generated < 4000
 
 
-CONCURRENT_PROMPTS = ["The capital of France is", "Once upon a time", "The best way to learn to code is",
-                      "Water boils at", "My favourite animal is the", "The three primary colours are",
-                      "In 1969, astronauts", "A good breakfast includes"]
+CONCURRENT_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "The best way to learn to code is",
+    "Water boils at",
+    "My favourite animal is the",
+    "The three primary colours are",
+    "In 1969, astronauts",
+    "A good breakfast includes",
+]
 
 
 def test_concurrent_streaming_clients(server, model_name, client):
@@ -370,9 +441,9 @@ def test_concurrent_streaming_clients(server, model_name, client):
     candidates are within NEAR_TIE_DEFAULT nats (conftest.greedy_divergence); its text is compared up to there.
     A stream given another prompt's tokens, a lost or repeated chunk, a mixed-up usage still fails."""
     max_tokens, top = 16, 5
-    body = dict(max_tokens=max_tokens, logprobs=top, extra_body={"ignore_eos": True})   # always max_tokens tokens
+    body = dict(max_tokens=max_tokens, logprobs=top, extra_body={"ignore_eos": True})  # always max_tokens tokens
     expected = {p: complete(client, model_name, prompt=p, **body) for p in CONCURRENT_PROMPTS}
-    assert len({r.choices[0].text for r in expected.values()}) == len(CONCURRENT_PROMPTS)   # tells mix-ups apart
+    assert len({r.choices[0].text for r in expected.values()}) == len(CONCURRENT_PROMPTS)  # tells mix-ups apart
     prompts = [CONCURRENT_PROMPTS[i % len(CONCURRENT_PROMPTS)] for i in range(32)]
     results: dict[int, list] = {}
     errors: list[BaseException] = []
@@ -382,9 +453,12 @@ def test_concurrent_streaming_clients(server, model_name, client):
         try:
             c = openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=300)
             start.wait(timeout=60)
-            results[i] = list(c.completions.create(model=model_name, prompt=prompts[i], stream=True,
-                                                   stream_options={"include_usage": True}, **body))
-        except BaseException as exc:   # reported below, with the thread's index
+            results[i] = list(
+                c.completions.create(
+                    model=model_name, prompt=prompts[i], stream=True, stream_options={"include_usage": True}, **body
+                )
+            )
+        except BaseException as exc:  # reported below, with the thread's index
             errors.append((i, exc))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
@@ -409,8 +483,8 @@ def test_concurrent_streaming_clients(server, model_name, client):
         at = greedy_divergence(want.tokens, want.top_logprobs, tokens, NEAR_TIE_DEFAULT, f"stream {i} {prompts[i]!r}")
         if at == max_tokens:
             assert text == unary.choices[0].text, (i, prompts[i])
-        else:   # the same text up to the token where it parted
-            assert text.startswith(unary.choices[0].text[:want.text_offset[at]]), (i, prompts[i])
+        else:  # the same text up to the token where it parted
+            assert text.startswith(unary.choices[0].text[: want.text_offset[at]]), (i, prompts[i])
             parted.append((prompts[i], at))
     print(f"\nstreams that parted from the solo answer at a near-tie (prompt, token): {parted}")
     m = wait_until(lambda: (m := server.metrics())["appliance_running_sequences"] == 0 and m, "all streams to end")
@@ -418,6 +492,7 @@ def test_concurrent_streaming_clients(server, model_name, client):
 
 
 # ---------------------------------------------------------------- the guarded server (4 workers, key, 1 slot)
+
 
 def auth(api_key: str) -> dict:
     return {"Authorization": f"Bearer {api_key}"}
@@ -430,7 +505,7 @@ def test_api_key(guarded, api_key, model_name):
     error(requests.post(url, json=body, headers=auth("wrong")), 401)
     error(requests.get(guarded.base + "/metrics"), 401)
     assert requests.post(url, json=body, headers=auth(api_key)).status_code == 200
-    assert requests.get(guarded.base + "/v2/health/ready").status_code == 200   # probes need no key
+    assert requests.get(guarded.base + "/v2/health/ready").status_code == 200  # probes need no key
     keyed = openai.OpenAI(base_url=guarded.base + "/v3", api_key=api_key, max_retries=0, timeout=120)
     assert keyed.completions.create(model=model_name, prompt=PROMPT, max_tokens=2).choices[0].text is not None
     with pytest.raises(openai.AuthenticationError):
@@ -439,10 +514,15 @@ def test_api_key(guarded, api_key, model_name):
 
 def _blocker(guarded, api_key, model_name) -> requests.Response:
     """Takes the only sequence slot: streaming, long, and running once its first chunk arrived."""
-    r = requests.post(guarded.base + "/v3/completions", stream=True, headers=auth(api_key), timeout=120, json={
-        "model": model_name, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True})
+    r = requests.post(
+        guarded.base + "/v3/completions",
+        stream=True,
+        headers=auth(api_key),
+        timeout=120,
+        json={"model": model_name, "prompt": PROMPT, "max_tokens": 4000, "ignore_eos": True, "stream": True},
+    )
     assert r.status_code == 200
-    r.lines = r.iter_lines()   # keep the iterator: dropping it lets urllib3 close the connection (= client gone)
+    r.lines = r.iter_lines()  # keep the iterator: dropping it lets urllib3 close the connection (= client gone)
     next(r.lines)
     return r
 
@@ -451,8 +531,9 @@ def test_429_queue_full_and_timeout(guarded, api_key, model_name):
     url = guarded.base + "/v3/completions"
     body = {"model": model_name, "prompt": PROMPT, "max_tokens": 2}
     blocker = _blocker(guarded, api_key, model_name)
-    queued = threading.Thread(target=requests.post, args=(url,),
-                              kwargs={"headers": auth(api_key), "json": body, "timeout": 120})
+    queued = threading.Thread(
+        target=requests.post, args=(url,), kwargs={"headers": auth(api_key), "json": body, "timeout": 120}
+    )
     try:
         # the slot is taken: a request waits in the queue until its timeout ends it
         e = error(requests.post(url, headers=auth(api_key), json={**body, "timeout": 0.5, "stream": True}), 429)
@@ -479,9 +560,18 @@ def test_429_queue_full_and_timeout(guarded, api_key, model_name):
 
 def test_four_workers_share_one_model(guarded, api_key, model_name):
     """One copy of the weights: the workers are thin translators, the engine process holds the model."""
-    threads = [threading.Thread(target=requests.post, args=(guarded.base + "/v3/completions",),
-                                kwargs={"json": {"model": model_name, "prompt": PROMPT, "max_tokens": 2},
-                                        "headers": auth(api_key), "timeout": 120}) for _ in range(8)]
+    threads = [
+        threading.Thread(
+            target=requests.post,
+            args=(guarded.base + "/v3/completions",),
+            kwargs={
+                "json": {"model": model_name, "prompt": PROMPT, "max_tokens": 2},
+                "headers": auth(api_key),
+                "timeout": 120,
+            },
+        )
+        for _ in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -499,8 +589,13 @@ def test_four_workers_share_one_model(guarded, api_key, model_name):
 
 def test_graceful_sigterm_finishes_inflight_stream(guarded, api_key, model_name):
     """Last on the guarded server: SIGTERM while a stream is in flight; it ends normally, then a clean exit."""
-    r = requests.post(guarded.base + "/v3/completions", stream=True, headers=auth(api_key), timeout=300, json={
-        "model": model_name, "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "stream": True})
+    r = requests.post(
+        guarded.base + "/v3/completions",
+        stream=True,
+        headers=auth(api_key),
+        timeout=300,
+        json={"model": model_name, "prompt": PROMPT, "max_tokens": 16, "ignore_eos": True, "stream": True},
+    )
     lines = r.iter_lines(decode_unicode=True)
     first = next(line for line in lines if line)
     assert first.startswith("data: ")
@@ -508,6 +603,6 @@ def test_graceful_sigterm_finishes_inflight_stream(guarded, api_key, model_name)
     guarded.proc.send_signal(signal.SIGTERM)
     rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(rest[-2][len("data: ") :])["choices"][0]["finish_reason"] == "length"
     assert guarded.stop(signalled=True) == 0
     assert not [p for p in tree if Path(f"/proc/{p}").exists() and not is_zombie(p)]

@@ -1,4 +1,5 @@
 """appliance.stopping: stop strings over streamed pieces, and the per-token stop/length rule."""
+
 from __future__ import annotations
 
 import random
@@ -112,7 +113,7 @@ def test_chunking_never_changes_the_result(include):
         else:  # reference: earliest end, then earliest start
             hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
             end, start, s = min(hits)
-            assert "".join(whole) == text[:end if include else start]
+            assert "".join(whole) == text[: end if include else start]
 
 
 # -- check_token_stop ------------------------------------------------------------------------------------------
@@ -160,4 +161,4 @@ def test_stop_token_set_is_built_once_and_membership_is_constant_time():
     t = time.perf_counter()
     for _ in range(10_000):
         check_token_stop(5, 1, p, stops_set, False)
-    assert time.perf_counter() - t < 0.5   # a list scan: 10,000 x 100,000 comparisons, minutes
+    assert time.perf_counter() - t < 0.5  # a list scan: 10,000 x 100,000 comparisons, minutes

@@ -6,6 +6,7 @@ template, generation config and dtype, so the exporter's handling of each varian
 
 `python tests/tiny_models.py OUT_DIR` writes every family to OUT_DIR/<family> for manual experiments.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from typing import Any
 SEED = 1234
 VOCAB_SIZE = 1000
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-BOS_ID, EOS_ID = 0, 2          # <|endoftext|>, <|im_end|>
+BOS_ID, EOS_ID = 0, 2  # <|endoftext|>, <|im_end|>
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -31,22 +32,44 @@ CORPUS = [
     "def main():\n    print('hello, world')\n    return 0\n",
 ]
 
-_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=512,
-               bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=None)
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB_SIZE,
+    max_position_embeddings=512,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=None,
+)
 
 # family -> (config class name, config kwargs, how the folder is laid out)
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "llama": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=True),
-              dict(template="tokenizer_config", eos_list=True)),
+    "llama": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=True), dict(template="tokenizer_config", eos_list=True)),
     "qwen2": ("Qwen2Config", dict(_COMMON), dict(template="jinja_file")),
     "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32), dict(template="jinja_file", eos_list=True)),
-    "mistral": ("MistralConfig", dict(_COMMON, sliding_window=None), dict(template="tokenizer_config",
-                                                                          dtype="bfloat16")),
+    "mistral": (
+        "MistralConfig",
+        dict(_COMMON, sliding_window=None),
+        dict(template="tokenizer_config", dtype="bfloat16"),
+    ),
     "phi3": ("Phi3Config", dict(_COMMON, pad_token_id=EOS_ID), dict(template="tokenizer_config")),
-    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_inner=128, vocab_size=VOCAB_SIZE, n_positions=256,
-                                bos_token_id=BOS_ID, eos_token_id=BOS_ID),
-             dict(template=None, generation_config=False)),
+    "gpt2": (
+        "GPT2Config",
+        dict(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_inner=128,
+            vocab_size=VOCAB_SIZE,
+            n_positions=256,
+            bos_token_id=BOS_ID,
+            eos_token_id=BOS_ID,
+        ),
+        dict(template=None, generation_config=False),
+    ),
 }
 # Families beyond the required six that the exporter also supports; phi and gpt_neox have no GQA
 # (optimum cannot export phi with it).
@@ -67,8 +90,12 @@ def _train_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS, trainer=trainer)
     return tok
 
@@ -84,17 +111,28 @@ def _write_tokenizer(folder: Path, template: str | None) -> None:
         "pad_token": SPECIAL_TOKENS[BOS_ID],
         "model_max_length": 512,
         "clean_up_tokenization_spaces": False,
-        "added_tokens_decoder": {str(i): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                                          "normalized": False, "single_word": False}
-                                 for i, t in enumerate(SPECIAL_TOKENS)},
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "special": True,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "single_word": False,
+            }
+            for i, t in enumerate(SPECIAL_TOKENS)
+        },
     }
     if template == "tokenizer_config":
         config["chat_template"] = CHAT_TEMPLATE
     elif template == "jinja_file":
         (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    special = {"bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
-               "pad_token": SPECIAL_TOKENS[BOS_ID]}
+    special = {
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "pad_token": SPECIAL_TOKENS[BOS_ID],
+    }
     (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
 
 

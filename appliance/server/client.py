@@ -6,6 +6,7 @@ Nothing here waits on the engine without a bound: connecting and the handshake t
 protocol.HANDSHAKE_SECONDS, a call's reply protocol.CALL_SECONDS (a job's events are waited for by the caller,
 with its own deadline).
 """
+
 from __future__ import annotations
 
 import socket
@@ -15,8 +16,7 @@ from multiprocessing.connection import Connection
 
 from appliance.server import protocol as p
 
-
-POOL_SIZE = 8   # idle engine connections a worker keeps; the engine has one thread per open connection
+POOL_SIZE = 8  # idle engine connections a worker keeps; the engine has one thread per open connection
 
 
 class EngineUnavailable(Exception):
@@ -42,7 +42,7 @@ class EngineClient:
         try:
             sock.settimeout(p.HANDSHAKE_SECONDS)
             sock.connect(self._address)
-            sock.settimeout(None)   # Connection reads the fd with blocking os.read
+            sock.settimeout(None)  # Connection reads the fd with blocking os.read
         except OSError as exc:
             sock.close()
             raise EngineUnavailable(f"engine unreachable: {exc}") from None
@@ -76,7 +76,7 @@ class EngineClient:
                     raise EngineUnavailable(f"engine connection lost: {exc}") from None
                 continue
             if reply is None:
-                conn.close()   # the late reply must not be read as the answer to another call
+                conn.close()  # the late reply must not be read as the answer to another call
                 raise EngineUnavailable(f"the engine did not answer {op!r} within {timeout:g} s")
             self._give_back(conn)
             return reply
@@ -99,13 +99,13 @@ class EngineClient:
         except EngineUnavailable:
             pass
 
-    def open_job(self, job: p.Job) -> "JobStream":
+    def open_job(self, job: p.Job) -> JobStream:
         conn = self._take()
         try:
             conn.send((p.JOB, job))
         except OSError:
             conn.close()
-            conn = self._take()   # a stale pooled connection: one retry on a fresh one
+            conn = self._take()  # a stale pooled connection: one retry on a fresh one
             try:
                 conn.send((p.JOB, job))
             except OSError as exc:
@@ -118,21 +118,24 @@ class JobStream:
     """The events of one job. `close()` before `End` cancels the job (the engine sees the socket close)."""
 
     def __init__(self, client: EngineClient, conn: Connection):
-        self._client, self._conn = client, conn
+        self._client = client
+        self._conn: Connection | None = conn  # None once ended or closed
         self.ended = False
 
     def next(self, timeout: float | None):
         """The next event, or None if `timeout` seconds passed without one."""
-        if timeout is not None and not self._conn.poll(max(timeout, 0.0)):
+        conn = self._conn
+        assert conn is not None, "next() after the job ended or was closed"
+        if timeout is not None and not conn.poll(max(timeout, 0.0)):
             return None
         try:
-            event = self._conn.recv()
+            event = conn.recv()
         except (OSError, EOFError):
             self.close()
             raise EngineUnavailable("engine connection lost during a request") from None
         if isinstance(event, p.End):
             self.ended = True
-            self._client._give_back(self._conn)
+            self._client._give_back(conn)
             self._conn = None
         return event
 

@@ -9,6 +9,7 @@ a worker killed mid-handshake, a stalled peer or a wrong key costs that connecti
 blocks accepting. `status()` is computed on every call from the engine loop's heartbeat: a dead engine thread or
 one stuck in a step for ENGINE_STALL_SECONDS reads as not ready (the supervisor exits on a dead one).
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,16 +19,20 @@ import time
 from dataclasses import replace
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
+from typing import TYPE_CHECKING
 
 from appliance.engine import EngineDead, QueueFull
-from appliance.metrics import ServerMetrics
 from appliance.outputs import Chunk, Timing
 from appliance.server import protocol as p
+from appliance.server.metrics import ServerMetrics
 from appliance.server.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from appliance.engine import Engine
 
 log = logging.getLogger(__name__)
 
-LISTEN_BACKLOG = 128            # workers x their pools reconnecting at once after a restart
+LISTEN_BACKLOG = 128  # workers x their pools reconnecting at once after a restart
 ACCEPT_BACKOFF_SECONDS = 0.05
 # A step that has not ended after this long means the engine is wedged (the longest legitimate step, a
 # max_num_batched_tokens prefill of a large model on a slow CPU, is seconds). Readiness then answers 503.
@@ -44,9 +49,10 @@ class EngineService:
     def __init__(self, settings: ServeSettings, metrics: ServerMetrics):
         self.settings = settings
         self.metrics = metrics
-        self.engine = None
+        self.engine: Engine | None = None
         self.device = ""
-        self.state, self.error = "loading", None
+        self.state = "loading"
+        self.error: str | None = None
         self._listener: Listener | None = None
         self._authkey = b""
         self._faults = os.environ.get(p.FAULT_INJECTION_ENV) == "1"
@@ -60,7 +66,7 @@ class EngineService:
         os.chmod(self.settings.socket_path, 0o600)
         threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
 
-    def attach(self, engine, device: str) -> None:
+    def attach(self, engine: Engine, device: str) -> None:
         self.engine, self.device = engine, device
         self.state = "ready"
 
@@ -77,15 +83,17 @@ class EngineService:
 
     # ---- connections
     def _accept_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None, "start() opens the listener before this thread runs"
         while self.state != "stopping":
             try:
-                conn = self._listener.accept()
+                conn = listener.accept()
                 threading.Thread(target=self._serve, args=(conn,), name="engine-conn", daemon=True).start()
-            except Exception:   # OSError (EMFILE, ...), RuntimeError (no thread): this loop must outlive it
+            except Exception:  # OSError (EMFILE, ...), RuntimeError (no thread): this loop must outlive it
                 if self.state == "stopping":
                     return
                 log.warning("engine socket: could not accept a connection", exc_info=True)
-                time.sleep(ACCEPT_BACKOFF_SECONDS)   # e.g. out of fds: do not spin
+                time.sleep(ACCEPT_BACKOFF_SECONDS)  # e.g. out of fds: do not spin
 
     def _serve(self, conn: Connection) -> None:
         with conn:
@@ -107,7 +115,7 @@ class EngineService:
                         conn.send(self._call(op, args))
                 except (EOFError, OSError):
                     return
-                except Exception:   # a bug here must not take the engine process down; the worker sees EOF
+                except Exception:  # a bug here must not take the engine process down; the worker sees EOF
                     log.exception("engine service: %s failed", op)
                     return
 
@@ -137,8 +145,16 @@ class EngineService:
         state, error = self.state, self.error
         if state == "ready" and (problem := self.engine_problem()):
             state, error = "failed", problem
-        return p.EngineStatus(state, error, e.max_context, e.manifest.vocab_size, e.generation_defaults,
-                              e.manifest.backend, e.manifest.weight_format, self.device)
+        return p.EngineStatus(
+            state,
+            error,
+            e.max_context,
+            e.manifest.vocab_size,
+            e.generation_defaults,
+            e.manifest.backend,
+            e.manifest.weight_format,
+            self.device,
+        )
 
     def engine_problem(self) -> str | None:
         """Why the attached engine cannot serve now (None: it can): its loop died, or one step has taken
@@ -167,11 +183,14 @@ class EngineService:
             conn.send(p.End())
             return True
         conn.send(accepted)
-        if not handles:   # echo with max_tokens 0 (and no prompt logprobs): the prompt is the whole answer
+        if not handles:  # echo with max_tokens 0 (and no prompt logprobs): the prompt is the whole answer
             for index in range(len(job.prompts) * job.n):
                 tokens = accepted.prompt_tokens[index // job.n]
-                conn.send(p.ChoiceChunk(index, Chunk(finish_reason="length", prompt_tokens=tokens),
-                                        Timing(created=time.time())))
+                conn.send(
+                    p.ChoiceChunk(
+                        index, Chunk(finish_reason="length", prompt_tokens=tokens), Timing(created=time.time())
+                    )
+                )
             conn.send(p.End())
             return True
         return self._stream(conn, handles)
@@ -183,74 +202,97 @@ class EngineService:
         vocab, limits = engine.manifest.vocab_size, self.settings.limits
         bad = next((t for t in job.params.stop_token_ids if t >= vocab), None)
         if bad is not None:
-            raise _Rejected(p.Failed(400, f"stop token id {bad} is out of the vocabulary range [0, {vocab})",
-                                     "stop_token_ids"))
+            raise _Rejected(
+                p.Failed(400, f"stop token id {bad} is out of the vocabulary range [0, {vocab})", "stop_token_ids")
+            )
         try:
             prompts = [self._prompt_ids(spec) for spec in job.prompts]
             echo = [self._echo_text(spec) for spec in job.prompts] if job.echo else None
-        except (TypeError, ValueError) as exc:   # the tokenizer refused the text: the request's fault, not ours
+        except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
             raise _Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
         k = job.params.prompt_logprobs
         volume = sum(map(len, prompts)) * (1 + k) * job.n if k is not None else 0
-        if volume > limits.prompt_logprobs:   # echo + logprobs: an entry per prompt token and alternative, per choice
-            raise _Rejected(p.Failed(400, f"echo with logprobs: {sum(map(len, prompts))} prompt tokens x (1 + {k}) "
-                                          f"logprobs x n {job.n} = {volume} entries, more than the limit of "
-                                          f"{limits.prompt_logprobs} per request", "logprobs"))
+        if volume > limits.prompt_logprobs:  # echo + logprobs: an entry per prompt token and alternative, per choice
+            raise _Rejected(
+                p.Failed(
+                    400,
+                    f"echo with logprobs: {sum(map(len, prompts))} prompt tokens x (1 + {k}) "
+                    f"logprobs x n {job.n} = {volume} entries, more than the limit of "
+                    f"{limits.prompt_logprobs} per request",
+                    "logprobs",
+                )
+            )
         accepted = p.Accepted([len(ids) for ids in prompts], echo)
         if job.params.max_tokens == 0 and job.params.prompt_logprobs is None:
             return [], accepted
         beam = job.params.best_of is not None and job.params.best_of > 1
         handles = []
         try:
-            if beam:   # one search per prompt answers its n choices (events carry the choice offset)
+            if beam:  # one search per prompt answers its n choices (events carry the choice offset)
                 for i, ids in enumerate(prompts):
-                    handles.append((i * job.n, engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}"),
-                                    time.monotonic()))
-            else:      # every prompt and choice in one submission: all queued or none, prefilled together
-                p0 = job.params   # n choices must differ even with a fixed seed
-                params = [p0 if j == 0 or p0.seed is None else replace(p0, seed=(p0.seed + j) % 2**32)
-                          for j in range(job.n)]
+                    handles.append(
+                        (
+                            i * job.n,
+                            engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}"),
+                            time.monotonic(),
+                        )
+                    )
+            else:  # every prompt and choice in one submission: all queued or none, prefilled together
+                p0 = job.params  # n choices must differ even with a fixed seed
+                params = [
+                    p0 if j == 0 or p0.seed is None else replace(p0, seed=(p0.seed + j) % 2**32) for j in range(job.n)
+                ]
                 choices = engine.submit_prompts(
-                    [(ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)])
-                     for i, ids in enumerate(prompts)])
+                    [
+                        (ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)])
+                        for i, ids in enumerate(prompts)
+                    ]
+                )
                 now = time.monotonic()
                 handles = [(k, h, now) for k, h in enumerate(h for hs in choices for h in hs)]
         except QueueFull as exc:
             self._cancel(handles)
             self.metrics.rejected.inc("queue_full")
             raise _Rejected(p.Failed(429, str(exc), code="queue_full")) from None
-        except EngineDead as exc:   # died between engine_problem() and the submission
+        except EngineDead as exc:  # died between engine_problem() and the submission
             self._cancel(handles)
             raise _Rejected(p.Failed(503, f"The engine cannot serve: {exc}", code="engine_failed")) from None
-        except ValueError as exc:   # PromptTooLong and other prompt problems the engine found
+        except ValueError as exc:  # PromptTooLong and other prompt problems the engine found
             self._cancel(handles)
             self.metrics.rejected.inc("invalid")
             raise _Rejected(p.Failed(400, str(exc))) from None
         return handles, accepted
 
     def _prompt_ids(self, spec: p.PromptSpec) -> list[int]:
-        tok = self.engine.tokenizer
+        engine = self.engine
+        assert engine is not None, "_submit checked it"
+        tok = engine.tokenizer
         if spec.token_ids is not None:
-            vocab = self.engine.manifest.vocab_size
+            vocab = engine.manifest.vocab_size
             bad = next((t for t in spec.token_ids if t >= vocab), None)
             if bad is not None:
-                raise _Rejected(p.Failed(400, f"prompt token id {bad} is out of the vocabulary range [0, {vocab})",
-                                         "prompt"))
+                raise _Rejected(
+                    p.Failed(400, f"prompt token id {bad} is out of the vocabulary range [0, {vocab})", "prompt")
+                )
             return list(spec.token_ids)
         if spec.messages is not None:
             try:
                 # the template spells out BOS and friends; special-token text in content stays text
                 ids = tok.encode_chat(spec.messages, add_generation_prompt=True)
-            except Exception as exc:   # no template, a broken one, or its raise_exception (roles must alternate)
+            except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)
                 raise _Rejected(p.Failed(400, str(exc), "messages")) from None
         else:
-            ids = tok.encode(spec.text, add_special_tokens=True)   # as OVMS: a raw prompt gets BOS if the model has one
+            assert spec.text is not None, "a PromptSpec holds text, token ids or messages"
+            ids = tok.encode(spec.text, add_special_tokens=True)  # as OVMS: a raw prompt gets BOS if the model has one
         if not ids:
             raise _Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
         return ids
 
     def _echo_text(self, spec: p.PromptSpec) -> str:
-        return spec.text if spec.text is not None else self.engine.tokenizer.decode(spec.token_ids)
+        if spec.text is not None:
+            return spec.text
+        assert self.engine is not None and spec.token_ids is not None, "_submit checked both"
+        return self.engine.tokenizer.decode(spec.token_ids)
 
     @staticmethod
     def _cancel(handles: list) -> None:
@@ -282,14 +324,15 @@ class EngineService:
         pumps = [threading.Thread(target=pump, args=h, name="engine-pump", daemon=True) for h in handles]
         for t in pumps:
             t.start()
-        finished, watch = 0, [conn, wake_r]
+        finished = 0
+        watch: list[Connection | int] = [conn, wake_r]
         try:
             while finished < len(pumps):
                 for ready in wait(watch):
                     if ready is wake_r:
                         finished += len(os.read(wake_r, 64))
                         continue
-                    try:   # the worker only ever closes the connection mid-job; anything else is treated alike
+                    try:  # the worker only ever closes the connection mid-job; anything else is treated alike
                         conn.recv()
                     except (EOFError, OSError):
                         pass

@@ -6,26 +6,26 @@ this server's processes can read). A worker keeps a small pool of connections; o
 Closing a connection in the middle of a job cancels the job's sequences: that is how a client disconnect
 frees its KV at once.
 """
+
 from __future__ import annotations
 
 import contextlib
 import socket
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Iterator
 
 from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
 
-
 # ---- calls: (name, *args) -> Reply
-STATUS = "status"        # () -> EngineStatus
-METRICS = "metrics"      # () -> str (Prometheus text)
-TOKENIZE = "tokenize"    # (list[str]) -> list[list[int]]
-RECORD_HTTP = "http"     # (HttpRecord) -> Reply()
-JOB = "job"              # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
-FAULT = "fault"          # (kind) -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
+STATUS = "status"  # () -> EngineStatus
+METRICS = "metrics"  # () -> str (Prometheus text)
+TOKENIZE = "tokenize"  # (list[str]) -> list[list[int]]
+RECORD_HTTP = "http"  # (HttpRecord) -> Reply()
+JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
+FAULT = "fault"  # (kind) -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
 
 FAULT_INJECTION_ENV = "APPLIANCE_FAULT_INJECTION"
 
@@ -42,7 +42,7 @@ def io_timeout(conn: Connection, seconds: float) -> Iterator[None]:
     or write that waits longer fails with OSError. The socket stays blocking, which Connection needs."""
     sec = int(seconds)
     on, off = struct.pack("ll", sec, int((seconds - sec) * 1e6)), struct.pack("ll", 0, 0)
-    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:   # a dup: same socket
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # a dup: same socket
         for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
             sock.setsockopt(socket.SOL_SOCKET, opt, on)
         try:
@@ -67,12 +67,12 @@ def handshake(conn: Connection, authkey: bytes, *, server: bool) -> None:
 @dataclass
 class Reply:
     value: object = None
-    error: "Failed | None" = None
+    error: Failed | None = None
 
 
 @dataclass
 class EngineStatus:
-    state: str                                  # loading | ready | failed | stopping (failed: also a dead engine)
+    state: str  # loading | ready | failed | stopping (failed: also a dead engine)
     error: str | None = None
     max_context: int = 0
     vocab_size: int = 0
@@ -92,7 +92,7 @@ class PromptSpec:
 
     text: str | None = None
     token_ids: list[int] | None = None
-    messages: list[dict] | None = None          # chat: rendered with the model's chat template
+    messages: list[dict] | None = None  # chat: rendered with the model's chat template
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Job:
     request_id: str
     prompts: list[PromptSpec]
     params: SamplingParams
-    n: int = 1                                  # sequences per prompt; choice index = prompt * n + j
+    n: int = 1  # sequences per prompt; choice index = prompt * n + j
     echo: bool = False
 
 
@@ -116,8 +116,8 @@ class HttpRecord:
 # ---- job events (engine -> worker)
 @dataclass
 class Accepted:
-    prompt_tokens: list[int]                    # per prompt
-    echo_texts: list[str] | None = None         # per prompt, when echo was asked
+    prompt_tokens: list[int]  # per prompt
+    echo_texts: list[str] | None = None  # per prompt, when echo was asked
 
 
 @dataclass
@@ -134,7 +134,7 @@ class Failed:
 class ChoiceChunk:
     index: int
     chunk: Chunk
-    timing: Timing | None = None                # with the last chunk of the choice
+    timing: Timing | None = None  # with the last chunk of the choice
 
 
 @dataclass

@@ -10,6 +10,7 @@ If the engine loop dies (a bug: per-request errors are isolated inside the engin
 gunicorn is stopped and the process exits 1, so systemd's Restart=on-failure or Docker's restart policy brings
 up a fresh one: a server that cannot generate must not look alive.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,10 +26,10 @@ from pathlib import Path
 
 import appliance
 from appliance.config import EngineConfig
-from appliance.metrics import ServerMetrics
 from appliance.params import SamplingParams
 from appliance.server import logs
 from appliance.server.engine_service import EngineService
+from appliance.server.metrics import ServerMetrics
 from appliance.server.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ServeSettings
 
 log = logging.getLogger("appliance.serve")
@@ -37,7 +38,8 @@ WARMUP_PROMPT = "Hello"
 
 
 def _default_engine(model_dir: str, config: EngineConfig):
-    from appliance.engine import Engine   # heavy (OpenVINO): only in this process
+    from appliance.engine import Engine  # heavy (OpenVINO): only in this process
+
     return Engine(model_dir, config)
 
 
@@ -53,8 +55,8 @@ class Supervisor:
         self._lock = threading.Lock()
 
     def run(self) -> int:
-        self._install_signals()   # first: a SIGTERM during start-up still stops gunicorn and cleans up below
-        runtime = Path(tempfile.mkdtemp(prefix="appliance-"))          # mode 0700: only this user
+        self._install_signals()  # first: a SIGTERM during start-up still stops gunicorn and cleans up below
+        runtime = Path(tempfile.mkdtemp(prefix="appliance-"))  # mode 0700: only this user
         try:
             key = runtime / AUTHKEY_FILE
             key.write_bytes(os.urandom(32))
@@ -64,7 +66,7 @@ class Supervisor:
             raise_fd_limit()
             self.service.start()
             self.gunicorn = self._start_gunicorn()
-            if self.stopping.is_set():   # a signal before this point found no gunicorn to stop
+            if self.stopping.is_set():  # a signal before this point found no gunicorn to stop
                 self._signal_gunicorn(signal.SIGTERM)
             threading.Thread(target=self._load, name="engine-load", daemon=True).start()
             code = self.gunicorn.wait()
@@ -77,7 +79,7 @@ class Supervisor:
         env[RUNTIME_DIR_ENV] = self.settings.runtime_dir
         package_root = str(Path(appliance.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "gunicorn", "--config", "python:appliance.gunicorn_conf"]
+        cmd = [sys.executable, "-m", "gunicorn", "--config", "python:appliance.server.gunicorn_conf"]
         # Own session: a terminal's Ctrl-C reaches us only, and we stop gunicorn gracefully.
         return subprocess.Popen(cmd, env=env, start_new_session=True)
 
@@ -86,7 +88,7 @@ class Supervisor:
         log.info("loading model", extra={"model_dir": s.model_dir, "device": self.engine_config.device})
         try:
             engine = self.engine_factory(s.model_dir, self.engine_config)
-            engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))   # compile / first-inference costs
+            engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))  # compile / first-inference costs
         except Exception as exc:
             log.exception("model failed to load")
             self.service.fail(f"{type(exc).__name__}: {exc}")
@@ -100,30 +102,34 @@ class Supervisor:
             self.engine = engine
             engine.on_death = self._engine_died
             self.service.attach(engine, self.engine_config.device)
-            if not engine.alive:   # died before on_death was set
+            if not engine.alive:  # died before on_death was set
                 self._engine_died(engine.dead or RuntimeError("engine loop exited"))
-        log.info("ready", extra={"model": s.served_model_name, "url": f"http://{s.host}:{s.port}/v3",
-                                 "workers": s.workers})
+        log.info(
+            "ready", extra={"model": s.served_model_name, "url": f"http://{s.host}:{s.port}/v3", "workers": s.workers}
+        )
 
     def _engine_died(self, exc: BaseException) -> None:
         """Engine.on_death (called on the dying engine thread): fail readiness, stop serving, exit 1."""
         if self.engine_died:
             return
         self.engine_died = True
-        log.critical("the engine loop died; stopping so the service manager restarts the server",
-                     extra={"error": f"{type(exc).__name__}: {exc}"})
+        log.critical(
+            "the engine loop died; stopping so the service manager restarts the server",
+            extra={"error": f"{type(exc).__name__}: {exc}"},
+        )
         self.service.fail(f"engine loop died: {type(exc).__name__}")
         self.stopping.set()
         self._signal_gunicorn(signal.SIGTERM)
 
     def _install_signals(self) -> None:
         def handle(signum, frame):
-            if self.stopping.is_set():    # second signal: stop now
+            if self.stopping.is_set():  # second signal: stop now
                 self._signal_gunicorn(signal.SIGQUIT)
                 return
             log.info("stopping", extra={"signal": signal.Signals(signum).name})
             self.stopping.set()
             self._signal_gunicorn(signal.SIGTERM)
+
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)
 
@@ -142,7 +148,7 @@ class Supervisor:
         if self.load_failed or self.engine_died:
             return 1
         if gunicorn_code == -signal.SIGTERM and self.stopping.is_set():
-            gunicorn_code = 0   # our SIGTERM reached it before it installed its handlers: a stop all the same
+            gunicorn_code = 0  # our SIGTERM reached it before it installed its handlers: a stop all the same
         if gunicorn_code != 0:
             log.error("HTTP server exited", extra={"code": gunicorn_code})
             return gunicorn_code if gunicorn_code > 0 else 1

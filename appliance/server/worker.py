@@ -35,6 +35,7 @@ Idle kept-alive connections stay in gunicorn's poller, without a thread, for `ke
 worker stay bounded by `worker_connections` (the loop stops accepting there). TLS and HTTP/2 prior knowledge are
 not used by the appliance; if configured, connections take gunicorn's own path.
 """
+
 from __future__ import annotations
 
 import errno
@@ -50,11 +51,11 @@ from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from appliance.server.settings import ServeSettings
 
-PROBE_THREADS = 4                  # per worker: health probes and /metrics, apart from the generation threads
+PROBE_THREADS = 4  # per worker: health probes and /metrics, apart from the generation threads
 PROBE_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
-HEAD_LIMIT = 64 * 1024             # request line + headers; larger heads get 431 (gunicorn's own limits are lower)
+HEAD_LIMIT = 64 * 1024  # request line + headers; larger heads get 431 (gunicorn's own limits are lower)
 READ_CHUNK = 64 * 1024
-LINGER_SECONDS = 2.0               # graceful close: how long (and how much) we read after our FIN, as gunicorn
+LINGER_SECONDS = 2.0  # graceful close: how long (and how much) we read after our FIN, as gunicorn
 LINGER_BYTES = 64 * 1024
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 _HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
@@ -80,7 +81,7 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
     """The head if `buf` holds all of it, else None. Malformed framing is not judged here: such a request is handed
     over (`hand_over`) at once and gunicorn's parser answers it."""
     start = 0
-    while buf.startswith(b"\r\n", start):   # RFC 9112: empty lines before a request line are ignored
+    while buf.startswith(b"\r\n", start):  # RFC 9112: empty lines before a request line are ignored
         start += 2
     end = buf.find(b"\r\n\r\n", start)
     if end < 0:
@@ -134,16 +135,16 @@ def chunked_end(buf: bytes | bytearray, pos: int) -> tuple[int, bool]:
 class EdgeConn(TConn):
     """A gthread connection with the bytes read for it so far and the deadline of its request."""
 
-    def __init__(self, cfg, sock, client, server):
+    def __init__(self, cfg, sock, client, server) -> None:
         super().__init__(cfg, sock, client, server)
         self.buf = bytearray()
         self.head: Head | None = None
         self.chunk_pos = 0
         self.deadline = 0.0
-        self.reset = False     # close with RST, not gracefully: the client stopped reading
+        self.reset = False  # close with RST, not gracefully: the client stopped reading
 
     def start_request(self, timeout: float) -> None:
-        if self.parser is not None:   # bytes of a pipelined request, read ahead by the last one's parser
+        if self.parser is not None:  # bytes of a pipelined request, read ahead by the last one's parser
             self.buf = bytearray(self.parser.unreader.take_buffered())
         self.head, self.chunk_pos = None, 0
         self.deadline = time.monotonic() + timeout
@@ -158,11 +159,11 @@ class EdgeConn(TConn):
 
 
 class EdgeWorker(ThreadWorker):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.request_timeout = self.send_timeout = 0.0
         self.max_body = self.budget = self.buffered = 0
-        self.reading: dict[EdgeConn, None] = {}     # insertion order = deadline order
+        self.reading: dict[EdgeConn, None] = {}  # insertion order = deadline order
         self.lingering: dict[EdgeConn, float] = {}
         self.probe_pool: futures.ThreadPoolExecutor | None = None
 
@@ -194,7 +195,7 @@ class EdgeWorker(ThreadWorker):
         self.buffered += len(conn.buf)
         self.reading[conn] = None
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_readable, conn))
-        if conn.buf:   # a pipelined request may be complete already
+        if conn.buf:  # a pipelined request may be complete already
             self._advance(conn)
 
     def _dispatch(self, conn, pool) -> None:
@@ -236,7 +237,7 @@ class EdgeWorker(ThreadWorker):
                 conn.chunk_pos, done = chunked_end(conn.buf, conn.chunk_pos)
                 if not done and conn.chunk_pos >= 0 and len(conn.buf) - head.end <= self.max_body:
                     return
-            elif len(conn.buf) < head.end + head.length:
+            elif len(conn.buf) < head.end + (head.length or 0):  # not chunked: length is set
                 return
         self._stop_reading(conn)
         self._dispatch(conn, self.probe_pool if is_probe(head.path) else self.tpool)
@@ -265,7 +266,7 @@ class EdgeWorker(ThreadWorker):
         now = time.monotonic()
         for conn in list(self.reading):
             if not self.alive and not conn.buf:
-                conn.deadline = now              # stopping: nothing started on this connection
+                conn.deadline = now  # stopping: nothing started on this connection
             elif not self.alive:
                 conn.deadline = min(conn.deadline, now + STOP_KEEPALIVE_LINGER)
             if conn.deadline <= now:
@@ -282,8 +283,9 @@ class EdgeWorker(ThreadWorker):
         try:
             return super().handle_request(req, conn)
         except TimeoutError:
-            self.log.debug("send timeout (%.0fs): %s stopped reading; response abandoned", self.send_timeout,
-                          conn.client)
+            self.log.debug(
+                "send timeout (%.0fs): %s stopped reading; response abandoned", self.send_timeout, conn.client
+            )
             conn.reset = True
             return False
 
@@ -293,7 +295,7 @@ class EdgeWorker(ThreadWorker):
         except Exception:
             keep = False
         if keep:
-            return super().finish_request(conn, fs)   # kept alive (or pipelined bytes): gthread's path
+            return super().finish_request(conn, fs)  # kept alive (or pipelined bytes): gthread's path
         self.nr_conns -= 1
         self._retire(conn)
 
@@ -313,7 +315,7 @@ class EdgeWorker(ThreadWorker):
             return
         self.lingering[conn] = time.monotonic() + LINGER_SECONDS
         conn.buf = bytearray()
-        conn.chunk_pos = 0     # counts drained bytes from here on
+        conn.chunk_pos = 0  # counts drained bytes from here on
 
     def _on_lingering(self, conn: EdgeConn, _fileobj) -> None:
         while conn.chunk_pos < LINGER_BYTES:
