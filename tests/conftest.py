@@ -62,6 +62,19 @@ class Server(ApplianceServer):
         except ServerNotReady as exc:
             pytest.fail(str(exc))
 
+    def __enter__(self) -> Server:
+        """`with Server(...) as srv:` waits until ready, and closes it (checked) at the end."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.kill()  # it never served: no clean-stop check to make
+            self._log.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Fixture teardown: a clean SIGTERM stop if still running."""
         try:
@@ -123,12 +136,8 @@ def model_name(model_dir) -> str:
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
     """One open server (2 workers) for the whole session, shared by every test file that needs one."""
-    srv = Server(model_dir, tmp_path_factory.mktemp("server") / "serve.log", "--workers", "2")
-    try:
-        srv.wait_ready()
+    with Server(model_dir, tmp_path_factory.mktemp("server") / "serve.log", "--workers", "2") as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 # ================================================================ tiny random models and their exports

@@ -28,7 +28,7 @@ SEND_TIMEOUT = 3.0
 
 @pytest.fixture(scope="module")
 def edge(model_dir, tmp_path_factory):
-    srv = Server(
+    with Server(
         model_dir,
         tmp_path_factory.mktemp("edge") / "serve.log",
         "--workers",
@@ -39,12 +39,8 @@ def edge(model_dir, tmp_path_factory):
         str(REQUEST_TIMEOUT),
         "--send-timeout",
         str(SEND_TIMEOUT),
-    )
-    try:
-        srv.wait_ready()
+    ) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 def connect(srv: Server, rcvbuf: int | None = None) -> socket.socket:

@@ -49,7 +49,7 @@ def complete(server: Server, model: str, timeout: float, **body) -> requests.Res
 @pytest.fixture(scope="module")
 def hostile(model_dir, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv(p.FAULT_INJECTION_ENV, "1")
-    srv = Server(
+    with Server(
         model_dir,
         tmp_path_factory.mktemp("hostile") / "serve.log",
         "--workers",
@@ -58,12 +58,8 @@ def hostile(model_dir, tmp_path_factory, monkeypatch_module):
         str(SEND_TIMEOUT),
         "--request-timeout",
         "30",
-    )
-    try:
-        srv.wait_ready()
+    ) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")

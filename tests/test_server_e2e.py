@@ -42,7 +42,7 @@ def api_key() -> str:
 def guarded(model_dir, api_key, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("auth") / "key"
     key_file.write_text(api_key + "\n")
-    srv = Server(
+    with Server(
         model_dir,
         key_file.parent / "serve.log",
         "--workers",
@@ -55,12 +55,8 @@ def guarded(model_dir, api_key, tmp_path_factory):
         "1",
         "--graceful-timeout",
         "120",
-    )
-    try:
-        srv.wait_ready()
+    ) as srv:  # test_graceful_sigterm normally stopped it already
         yield srv
-    finally:
-        srv.close()  # test_graceful_sigterm normally stopped it already
 
 
 @pytest.fixture(scope="session")
