@@ -425,6 +425,8 @@ class StubEngine:
     def status(self):
         return self._status
 
+    serving_status = status
+
     def open_job(self, job):
         raise self.fail_with
 

@@ -72,8 +72,9 @@ class Api:
         except (ValueError, RecursionError):
             raise ApiError(400, "Request body is not valid JSON") from None
 
-    def ready_status(self) -> EngineStatus:
-        status = self.client.status()
+    def ready_status(self, fresh: bool = True) -> EngineStatus:
+        """Probes and /v1/config ask the engine now (fresh); requests use the kept ready status (serving_status)."""
+        status = self.client.status() if fresh else self.client.serving_status()
         if status.ready:
             return status
         if status.state == "failed":
@@ -97,7 +98,7 @@ class Api:
 
     def generate(self, gen: GenerationRequest, make_job, shape):
         self.check_model(gen.model)
-        status = self.ready_status()
+        status = self.ready_status(fresh=False)
         if gen.unknown:
             log.debug("ignored unknown request fields", extra={"fields": list(gen.unknown)})
         request_id = shape.id_prefix + uuid.uuid4().hex
@@ -131,7 +132,7 @@ class Api:
     def tokenize(self):
         req = parse_tokenize(self.json_body(), self.limits)
         self.check_model(req.model)
-        self.ready_status()
+        self.ready_status(fresh=False)
         reply = self.client.tokenize(list(req.prompts))
         if reply.error is not None:
             raise ApiError(reply.error.status, reply.error.message, code=reply.error.code)

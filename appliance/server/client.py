@@ -29,6 +29,7 @@ class EngineClient:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._max_idle = max_idle
+        self._last_ready: p.EngineStatus | None = None  # the last ready status() answer (serving_status)
 
     # ---- connections
     def _take(self) -> Connection:
@@ -84,7 +85,16 @@ class EngineClient:
     # ---- typed calls
     def status(self) -> p.EngineStatus:
         """Asked every time, never cached: readiness reports the engine loop's heartbeat as it is now."""
-        return self.call(p.STATUS).value
+        status = self.call(p.STATUS).value
+        self._last_ready = status if status.ready else None
+        return status
+
+    def serving_status(self) -> p.EngineStatus:
+        """What a generation or tokenize request needs (generation defaults, backend, device): the last ready
+        status, asked only when there is none. No round trip per request for facts that do not change: a job is
+        refused engine-side (503) when the engine cannot serve, and a not-ready answer to status() (a probe)
+        drops the kept one."""
+        return self._last_ready or self.status()
 
     def metrics(self) -> str:
         return self.call(p.METRICS).value
