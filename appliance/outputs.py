@@ -25,6 +25,7 @@ class Chunk:
     error: str | None = None  # set with finish_reason "abort" when the engine failed the request
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
     # with the first chunk of a sequence when params.prompt_logprobs is set: one entry per prompt token; the
     # first one's logprob is None (nothing predicts it)
     prompt_logprobs: list[TokenLogprob] | None = None

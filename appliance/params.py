@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+GrammarKind = Literal["json_schema", "regex", "lark", "gbnf"]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on the generated text, compiled engine-side (appliance/grammar.py, llguidance) into a token
+    mask applied at every step. `text`: the JSON schema as canonical JSON text (json_object is the schema
+    {"type": "object"}), the regular expression, a Lark grammar (which may embed JSON schemas with `%json {...}`,
+    as tool calls do) or a GBNF one (llama.cpp's; converted to Lark engine-side). Equal grammars share one
+    compilation."""
+
+    kind: GrammarKind
+    text: str
 
 
 @dataclass
@@ -31,6 +46,20 @@ class SamplingParams:
     best_of: int | None = None  # > 1: beam search (issue 3/4)
     length_penalty: float = 1.0
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus k alternatives
+    # structured output: the text must match this grammar (EOS only where it accepts); None: free text
+    grammar: Grammar | None = None
+    # Friendli's bad_words (strings, tokenized engine-side with and without a leading space) and bad_word_tokens:
+    # a token that would complete one of these sequences is never sampled
+    bad_words: list[str] = field(default_factory=list)
+    bad_word_tokens: list[list[int]] = field(default_factory=list)
+    no_repeat_ngram: int = 0  # > 1: no n-gram of this size occurs twice in prompt + generated (transformers)
+    stop_token_sequences: list[list[int]] = field(default_factory=list)  # Friendli stop_tokens longer than one id
+    # prompt-relative limits, resolved per sequence by the engine once the prompt is tokenized (Friendli
+    # max_total_tokens / min_total_tokens: prompt + generated; Cerebras min_tokens -1: up to the length limit)
+    max_total_tokens: int | None = None
+    min_total_tokens: int | None = None
+    min_tokens_to_limit: bool = False
+    early_stopping: bool = False  # beam search: stop once best_of hypotheses finished (transformers' True)
 
     @property
     def greedy(self) -> bool:

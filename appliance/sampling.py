@@ -22,10 +22,17 @@ import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
+from appliance.grammar import apply_grammar_masks
 from appliance.params import SamplingParams
 from appliance.stopping import stop_token_ids
+
+if TYPE_CHECKING:
+    from appliance.bans import Bans
+    from appliance.grammar import GrammarMatcher  # noqa: F401 (the annotation above)
 
 GREEDY_EPS = 1e-5
 _BLOCK = 64  # ids per block: blocked top-m preselection and blocked inverse-CDF sums
@@ -73,6 +80,10 @@ class SequenceSampler:
     eos_ids: Collection[int] = ()
     seq_index: int = 0
     output_ids: list[int] = field(default_factory=list, init=False)
+    # set by the engine when the request asks for them (Admission._start): the grammar's matcher
+    # (appliance/grammar.py) and the banned-sequence state (appliance/bans.py: bad words, no_repeat_ngram)
+    grammar: GrammarMatcher | None = field(default=None, init=False)
+    bans: Bans | None = field(default=None, init=False)
 
     def __post_init__(self):
         p = self.params
@@ -105,6 +116,8 @@ class SequenceSampler:
             self.seen.add(token_id)
         if self.generated is not None:
             self.generated.add(token_id)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
 
 
 @dataclass
@@ -138,7 +151,10 @@ def _scatter(rows_ids: list[tuple[int, np.ndarray]], vocab: int) -> tuple[np.nda
 def apply_processors(logits: np.ndarray, seqs: list[SequenceSampler], out: np.ndarray | None = None) -> np.ndarray:
     """Steps 1-3 into `out` (float32, logits' shape; allocated if None). Returns logits itself, uncopied, when no
     sequence uses any of them."""
-    if not any(len(s.bias_ids) or s.seen is not None or s.generated is not None or s.masking_stops for s in seqs):
+    if not any(
+        len(s.bias_ids) or s.seen is not None or s.generated is not None or s.masking_stops or s.bans or s.grammar
+        for s in seqs
+    ):
         return logits
     x = np.empty(logits.shape, np.float32) if out is None else out
     np.copyto(x, logits)
@@ -160,9 +176,14 @@ def apply_processors(logits: np.ndarray, seqs: list[SequenceSampler], out: np.nd
         f = np.repeat(np.array([seqs[i].params.frequency_penalty for i, _ in gen], np.float32), sizes)[ok]
         p = np.repeat(np.array([seqs[i].params.presence_penalty for i, _ in gen], np.float32), sizes)[ok]
         x[r, c] -= cnt * f + p  # every listed token occurred, so presence applies to all of them
+    if banned := [(i, ids) for i, s in enumerate(seqs) if s.bans is not None and len(ids := s.bans.banned(s))]:
+        r, c, _ = _scatter(banned, V)
+        x[r, c] = -np.inf
     if masked := [(i, s.stop_ids) for i, s in enumerate(seqs) if s.masking_stops]:
         r, c, _ = _scatter(masked, V)
         x[r, c] = -np.inf
+    if any(s.grammar is not None for s in seqs):
+        apply_grammar_masks(x, logits, seqs)  # appliance/grammar.py: the grammar wins over every mask above
     dead = ~np.isfinite(x.max(axis=1))  # everything masked (or NaN): fall back to the raw row, never crash
     if dead.any():
         x[dead] = logits[dead]

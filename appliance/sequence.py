@@ -39,6 +39,7 @@ class Sequence:
     detok: IncrementalDetokenizer = None  # type: ignore[assignment]
     stop: StopStringMatcher | None = None
     num_computed: int = 0  # positions whose KV is in the cache
+    num_cached: int = 0  # prompt positions whose KV the prefix cache supplied (usage.prompt_tokens_details)
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     arrived: float = field(default_factory=time.monotonic)

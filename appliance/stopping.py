@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Set
+from collections.abc import Collection, Sequence, Set
 
 from appliance.params import SamplingParams
 
@@ -68,7 +68,12 @@ def stop_token_ids(params: SamplingParams, eos_ids: Collection[int]) -> frozense
 
 
 def check_token_stop(
-    token_id: int, num_generated: int, params: SamplingParams, stops: Set[int], context_full: bool
+    token_id: int,
+    num_generated: int,
+    params: SamplingParams,
+    stops: Set[int],
+    context_full: bool,
+    token_ids: Sequence[int] = (),
 ) -> str | None:
     """finish_reason after sampling `token_id`, or None to continue.
 
@@ -76,10 +81,17 @@ def check_token_stop(
     generated tokens including this one. A stop token ends the sequence only once at least min_tokens tokens came
     before it (the sampler masks stop tokens until then, so this matters only to callers that do not mask). "stop"
     beats "length" when both apply. context_full: prompt + generated tokens fill the model's context, so no
-    further token fits.
+    further token fits. token_ids: the sequence's tokens, token_id included (read only for
+    params.stop_token_sequences).
     """
     if num_generated > params.min_tokens and token_id in stops:
         return "stop"
     if (params.max_tokens is not None and num_generated >= params.max_tokens) or context_full:
         return "length"
     return None
+
+
+def resolve_prompt_limits(params: SamplingParams, prompt_len: int, max_context: int) -> SamplingParams:
+    """params with the prompt-relative limits (max_total_tokens, min_total_tokens, min_tokens -1) turned into
+    max_tokens / min_tokens for this prompt. (Being written: issue 11.)"""
+    return params

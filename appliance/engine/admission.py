@@ -14,6 +14,7 @@ import queue
 import time
 import uuid
 
+from appliance.bans import Bans
 from appliance.detokenizer import IncrementalDetokenizer
 from appliance.engine.beams import BeamGroup
 from appliance.engine.handles import RequestHandle
@@ -24,7 +25,7 @@ from appliance.outputs import GenerationResult, Timing
 from appliance.params import SamplingParams
 from appliance.sampling import SequenceSampler
 from appliance.sequence import Sequence, Status
-from appliance.stopping import StopStringMatcher, stop_token_ids
+from appliance.stopping import StopStringMatcher, resolve_prompt_limits, stop_token_ids
 
 log = logging.getLogger("appliance.engine")
 
@@ -102,6 +103,9 @@ class Admission(EngineState):
         if not prompt_ids:
             raise ValueError("prompt is empty")
         limit = self.max_context
+        params = resolve_prompt_limits(params, len(prompt_ids), limit)  # max/min_total_tokens, min_tokens -1
+        if params.grammar is not None:  # compiled here, off the engine thread (cached per grammar): 400 if invalid
+            self.grammars.check(params.grammar)
         if len(prompt_ids) + (params.max_tokens or 0) > limit or len(prompt_ids) >= limit:
             raise PromptTooLong(
                 f"Number of prompt tokens: {len(prompt_ids)} + max tokens value: "
@@ -191,6 +195,9 @@ class Admission(EngineState):
     def _start(self, seq: Sequence, scheduled: bool = True) -> None:
         p = seq.params
         seq.sampler = SequenceSampler(p, seq.token_ids[: seq.prompt_len], self.eos_token_ids)
+        if p.grammar is not None:
+            seq.sampler.grammar = self.grammars.matcher(p.grammar)
+        seq.sampler.bans = Bans.build(p, seq.token_ids[: seq.prompt_len], self.tokenizer)  # None: nothing banned
         seq.detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=p.skip_special_tokens, prompt_ids=seq.token_ids[: seq.prompt_len]
         )

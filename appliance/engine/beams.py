@@ -131,7 +131,8 @@ class BeamSearches(EngineState):
     def _beam_stop(self, parent: Sequence, token: int, generated: int, context_full: bool) -> str | None:
         """Whether parent + token ends: "stop" (a stop token), "stop_string", "length", or None."""
         p = parent.params
-        reason = check_token_stop(token, generated, p, parent.sampler.stop_set, context_full)
+        tail = parent.token_ids + [token] if p.stop_token_sequences else ()
+        reason = check_token_stop(token, generated, p, parent.sampler.stop_set, context_full, tail)
         if reason != "stop" and p.stop:
             assert parent.group is not None  # parent is a beam
             window = parent.group.stop_window  # tokens: enough to hold any stop string that ends here (bounded)

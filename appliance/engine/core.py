@@ -209,7 +209,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
         seq.sampler.append(token)
         self.counters["generated_tokens"] += 1
         reason = check_token_stop(
-            token, seq.num_generated, seq.params, seq.sampler.stop_set, len(seq.token_ids) >= seq.max_len
+            token, seq.num_generated, seq.params, seq.sampler.stop_set, len(seq.token_ids) >= seq.max_len, seq.token_ids
         )
         text, stopped = text_step(seq.detok, seq.stop, token, reason, seq.params.include_stop_str_in_output)
         if stopped:
@@ -221,6 +221,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
             logprobs=logprobs,
             prompt_tokens=seq.prompt_len,
             completion_tokens=seq.num_generated,
+            cached_tokens=seq.num_cached,
             prompt_logprobs=seq.prompt_logprobs if seq.num_generated == 1 else None,
         )
         if reason is None:

@@ -20,12 +20,12 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
 from appliance.openai_api.errors import invalid
-from appliance.params import SamplingParams
+from appliance.params import Grammar, SamplingParams
 
 __all__ = [
     "Limits",
@@ -76,6 +76,19 @@ class GenerationRequest:
     timeout: float | None = None  # seconds; past it the request is cancelled and answered 429
     unknown: tuple[str, ...] = ()
     best_of: int | None = None  # > 1: beam search with best_of beams, the n best returned
+    # structured output (response_format, Cerebras grammar_root); chat's tool_choice required / named makes its own
+    grammar: Grammar | None = None
+    # Friendli / Cerebras parameters (docs/serving.md "Parameters of other APIs"); SamplingParams says what each is
+    bad_words: tuple[str, ...] = ()
+    bad_word_tokens: tuple[tuple[int, ...], ...] = ()
+    no_repeat_ngram: int | None = None
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
+    max_total_tokens: int | None = None
+    min_total_tokens: int | None = None
+    min_tokens_to_limit: bool = False  # Cerebras min_tokens: -1
+    early_stopping: bool | None = None
+    seeds: tuple[int, ...] | None = None  # Friendli: one seed per choice (len n)
+    return_raw_tokens: bool = False  # Cerebras: each choice also carries its token ids (`tokens`)
 
 
 @dataclass(frozen=True)
@@ -85,10 +98,18 @@ class CompletionRequest:
     echo: bool = False
 
 
+ToolChoice = Literal["none", "auto", "required", "named"]
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     gen: GenerationRequest
     messages: tuple[dict, ...]
+    # each {"type": "function", "function": {"name", "description"?, "parameters"?: JSON schema, "strict"?}}
+    tools: tuple[dict, ...] = ()
+    tool_choice: ToolChoice = "auto"  # "auto" when tools are given and tool_choice is not
+    tool_name: str | None = None  # tool_choice "named": the function that must be called
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,10 @@ class EngineStatus:
     backend: str = ""
     weight_format: str = ""
     device: str = ""
+    # how this model writes tool calls and reasoning (appliance/tool_prompt.py picks them from the chat template,
+    # `--tool-parser` / `--reasoning-parser` override): HTTP workers parse the output with these
+    tool_parser: str = ""
+    reasoning_parser: str = ""
 
     @property
     def ready(self) -> bool:
@@ -93,6 +97,7 @@ class PromptSpec:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[dict] | None = None  # chat: rendered with the model's chat template
+    tools: list[dict] | None = None  # chat: the request's tools, passed to the template (appliance/tool_prompt.py)
 
 
 @dataclass
@@ -102,6 +107,7 @@ class Job:
     params: SamplingParams
     n: int = 1  # sequences per prompt; choice index = prompt * n + j
     echo: bool = False
+    seeds: list[int] | None = None  # Friendli's seed list: choice j's seed (len n); None: params.seed + j
 
 
 @dataclass
