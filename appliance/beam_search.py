@@ -1,7 +1,7 @@
 """Beam search (`best_of` > 1, OVMS semantics: num_beams = best_of, the n best hypotheses are returned).
 
-The selection rule is transformers' `generate(num_beams=B, do_sample=False, length_penalty=lp)` with its default
-`early_stopping=False`, step for step:
+The selection rule is transformers' `generate(num_beams=B, do_sample=False, length_penalty=lp, early_stopping=es)`
+for es True or False (its default), step for step:
 
   1. every running beam's next-token log-probabilities (log-softmax, then the logits processors) plus the beam's
      running sum give B x V candidates; the best K = max(2, 1 + #stop tokens) * B are kept, best first
@@ -11,8 +11,10 @@ The selection rule is transformers' `generate(num_beams=B, do_sample=False, leng
      others are only there so that B candidates can keep running); the pool keeps the B best hypotheses;
   3. the best B candidates that did not end are the next running beams;
   4. the search stops when every candidate ended (max_tokens: all beams have the same length), or when the pool
-     is full and the best running beam, scored as if it ended now, cannot beat the worst hypothesis in the pool
-     (transformers' heuristic for early_stopping=False).
+     is full and either early_stopping is True (Friendli's `early_stopping`: B finished hypotheses are enough,
+     whatever the running beams could still reach), or the best running beam, scored as if it ended now, cannot
+     beat the worst hypothesis in the pool (transformers' heuristic for early_stopping=False). True therefore
+     never runs more steps than False on the same logits, and may return worse-scored hypotheses.
 
 `BeamSearch` is that state machine on plain arrays; the engine owns the sequences, their KV blocks (a fork shares
 the parent's full blocks and copies its partly filled last block) and the text.
@@ -87,11 +89,14 @@ class BeamSearch(Generic[P]):
     covered them anyway.
     """
 
-    def __init__(self, num_beams: int, length_penalty: float = 1.0, num_stop_tokens: int = 1):
+    def __init__(
+        self, num_beams: int, length_penalty: float = 1.0, num_stop_tokens: int = 1, early_stopping: bool = False
+    ):
         if num_beams < 1:
             raise ValueError("num_beams must be >= 1")
         self.num_beams = num_beams
         self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
         self.width = max(2, 1 + min(num_stop_tokens, WIDTH_STOP_TOKENS)) * num_beams  # candidates kept per step
         self.finished: list[Hypothesis[P]] = []  # best first, at most num_beams
         self.done = False
@@ -125,9 +130,8 @@ class BeamSearch(Generic[P]):
         running = [c for c, end in zip(cands, ended) if not end][: self.num_beams]
         if not running:
             self.done = True
-        elif (
-            len(self.finished) >= self.num_beams
-            and self.normalized(running[0].score, generated_len) <= self.finished[-1].score
+        elif len(self.finished) >= self.num_beams and (
+            self.early_stopping or self.normalized(running[0].score, generated_len) <= self.finished[-1].score
         ):
             self.done = True
         return [] if self.done else running
@@ -145,9 +149,10 @@ class BeamSearch(Generic[P]):
 
 
 def fork_sampler(sampler):
-    """A copy of a SequenceSampler whose token history (penalties, min_tokens) evolves separately."""
+    """A copy of a SequenceSampler whose token history (penalties, min_tokens, bans) evolves separately."""
     new = copy.copy(sampler)
     new.output_ids = list(sampler.output_ids)
     new.seen = copy.deepcopy(sampler.seen)
     new.generated = copy.deepcopy(sampler.generated)
+    new.bans = copy.copy(sampler.bans)  # Bans.__copy__: the generated n-gram index is the beam's own
     return new

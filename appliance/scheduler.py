@@ -67,6 +67,8 @@ class Scheduler:
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt position
                 seq.block_table, seq.block_hashes = self.pool.match_prefix(seq.token_ids)
                 seq.num_computed = len(seq.block_table) * self.pool.block_size
+                if seq.first_scheduled is None:  # its first admission: a preempted one's own blocks are no hit
+                    seq.num_cached = min(seq.num_computed, seq.prompt_len)
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_table)
             if not self.pool.can_allocate(need):
@@ -128,6 +130,7 @@ class Scheduler:
             copy = (parent.block_table[full], block, tail)
             child.block_table.append(block)
         child.num_computed, child.status = parent.num_computed, Status.RUNNING
+        child.num_cached = parent.num_cached  # the same prompt, supplied the same way (n > 1 followers, beams)
         self.running.append(child)
         return copy
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence, Set
+from dataclasses import replace
 
 from appliance.params import SamplingParams
 
@@ -83,15 +84,60 @@ def check_token_stop(
     beats "length" when both apply. context_full: prompt + generated tokens fill the model's context, so no
     further token fits. token_ids: the sequence's tokens, token_id included (read only for
     params.stop_token_sequences).
+
+    params.stop_token_sequences (Friendli's multi-token stop_tokens): "stop" when the generated tokens end with
+    one of them, all of it generated (a prompt tail does not count) and its last token after min_tokens tokens,
+    as a stop token (these are not masked before min_tokens: a sequence is no single token to mask). Its last
+    token is this choice's stop token and is treated as one: kept in token_ids, its text left out unless
+    include_stop_str_in_output (engine/text.py text_step). The tokens before it are ordinary text: they were
+    streamed before anyone could know they would complete a stop sequence, so unary and streamed outputs agree.
+    A client that wants none of it in the text uses a stop string instead.
     """
-    if num_generated > params.min_tokens and token_id in stops:
-        return "stop"
+    if num_generated > params.min_tokens:
+        if token_id in stops:
+            return "stop"
+        if params.stop_token_sequences and _ends_with_stop_sequence(token_id, num_generated, params, token_ids):
+            return "stop"
     if (params.max_tokens is not None and num_generated >= params.max_tokens) or context_full:
         return "length"
     return None
 
 
+def _ends_with_stop_sequence(
+    token_id: int, num_generated: int, params: SamplingParams, token_ids: Sequence[int]
+) -> bool:
+    n = len(token_ids)
+    for seq in params.stop_token_sequences:
+        k = len(seq)
+        if k and seq[-1] == token_id and k <= num_generated and k <= n and list(token_ids[n - k :]) == list(seq):
+            return True
+    return False
+
+
 def resolve_prompt_limits(params: SamplingParams, prompt_len: int, max_context: int) -> SamplingParams:
-    """params with the prompt-relative limits (max_total_tokens, min_total_tokens, min_tokens -1) turned into
-    max_tokens / min_tokens for this prompt. (Being written: issue 11.)"""
-    return params
+    """params with the prompt-relative limits turned into max_tokens / min_tokens for this prompt; the same object
+    when none is set (the common case).
+
+    - max_total_tokens (Friendli: prompt + generated): max_tokens = max_total_tokens - prompt_len, or the given
+      max_tokens if that is smaller (both bounds hold). ValueError (a 400) when it leaves no token to generate.
+    - min_total_tokens (Friendli): min_tokens = max(min_tokens, min_total_tokens - prompt_len).
+    - min_tokens_to_limit (Cerebras min_tokens -1): min_tokens = max_tokens (as resolved above), or without
+      max_tokens max_context - prompt_len: the stop tokens stay masked until the length limit.
+    A min_tokens above max_tokens is not an error (as with min_tokens itself): max_tokens ends the sequence.
+    """
+    if params.max_total_tokens is None and params.min_total_tokens is None and not params.min_tokens_to_limit:
+        return params
+    max_tokens, min_tokens = params.max_tokens, params.min_tokens
+    if params.max_total_tokens is not None:
+        room = params.max_total_tokens - prompt_len
+        if room <= 0:
+            raise ValueError(
+                f"max_total_tokens ({params.max_total_tokens}) must be greater than the number of prompt tokens "
+                f"({prompt_len}): it counts prompt + generated tokens"
+            )
+        max_tokens = room if max_tokens is None else min(max_tokens, room)
+    if params.min_total_tokens is not None:
+        min_tokens = max(min_tokens, params.min_total_tokens - prompt_len)
+    if params.min_tokens_to_limit:
+        min_tokens = max(min_tokens, max_tokens if max_tokens is not None else max_context - prompt_len)
+    return replace(params, max_tokens=max_tokens, min_tokens=max(0, min_tokens))

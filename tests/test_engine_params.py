@@ -1,0 +1,243 @@
+"""The Friendli / Cerebras parameters in the engine (issue 11): bad words, no_repeat_ngram, max/min_total_tokens,
+min_tokens -1, multi-token stop sequences, beam search's early_stopping, and cached_tokens from the prefix cache.
+
+Selection-rule units first (check_token_stop, BeamSearch against transformers' early_stopping=True on a tiny random
+model); then the default model through the Python API at its default precision. There no output is asserted
+token for token: each test takes what it constrains (a word, a bigram, a stop sequence) from an unconstrained run
+and checks the constraint on the constrained run. Raw prompts shorter than one KV block keep the prefix cache out
+of the way (a cache hit changes the prefill's batch shape, and with it greedy at a near-tie)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import one_torch_thread
+from test_beam_search import _toy_model, _until_eos
+
+from appliance.beam_search import BeamSearch, log_softmax
+from appliance.config import EngineConfig
+from appliance.engine import Engine
+from appliance.params import SamplingParams
+from appliance.stopping import check_token_stop
+
+# ---------------------------------------------------------------- units
+
+
+def test_stop_token_sequence_ends_on_its_last_generated_token():
+    p = SamplingParams(stop_token_sequences=[[5, 6, 7]])
+    assert check_token_stop(7, 3, p, frozenset(), False, [1, 5, 6, 7]) == "stop"
+    assert check_token_stop(7, 2, p, frozenset(), False, [5, 6, 7]) is None  # 5 is the prompt's
+    assert check_token_stop(7, 3, p, frozenset(), False, [1, 5, 9, 7]) is None
+    assert check_token_stop(6, 3, p, frozenset(), False, [1, 5, 6]) is None
+    p = SamplingParams(stop_token_sequences=[[5, 6]], min_tokens=2)
+    assert check_token_stop(6, 2, p, frozenset(), False, [0, 5, 6]) is None  # not after min_tokens tokens
+    assert check_token_stop(6, 3, p, frozenset(), False, [0, 9, 5, 6]) == "stop"
+
+
+def test_early_stopping_ends_once_the_pool_is_full():
+    """Two finished hypotheses fill a 2-beam pool while a running beam, longer, still scores better per token
+    (length_penalty 1): the heuristic (False) goes on, True stops there."""
+    for early in (False, True):
+        search = BeamSearch(2, 1.0, early_stopping=early)
+        cands = search.candidates(np.log(np.array([[0.5, 0.3, 0.2]], np.float32)), [0.0])
+        running = search.update(cands, [c.token == 1 for c in cands], 1, payloads=[[c.token] for c in cands])
+        assert [c.token for c in running] == [0, 2] and len(search.finished) == 1
+        rows = np.log(np.array([[0.9, 0.05, 0.05]] * 2, np.float32))
+        cands = search.candidates(rows, [c.score for c in running])
+        running = search.update(cands, [c.rank == 0 for c in cands], 2, payloads=[[c.beam] for c in cands])
+        assert len(search.finished) == 2 and search.done is early
+        assert running == [] if early else [c.beam for c in running][:1] == [1]
+
+
+def test_early_stopping_matches_transformers_on_random_cases():
+    import torch
+
+    model = _toy_model()
+    rng = np.random.default_rng(1)
+    shorter = 0
+    with one_torch_thread():
+        for _ in range(25):
+            prompt = rng.integers(3, 40, size=rng.integers(2, 8)).tolist()
+            beams = int(rng.choice([2, 3, 4]))
+            n, steps = int(rng.integers(1, beams + 1)), int(rng.integers(4, 14))
+            lp = float(rng.choice([1.0, 0.0, 2.0]))
+            ours = {}
+            for early in (True, False):
+                search = BeamSearch(beams, lp, 1, early_stopping=early)
+                live, taken = [(list(prompt), 0.0)], 0
+                for step in range(1, steps + 1):
+                    taken = step
+                    with torch.no_grad():
+                        logits = model(torch.tensor([b for b, _ in live])).logits[:, -1].float().numpy()
+                    cands = search.candidates(log_softmax(logits), [s for _, s in live])
+                    payloads = [live[c.beam][0][len(prompt) :] + [c.token] for c in cands]
+                    running = search.update(cands, [c.token == 2 or step == steps for c in cands], step, payloads)
+                    if search.done:
+                        break
+                    live = [(live[c.beam][0] + [c.token], c.score) for c in running]
+                ours[early] = ([h.payload for h in search.best(n)], taken)
+            with torch.no_grad():
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    num_beams=beams,
+                    num_return_sequences=n,
+                    do_sample=False,
+                    max_new_tokens=steps,
+                    length_penalty=lp,
+                    early_stopping=True,
+                    eos_token_id=2,
+                    pad_token_id=2,
+                )
+            assert ours[True][0] == [_until_eos(r[len(prompt) :], [2]) for r in out.tolist()]
+            assert ours[True][1] <= ours[False][1]
+            shorter += ours[True][1] < ours[False][1]
+    assert shorter >= 3  # early_stopping changed something
+
+
+# ---------------------------------------------------------------- the engine on the default model
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    e = Engine(model_dir, EngineConfig(max_num_batched_tokens=128))
+    yield e
+    e.shutdown()
+
+
+def raw(engine, text: str) -> list[int]:
+    ids = engine.tokenizer.encode(text)
+    assert len(ids) <= engine.pool.block_size, "a short prompt never meets the prefix cache"
+    return ids
+
+
+def run(engine, ids, **kw):
+    kw.setdefault("max_tokens", NEW)
+    return engine.submit(ids, SamplingParams(temperature=0.0, **kw)).results()[0]
+
+
+def occurs(seq: list[int], history: list[int], start: int) -> bool:
+    """seq occurs in history ending at or after position start (in the generated part)."""
+    k = len(seq)
+    return any(history[i - k : i] == seq for i in range(max(k, start + 1), len(history) + 1))
+
+
+def test_bad_word_never_generated(engine):
+    ids = raw(engine, "The capital of France is Paris. The capital of Germany is")
+    free = run(engine, ids, ignore_eos=True)
+    tok, history = engine.tokenizer, ids + free.token_ids
+    word = next(
+        w
+        for w in free.text.split()
+        if w.isalpha() and any(occurs(tok.encode(t), history, len(ids)) for t in (w, " " + w))
+    )
+    banned = run(engine, ids, ignore_eos=True, bad_words=[word])
+    history = ids + banned.token_ids
+    assert not any(occurs(tok.encode(t), history, len(ids)) for t in (word, " " + word)), (word, banned.text)
+
+
+def test_bad_word_tokens_single_token(engine):
+    ids = raw(engine, "One, two, three, four, five, six")
+    free = run(engine, ids, ignore_eos=True)
+    first = free.token_ids[0]
+    banned = run(engine, ids, ignore_eos=True, bad_word_tokens=[[first]])
+    assert first not in banned.token_ids
+
+
+def test_no_repeat_ngram(engine):
+    ids = raw(engine, "the cat the cat the cat the cat")
+
+    def repeats(out: list[int]) -> int:
+        h = ids + out
+        return sum((h[i - 1], h[i]) in {tuple(h[j : j + 2]) for j in range(i - 1)} for i in range(len(ids), len(h)))
+
+    assert repeats(run(engine, ids, ignore_eos=True).token_ids) > 0  # the test can fail
+    assert repeats(run(engine, ids, ignore_eos=True, no_repeat_ngram=2).token_ids) == 0
+
+
+def test_max_total_tokens(engine):
+    ids = raw(engine, "Count slowly: one, two,")
+    out = run(engine, ids, max_tokens=None, ignore_eos=True, max_total_tokens=len(ids) + 5)
+    assert (out.completion_tokens, out.finish_reason) == (5, "length")
+    with pytest.raises(ValueError, match="max_total_tokens"):
+        engine.submit(ids, SamplingParams(max_total_tokens=len(ids)))
+
+
+def test_min_tokens_to_limit(engine):
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Say hi."}])
+    free = run(engine, ids, max_tokens=64)
+    assert free.finish_reason == "stop"  # it ends on its own: the limit is what keeps it going
+    limit = free.completion_tokens + 6
+    out = run(engine, ids, max_tokens=limit, min_tokens_to_limit=True)
+    assert out.completion_tokens == limit and out.finish_reason == "length"
+
+
+def test_stop_token_sequence(engine):
+    ids = raw(engine, "List the planets of the solar system:")
+    free = run(engine, ids, ignore_eos=True).token_ids
+    k = next(k for k in range(3, NEW - 1) if not occurs(free[k : k + 2], ids + free[: k + 1], len(ids)))
+    stop = free[k : k + 2]
+    out = run(engine, ids, ignore_eos=True, stop_token_sequences=[stop])
+    assert out.finish_reason == "stop" and out.token_ids[-2:] == stop
+    assert not occurs(stop, ids + out.token_ids[:-1], len(ids))  # it stopped at the first one
+
+
+def test_early_stopping_beams(engine):
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a color."}])
+    steps, calls = {}, []
+    step = engine._beam_step
+
+    def counted(group):
+        calls.append(group)
+        step(group)
+
+    engine._beam_step = counted
+    try:
+        for early in (True, False):
+            calls.clear()
+            params = SamplingParams(max_tokens=16, best_of=3, n=3, early_stopping=early)
+            results = engine.submit(ids, params).results()
+            steps[early] = len(calls)
+            assert len(results) == 3
+            for r in results:
+                assert 0 < r.completion_tokens <= 16 and r.finish_reason in ("stop", "length")
+    finally:
+        del engine._beam_step
+    assert 0 < steps[True] <= steps[False]
+
+
+def test_cached_tokens(engine):
+    text = " ".join(f"item {i} of a long list that nobody else prompts with;" for i in range(12))
+    ids = engine.tokenizer.encode(text)
+    assert len(ids) > 2 * engine.pool.block_size
+
+    def cached() -> int:
+        chunks = list(engine.submit(ids, SamplingParams(max_tokens=2)))
+        assert len({c.cached_tokens for c in chunks}) == 1
+        return chunks[-1].cached_tokens
+
+    assert cached() == 0
+    second = cached()
+    assert 0 < second < len(ids) and second % engine.pool.block_size == 0
+
+
+def test_seed_list_gives_each_choice_its_seed(engine, tmp_path):
+    """Friendli's seed list (Job.seeds): choice j gets seeds[j]; without it, seed + j as before."""
+    from appliance.server import protocol as p
+    from appliance.server.engine_service import EngineService
+    from appliance.server.metrics import ServerMetrics
+    from appliance.server.settings import ServeSettings
+
+    settings = ServeSettings(
+        model_dir=str(engine.model_dir), served_model_name="m", model_created=0, runtime_dir=str(tmp_path)
+    )
+    service = EngineService(settings, ServerMetrics())
+    service.attach(engine, "CPU")
+    ids = raw(engine, "Once upon a time")
+    for seeds, seed, want in (([11, 5, 11], None, [11, 5, 11]), ([3, 4, 5], 9, [3, 4, 5]), (None, 40, [40, 41, 42])):
+        params = SamplingParams(max_tokens=3, temperature=1.0, seed=seed)
+        handles, _ = service._submit(p.Job("r", [p.PromptSpec(token_ids=ids)], params, n=3, seeds=seeds))
+        assert [h._seq.params.seed for _, h, _ in handles] == want
+        assert all(h.results()[0].completion_tokens == 3 for _, h, _ in handles)
