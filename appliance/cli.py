@@ -14,7 +14,7 @@ from dataclasses import Field
 from pathlib import Path
 from typing import Any, NamedTuple, get_args, get_type_hints
 
-from appliance import limits
+from appliance import limits, tool_prompt
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import resolve_model
@@ -160,9 +160,16 @@ def _settings(args: argparse.Namespace):
         request_timeout=args.request_timeout,
         send_timeout=args.send_timeout,
         keepalive_timeout=args.keepalive_timeout,
+        tool_parser=args.tool_parser,
+        reasoning_parser=args.reasoning_parser,
         log_level=args.log_level.lower(),
         access_log=args.access_log,
     )
+    try:  # a misspelt parser fails here, not at the first tool call
+        tool_prompt.choose_tool_parser(None, settings.tool_parser)
+        tool_prompt.choose_reasoning_parser(None, settings.reasoning_parser)
+    except ValueError as exc:
+        raise SystemExit(f"appliance: {exc}") from None
     if settings.api_key_file and not Path(settings.api_key_file).read_text().strip():
         raise SystemExit(f"appliance: the API key file {settings.api_key_file} is empty")
     return settings, engine_config(args, manifest)

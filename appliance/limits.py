@@ -65,6 +65,14 @@ class Limits:
     stop_token_ids: int = setting(64, "`stop_token_ids` per request (each also below the vocabulary size)")
     logit_bias: int = setting(300, "`logit_bias` entries (as OpenAI); keys are canonical decimal token ids")
     messages: int = setting(1024, "chat messages per request", flag="max-messages")
+    tools: int = setting(128, "chat `tools` per request (as OpenAI)")
+    bad_words: int = setting(
+        256, "`bad_words` + `bad_word_tokens` entries (Friendli); each string at most `stop_chars` characters"
+    )
+    token_sequence: int = setting(32, "token ids in one `stop_tokens` / `bad_word_tokens` entry (Friendli)")
+    grammar_chars: int = setting(
+        65536, "characters of a `response_format` JSON schema (canonical JSON text), regex or grammar"
+    )
     depth: int = setting(32, "nesting of objects and arrays in a request body")
     # float ranges
     temperature: float = setting(2.0, "`temperature` in [0, this]")

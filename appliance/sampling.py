@@ -7,13 +7,15 @@ Processors, in order (each vectorised over the batch; a row whose parameter is n
                    logits[t] -= count[t] * frequency + (count[t] > 0) * presence)
   3. min_tokens    stop tokens (EOS unless ignore_eos, plus stop_token_ids) -> -inf while fewer than min_tokens
                    tokens have been generated
+     grammar       structured output (appliance/grammar.py): tokens the row's grammar disallows -> -inf, last, so
+                   it wins over every mask above (a row they left empty: raw logits under the grammar mask)
   4. greedy rows (temperature < 1e-5, as vLLM): argmax of the processed logits, ties -> lowest id.
      Sampling rows: / temperature -> top_k -> top_p -> min_p -> inverse-CDF draw over the surviving tokens in
      token-id order, with one uniform from the sequence's own Generator. Every step is row-local, so a seed
      gives the same tokens whatever else shares the batch.
 top_p is renormalised after top_k (transformers, vLLM); min_p is relative to the best token (so order-free).
 Rankings (top_k, top_p, logprobs) break ties towards the lowest token id.
-Reported logprobs are the model's raw log-softmax, before bias, penalties and temperature.
+Reported logprobs are the model's raw log-softmax, before bias, penalties, grammar masks and temperature.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import numpy as np

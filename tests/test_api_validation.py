@@ -100,7 +100,7 @@ COMMON_ERRORS = [
     ({"n": "2"}, "n is not an integer", "n"),
     ({"skip_special_tokens": 0}, "skip_special_tokens is not a bool", "skip_special_tokens"),
     ({"stop_token_ids": [1, "2"]}, "stop_token_ids is not an array of token ids", "stop_token_ids"),
-    ({"min_tokens": -1}, "min_tokens is not an unsigned integer", "min_tokens"),
+    ({"min_tokens": -2}, "min_tokens is not an unsigned integer", "min_tokens"),
     ({"logit_bias": [1]}, "logit_bias is not an object", "logit_bias"),
     ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids", "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
@@ -176,15 +176,12 @@ def test_chat_message_rules(fields, message):
         ({"logprobs": 1}, "logprobs accepts values true or false"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs out of range [0, 20]"),
         ({"top_logprobs": 2}, "top_logprobs requires logprobs to be true"),
-        (
-            {"response_format": {"type": "json_object"}},
-            'response_format other than {"type": "text"} is not supported yet',
-        ),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported yet"),
+        ({"tool_choice": "auto"}, "tool_choice is only allowed when tools are specified"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tool function names must match"),
     ],
 )
 def test_chat_rules(fields, message):
-    assert error_of(chat, **fields).message == message
+    assert error_of(chat, **fields).message.startswith(message)
 
 
 @pytest.mark.parametrize(

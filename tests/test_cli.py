@@ -188,6 +188,8 @@ FLAGS = {
     "request-timeout": (float, 30.0),
     "send-timeout": (float, 30.0),
     "keepalive-timeout": (int, 5),
+    "tool-parser": (str, "auto"),
+    "reasoning-parser": (str, "auto"),
     "log-level": (str, "info"),
     "access-log": (bool, False),
     "device": (str, "CPU"),

@@ -90,7 +90,7 @@ def test_curl_streaming_with_usage(examples):
     assert all(line.startswith("data: ") for line in lines), lines
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
     *chunks, usage = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
-    assert all(c["object"] == "text_completion.chunk" and len(c["choices"]) == 1 for c in chunks)
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
     assert all("usage" in c and c["usage"] is None for c in chunks)
     assert chunks[0]["choices"][0]["text"] == ""  # sent once the prompt is processed
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]

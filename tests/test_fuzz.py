@@ -208,8 +208,45 @@ def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
         request["properties"]["timeout"] = {"type": ["number", "null"], "minimum": 120, "maximum": 600}
         request["properties"]["logit_bias"]["propertyNames"] = {"pattern": "^(0|[1-9][0-9]{0,8})$"}
         request["properties"]["stop_token_ids"]["items"]["maximum"] = vocab_size - 1  # else 400, engine-side
+    # issue 11's fields: no schema, regex or grammar the engine could refuse (a 400 from there), token ids inside the
+    # vocabulary, max_tokens (required here) bounds every generation, tool choices that name no unknown tool
+    plain_format = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}}
+    for request in (completion, chat):
+        request["properties"]["response_format"] = {"anyOf": [plain_format, {"type": "null"}]}
+    props = completion["properties"]
+    props["tokens"] = {"anyOf": [ids, {"type": "null"}]}
+    props["num_beams"]["maximum"] = 4
+    props["max_total_tokens"] = {"type": "null"}
+    props["no_repeat_ngram"]["maximum"] = 8
+    for name in ("stop_tokens", "bad_word_tokens"):
+        props[name]["items"]["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
+    function = {"type": "object", "required": ["name"], "properties": {"name": {"enum": ["f", "g"]}}}
+    tool = {
+        "type": "object",
+        "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": function},
+    }
+    chat["properties"]["tools"] = {"anyOf": [{"type": "array", "maxItems": 1, "items": tool}, {"type": "null"}]}
+    chat["properties"]["tool_choice"] = {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "null"}]}
+    props["seed"]["anyOf"][1]["maxItems"] = 3  # n <= 3
+    # the one-rule-per-value rules (n <= best_of, num_beams; a seed list per n) beyond these bounds can never
+    # apply: dropped, or schemathesis's canonicalizer gives up on the combined rules ("does not support this part")
+    bounds = {"best_of": 4, "num_beams": 4, "n": 3}
+    for request in (completion, chat):
+        for rule in request["allOf"]:
+            if "allOf" in rule:
+                rule["allOf"] = [r for r in rule["allOf"] if _within(r, bounds)]
     s["TokenizeRequest"]["properties"]["prompt"] = {"anyOf": [short, {"type": "array", "maxItems": 4, "items": short}]}
     return d
+
+
+def _within(rule: dict, bounds: dict[str, int]) -> bool:
+    """False for a per-value rule whose condition needs a value above the fuzz bounds."""
+    cond = rule.get("if", {}).get("properties", {})
+    for name, most in bounds.items():
+        if cond.get(name, {}).get("const", 0) > most:
+            return False
+    return cond.get("seed", {}).get("minItems", 0) <= bounds["n"]
 
 
 def run_schemathesis(schema_path: Path, base: str, workdir: Path, *args: str) -> tuple[dict, str]:
@@ -431,6 +468,15 @@ FIELDS = [
     "skip_special_tokens",
     "response_format",
     "tools",
+    "tool_choice",
+    "grammar_root",
+    "tokens",
+    "num_beams",
+    "stop_tokens",
+    "bad_words",
+    "bad_word_tokens",
+    "max_total_tokens",
+    "return_raw_tokens",
     "user",
     "extra",
 ]
@@ -577,7 +623,7 @@ def _choices_expected(path: str, body: dict) -> int:
     n = body.get("n") or 1
     if path.endswith("/chat/completions"):
         return n
-    prompt = body["prompt"]
+    prompt = body.get("prompt") or body["tokens"]  # Friendli's tokens: the prompt as ids
     single = isinstance(prompt, str) or all(isinstance(t, int) for t in prompt)
     return n * (1 if single else len(prompt))
 

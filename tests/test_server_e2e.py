@@ -108,7 +108,7 @@ def test_streaming_equals_unary_greedy(client, model_name):
     unary = complete(client, model_name, max_tokens=12)
     chunks = list(complete(client, model_name, max_tokens=12, stream=True))
     assert {c.id for c in chunks} == {chunks[0].id} and {c.created for c in chunks} == {chunks[0].created}
-    assert all(c.object == "text_completion.chunk" for c in chunks)
+    assert all(c.object == "text_completion" for c in chunks)
     assert chunks[0].choices[0].text == "" and chunks[0].choices[0].finish_reason is None  # after prefill
     reasons = [c.choices[0].finish_reason for c in chunks]
     assert reasons[-1] == unary.choices[0].finish_reason and not any(reasons[:-1])

@@ -126,7 +126,7 @@ def _check_stream(r: requests.Response, chat: bool, max_tokens: int) -> str | No
     if not chunks or usage.get("choices") != [] or "usage" not in usage:
         return f"bad SSE events: {events[-2:]}"
     if len({e["id"] for e in events}) != 1 or any(
-        e["object"] != ("chat.completion.chunk" if chat else "text_completion.chunk") for e in events
+        e["object"] != ("chat.completion.chunk" if chat else "text_completion") for e in events
     ):
         return f"inconsistent chunks: {events[:2]}"
     reasons = [c["choices"][0]["finish_reason"] for c in chunks]

@@ -45,9 +45,14 @@ class Admission(EngineState):
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """One sequence (streaming Chunks), or with params.best_of > 1 a beam search (its params.n best beams
         arrive together): either way one RequestHandle."""
+        if params.best_of is not None and params.best_of > 1 and params.grammar is not None:
+            raise ValueError(
+                "structured output (response_format / grammar) cannot be combined with beam search "
+                f"(best_of {params.best_of}): use n for several choices"
+            )
         seq = self._new_sequence(prompt_ids, params, request_id)
         if params.best_of is not None and params.best_of > 1:
-            seq.max_len = self._beam_max_len(len(prompt_ids), params, seq.max_len)
+            seq.max_len = self._beam_max_len(len(prompt_ids), seq.params, seq.max_len)  # limits resolved
             seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
         self._enqueue([[seq]])
         return RequestHandle(self, seq)

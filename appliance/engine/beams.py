@@ -40,7 +40,7 @@ class BeamGroup:
         self.root, self.params = root, root.params
         assert root.params.best_of is not None  # a BeamGroup is made for best_of > 1 only (Admission.submit)
         self.search: BeamSearch[BeamPayload] = BeamSearch(
-            root.params.best_of, root.params.length_penalty, num_stop_tokens
+            root.params.best_of, root.params.length_penalty, num_stop_tokens, root.params.early_stopping
         )
         # tokens decoded per candidate to find a stop string ending there: enough for the longest one (a token is
         # at least one character, 8 spare for byte pieces), bounded so that no stop string makes a step costly
@@ -209,6 +209,7 @@ class BeamSearches(EngineState):
             finish_reason="length" if reason == "length" else "stop",
             prompt_tokens=root.prompt_len,
             completion_tokens=len(tokens),
+            cached_tokens=root.num_cached,
             prompt_logprobs=root.prompt_logprobs,
         )
 

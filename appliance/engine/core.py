@@ -27,6 +27,7 @@ from appliance.engine.choices import Choices
 from appliance.engine.liveness import Liveness
 from appliance.engine.logprobs import record_prompt_logprobs, sampled_logprobs, token_text, wants_prompt_logits
 from appliance.engine.text import text_step
+from appliance.grammar import GrammarCompiler
 from appliance.kv_cache import BlockPool
 from appliance.manifest import Manifest
 from appliance.outputs import Chunk
@@ -53,6 +54,10 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
         gen_path = self.model_dir / self.manifest.generation_config_file
         self.generation_defaults: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
         self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids) | set(self.manifest.eos_token_ids))
+        # structured output (grammar.py): compiled against the tokenizer, masks as wide as the logits
+        self.grammars = GrammarCompiler(
+            self.model_dir / self.manifest.tokenizer_file, self.manifest.vocab_size, self.eos_token_ids
+        )
         self.backend = load_backend(self.model_dir, self.manifest, self.config)
         self.max_context = min(self.manifest.max_context, self.backend.max_context)
         self.pool = BlockPool(
@@ -211,8 +216,12 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
         reason = check_token_stop(
             token, seq.num_generated, seq.params, seq.sampler.stop_set, len(seq.token_ids) >= seq.max_len, seq.token_ids
         )
-        text, stopped = text_step(seq.detok, seq.stop, token, reason, seq.params.include_stop_str_in_output)
-        if stopped:
+        # the grammar is complete (nothing but EOS may follow, even with ignore_eos): "stop", the token kept as text
+        closed = reason != "stop" and seq.sampler.grammar is not None and seq.sampler.grammar.finished
+        text, stopped = text_step(
+            seq.detok, seq.stop, token, "grammar" if closed else reason, seq.params.include_stop_str_in_output
+        )
+        if stopped or closed:
             reason = "stop"
         logprobs = sampled_logprobs(self.tokenizer, seq, token, out, j) if seq.params.logprobs is not None else None
         chunk = Chunk(

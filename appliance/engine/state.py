@@ -15,6 +15,7 @@ import numpy as np
 
 from appliance.backends.base import Backend
 from appliance.config import EngineConfig
+from appliance.grammar import GrammarCompiler
 from appliance.kv_cache import BlockPool
 from appliance.outputs import Chunk
 from appliance.params import SamplingParams
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 class EngineState:
     config: EngineConfig
     tokenizer: Tokenizer
+    grammars: GrammarCompiler  # structured output: compiles grammars, hands out per-sequence matchers
     eos_token_ids: list[int]
     backend: Backend
     max_context: int

@@ -90,11 +90,16 @@ class Api:
     # ---- generation endpoints
     def completions(self):
         req = parse_completion(self.json_body(), self.limits)
-        return self.generate(req.gen, lambda params, rid: completion_job(req, params, rid), CompletionShape())
+        return self.generate(
+            req.gen, lambda params, rid: completion_job(req, params, rid), CompletionShape(req.gen.return_raw_tokens)
+        )
 
     def chat(self):
         req = parse_chat(self.json_body(), self.limits)
-        return self.generate(req.gen, lambda params, rid: chat_job(req, params, rid), ChatShape())
+        self.check_model(req.gen.model)
+        status = self.ready_status(fresh=False)  # its parsers: how this model writes tool calls and reasoning
+        shape = ChatShape.for_request(req, status.tool_parser, status.reasoning_parser)
+        return self.generate(req.gen, lambda params, rid: chat_job(req, params, rid, status.tool_parser), shape)
 
     def generate(self, gen: GenerationRequest, make_job, shape):
         self.check_model(gen.model)

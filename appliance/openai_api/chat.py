@@ -1,17 +1,45 @@
 """`/v3/chat/completions`: the job a chat request makes (messages -> the model's chat template, engine-side),
-and how its choices and chunks are spelled."""
+and how its choices and chunks are spelled.
+
+Tools (tool_calls.py): tool_choice "none" passes no tools and parses nothing; "auto" parses the free output;
+"required" and a named tool constrain it with a Lark grammar of calls whose arguments follow each tool's parameters
+schema. Reasoning (reasoning.py): with the engine's reasoning parser on, a leading thought goes to
+`reasoning_content` and `reasoning`; tool calls are parsed in the rest only. The parsers are per choice and
+incremental, so a stream's deltas add up to the unary message; a call is streamed as a delta naming it (arguments
+"") and one holding its whole arguments, which therefore always concatenate to valid JSON.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
+from appliance.openai_api.errors import invalid
+from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
 from appliance.openai_api.streaming import Choice
+from appliance.openai_api.tool_calls import ToolCall, ToolCallParser, new_call_id, parse_tool_calls, tool_grammar
 from appliance.openai_api.validation import ChatRequest
 from appliance.outputs import TokenLogprob
-from appliance.params import SamplingParams
+from appliance.params import Grammar, SamplingParams
 from appliance.server.protocol import Job, PromptSpec
 
+DEFAULT_TOOL_PARSER = "hermes"  # an engine that names none (tool_prompt's default too)
 
-def chat_job(req: ChatRequest, params: SamplingParams, request_id: str) -> Job:
-    return Job(request_id, [PromptSpec(messages=[dict(m) for m in req.messages])], params, n=req.gen.n)
+
+def chat_job(req: ChatRequest, params: SamplingParams, request_id: str, tool_parser: str = "") -> Job:
+    tools = list(req.tools) if req.tools and req.tool_choice != "none" else None
+    if tools and req.tool_choice in ("required", "named"):
+        if params.grammar is not None:
+            raise invalid(
+                "response_format cannot be combined with tool_choice 'required' or a named tool", "tool_choice"
+            )
+        named = req.tool_name if req.tool_choice == "named" else None
+        try:
+            text = tool_grammar(tools, tool_parser or DEFAULT_TOOL_PARSER, parallel=req.parallel_tool_calls, name=named)
+        except ValueError as exc:
+            raise invalid(str(exc), "tool_choice") from None
+        params = replace(params, grammar=Grammar("lark", text))
+    spec = PromptSpec(messages=[dict(m) for m in req.messages], tools=tools)
+    return Job(request_id, [spec], params, n=req.gen.n)
 
 
 def _entry(token: str, logprob: float | None) -> dict:  # None only for a first prompt token
@@ -26,19 +54,48 @@ def logprobs_object(entries: list[TokenLogprob]) -> dict:
     }
 
 
+@dataclass
+class _Parsing:
+    """One choice's stream parsers."""
+
+    reasoning: ReasoningParser | None
+    tools: ToolCallParser | None
+    calls: int = 0
+
+
+@dataclass
 class ChatShape:
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+    tool_parser: str | None = None  # the call format to parse; None: no tools in play (or tool_choice none)
+    reasoning: bool = False  # the engine's reasoning parser is "think"
+    _parsing: dict[int, _Parsing] = field(default_factory=dict)
 
+    @classmethod
+    def for_request(cls, req: ChatRequest, tool_parser: str, reasoning_parser: str) -> ChatShape:
+        parse_tools = bool(req.tools) and req.tool_choice != "none"
+        return cls((tool_parser or DEFAULT_TOOL_PARSER) if parse_tools else None, reasoning_parser == "think")
+
+    # ---- unary
     def choice(self, c: Choice, logprobs: bool) -> dict:
+        reasoning, content = split_reasoning(c.text) if self.reasoning else (None, c.text)
+        calls: list[ToolCall] = []
+        if self.tool_parser is not None:
+            content, calls = parse_tool_calls(content, self.tool_parser)
+        message: dict = {"role": "assistant", "content": (content or None) if calls or self.reasoning else content}
+        if self.reasoning:
+            message["reasoning_content"] = message["reasoning"] = reasoning
+        if calls:
+            message["tool_calls"] = [call.to_openai(new_call_id()) for call in calls]
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "finish_reason": c.finish_reason,
+            "message": message,
+            "finish_reason": "tool_calls" if calls else c.finish_reason,
             "logprobs": logprobs_object(c.logprobs) if logprobs else None,
         }
 
+    # ---- streaming
     def opening(self, c: Choice) -> dict:
         """OVMS 2026.1+: the first chunk, right after prefill, only names the role."""
         return {
@@ -48,10 +105,52 @@ class ChatShape:
             "logprobs": None,
         }
 
-    def delta(self, c: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
+    def delta(self, c: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> list[dict]:
+        if self.tool_parser is None and not self.reasoning:
+            return [self._chunk(c, {"content": text} if text else {}, logprobs, finish_reason)]
+        st = self._parsing.setdefault(
+            c.index,
+            _Parsing(
+                ReasoningParser() if self.reasoning else None,
+                ToolCallParser(self.tool_parser) if self.tool_parser else None,
+            ),
+        )
+        thought, answer = st.reasoning.feed(text) if st.reasoning else ("", text)
+        if finish_reason and st.reasoning:
+            more_thought, more_answer = st.reasoning.finish()
+            thought, answer = thought + more_thought, answer + more_answer
+        events = st.tools.feed(answer) if st.tools else [("content", answer)]
+        if finish_reason and st.tools:
+            events += st.tools.finish()
+        deltas: list[dict] = [{"reasoning_content": thought, "reasoning": thought}] if thought else []
+        for kind, value in events:
+            if kind == "content":
+                if not value:
+                    continue
+                if deltas and set(deltas[-1]) == {"content"}:
+                    deltas[-1]["content"] += value
+                else:
+                    deltas.append({"content": value})
+            else:
+                assert isinstance(value, ToolCall)
+                k, st.calls = st.calls, st.calls + 1
+                head = {"index": k, "id": new_call_id(), "type": "function"}
+                deltas.append({"tool_calls": [{**head, "function": {"name": value.name, "arguments": ""}}]})
+                deltas.append({"tool_calls": [{"index": k, "function": {"arguments": value.arguments}}]})
+        if not deltas and (logprobs or finish_reason):
+            deltas = [{}]
+        if finish_reason and st.calls:
+            finish_reason = "tool_calls"
+        return [
+            self._chunk(c, d, logprobs if i == 0 else None, finish_reason if i == len(deltas) - 1 else None)
+            for i, d in enumerate(deltas)
+        ]
+
+    @staticmethod
+    def _chunk(c: Choice, delta: dict, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict:
         return {
             "index": c.index,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "finish_reason": finish_reason,
             "logprobs": logprobs_object(logprobs) if logprobs is not None else None,
         }

@@ -194,12 +194,114 @@ def _logit_bias(limits: Limits) -> dict:
     }
 
 
+def _typed(kind: str, properties: dict | None = None, required: tuple[str, ...] = ()) -> dict:
+    return {
+        "type": "object",
+        "required": ["type", *required],
+        "properties": {"type": {"const": kind}, **(properties or {})},
+    }
+
+
 def _response_format(limits: Limits) -> dict:
-    return {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}
+    text = {"type": "string", "minLength": 1, "maxLength": limits.grammar_chars}
+    grammar = {"syntax": {"enum": ["lark", "gbnf"]}, "definition": text}
+    return {
+        "anyOf": [
+            _typed("text"),
+            _typed("json_object", {"schema": {"type": ["string", "object", "null"]}}),
+            _typed(
+                "json_schema",
+                {
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {
+                            "name": {"type": ["string", "null"]},
+                            "description": {"type": ["string", "null"]},
+                            "schema": {"type": "object"},
+                            "strict": {"type": ["boolean", "null"]},
+                        },
+                    }
+                },
+                ("json_schema",),
+            ),
+            _typed("regex", {"schema": text}, ("schema",)),
+            _typed("grammar", grammar, ("syntax", "definition")),
+            _typed(
+                "grammar",
+                {"grammar": {"type": "object", "required": ["syntax", "definition"], "properties": grammar}},
+                ("grammar",),
+            ),
+        ]
+    }
+
+
+# Cerebras grammar_root values that name a JSON value -> the JSON schema they mean ({}: any JSON value)
+GRAMMAR_ROOTS: dict[str, dict] = {
+    "value": {},
+    "root": {},
+    "object": {"type": "object"},
+    "array": {"type": "array"},
+    "string": {"type": "string"},
+    "number": {"type": "number"},
+    "integer": {"type": "integer"},
+    "boolean": {"type": "boolean"},
+    "null": {"type": "null"},
+}
+TOOL_NAME_PATTERN = r"[a-zA-Z0-9_-]{1,64}"
+
+
+def _grammar_root(limits: Limits) -> dict:
+    return {"type": "string", "enum": [*GRAMMAR_ROOTS, None]}  # null: not set
 
 
 def _tools(limits: Limits) -> dict:
-    return {"type": "array", "maxItems": 0}
+    function = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "pattern": f"^{TOOL_NAME_PATTERN}$"},
+            "description": {"type": ["string", "null"]},
+            "parameters": {"type": ["object", "null"]},
+            "strict": {"type": ["boolean", "null"]},
+        },
+    }
+    return {
+        "type": "array",
+        "maxItems": limits.tools,
+        "items": _typed("function", {"function": function}, ("function",)),
+    }
+
+
+def _tool_choice(limits: Limits) -> dict:
+    named = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+    return {"anyOf": [{"enum": ["none", "auto", "required"]}, _typed("function", {"function": named}, ("function",))]}
+
+
+def _id_lists(count: str) -> Callable[[Limits], dict]:
+    """Friendli's stop_tokens / bad_word_tokens: [{"tokens": [ids]}], at most `count` entries."""
+
+    def schema(limits: Limits) -> dict:
+        ids = {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": limits.token_sequence,
+            "items": {"type": "integer", "minimum": 0, "maximum": UINT32_MAX},
+        }
+        entry = {"type": "object", "required": ["tokens"], "properties": {"tokens": ids}}
+        return {"type": "array", "maxItems": getattr(limits, count), "items": entry}
+
+    return schema
+
+
+def _bad_words(limits: Limits) -> dict:
+    word = {"type": "string", "minLength": 1, "maxLength": limits.stop_chars}
+    return {"type": "array", "maxItems": limits.bad_words, "items": word}
+
+
+def _seeds(limits: Limits) -> dict:
+    one = {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}
+    return {"anyOf": [one, {"type": "array", "minItems": 1, "maxItems": limits.n, "items": one}]}
 
 
 # ---------------------------------------------------------------- the tables (check order)
@@ -220,8 +322,30 @@ MAX_TOKENS_TEXT = (
 OPEN = Min(0, "{name} must be greater than 0", exclusive=True)
 
 
-def generation(max_tokens_fields: tuple[Field, ...]) -> tuple[Field, ...]:
-    """The fields completions and chat share, with the endpoint's max_tokens field(s) in their place."""
+SEED = integer(
+    "seed",
+    "seed is not an integer",
+    Min(0, "seed out of range [0, 4294967295]"),
+    Max(UINT32_MAX, "seed out of range [0, 4294967295]"),
+    description="Choice j of `n` uses seed + j. Not set: a random seed.",
+)
+
+
+def response_format(description: str) -> Field:
+    return custom(
+        "response_format",
+        _response_format,
+        "Structured output: the text must match (constrained decoding; docs/serving.md \"Structured output and "
+        "parameters of other APIs\"). `text`; `json_object` (any JSON object; Friendli's `schema`, a JSON schema "
+        "as a string, too); `json_schema` with `json_schema.schema` (an object); Friendli's `regex` with `schema` "
+        "the expression; `grammar` with `syntax` lark or gbnf and `definition` (flat, or nested in `grammar` as "
+        "OpenAI's custom tools write it). At most {grammar_chars} characters of schema (canonical JSON), regex or "
+        "grammar; one that does not compile is a 400. Not with beam search. " + description,
+    )
+
+
+def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tuple[Field, ...]:
+    """The fields completions and chat share, with the endpoint's max_tokens field(s) and seed in their place."""
     return (
         MODEL,
         boolean(
@@ -275,13 +399,7 @@ def generation(max_tokens_fields: tuple[Field, ...]) -> tuple[Field, ...]:
             also=(-1,),
             description="-1 = all tokens. Sampling with no top_k from the request or the model uses 40 (OVMS).",
         ),
-        integer(
-            "seed",
-            "seed is not an integer",
-            Min(0, "seed out of range [0, 4294967295]"),
-            Max(UINT32_MAX, "seed out of range [0, 4294967295]"),
-            description="Choice j of `n` uses seed + j. Not set: a random seed.",
-        ),
+        seed,
         custom(
             "stop",
             _stop,
@@ -300,7 +418,15 @@ def generation(max_tokens_fields: tuple[Field, ...]) -> tuple[Field, ...]:
             _stop_token_ids,
             "At most {stop_token_ids} token ids, each below the model's vocabulary size (else 400).",
         ),
-        integer("min_tokens", "min_tokens is not an unsigned integer", Min(0), Max(UINT32_MAX)),
+        integer(
+            "min_tokens",
+            "min_tokens is not an unsigned integer",
+            Min(0),
+            Max(UINT32_MAX),
+            also=(-1,),
+            description="Stop tokens (EOS, `stop_token_ids`) are masked until this many tokens. -1 (Cerebras): "
+            "until `max_tokens`, or without it the end of the context.",
+        ),
         custom(
             "logit_bias",
             _logit_bias,
@@ -341,15 +467,33 @@ DEPTH_TEXT = (
     "deep (the body is level 1), else 400."
 )
 
+
+def _token_lists(name: str, count: str, description: str) -> Field:
+    return custom(name, _id_lists(count), description)
+
+
 COMPLETION = (
-    *generation((max_tokens("max_tokens", positive=False, description=MAX_TOKENS_TEXT),)),
+    *generation(
+        (max_tokens("max_tokens", positive=False, description=MAX_TOKENS_TEXT),),
+        custom(
+            "seed",
+            _seeds,
+            "Choice j of `n` uses seed + j. A list (Friendli): one seed per choice, exactly `n` of them. Not "
+            "set: a random seed.",
+        ),
+    ),
     custom(
         "prompt",
         _completion_prompt,
         "A string, a list of strings, token ids, or a list of token-id lists (one "
         "choice set per prompt; at most {prompts} prompts, `--max-prompts`). A text "
-        "prompt gets the tokenizer's special tokens (BOS), as in OVMS.",
-        required="prompt is missing",
+        "prompt gets the tokenizer's special tokens (BOS), as in OVMS. Required unless `tokens` is given "
+        '("prompt is missing").',
+    ),
+    custom(
+        "tokens",
+        lambda limits: _token_ids(),
+        "Friendli: the prompt as token ids (as `prompt: [ids]`); not together with `prompt`.",
     ),
     boolean(
         "echo",
@@ -366,6 +510,77 @@ COMPLETION = (
         "streaming). With `echo`, the prompt's tokens come first, the very first with a null "
         "logprob. `echo` + `logprobs`: prompt tokens x (1 + logprobs) x n may be at most "
         "{prompt_logprobs} per request (`--max-prompt-logprobs`, else 400).",
+    ),
+    boolean(
+        "include_output_logprobs",
+        "include_output_logprobs accepts values true or false",
+        "Friendli: true = the chosen tokens' logprobs (`logprobs: 0`) when `logprobs` is not set.",
+    ),
+    response_format("Not together with `grammar_root`."),
+    custom(
+        "grammar_root",
+        _grammar_root,
+        "Cerebras: the output is one JSON value of this kind (`value` / `root`: any; `object`, `array`, `string`, "
+        "`number`, `integer`, `boolean`, `null`). Roots of Cerebras's own tool-call grammar (`funcall`, "
+        "`tool_name`, `tool_args`, ...) are a 400. Not together with `response_format`.",
+    ),
+    integer(
+        "num_beams",
+        "num_beams is not an integer",
+        Min(1, "num_beams value should be greater than 0"),
+        Max("best_of", "num_beams exceeds limit provided in graph config: {best_of}"),
+        description="Friendli's name of `best_of` (beam search with this many beams, n <= num_beams); not "
+        "together with `best_of`.",
+    ),
+    boolean(
+        "early_stopping",
+        "early_stopping accepts values true or false",
+        "Beam search: true = stop once `best_of` hypotheses finished (transformers). True without beam search is "
+        "a 400.",
+    ),
+    _token_lists(
+        "stop_tokens",
+        "stop_token_ids",
+        "Friendli: `[{{\"tokens\": [ids]}}]`, at most {stop_token_ids} entries of at most {token_sequence} ids: one "
+        "id is a stop token (as `stop_token_ids`), several stop when generated in a row.",
+    ),
+    custom(
+        "bad_words",
+        _bad_words,
+        "Friendli: strings never generated (tokenized with and without a leading space); at most {bad_words} "
+        "entries with `bad_word_tokens`, each at most {stop_chars} characters.",
+    ),
+    _token_lists(
+        "bad_word_tokens",
+        "bad_words",
+        "Friendli: `[{{\"tokens\": [ids]}}]`: token sequences never generated (at most {token_sequence} ids each).",
+    ),
+    integer(
+        "no_repeat_ngram",
+        "no_repeat_ngram is not an unsigned integer",
+        Min(0),
+        Max(UINT32_MAX),
+        description="Friendli: no n-gram of this size occurs twice in prompt + output; 0 and 1 = off.",
+    ),
+    integer(
+        "max_total_tokens",
+        "max_total_tokens is not a positive integer",
+        Min(1),
+        Max(UINT32_MAX),
+        description="Friendli: prompt + generated tokens at most (400 when the prompt leaves no room); not "
+        "together with `max_tokens`.",
+    ),
+    integer(
+        "min_total_tokens",
+        "min_total_tokens is not an unsigned integer",
+        Min(0),
+        Max(UINT32_MAX),
+        description="Friendli: stop tokens are masked until prompt + generated reach this; at most `max_total_tokens`.",
+    ),
+    boolean(
+        "return_raw_tokens",
+        "return_raw_tokens accepts values true or false",
+        "Cerebras: each choice carries `tokens`, its generated token ids (stream chunks: the delta's ids).",
     ),
 )
 
@@ -396,19 +611,25 @@ CHAT = (
         Max("logprobs", "top_logprobs out of range [0, {logprobs}]"),
         description="Alternatives per token; needs `logprobs: true`.",
     ),
-    custom(
-        "response_format",
-        _response_format,
-        "Only `{{\"type\": \"text\"}}` (structured output is not supported yet: 400).",
-    ),
+    response_format("Not together with `tool_choice` required or named (which constrain the output to calls)."),
     custom(
         "tools",
         _tools,
-        "Tool calling is not supported yet: a non-empty list is a 400 (ignoring it would leave a "
-        "client waiting for calls that never come).",
+        "At most {tools} functions (`{{\"type\": \"function\", \"function\": {{\"name\", \"description\"?, "
+        "\"parameters\"?: a JSON schema, \"strict\"?}}}}`), names unique, passed to the chat template.",
     ),
-    ignored("tool_choice"),
-    ignored("parallel_tool_calls"),
+    custom(
+        "tool_choice",
+        _tool_choice,
+        "`none`, `auto` (default with tools), `required` (at least one call) or `{{\"type\": \"function\", "
+        "\"function\": {{\"name\"}}}}` naming one of `tools` (that call); required and named calls are "
+        "grammar-constrained to the tool's parameters. Only with `tools` (as OpenAI).",
+    ),
+    boolean(
+        "parallel_tool_calls",
+        "parallel_tool_calls accepts values true or false",
+        "false: at most one call per answer. Default true.",
+    ),
 )
 
 TOKENIZE = (
@@ -438,4 +659,16 @@ REQUESTS: dict[str, tuple[tuple[Field, ...], str]] = {  # components.schemas nam
 }
 
 
-__all__ = ["Bound", "Field", "Kind", "UINT32_MAX", "TOKEN_ID_PATTERN", "COMPLETION", "CHAT", "TOKENIZE", "REQUESTS"]
+__all__ = [
+    "Bound",
+    "Field",
+    "Kind",
+    "UINT32_MAX",
+    "TOKEN_ID_PATTERN",
+    "TOOL_NAME_PATTERN",
+    "GRAMMAR_ROOTS",
+    "COMPLETION",
+    "CHAT",
+    "TOKENIZE",
+    "REQUESTS",
+]

@@ -102,14 +102,13 @@ def _rules(request: str, limits: Limits) -> list[dict]:
                 for k in range(1, min(limits.best_of + 1, limits.n))
             ],
         },
+        {
+            "description": "structured output (response_format) and beam search (best_of above 1) exclude each other",
+            **_when("response_format", _GRAMMAR, {"properties": {"best_of": _NO_BEAMS}}),
+        },
     ]
     if request == "CompletionRequest":
-        rules.append(
-            {
-                "description": "\"max_tokens value should be greater than 0 unless echo is set\"",
-                **_when("max_tokens", {"const": 0}, {"required": ["echo"], "properties": {"echo": {"const": True}}}),
-            }
-        )
+        rules.extend(_completion_rules(limits))
     else:
         rules.append(
             {
@@ -121,7 +120,107 @@ def _rules(request: str, limits: Limits) -> list[dict]:
                 ),
             }
         )
+        rules.append(
+            {
+                "description": "\"tool_choice is only allowed when tools are specified\"; a response_format "
+                "grammar excludes tool_choice required or named",
+                **_when(
+                    "tool_choice",
+                    {"type": ["string", "object"]},
+                    {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}},
+                ),
+            }
+        )
+        rules.append(
+            _when(
+                "tool_choice",
+                {"anyOf": [{"const": "required"}, {"type": "object"}]},
+                {"properties": {"response_format": _NO_GRAMMAR}},
+            )
+        )
     return rules
+
+
+_NO_GRAMMAR = {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}
+_GRAMMAR = {  # a response_format that constrains the output
+    "type": "object",
+    "required": ["type"],
+    "properties": {"type": {"enum": ["json_object", "json_schema", "regex", "grammar"]}},
+}
+_NO_BEAMS = {"enum": [1, None]}
+
+
+def _completion_rules(limits: Limits) -> list[dict]:
+    """The rules across Friendli's and Cerebras's completions fields (validation.py `parse_completion`,
+    `_friendli`)."""
+    beam = {"type": "integer", "minimum": 2}
+    return [
+        {
+            "description": "\"max_tokens value should be greater than 0 unless echo is set\"",
+            **_when("max_tokens", {"const": 0}, {"required": ["echo"], "properties": {"echo": {"const": True}}}),
+        },
+        {
+            "description": "\"prompt is missing\" unless `tokens` is given; not both",
+            "anyOf": [
+                {
+                    "required": ["prompt"],
+                    "properties": {"prompt": {"type": ["string", "array"]}, "tokens": {"type": "null"}},
+                },
+                {"required": ["tokens"], "properties": {"tokens": {"type": "array"}, "prompt": {"type": "null"}}},
+            ],
+        },
+        {
+            "description": "num_beams is best_of's other name: not both, not streaming, n <= num_beams (one rule "
+            "per value)",
+            "allOf": [
+                _when("num_beams", {"type": "integer"}, {"properties": {"best_of": {"type": "null"}}}),
+                _when("stream", {"const": True}, {"properties": {"num_beams": {"type": "null"}}}),
+                *(
+                    _when("num_beams", {"const": k}, {"properties": {"n": {"type": ["integer", "null"], "maximum": k}}})
+                    for k in range(1, min(limits.best_of + 1, limits.n))
+                ),
+                _when("response_format", _GRAMMAR, {"properties": {"num_beams": _NO_BEAMS}}),
+            ],
+        },
+        {
+            "description": "early_stopping true needs beam search",
+            **_when(
+                "early_stopping",
+                {"const": True},
+                {
+                    "anyOf": [
+                        {"required": ["best_of"], "properties": {"best_of": beam}},
+                        {"required": ["num_beams"], "properties": {"num_beams": beam}},
+                    ]
+                },
+            ),
+        },
+        {
+            "description": "grammar_root and a response_format grammar exclude each other",
+            **_when(
+                "grammar_root",
+                {"type": "string"},
+                {"properties": {"response_format": _NO_GRAMMAR, "best_of": _NO_BEAMS, "num_beams": _NO_BEAMS}},
+            ),
+        },
+        {
+            "description": "max_tokens and max_total_tokens exclude each other",
+            **_when("max_total_tokens", {"type": "integer"}, {"properties": {"max_tokens": {"type": "null"}}}),
+        },
+        {
+            "description": "a seed list has one seed per choice (one rule per n)",
+            "allOf": [
+                _when(
+                    "seed",
+                    {"type": "array", "minItems": k, "maxItems": k},
+                    {"properties": {"n": {"enum": [1, None]}}}
+                    if k == 1
+                    else {"required": ["n"], "properties": {"n": {"const": k}}},
+                )
+                for k in range(1, limits.n + 1)
+            ],
+        },
+    ]
 
 
 def request_schema(request: str, limits: Limits = Limits()) -> dict:

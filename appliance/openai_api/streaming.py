@@ -45,6 +45,9 @@ class Choice:
     started: bool = False
     offset: int = 0  # text_offset of the next token (characters, echo included)
     prompt_logprobs: list[TokenLogprob] | None = None  # echo + logprobs: the echoed prompt's tokens
+    token_ids: list[int] = field(default_factory=list)  # generated ids (Cerebras return_raw_tokens)
+    sent_token_ids: int = 0  # how many of token_ids stream deltas carried (a chunk without text makes no delta)
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied (usage.prompt_tokens_details)
 
     @property
     def text(self) -> str:
@@ -60,7 +63,9 @@ class Shape(Protocol):
 
     def choice(self, c: Choice, logprobs: bool) -> dict: ...
     def opening(self, c: Choice) -> dict: ...
-    def delta(self, c: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> dict: ...
+    def delta(
+        self, c: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None
+    ) -> dict | list[dict]: ...  # a list: chat's parsers may make several deltas of one chunk, or none yet
 
 
 def socket_closed(sock: socket.socket | None) -> bool:
@@ -193,13 +198,16 @@ class Generation:
             raise ApiError(503, "generation was aborted (the server is shutting down)", code="aborted")
         if chunk.prompt_logprobs is not None and self.want_logprobs:
             c.prompt_logprobs = chunk.prompt_logprobs
+        c.token_ids += chunk.token_ids
+        c.cached_tokens = chunk.cached_tokens or c.cached_tokens
         deltas = []
         if not c.started:
             c.started = True
             deltas.append(self.shape.opening(c))
         logprobs = (chunk.logprobs or []) if self.want_logprobs else None
         if chunk.text or logprobs or chunk.finish_reason:
-            deltas.append(self.shape.delta(c, chunk.text, logprobs, chunk.finish_reason))
+            made = self.shape.delta(c, chunk.text, logprobs, chunk.finish_reason)
+            deltas.extend(made if isinstance(made, list) else [made])
         c.parts.append(chunk.text)
         if logprobs:
             c.logprobs += logprobs
@@ -273,7 +281,14 @@ class Generation:
     def usage(self) -> dict:
         prompt = sum(self.accepted.prompt_tokens) if self.accepted else 0
         completion = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        # per prompt: what its first choice's last chunk said (its other choices share the same cached prompt)
+        cached = sum(c.cached_tokens for c in self.choices[:: self.job.n])
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def time_info(self) -> dict:
         timings = [c.timing for c in self.choices if c.timing is not None]

@@ -11,7 +11,8 @@ numbers; chat messages keep only the fields a chat template may use, each of a k
 
 Which fields there are, their types, bounds and messages are declared in appliance/openai_api/fields.py (which also
 writes docs/openapi.json's request schemas); this module walks those tables (`_read`), parses the structured fields
-(`PARSERS`) and keeps the rules across fields as code (`_generation`, the endpoint parsers, `_check_queue`).
+(`PARSERS`; those of structured output, tools and the Friendli / Cerebras parameters are in parsers.py) and keeps the
+rules across fields as code (`_generation`, the endpoint parsers, `_friendli`, `_check_queue`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Literal
 
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
+from appliance.openai_api import parsers as P
 from appliance.openai_api.errors import invalid
 from appliance.params import Grammar, SamplingParams
 
@@ -262,12 +264,33 @@ def _generation(values: dict[str, Any], *, max_tokens: int | None) -> dict:
         raise invalid(
             "include_stop_str_in_output cannot be set to false if streaming is used", "include_stop_str_in_output"
         )
-    best_of = values["best_of"]
+    best_of, beams = values["best_of"], "best_of"
+    if values.get("num_beams") is not None:  # Friendli's name of best_of
+        if best_of is not None:
+            raise invalid(
+                "num_beams and best_of cannot both be set (num_beams is another name of best_of)", "num_beams"
+            )
+        best_of, beams = values["num_beams"], "num_beams"
     if best_of is not None and stream:
-        raise invalid("best_of cannot be used in streaming mode", "best_of")
+        raise invalid(f"{beams} cannot be used in streaming mode", beams)
     n = 1 if values["n"] is None else values["n"]
     if best_of is not None and n > best_of:
-        raise invalid("n value cannot be greater than best_of", "n")
+        raise invalid(f"n value cannot be greater than {beams}", "n")
+    beam = best_of is not None and best_of > 1
+    grammar, grammar_param = values.get("response_format"), "response_format"
+    if values.get("grammar_root") is not None:
+        if grammar is not None:
+            raise invalid("grammar_root and response_format cannot both constrain the output: send one", "grammar_root")
+        grammar, grammar_param = values["grammar_root"], "grammar_root"
+    if grammar is not None and beam:
+        raise invalid(
+            f"structured output ({grammar_param}) cannot be combined with beam search ({beams} {best_of}): "
+            "use n for several choices",
+            grammar_param,
+        )
+    if values.get("early_stopping") and not beam:
+        raise invalid("early_stopping needs beam search (num_beams or best_of above 1)", "early_stopping")
+    min_tokens = values["min_tokens"]
     return {
         "model": values["model"],
         "stream": stream,
@@ -278,7 +301,11 @@ def _generation(values: dict[str, Any], *, max_tokens: int | None) -> dict:
         "logit_bias": values["logit_bias"] or (),
         "n": n,
         "best_of": best_of,
+        "grammar": grammar,
+        "early_stopping": values.get("early_stopping"),
         **{name: values[name] for name in _PLAIN},
+        "min_tokens": None if min_tokens == -1 else min_tokens,
+        "min_tokens_to_limit": min_tokens == -1,  # Cerebras: up to max_tokens (or the context's end)
     }
 
 
@@ -359,14 +386,56 @@ def _check_queue(prompts: int, gen: dict, limits: Limits) -> None:
 
 def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
     b = _object(body, limits)
-    values = _read(b, F.COMPLETION, limits, {**PARSERS, "prompt": _prompts})
+    values = _read(b, F.COMPLETION, limits, {**PARSERS, **COMPLETION_PARSERS})
+    seed = values["seed"]
+    values["seed"] = seed if isinstance(seed, int) else None
     gen = _generation(values, max_tokens=values["max_tokens"])
     prompts, echo = values["prompt"], bool(values["echo"])
+    if values["tokens"] is not None:
+        if prompts is not None:
+            raise invalid("prompt and tokens cannot both be set (tokens is the prompt as token ids)", "tokens")
+        prompts = (values["tokens"],)
+    if prompts is None:
+        raise invalid("prompt is missing", "prompt")
     if gen["max_tokens"] == 0 and not echo:
         raise invalid("max_tokens value should be greater than 0 unless echo is set", "max_tokens")
+    if isinstance(seed, tuple):
+        if len(seed) != gen["n"]:
+            raise invalid(f"a seed list needs one seed per choice: n is {gen['n']}, the list has {len(seed)}", "seed")
+        gen["seeds"] = seed
+    gen.update(_friendli(values, gen, limits))
     gen["logprobs"] = values["logprobs"]
+    if gen["logprobs"] is None and values["include_output_logprobs"]:
+        gen["logprobs"] = 0  # Friendli: the chosen tokens' logprobs
+    gen["return_raw_tokens"] = bool(values["return_raw_tokens"])
     _check_queue(len(prompts), gen, limits)  # last: an invalid request is a 400 whatever its size
     return CompletionRequest(GenerationRequest(**gen, unknown=b.unknown()), prompts, echo)
+
+
+def _friendli(values: dict[str, Any], gen: dict, limits: Limits) -> dict:
+    """Friendli's completions fields -> GenerationRequest's keyword arguments, once the rules across them hold."""
+    total, least = values["max_total_tokens"], values["min_total_tokens"]
+    if total is not None and gen["max_tokens"] is not None:
+        raise invalid("max_tokens and max_total_tokens cannot both be set", "max_total_tokens")
+    if total is not None and least is not None and least > total:
+        raise invalid("min_total_tokens cannot be greater than max_total_tokens", "min_total_tokens")
+    words, word_tokens = values["bad_words"] or (), values["bad_word_tokens"] or ()
+    if len(words) + len(word_tokens) > limits.bad_words:
+        raise invalid(
+            f"bad_words and bad_word_tokens must have no more than {limits.bad_words} entries together",
+            "bad_words",
+        )
+    stops = values["stop_tokens"] or ()
+    singles = tuple(ids[0] for ids in stops if len(ids) == 1)
+    return {
+        "stop_token_ids": tuple(dict.fromkeys((*gen["stop_token_ids"], *singles))),
+        "stop_token_sequences": tuple(ids for ids in stops if len(ids) > 1),
+        "bad_words": words,
+        "bad_word_tokens": word_tokens,
+        "no_repeat_ngram": values["no_repeat_ngram"],
+        "max_total_tokens": total,
+        "min_total_tokens": least,
+    }
 
 
 def _prompts(value: Any, limits: Limits, read: dict) -> tuple[Prompt, ...]:
@@ -412,18 +481,28 @@ def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
     if top is not None and not logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     gen["logprobs"] = (top or 0) if logprobs else None
+    tools = values["tools"] or ()
+    choice: ToolChoice
+    choice, name = values["tool_choice"] or ("auto", None)
+    if values["tool_choice"] is not None and not tools:
+        raise invalid("tool_choice is only allowed when tools are specified", "tool_choice")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise invalid(f"tool_choice names function {name!r}, which is not one of tools", "tool_choice")
+    if gen["grammar"] is not None and choice in ("required", "named"):
+        raise invalid(
+            f"response_format cannot constrain the output together with tool_choice {choice!r} (which constrains "
+            "it to tool calls): send one",
+            "response_format",
+        )
     _check_queue(1, gen, limits)
-    return ChatRequest(GenerationRequest(**gen, unknown=b.unknown()), values["messages"])
-
-
-def _response_format(value: Any, limits: Limits, read: dict) -> None:
-    if not isinstance(value, dict) or value.get("type") != "text":
-        raise invalid("response_format other than {\"type\": \"text\"} is not supported yet", "response_format")
-
-
-def _tools(value: Any, limits: Limits, read: dict) -> None:
-    if value:  # silently ignoring tools would make a client wait for calls that never come
-        raise invalid("tools are not supported yet", "tools")
+    return ChatRequest(
+        GenerationRequest(**gen, unknown=b.unknown()),
+        values["messages"],
+        tools=tools,
+        tool_choice=choice,
+        tool_name=name,
+        parallel_tool_calls=values["parallel_tool_calls"] is not False,
+    )
 
 
 def _messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
@@ -492,8 +571,18 @@ PARSERS: dict[str, Parser] = {
     "stop_token_ids": _stop_token_ids,
     "logit_bias": _logit_bias,
     "messages": _messages,
-    "response_format": _response_format,
-    "tools": _tools,
+    "response_format": P.response_format,
+    "tools": P.tools,
+    "tool_choice": P.tool_choice,
+}
+COMPLETION_PARSERS: dict[str, Parser] = {
+    "prompt": _prompts,
+    "seed": P.seeds,
+    "tokens": P.tokens,
+    "grammar_root": P.grammar_root,
+    "stop_tokens": P.token_lists("stop_tokens", "stop_token_ids"),
+    "bad_word_tokens": P.token_lists("bad_word_tokens", "bad_words"),
+    "bad_words": P.bad_words,
 }
 
 
@@ -542,4 +631,13 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
         n=gen.n if beam else 1,  # sampling: the n choices are submitted together (Engine.submit_prompts)
         best_of=gen.best_of if beam else None,  # beam search: one search returns the n best of best_of beams
         length_penalty=float(pick(gen.length_penalty, "length_penalty", 1.0)),
+        grammar=gen.grammar,
+        bad_words=list(gen.bad_words),
+        bad_word_tokens=[list(ids) for ids in gen.bad_word_tokens],
+        no_repeat_ngram=gen.no_repeat_ngram if gen.no_repeat_ngram and gen.no_repeat_ngram > 1 else 0,
+        stop_token_sequences=[list(ids) for ids in gen.stop_token_sequences],
+        max_total_tokens=gen.max_total_tokens,
+        min_total_tokens=gen.min_total_tokens,
+        min_tokens_to_limit=gen.min_tokens_to_limit,
+        early_stopping=bool(gen.early_stopping),
     )

@@ -21,7 +21,9 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, wait
 from typing import TYPE_CHECKING
 
+from appliance import tool_prompt
 from appliance.engine import EngineDead, QueueFull
+from appliance.grammar import GrammarError
 from appliance.outputs import Chunk, Timing
 from appliance.server import protocol as p
 from appliance.server.metrics import ServerMetrics
@@ -48,6 +50,7 @@ class _Rejected(Exception):
 class EngineService:
     def __init__(self, settings: ServeSettings, metrics: ServerMetrics):
         self.settings = settings
+        self._parsers: tuple[str, str] | None = None  # parsers(): resolved once the engine is attached
         self.metrics = metrics
         self.engine: Engine | None = None
         self.device = ""
@@ -154,7 +157,20 @@ class EngineService:
             e.manifest.backend,
             e.manifest.weight_format,
             self.device,
+            *self.parsers(),
         )
+
+    def parsers(self) -> tuple[str, str]:
+        """(tool parser, reasoning parser): the serve flags, `auto` resolved from the chat template once."""
+        if self._parsers is None:
+            assert self.engine is not None, "called with an attached engine"
+            template = self.engine.tokenizer.chat_template
+            s = self.settings
+            self._parsers = (
+                tool_prompt.choose_tool_parser(template, s.tool_parser),
+                tool_prompt.choose_reasoning_parser(template, s.reasoning_parser),
+            )
+        return self._parsers
 
     def engine_problem(self) -> str | None:
         """Why the attached engine cannot serve now (None: it can): its loop died, or one step has taken
@@ -238,10 +254,13 @@ class EngineService:
                         )
                     )
             else:  # every prompt and choice in one submission: all queued or none, prefilled together
-                p0 = job.params  # n choices must differ even with a fixed seed
-                params = [
-                    p0 if j == 0 or p0.seed is None else replace(p0, seed=(p0.seed + j) % 2**32) for j in range(job.n)
-                ]
+                p0 = job.params  # n choices must differ even with a fixed seed; Friendli's seed list: one each
+                seeds: list[int | None] = (
+                    list(job.seeds)
+                    if job.seeds
+                    else [p0.seed if j == 0 or p0.seed is None else (p0.seed + j) % 2**32 for j in range(job.n)]
+                )
+                params = [p0 if s == p0.seed else replace(p0, seed=s) for s in seeds]
                 choices = engine.submit_prompts(
                     [
                         (ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)])
@@ -257,6 +276,10 @@ class EngineService:
         except EngineDead as exc:  # died between engine_problem() and the submission
             self._cancel(handles)
             raise _Rejected(p.Failed(503, f"The engine cannot serve: {exc}", code="engine_failed")) from None
+        except GrammarError as exc:  # the response_format's schema / regex / grammar does not compile
+            self._cancel(handles)
+            self.metrics.rejected.inc("invalid")
+            raise _Rejected(p.Failed(400, str(exc), "response_format")) from None
         except ValueError as exc:  # PromptTooLong and other prompt problems the engine found
             self._cancel(handles)
             self.metrics.rejected.inc("invalid")
@@ -277,8 +300,12 @@ class EngineService:
             return list(spec.token_ids)
         if spec.messages is not None:
             try:
-                # the template spells out BOS and friends; special-token text in content stays text
-                ids = tok.encode_chat(spec.messages, add_generation_prompt=True)
+                # the template spells out BOS and friends; special-token text in content stays text. Tools go to
+                # the template, or into the prompt when it has no use for them (appliance/tool_prompt.py)
+                messages, kwargs = tool_prompt.chat_inputs(
+                    spec.messages, spec.tools, tok.chat_template, self.parsers()[0]
+                )
+                ids = tok.encode_chat(messages, add_generation_prompt=True, **kwargs)
             except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)
                 raise _Rejected(p.Failed(400, str(exc), "messages")) from None
         else:

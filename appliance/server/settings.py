@@ -66,6 +66,18 @@ class ServeSettings:
     keepalive_timeout: int = setting(
         5, "seconds an idle kept-alive connection stays open (0: no keep-alive)", flag="keepalive-timeout"
     )
+    tool_parser: str = setting(
+        "auto",
+        "how the model writes tool calls: hermes, llama3_json or mistral; auto: read off the chat template "
+        "(hermes when it names none)",
+        flag="tool-parser",
+    )
+    reasoning_parser: str = setting(
+        "auto",
+        "none, or think: a leading <think>...</think> goes to reasoning_content; auto: think when the chat "
+        "template mentions <think>",
+        flag="reasoning-parser",
+    )
     log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
     access_log: bool = setting(False, "log every HTTP request", flag="access-log")
     runtime_dir: str = ""

@@ -1,0 +1,347 @@
+"""Tool calls and reasoning without a server: the output parsers (each format, unary vs every streaming split),
+the grammar that forces calls (compiled by llguidance against the default model's tokenizer), the chat shape's
+messages and deltas, and tool_prompt's parser choice and prompt rendering."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from appliance import tool_prompt
+from appliance.openai_api import tool_calls
+from appliance.openai_api.chat import ChatShape, chat_job
+from appliance.openai_api.errors import ApiError
+from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
+from appliance.openai_api.streaming import Choice
+from appliance.openai_api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
+from appliance.openai_api.validation import ChatRequest, GenerationRequest
+from appliance.params import SamplingParams
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+F = ToolCall("f", '{"a": 1}')
+G = ToolCall("g", "{}")
+CASES = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n', "Sure.", [F]),
+    (
+        "hermes",
+        '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g"}</tool_call>',
+        "",
+        [F, G],
+    ),
+    ("hermes", 'A <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> B', "AB", [F]),
+    (
+        "hermes",
+        'x <tool_call>{"name": "f", "arguments": {bad}}</tool_call> y',
+        'x <tool_call>{"name": "f", "arguments": {bad}}</tool_call> y',
+        [],
+    ),
+    ("hermes", "plain text, no call <tool", "plain text, no call <tool", []),
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}', "", [F]),  # ended without its close tag
+    ("hermes", '<tool_call>\n{"name": "f", "argum', '<tool_call>\n{"name": "f", "argum', []),  # cut mid-call
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', "", [F]),  # arguments as text
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', "", [F, G]),
+    ("llama3_json", ' {"name": "f", "parameters": {"a": 1}}', "", [F]),
+    ("llama3_json", '{"a": 1} is JSON, not a call', '{"a": 1} is JSON, not a call', []),
+    ("llama3_json", 'Hello {"name": "f", "parameters": {"a": 1}}', 'Hello {"name": "f", "parameters": {"a": 1}}', []),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1', '{"name": "f", "parameters": {"a": 1', []),
+    ("mistral", 'ok [TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]', "ok", [F, G]),
+    ("mistral", '[{"name": "f", "arguments": {"a": 1}}]', "", [F]),  # the marker dropped as a special token
+    ("mistral", "[1] is a list", "[1] is a list", []),
+]
+
+
+def stream(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ToolCall]]:
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    return "".join(v for k, v in events if k == "content"), [v for k, v in events if k == "call"]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", CASES)
+def test_parser_unary_and_every_streaming_split(fmt, text, content, calls):
+    assert parse_tool_calls(text, fmt) == (content, calls)
+    for i in range(len(text) + 1):
+        assert stream(ToolCallParser(fmt), [text[:i], text[i:]]) == (content, calls), i
+    assert stream(ToolCallParser(fmt), list(text)) == (content, calls)  # one character at a time
+
+
+def test_marker_start_is_held_back_and_released():
+    p = ToolCallParser("hermes")
+    assert p.feed("Hello <tool") == [("content", "Hello")]  # neither "<tool" nor the space before it yet
+    assert p.feed(" box") == [("content", " <tool box")]
+    assert p.finish() == []
+    q = ToolCallParser("hermes")
+    q.feed("Hi <tool_call>{")
+    assert q.feed('"name": "f"}') == [] and q.finish() == [("call", ToolCall("f", "{}"))]
+
+
+def test_formats_are_declared_once_for_both_sides():
+    assert FORMATS == tool_prompt.TOOL_PARSERS
+
+
+# ---------------------------------------------------------------- grammar
+
+
+@pytest.fixture(scope="module")
+def lark_matcher(model_dir):
+    llguidance = pytest.importorskip("llguidance")
+    tok = llguidance.LLTokenizer(str(model_dir / "tokenizer.json"))
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(grammar))
+        assert not m.is_error(), m.get_error()
+        return m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting() and not m.is_error()
+
+    return accepts
+
+
+CALL_TEXT = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    "mistral": '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+}
+SECOND = {
+    "hermes": '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    "llama3_json": '; {"name": "get_time", "parameters": {}}',
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grammar_compiles_and_accepts_calls_of_the_tools(lark_matcher, fmt):
+    tools = [WEATHER, TIME]
+    one = tool_grammar(tools, fmt, parallel=False)
+    assert lark_matcher(one, CALL_TEXT[fmt])
+    assert not lark_matcher(one, CALL_TEXT[fmt].replace('"Paris"', "3"))  # city must be a string
+    assert not lark_matcher(one, CALL_TEXT[fmt].replace("get_weather", "get_wether"))
+    named = tool_grammar(tools, fmt, parallel=True, name="get_time")
+    assert not lark_matcher(named, CALL_TEXT[fmt])
+    many = tool_grammar(tools, fmt, parallel=True)
+    if fmt in SECOND:
+        assert lark_matcher(many, CALL_TEXT[fmt] + SECOND[fmt]) and not lark_matcher(one, CALL_TEXT[fmt] + SECOND[fmt])
+    else:
+        two = CALL_TEXT[fmt][:-1] + ', {"name": "get_time", "arguments": {}}]'
+        assert lark_matcher(many, two) and not lark_matcher(one, two)
+    content, calls = parse_tool_calls(CALL_TEXT[fmt], fmt)
+    assert content == "" and calls == [ToolCall("get_weather", '{"city": "Paris"}')]
+
+
+# ---------------------------------------------------------------- chat job and shape
+
+
+def chat_request(**kw) -> ChatRequest:
+    gen = GenerationRequest(model="m", **kw.pop("gen", {}))
+    return ChatRequest(gen, ({"role": "user", "content": "Weather in Paris?"},), **kw)
+
+
+def test_chat_job_tool_choice():
+    params = SamplingParams(max_tokens=20)
+    none = chat_job(chat_request(tools=(WEATHER,), tool_choice="none"), params, "r", "hermes")
+    assert none.prompts[0].tools is None and none.params.grammar is None
+    auto = chat_job(chat_request(tools=(WEATHER,)), params, "r", "hermes")
+    assert auto.prompts[0].tools == [WEATHER] and auto.params.grammar is None
+    named = chat_job(chat_request(tools=(WEATHER, TIME), tool_choice="named", tool_name="get_time"), params, "r")
+    assert named.params.grammar is not None and named.params.grammar.kind == "lark"
+    assert "get_time" in named.params.grammar.text and "get_weather" not in named.params.grammar.text
+    assert params.grammar is None  # the caller's params are left alone
+    with pytest.raises(ApiError) as err:
+        chat_job(chat_request(tools=(WEATHER,), tool_choice="named", tool_name="nope"), params, "r")
+    assert err.value.status == 400
+
+
+def finished(text: str, index: int = 0) -> Choice:
+    return Choice(index, parts=[text], finish_reason="stop")
+
+
+def test_unary_message_with_calls_and_reasoning():
+    shape = ChatShape.for_request(chat_request(tools=(WEATHER,)), "hermes", "think")
+    text = (
+        '<think>Paris, so call it.</think>\n\nOK <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "</tool_call>"
+    )
+    out = shape.choice(finished(text), logprobs=False)
+    m = out["message"]
+    assert out["finish_reason"] == "tool_calls" and m["content"] == "OK"
+    assert m["reasoning_content"] == m["reasoning"] == "Paris, so call it."
+    [call] = m["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    plain = ChatShape.for_request(chat_request(tools=(WEATHER,), tool_choice="none"), "hermes", "none")
+    assert plain.choice(finished(text), logprobs=False)["message"] == {"role": "assistant", "content": text}
+
+
+def stream_deltas(shape: ChatShape, text: str, cut: int) -> list[dict]:
+    c = Choice(0)
+    pieces = [text[:cut], text[cut:]]
+    out = []
+    for i, piece in enumerate(pieces):
+        out += shape.delta(c, piece, None, "stop" if i == len(pieces) - 1 else None)
+    return out
+
+
+def test_streamed_deltas_add_up_to_the_unary_message():
+    text = (
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    unary = ChatShape.for_request(chat_request(tools=(WEATHER, TIME)), "hermes", "none").choice(finished(text), False)
+    for cut in range(len(text) + 1):
+        deltas = stream_deltas(ChatShape.for_request(chat_request(tools=(WEATHER, TIME)), "hermes", "none"), text, cut)
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls: dict[int, dict] = {}
+        for d in deltas:
+            for tc in d["delta"].get("tool_calls", []):
+                call = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+                if "id" in tc:
+                    assert tc["type"] == "function" and tc["function"]["arguments"] == "" and not call["name"]
+                    call["name"] = tc["function"]["name"]
+                call["arguments"] += tc["function"].get("arguments", "")
+        assert content == unary["message"]["content"]
+        assert [calls[k] for k in sorted(calls)] == [t["function"] for t in unary["message"]["tool_calls"]]
+        assert all(json.loads(c["arguments"]) is not None for c in calls.values())
+        assert [d["finish_reason"] for d in deltas][-1] == "tool_calls"
+        assert all(d["finish_reason"] is None for d in deltas[:-1])
+
+
+# ---------------------------------------------------------------- reasoning
+
+
+@pytest.mark.parametrize(
+    "text,thought,answer",
+    [
+        ("<think>a < b </thi</think>\n\nThe answer.", "a < b </thi", "The answer."),
+        ("  <think>cut mid-thou", "cut mid-thou", ""),  # max_tokens inside the thought: no content
+        ("No thought <think>x</think>", None, "No thought <think>x</think>"),
+        ("<thin", None, "<thin"),
+        ("", None, ""),
+    ],
+)
+def test_reasoning_split_unary_and_streamed(text, thought, answer):
+    assert split_reasoning(text) == (thought, answer)
+    for i in range(len(text) + 1):
+        p = ReasoningParser()
+        parts = [p.feed(text[:i]), p.feed(text[i:]), p.finish()]
+        assert "".join(r for r, _ in parts) == (thought or "") and "".join(c for _, c in parts) == answer, i
+        if thought is not None:
+            assert "<think>" not in "".join(c for _, c in parts)
+
+
+def test_reasoning_cut_mid_thought_streams_no_content():
+    shape = ChatShape.for_request(chat_request(), "hermes", "think")
+    c = Choice(0)
+    deltas = shape.delta(c, "<think>Let me", None, None) + shape.delta(c, " see </th", None, "length")
+    assert "".join(d["delta"].get("reasoning_content", "") for d in deltas) == "Let me see </th"
+    assert not any(d["delta"].get("content") for d in deltas) and deltas[-1]["finish_reason"] == "length"
+    message = shape.choice(Choice(0, parts=["<think>Let me see </th"], finish_reason="length"), False)["message"]
+    assert message["content"] is None and message["reasoning"] == "Let me see </th"
+
+
+# ---------------------------------------------------------------- tool_prompt (engine side)
+
+
+@pytest.mark.parametrize(
+    "snippet,tools,reasoning",
+    [
+        ("{{ '<|im_start|>' + message['role'] }}", "hermes", "none"),
+        ("{%- if tools %}<tool_call>\n{{ tool_call | tojson }}</tool_call>{% endif %}<think>", "hermes", "think"),
+        ('{{- "<|python_tag|>" + tool_call.name }}', "llama3_json", "none"),
+        ("{{- '[TOOL_CALLS][' }}", "mistral", "none"),
+        ({"default": "plain", "tool_use": "{{ '[TOOL_CALLS]' }}"}, "mistral", "none"),
+    ],
+)
+def test_parser_choice_from_the_template(snippet, tools, reasoning):
+    assert tool_prompt.choose_tool_parser(snippet) == tools
+    assert tool_prompt.choose_reasoning_parser(snippet) == reasoning
+    assert tool_prompt.choose_tool_parser(snippet, "llama3_json") == "llama3_json"
+    assert tool_prompt.choose_reasoning_parser(snippet, "none") == "none"
+    with pytest.raises(ValueError):
+        tool_prompt.choose_tool_parser(snippet, "qwen")
+
+
+ROUND_TRIP = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+]
+
+
+def test_fallback_prompt_for_a_template_without_tools(model_dir):
+    from appliance.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    assert not tool_prompt.uses_tools(tok.chat_template)
+    messages, kwargs = tool_prompt.chat_inputs(ROUND_TRIP, [WEATHER], tok.chat_template, "hermes")
+    assert kwargs == {}
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+    assert '"name": "get_weather"' in text and "<tool_call>" in text  # the tools, and how to call them
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>' in text
+    assert tok.encode_chat(messages, add_generation_prompt=True)  # it tokenizes
+
+
+def test_native_template_gets_tools_and_argument_objects():
+    template = (
+        "{% for t in tools %}{{ t.function.name }};{% endfor %}{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments.city }}{% endfor %}{% endfor %}"
+    )
+    assert tool_prompt.uses_tools(template)
+    messages, kwargs = tool_prompt.chat_inputs(ROUND_TRIP, [WEATHER], template, "hermes")
+    assert kwargs == {"tools": [WEATHER]} and messages[2] == ROUND_TRIP[2]
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert ROUND_TRIP[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'  # not mutated
+
+
+def test_engine_status_names_the_parsers():
+    """EngineService resolves `auto` from the attached model's template once; the flags override it."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from appliance.server.engine_service import EngineService
+    from appliance.server.metrics import ServerMetrics
+    from appliance.server.settings import ServeSettings
+
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{% if tools %}[TOOL_CALLS]{% endif %}<think>"))
+    settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0)
+    auto = EngineService(settings, ServerMetrics())
+    auto.engine = engine  # type: ignore[assignment]
+    assert auto.parsers() == ("mistral", "think")
+    forced = EngineService(replace(settings, tool_parser="hermes", reasoning_parser="none"), ServerMetrics())
+    forced.engine = engine  # type: ignore[assignment]
+    assert forced.parsers() == ("hermes", "none")
+
+
+def test_closed_objects_closes_open_objects_only():
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+            "free": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+        "$defs": {"P": {"anyOf": [{"type": "object", "properties": {"x": {"type": "integer"}}}, {"type": "null"}]}},
+    }
+    out = tool_calls.closed_objects(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["where"]["additionalProperties"] is False
+    assert out["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert out["properties"]["free"]["additionalProperties"] is True  # the client's own choice stays
+    assert out["$defs"]["P"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's schema is not changed in place

@@ -1,0 +1,166 @@
+"""End to end: tool calls and reasoning through the official `openai` client against the real server and default
+model (issue 11's proof). The default model's template (ChatML) knows no tools, so the server writes them into the
+prompt in the hermes format and parses `<tool_call>` blocks; tool_choice "required" and a named tool constrain
+the output with a grammar, so their calls are checked against the tool's schema (jsonschema), unary and streamed.
+
+Validity is asserted, never the exact text. The schema bounds its string (maxLength) so a constrained call fits well
+inside MAX_TOKENS and ends on "stop"; the requests of this file are few and short.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from conftest import Server
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 64
+PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather of a city", "parameters": PARAMETERS},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "Current time", "parameters": {}}},
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def check_weather_call(name: str, arguments: str) -> None:
+    assert name == "get_weather"
+    jsonschema.validate(json.loads(arguments), PARAMETERS)
+
+
+def test_named_tool_unary(client, model_name):
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=MAX_TOKENS,
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    check_weather_call(call.function.name, call.function.arguments)
+    assert not choice.message.content
+
+
+def test_required_streamed_deltas_concatenate_to_valid_json(client, model_name):
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS[:1],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        stream=True,
+    )
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+                if tc.id:
+                    call["id"], call["name"] = tc.id, tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    assert list(calls) == [0] and calls[0]["id"].startswith("call_")
+    check_weather_call(calls[0]["name"], calls[0]["arguments"])
+
+
+def test_tool_result_round_trips(client, model_name):
+    messages = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_abc", "content": '{"temperature": 21, "sky": "clear"}'},
+    ]
+    r = client.chat.completions.create(model=model_name, messages=messages, tools=TOOLS, max_tokens=16)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    before = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=1)
+    assert r.usage.prompt_tokens > before.usage.prompt_tokens + 20  # the call and its result were in the prompt
+
+
+def test_tool_choice_none_is_plain_content(client, model_name):
+    r = client.chat.completions.create(
+        model=model_name, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0
+    )
+    choice = r.choices[0]
+    assert choice.message.tool_calls is None and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    plain = client.chat.completions.create(model=model_name, messages=ASK, max_tokens=16, temperature=0)
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens  # "none": the tools are not in the prompt
+
+
+@pytest.fixture(scope="module")
+def thinking(model_dir, tmp_path_factory):
+    with Server(
+        model_dir, tmp_path_factory.mktemp("thinking") / "serve.log", "--workers", "1", "--reasoning-parser", "think"
+    ) as srv:
+        yield openai.OpenAI(base_url=srv.base + "/v3", api_key="unused", max_retries=0, timeout=120)
+
+
+THOUGHT_FORMAT = {"type": "regex", "schema": r"<think>[a-z ]{1,24}</think>[A-Za-z ]{1,24}"}
+
+
+def test_reasoning_parser_moves_the_thought(thinking):
+    model = thinking.models.list().data[0].id
+    r = thinking.chat.completions.create(
+        model=model, messages=ASK, max_tokens=40, extra_body={"response_format": THOUGHT_FORMAT}
+    )
+    message = r.choices[0].message.model_dump()
+    assert message["reasoning_content"] and message["reasoning"] == message["reasoning_content"]
+    assert "<think>" not in (message["content"] or "") and "</think>" not in (message["content"] or "")
+    if r.choices[0].finish_reason == "stop":
+        assert message["content"]
+    stream = thinking.chat.completions.create(
+        model=model, messages=ASK, max_tokens=40, extra_body={"response_format": THOUGHT_FORMAT}, stream=True
+    )
+    reasoning = content = ""
+    for chunk in stream:
+        for c in chunk.choices:
+            delta = c.delta.model_dump()
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+    assert reasoning and "<think>" not in content and "</think>" not in content
+    cut = thinking.chat.completions.create(
+        model=model, messages=ASK, max_tokens=6, extra_body={"response_format": THOUGHT_FORMAT}
+    )
+    cut_message = cut.choices[0].message.model_dump()
+    assert cut.choices[0].finish_reason == "length" and cut_message["reasoning_content"] is not None
+    assert not cut_message["content"]  # cut mid-thought: the half thought is reasoning, never content
