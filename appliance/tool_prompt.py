@@ -18,8 +18,8 @@ import json
 import re
 from typing import Any
 
-TOOL_PARSERS = ("hermes", "llama3_json", "mistral")  # the same names as appliance/openai_api/tool_calls.FORMATS
-REASONING_PARSERS = ("none", "think")
+from appliance.params import REASONING_FORMATS, TOOL_CALL_FORMATS
+
 AUTO = "auto"
 
 
@@ -34,11 +34,18 @@ def template_source(chat_template: Any) -> str:
     return ""
 
 
+def _setting(setting: str, names: tuple[str, ...], what: str) -> str | None:
+    """A serve flag's parser name (None: auto); ValueError names the choices."""
+    if setting == AUTO:
+        return None
+    if setting not in names:
+        raise ValueError(f"unknown {what} parser {setting!r}: auto or one of {', '.join(names)}")
+    return setting
+
+
 def choose_tool_parser(chat_template: Any, setting: str = AUTO) -> str:
-    if setting != AUTO:
-        if setting not in TOOL_PARSERS:
-            raise ValueError(f"unknown tool parser {setting!r}: auto or one of {', '.join(TOOL_PARSERS)}")
-        return setting
+    if chosen := _setting(setting, TOOL_CALL_FORMATS, "tool"):
+        return chosen
     source = template_source(chat_template)
     if "[TOOL_CALLS]" in source:
         return "mistral"
@@ -48,10 +55,8 @@ def choose_tool_parser(chat_template: Any, setting: str = AUTO) -> str:
 
 
 def choose_reasoning_parser(chat_template: Any, setting: str = AUTO) -> str:
-    if setting != AUTO:
-        if setting not in REASONING_PARSERS:
-            raise ValueError(f"unknown reasoning parser {setting!r}: auto or one of {', '.join(REASONING_PARSERS)}")
-        return setting
+    if chosen := _setting(setting, REASONING_FORMATS, "reasoning"):
+        return chosen
     return "think" if "<think>" in template_source(chat_template) else "none"
 
 

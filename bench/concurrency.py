@@ -75,17 +75,21 @@ def engine_settings(engine) -> dict:
     }  # the paged backend's: "u8", "f16", ...
 
 
-def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
-    """All of `batch` submitted at once; one consumer thread per request (as the server's pump threads)."""
+def engine_run(engine, batch: list[list[int]], new_tokens: int, params=None) -> dict:
+    """All of `batch` submitted at once; one consumer thread per request (as the server's pump threads). `params`
+    (default: new_tokens with ignore_eos) must make every request run to max_tokens: the rates compare equal
+    work (bench.structured passes a grammar whose output cannot end early)."""
     from appliance.params import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     times: list[list[float]] = [[] for _ in batch]  # arrival time of each token, consumer side
+    reasons: list[str | None] = [None] * len(batch)
 
     def consume(i: int, handle) -> None:
         for chunk in handle:
             if chunk.token_ids:
                 times[i] += [time.perf_counter()] * len(chunk.token_ids)
+            reasons[i] = chunk.finish_reason or reasons[i]
 
     t0 = time.perf_counter()
     # One submission, as genai_run's add_request loop before its first step: one by one, the engine thread can
@@ -96,6 +100,8 @@ def engine_run(engine, batch: list[list[int]], new_tokens: int) -> dict:
         t.start()
     for t in threads:
         t.join()
+    if any(r != "length" for r in reasons):
+        raise RuntimeError(f"every request must run to max_tokens: finish reasons {reasons}")
     return _summary(t0, times, new_tokens)
 
 

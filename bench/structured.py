@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 
 from tqdm import tqdm
 
@@ -32,7 +30,7 @@ from bench.common import (
     rotate,
     save_results,
 )
-from bench.concurrency import _summary, engine_settings, load_engine
+from bench.concurrency import engine_run, engine_settings, load_engine
 
 SCHEMA = {
     "type": "array",
@@ -51,26 +49,7 @@ SCHEMA = {
 
 
 def run(engine, batch: list[list[int]], params) -> dict:
-    """All of `batch` submitted at once, one consumer thread per request; every request must run to max_tokens."""
-    times: list[list[float]] = [[] for _ in batch]
-    reasons: list[str | None] = [None] * len(batch)
-
-    def consume(i: int, handle) -> None:
-        for chunk in handle:
-            if chunk.token_ids:
-                times[i] += [time.perf_counter()] * len(chunk.token_ids)
-            reasons[i] = chunk.finish_reason or reasons[i]
-
-    t0 = time.perf_counter()
-    handles = [hs[0] for hs in engine.submit_prompts([(p, [params], None) for p in batch])]
-    threads = [threading.Thread(target=consume, args=(i, h), daemon=True) for i, h in enumerate(handles)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if any(r != "length" for r in reasons):
-        raise RuntimeError(f"every request must run to max_tokens: finish reasons {reasons}")
-    return _summary(t0, times, params.max_tokens)
+    return engine_run(engine, batch, params.max_tokens, params)
 
 
 def main(argv=None) -> int:

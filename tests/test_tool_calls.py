@@ -87,10 +87,6 @@ def test_marker_start_is_held_back_and_released():
     assert q.feed('"name": "f"}') == [] and q.finish() == [("call", ToolCall("f", "{}"))]
 
 
-def test_formats_are_declared_once_for_both_sides():
-    assert FORMATS == tool_prompt.TOOL_PARSERS
-
-
 # ---------------------------------------------------------------- grammar
 
 

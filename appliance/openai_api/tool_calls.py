@@ -22,9 +22,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-# The parser names (`--tool-parser`, EngineStatus.tool_parser); appliance/tool_prompt.py lists the same names for
-# the engine side (tests/test_tool_calls.py checks both agree).
-FORMATS = ("hermes", "llama3_json", "mistral")
+from appliance.params import TOOL_CALL_FORMATS
+
+FORMATS = TOOL_CALL_FORMATS  # the parser names (`--tool-parser`, EngineStatus.tool_parser)
 _OPEN = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
 _CLOSE = {"hermes": "</tool_call>"}
 _BARE = {"llama3_json": "{", "mistral": "["}  # a call that starts the output (or follows a call) without a marker

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from appliance.limits import Limits, setting
+from appliance.params import REASONING_FORMATS, TOOL_CALL_FORMATS
 
 RUNTIME_DIR_ENV = "APPLIANCE_RUNTIME_DIR"
 SETTINGS_FILE = "settings.json"
@@ -68,14 +69,14 @@ class ServeSettings:
     )
     tool_parser: str = setting(
         "auto",
-        "how the model writes tool calls: hermes, llama3_json or mistral; auto: read off the chat template "
+        f"how the model writes tool calls: {', '.join(TOOL_CALL_FORMATS)}; auto: read off the chat template "
         "(hermes when it names none)",
         flag="tool-parser",
     )
     reasoning_parser: str = setting(
         "auto",
-        "none, or think: a leading <think>...</think> goes to reasoning_content; auto: think when the chat "
-        "template mentions <think>",
+        f"{' or '.join(REASONING_FORMATS)} (a leading <think>...</think> goes to reasoning_content); auto: "
+        "think when the chat template mentions <think>",
         flag="reasoning-parser",
     )
     log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
