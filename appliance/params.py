@@ -8,7 +8,7 @@ from typing import Literal
 GrammarKind = Literal["json_schema", "regex", "lark", "gbnf"]
 # How a model writes tool calls and reasoning: appliance/tool_prompt.py picks one from the chat template (or the
 # serve flags), HTTP workers parse the output with it (appliance/openai_api/tool_calls.py, reasoning.py)
-TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")  # the first: a template that shows none
 REASONING_FORMATS = ("none", "think")
 
 

@@ -51,7 +51,7 @@ def choose_tool_parser(chat_template: Any, setting: str = AUTO) -> str:
         return "mistral"
     if "<|python_tag|>" in source:
         return "llama3_json"
-    return "hermes"
+    return TOOL_CALL_FORMATS[0]
 
 
 def choose_reasoning_parser(chat_template: Any, setting: str = AUTO) -> str:

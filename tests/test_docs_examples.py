@@ -1,7 +1,8 @@
 """docs/api-examples.md is executed: its fenced ```bash and ```python blocks run against the session's real server
 (conftest.py's `server`), with only `http://localhost:8000` replaced by that server's address, and what they print
 is checked. The examples are: a unary completion (curl), the same completion streamed with include_usage (curl),
-a chat with the official `openai` client (Python). Outputs are compared between requests made one at a time on
+a chat with the official `openai` client (Python), structured output through the SDK's `parse` with a pydantic
+model (Python) and a named tool call (Python); the README shows the first three. Outputs are compared between requests made one at a time on
 an otherwise idle server (greedy in the default precision depends on the batch, see conftest.greedy_divergence)."""
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "docs" / "api-examples.md"
 DOC_BASE = "http://localhost:8000"
+NAMES = ("unary", "stream", "chat", "parse", "tool")
+KINDS = ["bash", "bash", "python", "python", "python"]
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
@@ -34,13 +37,13 @@ def examples(server, model_name, tmp_path_factory) -> dict[str, str]:
     """Each example's output, by name, run with the server's address in place of the documented one. curl reads
     a .curlrc (from $CURL_HOME) that appends the HTTP status as a last line, so its command runs as written."""
     found = blocks()
-    assert [kind for kind, _ in found] == ["bash", "bash", "python"], found
+    assert [kind for kind, _ in found] == KINDS, found
     curl_home = tmp_path_factory.mktemp("curl")
     (curl_home / ".curlrc").write_text('write-out = "\\nHTTP %{http_code}\\n"\n')
     env = {**os.environ, "CURL_HOME": str(curl_home)}
     out = {}
     wait_idle(server)  # each example then runs alone (they run one after the other)
-    for name, (kind, code) in zip(("unary", "stream", "chat"), found):
+    for name, (kind, code) in zip(NAMES, found):
         assert DOC_BASE in code and f'"{model_name}"' in code, code  # the documented address and served model
         code = code.replace(DOC_BASE, server.base)
         cmd = ["bash", "-e", "-c", code] if kind == "bash" else [sys.executable, "-c", code]
@@ -57,18 +60,20 @@ def status_and_body(output: str) -> tuple[str, str]:
     return status, body
 
 
-def test_the_examples_are_the_three_documented_ones():
+def test_the_examples_are_the_documented_ones():
     kinds = [kind for kind, _ in blocks()]
-    assert kinds == ["bash", "bash", "python"]
-    unary, stream, chat = (code for _, code in blocks())
+    assert kinds == KINDS
+    unary, stream, chat, parse, tool = (code for _, code in blocks())
     assert "/v3/completions" in unary and '"stream"' not in unary
     assert '"stream": true' in stream and '"include_usage": true' in stream
     assert "chat.completions.create" in chat
+    assert "chat.completions.parse" in parse and "response_format=City" in parse
+    assert "tool_choice=" in tool and "tool_calls[0]" in tool
 
 
-def test_readme_shows_exactly_the_tested_examples():
+def test_readme_shows_exactly_the_first_three_tested_examples():
     readme = FENCE.findall((ROOT / "README.md").read_text())
-    assert [b for b in readme if "localhost:8000" in b[1]] == blocks()
+    assert [b for b in readme if "localhost:8000" in b[1]] == blocks()[:3]
 
 
 def test_curl_unary_completion(examples, model_name):
@@ -117,3 +122,17 @@ def test_python_openai_chat(examples, server, model_name):
         },
     ).json()
     assert printed == same["choices"][0]["message"]["content"] + "\n"
+
+
+def test_python_structured_output(examples):
+    """The pydantic model came back parsed: the printed JSON has exactly its two string fields."""
+    city = json.loads(examples["parse"])
+    assert set(city) == {"name", "country"} and all(isinstance(v, str) for v in city.values())
+
+
+def test_python_named_tool_call(examples):
+    """A call of the named tool whose arguments are JSON that follows its parameters schema."""
+    name, _, arguments = examples["tool"].strip().partition(" ")
+    assert name == "get_weather"
+    args = json.loads(arguments)
+    assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 40

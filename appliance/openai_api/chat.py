@@ -19,19 +19,15 @@ from appliance.openai_api.streaming import Choice
 from appliance.openai_api.tool_calls import ToolCall, ToolCallParser, new_call_id, parse_tool_calls, tool_grammar
 from appliance.openai_api.validation import ChatRequest
 from appliance.outputs import TokenLogprob
-from appliance.params import Grammar, SamplingParams
+from appliance.params import TOOL_CALL_FORMATS, Grammar, SamplingParams
 from appliance.server.protocol import Job, PromptSpec
 
-DEFAULT_TOOL_PARSER = "hermes"  # an engine that names none (tool_prompt's default too)
+DEFAULT_TOOL_PARSER = TOOL_CALL_FORMATS[0]  # an engine that names none (tool_prompt's default too)
 
 
 def chat_job(req: ChatRequest, params: SamplingParams, request_id: str, tool_parser: str = "") -> Job:
     tools = list(req.tools) if req.tools and req.tool_choice != "none" else None
-    if tools and req.tool_choice in ("required", "named"):
-        if params.grammar is not None:
-            raise invalid(
-                "response_format cannot be combined with tool_choice 'required' or a named tool", "tool_choice"
-            )
+    if tools and req.tool_choice in ("required", "named"):  # validation refused a response_format grammar with it
         named = req.tool_name if req.tool_choice == "named" else None
         try:
             text = tool_grammar(tools, tool_parser or DEFAULT_TOOL_PARSER, parallel=req.parallel_tool_calls, name=named)
