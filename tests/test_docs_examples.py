@@ -3,7 +3,8 @@
 is checked. The examples are: a unary completion (curl), the same completion streamed with include_usage (curl),
 a chat with the official `openai` client (Python), structured output through the SDK's `parse` with a pydantic
 model (Python) and a named tool call (Python); the README shows the first three. Outputs are compared between
-requests made one at a time on an otherwise idle server (greedy in the default precision depends on the batch, see conftest.greedy_divergence)."""
+requests made one at a time on an otherwise idle server (greedy in the default precision depends on the batch, see
+conftest.greedy_divergence)."""
 
 from __future__ import annotations
 
