@@ -55,8 +55,12 @@ def test_response_format_forms(parse):
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
     reordered = {"properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "type": "object"}
     one = grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
-    assert one == grammar({"type": "json_schema", "json_schema": {"schema": reordered}})  # canonical text
+    assert one == grammar({"type": "json_schema", "json_schema": {"schema": dict(schema)}})  # compact text
     assert one.kind == "json_schema" and json.loads(one.text) == schema
+    # the client's key order is kept (the output's properties follow it): a reordered schema is another grammar
+    other = grammar({"type": "json_schema", "json_schema": {"schema": reordered}})
+    assert other != one and list(json.loads(other.text)["properties"]) == ["a", "b"]
+    assert list(json.loads(one.text)["properties"]) == ["b", "a"]
     assert grammar({"type": "json_object", "schema": json.dumps(schema)}) == one  # Friendli: the schema as a string
     assert grammar({"type": "regex", "schema": "[0-9]+"}) == Grammar("regex", "[0-9]+")
     assert grammar({"type": "grammar", "syntax": "lark", "definition": 'start: "a"'}) == Grammar("lark", 'start: "a"')
