@@ -5,6 +5,7 @@ messages and deltas, and tool_prompt's parser choice and prompt rendering."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -341,3 +342,24 @@ def test_closed_objects_closes_open_objects_only():
     assert out["properties"]["free"]["additionalProperties"] is True  # the client's own choice stays
     assert out["$defs"]["P"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the request's schema is not changed in place
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_only_drops_a_call_that_max_tokens_cut(stream):
+    """tool_choice required: the grammar allows calls only, so a trailing call cut by max_tokens is no content."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    req = ChatRequest(
+        GenerationRequest(model="m"), ({"role": "user", "content": "x"},), tools=(tool,), tool_choice="required"
+    )
+    shape = ChatShape.for_request(req, "hermes", "none")
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu'
+    c = Choice(0, parts=[text], finish_reason="length")
+    if stream:
+        deltas = [d["delta"] for d in shape.delta(Choice(0), text, None, "length")]
+        assert not any("content" in d for d in deltas)
+        assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls", []) if "id" in t] == ["f"]
+    else:
+        message = shape.choice(c, False)["message"]
+        assert message["content"] is None and [t["function"]["name"] for t in message["tool_calls"]] == ["f"]
+    auto = ChatShape.for_request(replace(req, tool_choice="auto"), "hermes", "none")
+    assert auto.choice(c, False)["message"]["content"]  # auto: the cut text stays content, as before

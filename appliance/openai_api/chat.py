@@ -66,12 +66,19 @@ class ChatShape:
     id_prefix = "chatcmpl-"
     tool_parser: str | None = None  # the call format to parse; None: no tools in play (or tool_choice none)
     reasoning: bool = False  # the engine's reasoning parser is "think"
+    # tool_choice required / named: the grammar lets the output be calls only, so text outside complete calls is a
+    # call that max_tokens cut (or the separator before it): dropped, not shown as content
+    calls_only: bool = False
     _parsing: dict[int, _Parsing] = field(default_factory=dict)
 
     @classmethod
     def for_request(cls, req: ChatRequest, tool_parser: str, reasoning_parser: str) -> ChatShape:
         parse_tools = bool(req.tools) and req.tool_choice != "none"
-        return cls((tool_parser or DEFAULT_TOOL_PARSER) if parse_tools else None, reasoning_parser == "think")
+        return cls(
+            (tool_parser or DEFAULT_TOOL_PARSER) if parse_tools else None,
+            reasoning_parser == "think",
+            parse_tools and req.tool_choice in ("required", "named"),
+        )
 
     # ---- unary
     def choice(self, c: Choice, logprobs: bool) -> dict:
@@ -79,7 +86,9 @@ class ChatShape:
         calls: list[ToolCall] = []
         if self.tool_parser is not None:
             content, calls = parse_tool_calls(content, self.tool_parser)
-        message: dict = {"role": "assistant", "content": (content or None) if calls or self.reasoning else content}
+            content = "" if self.calls_only else content
+        empty_is_null = calls or self.reasoning or self.calls_only
+        message: dict = {"role": "assistant", "content": (content or None) if empty_is_null else content}
         if self.reasoning:
             message["reasoning_content"] = message["reasoning"] = reasoning
         if calls:
@@ -121,7 +130,7 @@ class ChatShape:
         deltas: list[dict] = [{"reasoning_content": thought, "reasoning": thought}] if thought else []
         for kind, value in events:
             if kind == "content":
-                if not value:
+                if not value or self.calls_only:
                     continue
                 if deltas and set(deltas[-1]) == {"content"}:
                     deltas[-1]["content"] += value
