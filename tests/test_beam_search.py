@@ -117,43 +117,52 @@ def _toy_model():
     return model
 
 
-def test_selection_rule_matches_transformers_on_random_cases():
-    """BeamSearch driven by a tiny random model (every beam recomputed from scratch each step) returns exactly
-    transformers' sequences: random prompts, 2-6 beams, n <= beams, 3-13 tokens, length penalties of both
-    signs, one or two EOS ids (the candidate width depends on it)."""
+def drive_search(model, prompt, beams, n, steps, lp, eos, early_stopping=False) -> tuple[list[list[int]], int]:
+    """BeamSearch driven by a tiny torch model (every beam recomputed from scratch each step): the n best
+    hypotheses' tokens and the steps the search took."""
     import torch
 
-    model = _toy_model()
-
-    def ours(prompt, beams, n, steps, lp, eos):
-        search = BeamSearch(beams, lp, len(eos))
-        live = [(list(prompt), 0.0)]
-        for step in range(1, steps + 1):
-            with torch.no_grad():
-                logits = model(torch.tensor([b for b, _ in live])).logits[:, -1].float().numpy()
-            cands = search.candidates(log_softmax(logits), [s for _, s in live])
-            ended = [c.token in eos or step == steps for c in cands]
-            payloads = [live[c.beam][0][len(prompt) :] + [c.token] for c in cands]
-            running = search.update(cands, ended, step, payloads)
-            if search.done:
-                break
-            live = [(live[c.beam][0] + [c.token], c.score) for c in running]
-        return [h.payload for h in search.best(n)]
-
-    def theirs(prompt, beams, n, steps, lp, eos):
+    search = BeamSearch(beams, lp, len(eos), early_stopping=early_stopping)
+    live, taken = [(list(prompt), 0.0)], 0
+    for step in range(1, steps + 1):
+        taken = step
         with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                num_beams=beams,
-                num_return_sequences=n,
-                do_sample=False,
-                max_new_tokens=steps,
-                length_penalty=lp,
-                eos_token_id=eos,
-                pad_token_id=eos[0],
-            )
-        return [_until_eos(row[len(prompt) :], eos) for row in out.tolist()]
+            logits = model(torch.tensor([b for b, _ in live])).logits[:, -1].float().numpy()
+        cands = search.candidates(log_softmax(logits), [s for _, s in live])
+        ended = [c.token in eos or step == steps for c in cands]
+        payloads = [live[c.beam][0][len(prompt) :] + [c.token] for c in cands]
+        running = search.update(cands, ended, step, payloads)
+        if search.done:
+            break
+        live = [(live[c.beam][0] + [c.token], c.score) for c in running]
+    return [h.payload for h in search.best(n)], taken
+
+
+def transformers_beams(model, prompt, beams, n, steps, lp, eos, early_stopping=False) -> list[list[int]]:
+    """transformers' generate(num_beams=...) on the same model: the n best sequences' generated tokens."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=beams,
+            num_return_sequences=n,
+            do_sample=False,
+            max_new_tokens=steps,
+            length_penalty=lp,
+            early_stopping=early_stopping,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    return [_until_eos(row[len(prompt) :], eos) for row in out.tolist()]
+
+
+def test_selection_rule_matches_transformers_on_random_cases():
+    """BeamSearch driven by a tiny random model returns exactly transformers' sequences: random prompts, 2-6
+    beams, n <= beams, 3-13 tokens, length penalties of both signs, one or two EOS ids (the candidate width
+    depends on it)."""
+    model = _toy_model()
 
     rng = np.random.default_rng(0)
     finished_early = 0
@@ -164,8 +173,15 @@ def test_selection_rule_matches_transformers_on_random_cases():
             n, steps = int(rng.integers(1, beams + 1)), int(rng.integers(3, 14))
             lp = float(rng.choice([1.0, 0.0, 2.0, -0.5]))
             eos = [2] if rng.random() < 0.7 else [2, 5]
-            got = ours(prompt, beams, n, steps, lp, eos)
-            assert got == theirs(prompt, beams, n, steps, lp, eos), (prompt, beams, n, steps, lp, eos)
+            got, _ = drive_search(model, prompt, beams, n, steps, lp, eos)
+            assert got == transformers_beams(model, prompt, beams, n, steps, lp, eos), (
+                prompt,
+                beams,
+                n,
+                steps,
+                lp,
+                eos,
+            )
             finished_early += any(len(g) < steps for g in got)
     assert finished_early >= 10  # the EOS / early-stopping paths were exercised, not only max length
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import one_torch_thread
-from test_beam_search import _toy_model, _until_eos
+from test_beam_search import _toy_model, drive_search, transformers_beams
 
-from appliance.beam_search import BeamSearch, log_softmax
+from appliance.beam_search import BeamSearch
 from appliance.config import EngineConfig
 from appliance.engine import Engine
 from appliance.params import SamplingParams
@@ -50,8 +50,6 @@ def test_early_stopping_ends_once_the_pool_is_full():
 
 
 def test_early_stopping_matches_transformers_on_random_cases():
-    import torch
-
     model = _toy_model()
     rng = np.random.default_rng(1)
     shorter = 0
@@ -61,35 +59,9 @@ def test_early_stopping_matches_transformers_on_random_cases():
             beams = int(rng.choice([2, 3, 4]))
             n, steps = int(rng.integers(1, beams + 1)), int(rng.integers(4, 14))
             lp = float(rng.choice([1.0, 0.0, 2.0]))
-            ours = {}
-            for early in (True, False):
-                search = BeamSearch(beams, lp, 1, early_stopping=early)
-                live, taken = [(list(prompt), 0.0)], 0
-                for step in range(1, steps + 1):
-                    taken = step
-                    with torch.no_grad():
-                        logits = model(torch.tensor([b for b, _ in live])).logits[:, -1].float().numpy()
-                    cands = search.candidates(log_softmax(logits), [s for _, s in live])
-                    payloads = [live[c.beam][0][len(prompt) :] + [c.token] for c in cands]
-                    running = search.update(cands, [c.token == 2 or step == steps for c in cands], step, payloads)
-                    if search.done:
-                        break
-                    live = [(live[c.beam][0] + [c.token], c.score) for c in running]
-                ours[early] = ([h.payload for h in search.best(n)], taken)
-            with torch.no_grad():
-                out = model.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    num_beams=beams,
-                    num_return_sequences=n,
-                    do_sample=False,
-                    max_new_tokens=steps,
-                    length_penalty=lp,
-                    early_stopping=True,
-                    eos_token_id=2,
-                    pad_token_id=2,
-                )
-            assert ours[True][0] == [_until_eos(r[len(prompt) :], [2]) for r in out.tolist()]
+            ours = {early: drive_search(model, prompt, beams, n, steps, lp, [2], early) for early in (True, False)}
+            theirs = transformers_beams(model, prompt, beams, n, steps, lp, [2], early_stopping=True)
+            assert ours[True][0] == theirs
             assert ours[True][1] <= ours[False][1]
             shorter += ours[True][1] < ours[False][1]
     assert shorter >= 3  # early_stopping changed something
