@@ -18,7 +18,7 @@ from appliance import limits, tool_prompt
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import resolve_model
-from appliance.server.settings import ServeSettings
+from appliance.server.settings import ModelSpec, ServeSettings
 
 # The serve flags, in --help's and docs/serving.md's order, by group: each is a field of one of these dataclasses,
 # which declares its default and help once (appliance/limits.py `setting`); nothing below repeats a default.
@@ -152,7 +152,12 @@ def _settings(args: argparse.Namespace):
         port=args.port,
         workers=args.workers,
         threads=args.threads,
+        config_file=str(Path(args.config).resolve()) if args.config else None,
         api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None,
+        allow_unauthenticated=args.allow_unauthenticated,
+        tls_certfile=str(Path(args.tls_certfile).resolve()) if args.tls_certfile else None,
+        tls_keyfile=str(Path(args.tls_keyfile).resolve()) if args.tls_keyfile else None,
+        allowed_hosts=args.allowed_hosts,
         max_body_bytes=args.max_body_bytes,
         limits=_limits(args),
         max_queued=args.max_queued,
@@ -172,7 +177,18 @@ def _settings(args: argparse.Namespace):
         raise SystemExit(f"appliance: {exc}") from None
     if settings.api_key_file and not Path(settings.api_key_file).read_text().strip():
         raise SystemExit(f"appliance: the API key file {settings.api_key_file} is empty")
-    return settings, engine_config(args, manifest)
+    engine = engine_config(args, manifest)
+    settings.models = [
+        ModelSpec(
+            settings.served_model_name,
+            settings.model_dir,
+            settings.model_created,
+            engine,
+            settings.tool_parser,
+            settings.reasoning_parser,
+        )
+    ]
+    return settings, engine
 
 
 def _limits(args: argparse.Namespace) -> limits.Limits:

@@ -172,6 +172,10 @@ class EngineService:
             )
         return self._parsers
 
+    def healthy(self) -> bool:
+        """For the watchdog: loading or ready with a live, advancing engine loop."""
+        return self.state in ("loading", "ready") and self.engine_problem() is None
+
     def engine_problem(self) -> str | None:
         """Why the attached engine cannot serve now (None: it can): its loop died, or one step has taken
         longer than ENGINE_STALL_SECONDS."""

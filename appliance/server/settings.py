@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from appliance.config import EngineConfig
 from appliance.limits import Limits, setting
 from appliance.params import REASONING_FORMATS, TOOL_CALL_FORMATS
 
@@ -15,6 +16,27 @@ RUNTIME_DIR_ENV = "APPLIANCE_RUNTIME_DIR"
 SETTINGS_FILE = "settings.json"
 SOCKET_FILE = "engine.sock"
 AUTHKEY_FILE = "authkey"
+
+
+@dataclass
+class ModelSpec:
+    """One served model: its API name, its export, its own engine settings and output parsers. A plain `serve`
+    has one (from --model and the engine flags); a config file's `model_config_list` several (OVMS's config.json,
+    appliance/server/config_file.py). The engine process loads each into its own Engine; `model` routes."""
+
+    name: str
+    model_dir: str
+    created: int = 0  # unix time of the export (OVMS `created` of /v3/models)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tool_parser: str = "auto"
+    reasoning_parser: str = "auto"
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelSpec:
+        """The inverse of dataclasses.asdict (settings.json)."""
+        known = {f.name for f in fields(EngineConfig)}
+        engine = EngineConfig(**{k: v for k, v in data.get("engine", {}).items() if k in known})
+        return cls(**{**{k: v for k, v in data.items() if k in {f.name for f in fields(cls)}}, "engine": engine})
 
 
 @dataclass
@@ -38,10 +60,28 @@ class ServeSettings:
     port: int = setting(8000, "TCP port", flag="port")
     workers: int = setting(1, "HTTP worker processes (they share one engine: one copy of the weights)", flag="workers")
     threads: int = setting(32, "threads per HTTP worker; each streaming client holds one", flag="threads")
+    config_file: str | None = setting(
+        None,
+        "JSON config file: serve flags by name, and OVMS's `model_config_list` to serve several models "
+        "(flags and APPLIANCE_* variables win over it)",
+        flag="config",
+    )
     api_key_file: str | None = setting(
         None,
-        "file holding the API key; clients then need 'Authorization: Bearer <key>' (401 otherwise)",
+        "file holding the API keys, one per line; clients then need 'Authorization: Bearer <key>' (401 otherwise)",
         flag="api-key-file",
+    )
+    allow_unauthenticated: bool = setting(
+        False,
+        "serve a non-loopback --host without an API key (refused otherwise; a warning is logged)",
+        flag="allow-unauthenticated",
+    )
+    tls_certfile: str | None = setting(None, "TLS certificate (PEM) to serve HTTPS with", flag="tls-certfile")
+    tls_keyfile: str | None = setting(None, "TLS private key (PEM) of --tls-certfile", flag="tls-keyfile")
+    allowed_hosts: str | None = setting(
+        None,
+        "comma-separated Host header names the server answers (others: 400); none: any",
+        flag="allowed-hosts",
     )
     max_body_bytes: int = setting(
         4 * 1024 * 1024, "largest request body accepted (413 above)", flag="max-body-bytes", show="4194304 (4 MiB)"
@@ -81,6 +121,9 @@ class ServeSettings:
     )
     log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
     access_log: bool = setting(False, "log every HTTP request", flag="access-log")
+    # the served models (ModelSpec above); a plain `serve` has one: model_dir / served_model_name / model_created
+    # and the engine flags
+    models: list[ModelSpec] = field(default_factory=list)
     runtime_dir: str = ""
     supervisor_pid: int = 0
 
@@ -102,4 +145,5 @@ class ServeSettings:
         known = {f.name for f in fields(cls)}
         if isinstance(data.get("limits"), dict):  # asdict flattened it
             data["limits"] = Limits.from_dict(data["limits"])
+        data["models"] = [ModelSpec.from_dict(m) for m in data.get("models", [])]
         return cls(**{k: v for k, v in data.items() if k in known})

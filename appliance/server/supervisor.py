@@ -27,7 +27,7 @@ from pathlib import Path
 import appliance
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import logs
+from appliance.server import logs, sdnotify
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
 from appliance.server.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ServeSettings
@@ -65,6 +65,7 @@ class Supervisor:
             self.settings.save()
             raise_fd_limit()
             self.service.start()
+            sdnotify.start_watchdog(self.healthy)
             self.gunicorn = self._start_gunicorn()
             if self.stopping.is_set():  # a signal before this point found no gunicorn to stop
                 self._signal_gunicorn(signal.SIGTERM)
@@ -107,6 +108,11 @@ class Supervisor:
         log.info(
             "ready", extra={"model": s.served_model_name, "url": f"http://{s.host}:{s.port}/v3", "workers": s.workers}
         )
+        sdnotify.ready()
+
+    def healthy(self) -> bool:
+        """The watchdog's question (sdnotify): can this process still serve? False once an engine died or wedged."""
+        return not self.engine_died and self.service.healthy()
 
     def _engine_died(self, exc: BaseException) -> None:
         """Engine.on_death (called on the dying engine thread): fail readiness, stop serving, exit 1."""
@@ -127,6 +133,7 @@ class Supervisor:
                 self._signal_gunicorn(signal.SIGQUIT)
                 return
             log.info("stopping", extra={"signal": signal.Signals(signum).name})
+            sdnotify.stopping()
             self.stopping.set()
             self._signal_gunicorn(signal.SIGTERM)
 
