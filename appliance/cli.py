@@ -1,4 +1,7 @@
-"""`appliance serve`: flags, else APPLIANCE_* environment variables (e.g. APPLIANCE_WORKERS=4), else defaults.
+"""`appliance serve`: flags, else APPLIANCE_* variables (e.g. APPLIANCE_WORKERS=4), else a --config file, else defaults.
+
+The config file, with OVMS's model_config_list for several models, is appliance/server/config_file.py's; `appliance
+config` prints the effective configuration and where each value came from.
 
 The flags, their help and defaults are the fields of ServeSettings, EngineConfig and Limits, declared there once;
 this module keeps only what a command line needs: words and units (--precision, --kv-cache-size) and refusing
@@ -7,17 +10,20 @@ flags that cannot act (static shapes, NPU, ONNX)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
-from dataclasses import Field
+from collections.abc import Mapping
+from dataclasses import Field, asdict
 from pathlib import Path
 from typing import Any, NamedTuple, get_args, get_type_hints
 
-from appliance import limits, tool_prompt
+from appliance import devices, limits, tool_prompt
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
-from appliance.paths import resolve_model
+from appliance.paths import compile_cache_dir, resolve_model
+from appliance.server import auth
 from appliance.server.settings import ModelSpec, ServeSettings
 
 # The serve flags, in --help's and docs/serving.md's order, by group: each is a field of one of these dataclasses,
@@ -85,21 +91,15 @@ def _env_default(flag: str, kind, default):
         raise SystemExit(f"appliance: {env_name(flag)}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="appliance", description=(__doc__ or "").splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve",
-        help="serve the OpenAI-compatible API (OVMS flavour)",
-        description="Serve a model over the OVMS-compatible OpenAI API. Every flag can also "
-        "be set with an APPLIANCE_* environment variable, e.g. APPLIANCE_WORKERS=4.",
-    )
+def add_serve_arguments(parser: argparse.ArgumentParser, probe: bool = False) -> None:
+    """The serve flags, shared by `serve` and `config`. `probe`: every default "not given" (argparse.SUPPRESS), to
+    tell which flags the command line holds (flag > env > config file > default, appliance/server/config_file.py)."""
     for title, cls in GROUPS:
-        group = serve.add_argument_group(title)
+        group = parser.add_argument_group(title)
         for f in limits.flag_fields(cls):
             flag = f.metadata["flag"]
             kind, default, help_text = SERVE_OPTIONS[flag]
-            value = _env_default(flag, kind, default)
+            value = argparse.SUPPRESS if probe else _env_default(flag, kind, default)
             if kind is bool:
                 group.add_argument(
                     f"--{flag}",
@@ -115,6 +115,31 @@ def build_parser() -> argparse.ArgumentParser:
                     default=value,
                     help=f"{help_text} (env {env_name(flag)}{shown})".replace("%", "%%"),
                 )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="appliance", description=(__doc__ or "").splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API (OVMS flavour)",
+        description="Serve a model over the OVMS-compatible OpenAI API. Every flag can also be set with an "
+        "APPLIANCE_* environment variable, e.g. APPLIANCE_WORKERS=4, or in a --config file (docs/deploy.md).",
+    )
+    add_serve_arguments(serve)
+    config = sub.add_parser(
+        "config",
+        help="print the effective configuration of `serve` with the same flags, as JSON",
+        description="Print what `appliance serve` with the same flags would run with, as JSON: every setting, "
+        "where it came from (flag, env, file, default), and the models with their engine settings.",
+    )
+    add_serve_arguments(config)
+    listing = sub.add_parser(
+        "devices",
+        help="list the OpenVINO devices on this machine (for --device)",
+        description="The OpenVINO devices present (CPU, GPU.0, NPU): name, optimization capabilities, details.",
+    )
+    listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
 
@@ -129,25 +154,80 @@ def options_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def _settings(args: argparse.Namespace):
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line with the --config file slotted in: flag > APPLIANCE_* > file > default (the file's rules:
+    appliance/server/config_file.py). Adds `sources` (serve flag -> flag/env/file/default), `pinned` (the values
+    the command line and environment set) and `config_loaded` (the checked file, or None)."""
+    args = build_parser().parse_args(argv)
+    if args.command not in ("serve", "config"):
+        return args
+    from appliance.server import config_file
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_serve_arguments(probe, probe=True)
+    given = vars(probe.parse_known_args(argv[argv.index(args.command) + 1 :])[0])
+    args.sources, args.pinned = {}, {}
+    for flag in SERVE_OPTIONS:
+        if flag.replace("-", "_") in given or os.environ.get(env_name(flag)):
+            args.sources[flag] = "flag" if flag.replace("-", "_") in given else "env"
+            args.pinned[flag] = getattr(args, flag.replace("-", "_"))
+    try:
+        args.config_loaded = config_file.read(args.config) if args.config else None
+    except ValueError as exc:
+        raise SystemExit(f"appliance: {exc}") from None
+    values = config_file.effective(args.config_loaded, args.pinned)
+    in_file = args.config_loaded.values if args.config_loaded else {}
+    for flag, value in values.items():
+        setattr(args, flag.replace("-", "_"), value)
+        dropped = any(flag in pair and set(pair) & set(args.pinned) for pair in config_file.ALIASES)
+        args.sources.setdefault(flag, "file" if flag in in_file and not dropped else "default")
+    return args
+
+
+def _models(args: argparse.Namespace) -> list[ModelSpec]:
+    """The served models: the --config file's model_config_list, else --model with the engine flags."""
+    loaded = getattr(args, "config_loaded", None)
+    if loaded is not None and loaded.models is not None:
+        from appliance.server import config_file
+
+        named = [
+            f"--{flag}" if args.sources[flag] == "flag" else env_name(flag)
+            for flag in ("model", "served-model-name")
+            if args.sources[flag] in ("flag", "env")
+        ]
+        if named:
+            raise SystemExit(
+                f"appliance: {' and '.join(named)} cannot go with {loaded.path}'s {config_file.MODEL_LIST}: "
+                "name each model there"
+            )
+        try:
+            return config_file.model_specs(loaded, args.pinned)
+        except ValueError as exc:
+            raise SystemExit(f"appliance: {exc}") from None
     model_dir = resolve_model(args.model)
     try:
         manifest = Manifest.load(model_dir)
     except FileNotFoundError as exc:
         hint = " (build it with `make model` or `python -m export.default_model`)" if args.model == "default" else ""
         raise SystemExit(f"appliance: {exc}{hint}") from None
-    if args.precision not in ("f32", "default"):
-        raise SystemExit("appliance: --precision must be 'f32' or 'default'")
+    created = int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime)
+    engine = engine_config(args, manifest)
+    name = args.served_model_name or manifest.name
+    return [ModelSpec(name, str(model_dir), created, engine, args.tool_parser, args.reasoning_parser)]
+
+
+def _settings(args: argparse.Namespace):
+    models = _models(args)
     if args.workers < 1 or args.threads < 1:
         raise SystemExit("appliance: --workers and --threads must be at least 1")
     if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
         raise SystemExit(
             "appliance: --request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0"
         )
-    settings = ServeSettings(
-        model_dir=str(model_dir),
-        served_model_name=args.served_model_name or manifest.name,
-        model_created=int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime),
+    settings = ServeSettings(  # model_dir, served_model_name, model_created: the first model's
+        model_dir=models[0].model_dir,
+        served_model_name=models[0].name,
+        model_created=models[0].created,
         host=args.host,
         port=args.port,
         workers=args.workers,
@@ -160,7 +240,7 @@ def _settings(args: argparse.Namespace):
         allowed_hosts=args.allowed_hosts,
         max_body_bytes=args.max_body_bytes,
         limits=_limits(args),
-        max_queued=args.max_queued,
+        max_queued=max(model.engine.max_queued for model in models),  # workers refuse what fits no model's queue
         graceful_timeout=args.graceful_timeout,
         request_timeout=args.request_timeout,
         send_timeout=args.send_timeout,
@@ -175,20 +255,36 @@ def _settings(args: argparse.Namespace):
         tool_prompt.choose_reasoning_parser(None, settings.reasoning_parser)
     except ValueError as exc:
         raise SystemExit(f"appliance: {exc}") from None
-    if settings.api_key_file and not Path(settings.api_key_file).read_text().strip():
-        raise SystemExit(f"appliance: the API key file {settings.api_key_file} is empty")
-    engine = engine_config(args, manifest)
-    settings.models = [
-        ModelSpec(
-            settings.served_model_name,
-            settings.model_dir,
-            settings.model_created,
-            engine,
-            settings.tool_parser,
-            settings.reasoning_parser,
+    auth.check_exposure(settings)  # keys, open bind, TLS files, allowed hosts: before any model loads
+    settings.models = models
+    from appliance.server.config_file import MODEL_FLAGS  # what a reload keeps from the command line
+
+    settings.startup_flags = {k: v for k, v in getattr(args, "pinned", {}).items() if k in MODEL_FLAGS}
+    return settings, models[0].engine
+
+
+def effective_config(args: argparse.Namespace) -> dict[str, Any]:
+    """`appliance config`: every serve flag's value and where it came from (flag, env, file, default), and the
+    models `serve` would load with their engine settings (a model's own key: "model")."""
+    from appliance.server.config_file import ALIASES, MODEL_FLAGS
+
+    settings, _ = _settings(args)
+    entries = args.config_loaded.models if args.config_loaded and args.config_loaded.models else [{}]
+    models = []
+    for spec, own in zip(settings.models, entries, strict=True):
+        mine = {flag for flag in MODEL_FLAGS if flag in own or any(flag in p and set(p) & set(own) for p in ALIASES)}
+        models.append(
+            {
+                **asdict(spec),
+                "sources": {flag: "model" if flag in mine else args.sources[flag] for flag in MODEL_FLAGS},
+            }
         )
-    ]
-    return settings, engine
+    return {
+        "config_file": settings.config_file,
+        "settings": {flag: getattr(args, flag.replace("-", "_")) for flag in SERVE_OPTIONS},
+        "sources": args.sources,
+        "models": models,
+    }
 
 
 def _limits(args: argparse.Namespace) -> limits.Limits:
@@ -260,7 +356,7 @@ def _static_knobs(args: argparse.Namespace, manifest, paged_only: bool) -> tuple
         )
     knobs = {
         k: getattr(args, k)
-        for k in ("static_context", "static_batch", "static_prefill_chunk")
+        for k in ("static_context", "static_batch", "static_prefill_chunk", "max_prompt_len")
         if getattr(args, k) is not None
     }
     if knobs and not slots:
@@ -268,8 +364,28 @@ def _static_knobs(args: argparse.Namespace, manifest, paged_only: bool) -> tuple
     return slots, knobs
 
 
-def engine_config(args: argparse.Namespace, manifest) -> EngineConfig:
-    """The engine's knobs from the parsed flags, checked here so a mistake is one line, not a traceback."""
+def _cache_dir(word: str, manifest) -> Path | None:
+    """--cache-dir: auto (appliance/paths.py compile_cache_dir), none (off), or a path. ONNX models have no compile
+    cache: a path given on the command line is refused, one from APPLIANCE_CACHE_DIR (box-wide) is ignored."""
+    if word.strip().lower() == "none":
+        return None
+    if manifest.backend == "onnx":
+        if word.strip().lower() != "auto" and word != os.environ.get(env_name("cache-dir")):
+            raise SystemExit("appliance: --cache-dir is OpenVINO's compiled-model cache; this is an ONNX model")
+        return None
+    cache_dir = compile_cache_dir() if word.strip().lower() == "auto" else Path(word).expanduser().resolve()
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise SystemExit(f"appliance: --cache-dir {word} is not a directory")
+    return cache_dir
+
+
+def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> EngineConfig:
+    """The engine's knobs from the parsed flags, checked here so a mistake is one line, not a traceback. `args` may
+    be a mapping of the engine flags (by flag or attribute name): one model of a config file's model_config_list."""
+    if isinstance(args, Mapping):
+        args = argparse.Namespace(**{key.replace("-", "_"): value for key, value in args.items()})
+    if args.precision not in ("f32", "default"):
+        raise SystemExit("appliance: --precision must be 'f32' or 'default'")
     for name in (
         "max_num_seqs",
         "max_num_batched_tokens",
@@ -279,6 +395,7 @@ def engine_config(args: argparse.Namespace, manifest) -> EngineConfig:
         "static_context",
         "static_batch",
         "static_prefill_chunk",
+        "max_prompt_len",
     ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SystemExit(f"appliance: --{name.replace('_', '-')} must be at least 1")
@@ -287,11 +404,7 @@ def engine_config(args: argparse.Namespace, manifest) -> EngineConfig:
         raise SystemExit("appliance: --kv-cache-precision must be u8, f16, f32 or auto")
     size = _kv_size(args)
     slots, knobs = _static_knobs(args, manifest, paged_only=size is not None or precision != "auto")
-    cache_dir = Path(args.cache_dir).expanduser().resolve() if args.cache_dir else None
-    if cache_dir and manifest.backend == "onnx":
-        raise SystemExit("appliance: --cache-dir is OpenVINO's compiled-model cache; this is an ONNX model")
-    if cache_dir and cache_dir.exists() and not cache_dir.is_dir():
-        raise SystemExit(f"appliance: --cache-dir {args.cache_dir} is not a directory")
+    cache_dir = _cache_dir(args.cache_dir, manifest)
     engine = EngineConfig(
         device=args.device,
         precision="f32" if args.precision == "f32" else None,
@@ -320,12 +433,18 @@ def main(argv: list[str] | None = None) -> int:
     if (sys.argv[1:] if argv is None else argv) == ["--options-table"]:  # the table for docs/serving.md
         print(options_table(), end="")
         return 0
-    args = build_parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.command == "config":
+        print(json.dumps(effective_config(args), indent=1))
+        return 0
     if args.command == "serve":
         from appliance.server.supervisor import serve
 
         settings, engine = _settings(args)
+        devices.require(spec.engine.device for spec in settings.models)  # one line naming those present
         return serve(settings, engine)
+    if args.command == "devices":
+        return devices.main(args.json)
     return 2
 
 

@@ -211,7 +211,8 @@ FLAGS = {
     "static-batch": (int, None),
     "static-prefill-chunk": (int, None),
     "num-threads": (int, None),
-    "cache-dir": (str, None),
+    "cache-dir": (str, "auto"),
+    "max-prompt-len": (int, None),
     "max-tokens-limit": (int, None),
     "max-prompts": (int, 256),
     "max-n": (int, 20),
@@ -242,15 +243,18 @@ def test_every_flag_is_a_declared_field():
         assert option.help == f.metadata["help"] and "|" not in option.help
 
 
-def test_python_api_and_serve_share_their_defaults_but_the_kv_pool():
-    """`EngineConfig()` and a bare `appliance serve` configure the same engine, except the KV pool: a fixed token
-    count for the library, auto for the server (said once, at EngineConfig.kv_cache_tokens)."""
+def test_python_api_and_serve_share_their_defaults_but_the_kv_pool_and_the_compile_cache():
+    """`EngineConfig()` and a bare `appliance serve` configure the same engine, except the KV pool (a fixed token
+    count for the library, auto for the server) and the compile cache (off for the library, on for the server):
+    said once, at EngineConfig.kv_cache_tokens and EngineConfig.cache_dir."""
     from dataclasses import asdict
 
     from appliance.config import EngineConfig
+    from appliance.paths import compile_cache_dir
 
     served, api = asdict(config()), asdict(EngineConfig())
-    assert {k for k in api if served[k] != api[k]} == {"kv_cache_tokens"}
+    assert {k for k in api if served[k] != api[k]} == {"kv_cache_tokens", "cache_dir"}
+    assert served["cache_dir"] == str(compile_cache_dir()) and api["cache_dir"] is None
     assert served["kv_cache_tokens"] is None and served["kv_cache_bytes"] is None and api["kv_cache_tokens"] > 0
 
 

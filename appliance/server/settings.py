@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from appliance.config import EngineConfig
 from appliance.limits import Limits, setting
@@ -124,6 +125,9 @@ class ServeSettings:
     # the served models (ModelSpec above); a plain `serve` has one: model_dir / served_model_name / model_created
     # and the engine flags
     models: list[ModelSpec] = field(default_factory=list)
+    # the engine and parser flags given on the command line or in APPLIANCE_* at start-up (flag name -> value): a
+    # config reload applies them over the re-read file, as start-up did (appliance/server/config_file.py)
+    startup_flags: dict[str, Any] = field(default_factory=dict)
     runtime_dir: str = ""
     supervisor_pid: int = 0
 
