@@ -5,15 +5,21 @@ maps it onto gunicorn. gthread workers: a streaming response holds a thread, not
 mostly wait on the engine socket, so a few processes with many threads each serve many clients. The worker class
 is gthread's with edge timeouts (appliance/server/worker.py): requests are read without a thread, under
 --request-timeout; writes are bounded by --send-timeout; health probes have their own threads.
+
+TLS (--tls-certfile/--tls-keyfile) is gunicorn's own certfile/keyfile, HTTP/1.1 only (no ALPN h2); the worker does
+the handshakes in its event loop, under --request-timeout (worker.py). Terminating TLS here rather than in a proxy
+keeps the edge box one process tree; a proxy in front remains the choice for ACME renewal or client certificates.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
 
+from appliance.server import auth
 from appliance.server.logs import dict_config
 from appliance.server.settings import ServeSettings
 
@@ -33,6 +39,8 @@ control_socket_disable = True  # gunicorn's default control socket path is share
 accesslog = "-" if _settings.access_log else None
 loglevel = _settings.log_level
 logconfig_dict = dict_config(_settings.log_level, _settings.access_log)
+certfile = _settings.tls_certfile
+keyfile = _settings.tls_keyfile
 
 _PR_SET_PDEATHSIG = 1
 
@@ -44,3 +52,12 @@ def on_starting(server) -> None:
     if _settings.supervisor_pid and os.getppid() != _settings.supervisor_pid:
         server.log.error("the engine process is gone before gunicorn started")
         sys.exit(1)
+
+
+def when_ready(server) -> None:
+    """Listening: an open, unauthenticated server says so at every start (appliance/server/auth.py)."""
+    warning = auth.exposure_warning(_settings)
+    if warning:
+        logging.getLogger("appliance.serve").warning(
+            warning, extra={"host": _settings.host, "url": auth.base_url(_settings), "event": "unauthenticated"}
+        )

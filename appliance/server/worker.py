@@ -31,9 +31,19 @@ through: new, kept-alive, or with pipelined bytes left in its parser):
   the peer closes, up to 2 s) on the event-loop thread: a peer that never closes stalls every connection of the
   worker. Here the lingering read is non-blocking, in the loop, with the same bounds.
 
+* **TLS handshakes too** (--tls-certfile). gunicorn wraps the socket in the thread and handshakes with a blocking
+  socket and no timeout: a client that opens a connection and sends part of a ClientHello (or nothing, after the
+  first byte) holds a thread forever. Here the handshake is non-blocking in the event loop, under the same
+  `request_timeout` as the request it precedes (one deadline from the connection's start), and the request is
+  then read as above, decrypted. A plain-HTTP request to the TLS port is answered 400 in clear text ("use
+  https://") and closed. One SSL context per worker (gunicorn builds one per connection, reloading the key).
+  Bounds that differ: Python's `SSLSocket.sendall` applies `send_timeout` to each record written, not to the
+  whole call, so a client reading a little every `send_timeout` seconds is not cut off; the small send buffer of
+  a stream still bounds what it holds.
+
 Idle kept-alive connections stay in gunicorn's poller, without a thread, for `keepalive` seconds. Connections per
-worker stay bounded by `worker_connections` (the loop stops accepting there). TLS and HTTP/2 prior knowledge are
-not used by the appliance; if configured, connections take gunicorn's own path.
+worker stay bounded by `worker_connections` (the loop stops accepting there). HTTP/2 (prior knowledge, h2c, ALPN)
+is not used by the appliance; if configured, connections take gunicorn's own path.
 """
 
 from __future__ import annotations
@@ -41,11 +51,14 @@ from __future__ import annotations
 import errno
 import selectors
 import socket
+import ssl
 import struct
 import time
 from concurrent import futures
 from functools import partial
 
+from gunicorn import http
+from gunicorn import sock as gsock
 from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
@@ -59,6 +72,14 @@ LINGER_SECONDS = 2.0  # graceful close: how long (and how much) we read after ou
 LINGER_BYTES = 64 * 1024
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 _HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+_HTTPS_ONLY = (
+    b'{"error": {"message": "This port speaks HTTPS: use https://", "type": "invalid_request_error", '
+    b'"param": null, "code": "https_required"}}'
+)
+_PLAIN_ON_TLS = (
+    b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\nContent-Type: application/json\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_HTTPS_ONLY), _HTTPS_ONLY)
+)
 
 
 def read_budget(max_body_bytes: int) -> int:
@@ -135,6 +156,8 @@ def chunked_end(buf: bytes | bytearray, pos: int) -> tuple[int, bool]:
 class EdgeConn(TConn):
     """A gthread connection with the bytes read for it so far and the deadline of its request."""
 
+    initialized: bool  # TConn's
+
     def __init__(self, cfg, sock, client, server) -> None:
         super().__init__(cfg, sock, client, server)
         self.buf = bytearray()
@@ -142,15 +165,20 @@ class EdgeConn(TConn):
         self.chunk_pos = 0
         self.deadline = 0.0
         self.reset = False  # close with RST, not gracefully: the client stopped reading
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.handshaking = self.tls  # wrapped, handshake not done yet
 
-    def start_request(self, timeout: float) -> None:
+    def start_request(self, timeout: float, deadline: float | None = None) -> None:
         if self.parser is not None:  # bytes of a pipelined request, read ahead by the last one's parser
             self.buf = bytearray(self.parser.unreader.take_buffered())
         self.head, self.chunk_pos = None, 0
-        self.deadline = time.monotonic() + timeout
+        self.deadline = deadline or time.monotonic() + timeout
 
     def init(self) -> None:
         """In the thread, before parsing: hand the buffered request to gunicorn's parser; bound any further read."""
+        if self.tls and not self.initialized:  # the event loop did the TLS handshake: gunicorn must not wrap again
+            self.initialized = True
+            self.parser = http.get_parser(self.cfg, self.sock, self.client)
         super().init()
         if self.buf:
             self.parser.unreader.unread(bytes(self.buf))
@@ -166,6 +194,7 @@ class EdgeWorker(ThreadWorker):
         self.reading: dict[EdgeConn, None] = {}  # insertion order = deadline order
         self.lingering: dict[EdgeConn, float] = {}
         self.probe_pool: futures.ThreadPoolExecutor | None = None
+        self.tls_context: ssl.SSLContext | None = None
 
     def init_process(self):
         """In the forked worker (gunicorn builds the worker object in the arbiter)."""
@@ -173,6 +202,7 @@ class EdgeWorker(ThreadWorker):
         self.request_timeout, self.send_timeout = settings.request_timeout, settings.send_timeout
         self.max_body, self.budget = settings.max_body_bytes, read_budget(settings.max_body_bytes)
         self.probe_pool = futures.ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
+        self.tls_context = gsock.ssl_context(self.cfg) if self.cfg.is_ssl else None
         super().init_process()
 
     # ---- every connection enters here
@@ -183,20 +213,60 @@ class EdgeWorker(ThreadWorker):
             if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
             return
+        if self.tls_context is not None:
+            try:
+                client_sock = self.tls_context.wrap_socket(
+                    client_sock,
+                    server_side=True,
+                    do_handshake_on_connect=False,
+                    suppress_ragged_eofs=self.cfg.suppress_ragged_eofs,
+                )
+            except OSError:
+                client_sock.close()
+                return
         self.nr_conns += 1
         self.enqueue_req(EdgeConn(self.cfg, client_sock, client_addr, listener.getsockname()))
 
     def enqueue_req(self, conn):
-        if self.cfg.is_ssl or conn.is_http2 or negotiation.prior_knowledge_allowed(self.cfg, conn.client):
+        if conn.is_http2 or negotiation.prior_knowledge_allowed(self.cfg, conn.client):
             conn.deadline = time.monotonic() + self.request_timeout
             return self._dispatch(conn, self.tpool)
-        conn.start_request(self.request_timeout)
+        if conn.handshaking:
+            conn.deadline = time.monotonic() + self.request_timeout
+            self.reading[conn] = None
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_handshake, conn))
+            return
+        self._read_request(conn)
+
+    def _read_request(self, conn: EdgeConn, deadline: float | None = None) -> None:
+        conn.start_request(self.request_timeout, deadline)
         conn.sock.setblocking(False)
         self.buffered += len(conn.buf)
         self.reading[conn] = None
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_readable, conn))
-        if conn.buf:  # a pipelined request may be complete already
+        if conn.tls:  # decrypted bytes may wait in the SSL object, where the poller cannot see them
+            self._on_readable(conn, None)
+        elif conn.buf:  # a pipelined request may be complete already
             self._advance(conn)
+
+    # ---- the TLS handshake in the event loop
+    def _on_handshake(self, conn: EdgeConn, _fileobj) -> None:
+        try:
+            conn.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self.poller.modify(conn.sock, selectors.EVENT_READ, partial(self._on_handshake, conn))
+            return
+        except ssl.SSLWantWriteError:
+            self.poller.modify(conn.sock, selectors.EVENT_WRITE, partial(self._on_handshake, conn))
+            return
+        except ssl.SSLError as exc:  # not TLS, or no common ground: nothing a thread could serve
+            self.log.debug("TLS handshake failed with %s: %s", conn.client, exc)
+            return self._drop(conn, _PLAIN_ON_TLS if exc.reason == "HTTP_REQUEST" else b"", clear=True)
+        except OSError:
+            return self._drop(conn)
+        conn.handshaking = False
+        self._stop_reading(conn)
+        self._read_request(conn, conn.deadline)  # one deadline for handshake and request
 
     def _dispatch(self, conn, pool) -> None:
         conn.data_ready = True
@@ -208,7 +278,7 @@ class EdgeWorker(ThreadWorker):
         while True:
             try:
                 data = conn.sock.recv(READ_CHUNK)
-            except (BlockingIOError, InterruptedError):
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 break
             except OSError:
                 return self._drop(conn)
@@ -218,7 +288,7 @@ class EdgeWorker(ThreadWorker):
                 return self._drop(conn, _BUSY)
             conn.buf += data
             self.buffered += len(data)
-            if len(data) < READ_CHUNK:
+            if len(data) < READ_CHUNK and not conn.tls:  # TLS: read on until the SSL object is empty too
                 break
         self._advance(conn)
 
@@ -250,12 +320,13 @@ class EdgeWorker(ThreadWorker):
         except (KeyError, ValueError, OSError):
             pass
 
-    def _drop(self, conn: EdgeConn, answer: bytes = b"") -> None:
+    def _drop(self, conn: EdgeConn, answer: bytes = b"", clear: bool = False) -> None:
+        """Closes a connection still being read, after a short answer (`clear`: past TLS, on the raw socket)."""
         self._stop_reading(conn)
         self.nr_conns -= 1
         if answer:
             try:
-                conn.sock.send(answer)
+                (partial(socket.socket.send, conn.sock) if clear else conn.sock.send)(answer)
             except OSError:
                 pass
         self._retire(conn)

@@ -1,0 +1,213 @@
+"""Safe exposure (appliance/server/auth.py, the EdgeWorker's TLS path): API keys, the refusal of an open bind,
+the Host allow-list, TLS. Two real servers on the tiny llama export: one guarded (several keys, allowed hosts,
+TLS with a self-signed certificate made here, threads and request timeout small so a held thread would show) and
+one open on 0.0.0.0 with --allow-unauthenticated; the refusal is a plain `appliance serve` that must exit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import requests
+from conftest import Server
+
+from appliance.server import auth
+from appliance.server.settings import ServeSettings
+from appliance.testing.loopback import ROOT
+
+KEYS = ["first-" + "a" * 24, "second-" + "b" * 24]
+NAME = "appliance.test"
+REQUEST_TIMEOUT = 2  # the guarded server's: stalled TLS handshakes are closed after this
+
+
+def make_cert(folder: Path) -> tuple[Path, Path]:
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["/usr/bin/openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={NAME}"]
+        + ["-addext", f"subjectAltName=DNS:{NAME},IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+class TlsServer(Server):
+    """The conftest Server over https: readiness and the tests verify against the self-signed certificate."""
+
+    def __init__(self, model_dir: Path, log_path: Path, cert: Path, *args: str):
+        super().__init__(model_dir, log_path, *args)
+        self.base = f"https://127.0.0.1:{self.port}"
+        self.cert = cert
+
+    def wait_ready(self) -> None:
+        os.environ["REQUESTS_CA_BUNDLE"] = str(self.cert)  # LoopbackServer's readiness poll uses requests
+        try:
+            super().wait_ready()
+        finally:
+            del os.environ["REQUESTS_CA_BUNDLE"]
+
+
+@pytest.fixture(scope="module")
+def tiny_export(exported) -> Path:
+    return exported("llama", "openvino", "fp32")[0]
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny_export, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("exposure")
+    cert, key = make_cert(folder)
+    keys = folder / "keys"
+    keys.write_text(f"# clients of the lab\n{KEYS[0]}\n\n  {KEYS[1]}  \n")
+    args = ["--api-key-file", str(keys), "--tls-certfile", str(cert), "--tls-keyfile", str(key)]
+    args += ["--allowed-hosts", f"{NAME},.example.org", "--threads", "2", "--request-timeout", str(REQUEST_TIMEOUT)]
+    with TlsServer(tiny_export, folder / "serve.log", cert, *args) as srv:
+        yield srv
+
+
+def get(srv: TlsServer, path: str, key: str | None = KEYS[0], **headers: str) -> requests.Response:
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    return requests.get(srv.base + path, headers=headers, verify=srv.cert, timeout=30)
+
+
+def keyed_client(srv: TlsServer, key: str) -> openai.OpenAI:
+    http_client = httpx.Client(verify=ssl.create_default_context(cafile=str(srv.cert)), timeout=60)
+    return openai.OpenAI(base_url=srv.base + "/v3", api_key=key, max_retries=0, http_client=http_client)
+
+
+def test_every_key_works_and_nothing_else(guarded):
+    for key in KEYS:
+        assert get(guarded, "/v3/models", key).status_code == 200
+    for wrong in (None, "wrong", KEYS[0][:-1], KEYS[0] + "x", KEYS[1][:8]):  # prefixes and extensions of a key too
+        r = get(guarded, "/v3/models", wrong)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (wrong, r.text)
+    r = requests.get(guarded.base + "/v3/models", headers={"Authorization": f"Basic {KEYS[0]}"}, verify=guarded.cert)
+    assert r.status_code == 401
+
+
+def test_host_allow_list(guarded):
+    r = get(guarded, "/v3/models", Host="evil.example")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    assert get(guarded, "/v3/models", Host="evil.example", key="wrong").status_code == 400  # before the key
+    for host in (NAME, f"{NAME.upper()}:{guarded.port}", "example.org", "api.example.org", "127.0.0.1"):
+        assert get(guarded, "/v3/models", Host=host).status_code == 200, host
+    assert get(guarded, "/v2/health/ready", key=None, Host="10.1.2.3:8000").status_code == 200  # kubelet's probe
+
+
+def test_openai_client_over_tls(guarded):
+    models = keyed_client(guarded, KEYS[1]).models.list()
+    reply = keyed_client(guarded, KEYS[1]).completions.create(model=models.data[0].id, prompt="Hello", max_tokens=3)
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    stream = keyed_client(guarded, KEYS[0]).chat.completions.create(
+        model=models.data[0].id, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
+    )
+    assert [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_plain_http_on_the_tls_port_is_told_and_the_server_goes_on(guarded):
+    r = requests.get(f"http://127.0.0.1:{guarded.port}/v2/health/ready", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "https_required"
+    assert get(guarded, "/v2/health/ready", key=None).status_code == 200
+
+
+def test_stalled_tls_handshakes_hold_no_thread_and_are_closed(guarded):
+    """More half-handshakes than the worker has threads (2): a completion still runs at once, and the server closes
+    them after --request-timeout. gunicorn's own TLS path would block both threads in do_handshake forever."""
+    stalled = []
+    for _ in range(4):
+        s = socket.create_connection(("127.0.0.1", guarded.port))
+        s.sendall(b"\x16\x03\x01\x02\x00\x01")  # the start of a ClientHello, then nothing
+        stalled.append(s)
+    try:
+        started = time.monotonic()
+        client = keyed_client(guarded, KEYS[0])
+        model = client.models.list().data[0].id
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=2).choices[0].text is not None
+        for s in stalled:
+            s.settimeout(REQUEST_TIMEOUT + 10)
+            try:
+                assert s.recv(1024) == b""  # closed by the server (FIN)
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - started < REQUEST_TIMEOUT + 8
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def serve_command(model: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model), *args]
+
+
+def clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    return {**env, "PYTHONPATH": str(ROOT)}
+
+
+def test_open_bind_without_a_key_is_refused_before_loading(tiny_export):
+    started = time.monotonic()
+    done = subprocess.run(
+        serve_command(tiny_export, "--host", "0.0.0.0", "--port", "1"),
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "--api-key-file" in done.stderr and "--allow-unauthenticated" in done.stderr, done.stderr
+    assert "loading model" not in done.stderr + done.stdout
+    assert time.monotonic() - started < 30
+
+
+def test_open_bind_with_the_flag_serves_and_warns(tiny_export, tmp_path):
+    with Server(tiny_export, tmp_path / "serve.log", "--host", "0.0.0.0", "--allow-unauthenticated") as srv:
+        assert requests.get(srv.base + "/v3/models", timeout=30).status_code == 200
+        warnings = [line for line in srv.output().splitlines() if '"level": "warning"' in line]
+        assert any("without an API key" in line and '"host": "0.0.0.0"' in line for line in warnings), srv.output()
+
+
+# ---------------------------------------------------------------- auth.py alone
+
+
+def test_host_part_and_patterns():
+    assert auth.host_part("Example.COM.:8000") == "example.com"
+    assert auth.host_part("[::1]:8000") == auth.host_part("[::1]") == "::1"
+    assert auth.host_allowed("[2001:db8::1]:80", "[2001:db8::1]")
+    assert auth.host_allowed("a.b.example.org", ".example.org") and auth.host_allowed("example.org", ".example.org")
+    assert not auth.host_allowed("badexample.org", ".example.org")
+    assert not auth.host_allowed(None, "x") and auth.host_allowed("anything", "*") and auth.host_allowed("x", None)
+    assert auth.host_allowed("localhost:8000", "x")  # loopback names: a rebinding page cannot send them
+
+
+def settings(**fields) -> ServeSettings:
+    return ServeSettings(model_dir="m", served_model_name="m", model_created=0, **fields)
+
+
+def test_start_up_checks(tmp_path):
+    for host in ("127.0.0.1", "::1", "localhost", "127.1.2.3"):
+        assert auth.exposure_problem(host, False, False) is None
+    for host in ("0.0.0.0", "::", "192.168.1.5", "box.lan", ""):
+        assert auth.exposure_problem(host, False, False) is not None
+        assert auth.exposure_problem(host, True, False) is None and auth.exposure_problem(host, False, True) is None
+    empty, spaced = tmp_path / "empty", tmp_path / "spaced"
+    empty.write_text("# only a comment\n\n")
+    spaced.write_text("good-key\nbad key\n")
+    for path, words in ((empty, "holds no key"), (spaced, "key 2"), (tmp_path / "missing", "cannot read")):
+        with pytest.raises(SystemExit, match=words):
+            auth.check_exposure(settings(api_key_file=str(path)))
+    cert, key = make_cert(tmp_path)
+    with pytest.raises(SystemExit, match="go together"):
+        auth.check_exposure(settings(tls_certfile=str(cert)))
+    with pytest.raises(SystemExit, match="do not load"):
+        auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(cert)))
+    auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(key)))
+    assert auth.base_url(settings(host="::1", port=1, tls_certfile="c")) == "https://[::1]:1"
