@@ -3,8 +3,8 @@
 appliance/cli.py derives the flag, its APPLIANCE_* variable, its help and docs/serving.md's Options table from it.
 
 Where a flag's default differs from the field's, the field says so (`cli=`): the CLI needs "not given" to refuse a
-flag that cannot act (the --static-* knobs off static shapes), or a word it converts ("auto", "default"). The one
-deliberate difference in behaviour is the KV pool: see `kv_cache_tokens`."""
+flag that cannot act (the --static-* knobs off static shapes), or a word it converts ("auto", "default"). The two
+deliberate differences in behaviour are the KV pool (`kv_cache_tokens`) and the compile cache (`cache_dir`)."""
 
 from __future__ import annotations
 
@@ -94,9 +94,37 @@ class EngineConfig:
         cli=None,
     )
     num_threads: int | None = setting(None, "inference threads (CPU)", flag="num-threads", show="the runtime's")
+    # OpenVINO's compile cache (CACHE_DIR): a later load of the same model, device and settings reads the compiled
+    # blob instead of compiling (docs/deploy.md has the start-up times). `appliance serve` turns it on by default
+    # (cli "auto": <APPLIANCE_DATA_DIR>/cache/openvino, appliance/paths.py); the Python API leaves it off: a library
+    # shares its caller's disk, every distinct model x device x shape x precision it compiles adds a blob as large
+    # as the weights (~270 MB for the default fp16 model) and nothing evicts them, while a server compiles the same
+    # few configurations at every start. An unwritable directory turns the cache off with a warning (a read-only
+    # box still serves). ONNX models ignore it, and so does the paged graph on CPU (`compile_cache` says why).
     cache_dir: str | None = setting(
-        None, "OpenVINO compiled-model cache directory: faster restarts (OpenVINO models only)", flag="cache-dir"
+        None,
+        "OpenVINO compiled-model cache directory, for faster restarts (static shapes / NPU, GPU): a path, auto, "
+        "or none (off)",
+        flag="cache-dir",
+        cli="auto",
+        show="auto: <APPLIANCE_DATA_DIR>/cache/openvino (EngineConfig(): none)",
     )
+    # OVMS's max_prompt_len (the NPU plugin's MAX_PROMPT_LEN, default 1024): on static shapes a longer prompt is
+    # refused with a 400 naming this limit. The KV slot (static_context) must hold the prompt and the answer.
+    max_prompt_len: int = setting(
+        1024,
+        "static shapes (NPU): longest prompt in tokens, longer ones get a 400 (OVMS's max_prompt_len)",
+        flag="max-prompt-len",
+        cli=None,
+    )
+
+    def compile_cache(self) -> str | None:
+        """cache_dir where OpenVINO can use it: static shapes (NPU, --static) on any device, the paged graph on GPU.
+        The CPU plugin cannot import its own paged-attention blob (the PagedAttention nodes lose their k_head_size /
+        num_k_heads runtime info on export), so it compiled anew at every start and rewrote the 270 MB blob, 36%
+        slower than no cache (docs/deploy.md): there the cache stays off."""
+        device = self.device.upper()
+        return self.cache_dir if self.static or device.startswith(("NPU", "GPU")) else None
 
     def kv_precision(self) -> str | None:
         if self.kv_cache_precision:

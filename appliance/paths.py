@@ -13,6 +13,11 @@ def data_dir() -> Path:
     return Path(os.environ.get("APPLIANCE_DATA_DIR", Path.home() / ".cache" / "appliance")).expanduser()
 
 
+def compile_cache_dir() -> Path:
+    """`appliance serve`'s default OpenVINO compile cache (EngineConfig.cache_dir, --cache-dir auto)."""
+    return data_dir() / "cache" / "openvino"
+
+
 def default_model_root() -> Path:
     """Holds `hf/` (the HF folder built from the GGUF) and one folder per export, e.g. `openvino-fp16/`."""
     return data_dir() / "models" / DEFAULT_MODEL_SLUG

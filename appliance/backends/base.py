@@ -39,6 +39,7 @@ class Backend(ABC):
     num_blocks: int  # blocks in the pool the backend allocated once at load
     max_batch: int | None = None  # fixed number of sequences per call (static shapes), None if dynamic
     max_context: int  # longest sequence the KV layout can hold
+    max_prompt: int | None = None  # longest prompt (static shapes: OVMS's max_prompt_len), None: max_context's
 
     @abstractmethod
     def forward(self, batch: StepBatch) -> np.ndarray: ...

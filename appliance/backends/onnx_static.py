@@ -83,6 +83,7 @@ class OnnxBackend(StaticSlotBackend):
             min(config.static_context, manifest.max_context),
             config.static_prefill_chunk,
         )
+        self.max_prompt = config.max_prompt_len  # OVMS's NPU rule: longer prompts get a 400
         self.inputs = {i.name for i in self.session.get_inputs()}
         log.info(
             "onnx static KV: %d slots x %d positions, %.1f MB",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 
+from appliance import devices
 from appliance.backends.base import DeviceError
 
 if TYPE_CHECKING:
@@ -26,15 +28,10 @@ def core() -> ov.Core:
 
 def check_device(device: str) -> None:
     """Fail early and plainly when e.g. NPU or GPU is asked for on a machine without one."""
-    wanted = device.split(":", 1)[-1] if ":" in device else device
     available = core().available_devices
-    for name in wanted.replace("(", ",").replace(")", "").split(","):
-        name = name.strip().upper()
-        if not name or name in ("AUTO", "HETERO", "MULTI"):
-            continue
-        base = name.split(".")[0]
-        if not any(d.upper().split(".")[0] == base for d in available):
-            raise DeviceError(f"device {name} is not available on this machine (found: {', '.join(available)})")
+    absent = devices.missing(device, available)
+    if absent:
+        raise DeviceError(f"device {absent[0]} is not available on this machine (found: {', '.join(available)})")
 
 
 def compile_properties(config: EngineConfig, *, kv_precision: bool = True) -> dict[str, Any]:
@@ -47,9 +44,27 @@ def compile_properties(config: EngineConfig, *, kv_precision: bool = True) -> di
             props["KV_CACHE_PRECISION"] = kv
     if config.num_threads and config.device.upper() == "CPU":
         props["INFERENCE_NUM_THREADS"] = config.num_threads
-    if config.cache_dir:
-        props["CACHE_DIR"] = str(config.cache_dir)
+    cache = config.compile_cache()
+    cache = usable_cache_dir(cache) if cache else None
+    if cache:
+        props["CACHE_DIR"] = cache
     return props
+
+
+def usable_cache_dir(path: str) -> str | None:
+    """The compile cache directory, created if need be, or None (with a warning) when it cannot be written: a
+    read-only box still serves, it only compiles at every start. OpenVINO itself would fail the compilation."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        log.warning(
+            "compile cache disabled: its directory is not writable; every start compiles",
+            extra={"cache_dir": path, "error": str(exc)},
+        )
+        return None
+    return str(path)
 
 
 def read_model(model_dir: Path, model_file: str) -> ov.Model:

@@ -77,6 +77,7 @@ class OpenVINOStaticBackend(StaticSlotBackend):
             length,
             config.static_prefill_chunk,
         )
+        self.max_prompt = config.max_prompt_len  # OVMS's NPU rule: longer prompts get a 400
         self._model, self._props, self._device = model, compile_properties(config, kv_precision=False), config.device
         self._kv_shape = (manifest.num_kv_heads, length, manifest.head_dim)
         self.requests = {}

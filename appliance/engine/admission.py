@@ -107,6 +107,12 @@ class Admission(EngineState):
         """The prompt's checks, made on the caller's thread (400 before anything is queued), then the Sequence."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        cap = self.backend.max_prompt
+        if cap is not None and len(prompt_ids) > cap:  # static shapes (NPU): OVMS's max_prompt_len
+            raise PromptTooLong(
+                f"Number of prompt tokens: {len(prompt_ids)} exceeds the maximum prompt length of this server: "
+                f"{cap} (static shapes / NPU: --max-prompt-len, OVMS's max_prompt_len)"
+            )
         limit = self.max_context
         params = resolve_prompt_limits(params, len(prompt_ids), limit)  # max/min_total_tokens, min_tokens -1
         if params.grammar is not None:  # compiled here, off the engine thread (cached per grammar): 400 if invalid
