@@ -419,10 +419,17 @@ class StubEngine:
         self.fail_with = fail_with
         self.records = []
 
-    def status(self):
-        return self._status
+    def status(self, model: str = ""):
+        from appliance.server.protocol import EngineStatus
+
+        return self._status if model == MODEL else EngineStatus("unknown", f"The model `{model}` does not exist")
 
     serving_status = status
+
+    def models(self):
+        from appliance.server.protocol import ModelInfo
+
+        return [ModelInfo(MODEL, 1, self._status.state)]
 
     def open_job(self, job):
         raise self.fail_with
@@ -847,7 +854,7 @@ def submit(job_fields: dict, params_fields: dict, limits: Limits = Limits()):
         ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1, limits=limits), ServerMetrics()
     )
     runtime = StubRuntime()
-    service.engine = runtime
+    service.attach(runtime, "CPU")  # type: ignore[arg-type]
     job = Job(
         **{
             "request_id": "r",

@@ -317,10 +317,10 @@ def test_engine_status_names_the_parsers():
     engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{% if tools %}[TOOL_CALLS]{% endif %}<think>"))
     settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0)
     auto = EngineService(settings, ServerMetrics())
-    auto.engine = engine  # type: ignore[assignment]
+    auto.attach(engine, "CPU")  # type: ignore[arg-type]
     assert auto.parsers() == ("mistral", "think")
     forced = EngineService(replace(settings, tool_parser="hermes", reasoning_parser="none"), ServerMetrics())
-    forced.engine = engine  # type: ignore[assignment]
+    forced.attach(engine, "CPU")  # type: ignore[arg-type]
     assert forced.parsers() == ("hermes", "none")
 
 

@@ -2,18 +2,21 @@
 
 Data flows one way: HTTP body -> validation (typed request) -> Job -> engine process -> chunks -> Shape ->
 JSON / SSE. No model, tokenizer or numpy in here: a worker is a thin translator, so N workers cost little.
+
+Several models: the engine process serves every configured model; a request's `model` picks one (an unknown name
+is 404 model_not_found), /v3/models and /v1/config list them all, as the engine reports them now (a reload may
+have changed the set).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
 import uuid
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import cast
+from typing import NoReturn, cast
 
 from flask import Flask, Response, g, request
 from flask.json.provider import DefaultJSONProvider
@@ -31,8 +34,9 @@ from appliance.openai_api.validation import (
     parse_tokenize,
     sampling_params,
 )
+from appliance.server import auth
 from appliance.server.client import EngineClient, EngineUnavailable
-from appliance.server.protocol import EngineStatus, HttpRecord
+from appliance.server.protocol import EngineStatus, HttpRecord, ModelInfo
 from appliance.server.settings import ServeSettings
 
 log = logging.getLogger("appliance.http")
@@ -50,16 +54,17 @@ class Api:
 
     def __init__(self, settings: ServeSettings, client: EngineClient, api_key: str | None):
         self.settings, self.client, self.api_key = settings, client, api_key
-        self.name = settings.served_model_name
         self.limits = replace(settings.limits, max_queued=settings.max_queued)  # the bounds every request keeps
 
     # ---- guards
     def authorize(self) -> None:
-        if self.api_key is None or request.path in OPEN_PATHS:
+        """The Host allow-list, then the API key (appliance/server/auth.py); probes skip both (its docstring)."""
+        if request.path in OPEN_PATHS:
             return
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        if not auth.host_allowed(request.headers.get("Host"), self.settings.allowed_hosts):
+            raise ApiError(400, "Invalid Host header: this server does not answer for that name", code="invalid_host")
+        keys = auth.api_keys(self.settings.api_key_file)
+        if keys is not None and not keys.accepts(request.headers.get("Authorization", "")):
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
 
     @staticmethod
@@ -72,20 +77,13 @@ class Api:
         except (ValueError, RecursionError):
             raise ApiError(400, "Request body is not valid JSON") from None
 
-    def ready_status(self, fresh: bool = True) -> EngineStatus:
-        """Probes and /v1/config ask the engine now (fresh); requests use the kept ready status (serving_status)."""
-        status = self.client.status() if fresh else self.client.serving_status()
+    def ready_status(self, model: str, fresh: bool = True) -> EngineStatus:
+        """Model `model`'s status if it can serve (ApiError otherwise: 404 for no such model, 503 not ready).
+        Probes ask the engine now (fresh); requests use the kept ready status (serving_status)."""
+        status = self.client.status(model) if fresh else self.client.serving_status(model)
         if status.ready:
             return status
-        if status.state == "failed":
-            raise ApiError(503, f"The model cannot serve: {status.error}", code="model_failed")  # load or engine
-        if status.state == "stopping":
-            raise ApiError(503, "The server is shutting down", code="shutting_down")
-        raise ApiError(503, "The model is loading; retry when /v2/health/ready answers 200", code="model_not_ready")
-
-    def check_model(self, model: str) -> None:
-        if model != self.name:
-            raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+        _not_serving(model, status.state, status.error)
 
     # ---- generation endpoints
     def completions(self):
@@ -96,24 +94,24 @@ class Api:
 
     def chat(self):
         req = parse_chat(self.json_body(), self.limits)
-        self.check_model(req.gen.model)
-        status = self.ready_status(fresh=False)  # its parsers: how this model writes tool calls and reasoning
+        # its parsers: how this model writes tool calls and reasoning
+        status = self.ready_status(req.gen.model, fresh=False)
         shape = ChatShape.for_request(req, status.tool_parser, status.reasoning_parser)
         return self.generate(req.gen, lambda params, rid: chat_job(req, params, rid, status.tool_parser), shape)
 
     def generate(self, gen: GenerationRequest, make_job, shape):
-        self.check_model(gen.model)
-        status = self.ready_status(fresh=False)
+        status = self.ready_status(gen.model, fresh=False)
         if gen.unknown:
             log.debug("ignored unknown request fields", extra={"fields": list(gen.unknown)})
         request_id = shape.id_prefix + uuid.uuid4().hex
         g.request_id = request_id
         job = make_job(sampling_params(gen, status.generation_defaults), request_id)
+        job.model = gen.model
         sock = request.environ.get("gunicorn.socket")
         meta = Meta(
             request_id,
             int(time.time()),
-            self.name,
+            gen.model,
             f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower(),
         )
         generation = Generation(
@@ -136,51 +134,84 @@ class Api:
 
     def tokenize(self):
         req = parse_tokenize(self.json_body(), self.limits)
-        self.check_model(req.model)
-        self.ready_status(fresh=False)
-        reply = self.client.tokenize(list(req.prompts))
+        self.ready_status(req.model, fresh=False)
+        reply = self.client.tokenize(req.model, list(req.prompts))
         if reply.error is not None:
             raise ApiError(reply.error.status, reply.error.message, code=reply.error.code)
         return {"tokens": reply.value if req.batched else reply.value[0]}
 
     # ---- model listing, health, config, metrics
-    def model_object(self) -> dict:
-        return {"id": self.name, "object": "model", "created": self.settings.model_created, "owned_by": "OVMS"}
+    @staticmethod
+    def model_object(info: ModelInfo) -> dict:
+        return {"id": info.name, "object": "model", "created": info.created, "owned_by": "OVMS"}
 
     def models(self):
-        return {"object": "list", "data": [self.model_object()]}
+        return {"object": "list", "data": [self.model_object(m) for m in self.client.models()]}
 
     def model(self, model_id: str):
-        self.check_model(model_id)
-        return self.model_object()
+        info = next((m for m in self.client.models() if m.name == model_id), None)
+        if info is None:
+            _not_serving(model_id, "unknown", None)
+        return self.model_object(info)
 
     def live(self):
         return {}
 
     def ready(self):
-        self.ready_status()
+        """OVMS: the server is ready when every configured model is."""
+        for info in self.client.models():
+            if info.state != "ready":
+                _not_serving(info.name, info.state, info.error)
         return {}
 
     def model_ready(self, name: str):
-        self.check_model(name)
-        self.ready_status()
+        self.ready_status(name)
         return {}
 
-    def config(self):
-        status = self.client.status()
-        state = {"ready": "AVAILABLE", "loading": "LOADING", "stopping": "UNLOADING"}.get(status.state, "END")
-        code, message = ("OK", "OK") if status.state != "failed" else ("UNKNOWN", status.error or "load failed")
-        return {
-            self.name: {
+    def config_body(self, models: list[ModelInfo]) -> dict:
+        """OVMS's /v1/config: each model's model_version_status (and, beside it, the effective limits)."""
+        body = {}
+        for info in models:
+            state = {"ready": "AVAILABLE", "loading": "LOADING", "stopping": "UNLOADING"}.get(info.state, "END")
+            code, message = ("OK", "OK") if info.error is None else ("UNKNOWN", info.error)
+            if info.state == "failed":
+                code, message = "UNKNOWN", info.error or "load failed"
+            body[info.name] = {
                 "model_version_status": [
                     {"version": "1", "state": state, "status": {"error_code": code, "error_message": message}}
                 ],
                 "limits": asdict(self.limits),
-            }
-        }  # beside OVMS's key: clients reading model_version_status are unaffected
+            }  # beside OVMS's key: clients reading model_version_status are unaffected
+        return body
+
+    def config(self):
+        return self.config_body(self.client.models())
+
+    def reload(self):
+        """OVMS's config reload: the config file read again, models added / changed / removed; the answer is
+        /v1/config of the new set once their loads end: 201 when something changed, 200 when nothing did. A broken
+        config is a 400 and changes nothing; a model that fails to load shows as END with its error."""
+        reply = self.client.reload()
+        if reply.error is not None:
+            raise ApiError(reply.error.status, reply.error.message, code=reply.error.code)
+        changed, models = reply.value
+        return self.config_body(models), 201 if changed else 200
 
     def metrics(self):
         return Response(self.client.metrics(), mimetype="text/plain", content_type="text/plain; version=0.0.4")
+
+
+def _not_serving(model: str, state: str, error: str | None) -> NoReturn:
+    """The ApiError for a model in `state` (not ready)."""
+    if state == "unknown":
+        raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+    if state == "failed":
+        raise ApiError(503, f"The model `{model}` cannot serve: {error}", code="model_failed")  # load or engine
+    if state == "stopping":
+        raise ApiError(503, "The server is shutting down", code="shutting_down")
+    raise ApiError(
+        503, f"The model `{model}` is loading; retry when /v2/health/ready answers 200", code="model_not_ready"
+    )
 
 
 def _error_response(exc: ApiError) -> Response:
@@ -214,6 +245,7 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     app.add_url_rule("/v2/health/ready", view_func=api.ready, methods=["GET"])
     app.add_url_rule("/v2/models/<path:name>/ready", view_func=api.model_ready, methods=["GET"])
     app.add_url_rule("/v1/config", view_func=api.config, methods=["GET"])
+    app.add_url_rule("/v1/config/reload", view_func=api.reload, methods=["POST"])
     app.add_url_rule("/metrics", view_func=api.metrics, methods=["GET"])
 
     @app.before_request

@@ -4,7 +4,12 @@ Thread-safe (gthread workers serve many requests at once). A connection goes bac
 call's reply or a job's `End`; a job abandoned half-way closes its connection, which cancels it engine-side.
 Nothing here waits on the engine without a bound: connecting and the handshake take at most
 protocol.HANDSHAKE_SECONDS, a call's reply protocol.CALL_SECONDS (a job's events are waited for by the caller,
-with its own deadline).
+with its own deadline), a reload's protocol.RELOAD_SECONDS (it answers once the new models have loaded).
+
+Several models: status and the kept ready status (serving_status) are per model name. A kept status is dropped when
+a probe sees the model not ready, when a job's answer says the model is gone (404 model_not_found), or when a job
+ran on a newer load of the model than the kept status describes (a reload changed its settings: the Accepted
+event's serial differs), so the next request asks again.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class EngineClient:
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._max_idle = max_idle
-        self._last_ready: p.EngineStatus | None = None  # the last ready status() answer (serving_status)
+        self._ready: dict[str, p.EngineStatus] = {}  # per model: the last ready status() answer (serving_status)
 
     # ---- connections
     def _take(self) -> Connection:
@@ -83,24 +88,43 @@ class EngineClient:
             return reply
 
     # ---- typed calls
-    def status(self) -> p.EngineStatus:
-        """Asked every time, never cached: readiness reports the engine loop's heartbeat as it is now."""
-        status = self.call(p.STATUS).value
-        self._last_ready = status if status.ready else None
+    def status(self, model: str = "") -> p.EngineStatus:
+        """Asked every time, never cached: readiness reports the engine loop's heartbeat as it is now. State
+        "unknown": no such model."""
+        status = self.call(p.STATUS, model).value
+        with self._lock:
+            if status.ready:
+                self._ready[model] = status
+            else:
+                self._ready.pop(model, None)
         return status
 
-    def serving_status(self) -> p.EngineStatus:
-        """What a generation or tokenize request needs (generation defaults, backend, device): the last ready
-        status, asked only when there is none. No round trip per request for facts that do not change: a job is
-        refused engine-side (503) when the engine cannot serve, and a not-ready answer to status() (a probe)
-        drops the kept one."""
-        return self._last_ready or self.status()
+    def serving_status(self, model: str = "") -> p.EngineStatus:
+        """What a generation or tokenize request needs (generation defaults, parsers, backend, device): the last
+        ready status of the model, asked only when there is none. No round trip per request for facts that do not
+        change: a job is refused engine-side (503) when the engine cannot serve, and a not-ready answer to
+        status() (a probe) drops the kept one (so do forget() and JobStream, after a reload)."""
+        return self._ready.get(model) or self.status(model)
+
+    def forget(self, model: str, serial: int | None = None) -> None:
+        """Drop the kept status of `model` (only if it is not of load `serial`, when given)."""
+        with self._lock:
+            kept = self._ready.get(model)
+            if kept is not None and (serial is None or kept.serial != serial):
+                del self._ready[model]
+
+    def models(self) -> list[p.ModelInfo]:
+        return self.call(p.MODELS).value
 
     def metrics(self) -> str:
         return self.call(p.METRICS).value
 
-    def tokenize(self, texts: list[str]) -> p.Reply:
-        return self.call(p.TOKENIZE, texts)
+    def tokenize(self, model: str, texts: list[str]) -> p.Reply:
+        return self.call(p.TOKENIZE, model, texts)
+
+    def reload(self) -> p.Reply:
+        """The engine re-reads the config file and loads / unloads models; answers when done."""
+        return self.call(p.RELOAD, timeout=p.RELOAD_SECONDS)
 
     def record_http(self, record: p.HttpRecord) -> None:
         """A round trip, so /metrics read after a response always includes it; never fails the request."""
@@ -121,15 +145,16 @@ class EngineClient:
             except OSError as exc:
                 conn.close()
                 raise EngineUnavailable(f"engine connection lost: {exc}") from None
-        return JobStream(self, conn)
+        return JobStream(self, conn, job.model)
 
 
 class JobStream:
     """The events of one job. `close()` before `End` cancels the job (the engine sees the socket close)."""
 
-    def __init__(self, client: EngineClient, conn: Connection):
+    def __init__(self, client: EngineClient, conn: Connection, model: str = ""):
         self._client = client
         self._conn: Connection | None = conn  # None once ended or closed
+        self._model = model
         self.ended = False
 
     def next(self, timeout: float | None):
@@ -143,7 +168,11 @@ class JobStream:
         except (OSError, EOFError):
             self.close()
             raise EngineUnavailable("engine connection lost during a request") from None
-        if isinstance(event, p.End):
+        if isinstance(event, p.Accepted):
+            self._client.forget(self._model, event.serial)  # a reload replaced the model the kept status describes
+        elif isinstance(event, p.Failed) and event.code == "model_not_found":
+            self._client.forget(self._model)  # a reload removed it
+        elif isinstance(event, p.End):
             self.ended = True
             self._client._give_back(conn)
             self._conn = None

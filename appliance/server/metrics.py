@@ -2,6 +2,10 @@
 
 Workers report each HTTP request over the engine socket; the engine service records token counts and
 latencies as chunks pass through it; queue/running/KV gauges are read from `Engine.stats()` at scrape time.
+With several models each engine gauge has one series per model (label `model`) besides the unlabelled one, which
+stays the whole server's: the sum over the models (`ready`: 1 when every model is ready; the usage ratio: of
+the summed blocks). So dashboards written for one model keep working; `sum()` over the labelled series only.
+Token counters and latency histograms are the server's (all models).
 Hand-written text exposition (format 0.0.4): a dependency for five metric types is not worth it.
 """
 
@@ -11,6 +15,7 @@ import bisect
 import math
 import threading
 from collections import defaultdict
+from collections.abc import Mapping
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 PREFIX = "appliance_"
@@ -78,8 +83,10 @@ class Histogram:
         return lines
 
 
-def _gauge(name: str, help: str, value: float, kind: str = "gauge") -> list[str]:
-    return [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name} {_num(value)}"]
+def _gauge(name: str, help: str, value: float, per_model: Mapping[str, float], kind: str = "gauge") -> list[str]:
+    """The server-wide series, then one per model (label `model`)."""
+    lines = [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name} {_num(value)}"]
+    return lines + [f"{PREFIX}{name}{_labels(('model',), (m,))} {_num(v)}" for m, v in per_model.items()]
 
 
 class ServerMetrics:
@@ -114,19 +121,44 @@ class ServerMetrics:
         if status >= 400:
             self.http_errors.inc(str(status), error_type or "unknown")
 
-    def render(self, ready: bool, stats: dict | None) -> str:
-        lines = _gauge("ready", "1 when the model is loaded and warmed up.", 1 if ready else 0)
-        stats = stats or {}
-        used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
-        lines += _gauge("queue_depth", "Sequences waiting for a sequence slot or KV blocks.", stats.get("queued", 0))
-        lines += _gauge("running_sequences", "Sequences being decoded.", stats.get("running", 0))
-        lines += _gauge("kv_cache_blocks_used", "KV cache blocks in use.", used)
-        lines += _gauge("kv_cache_blocks_total", "KV cache blocks allocated at load.", total)
-        lines += _gauge("kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", used / total if total else 0)
+    def render(self, models: dict[str, tuple[bool, dict | None]]) -> str:
+        """`models`: name -> (ready, Engine.stats() or None while it loads), in config order."""
+        stats = {name: s or {} for name, (_, s) in models.items()}
+
+        def each(key: str) -> dict[str, float]:
+            return {name: s.get(key, 0) for name, s in stats.items()}
+
+        def ratio(s: dict) -> float:
+            return s.get("kv_blocks_used", 0) / s["kv_blocks_total"] if s.get("kv_blocks_total") else 0
+
+        ready = {name: 1 if r else 0 for name, (r, _) in models.items()}
+        used, total = each("kv_blocks_used"), each("kv_blocks_total")
+        lines = _gauge(
+            "ready",
+            "1 when the model is loaded and warmed up (unlabelled: every model).",
+            min(ready.values(), default=1),
+            ready,
+        )
+        for name, help, key in (
+            ("queue_depth", "Sequences waiting for a sequence slot or KV blocks.", "queued"),
+            ("running_sequences", "Sequences being decoded.", "running"),
+            ("kv_cache_blocks_used", "KV cache blocks in use.", "kv_blocks_used"),
+            ("kv_cache_blocks_total", "KV cache blocks allocated at load.", "kv_blocks_total"),
+        ):
+            values = each(key)
+            lines += _gauge(name, help, sum(values.values()), values)
+        lines += _gauge(
+            "kv_cache_usage_ratio",
+            "Fraction of KV cache blocks in use.",
+            sum(used.values()) / sum(total.values()) if sum(total.values()) else 0,
+            {name: ratio(s) for name, s in stats.items()},
+        )
+        preemptions = each("preemptions")
         lines += _gauge(
             "preemptions_total",
             "Sequences preempted (KV freed, recomputed later).",
-            stats.get("preemptions", 0),
+            sum(preemptions.values()),
+            preemptions,
             "counter",
         )
         for metric in (

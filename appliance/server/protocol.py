@@ -20,12 +20,16 @@ from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
 
 # ---- calls: (name, *args) -> Reply
-STATUS = "status"  # () -> EngineStatus
+# A model name "" means the first configured model (single-model callers); an unknown one: status state "unknown",
+# a job or tokenize Failed 404 model_not_found.
+STATUS = "status"  # (model="") -> EngineStatus
+MODELS = "models"  # () -> list[ModelInfo], in config order
 METRICS = "metrics"  # () -> str (Prometheus text)
-TOKENIZE = "tokenize"  # (list[str]) -> list[list[int]]
+TOKENIZE = "tokenize"  # (model, list[str]) -> list[list[int]]
 RECORD_HTTP = "http"  # (HttpRecord) -> Reply()
 JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
-FAULT = "fault"  # (kind) -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
+RELOAD = "reload"  # () -> (changed: bool, list[ModelInfo]) once the loads end; Failed 400 for a broken config
+FAULT = "fault"  # (kind, model="") -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
 
 FAULT_INJECTION_ENV = "APPLIANCE_FAULT_INJECTION"
 
@@ -34,6 +38,7 @@ FAULT_INJECTION_ENV = "APPLIANCE_FAULT_INJECTION"
 # engine steps (the engine process's GIL): seconds mean the engine is wedged, and a worker must not wait forever.
 HANDSHAKE_SECONDS = 5.0
 CALL_SECONDS = 10.0
+RELOAD_SECONDS = 900.0  # a reload answers once its models have loaded and warmed up (a large one on a GPU: minutes)
 
 
 @contextlib.contextmanager
@@ -72,7 +77,7 @@ class Reply:
 
 @dataclass
 class EngineStatus:
-    state: str  # loading | ready | failed | stopping (failed: also a dead engine)
+    state: str  # loading | ready | failed | stopping | unknown (no such model; error says so)
     error: str | None = None
     max_context: int = 0
     vocab_size: int = 0
@@ -84,10 +89,21 @@ class EngineStatus:
     # `--tool-parser` / `--reasoning-parser` override): HTTP workers parse the output with these
     tool_parser: str = ""
     reasoning_parser: str = ""
+    serial: int = 0  # new per load of the model: a worker drops a kept status whose serial a job no longer sees
 
     @property
     def ready(self) -> bool:
         return self.state == "ready"
+
+
+@dataclass
+class ModelInfo:
+    """One configured model as /v3/models and /v1/config show it."""
+
+    name: str
+    created: int
+    state: str  # as EngineStatus.state
+    error: str | None = None
 
 
 @dataclass
@@ -108,6 +124,7 @@ class Job:
     n: int = 1  # sequences per prompt; choice index = prompt * n + j
     echo: bool = False
     seeds: list[int] | None = None  # Friendli's seed list: choice j's seed (len n); None: params.seed + j
+    model: str = ""  # the served model that runs it ("": the first one)
 
 
 @dataclass
@@ -124,6 +141,7 @@ class HttpRecord:
 class Accepted:
     prompt_tokens: list[int]  # per prompt
     echo_texts: list[str] | None = None  # per prompt, when echo was asked
+    serial: int = 0  # the model's EngineStatus.serial
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """`appliance serve`'s process: it is the engine process, and gunicorn is its child.
 
 Start order: private runtime dir (socket, authkey, settings) -> engine socket listening -> gunicorn (answers
-503 while loading) -> model load + warm-up -> ready. Stop: SIGTERM/SIGINT is forwarded to gunicorn, whose
+503 while loading) -> each model's load + warm-up, one after another (a model serves as soon as it is ready;
+the server is ready when all are) -> ready. A model that fails to load at start-up stops the server (exit 1:
+a misconfigured box must not look healthy). Stop: SIGTERM/SIGINT is forwarded to gunicorn, whose
 workers finish their in-flight requests (up to graceful_timeout); then the engine shuts down. Being the parent
 means the engine cannot be orphaned by gunicorn, and gunicorn gets SIGTERM from the kernel if we die
 (PR_SET_PDEATHSIG, set in gunicorn_conf).
@@ -9,6 +11,12 @@ means the engine cannot be orphaned by gunicorn, and gunicorn gets SIGTERM from 
 If the engine loop dies (a bug: per-request errors are isolated inside the engine), readiness turns 503 at once,
 gunicorn is stopped and the process exits 1, so systemd's Restart=on-failure or Docker's restart policy brings
 up a fresh one: a server that cannot generate must not look alive.
+
+Reload (POST /v1/config/reload -> the engine service's RELOAD -> `reload_config`): the config file is read again
+(appliance/server/config_file.py); added models and models whose settings changed are loaded beside the serving
+ones (a changed one is swapped in once ready, the old engine retires when its jobs end), removed ones stop taking
+jobs at once and are shut down after theirs. A model that fails to load on reload is reported failed and the
+others are untouched (a changed one keeps serving with its previous settings); a broken config changes nothing.
 """
 
 from __future__ import annotations
@@ -27,10 +35,12 @@ from pathlib import Path
 import appliance
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import logs, sdnotify
+from appliance.server import logs, sdnotify, startup
+from appliance.server import protocol as p
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
-from appliance.server.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ServeSettings
+from appliance.server.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ModelSpec, ServeSettings
+from appliance.server.slots import single_spec
 
 log = logging.getLogger("appliance.serve")
 
@@ -46,8 +56,11 @@ def _default_engine(model_dir: str, config: EngineConfig):
 class Supervisor:
     def __init__(self, settings: ServeSettings, engine_config: EngineConfig, engine_factory=_default_engine):
         self.settings, self.engine_config, self.engine_factory = settings, engine_config, engine_factory
+        if not settings.models:
+            settings.models = [single_spec(settings, engine_config)]
         self.service = EngineService(settings, ServerMetrics())
-        self.engine = None
+        self.service.reloader = self.reload_config
+        self._reloading = threading.Lock()  # one reload at a time
         self.gunicorn: subprocess.Popen | None = None
         self.stopping = threading.Event()
         self.load_failed = False
@@ -56,6 +69,7 @@ class Supervisor:
 
     def run(self) -> int:
         self._install_signals()  # first: a SIGTERM during start-up still stops gunicorn and cleans up below
+        startup.log_settings(self.settings)  # the one line with the effective settings
         runtime = Path(tempfile.mkdtemp(prefix="appliance-"))  # mode 0700: only this user
         try:
             key = runtime / AUTHKEY_FILE
@@ -85,30 +99,88 @@ class Supervisor:
         return subprocess.Popen(cmd, env=env, start_new_session=True)
 
     def _load(self) -> None:
+        with self._reloading:  # a reload asked for meanwhile waits for these
+            for spec in list(self.settings.models):
+                try:
+                    engine = self._start_engine(spec)
+                except Exception as exc:
+                    log.exception("model failed to load", extra={"model": spec.name})
+                    self.service.fail(f"{type(exc).__name__}: {exc}", spec.name)
+                    self.load_failed = True
+                    self._signal_gunicorn(signal.SIGTERM)
+                    return
+                if not self._attach(engine, spec, replace=False):
+                    return
         s = self.settings
-        log.info("loading model", extra={"model_dir": s.model_dir, "device": self.engine_config.device})
+        log.info(
+            "ready",
+            extra={
+                "models": [m.name for m in s.models],
+                "url": f"http://{s.host}:{s.port}/v3",
+                "workers": s.workers,
+            },
+        )
+        sdnotify.ready()
+
+    def _start_engine(self, spec: ModelSpec):
+        log.info("loading model", extra={"model": spec.name, "model_dir": spec.model_dir, "device": spec.engine.device})
+        engine = self.engine_factory(spec.model_dir, spec.engine)
         try:
-            engine = self.engine_factory(s.model_dir, self.engine_config)
             engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))  # compile / first-inference costs
-        except Exception as exc:
-            log.exception("model failed to load")
-            self.service.fail(f"{type(exc).__name__}: {exc}")
-            self.load_failed = True
-            self._signal_gunicorn(signal.SIGTERM)
-            return
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    def _attach(self, engine, spec: ModelSpec, replace: bool) -> bool:
+        """Serve `engine` as model `spec.name` (`replace`: a fresh slot, for a reload). False when stopping."""
         with self._lock:
             if self.stopping.is_set():
                 engine.shutdown()
-                return
-            self.engine = engine
+                return False
             engine.on_death = self._engine_died
-            self.service.attach(engine, self.engine_config.device)
+            self.service.attach(engine, spec.engine.device, spec.name, spec if replace else None)
             if not engine.alive:  # died before on_death was set
                 self._engine_died(engine.dead or RuntimeError("engine loop exited"))
-        log.info(
-            "ready", extra={"model": s.served_model_name, "url": f"http://{s.host}:{s.port}/v3", "workers": s.workers}
-        )
-        sdnotify.ready()
+        log.info("model ready", extra={"model": spec.name})
+        return True
+
+    def reload_config(self) -> p.Reply:
+        """The engine service's RELOAD: the config file read again, then reload(); a broken one is a 400."""
+        if not self.settings.config_file:
+            return p.Reply(error=p.Failed(400, "no config file: start the server with --config to reload it"))
+        from appliance.server.config_file import reload_models  # the config helper's loader (its module says how)
+
+        try:
+            specs = reload_models(self.settings)
+        except ValueError as exc:
+            return p.Reply(error=p.Failed(400, str(exc), code="invalid_config"))
+        return p.Reply(self.reload(specs))
+
+    def reload(self, specs: list[ModelSpec]) -> tuple[bool, list[p.ModelInfo]]:
+        """Serve exactly `specs` from now on; (anything changed, every model's state) once the loads end."""
+        with self._reloading:
+            current = self.service.specs()
+            names = [spec.name for spec in specs]
+            removed = [name for name in current if name not in names]
+            to_load = [s for s in specs if s.name not in current or current[s.name] != (s, "ready")]
+            log.info("reloading the config", extra={"load": [s.name for s in to_load], "remove": removed})
+            self.service.remove(removed)
+            for spec in to_load:
+                self.service.add(spec)
+            self.service.order(names)
+            for spec in to_load:
+                try:
+                    engine = self._start_engine(spec)
+                except Exception as exc:
+                    log.exception("model failed to load on reload", extra={"model": spec.name})
+                    self.service.fail(f"{type(exc).__name__}: {exc}", spec.name)
+                    continue
+                if not self._attach(engine, spec, replace=True):
+                    break
+            self.settings.models = specs
+            self.settings.save()
+            return bool(removed or to_load), self.service.models()
 
     def healthy(self) -> bool:
         """The watchdog's question (sdnotify): can this process still serve? False once an engine died or wedged."""
@@ -123,7 +195,7 @@ class Supervisor:
             "the engine loop died; stopping so the service manager restarts the server",
             extra={"error": f"{type(exc).__name__}: {exc}"},
         )
-        self.service.fail(f"engine loop died: {type(exc).__name__}")
+        self.service.fail(f"engine loop died: {type(exc).__name__}")  # every model: the server stops
         self.stopping.set()
         self._signal_gunicorn(signal.SIGTERM)
 
@@ -148,9 +220,8 @@ class Supervisor:
         """Gunicorn has exited, so no request is in flight: stop the engine."""
         with self._lock:
             self.stopping.set()
-            self.service.stop()
-            engine, self.engine = self.engine, None
-        if engine is not None:
+            engines = self.service.stop()
+        for engine in engines:
             engine.shutdown()
         if self.load_failed or self.engine_died:
             return 1

@@ -1,0 +1,204 @@
+"""Several models from one `appliance serve` (a --config file's model_config_list), and OVMS's config reload.
+
+One server on the tiny llama export, served under two names with different engine settings (their KV budgets
+differ, which /metrics shows per model); reloads rewrite the config file: a third model added and one removed
+while streams on both run, a broken config (400, nothing changes), a model whose export is broken (reported
+failed, the others serve).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+import requests
+from conftest import START_TIMEOUT, Server
+
+from appliance.testing.loopback import ROOT, LoopbackServer
+
+PROMPT = "The appliance serves"
+
+
+def write_config(path: Path, models: dict[str, dict]) -> None:
+    entries = [{"config": {"name": name, **cfg}} for name, cfg in models.items()]
+    path.write_text(json.dumps({"model_config_list": entries}))
+
+
+class ConfigServer(Server):
+    """`appliance serve --config FILE` (no --model: the file names the models)."""
+
+    def __init__(self, config: Path, log_path: Path):
+        def command(port: int) -> list[str]:
+            return [sys.executable, "-m", "appliance.cli", "serve", "--config", str(config), "--port", str(port)]
+
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "APPLIANCE_WORKERS": "1", "APPLIANCE_THREADS": "8"}
+        LoopbackServer.__init__(self, command, log_path, env=env, start_timeout=START_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def setup(exported, tmp_path_factory):
+    export = exported("llama", "openvino", "fp32")[0]
+    folder = tmp_path_factory.mktemp("multi")
+    config = folder / "config.json"
+    models = {
+        "alpha": {"base_path": str(export), "kv_cache_tokens": 2048},
+        "beta": {"base_path": str(export), "kv_cache_tokens": 1024},
+    }
+    write_config(config, models)
+    with ConfigServer(config, folder / "serve.log") as srv:
+        yield srv, config, models, export
+
+
+def client(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base + "/v3", api_key="unused", max_retries=0)
+
+
+def stream(srv: Server, model: str, out: dict, started: threading.Event) -> None:
+    """A long streamed completion; `out["events"]` its SSE events; `started` set at its first one."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    events: list = []
+    with requests.post(srv.base + "/v3/completions", json=body, stream=True, timeout=120) as r:
+        out["status"] = r.status_code
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                payload = line[len("data: ") :]
+                events.append(payload if payload == "[DONE]" else json.loads(payload))
+                started.set()
+    out["events"] = events
+
+
+def streams(srv: Server, *models: str) -> tuple[list[threading.Thread], list[dict]]:
+    """Streams on `models`, each under way (its first event in) when this returns."""
+    threads, outs = [], []
+    for model in models:
+        out: dict = {}
+        started = threading.Event()
+        threads.append(threading.Thread(target=stream, args=(srv, model, out, started)))
+        threads[-1].start()
+        assert started.wait(60), f"the stream on {model} did not start"
+        outs.append(out)
+    return threads, outs
+
+
+def finished(threads: list[threading.Thread], outs: list[dict]) -> None:
+    """Each stream ran to its end (400 tokens, not cut)."""
+    for t in threads:
+        t.join(timeout=120)
+    for out in outs:
+        assert out["status"] == 200 and out["events"][-1] == "[DONE]", out
+        assert out["events"][-2]["choices"][0]["finish_reason"] == "length"
+
+
+def reload(srv: Server) -> requests.Response:
+    return requests.post(srv.base + "/v1/config/reload", timeout=300)
+
+
+def test_models_listed_routed_and_ready_each(setup):
+    srv, _, _, _ = setup
+    c = client(srv)
+    assert [m.id for m in c.models.list().data] == ["alpha", "beta"]
+    assert c.models.retrieve("beta").owned_by == "OVMS"
+    for name in ("alpha", "beta"):
+        r = c.completions.create(model=name, prompt=PROMPT, max_tokens=4)
+        assert r.model == name and r.usage.completion_tokens == 4
+        chat = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert chat.model == name
+        assert requests.get(f"{srv.base}/v2/models/{name}/ready").status_code == 200
+        tokens = requests.post(srv.base + "/v3/tokenize", json={"model": name, "prompt": "Hello"}).json()["tokens"]
+        assert tokens and all(isinstance(t, int) for t in tokens)
+    with pytest.raises(openai.NotFoundError) as info:
+        c.completions.create(model="gamma", prompt=PROMPT, max_tokens=1)
+    assert info.value.code == "model_not_found"
+    assert requests.get(srv.base + "/v2/models/gamma/ready").status_code == 404
+    assert requests.get(srv.base + "/v3/models/gamma").status_code == 404
+    assert requests.get(srv.base + "/v2/health/ready").status_code == 200
+    config = requests.get(srv.base + "/v1/config").json()
+    assert {name: e["model_version_status"][0]["state"] for name, e in config.items()} == {
+        "alpha": "AVAILABLE",
+        "beta": "AVAILABLE",
+    }
+    m = srv.metrics()  # each model's own engine and KV budget; the unlabelled series is the server's total
+    alpha, beta = (
+        m['appliance_kv_cache_blocks_total{model="alpha"}'],
+        m['appliance_kv_cache_blocks_total{model="beta"}'],
+    )
+    assert alpha == 2 * beta and m["appliance_kv_cache_blocks_total"] == alpha + beta
+    assert m['appliance_ready{model="alpha"}'] == m['appliance_ready{model="beta"}'] == m["appliance_ready"] == 1
+
+
+def test_reload_adds_changes_and_removes_while_streams_run(setup):
+    srv, config, models, export = setup
+    threads, outs = streams(srv, "alpha", "beta")  # alpha stays as it is, beta goes: both streams complete
+    write_config(config, {"alpha": models["alpha"], "gamma": {"base_path": str(export), "kv_cache_tokens": 1024}})
+    r = reload(srv)
+    assert r.status_code == 201, r.text
+    assert {name: e["model_version_status"][0]["state"] for name, e in r.json().items()} == {
+        "alpha": "AVAILABLE",
+        "gamma": "AVAILABLE",
+    }
+    finished(threads, outs)
+    c = client(srv)
+    assert [m.id for m in c.models.list().data] == ["alpha", "gamma"]
+    assert c.completions.create(model="gamma", prompt=PROMPT, max_tokens=2).model == "gamma"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="beta", prompt=PROMPT, max_tokens=1)
+    assert '"model unloaded", "model": "beta"' in srv.output()
+    again = reload(srv)  # the same file: nothing to do
+    assert again.status_code == 200 and set(again.json()) == {"alpha", "gamma"}
+
+    # gamma's settings change while it streams: the new engine takes over, the old one finishes the stream
+    threads, outs = streams(srv, "gamma")
+    write_config(config, {"alpha": models["alpha"], "gamma": {"base_path": str(export), "kv_cache_tokens": 4096}})
+    assert reload(srv).status_code == 201
+    finished(threads, outs)
+    assert c.completions.create(model="gamma", prompt=PROMPT, max_tokens=2).model == "gamma"
+    m = srv.metrics()
+    assert (
+        m['appliance_kv_cache_blocks_total{model="gamma"}'] == 2 * m['appliance_kv_cache_blocks_total{model="alpha"}']
+    )
+    write_config(config, models)  # back to the start for the next test
+    assert reload(srv).status_code == 201
+
+
+def test_broken_config_is_400_and_a_broken_model_fails_alone(setup, tmp_path):
+    srv, config, models, export = setup
+    config.write_text('{"model_config_list": [')
+    r = reload(srv)
+    assert r.status_code == 400 and str(config) in r.json()["error"]["message"], r.text
+    write_config(config, {**models, "gamma": {"base_path": str(tmp_path / "nowhere")}})
+    r = reload(srv)
+    assert r.status_code == 400 and "gamma" in r.json()["error"]["message"], r.text
+    assert [m["id"] for m in requests.get(srv.base + "/v3/models").json()["data"]] == ["alpha", "beta"]
+
+    broken = tmp_path / "broken"  # a valid manifest over weights OpenVINO cannot read: the load itself fails
+    shutil.copytree(export, broken)
+    for xml in broken.rglob("*.xml"):
+        xml.write_text("<net>")
+    write_config(config, {**models, "broken": {"base_path": str(broken)}})
+    r = reload(srv)
+    assert r.status_code == 201, r.text
+    status = r.json()["broken"]["model_version_status"][0]
+    assert status["state"] == "END" and status["status"]["error_code"] == "UNKNOWN"
+    assert requests.get(srv.base + "/v2/models/broken/ready").status_code == 503
+    assert requests.get(srv.base + "/v2/health/ready").status_code == 503  # a configured model does not serve
+    for name in ("alpha", "beta"):
+        assert client(srv).completions.create(model=name, prompt=PROMPT, max_tokens=2).model == name
+    write_config(config, models)
+    assert reload(srv).status_code == 201
+    assert requests.get(srv.base + "/v2/health/ready").status_code == 200
+
+
+def test_reload_without_a_config_file_is_400():
+    from appliance.config import EngineConfig
+    from appliance.server.settings import ServeSettings
+    from appliance.server.supervisor import Supervisor
+
+    sup = Supervisor(ServeSettings(model_dir="x", served_model_name="m", model_created=0), EngineConfig())
+    reply = sup.reload_config()
+    assert reply.error is not None and reply.error.status == 400 and "no config file" in reply.error.message
