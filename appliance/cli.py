@@ -76,6 +76,18 @@ def env_name(flag: str) -> str:
     return "APPLIANCE_" + flag.upper().replace("-", "_")
 
 
+class InvalidEnv:
+    """An APPLIANCE_* value its flag's type refuses. It becomes the flag's default instead of an error at once: a flag
+    given on the command line overrides it (Kubernetes sets APPLIANCE_PORT=tcp://... for a Service named
+    `appliance`), and `parse` refuses the ones still in force. Not a str: argparse would convert a str default."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def _env_default(flag: str, kind, default):
     raw = os.environ.get(env_name(flag))
     if raw is None or raw == "":
@@ -83,12 +95,12 @@ def _env_default(flag: str, kind, default):
     if kind is bool:
         word = raw.strip().lower()
         if word not in _TRUE + _FALSE:
-            raise SystemExit(f"appliance: {env_name(flag)}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+            return InvalidEnv(f"appliance: {env_name(flag)}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
         return word in _TRUE
     try:
         return kind(raw)
     except ValueError:
-        raise SystemExit(f"appliance: {env_name(flag)}={raw!r} is not a valid {kind.__name__}") from None
+        return InvalidEnv(f"appliance: {env_name(flag)}={raw!r} is not a valid {kind.__name__}")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, probe: bool = False) -> None:
@@ -161,6 +173,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
     if args.command not in ("serve", "config"):
         return args
+    invalid = next((v for v in vars(args).values() if isinstance(v, InvalidEnv)), None)
+    if invalid is not None:
+        raise SystemExit(str(invalid))
     from appliance.server import config_file
 
     probe = argparse.ArgumentParser(add_help=False)

@@ -387,3 +387,13 @@ def test_paged_backend_auto_budget_is_the_ceiling_for_a_tiny_model(exported):
         assert engine.max_context == manifest.max_context
     finally:
         engine.shutdown()
+
+
+def test_an_invalid_environment_value_is_refused_unless_its_flag_overrides_it(monkeypatch):
+    monkeypatch.setenv("APPLIANCE_PORT", "tcp://10.43.0.7:8000")  # what Kubernetes sets for a Service `appliance`
+    with pytest.raises(SystemExit, match="APPLIANCE_PORT='tcp://10.43.0.7:8000' is not a valid int"):
+        cli.parse(["config"])
+    assert cli.parse(["config", "--port", "9000"]).port == 9000
+    monkeypatch.setenv("APPLIANCE_ACCESS_LOG", "maybe")
+    with pytest.raises(SystemExit, match="is not a boolean"):
+        cli.parse(["config", "--port", "9000"])

@@ -211,3 +211,35 @@ def test_start_up_checks(tmp_path):
         auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(cert)))
     auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(key)))
     assert auth.base_url(settings(host="::1", port=1, tls_certfile="c")) == "https://[::1]:1"
+
+
+def test_a_tls_client_that_leaves_a_unary_request_frees_its_sequences(guarded):
+    """The disconnect check peeks at the raw socket under TLS too (an SSLSocket refuses MSG_PEEK): a client gone
+    from a non-streaming request cancels its generation instead of leaving it to run to max_tokens."""
+    from appliance.testing.loopback import parse_metrics
+
+    def metrics() -> dict[str, float]:
+        return parse_metrics(get(guarded, "/metrics").text)
+
+    model = get(guarded, "/v3/models").json()["data"][0]["id"]
+    cancelled = metrics().get("appliance_sequences_cancelled_total", 0)
+    body = (f'{{"model": "{model}", "prompt": "Hello", "max_tokens": 480, "ignore_eos": true, "n": 8}}').encode()
+    head = (
+        f"POST /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    context = ssl.create_default_context(cafile=str(guarded.cert))
+    with socket.create_connection(("127.0.0.1", guarded.port)) as raw:
+        with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            tls.sendall(head + body)
+            deadline = time.monotonic() + 30
+            while metrics()["appliance_running_sequences"] < 8 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert metrics()["appliance_running_sequences"] == 8
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = metrics()
+        if m["appliance_running_sequences"] == 0 and m.get("appliance_sequences_cancelled_total", 0) >= cancelled + 8:
+            break
+        time.sleep(0.05)
+    assert m.get("appliance_sequences_cancelled_total", 0) == cancelled + 8, m

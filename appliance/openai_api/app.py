@@ -15,7 +15,6 @@ import logging
 import time
 import uuid
 from dataclasses import asdict, replace
-from pathlib import Path
 from typing import NoReturn, cast
 
 from flask import Flask, Response, g, request
@@ -52,8 +51,8 @@ def _reject_constant(name: str):
 class Api:
     """Route handlers over one engine client; instantiated per worker by `create_app`."""
 
-    def __init__(self, settings: ServeSettings, client: EngineClient, api_key: str | None):
-        self.settings, self.client, self.api_key = settings, client, api_key
+    def __init__(self, settings: ServeSettings, client: EngineClient):
+        self.settings, self.client = settings, client
         self.limits = replace(settings.limits, max_queued=settings.max_queued)  # the bounds every request keeps
 
     # ---- guards
@@ -224,8 +223,7 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     runtime directory `appliance serve` made."""
     settings = settings or ServeSettings.load()
     client = client or EngineClient(settings.socket_path, settings.authkey())
-    api_key = Path(settings.api_key_file).read_text().strip() if settings.api_key_file else None
-    api = Api(settings, client, api_key)
+    api = Api(settings, client)
 
     app = Flask("appliance")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

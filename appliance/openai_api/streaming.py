@@ -71,9 +71,10 @@ class Shape(Protocol):
 def socket_closed(sock: socket.socket | None) -> bool:
     """True when the peer closed (readable with nothing to read, or reset). Pipelined request bytes mean it is alive.
 
-    `poll`, not `select` (which cannot take an fd >= 1024), and only then a peek: on a socket with a timeout
-    (`--send-timeout`) Python waits for readability before a `recv`, even with MSG_DONTWAIT. An error we do not
-    expect means "alive": cancelling a live client's generation is worse than noticing a gone one late."""
+    `poll`, not `select` (which cannot take an fd >= 1024), and only then a peek at the raw socket (TLS too): on a
+    socket with a timeout (`--send-timeout`) Python waits for readability before a `recv`, even with MSG_DONTWAIT.
+    An error we do not expect means "alive": cancelling a live client's generation is worse than noticing a gone
+    one late."""
     if sock is None:
         return False
     try:
@@ -84,7 +85,8 @@ def socket_closed(sock: socket.socket | None) -> bool:
         poller.register(fd, select.POLLIN)
         if not poller.poll(0):
             return False
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        # the kernel's bytes, not the TLS layer's (an SSLSocket refuses MSG_PEEK): FIN reads as b"" either way
+        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError, TimeoutError):
         return False
     except (ConnectionError, OSError) as exc:

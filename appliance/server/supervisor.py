@@ -35,7 +35,7 @@ from pathlib import Path
 import appliance
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import logs, sdnotify, startup
+from appliance.server import auth, logs, sdnotify, startup
 from appliance.server import protocol as p
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
@@ -116,7 +116,7 @@ class Supervisor:
             "ready",
             extra={
                 "models": [m.name for m in s.models],
-                "url": f"http://{s.host}:{s.port}/v3",
+                "url": auth.base_url(s) + "/v3",
                 "workers": s.workers,
             },
         )
