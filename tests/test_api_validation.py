@@ -809,7 +809,7 @@ def test_message_count_is_bounded():
     assert error_of(chat, messages=[one] * 1025).message == "messages array must have no more than 1024 messages"
 
 
-# ---------------------------------------------------------------- engine-side checks (engine_service._submit)
+# ---------------------------------------------------------------- engine-side checks (jobs.JobRunner.submit)
 # A stub engine (tokenizer, vocabulary, submit) stands in for the runtime: these check what the service decides
 # after tokenization, before anything is queued.
 
@@ -849,6 +849,7 @@ def submit(job_fields: dict, params_fields: dict, limits: Limits = Limits()):
     from appliance.server.metrics import ServerMetrics
     from appliance.server.protocol import Job, PromptSpec
     from appliance.server.settings import ServeSettings
+    from appliance.server.slots import Rejected
 
     service = es.EngineService(
         ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1, limits=limits), ServerMetrics()
@@ -864,8 +865,8 @@ def submit(job_fields: dict, params_fields: dict, limits: Limits = Limits()):
         }
     )
     try:
-        return service._submit(job), runtime
-    except es._Rejected as exc:
+        return service.jobs.submit(job), runtime
+    except Rejected as exc:
         return exc.failed, runtime
 
 

@@ -210,6 +210,6 @@ def test_seed_list_gives_each_choice_its_seed(engine, tmp_path):
     ids = raw(engine, "Once upon a time")
     for seeds, seed, want in (([11, 5, 11], None, [11, 5, 11]), ([3, 4, 5], 9, [3, 4, 5]), (None, 40, [40, 41, 42])):
         params = SamplingParams(max_tokens=3, temperature=1.0, seed=seed)
-        handles, _ = service._submit(p.Job("r", [p.PromptSpec(token_ids=ids)], params, n=3, seeds=seeds))
+        handles, _ = service.jobs.submit(p.Job("r", [p.PromptSpec(token_ids=ids)], params, n=3, seeds=seeds))
         assert [h._seq.params.seed for _, h, _ in handles] == want
         assert all(h.results()[0].completion_tokens == 3 for _, h, _ in handles)

@@ -1,14 +1,22 @@
-"""One served model in the engine process (engine_service.py): its ModelSpec, Engine, state and output parsers.
+"""The served models of the engine process (engine_service.py): a `Slot` per model (its ModelSpec, Engine, state
+and output parsers) and `Models`, the registry that owns the slots and their lock.
 
-A plain `serve` has one slot; a config file's model_config_list one per model. A reload gives a changed model a new
-slot (a new `serial`, which workers compare to drop a status they kept for the old one) and retires the old slot
-once its `jobs` end.
+A plain `serve` has one slot; a config file's model_config_list one per model, in config order. A job, a status or a
+tokenize call names its model (`""`: the first one, for single-model callers); an unknown name is a 404. A reload
+(the supervisor's `reloader`) swaps slots in and out: a removed or replaced slot stops taking jobs at once and its
+engine is shut down once its in-flight `jobs` end (or after graceful_timeout). Each slot has a serial, new per load,
+that workers compare to drop a status they kept for a replaced model (client.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from appliance import tool_prompt
@@ -19,6 +27,9 @@ from appliance.server.settings import ModelSpec, ServeSettings
 if TYPE_CHECKING:
     from appliance.engine import Engine
 
+log = logging.getLogger(__name__)
+
+RETIRE_POLL_SECONDS = 0.1  # a retiring model's in-flight jobs are checked this often
 # A step that has not ended after this long means the engine is wedged (the longest legitimate step, a
 # max_num_batched_tokens prefill of a large model on a slow CPU, is seconds). Readiness then answers 503.
 ENGINE_STALL_SECONDS = 60.0
@@ -38,6 +49,22 @@ def single_spec(settings: ServeSettings, engine: EngineConfig | None = None) -> 
 
 def model_not_found(name: str) -> p.Failed:
     return p.Failed(404, f"The model `{name}` does not exist", "model", "model_not_found")
+
+
+def not_ready(state: str) -> p.Failed:
+    if state == "stopping":
+        return p.Failed(503, "The server is shutting down", code="shutting_down")
+    if state == "failed":
+        return p.Failed(503, "The model cannot serve: it failed to load", code="model_failed")
+    return p.Failed(503, "The model is not ready yet (loading)", code="model_not_ready")
+
+
+class Rejected(Exception):
+    """A call or job refused with this reply (the worker turns it into the HTTP error)."""
+
+    def __init__(self, failed: p.Failed):
+        super().__init__(failed.message)
+        self.failed = failed
 
 
 @dataclass
@@ -86,3 +113,154 @@ class Slot:
     def info(self) -> p.ModelInfo:
         state, error = self.live_state()
         return p.ModelInfo(self.spec.name, self.spec.created, state, error)
+
+
+class Models:
+    """The served models: name -> Slot in config order, plus the retiring ones draining their jobs, under one lock.
+    `stopping` is set once by stop() and read without the lock."""
+
+    def __init__(self, specs: list[ModelSpec], graceful_timeout: float):
+        self.graceful_timeout = graceful_timeout
+        self.stopping = False
+        self._serials = itertools.count(1)
+        self._slots: dict[str, Slot] = {}  # the served models, in config order; guarded by _lock
+        self._retiring: list[Slot] = []  # removed or replaced, draining their jobs before shutdown
+        self._lock = threading.Lock()
+        for spec in specs:
+            self._slots[spec.name] = self._new_slot(spec)
+
+    def _new_slot(self, spec: ModelSpec) -> Slot:
+        return Slot(spec, next(self._serials))
+
+    # ---- lifecycle (supervisor thread)
+    def attach(self, engine: Engine, device: str, name: str = "", spec: ModelSpec | None = None) -> None:
+        """`engine` serves model `name` (the first one by default) from now on. With a `spec` (a reload), a
+        fresh slot takes the name: a slot it replaces retires (its jobs finish on the old engine)."""
+        with self._lock:
+            old = self._find(name)
+            if spec is None:
+                assert old is not None, f"attach to an unknown model {name!r}"
+                slot = old
+            else:
+                slot = self._new_slot(spec)
+                self._slots[spec.name] = slot
+            slot.engine, slot.device, slot.state, slot.error = engine, device, "ready", None
+        if old is not None and old is not slot:
+            self._retire(old)
+
+    def add(self, spec: ModelSpec) -> None:
+        """A model a reload adds: listed as loading until attach() or fail()."""
+        with self._lock:
+            if spec.name not in self._slots:
+                self._slots[spec.name] = self._new_slot(spec)
+
+    def fail(self, message: str, name: str | None = None) -> None:
+        """Model `name` (every model when None) cannot serve; a model serving an older spec keeps serving."""
+        with self._lock:
+            for slot in self._slots.values():
+                if name is None or slot.spec.name == name:
+                    if name is not None and slot.state == "ready" and slot.engine is not None:
+                        slot.error = f"the reload failed, the previous settings serve: {message}"
+                    else:
+                        slot.state, slot.error = "failed", message
+
+    def remove(self, names: list[str]) -> None:
+        """Stop routing to these models at once; their engines stop once their jobs end."""
+        with self._lock:
+            gone = [self._slots.pop(n) for n in names if n in self._slots]
+        for slot in gone:
+            self._retire(slot)
+
+    def order(self, names: list[str]) -> None:
+        """List the models in this order (the config file's)."""
+        with self._lock:
+            self._slots = {n: self._slots[n] for n in names if n in self._slots} | self._slots
+
+    def specs(self) -> dict[str, tuple[ModelSpec, str]]:
+        """name -> (spec, state) of every configured model."""
+        with self._lock:
+            return {n: (s.spec, s.state) for n, s in self._slots.items()}
+
+    def _retire(self, slot: Slot) -> None:
+        slot.state = "stopping"
+        with self._lock:
+            self._retiring.append(slot)
+        threading.Thread(target=self._drain, args=(slot,), name="engine-retire", daemon=True).start()
+
+    def _drain(self, slot: Slot) -> None:
+        deadline = time.monotonic() + self.graceful_timeout
+        while slot.jobs and time.monotonic() < deadline and not self.stopping:
+            time.sleep(RETIRE_POLL_SECONDS)
+        with self._lock:
+            if slot not in self._retiring:  # stop() took it
+                return
+            self._retiring.remove(slot)
+        if slot.engine is None:  # a model that never loaded
+            return
+        slot.engine.on_death = None  # a retired engine's end is no death
+        slot.engine.shutdown()
+        log.info("model unloaded", extra={"model": slot.spec.name, "jobs_cut": slot.jobs})
+
+    def stop(self) -> list[Engine]:
+        """No more jobs; the engines the caller shuts down (every model's, retiring ones too)."""
+        self.stopping = True
+        with self._lock:
+            slots = [*self._slots.values(), *self._retiring]
+            self._retiring = []
+            for slot in self._slots.values():
+                slot.state = "stopping"
+        return [s.engine for s in slots if s.engine is not None]
+
+    # ---- lookups (any thread)
+    def _find(self, name: str) -> Slot | None:
+        """Model `name`'s slot ("": the first model), or None. Callers hold _lock or accept a racy read."""
+        if not name:
+            return next(iter(self._slots.values()), None)
+        return self._slots.get(name)
+
+    def find(self, name: str) -> Slot | None:
+        with self._lock:
+            return self._find(name)
+
+    def slot(self, name: str) -> Slot:
+        """Model `name`'s slot; Rejected with a 404 when there is none."""
+        slot = self.find(name)
+        if slot is None:
+            raise Rejected(model_not_found(name))
+        return slot
+
+    def all(self) -> list[Slot]:
+        """The served slots now, in config order."""
+        with self._lock:
+            return list(self._slots.values())
+
+    @contextlib.contextmanager
+    def in_flight(self, name: str) -> Iterator[Slot | None]:
+        """Model `name`'s slot (None: no such model) with its `jobs` count held up for the block: a retiring slot
+        waits for it before its engine shuts down."""
+        with self._lock:
+            slot = self._find(name)
+            if slot is not None:
+                slot.jobs += 1
+        try:
+            yield slot
+        finally:
+            if slot is not None:
+                with self._lock:
+                    slot.jobs -= 1
+
+    def healthy(self) -> bool:
+        """For the watchdog: not stopping, nothing failed that should serve, and every engine alive and
+        advancing (a model whose reload failed has no engine: it does not make the process unhealthy)."""
+        slots = self.all()
+        return not self.stopping and all(
+            s.state != "failed" and s.problem() is None for s in slots if s.engine is not None
+        )
+
+    def engine_problem(self, name: str = "") -> str | None:
+        slot = self.find(name)
+        return slot.problem() if slot is not None else None
+
+    def infos(self) -> list[p.ModelInfo]:
+        infos = [s.info() for s in self.all()]
+        return [replace(i, state="stopping") for i in infos] if self.stopping else infos

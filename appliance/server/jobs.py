@@ -1,0 +1,256 @@
+"""Jobs in the engine process (engine_service.py hands them over): tokenize a job's prompts, submit them to its
+model's Engine, stream the chunks back over the worker's connection, and count them in the metrics.
+
+A job's sequences are each drained by a pump thread that forwards chunks as the engine produces them; the
+connection's thread meanwhile watches the socket, and when the worker closes it (its client went away, or the
+request timed out) every sequence of the job is cancelled at once. A refused job is one `Failed` then `End`: the
+request's fault is a 400, a full queue a 429, a model that cannot serve a 503, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
+
+from appliance import tool_prompt
+from appliance.engine import EngineDead, QueueFull
+from appliance.grammar import GrammarError
+from appliance.limits import Limits
+from appliance.outputs import Chunk, Timing
+from appliance.server import protocol as p
+from appliance.server.metrics import ServerMetrics
+from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready
+
+if TYPE_CHECKING:
+    from appliance.engine import Engine
+
+
+class JobRunner:
+    """Runs the jobs of every connection against `models`, bounded by `limits`, counted in `metrics`."""
+
+    def __init__(self, models: Models, metrics: ServerMetrics, limits: Limits):
+        self.models = models
+        self.metrics = metrics
+        self.limits = limits
+
+    def run(self, conn: Connection, job: p.Job) -> bool:
+        """Streams the job's events. False when the worker closed the connection (the job was cancelled)."""
+        with self.models.in_flight(job.model) as slot:
+            if slot is None:
+                conn.send(model_not_found(job.model))
+                conn.send(p.End())
+                return True
+            return self._run_on(conn, job, slot)
+
+    def _run_on(self, conn: Connection, job: p.Job, slot: Slot) -> bool:
+        if problem := slot.problem():
+            conn.send(p.Failed(503, f"The engine cannot serve: {problem}", code="engine_failed"))
+            conn.send(p.End())
+            return True
+        try:
+            handles, accepted = self.submit(job, slot)
+        except Rejected as exc:
+            conn.send(exc.failed)
+            conn.send(p.End())
+            return True
+        conn.send(accepted)
+        if not handles:  # echo with max_tokens 0 (and no prompt logprobs): the prompt is the whole answer
+            for index in range(len(job.prompts) * job.n):
+                tokens = accepted.prompt_tokens[index // job.n]
+                conn.send(
+                    p.ChoiceChunk(
+                        index, Chunk(finish_reason="length", prompt_tokens=tokens), Timing(created=time.time())
+                    )
+                )
+            conn.send(p.End())
+            return True
+        return self._stream(conn, handles)
+
+    def submit(self, job: p.Job, slot: Slot | None = None) -> tuple[list, p.Accepted]:
+        """Tokenize and queue the job on its model's engine: ([(choice index, handle, submitted)], Accepted), or
+        Rejected with nothing left queued."""
+        slot = slot or self.models.slot(job.model)
+        engine = slot.engine
+        if engine is None or slot.state != "ready":
+            raise Rejected(not_ready("stopping" if self.models.stopping else slot.state))
+        vocab, limits = engine.manifest.vocab_size, self.limits
+        bad = next((t for t in job.params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise Rejected(
+                p.Failed(400, f"stop token id {bad} is out of the vocabulary range [0, {vocab})", "stop_token_ids")
+            )
+        try:
+            prompts = [prompt_ids(spec, slot) for spec in job.prompts]
+            echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
+        except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
+            raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
+        k = job.params.prompt_logprobs
+        volume = sum(map(len, prompts)) * (1 + k) * job.n if k is not None else 0
+        if volume > limits.prompt_logprobs:  # echo + logprobs: an entry per prompt token and alternative, per choice
+            raise Rejected(
+                p.Failed(
+                    400,
+                    f"echo with logprobs: {sum(map(len, prompts))} prompt tokens x (1 + {k}) "
+                    f"logprobs x n {job.n} = {volume} entries, more than the limit of "
+                    f"{limits.prompt_logprobs} per request",
+                    "logprobs",
+                )
+            )
+        accepted = p.Accepted([len(ids) for ids in prompts], echo, slot.serial)
+        if job.params.max_tokens == 0 and job.params.prompt_logprobs is None:
+            return [], accepted
+        beam = job.params.best_of is not None and job.params.best_of > 1
+        handles = []
+        try:
+            if beam:  # one search per prompt answers its n choices (events carry the choice offset)
+                for i, ids in enumerate(prompts):
+                    handles.append(
+                        (
+                            i * job.n,
+                            engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}"),
+                            time.monotonic(),
+                        )
+                    )
+            else:  # every prompt and choice in one submission: all queued or none, prefilled together
+                p0 = job.params  # n choices must differ even with a fixed seed; Friendli's seed list: one each
+                seeds: list[int | None] = (
+                    list(job.seeds)
+                    if job.seeds
+                    else [p0.seed if j == 0 or p0.seed is None else (p0.seed + j) % 2**32 for j in range(job.n)]
+                )
+                params = [p0 if s == p0.seed else replace(p0, seed=s) for s in seeds]
+                choices = engine.submit_prompts(
+                    [
+                        (ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)])
+                        for i, ids in enumerate(prompts)
+                    ]
+                )
+                now = time.monotonic()
+                handles = [(k, h, now) for k, h in enumerate(h for hs in choices for h in hs)]
+        except QueueFull as exc:
+            cancel(handles)
+            self.metrics.rejected.inc("queue_full")
+            raise Rejected(p.Failed(429, str(exc), code="queue_full")) from None
+        except EngineDead as exc:  # died between slot.problem() and the submission
+            cancel(handles)
+            raise Rejected(p.Failed(503, f"The engine cannot serve: {exc}", code="engine_failed")) from None
+        except GrammarError as exc:  # the response_format's schema / regex / grammar does not compile
+            cancel(handles)
+            self.metrics.rejected.inc("invalid")
+            raise Rejected(p.Failed(400, str(exc), "response_format")) from None
+        except ValueError as exc:  # PromptTooLong and other prompt problems the engine found
+            cancel(handles)
+            self.metrics.rejected.inc("invalid")
+            raise Rejected(p.Failed(400, str(exc))) from None
+        return handles, accepted
+
+    def _stream(self, conn: Connection, handles: list) -> bool:
+        send_lock = threading.Lock()
+        wake_r, wake_w = os.pipe()
+        state = {"open": True}
+
+        def pump(index: int, handle, submitted: float) -> None:
+            try:
+                last = submitted
+                for offset, chunk in handle.events():
+                    last = self._observe(chunk, submitted, last)
+                    if not state["open"]:
+                        continue
+                    event = p.ChoiceChunk(index + offset, chunk, handle.timing if chunk.finish_reason else None)
+                    try:
+                        with send_lock:
+                            conn.send(event)
+                    except OSError:
+                        state["open"] = False
+                        cancel(handles)
+            finally:
+                os.write(wake_w, b".")
+
+        pumps = [threading.Thread(target=pump, args=h, name="engine-pump", daemon=True) for h in handles]
+        for t in pumps:
+            t.start()
+        finished = 0
+        watch: list[Connection | int] = [conn, wake_r]
+        try:
+            while finished < len(pumps):
+                for ready in wait(watch):
+                    if ready is wake_r:
+                        finished += len(os.read(wake_r, 64))
+                        continue
+                    try:  # the worker only ever closes the connection mid-job; anything else is treated alike
+                        conn.recv()
+                    except (EOFError, OSError):
+                        pass
+                    state["open"] = False
+                    watch = [wake_r]
+                    cancel(handles)
+            for t in pumps:
+                t.join()
+        finally:
+            os.close(wake_r)
+            os.close(wake_w)
+        if state["open"]:
+            conn.send(p.End())
+        return state["open"]
+
+    def _observe(self, chunk: Chunk, submitted: float, last: float) -> float:
+        now = time.monotonic()
+        m = self.metrics
+        if chunk.token_ids:
+            m.generated_tokens.inc(amount=len(chunk.token_ids))
+            if chunk.completion_tokens <= len(chunk.token_ids):
+                m.ttft.observe(now - submitted)
+            else:
+                m.itl.observe((now - last) / len(chunk.token_ids))
+            last = now
+        if chunk.finish_reason:
+            m.sequences.inc(chunk.finish_reason)
+            m.prompt_tokens.inc(amount=chunk.prompt_tokens)
+            m.e2e.observe(now - submitted)
+            if chunk.finish_reason == "abort" and chunk.error is None:
+                m.cancelled.inc()
+        return last
+
+
+def prompt_ids(spec: p.PromptSpec, slot: Slot) -> list[int]:
+    engine = slot.engine
+    assert engine is not None, "submit checked it"
+    tok = engine.tokenizer
+    if spec.token_ids is not None:
+        vocab = engine.manifest.vocab_size
+        bad = next((t for t in spec.token_ids if t >= vocab), None)
+        if bad is not None:
+            raise Rejected(
+                p.Failed(400, f"prompt token id {bad} is out of the vocabulary range [0, {vocab})", "prompt")
+            )
+        return list(spec.token_ids)
+    if spec.messages is not None:
+        try:
+            # the template spells out BOS and friends; special-token text in content stays text. Tools go to
+            # the template, or into the prompt when it has no use for them (appliance/tool_prompt.py)
+            messages, kwargs = tool_prompt.chat_inputs(spec.messages, spec.tools, tok.chat_template, slot.parsers()[0])
+            ids = tok.encode_chat(messages, add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)
+            raise Rejected(p.Failed(400, str(exc), "messages")) from None
+    else:
+        assert spec.text is not None, "a PromptSpec holds text, token ids or messages"
+        ids = tok.encode(spec.text, add_special_tokens=True)  # as OVMS: a raw prompt gets BOS if the model has one
+    if not ids:
+        raise Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
+    return ids
+
+
+def echo_text(spec: p.PromptSpec, engine: Engine) -> str:
+    if spec.text is not None:
+        return spec.text
+    assert spec.token_ids is not None, "a PromptSpec holds text, token ids or messages"
+    return engine.tokenizer.decode(spec.token_ids)
+
+
+def cancel(handles: list) -> None:
+    for _, handle, _ in handles:
+        handle.cancel()
