@@ -4,16 +4,17 @@ PYTHON   ?= python3
 VENV     ?= .venv
 BIN      := $(VENV)/bin
 DATA_DIR ?= $(HOME)/.cache/appliance
-# `make serve HOST=0.0.0.0 PORT=9000 DEVICE=GPU WORKERS=4`: each becomes its flag only when set, so the defaults
-# stay where they are declared (`appliance serve --help`); any APPLIANCE_* variable works too.
+# `make serve HOST=0.0.0.0 API_KEY_FILE=keys PORT=9000 DEVICE=GPU WORKERS=4`: each becomes its flag only when set,
+# so the defaults stay where they are declared (`appliance serve --help`); any APPLIANCE_* variable works too. A
+# non-loopback HOST needs API_KEY_FILE (or APPLIANCE_ALLOW_UNAUTHENTICATED=1).
 SERVE_FLAGS = $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(if $(DEVICE),--device $(DEVICE)) \
-              $(if $(WORKERS),--workers $(WORKERS))
+              $(if $(WORKERS),--workers $(WORKERS)) $(if $(API_KEY_FILE),--api-key-file $(API_KEY_FILE))
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
 export APPLIANCE_DATA_DIR := $(DATA_DIR)
 
-.PHONY: venv model serve test test-fast lint bench clean-venv
+.PHONY: venv model serve test test-fast lint bench install uninstall image-test clean-venv
 
 venv: $(VENV)/.installed
 
@@ -42,12 +43,14 @@ test: model
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not default_model and not slow" $(PYTEST_ARGS)
 
-# ruff (lint, format) and mypy, configured in pyproject.toml; every check runs, the target fails if any did.
+# ruff (lint, format) and mypy, configured in pyproject.toml, and hadolint on the Dockerfile; every check runs, the
+# target fails if any did.
 lint: venv
 	@status=0; \
 	$(BIN)/ruff check . || status=1; \
 	$(BIN)/ruff format --check . || status=1; \
 	$(BIN)/mypy || status=1; \
+	$(BIN)/hadolint Dockerfile || status=1; \
 	exit $$status
 
 # Every benchmark, then the issue's targets (~45 min): BENCH_ARGS=--quick for a ~4 min smoke run, or e.g.
@@ -55,6 +58,22 @@ lint: venv
 # sweep (optional, built from source: requirements/llamacpp.txt).
 bench: model
 	$(BIN)/python -m bench.all $(BENCH_ARGS)
+
+# The systemd service (as root, from a checkout in /opt/appliance after `make venv` and `make model
+# DATA_DIR=/var/lib/appliance`): systemd/install.sh says what it installs. DESTDIR=dir installs under dir; PREFIX=dir
+# is where the code is (default: this checkout). `make uninstall PURGE=1` also deletes the settings, API keys,
+# models and compile cache.
+install:
+	systemd/install.sh install $(if $(DESTDIR),--root $(DESTDIR)) $(if $(PREFIX),--prefix $(PREFIX))
+
+uninstall:
+	systemd/install.sh uninstall $(if $(DESTDIR),--root $(DESTDIR)) $(if $(PURGE),--purge)
+
+# Builds the image (podman, on a Debian-made base, offline) and serves one completion from its filesystem: root,
+# ~2 min, ~2 GB under /var/tmp; not part of `make test` (docker/image-test.sh says what it runs). EXPORT=1: the
+# image's `export` stage builds the model (torch in the build; ~4 min) instead of reusing `make model`'s.
+image-test: model
+	PYTHON=$(BIN)/python EXPORT=$(EXPORT) bash docker/image-test.sh
 
 clean-venv:
 	rm -rf $(VENV)
