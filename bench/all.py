@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.common import RESULTS, machine, print_table, write_json
 
-BENCHMARKS = ("batch1_paired", "concurrency", "prefix", "http", "memory")
+BENCHMARKS = ("batch1_paired", "concurrency", "prefix", "http", "memory", "startup")
 
 
 def command(name: str, quick: bool, out_dir: Path = RESULTS, llamacpp_python: str | None = None) -> list[str]:

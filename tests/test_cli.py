@@ -117,7 +117,7 @@ def test_environment_is_the_fallback_and_a_flag_beats_it(monkeypatch):
     assert (flagged.kv_cache_bytes, flagged.prefix_caching) == (GiB, True)
     monkeypatch.setenv("APPLIANCE_STATIC", "maybe")
     with pytest.raises(SystemExit, match="APPLIANCE_STATIC='maybe' is not a boolean"):
-        cli.build_parser()
+        cli.parse(["config"])
 
 
 def test_kv_cache_tokens_is_an_alias_and_not_both():
