@@ -118,6 +118,45 @@ class EngineConfig:
         cli=None,
     )
 
+    # Speculative decoding (appliance/speculative/, appliance/engine/speculation.py): a proposer drafts tokens, the
+    # model verifies them all in one step (paged attention only; static shapes and ONNX refuse these flags). The
+    # output is the same as without (greedy: token for token; sampling: the same distribution, the same tokens for
+    # a seed); only the speed changes.
+    prompt_lookup: bool = setting(
+        False,
+        "prompt-lookup (n-gram) speculative decoding: draft tokens copied from the prompt and the output so far, "
+        "verified in one step (OVMS's prompt_lookup; paged attention)",
+        flag="prompt-lookup",
+    )
+    draft_model: str | None = setting(
+        None,
+        "speculative decoding with a draft model: a small exported model with the same tokenizer drafts tokens "
+        "for this one to verify (OVMS's draft_models_path; paged attention)",
+        flag="draft-model",
+        show="none",
+    )
+    draft_device: str | None = setting(
+        None, "the draft model's OpenVINO device", flag="draft-device", show="--device's"
+    )
+    num_assistant_tokens: int = setting(
+        5,
+        "speculative decoding: most draft tokens per step and sequence (adapted per sequence to its acceptance); "
+        "a request's num_assistant_tokens overrides it",
+        flag="num-assistant-tokens",
+    )
+    max_ngram_size: int = setting(
+        3,
+        "prompt lookup: longest n-gram of the latest tokens looked up in the prompt and output; a request's "
+        "max_ngram_size overrides it",
+        flag="max-ngram-size",
+    )
+    speculation_max_batch: int = setting(
+        4,
+        "speculative decoding runs while at most this many sequences decode in a step (a larger batch already "
+        "uses the compute that verifying drafts would)",
+        flag="speculation-max-batch",
+    )
+
     def compile_cache(self) -> str | None:
         """cache_dir where OpenVINO can use it: static shapes (NPU, --static) on any device, the paged graph on GPU.
         The CPU plugin cannot import its own paged-attention blob (the PagedAttention nodes lose their k_head_size /
@@ -125,6 +164,11 @@ class EngineConfig:
         slower than no cache (docs/deploy.md): there the cache stays off."""
         device = self.device.upper()
         return self.cache_dir if self.static or device.startswith(("NPU", "GPU")) else None
+
+    def speculative(self) -> str | None:
+        """The model's speculation: "draft" (a draft model), "prompt_lookup", or None (requests may still turn
+        prompt lookup on: a prediction or max_ngram_size)."""
+        return "draft" if self.draft_model else "prompt_lookup" if self.prompt_lookup else None
 
     def kv_precision(self) -> str | None:
         if self.kv_cache_precision:

@@ -26,6 +26,10 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (usage.prompt_tokens_details)
+    # speculative decoding, so far in this sequence: draft tokens the model accepted / rejected (OpenAI's
+    # usage.completion_tokens_details accepted_prediction_tokens / rejected_prediction_tokens)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
     # with the first chunk of a sequence when params.prompt_logprobs is set: one entry per prompt token; the
     # first one's logprob is None (nothing predicts it)
     prompt_logprobs: list[TokenLogprob] | None = None

@@ -64,6 +64,15 @@ class SamplingParams:
     min_total_tokens: int | None = None
     min_tokens_to_limit: bool = False
     early_stopping: bool = False  # beam search: stop once best_of hypotheses finished (transformers' True)
+    # speculative decoding (OVMS's names; the output does not change, only the speed): draft tokens per step
+    # (0: no speculation for this request), the draft model's confidence below which it stops drafting, the
+    # longest n-gram prompt lookup matches; None: the model's serve settings
+    num_assistant_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
+    max_ngram_size: int | None = None
+    # OpenAI's Predicted Outputs (`prediction.content`): text the answer is expected to repeat, a source of
+    # prompt-lookup drafts (tokenized engine-side)
+    prediction: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from appliance.detokenizer import IncrementalDetokenizer
     from appliance.engine.beams import BeamGroup
     from appliance.sampling import SequenceSampler
+    from appliance.speculative.base import SpecState
     from appliance.stopping import StopStringMatcher
 
 
@@ -56,6 +57,11 @@ class Sequence:
     # n > 1: the request's other choices, waiting for this sequence's prompt KV to start from (copy-on-write)
     followers: list[Sequence] | None = None
 
+    # speculative decoding: the sequence's state (None: it does not speculate) and the draft tokens proposed for
+    # this step, fed after token_ids[num_computed:] and verified in the step's postprocess
+    spec: SpecState | None = None
+    draft: list[int] = field(default_factory=list)
+
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
@@ -63,6 +69,11 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
+
+    def feed(self, n: int) -> list[int]:
+        """The n tokens this step feeds: the uncomputed ones, then the draft's."""
+        ids = self.token_ids[self.num_computed : self.num_computed + n]
+        return ids + self.draft[: n - len(ids)] if len(ids) < n else ids
 
     def emit(self, chunk: Chunk) -> None:
         self.out.put(chunk)
