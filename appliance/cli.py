@@ -5,7 +5,7 @@ config` prints the effective configuration and where each value came from.
 
 The flags, their help and defaults are the fields of ServeSettings, EngineConfig and Limits, declared there once;
 this module keeps only what a command line needs: words and units (--precision, --kv-cache-size) and refusing
-flags that cannot act (static shapes, NPU, ONNX)."""
+flags that cannot act (static shapes, NPU, ONNX; speculative decoding there)."""
 
 from __future__ import annotations
 
@@ -394,6 +394,50 @@ def _cache_dir(word: str, manifest) -> Path | None:
     return cache_dir
 
 
+def _speculation(args: argparse.Namespace, slots: bool) -> dict[str, Any]:
+    """EngineConfig's speculative-decoding settings, checked. Drafts are verified several positions per sequence in
+    one step over the paged KV, so slots (static shapes, ONNX), which decode one token per slot and step, refuse
+    them. A draft model must be an OpenVINO export (its own paged KV pool); the model itself is allowed as its own
+    draft (every draft accepted: the cost of verifying, measured, not a speed-up). The engine checks the tokenizers
+    match."""
+    bound = limits.Limits().assistant_tokens, limits.Limits().ngram_size
+    if not 1 <= args.num_assistant_tokens <= bound[0]:
+        raise SystemExit(f"appliance: --num-assistant-tokens must be between 1 and {bound[0]} (a request may send 0)")
+    if not 1 <= args.max_ngram_size <= bound[1]:
+        raise SystemExit(f"appliance: --max-ngram-size must be between 1 and {bound[1]}")
+    if args.speculation_max_batch < 1:
+        raise SystemExit("appliance: --speculation-max-batch must be at least 1")
+    if args.draft_device is not None and not args.draft_model:
+        raise SystemExit("appliance: --draft-device needs --draft-model (it is the draft model's device)")
+    if args.prompt_lookup and args.draft_model:
+        raise SystemExit("appliance: give --prompt-lookup or --draft-model, not both (one proposer per model)")
+    if slots and (args.prompt_lookup or args.draft_model):
+        raise SystemExit(
+            f"appliance: --{'draft-model' if args.draft_model else 'prompt-lookup'} needs paged attention: static "
+            "shapes (--static, --device NPU) and ONNX models decode one token per slot and step, so they cannot "
+            "verify draft tokens"
+        )
+    draft = None
+    if args.draft_model:
+        draft = resolve_model(args.draft_model).resolve()
+        try:
+            backend = Manifest.load(draft).backend
+        except FileNotFoundError:
+            raise SystemExit(
+                f"appliance: --draft-model {args.draft_model} is not a model export (no {MANIFEST_NAME} there)"
+            ) from None
+        if backend != "openvino":
+            raise SystemExit(f"appliance: --draft-model {args.draft_model} is an ONNX export; a draft must be OpenVINO")
+    return {
+        "prompt_lookup": bool(args.prompt_lookup),
+        "draft_model": str(draft) if draft else None,
+        "draft_device": args.draft_device,
+        "num_assistant_tokens": args.num_assistant_tokens,
+        "max_ngram_size": args.max_ngram_size,
+        "speculation_max_batch": args.speculation_max_batch,
+    }
+
+
 def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> EngineConfig:
     """The engine's knobs from the parsed flags, checked here so a mistake is one line, not a traceback. `args` may
     be a mapping of the engine flags (by flag or attribute name): one model of a config file's model_config_list."""
@@ -420,6 +464,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     size = _kv_size(args)
     slots, knobs = _static_knobs(args, manifest, paged_only=size is not None or precision != "auto")
     cache_dir = _cache_dir(args.cache_dir, manifest)
+    speculation = _speculation(args, slots)
     engine = EngineConfig(
         device=args.device,
         precision="f32" if args.precision == "f32" else None,
@@ -434,6 +479,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
         num_threads=args.num_threads,
         cache_dir=str(cache_dir) if cache_dir else None,
         **knobs,
+        **speculation,
     )
     seqs = min(engine.max_num_seqs, engine.static_batch) if slots else engine.max_num_seqs
     if engine.max_num_batched_tokens < seqs:
@@ -456,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         from appliance.server.supervisor import serve
 
         settings, engine = _settings(args)
-        devices.require(spec.engine.device for spec in settings.models)  # one line naming those present
+        wanted = (d for spec in settings.models for d in (spec.engine.device, spec.engine.draft_device) if d)
+        devices.require(wanted)  # one line naming those present
         return serve(settings, engine)
     if args.command == "devices":
         return devices.main(args.json)

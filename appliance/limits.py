@@ -74,6 +74,16 @@ class Limits:
         65536, "characters of a `response_format` JSON schema (canonical JSON text), regex or grammar"
     )
     depth: int = setting(32, "nesting of objects and arrays in a request body")
+    # speculative decoding: a step verifies 1 + num_assistant_tokens positions per sequence, so this bounds what one
+    # request adds to a step's batched tokens (transformers drafts 20 at most by default; acceptance past ~10 in a
+    # row is rare, and a rejected draft costs its positions' compute)
+    assistant_tokens: int = setting(
+        32, "`num_assistant_tokens` (speculative decoding: draft tokens per step) in [0, this]"
+    )
+    ngram_size: int = setting(16, "`max_ngram_size` (prompt lookup: the longest n-gram matched) in [1, this]")
+    prediction_chars: int = setting(
+        65536, "characters of a `prediction` (OpenAI's Predicted Outputs: text the answer is expected to repeat)"
+    )
     # float ranges
     temperature: float = setting(2.0, "`temperature` in [0, this]")
     penalty: float = setting(2.0, "`frequency_penalty`, `presence_penalty` in [-this, this]")

@@ -60,6 +60,8 @@ class Scheduler:
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             if not self._reserve(seq, n, plan):
                 continue
+            if seq.draft:
+                n += self._draft_room(seq, n, budget - n)
             plan.append((seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -97,6 +99,26 @@ class Scheduler:
         seq.block_table += self.pool.allocate(need)
         return True
 
+    def _draft_room(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of seq's draft tokens (speculative decoding) this step feeds after its n tokens: what the token
+        budget and the free blocks allow, never preempting anyone for them; the rest of the draft is dropped."""
+        room = min(len(seq.draft), budget) if seq.num_computed + n == len(seq.token_ids) else 0
+        need = self.pool.blocks_for(seq.num_computed + n + room) - len(seq.block_table)
+        if room and not self.pool.can_allocate(need):
+            room = max(0, min(room, len(seq.block_table) * self.pool.block_size - seq.num_computed - n))
+            need = 0
+        if need > 0:
+            seq.block_table += self.pool.allocate(need)
+        del seq.draft[room:]
+        return room
+
+    def rollback(self, seq: Sequence) -> None:
+        """After a verification: give back the blocks past seq's tokens (allocated for drafts it rejected)."""
+        keep = self.pool.blocks_for(len(seq.token_ids))
+        if len(seq.block_table) > keep:
+            self.pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def computed(self, seq: Sequence) -> None:
         """After a step: name the blocks that just became full so later prompts can reuse them."""
         bs = self.pool.block_size
@@ -112,6 +134,7 @@ class Scheduler:
         self._release(seq)
         self.preemptions += 1
         seq.num_computed = 0
+        seq.draft = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

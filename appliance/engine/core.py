@@ -26,6 +26,7 @@ from appliance.engine.beams import BeamSearches
 from appliance.engine.choices import Choices
 from appliance.engine.liveness import Liveness
 from appliance.engine.logprobs import record_prompt_logprobs, sampled_logprobs, token_text, wants_prompt_logits
+from appliance.engine.speculation import Speculation, Verify
 from appliance.engine.text import text_step
 from appliance.grammar import GrammarCompiler
 from appliance.kv_cache import BlockPool
@@ -42,7 +43,7 @@ log = logging.getLogger("appliance.engine")
 Plan = list[tuple[Sequence, int]]  # a step's (sequence, tokens it feeds)
 
 
-class Engine(Admission, Choices, BeamSearches, Liveness):
+class Engine(Admission, Choices, BeamSearches, Liveness, Speculation):
     """One model's generation loop on its own thread: submit from any thread (admission.py), one step at a time
     on the engine thread (step)."""
 
@@ -67,6 +68,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
         )
         max_seqs = min(self.config.max_num_seqs, self.backend.max_batch or self.config.max_num_seqs)
         self.scheduler = Scheduler(self.pool, max_seqs, self.config.max_num_batched_tokens)
+        self._load_proposers()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_seqs = 0
         self._admit = threading.Lock()
@@ -74,6 +76,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
         self._stop = False
         self._ids = itertools.count()
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
+        self.counters |= {"draft_tokens": 0, "accepted_draft_tokens": 0}  # speculative decoding (speculation.py)
         self.heartbeat = time.monotonic()
         self.dead: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None
@@ -120,6 +123,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
         """The step's plan. A beam whose logits are in but whose siblings' are not (a search advances all its beams
         at once) has nothing to feed: the scheduler lists it with 0 tokens, and it is left out. Nothing to run
         while sequences wait: every running sequence is a stalled beam (_unstall)."""
+        self._propose()  # speculative decoding: drafts for the decoding sequences, fed after their last token
         plan = [(s, n) for s, n in self.scheduler.schedule() if n > 0]
         if not plan and self.scheduler.waiting:
             self._unstall()
@@ -133,9 +137,9 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
         """Run the plan through the backend: the batch (with the logits of every fed position for sequences whose
         prompt logprobs need them) and each sequence's last logits row; None if the backend failed, and with it
         every request of the step."""
-        flags = [wants_prompt_logits(s, n) for s, n in plan]
+        flags = [wants_prompt_logits(s, n) or bool(s.draft) for s, n in plan]  # a draft: logits to verify it
         batch = StepBatch(
-            [s.token_ids[s.num_computed : s.num_computed + n] for s, n in plan],
+            [s.feed(n) for s, n in plan],
             [s.num_computed for s, _ in plan],
             [s.block_table for s, _ in plan],
             all_logits=flags if any(flags) else None,
@@ -153,20 +157,29 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
     def _postprocess(self, plan: Plan, batch: StepBatch, logits: np.ndarray) -> None:
         """Each request's part of the step, each inside _isolated: account for the computed tokens, then sample
         the sequences that are ready (one batched call) and feed the beams' rows to their searches."""
-        ready, beams = self._computed(plan, batch)
+        ready, beams, verifying = self._computed(plan, batch)
         for seq, out, j in self._sample(logits, ready):
             with self._isolated(seq):
                 self._append(seq, int(out.token_ids[j]), out, j)
+        self._verify(verifying)
         self._beam_logits(beams, logits)
 
-    def _computed(self, plan: Plan, batch: StepBatch) -> tuple[Plan, Plan]:
+    def _computed(self, plan: Plan, batch: StepBatch) -> tuple[Plan, Plan, Verify]:
         """The plan's tokens are computed: record prompt logprobs, name the blocks that became full. Returns the
         sequences whose every token is computed, (sequence, its logits row): those that sample now (a leader with
-        the n > 1 choices forked from it) and beams; a prompt-only request (max_tokens 0) ends here."""
+        the n > 1 choices forked from it) and beams; a prompt-only request (max_tokens 0) ends here. And the
+        sequences that fed a draft, with the logits of their fed positions: verified next (speculation.py)."""
         ready: Plan = []
         beams: Plan = []
+        verifying: Verify = []
         for i, (seq, n) in enumerate(plan):
             with self._isolated(seq):
+                if seq.draft:  # its tokens count as computed as far as the verification accepts them
+                    assert batch.position_logits is not None
+                    rows = batch.position_logits[i]
+                    assert rows is not None
+                    verifying.append((seq, rows))
+                    continue
                 if batch.all_logits is not None and batch.all_logits[i]:
                     # forward fills position_logits[i] for every flagged sequence (StepBatch)
                     assert batch.position_logits is not None
@@ -183,7 +196,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
                     beams.append((seq, i))
                 else:
                     ready += [(s, i) for s in [seq] + (self._fork_followers(seq) if seq.followers else [])]
-        return ready, beams
+        return ready, beams, verifying
 
     def _sample(self, logits: np.ndarray, ready: Plan) -> list[tuple[Sequence, SampleOutput, int]]:
         """The next token of every ready sequence, (sequence, output, its row in output): one batched call. If
@@ -232,6 +245,8 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
             completion_tokens=seq.num_generated,
             cached_tokens=seq.num_cached,
             prompt_logprobs=seq.prompt_logprobs if seq.num_generated == 1 else None,
+            accepted_prediction_tokens=seq.spec.accepted if seq.spec else 0,
+            rejected_prediction_tokens=seq.spec.rejected if seq.spec else 0,
         )
         if reason is None:
             seq.emit(chunk)
@@ -249,6 +264,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness):
             return
         if seq.followers:  # ended before its prompt was computed: the other choices compute their own
             self._release_followers(seq)
+        self._release_speculation(seq)
         self.scheduler.finish(seq)
         self._set_timing(seq)
         chunk = chunk or Chunk(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)

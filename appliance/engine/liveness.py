@@ -61,6 +61,8 @@ class Liveness(EngineState):
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        for proposer in self.proposers.values():
+            proposer.close()
         self.backend.close()
 
     # ---- engine thread ----

@@ -9,6 +9,7 @@ import queue
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +22,7 @@ from appliance.outputs import Chunk
 from appliance.params import SamplingParams
 from appliance.scheduler import Scheduler
 from appliance.sequence import Sequence
+from appliance.speculative.base import Proposer
 from appliance.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 
 class EngineState:
+    model_dir: Path
     config: EngineConfig
     tokenizer: Tokenizer
     grammars: GrammarCompiler  # structured output: compiles grammars, hands out per-sequence matchers
@@ -37,6 +40,7 @@ class EngineState:
     pool: BlockPool
     scheduler: Scheduler
     counters: dict[str, int]
+    proposers: dict[str, Proposer]  # speculative decoding (speculation.py): by name, prompt_lookup / draft
     _wake: threading.Event  # set: the engine thread has something to do
     _stop: bool
     _inbox: queue.SimpleQueue  # ("add", groups of sequences) or ("cancel", a Sequence or BeamGroup)
@@ -75,3 +79,5 @@ class EngineState:
         def _beam_logits(self, beams: list[tuple[Sequence, int]], logits: np.ndarray) -> None: ...
         def _unstall(self) -> None: ...
         def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int: ...
+        def _check_speculation(self, p: SamplingParams) -> None: ...
+        def _start_speculation(self, seq: Sequence) -> None: ...

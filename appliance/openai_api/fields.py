@@ -299,6 +299,24 @@ def _bad_words(limits: Limits) -> dict:
     return {"type": "array", "maxItems": limits.bad_words, "items": word}
 
 
+def _prediction(limits: Limits) -> dict:
+    text_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "additionalProperties": False,
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }
+    content = {
+        "anyOf": [{"type": "string", "maxLength": limits.prediction_chars}, {"type": "array", "items": text_part}]
+    }
+    return {
+        "type": "object",
+        "required": ["type", "content"],
+        "additionalProperties": False,
+        "properties": {"type": {"const": "content"}, "content": content},
+    }
+
+
 def _seeds(limits: Limits) -> dict:
     one = {"type": "integer", "minimum": 0, "maximum": UINT32_MAX}
     return {"anyOf": [one, {"type": "array", "minItems": 1, "maxItems": limits.n, "items": one}]}
@@ -342,6 +360,49 @@ def response_format(description: str) -> Field:
         "OpenAI's custom tools write it). At most {grammar_chars} characters of schema (canonical JSON), regex or "
         "grammar; one that does not compile is a 400. Not with beam search. " + description,
     )
+
+
+# speculative decoding (docs/serving.md "Speculative decoding"): OVMS's request names; they change the speed, never
+# the output. OVMS refuses num_assistant_tokens 0; here 0 turns speculation off for the request.
+SPECULATION = (
+    integer(
+        "num_assistant_tokens",
+        "num_assistant_tokens is not an unsigned integer",
+        Min(0, "num_assistant_tokens out of range [0, {assistant_tokens}]"),
+        Max("assistant_tokens", "num_assistant_tokens out of range [0, {assistant_tokens}]"),
+        description="Speculative decoding: the most draft tokens one step verifies for this request (adapted to "
+        "its acceptance), at most {assistant_tokens}; 0 = no speculation for this request. Not set: the model's "
+        "`--num-assistant-tokens`. Not together with `assistant_confidence_threshold` (OVMS). A 400 on a model "
+        "with static shapes or ONNX (they decode one token per step).",
+    ),
+    number(
+        "assistant_confidence_threshold",
+        Min(0, "assistant_confidence_threshold must be greater than 0", exclusive=True),
+        Max(1, "assistant_confidence_threshold must be less than 1", exclusive=True),
+        message="assistant_confidence_threshold must be a positive number",
+        description="Draft-model speculative decoding: the draft stops drafting once its next token's probability "
+        "falls below this, in (0, 1). Only on a model served with `--draft-model` (else 400); not together with "
+        "`num_assistant_tokens` (OVMS).",
+    ),
+    integer(
+        "max_ngram_size",
+        "max_ngram_size is not an unsigned integer",
+        Min(1, "max_ngram_size out of range [1, {ngram_size}]"),
+        Max("ngram_size", "max_ngram_size out of range [1, {ngram_size}]"),
+        description="Prompt lookup: the longest n-gram of the latest tokens looked up in the prompt and output, in "
+        "[1, {ngram_size}]. On any paged model it turns prompt lookup on for this request. Not set: the model's "
+        "`--max-ngram-size`. A 400 on a model with static shapes or ONNX.",
+    ),
+    custom(
+        "prediction",
+        _prediction,
+        "OpenAI's Predicted Outputs: `{{\"type\": \"content\", \"content\": text or [{{\"type\": \"text\", "
+        "\"text\"}}]}}` (parts joined as they are), text the answer is expected to repeat, at most "
+        "{prediction_chars} characters. A hint: on a paged model it turns prompt lookup on for this request, "
+        "drafting from the prediction too; elsewhere it has no effect. The output is the same either way; "
+        "`usage.completion_tokens_details` says how many draft tokens were accepted and rejected.",
+    ),
+)
 
 
 def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tuple[Field, ...]:
@@ -458,6 +519,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             description="Independent choices per prompt (seed + j for choice j). n x prompts (beam search: "
             "prompts) above the server's `--max-queued` is a 400: it could never be queued.",
         ),
+        *SPECULATION,
         ignored("user"),
     )
 

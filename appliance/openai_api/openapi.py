@@ -106,6 +106,15 @@ def _rules(request: str, limits: Limits) -> list[dict]:
             "description": "structured output (response_format) and beam search (best_of above 1) exclude each other",
             **_when("response_format", _GRAMMAR, {"properties": {"best_of": _NO_BEAMS}}),
         },
+        {
+            "description": "\"num_assistant_tokens and assistant_confidence_threshold are mutually exclusive and "
+            "cannot both be set.\"",
+            **_when(
+                "num_assistant_tokens",
+                {"type": "integer"},
+                {"properties": {"assistant_confidence_threshold": {"type": "null"}}},
+            ),
+        },
     ]
     if request == "CompletionRequest":
         rules.extend(_completion_rules(limits))

@@ -1,6 +1,6 @@
 """Parsers of the structured request fields of issue 11: structured output (`response_format`, Cerebras's
 `grammar_root`), chat tools, and Friendli's list-valued completions fields (`tokens`, `seed` as a list,
-`stop_tokens`, `bad_words`, `bad_word_tokens`).
+`stop_tokens`, `bad_words`, `bad_word_tokens`), and OpenAI's `prediction` (speculative decoding, issue 12).
 
 Each is a validation.py `Parser`, (value, limits, fields read so far) -> value, checking one field alone; the rules
 across fields are in validation.py, and the JSON schemas (docs/openapi.json) in fields.py. Whether a schema, regex or
@@ -204,3 +204,28 @@ def bad_words(value: Any, limits: Limits, read: dict) -> tuple[str, ...]:
     if any(len(w) > limits.stop_chars for w in value):
         raise invalid(f"bad_words strings must be at most {limits.stop_chars} characters long", "bad_words")
     return tuple(dict.fromkeys(value))
+
+
+def prediction(value: Any, limits: Limits, read: dict) -> str:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": text or [{"type": "text", "text"}]} -> the text
+    (parts joined as they are: the answer is expected to repeat them in order)."""
+    if not isinstance(value, dict):
+        raise invalid("prediction is not an object", "prediction")
+    if set(value) - {"type", "content"}:
+        raise invalid("prediction accepts only type and content", "prediction")
+    if value.get("type") != "content":
+        raise invalid('prediction type must be "content"', "prediction")
+    content = value.get("content")
+    if isinstance(content, list):
+        ok = all(
+            isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text" and isinstance(p["text"], str)
+            for p in content
+        )
+        if not ok:
+            raise invalid('prediction content parts must be {"type": "text", "text": string}', "prediction")
+        content = "".join(p["text"] for p in content)
+    elif not isinstance(content, str):
+        raise invalid("prediction content is not a string or an array of text parts", "prediction")
+    if len(content) > limits.prediction_chars:
+        raise invalid(f"prediction content must be at most {limits.prediction_chars} characters", "prediction")
+    return content

@@ -48,6 +48,10 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)  # generated ids (Cerebras return_raw_tokens)
     sent_token_ids: int = 0  # how many of token_ids stream deltas carried (a chunk without text makes no delta)
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied (usage.prompt_tokens_details)
+    # speculative decoding, so far (cumulative in every chunk): draft tokens accepted / rejected
+    # (usage.completion_tokens_details)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -202,6 +206,8 @@ class Generation:
             c.prompt_logprobs = chunk.prompt_logprobs
         c.token_ids += chunk.token_ids
         c.cached_tokens = chunk.cached_tokens or c.cached_tokens
+        c.accepted_prediction_tokens = max(c.accepted_prediction_tokens, chunk.accepted_prediction_tokens)
+        c.rejected_prediction_tokens = max(c.rejected_prediction_tokens, chunk.rejected_prediction_tokens)
         deltas = []
         if not c.started:
             c.started = True
@@ -285,12 +291,20 @@ class Generation:
         completion = sum(c.completion_tokens for c in self.choices)
         # per prompt: what its first choice's last chunk said (its other choices share the same cached prompt)
         cached = sum(c.cached_tokens for c in self.choices[:: self.job.n])
-        return {
+        usage: dict = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        accepted = sum(c.accepted_prediction_tokens for c in self.choices)
+        rejected = sum(c.rejected_prediction_tokens for c in self.choices)
+        if accepted or rejected or self.job.params.prediction is not None:  # OpenAI: with a prediction only
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": rejected,
+            }
+        return usage
 
     def time_info(self) -> dict:
         timings = [c.timing for c in self.choices if c.timing is not None]

@@ -91,6 +91,11 @@ class GenerationRequest:
     early_stopping: bool | None = None
     seeds: tuple[int, ...] | None = None  # Friendli: one seed per choice (len n)
     return_raw_tokens: bool = False  # Cerebras: each choice also carries its token ids (`tokens`)
+    # speculative decoding (OVMS's names) and OpenAI's Predicted Outputs (`prediction.content`); SamplingParams
+    num_assistant_tokens: int | None = None
+    assistant_confidence_threshold: float | None = None
+    max_ngram_size: int | None = None
+    prediction: str | None = None
 
 
 @dataclass(frozen=True)
@@ -253,6 +258,10 @@ _PLAIN = (
     "min_tokens",
     "skip_special_tokens",
     "timeout",
+    "num_assistant_tokens",
+    "assistant_confidence_threshold",
+    "max_ngram_size",
+    "prediction",
 )  # read fields passed on as they are
 
 
@@ -287,6 +296,11 @@ def _generation(values: dict[str, Any], *, max_tokens: int | None) -> dict:
             f"structured output ({grammar_param}) cannot be combined with beam search ({beams} {best_of}): "
             "use n for several choices",
             grammar_param,
+        )
+    if values["num_assistant_tokens"] is not None and values["assistant_confidence_threshold"] is not None:
+        raise invalid(  # OVMS: one sets how many tokens to draft, the other when to stop drafting
+            "num_assistant_tokens and assistant_confidence_threshold are mutually exclusive and cannot both be set.",
+            "assistant_confidence_threshold",
         )
     if values.get("early_stopping") and not beam:
         raise invalid("early_stopping needs beam search (num_beams or best_of above 1)", "early_stopping")
@@ -574,6 +588,7 @@ PARSERS: dict[str, Parser] = {
     "response_format": P.response_format,
     "tools": P.tools,
     "tool_choice": P.tool_choice,
+    "prediction": P.prediction,
 }
 COMPLETION_PARSERS: dict[str, Parser] = {
     "prompt": _prompts,
@@ -640,4 +655,8 @@ def sampling_params(gen: GenerationRequest, defaults: dict) -> SamplingParams:
         min_total_tokens=gen.min_total_tokens,
         min_tokens_to_limit=gen.min_tokens_to_limit,
         early_stopping=bool(gen.early_stopping),
+        num_assistant_tokens=gen.num_assistant_tokens,
+        assistant_confidence_threshold=gen.assistant_confidence_threshold,
+        max_ngram_size=gen.max_ngram_size,
+        prediction=gen.prediction,
     )

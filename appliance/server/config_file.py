@@ -32,15 +32,17 @@ from appliance.paths import resolve_model
 from appliance.server.settings import ModelSpec, ServeSettings
 
 MODEL_LIST = "model_config_list"  # OVMS's key: [{"config": {"name": ..., "base_path": ..., ...}}]
-# What one model may set for itself: every engine flag (OVMS spells --device `target_device`) and the output parsers.
+# What one model may set for itself: every engine flag (OVMS spells --device `target_device` and --draft-model its
+# graph option `draft_models_path`; `draft_device` is both's) and the output parsers.
 ENGINE_FLAGS = tuple(flag for flag, (cls, _) in cli.FIELDS.items() if cls is EngineConfig)
 MODEL_FLAGS = (*ENGINE_FLAGS, "tool-parser", "reasoning-parser")
-MODEL_ALIASES = {"target_device": "device"}
+MODEL_ALIASES = {"target_device": "device", "draft_models_path": "draft-model"}
 # Flags naming a file or directory, and their words that are not paths: in the file, a path is relative to the
 # file's directory (as OVMS's base_path).
 PATH_FLAGS = {
     "model": ("default",),
     "cache-dir": ("auto", "none"),
+    "draft-model": ("default",),
     "api-key-file": (),
     "tls-certfile": (),
     "tls-keyfile": (),
@@ -90,8 +92,8 @@ def _model_entry(path: str, index: int, entry: Any, base: Path) -> dict[str, Any
         flag = MODEL_ALIASES.get(key, key.replace("_", "-"))
         if flag not in MODEL_FLAGS:
             raise ValueError(
-                f"{where}: unknown key {key!r} (a model takes name, base_path, target_device, the engine flags "
-                "and tool_parser / reasoning_parser)"
+                f"{where}: unknown key {key!r} (a model takes name, base_path, target_device, draft_models_path, "
+                "the engine flags and tool_parser / reasoning_parser)"
             )
         if flag in model:
             raise ValueError(f"{where}: {key!r} is given twice (as {flag!r} and an alias)")

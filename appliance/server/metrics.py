@@ -89,6 +89,32 @@ def _gauge(name: str, help: str, value: float, per_model: Mapping[str, float], k
     return lines + [f"{PREFIX}{name}{_labels(('model',), (m,))} {_num(v)}" for m, v in per_model.items()]
 
 
+def _speculation(drafted: dict[str, float], accepted: dict[str, float]) -> list[str]:
+    """Speculative decoding (Engine.stats() draft_tokens / accepted_draft_tokens): draft tokens verified and
+    accepted, and the acceptance ratio of all drafts so far (0 before any). A ratio near 0 means speculation only
+    costs: the engine backs off per sequence, and an operator may drop --prompt-lookup / --draft-model."""
+    lines = _gauge(
+        "speculative_draft_tokens_total",
+        "Draft tokens (prompt lookup, predictions, a draft model) the model verified.",
+        sum(drafted.values()),
+        drafted,
+        "counter",
+    )
+    lines += _gauge(
+        "speculative_accepted_tokens_total",
+        "Draft tokens the model accepted (each a decode step saved).",
+        sum(accepted.values()),
+        accepted,
+        "counter",
+    )
+    return lines + _gauge(
+        "speculative_acceptance_ratio",
+        "Accepted / verified draft tokens so far (0 before any draft).",
+        sum(accepted.values()) / sum(drafted.values()) if sum(drafted.values()) else 0,
+        {name: accepted[name] / drafted[name] if drafted[name] else 0 for name in drafted},
+    )
+
+
 class ServerMetrics:
     """Everything /metrics shows. Thread-safe; one instance in the engine process."""
 
@@ -161,6 +187,7 @@ class ServerMetrics:
             preemptions,
             "counter",
         )
+        lines += _speculation(each("draft_tokens"), each("accepted_draft_tokens"))
         for metric in (
             self.http_requests,
             self.http_errors,

@@ -60,19 +60,12 @@ class SpecState:
             return False
         return self.max_k > 0
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """After a verification of `proposed` draft tokens of which the first `accepted` were kept."""
-        self.proposed += proposed
-        self.accepted += accepted
-        if accepted == proposed:
-            self.k = min(self.max_k, self.k + 2)
-        else:
-            self.k = max(1, self.k - 1)
-        if accepted:
-            self.misses = 0
-        else:
-            self.misses += 1
-            self.pause = min(MAX_PAUSE, 2**self.misses) if self.misses > 1 else 0
+    def adapt(self, proposed: int, accepted: int) -> None:
+        """After a verification of `proposed` draft tokens of which the first `accepted` were kept (the engine
+        counts them in `proposed` / `accepted` as it goes)."""
+        self.k = min(self.max_k, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+        self.misses = 0 if accepted else self.misses + 1
+        self.pause = min(MAX_PAUSE, 2**self.misses) if self.misses else 0
 
 
 class Proposer(ABC):

@@ -1,0 +1,175 @@
+"""Speculative decoding in the step: drafts before the schedule, verification in the postprocess.
+
+A speculating sequence feeds its last token and its k draft tokens in one forward, with the logits of every fed
+position (StepBatch.all_logits, the path prompt logprobs use), batched with everything else in the step. The
+verification then goes position by position, all verifying sequences together (one sample_batch per position): the
+token the sequence's own sampler draws from position j's logits is appended as a normal decode would append it (its
+penalties, bans, grammar, stop rules, logprobs, a chunk), and while it equals draft token j the next position is
+valid too. The first disagreement ends it: that drawn token is the model's own next token, so every step keeps at
+least one token, and k accepted drafts give k + 1. appliance/speculative/base.py says why this keeps the output
+exactly what non-speculative decoding gives.
+
+Rollback costs nothing: KV written for rejected positions lies past num_computed and is overwritten by the next
+step; blocks allocated only for them go back to the pool (Scheduler.rollback), and only blocks full of accepted
+tokens are named for the prefix cache. Where it is off: static shapes (one-token decode graphs), beam search, and
+steps with more than speculation_max_batch decoding sequences (compute-bound already).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from appliance.engine.state import EngineState
+from appliance.params import SamplingParams
+from appliance.sequence import Sequence, Status
+from appliance.speculative.base import Proposer, SpecState
+from appliance.speculative.ngram import PromptLookup
+
+if TYPE_CHECKING:
+    from appliance.sampling import SampleOutput
+
+log = logging.getLogger("appliance.engine")
+
+Verify = list[tuple[Sequence, np.ndarray]]  # a verifying sequence and the logits of its fed positions
+
+
+class Speculation(EngineState):
+    """Engine's speculative decoding (a part of Engine: see state.py for the state it uses)."""
+
+    def _load_proposers(self) -> None:
+        """Prompt lookup on every paged model (a request may ask for it); a draft model when configured."""
+        self.proposers = {}
+        mode = self.config.speculative()
+        if self.backend.max_batch is not None:
+            if mode:
+                raise ValueError(
+                    f"speculative decoding ({mode}) needs paged attention: static shapes decode one token per slot"
+                )
+            return
+        self.proposers["prompt_lookup"] = PromptLookup(self.tokenizer)
+        if self.config.draft_model:
+            from appliance.speculative.draft import DraftModel
+
+            self.proposers["draft"] = DraftModel(
+                self.config.draft_model, self.config, self.model_dir, self.config.max_num_batched_tokens
+            )
+
+    def _check_speculation(self, p: SamplingParams) -> None:
+        """A request's speculation parameters, on the caller's thread (ValueError: 400). `prediction` is a hint:
+        taken where prompt lookup runs, of no effect on static shapes."""
+        given = [
+            name
+            for name in ("num_assistant_tokens", "assistant_confidence_threshold", "max_ngram_size")
+            if getattr(p, name) is not None
+        ]
+        if not given:
+            return
+        if not self.proposers:
+            raise ValueError(f"{given[0]}: speculative decoding needs paged attention; this model runs static shapes")
+        if p.num_assistant_tokens is not None and p.assistant_confidence_threshold is not None:
+            raise ValueError("num_assistant_tokens and assistant_confidence_threshold cannot be used together")
+        if p.assistant_confidence_threshold is not None and "draft" not in self.proposers:
+            raise ValueError("assistant_confidence_threshold needs a draft model (serve with --draft-model)")
+
+    def _start_speculation(self, seq: Sequence) -> None:
+        """seq's SpecState, if it speculates: the model's mode, or prompt lookup when the request asks for it."""
+        p, config = seq.params, self.config
+        if not self.proposers or p.num_assistant_tokens == 0 or (p.best_of or 1) > 1:
+            return
+        if p.assistant_confidence_threshold is not None:
+            name: str | None = "draft"
+        elif p.prediction or p.max_ngram_size is not None:
+            name = "prompt_lookup"
+        else:
+            name = config.speculative()
+        if name is None:
+            return
+        proposer = self.proposers[name]
+        seq.spec = SpecState(
+            proposer,
+            max_k=p.num_assistant_tokens or config.num_assistant_tokens,
+            max_ngram=p.max_ngram_size or config.max_ngram_size,
+            confidence=p.assistant_confidence_threshold,
+        )
+        proposer.start(seq)
+
+    def _release_speculation(self, seq: Sequence) -> None:
+        if seq.spec is not None:
+            seq.draft = []
+            try:
+                seq.spec.proposer.release(seq)
+            except Exception:  # the request is ending anyway; a proposer bug must not keep it from ending
+                log.exception("speculation: could not release request %s", seq.request_id)
+
+    def _propose(self) -> None:
+        """Drafts for the sequences that decode this step (before the schedule, which may shorten them)."""
+        decoding = [s for s in self.scheduler.running if s.num_computed == len(s.token_ids) - 1]
+        if not decoding or len(decoding) > self.config.speculation_max_batch:
+            return
+        asks: dict[Proposer, list[tuple[Sequence, int]]] = {}
+        for seq in decoding:
+            spec = seq.spec
+            if spec is None or seq.status is not Status.RUNNING:
+                continue
+            k = min(spec.k, seq.max_len - len(seq.token_ids) - 1)  # past max_len nothing would be kept
+            if k > 0 and spec.ready():
+                asks.setdefault(spec.proposer, []).append((seq, k))
+        for proposer, batch in asks.items():
+            try:
+                drafts = proposer.propose(batch)
+            except Exception:  # no drafts this step: the sequences decode as usual, their output is unchanged
+                log.exception("speculation: %s failed to propose; decoding without drafts", proposer.name)
+                continue
+            for (seq, k), draft in zip(batch, drafts):
+                seq.draft = [int(t) for t in draft[:k]]
+
+    def _verify(self, verifying: Verify) -> None:
+        """Keep each sequence's drafts up to the first one its sampler does not draw (module docstring)."""
+        start = {id(seq): seq.num_computed for seq, _ in verifying}
+        rows = {id(seq): logits for seq, logits in verifying}
+        for seq, _ in verifying:
+            assert seq.spec is not None
+            seq.spec.proposed += len(seq.draft)
+            self.counters["draft_tokens"] += len(seq.draft)
+        active, j = [seq for seq, _ in verifying], 0
+        while active:
+            going = []
+            logits = np.stack([rows[id(seq)][j] for seq in active])
+            for seq, out, r in self._sample(logits, [(seq, i) for i, seq in enumerate(active)]):
+                with self._isolated(seq):
+                    token = int(out.token_ids[r])
+                    seq.num_computed = start[id(seq)] + j + 1  # the KV of the token fed at position j
+                    hit = j < len(seq.draft) and token == seq.draft[j]
+                    if hit:
+                        assert seq.spec is not None
+                        seq.spec.accepted += 1
+                        self.counters["accepted_draft_tokens"] += 1
+                    self._append(seq, token, out, r)
+                    if hit and seq.status is not Status.FINISHED:
+                        going.append(seq)
+                    else:
+                        self._verified(seq, j + hit)
+            active, j = going, j + 1
+
+    def _verified(self, seq: Sequence, accepted: int) -> None:
+        """seq's verification is over with `accepted` drafts kept: name its full blocks, give back the blocks of
+        rejected positions, adapt k, let the proposer roll back."""
+        spec = seq.spec
+        assert spec is not None
+        spec.adapt(len(seq.draft), accepted)
+        seq.draft = []
+        if seq.status is Status.FINISHED:
+            return
+        self.scheduler.computed(seq)
+        self.scheduler.rollback(seq)
+        spec.proposer.accepted(seq)
+
+    if TYPE_CHECKING:
+
+        def _sample(
+            self, logits: np.ndarray, ready: list[tuple[Sequence, int]]
+        ) -> list[tuple[Sequence, SampleOutput, int]]: ...
+        def _append(self, seq: Sequence, token: int, out: SampleOutput, j: int) -> None: ...
