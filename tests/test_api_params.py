@@ -108,6 +108,27 @@ def test_friendli_and_cerebras_completion_fields_map_onto_sampling_params():
     assert completion(early_stopping=False).gen.early_stopping is False  # false constrains nothing
 
 
+@pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
+def test_speculation_fields_map_onto_sampling_params(parse):
+    """OVMS's speculative-decoding fields and OpenAI's Predicted Outputs reach SamplingParams as sent; not sent:
+    None (the model's serve settings)."""
+    req = parse(
+        num_assistant_tokens=0, max_ngram_size=4, prediction={"type": "content", "content": "def f():\n    pass"}
+    )
+    params = sampling_params(req.gen, {})
+    assert (params.num_assistant_tokens, params.max_ngram_size) == (0, 4)  # 0: no speculation for this request
+    assert params.prediction == "def f():\n    pass" and params.assistant_confidence_threshold is None
+    parts = [{"type": "text", "text": "a b"}, {"type": "text", "text": " c"}]
+    params = sampling_params(
+        parse(assistant_confidence_threshold=0.4, prediction={"type": "content", "content": parts}).gen, {}
+    )
+    assert (params.assistant_confidence_threshold, params.prediction) == (0.4, "a b c")  # parts joined as they are
+    params = sampling_params(parse(prediction=None, num_assistant_tokens=None).gen, {})
+    assert (params.num_assistant_tokens, params.assistant_confidence_threshold, params.max_ngram_size) == (None,) * 3
+    assert params.prediction is None
+    assert sampling_params(parse(prediction={"type": "content", "content": ""}).gen, {}).prediction == ""
+
+
 def test_tools_map_onto_chat_request():
     req = chat(tools=[TOOL, {"type": "function", "function": {"name": "b", "extra": 1}}])
     assert (req.tool_choice, req.tool_name, req.parallel_tool_calls) == ("auto", None, True)

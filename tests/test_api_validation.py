@@ -106,6 +106,47 @@ COMMON_ERRORS = [
     ({"logit_bias": {"5": 101}}, "logit_bias values must be numbers in [-100, 100]", "logit_bias"),
     ({"timeout": 0}, "timeout must be a positive number of seconds", "timeout"),
     ({"timeout": "1"}, "timeout must be a positive number of seconds", "timeout"),
+    # speculative decoding (OVMS's names and messages where OVMS has them)
+    ({"num_assistant_tokens": -1}, "num_assistant_tokens out of range [0, 32]", "num_assistant_tokens"),
+    ({"num_assistant_tokens": 33}, "num_assistant_tokens out of range [0, 32]", "num_assistant_tokens"),
+    ({"num_assistant_tokens": 2.5}, "num_assistant_tokens is not an unsigned integer", "num_assistant_tokens"),
+    ({"num_assistant_tokens": "5"}, "num_assistant_tokens is not an unsigned integer", "num_assistant_tokens"),
+    (
+        {"assistant_confidence_threshold": 0},
+        "assistant_confidence_threshold must be greater than 0",
+        "assistant_confidence_threshold",
+    ),
+    (
+        {"assistant_confidence_threshold": 1.0},
+        "assistant_confidence_threshold must be less than 1",
+        "assistant_confidence_threshold",
+    ),
+    (
+        {"assistant_confidence_threshold": "0.5"},
+        "assistant_confidence_threshold must be a positive number",
+        "assistant_confidence_threshold",
+    ),
+    (
+        {"num_assistant_tokens": 3, "assistant_confidence_threshold": 0.4},
+        "num_assistant_tokens and assistant_confidence_threshold are mutually exclusive and cannot both be set.",
+        "assistant_confidence_threshold",
+    ),
+    ({"max_ngram_size": 0}, "max_ngram_size out of range [1, 16]", "max_ngram_size"),
+    ({"max_ngram_size": 17}, "max_ngram_size out of range [1, 16]", "max_ngram_size"),
+    ({"max_ngram_size": True}, "max_ngram_size is not an unsigned integer", "max_ngram_size"),
+    ({"prediction": "text"}, "prediction is not an object", "prediction"),
+    ({"prediction": {"type": "text", "content": "x"}}, 'prediction type must be "content"', "prediction"),
+    ({"prediction": {"type": "content"}}, "prediction content is not a string or an array of text parts", "prediction"),
+    (
+        {"prediction": {"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}},
+        'prediction content parts must be {"type": "text", "text": string}',
+        "prediction",
+    ),
+    (
+        {"prediction": {"type": "content", "content": "x", "extra": 1}},
+        "prediction accepts only type and content",
+        "prediction",
+    ),
 ]
 
 
@@ -591,6 +632,21 @@ def test_bounds_accept_their_edges():
     assert completion(top_k=4294967295).gen.top_k == 4294967295
 
 
+def test_speculation_bounds_follow_the_limits():
+    limits = Limits(assistant_tokens=4, ngram_size=2, prediction_chars=5)
+    for field_, value, message in [
+        ("num_assistant_tokens", 5, "num_assistant_tokens out of range [0, 4]"),
+        ("max_ngram_size", 3, "max_ngram_size out of range [1, 2]"),
+        ("prediction", {"type": "content", "content": "x" * 6}, "prediction content must be at most 5 characters"),
+        ("prediction", {"type": "content", "content": [{"type": "text", "text": "xxx"}] * 2}, "at most 5 characters"),
+    ]:
+        body = {"model": MODEL, "prompt": "x", field_: value}
+        assert message in error_of(parse_completion, body, limits).message
+    edges = {"num_assistant_tokens": 4, "max_ngram_size": 2, "prediction": {"type": "content", "content": "x" * 5}}
+    gen = parse_completion({"model": MODEL, "prompt": "x", **edges}, limits).gen
+    assert (gen.num_assistant_tokens, gen.max_ngram_size, gen.prediction) == (4, 2, "xxxxx")
+
+
 def test_float_ranges_follow_the_limits():
     limits = Limits(length_penalty=1.0, temperature=1.0, penalty=0.5, repetition_penalty=2.0, timeout=5.0)
     for field_, value, message in [
@@ -755,6 +811,10 @@ def test_wrong_types_everywhere_are_400():
         "top_logprobs",
         "response_format",
         "tools",
+        "num_assistant_tokens",
+        "assistant_confidence_threshold",
+        "max_ngram_size",
+        "prediction",
     ]
     for name in names:
         for value in samples:

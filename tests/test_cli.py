@@ -171,6 +171,69 @@ def test_static_knobs():
     assert config("--static", "--max-num-seqs", "64", "--max-num-batched-tokens", "16").max_num_batched_tokens == 16
 
 
+# ---------------------------------------------------------------- speculative decoding
+
+
+def draft_export(directory, backend: str = "openvino"):
+    """A directory holding a manifest, as an export has (enough for the CLI's checks; nothing loads it here)."""
+    from appliance.manifest import Manifest
+
+    directory.mkdir(parents=True, exist_ok=True)
+    shape = dict(num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=8, hidden_size=8, vocab_size=16)
+    Manifest(
+        "draft",
+        backend,
+        "fp16",
+        "m.xml",
+        "LlamaForCausalLM",
+        "llama",
+        **shape,
+        max_context=64,
+        kv_dtype="f16",
+        stateful=True,
+    ).save(directory)
+    return directory
+
+
+def test_speculation_flags_reach_the_engine_config(tmp_path, monkeypatch):
+    engine = config("--prompt-lookup", "--num-assistant-tokens", "8", "--max-ngram-size", "2")
+    assert (engine.prompt_lookup, engine.num_assistant_tokens, engine.max_ngram_size) == (True, 8, 2)
+    assert (engine.speculative(), engine.draft_model, engine.speculation_max_batch) == ("prompt_lookup", None, 4)
+    draft = draft_export(tmp_path / "draft")
+    monkeypatch.chdir(tmp_path)
+    engine = config("--draft-model", "draft", "--draft-device", "GPU", "--speculation-max-batch", "2")
+    assert (engine.draft_model, engine.draft_device, engine.speculative()) == (str(draft), "GPU", "draft")
+    assert engine.speculation_max_batch == 2 and not engine.prompt_lookup
+    assert config().speculative() is None  # requests may still turn prompt lookup on (prediction, max_ngram_size)
+    assert config("--static").speculative() is None and config(manifest=ONNX).num_assistant_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "flags, manifest, words",
+    [
+        (("--static", "--prompt-lookup"), OPENVINO, "--prompt-lookup needs paged attention"),
+        (("--device", "NPU", "--prompt-lookup"), OPENVINO, "decode one token per slot and step"),
+        (("--prompt-lookup",), ONNX, "ONNX models decode one token per slot"),
+        (("--num-assistant-tokens", "0"), OPENVINO, "--num-assistant-tokens must be between 1 and 32"),
+        (("--num-assistant-tokens", "33"), OPENVINO, "--num-assistant-tokens must be between 1 and 32"),
+        (("--max-ngram-size", "0"), OPENVINO, "--max-ngram-size must be between 1 and 16"),
+        (("--speculation-max-batch", "0"), OPENVINO, "--speculation-max-batch must be at least 1"),
+        (("--draft-device", "GPU"), OPENVINO, "--draft-device needs --draft-model"),
+        (("--draft-model", "/nonexistent/draft"), OPENVINO, "is not a model export (no appliance_manifest.json there)"),
+    ],
+)
+def test_misplaced_or_invalid_speculation_flags_are_refused(flags, manifest, words):
+    assert words in refused(*flags, manifest=manifest)
+
+
+def test_draft_model_checks(tmp_path):
+    draft = str(draft_export(tmp_path / "draft"))
+    assert "not both" in refused("--prompt-lookup", "--draft-model", draft)
+    assert "--draft-model needs paged attention" in refused("--static", "--draft-model", draft)
+    assert "a draft must be OpenVINO" in refused("--draft-model", str(draft_export(tmp_path / "onnx", "onnx")))
+    assert config("--draft-model", "default").draft_model  # the model itself may be its own draft: allowed
+
+
 # ---------------------------------------------------------------- one declaration: flags, env, help, docs
 
 # Every serve flag as it was before the flags were derived from the dataclasses: (type, default before the
@@ -213,6 +276,12 @@ FLAGS = {
     "num-threads": (int, None),
     "cache-dir": (str, "auto"),
     "max-prompt-len": (int, None),
+    "prompt-lookup": (bool, False),
+    "draft-model": (str, None),
+    "draft-device": (str, None),
+    "num-assistant-tokens": (int, 5),
+    "max-ngram-size": (int, 3),
+    "speculation-max-batch": (int, 4),
     "max-tokens-limit": (int, None),
     "max-prompts": (int, 256),
     "max-n": (int, 20),

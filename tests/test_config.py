@@ -188,6 +188,32 @@ def test_a_box_wide_cache_dir_skips_an_onnx_model_its_own_is_refused(tmp_path):
     assert "model 'x': --cache-dir is OpenVINO's compiled-model cache" in refused("--config", str(conf))
 
 
+def test_speculation_per_model_with_ovms_names(tmp_path):
+    """Each model its own speculation: OVMS's draft_models_path (a path relative to the file) and draft_device,
+    or our flag names; a global prompt_lookup reaches every paged model, and a static one must opt out."""
+    fake_export(tmp_path / "conf" / "models" / "draft")
+    fake_export(tmp_path / "conf" / "models" / "b")
+    models = [
+        {"config": {"name": "a", "base_path": "default", "num_assistant_tokens": 8}},
+        {"config": {"name": "b", "base_path": "models/b", "draft_models_path": "models/draft", "draft_device": "GPU"}},
+    ]
+    conf = write(tmp_path / "conf" / "config.json", {"max_ngram_size": 2, "model_config_list": models})
+    a, b = settings("--config", str(conf)).models
+    assert (a.engine.speculative(), a.engine.num_assistant_tokens, a.engine.max_ngram_size) == (None, 8, 2)
+    assert (b.engine.speculative(), b.engine.draft_device) == ("draft", "GPU")
+    assert b.engine.draft_model == str(tmp_path / "conf" / "models" / "draft")  # the file's directory, not the cwd
+    models[1]["config"] = {"name": "b", "base_path": "models/b", "draft-model": "models/draft", "prompt_lookup": True}
+    write(conf, {"model_config_list": models})
+    assert "model 'b': give --prompt-lookup or --draft-model, not both" in refused("--config", str(conf))
+    models[1]["config"] = {"name": "b", "base_path": "models/b", "target_device": "NPU"}
+    write(conf, {"prompt_lookup": True, "model_config_list": models})
+    assert "model 'b': --prompt-lookup needs paged attention" in refused("--config", str(conf))
+    models[1]["config"]["prompt_lookup"] = False
+    write(conf, {"prompt_lookup": True, "model_config_list": models})
+    a, b = settings("--config", str(conf)).models
+    assert (a.engine.speculative(), b.engine.speculative()) == ("prompt_lookup", None)
+
+
 # ---------------------------------------------------------------- refusals: one line naming the file and key
 
 GOOD = {"name": "a", "base_path": "default"}
@@ -221,6 +247,11 @@ GOOD = {"name": "a", "base_path": "default"}
         ({"model_config_list": [{"config": {**GOOD, "precision": "f16"}}]}, "model 'a': --precision must be"),
         ({"model_config_list": [{"config": {**GOOD, "static_batch": 2}}]}, "--static-batch applies to static"),
         ({"model_config_list": [{"config": {**GOOD, "tool_parser": "nope"}}]}, "model 'a': "),
+        ({"model_config_list": [{"config": {**GOOD, "draft_models_path": "x", "draft_model": "y"}}]}, "given twice"),
+        ({"model_config_list": [{"config": {**GOOD, "draft_models_path": "none"}}]}, "is not a model export"),
+        ({"model_config_list": [{"config": {**GOOD, "draft_device": "GPU"}}]}, "--draft-device needs --draft-model"),
+        ({"model_config_list": [{"config": {**GOOD, "num_assistant_tokens": 0}}]}, "--num-assistant-tokens must"),
+        ({"prompt_lookup": "yes"}, "'prompt_lookup' must be true or false"),
         ({"model": "default", "model_config_list": [{"config": GOOD}]}, "'model' cannot go with model_config_list"),
     ],
 )

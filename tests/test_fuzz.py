@@ -213,6 +213,17 @@ def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
     plain_format = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}}
     for request in (completion, chat):
         request["properties"]["response_format"] = {"anyOf": [plain_format, {"type": "null"}]}
+        # issue 12's speculation fields are left out (tests/test_speculation_api.py and test_api_validation.py
+        # cover them): the shared server has no draft model, so a confidence threshold is a 400 engine-side, and
+        # with four more properties schemathesis's canonicalizer gives up on chat's combined rules
+        for name in ("num_assistant_tokens", "assistant_confidence_threshold", "max_ngram_size", "prediction"):
+            del request["properties"][name]
+        request["allOf"] = [
+            r for r in request["allOf"] if "num_assistant_tokens" not in r.get("if", {}).get("required", [])
+        ]
+        request["allOf"] = [
+            r for r in request["allOf"] if "num_assistant_tokens" not in r.get("if", {}).get("required", [])
+        ]
     props = completion["properties"]
     props["tokens"] = {"anyOf": [ids, {"type": "null"}]}
     props["num_beams"]["maximum"] = 4

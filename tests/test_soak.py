@@ -1,5 +1,6 @@
 """Soak: no KV block, sequence, thread or file-descriptor leak after 10,000 requests of mixed lengths with random
-disconnects, counted through /metrics and /proc of a real `appliance serve` on loopback.
+disconnects, counted through /metrics and /proc of a real `appliance serve` on loopback. The server speculates
+(prompt lookup, some requests with a prediction), so rejected drafts and their rollback are soaked too.
 
 A tiny random Llama (tests/tiny_models.py, OpenVINO fp32) keeps it about the server, not the model: the
 requests mix unary and streaming completions and chat, text and token-id prompts of 1..~300 tokens, max_tokens
@@ -39,6 +40,7 @@ LOAD_DEADLINE = 240  # seconds for the 10,000 requests: fail beyond (a hang guar
 DISCONNECT = 0.2  # share of streaming clients that leave after the first chunk
 SLACK = 2  # threads / fds other than pooled connections allowed above the baseline
 SETTLE_TIMEOUT = 30
+SPECULATION_BATCH = 8
 WORDS = " ".join(tiny_models.CORPUS).split()
 
 
@@ -52,7 +54,18 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("soak")
     hf = tiny_models.build_tiny_model("llama", root / "hf")
     export_model(hf, root / "openvino-fp32", "openvino", "fp32", name="tiny-llama")
-    srv = Server(root / "openvino-fp32", root / "serve.log", "--workers", str(WORKERS), "--log-level", "warning")
+    srv = Server(
+        root / "openvino-fp32",
+        root / "serve.log",
+        "--workers",
+        str(WORKERS),
+        "--log-level",
+        "warning",
+        # speculative decoding in every step with at most SPECULATION_BATCH decoding sequences (16 clients: often)
+        "--prompt-lookup",
+        "--speculation-max-batch",
+        str(SPECULATION_BATCH),
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -91,6 +104,10 @@ def _request(base: str, i: int) -> tuple[str, str | None]:
         body["prompt"] = " ".join(rng.choices(WORDS, k=rng.randint(1, 60)))
     else:
         body["prompt"] = [rng.randrange(3, tiny_models.VOCAB_SIZE) for _ in range(rng.choice([1, 8, 64, 300]))]
+    if rng.random() < 0.3:  # a prediction (drafts from it, right or wrong), or no speculation for this request
+        body["prediction"] = {"type": "content", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 30)))}
+    elif rng.random() < 0.1:
+        body["num_assistant_tokens"] = 0
     if stream and not leave:
         body["stream_options"] = {"include_usage": True}
     kind = f"{'chat' if chat else 'completion'} {'stream' if stream else 'unary'}{' disconnect' if leave else ''}"
@@ -250,6 +267,13 @@ def test_no_leak_after_10000_requests(server):
     errors = {k: v for k, v in delta.items() if k.startswith("appliance_http_errors_total{") and v}
     assert not errors, errors
     assert counts.get("error", 0) == 0
+    # Drafts were verified, kept and rejected under this load (the rollback path was soaked).
+    drafted, accepted = (
+        delta["appliance_speculative_draft_tokens_total"],
+        delta["appliance_speculative_accepted_tokens_total"],
+    )
+    print(f"soak: {drafted:.0f} draft tokens, {accepted:.0f} accepted")
+    assert 0 < accepted < drafted, (drafted, accepted)
     # The disconnects really cut generations short (not all finished before the client left).
     assert delta["appliance_sequences_cancelled_total"] >= 1, "no disconnect cancelled a sequence"
     assert server.proc.poll() is None, server.output()

@@ -106,7 +106,13 @@ class Speculation(EngineState):
 
     def _propose(self) -> None:
         """Drafts for the sequences that decode this step (before the schedule, which may shorten them)."""
-        decoding = [s for s in self.scheduler.running if s.num_computed == len(s.token_ids) - 1]
+        if not self.proposers:
+            return
+        decoding = []
+        for seq in self.scheduler.running:
+            seq.draft = []  # a draft the last schedule did not feed is stale
+            if seq.num_computed == len(seq.token_ids) - 1:
+                decoding.append(seq)
         if not decoding or len(decoding) > self.config.speculation_max_batch:
             return
         asks: dict[Proposer, list[tuple[Sequence, int]]] = {}
