@@ -2,9 +2,9 @@
 (conftest.py's `server`), with only `http://localhost:8000` replaced by that server's address, and what they print
 is checked. The examples are: a unary completion (curl), the same completion streamed with include_usage (curl),
 a chat with the official `openai` client (Python), structured output through the SDK's `parse` with a pydantic
-model (Python) and a named tool call (Python); the README shows the first three. Outputs are compared between
-requests made one at a time on an otherwise idle server (greedy in the default precision depends on the batch, see
-conftest.greedy_divergence)."""
+model (Python), a named tool call (Python) and predicted outputs (Python); the README shows the first three.
+Outputs are compared between requests made one at a time on an otherwise idle server (greedy in the default
+precision depends on the batch, see conftest.greedy_divergence)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 import requests
 from conftest import wait_idle
@@ -24,8 +25,8 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "docs" / "api-examples.md"
 DOC_BASE = "http://localhost:8000"
-NAMES = ("unary", "stream", "chat", "parse", "tool")
-KINDS = ["bash", "bash", "python", "python", "python"]
+NAMES = ("unary", "stream", "chat", "parse", "tool", "prediction")
+KINDS = ["bash", "bash", "python", "python", "python", "python"]
 FENCE = re.compile(r"^```(bash|python)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 
 
@@ -64,12 +65,13 @@ def status_and_body(output: str) -> tuple[str, str]:
 def test_the_examples_are_the_documented_ones():
     kinds = [kind for kind, _ in blocks()]
     assert kinds == KINDS
-    unary, stream, chat, parse, tool = (code for _, code in blocks())
+    unary, stream, chat, parse, tool, prediction = (code for _, code in blocks())
     assert "/v3/completions" in unary and '"stream"' not in unary
     assert '"stream": true' in stream and '"include_usage": true' in stream
     assert "chat.completions.create" in chat
     assert "chat.completions.parse" in parse and "response_format=City" in parse
     assert "tool_choice=" in tool and "tool_calls[0]" in tool
+    assert "prediction=" in prediction and "completion_tokens_details" in prediction
 
 
 def test_readme_shows_exactly_the_first_three_tested_examples():
@@ -137,3 +139,25 @@ def test_python_named_tool_call(examples):
     assert name == "get_weather"
     args = json.loads(arguments)
     assert set(args) == {"city"} and isinstance(args["city"], str) and len(args["city"]) <= 40
+
+
+def test_python_predicted_outputs(examples, server, model_name):
+    """The prediction drafted tokens the model kept, and the answer is the one without a prediction (greedy, alone
+    in the engine; the default precision may part at a near-tie, which text_divergence allows)."""
+    from conftest import NEAR_TIE_DEFAULT
+    from test_speculation_api import text_divergence
+
+    counts, _, text = examples["prediction"].partition("\n")
+    accepted, rejected = map(int, counts.split())
+    assert accepted > 0 and rejected >= 0
+    wait_idle(server)
+    code = "def area(width, height):\n    return width * height\n"
+    client = openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
+    reference = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Rename the function area to rectangle_area:\n\n" + code}],
+        max_tokens=64,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    text_divergence(reference.choices[0].logprobs.content, text.removesuffix("\n"), NEAR_TIE_DEFAULT)
