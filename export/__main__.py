@@ -24,6 +24,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="quantization group: OpenVINO int4 (default 128; int8 is per-channel), ONNX int4/int8 "
         "block size (default 32)",
     )
+    parser.add_argument(
+        "--num-layers",
+        type=int,
+        metavar="N",
+        help="keep only the first N decoder layers (embeddings, final norm and LM head kept): a truncated copy, "
+        "e.g. a draft model for --draft-model",
+    )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--verbose", action="store_true", help="show library warnings and logs")
     args = parser.parse_args(argv)
@@ -36,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.weight_format,
             name=args.name,
             group_size=args.group_size,
+            num_layers=args.num_layers,
             force=args.force,
             verbose=args.verbose,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import json
 import logging
 import os
 import shutil
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # both modules implement ExportBackend: mypy checks it here
 
     _IMPLEMENTATIONS: tuple[ExportBackend, ...] = (openvino_backend, onnx_backend)
 WEIGHT_FORMATS = ("fp32", "fp16", "int8", "int4")
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")  # config.json's decoder layer count, by family
 STAGES = ("load", "convert", "compress", "save tokenizer", "verify")
 # Largest allowed max|exported - transformers fp32| over max|transformers| on the probe; None: finite is enough,
 # since integer weights legitimately move logits and a random tiny model has no accuracy to keep.
@@ -69,12 +71,14 @@ def export_model(
     *,
     name: str | None = None,
     group_size: int | None = None,
+    num_layers: int | None = None,
     force: bool = False,
     verbose: bool = False,
 ) -> Manifest:
     """Exports `src` to `out` and returns the manifest written there. Raises ExportError for anything the user
     can fix. `group_size` overrides the OpenVINO int4 group size (default 128) or the ONNX int4/int8 block size
-    (default 32)."""
+    (default 32). `num_layers` keeps only the first N decoder layers (embeddings, final norm and LM head kept): a
+    truncated copy, e.g. a draft model for speculative decoding with the source's tokenizer."""
     if backend not in BACKENDS:
         raise ExportError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if weight_format not in WEIGHT_FORMATS:
@@ -83,6 +87,10 @@ def export_model(
         raise ExportError(f"group size must be a power of two >= 16, got {group_size}")
     src, out = Path(src).expanduser().absolute(), Path(out).expanduser().absolute()
     source = inspect_source(src)
+    if num_layers is not None:
+        total = _num_layers(source.config)
+        if not 1 <= num_layers <= total:
+            raise ExportError(f"--num-layers must be between 1 and the model's {total} layers, got {num_layers}")
     check_destination(src, out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_disk(source, out)
@@ -90,7 +98,15 @@ def export_model(
     try:
         with _Progress(f"export {backend} {weight_format}") as progress:
             manifest = _export(
-                source, staging, backend, weight_format, name or src.resolve().name, group_size, progress, verbose
+                source,
+                staging,
+                backend,
+                weight_format,
+                name or src.resolve().name,
+                group_size,
+                num_layers,
+                progress,
+                verbose,
             )
         _replace(out, staging)
     finally:
@@ -105,6 +121,7 @@ def _export(
     weight_format: str,
     name: str,
     group_size: int | None,
+    num_layers: int | None,
     progress: _Progress,
     verbose: bool,
 ) -> Manifest:
@@ -113,7 +130,7 @@ def _export(
     # Before _quiet: transformers, optimum and nncf set their loggers' levels when first imported.
     backend_module = cast(ExportBackend, importlib.import_module(BACKENDS[backend]))
     with _quiet(verbose):
-        model, dims = _load(source.folder)
+        model, dims = _load(source.folder, num_layers)
         probe = _probe_ids(dims.vocab_size)
         reference = _logits(model, probe)
         progress.stage("convert")
@@ -125,6 +142,9 @@ def _export(
         shutil.rmtree(scratch)
         progress.stage("save tokenizer")
         metadata = write_metadata(source.folder, staging, source.config)
+        if num_layers is not None:
+            compression = {**compression, "layers": f"the first {num_layers} of {_num_layers(source.config)}"}
+            _truncate_config(staging / "config.json", num_layers)
         progress.stage("verify")
         graph = backend_module.describe(staging)
         if (graph.kv_heads, graph.head_dim) not in ((dims.num_kv_heads, dims.head_dim), (None, None)):
@@ -157,14 +177,37 @@ def _export(
     return manifest
 
 
-def _load(folder: Path) -> tuple[Any, Dims]:
-    """Always fp32, whatever the checkpoint's dtype: the converters trace it, and fp16/int formats are derived
-    from the fp32 graph, so bf16 checkpoints never leak bf16 into the graph."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def _num_layers(config: dict[str, Any]) -> int:
+    return int(next(config[k] for k in LAYER_KEYS if k in config))
 
+
+def _truncate_config(path: Path, num_layers: int) -> None:
+    """The exported config.json says what the graph has (openvino_genai and transformers read it)."""
+    if path.is_file():
+        config = json.loads(path.read_text())
+        config.update({k: num_layers for k in LAYER_KEYS if k in config})
+        if isinstance(config.get("layer_types"), list):
+            config["layer_types"] = config["layer_types"][:num_layers]
+        path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _load(folder: Path, num_layers: int | None = None) -> tuple[Any, Dims]:
+    """Always fp32, whatever the checkpoint's dtype: the converters trace it, and fp16/int formats are derived
+    from the fp32 graph, so bf16 checkpoints never leak bf16 into the graph. `num_layers`: build the model with
+    that many layers; from_pretrained then loads the first ones' weights (layer i is named by its index) and
+    leaves the rest of the checkpoint unread."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+        if num_layers is not None:
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
+            config.num_hidden_layers = num_layers  # every family maps it (gpt2's n_layer, ...)
+            if isinstance(getattr(config, "layer_types", None), list):
+                config.layer_types = config.layer_types[:num_layers]
+            kwargs["config"] = config
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, **kwargs)
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot load {folder} with transformers: {str(exc).splitlines()[0]}") from None
     model.eval()

@@ -54,7 +54,11 @@ class Speculation(EngineState):
             from appliance.speculative.draft import DraftModel
 
             self.proposers["draft"] = DraftModel(
-                self.config.draft_model, self.config, self.model_dir, self.config.max_num_batched_tokens
+                self.config.draft_model,
+                self.config,
+                self.model_dir,
+                self.config.max_num_batched_tokens,
+                kv_tokens=self.pool.num_blocks * self.pool.block_size,
             )
 
     def _check_speculation(self, p: SamplingParams) -> None:

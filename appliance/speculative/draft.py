@@ -10,13 +10,18 @@ kept). The chain is the draft's deterministic argmax, which is what keeps the ta
 After the verification, `accepted` keeps the draft KV of the longest prefix that still equals seq.token_ids and
 frees the blocks past it (no copies: the positions are simply overwritten by the next feed).
 
-KV budget: the draft pool holds as many tokens as the target's (the caller's count, or the same budget rule applied
-to the target's manifest), so the draft never limits which sequences can speculate; its KV per token is smaller
-than the target's (fewer layers), so it costs less memory than the target's pool. A full pool is no error: that
-sequence gets no proposal this step (the target decodes one token as usual).
+KV budget: the draft pool holds as many tokens as the target's pool (the engine passes its size), so the draft
+never limits which sequences can speculate; it costs what the target's pool costs times the draft's KV per token
+over the target's (1x for a quantized copy of the target, less for a smaller draft; mapped only as blocks are first
+used). A full pool is no error: that sequence gets no proposal this step.
 
-Cost (SmolLM2-135M-Instruct, 2-core AVX2 box, batch 1, medians of interleaved runs; /work/notes/draft_findings.md):
-DRAFT_COST_NOTE
+Cost, SmolLM2-135M-Instruct with an fp16 target, batch 1 at a 256-token context, medians of interleaved runs on the
+2-core AVX2 box under load (bench/draft_acceptance.py): a draft step of the int8 copy costs 0.54-0.67 of a target
+step, a propose of k=5 about 3 (Python is not the cost: the same propose on a 6-layer int4 copy is 0.32); at this
+size a step is bound by per-call overhead more than by the bytes of weights. That copy drafts 94% / 88% of the
+target's greedy tokens (grounded / chat prompts); truncated copies (python -m export --num-layers N) are cheaper but
+draft 1-15% (layers are not trained to exit early). So the default model's draft is its int8 export; with an f32
+target (EngineConfig(precision="f32")) it decodes 1.2-2.1x faster, with the default fp16 one 0.85-1.36x.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from appliance.backends.base import StepBatch
-from appliance.backends.kv_budget import auto_kv_bytes, meminfo_bytes
 from appliance.backends.openvino_paged import OpenVINOPagedBackend
 from appliance.config import EngineConfig
 from appliance.kv_cache import BlockPool
@@ -42,7 +46,6 @@ if TYPE_CHECKING:
     from appliance.sequence import Sequence
 
 log = logging.getLogger(__name__)
-KV_BYTES = {"u8": 1, "i8": 1, "f16": 2, "bf16": 2, "f32": 4}  # per KV element, by config.kv_precision()
 
 
 @dataclass(eq=False)
@@ -77,20 +80,6 @@ def check_same_tokenizer(draft_dir: Path, draft: Manifest, target_dir: Path, tar
         )
 
 
-def target_kv_tokens(config: EngineConfig, target: Manifest) -> int:
-    """The tokens the target's paged pool holds under config (kv_budget.pool_blocks' rule, from the manifest's KV
-    geometry: a u8 cache's scale rows make the real pool slightly smaller, never larger)."""
-    if config.kv_cache_bytes is None and config.kv_cache_tokens is not None:
-        return config.kv_cache_tokens
-    per_token = (
-        target.num_layers * 2 * target.num_kv_heads * target.head_dim * KV_BYTES.get(config.kv_precision() or "f16", 2)
-    )
-    budget = config.kv_cache_bytes
-    if budget is None:
-        budget = auto_kv_bytes(config.max_num_seqs * target.max_context * per_token, meminfo_bytes("MemAvailable"))
-    return max(1, budget // per_token)
-
-
 class DraftModel(Proposer):
     """Loads `model_dir` (an export, same tokenizer as the target: refused otherwise) on config.draft_device (or
     config.device) with its own paged KV pool, and keeps one draft KV table per speculating sequence."""
@@ -103,7 +92,7 @@ class DraftModel(Proposer):
         config: EngineConfig,
         target_dir: Path,
         max_tokens_per_step: int,
-        kv_tokens: int | None = None,
+        kv_tokens: int,
     ):
         self.model_dir = Path(model_dir)
         manifest = Manifest.load(self.model_dir)
@@ -113,13 +102,12 @@ class DraftModel(Proposer):
             raise ValueError(
                 f"draft model {model_dir}: a draft must be an OpenVINO export (paged attention), not {manifest.backend}"
             )
-        tokens = kv_tokens or target_kv_tokens(config, target)
         self.config = dataclasses.replace(
             config,
             device=config.draft_device or config.device,
             static=False,
             kv_cache_bytes=None,
-            kv_cache_tokens=tokens,
+            kv_cache_tokens=kv_tokens,
             draft_model=None,
         )
         self.backend = OpenVINOPagedBackend(self.model_dir, manifest, self.config)
