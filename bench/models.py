@@ -10,6 +10,8 @@ tests/tiny_models.py does) with 32000 tokens, 3 of them special (ids 0-2): a tok
 vocabulary is fine (Qwen2.5's own is 151665 of 151936), the LM head width is what matters for speed. Everything
 lives under `appliance.paths.data_dir()/bench/<name>/`: `hf/` (bf16 safetensors: half the disk and build memory of
 fp32; the exporter loads fp32 anyway) and `openvino-<format>/`. Built once, then cached; never in `make test`.
+Measured on the 2-vCPU box: qwen2.5-1.5b 2.5-4.5 min per format at 9.1 GiB peak RSS (the exporter's fp32 load and
+trace), qwen2.5-0.5b both formats in 2.5 min at 3.3 GiB: build one model at a time.
 
     python -m bench.models [fp16] [int8]                      # random-llama-250m (both formats by default)
     python -m bench.models --model qwen2.5-1.5b int8 int4     # a family shape (--drop-hf: delete hf/ after)
