@@ -11,6 +11,11 @@ activation as a post-op of the projection's kernel, and a split in between costs
 (gate/up fused: no faster at decode, 4% slower on a 512-token prefill, from an unfused SiLU and a reference
 VariadicSplit kernel).
 
+Quantized weights (int8, int4) are left alone: concatenating them copies the weights into anonymous memory while
+the IR's originals stay mapped and unused (+92 MB RSS at the Qwen2.5-1.5B shape in int8, +41 MB at 0.5B:
+bench/sizes.py, issue 12), and 0.5B int8 decoded no faster fused (3 paired runs at batch 1: 14.3 / 20.0 / 32.0
+tok/s fused vs 16.6 / 18.1 / 32.7 unfused, the box's load moving underneath). f16 and f32 weights are fused.
+
 The weights keep their compressed form: the decompression chain (Convert / Subtract zero point / Multiply
 scale) of the first projection is rewired to concatenated constants, so its nodes keep the runtime marks that
 tell the plugin to decompress on the fly instead of folding the weights to f32. Only chains whose every
@@ -34,6 +39,8 @@ def _signature(node: ov.Node, rows: int) -> tuple | None:
     """The weight chain's shape with dim 0 left out (siblings must agree on it), or None if not fusable."""
     kind = node.get_type_name()
     if kind == "Constant":
+        if node.get_output_element_type(0).is_integral_number():  # quantized weights: left alone (module doc)
+            return None
         shape = tuple(node.get_output_shape(0))
         return ("C", str(node.get_output_element_type(0)), shape[1:]) if len(shape) >= 2 and shape[0] == rows else None
     if kind not in _CHAIN:
