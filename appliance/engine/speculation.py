@@ -9,6 +9,14 @@ valid too. The first disagreement ends it: that drawn token is the model's own n
 least one token, and k accepted drafts give k + 1. appliance/speculative/base.py says why this keeps the output
 exactly what non-speculative decoding gives.
 
+The fed shape stays the same from step to step: a draft shorter than k (for prompt lookup also none) is padded to
+k with filler (its last token repeated). OpenVINO's CPU plugin pays ~15-25 ms whenever the number of fed tokens
+changes from one call to the next (+25-35% of a default-model step at batch 1), while 1 to 6 tokens fed at a
+constant count cost the same (`python -m bench.speculative --only shapes`); with adaptive, often empty drafts 64% of
+the steps fed one token and prompt lookup reached 1.44x the plain engine on grounded prompts, padded 2.3-2.4x
+(docs/performance.md). Padding is verified like a draft (a filler token the model draws is kept) but not counted
+as one.
+
 Rollback costs nothing: KV written for rejected positions lies past num_computed and is overwritten by the next
 step; blocks allocated only for them go back to the pool (Scheduler.rollback), and only blocks full of accepted
 tokens are named for the prefix cache. Where it is off: static shapes (one-token decode graphs), beam search, and
@@ -135,6 +143,10 @@ class Speculation(EngineState):
                 continue
             for (seq, k), draft in zip(batch, drafts):
                 seq.draft = [int(t) for t in draft[:k]]
+                assert seq.spec is not None
+                seq.spec.real = len(seq.draft)
+                if seq.draft or not proposer.adaptive:  # the same fed shape every step (module docstring)
+                    seq.draft += [seq.draft[-1] if seq.draft else seq.token_ids[-1]] * (k - len(seq.draft))
 
     def _verify(self, verifying: Verify) -> None:
         """Keep each sequence's drafts up to the first one its sampler does not draw (module docstring)."""
@@ -142,8 +154,9 @@ class Speculation(EngineState):
         rows = {id(seq): logits for seq, logits in verifying}
         for seq, _ in verifying:
             assert seq.spec is not None
-            seq.spec.proposed += len(seq.draft)
-            self.counters["draft_tokens"] += len(seq.draft)
+            seq.spec.real = min(seq.spec.real, len(seq.draft))  # the schedule may have cut the draft short
+            seq.spec.proposed += seq.spec.real
+            self.counters["draft_tokens"] += seq.spec.real
         active, j = [seq for seq, _ in verifying], 0
         while active:
             going = []
@@ -153,8 +166,8 @@ class Speculation(EngineState):
                     token = int(out.token_ids[r])
                     seq.num_computed = start[id(seq)] + j + 1  # the KV of the token fed at position j
                     hit = j < len(seq.draft) and token == seq.draft[j]
-                    if hit:
-                        assert seq.spec is not None
+                    assert seq.spec is not None
+                    if hit and j < seq.spec.real:  # a padding token the model also drew is kept, not counted
                         seq.spec.accepted += 1
                         self.counters["accepted_draft_tokens"] += 1
                     self._append(seq, token, out, r)
@@ -169,7 +182,8 @@ class Speculation(EngineState):
         rejected positions, adapt k, let the proposer roll back."""
         spec = seq.spec
         assert spec is not None
-        spec.adapt(len(seq.draft), accepted)
+        if spec.proposer.adaptive and spec.real:
+            spec.adapt(spec.real, min(accepted, spec.real))
         seq.draft = []
         if seq.status is Status.FINISHED:
             return

@@ -13,10 +13,13 @@ max(0, p - q) = p without c: that is exactly "draw from p and accept while the d
 that draw with the sequence's own sampler (penalties, bans, grammar, seed), so the output is the non-speculative one:
 greedy token for token, sampling the same distribution, and with a seed the same tokens.
 
-How many tokens to draft (SpecState): transformers' "heuristic" schedule (all accepted: k + 2, else k - 1, between 1
-and the request's num_assistant_tokens), and a back-off for sequences whose drafts keep failing: after m proposals in
-a row with nothing accepted, skip 2**m steps (at most MAX_PAUSE) before drafting again, so speculation that does not
-pay stops costing.
+How many tokens to draft (SpecState). A draft model pays for every token it drafts, so its k adapts: transformers'
+"heuristic" schedule (all accepted: k + 2, else k - 1, between 1 and the request's num_assistant_tokens), and a
+back-off for sequences whose drafts keep failing: after m proposals in a row with nothing accepted, skip 2**m steps
+(at most MAX_PAUSE) before drafting again. Prompt lookup costs nothing to draft, so it always drafts max_k
+(`Proposer.adaptive` False): what its drafts cost is the verification, and that cost is set by the shape the step
+feeds, not by how many of the fed tokens are drafts (the engine pads drafts to a constant length:
+appliance/engine/speculation.py says why, with the measurement).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class SpecState:
     max_ngram: int = 3  # prompt lookup: the longest n-gram matched
     confidence: float | None = None  # draft model: stop drafting below this probability of its argmax
     k: int = 0  # tokens to draft next (starts at max_k)
+    real: int = 0  # of this step's draft, the proposer's tokens (the rest is padding: not counted as drafts)
     proposed: int = 0  # draft tokens verified so far
     accepted: int = 0  # of which the model accepted
     misses: int = 0  # proposals in a row with nothing accepted
@@ -77,6 +81,7 @@ class Proposer(ABC):
     or was preempted; free what the proposer holds for it (called at least once per sequence that had a SpecState)."""
 
     name: str = ""
+    adaptive: bool = False  # drafting costs (a model runs): adapt k and back off (SpecState.adapt)
 
     def start(self, seq: Sequence) -> None:  # noqa: B027 (optional: state set up when the sequence starts)
         """The sequence starts (its SpecState is set): set up seq.spec.data."""

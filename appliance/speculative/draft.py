@@ -85,6 +85,7 @@ class DraftModel(Proposer):
     config.device) with its own paged KV pool, and keeps one draft KV table per speculating sequence."""
 
     name = "draft"
+    adaptive = True  # every drafted token is a draft-model step
 
     def __init__(
         self,
