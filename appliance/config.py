@@ -140,7 +140,7 @@ class EngineConfig:
     )
     num_assistant_tokens: int = setting(
         5,
-        "speculative decoding: most draft tokens per step and sequence (adapted per sequence to its acceptance); "
+        "speculative decoding: draft tokens per step and sequence (a draft model drafts fewer while its drafts fail); "
         "a request's num_assistant_tokens overrides it",
         flag="num-assistant-tokens",
     )

@@ -370,10 +370,10 @@ SPECULATION = (
         "num_assistant_tokens is not an unsigned integer",
         Min(0, "num_assistant_tokens out of range [0, {assistant_tokens}]"),
         Max("assistant_tokens", "num_assistant_tokens out of range [0, {assistant_tokens}]"),
-        description="Speculative decoding: the most draft tokens one step verifies for this request (adapted to "
-        "its acceptance), at most {assistant_tokens}; 0 = no speculation for this request. Not set: the model's "
-        "`--num-assistant-tokens`. Not together with `assistant_confidence_threshold` (OVMS). A 400 on a model "
-        "with static shapes or ONNX (they decode one token per step).",
+        description="Speculative decoding: the draft tokens one step verifies for this request (a draft model "
+        "drafts fewer while its drafts fail), at most {assistant_tokens}; 0 = no speculation for this request. "
+        "Not set: the model's `--num-assistant-tokens`. Not together with `assistant_confidence_threshold` "
+        "(OVMS). A 400 on a model with static shapes or ONNX (they decode one token per step).",
     ),
     number(
         "assistant_confidence_threshold",
