@@ -75,20 +75,18 @@ def engine_settings(engine) -> dict:
     }  # the paged backend's: "u8", "f16", ...
 
 
-def engine_run(engine, batch: list[list[int]], new_tokens: int, params=None) -> dict:
-    """All of `batch` submitted at once; one consumer thread per request (as the server's pump threads). `params`
-    (default: new_tokens with ignore_eos) must make every request run to max_tokens: the rates compare equal
-    work (bench.structured passes a grammar whose output cannot end early)."""
-    from appliance.params import SamplingParams
-
-    params = params or SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    times: list[list[float]] = [[] for _ in batch]  # arrival time of each token, consumer side
+def stream_all(engine, batch: list[list[int]], params) -> tuple[float, list[list[float]], list[list[int]], list]:
+    """All of `batch` submitted at once, one consumer thread per request (as the server's pump threads). Returns the
+    submission time, each request's token arrival times (consumer side) and token ids, and its finish reason."""
+    times: list[list[float]] = [[] for _ in batch]
+    ids: list[list[int]] = [[] for _ in batch]
     reasons: list[str | None] = [None] * len(batch)
 
     def consume(i: int, handle) -> None:
         for chunk in handle:
             if chunk.token_ids:
                 times[i] += [time.perf_counter()] * len(chunk.token_ids)
+                ids[i] += chunk.token_ids
             reasons[i] = chunk.finish_reason or reasons[i]
 
     t0 = time.perf_counter()
@@ -100,6 +98,17 @@ def engine_run(engine, batch: list[list[int]], new_tokens: int, params=None) -> 
         t.start()
     for t in threads:
         t.join()
+    return t0, times, ids, reasons
+
+
+def engine_run(engine, batch: list[list[int]], new_tokens: int, params=None) -> dict:
+    """All of `batch` at once (stream_all). `params` (default: new_tokens with ignore_eos) must make every request
+    run to max_tokens: the rates compare equal work (bench.structured passes a grammar whose output cannot end
+    early)."""
+    from appliance.params import SamplingParams
+
+    params = params or SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    t0, times, _, reasons = stream_all(engine, batch, params)
     if any(r != "length" for r in reasons):
         raise RuntimeError(f"every request must run to max_tokens: finish reasons {reasons}")
     return _summary(t0, times, new_tokens)

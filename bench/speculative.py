@@ -49,7 +49,6 @@ import ast
 import random
 import sys
 import sysconfig
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -479,24 +478,11 @@ def task_rows(runs: list[dict]) -> list[dict]:
 
 
 def ours_batch(engine, batch: list[list[int]], params) -> dict:
-    """All of `batch` submitted at once, one consumer thread per request; aggregate tok/s to the last token."""
-    events: list[list[float]] = [[] for _ in batch]
-    outputs: list[list[int]] = [[] for _ in batch]
+    """All of `batch` submitted at once (bench.concurrency.stream_all); aggregate tok/s to the last token."""
+    from bench.concurrency import stream_all
+
     stats0 = engine.stats()
-
-    def consume(i: int, handle) -> None:
-        for chunk in handle:
-            if chunk.token_ids:
-                events[i] += [time.perf_counter()] * len(chunk.token_ids)
-                outputs[i] += chunk.token_ids
-
-    t0 = time.perf_counter()
-    handles = [hs[0] for hs in engine.submit_prompts([(p, [params], None) for p in batch])]
-    threads = [threading.Thread(target=consume, args=(i, h), daemon=True) for i, h in enumerate(handles)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    t0, events, outputs, _ = stream_all(engine, batch, params)
     end = max(e[-1] for e in events)
     stats1 = engine.stats()
     drafted = stats1.get("draft_tokens", 0) - stats0.get("draft_tokens", 0)
