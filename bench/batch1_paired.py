@@ -9,8 +9,12 @@ LLMPipeline's own perf counters (`perf_metrics.get_ttft()` / `get_tpot()`) of th
 and compared with the engine's wall-clock numbers in a second table ("own timers", what the former bench/run.py
 reported).
 
+`--isa-cap AVX2` runs both sides on oneDNN's AVX2 kernels (ONEDNN_MAX_CPU_ISA, set while the options are parsed,
+before openvino compiles anything): an AVX2 box approximated on an AVX-512 one. The ISA is recorded with the results
+(machine()) and printed under the tables.
+
     python -m bench.batch1_paired [--models default-fp16 default-int8] [--runs 9] [--prompt-len 128]
-                                  [--new-tokens 128] [--quick]
+                                  [--new-tokens 128] [--isa-cap AVX2] [--quick]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tqdm import tqdm
 
 from bench.common import (
     arg_parser,
+    isa_cap_option,
     machine,
     model_dir,
     paired_ratio,
@@ -133,7 +138,7 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     finally:
         engine.shutdown()
 
-    row = {"model": name}
+    row: dict[str, object] = {"model": name}
     for impl in ("engine", "llm", "cb"):
         row.update(side_medians(results, impl, rates=("decode_tok_s",)))
     row["decode_ratio"] = paired_ratio(results, "decode_tok_s", "engine", "llm")
@@ -175,6 +180,7 @@ def main(argv=None) -> int:
         __doc__, "batch1_paired", models=["default-fp16", "default-int8"], quick={"models": ["default-fp16"], "runs": 3}
     )
     ap.add_argument("--runs", type=int, default=9)
+    isa_cap_option(ap)
     args = ap.parse_args(argv)
 
     info = machine()
@@ -194,6 +200,7 @@ def main(argv=None) -> int:
         OWN_COLUMNS,
         title="the same runs, LLMPipeline timed by its own perf counters (perf_metrics TTFT / TPOT)",
     )
+    print(f"ISA: {info['isa']} [{' '.join(info['isa_flags'])}]")
     save_results(args, "batch1_paired", info, models=results, summary=summary)
     return 0
 

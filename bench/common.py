@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from appliance.backends import cpu_isa
 from appliance.testing import procinfo
 from appliance.testing.loopback import ApplianceServer
 from appliance.testing.procinfo import process_tree, status_field
@@ -93,7 +94,9 @@ def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], t
 
 
 def machine() -> dict:
-    """What the numbers were measured on, and what else was eating CPU (the load caveat)."""
+    """What the numbers were measured on, and what else was eating CPU (the load caveat). `isa`: the vector
+    extensions our engine's kernels may use (appliance.backends.cpu_isa: the CPU's flags under the
+    ONEDNN_MAX_CPU_ISA cap, `isa_cap`, when --isa-cap or the environment sets one)."""
     try:
         cpu = next(
             line.split(":", 1)[1].strip()
@@ -108,8 +111,12 @@ def machine() -> dict:
             versions[mod] = __import__(mod).__version__
         except Exception:  # not installed: the benchmark that needs it fails on its own
             pass
+    isa = cpu_isa.detect()
     return {
         "cpu": cpu,
+        "isa": isa.name,
+        "isa_flags": list(isa.flags),
+        "isa_cap": isa.cap,
         "nproc": os.cpu_count(),
         "loadavg": os.getloadavg(),
         "python": platform.python_version(),
@@ -253,6 +260,32 @@ def arg_parser(
         )
     ap.add_argument("--out", type=Path, default=RESULTS / f"{out_name}.json")
     return ap
+
+
+# oneDNN's ISA names (ONEDNN_MAX_CPU_ISA), lowest first; ALL lifts the cap.
+ISA_CAPS = (*(name for name, _ in cpu_isa._LEVELS), "ALL")
+
+
+class _IsaCap(argparse.Action):
+    """Sets ONEDNN_MAX_CPU_ISA while the command line is parsed: before openvino compiles anything in this process
+    and before any server starts (ServerProcess passes os.environ on to `appliance serve`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        os.environ[cpu_isa.CAP_ENV] = str(values)
+        setattr(namespace, self.dest, values)
+
+
+def isa_cap_option(ap: argparse.ArgumentParser) -> None:
+    """--isa-cap NAME, for the benchmarks that run our engine: caps the CPU plugin's oneDNN kernels at that ISA
+    (AVX2 approximates an AVX2-only box on an AVX-512 one; appliance.backends.cpu_isa derives the properties)."""
+    ap.add_argument(
+        "--isa-cap",
+        type=str.upper,
+        choices=ISA_CAPS,
+        action=_IsaCap,
+        metavar="ISA",
+        help=f"set {cpu_isa.CAP_ENV} for our engine and servers: {', '.join(ISA_CAPS)} (e.g. AVX2)",
+    )
 
 
 # ---------------------------------------------------------------- paired runs

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from export.exporter import BACKENDS, WEIGHT_FORMATS, ExportError, export_model
+from export.graph import WeightOptions
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -21,8 +22,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--group-size",
         type=int,
-        help="quantization group: OpenVINO int4 (default 128; int8 is per-channel), ONNX int4/int8 "
-        "block size (default 32)",
+        help="quantization group: OpenVINO int4 (default 128; -1 per output channel; int8 is per-channel), "
+        "ONNX int4/int8 block size (default 32)",
+    )
+    parser.add_argument("--sym", action="store_true", help="OpenVINO int8/int4: symmetric weights (no zero point)")
+    parser.add_argument("--ratio", type=float, default=1.0, help="OpenVINO int4: layers in int4 (share), the rest int8")
+    parser.add_argument(
+        "--lm-head",
+        choices=("int8", "int4"),
+        default="int8",
+        help="OpenVINO int4: the embeddings and LM head in int8 (default) or int4",
+    )
+    parser.add_argument(
+        "--requantize",
+        action="store_true",
+        help="OpenVINO int4: quantize with NNCF even when the source weights are already on a 4-bit grid (a model "
+        "dequantized from a Q4_1 GGUF, like the default model), which is otherwise kept exactly",
     )
     parser.add_argument(
         "--num-layers",
@@ -42,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.backend,
             args.weight_format,
             name=args.name,
-            group_size=args.group_size,
+            weights=WeightOptions(args.group_size, args.sym, args.ratio, args.lm_head, args.requantize),
             num_layers=args.num_layers,
             force=args.force,
             verbose=args.verbose,

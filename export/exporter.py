@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from appliance.manifest import Manifest
-from export.graph import ExportBackend
+from export.graph import ExportBackend, WeightOptions
 from export.metadata import write_metadata
 from export.source import ExportError, Source, check_destination, check_disk, inspect_source
 
@@ -70,21 +70,22 @@ def export_model(
     weight_format: str,
     *,
     name: str | None = None,
-    group_size: int | None = None,
+    weights: WeightOptions | None = None,
     num_layers: int | None = None,
     force: bool = False,
     verbose: bool = False,
 ) -> Manifest:
     """Exports `src` to `out` and returns the manifest written there. Raises ExportError for anything the user
-    can fix. `group_size` overrides the OpenVINO int4 group size (default 128) or the ONNX int4/int8 block size
-    (default 32). `num_layers` keeps only the first N decoder layers (embeddings, final norm and LM head kept): a
-    truncated copy, e.g. a draft model for speculative decoding with the source's tokenizer."""
+    can fix. `weights` says how int8/int4 weights are made (export/graph.py WeightOptions: the OpenVINO int4 group
+    size, default 128, or the ONNX int4/int8 block size, default 32; NNCF's other knobs). `num_layers` keeps only
+    the first N decoder layers (embeddings, final norm and LM head kept): a truncated copy, e.g. a draft model for
+    speculative decoding with the source's tokenizer."""
     if backend not in BACKENDS:
         raise ExportError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
     if weight_format not in WEIGHT_FORMATS:
         raise ExportError(f"unknown weight format {weight_format!r}; choose from {', '.join(WEIGHT_FORMATS)}")
-    if group_size is not None and (group_size < 16 or group_size & (group_size - 1)):
-        raise ExportError(f"group size must be a power of two >= 16, got {group_size}")
+    weights = weights or WeightOptions()
+    _check_weight_options(backend, weight_format, weights)
     src, out = Path(src).expanduser().absolute(), Path(out).expanduser().absolute()
     source = inspect_source(src)
     if num_layers is not None:
@@ -103,7 +104,7 @@ def export_model(
                 backend,
                 weight_format,
                 name or src.resolve().name,
-                group_size,
+                weights,
                 num_layers,
                 progress,
                 verbose,
@@ -114,13 +115,28 @@ def export_model(
     return manifest
 
 
+def _check_weight_options(backend: str, weight_format: str, weights: WeightOptions) -> None:
+    size = weights.group_size
+    if size is not None and not (size == -1 and backend == "openvino") and (size < 16 or size & (size - 1)):
+        raise ExportError(f"group size must be a power of two >= 16 (or -1: per channel, OpenVINO), got {size}")
+    if not 0 < weights.ratio <= 1:
+        raise ExportError(f"ratio must be in (0, 1], got {weights.ratio}")
+    if weights.lm_head not in ("int8", "int4"):
+        raise ExportError(f"lm_head must be int8 or int4, got {weights.lm_head!r}")
+    nncf_only = weights.sym or weights.ratio != 1 or weights.lm_head != "int8" or weights.requantize
+    if nncf_only and not (backend == "openvino" and weight_format in ("int4", "int8")):
+        raise ExportError("--sym, --ratio, --lm-head and --requantize apply to OpenVINO int8/int4 exports only")
+    if weight_format == "int8" and (weights.ratio != 1 or weights.lm_head != "int8" or weights.requantize):
+        raise ExportError("--ratio, --lm-head and --requantize apply to int4 exports only")
+
+
 def _export(
     source: Source,
     staging: Path,
     backend: str,
     weight_format: str,
     name: str,
-    group_size: int | None,
+    weights: WeightOptions,
     num_layers: int | None,
     progress: _Progress,
     verbose: bool,
@@ -138,7 +154,7 @@ def _export(
         del model
         gc.collect()
         progress.stage("compress")
-        compression = backend_module.compress(scratch, staging, weight_format, group_size)
+        compression = backend_module.compress(scratch, staging, weight_format, weights)
         shutil.rmtree(scratch)
         progress.stage("save tokenizer")
         metadata = write_metadata(source.folder, staging, source.config)

@@ -22,6 +22,23 @@ class GraphInfo:
     head_dim: int | None
 
 
+@dataclass(frozen=True)
+class WeightOptions:
+    """How int8/int4 weights are made (`python -m export --group-size/--sym/--ratio/--lm-head/--requantize`).
+    The defaults are the measured choice (docs/performance.md, "Run I"); the others are NNCF's knobs, for models
+    whose accuracy needs them."""
+
+    group_size: int | None = None  # OpenVINO int4 group (default 128; -1: per output channel) / ONNX block size
+    sym: bool = False  # symmetric int4/int8 (no zero point); ONNX is always symmetric
+    ratio: float = 1.0  # OpenVINO int4: the share of layers in int4, the rest int8
+    lm_head: str = "int8"  # OpenVINO int4: the embeddings and LM head in int8 (NNCF's backup) or "int4" as well
+    requantize: bool = False  # OpenVINO int4: NNCF even when the source is already on a 4-bit grid (export/grid.py)
+
+    def nncf(self) -> bool:
+        """Whether an NNCF knob was asked for: then int4 always goes through NNCF."""
+        return self != WeightOptions()
+
+
 def first_step_feed(inputs: list[str], input_ids: np.ndarray) -> dict[str, np.ndarray]:
     """input_ids / attention_mask / position_ids for a first step with no past, restricted to what the graph takes."""
     batch, length = input_ids.shape
@@ -42,7 +59,7 @@ class ExportBackend(Protocol):
     def convert(self, model: Any, scratch: Path, weight_format: str) -> None:
         """The transformers model to a graph in `scratch` (fp16 may be written directly, else fp32)."""
 
-    def compress(self, scratch: Path, dest: Path, weight_format: str, group_size: int | None) -> dict[str, Any]:
+    def compress(self, scratch: Path, dest: Path, weight_format: str, options: WeightOptions) -> dict[str, Any]:
         """The graph in `scratch` compressed to `weight_format` into `dest`; what was done, for the manifest."""
 
     def describe(self, dest: Path) -> GraphInfo:

@@ -17,7 +17,7 @@ from onnx import helper
 from onnxruntime.transformers.float16 import convert_float_to_float16
 from optimum.exporters.onnx import onnx_export_from_model
 
-from export.graph import TASK, GraphInfo, first_step_feed
+from export.graph import TASK, GraphInfo, WeightOptions, first_step_feed
 from export.source import ExportError
 
 MODEL_FILE = "model.onnx"
@@ -34,8 +34,9 @@ def convert(model: Any, scratch: Path, weight_format: str) -> None:
     onnx_export_from_model(model, scratch, task=TASK, do_validation=False)
 
 
-def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | None) -> dict[str, Any]:
-    """Writes dest/model.onnx (+ model.onnx_data if large); returns what was done to the weights."""
+def compress(scratch: Path, dest: Path, weight_format: str, options: WeightOptions) -> dict[str, Any]:
+    """Writes dest/model.onnx (+ model.onnx_data if large); returns what was done to the weights. Of the weight
+    options only the block size applies (exporter.py refuses the others for ONNX)."""
     model = onnx.load(str(scratch / MODEL_FILE))
     info: dict[str, Any] = {"method": "none"}
     if weight_format == "fp16":
@@ -48,7 +49,7 @@ def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | No
             "tool": f"onnxruntime {version('onnxruntime')}",
         }
     elif weight_format in ("int8", "int4"):
-        model, info = _quantize(model, 8 if weight_format == "int8" else 4, group_size or DEFAULT_BLOCK_SIZE)
+        model, info = _quantize(model, 8 if weight_format == "int8" else 4, options.group_size or DEFAULT_BLOCK_SIZE)
     _save(model, dest / MODEL_FILE)
     return info
 

@@ -15,7 +15,8 @@ from optimum.exporters.openvino import export_from_model
 from optimum.intel import OVConfig, OVWeightQuantizationConfig
 from optimum.intel.openvino.quantization import _weight_only_quantization
 
-from export.graph import TASK, GraphInfo, first_step_feed
+from export import grid
+from export.graph import TASK, GraphInfo, WeightOptions, first_step_feed
 from export.source import ExportError
 
 MODEL_FILE = "openvino_model.xml"
@@ -41,11 +42,15 @@ def _decline_telemetry() -> None:
         checker.update_result(ConsentCheckResult.DECLINED)
 
 
-def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | None) -> dict[str, Any]:
-    """Writes dest/openvino_model.xml; returns what was done to the weights, for the manifest."""
+def compress(scratch: Path, dest: Path, weight_format: str, options: WeightOptions) -> dict[str, Any]:
+    """Writes dest/openvino_model.xml; returns what was done to the weights, for the manifest. int4 keeps a source
+    that is already on a 4-bit grid exactly (export/grid.py) unless an NNCF option was given."""
     model = ov.Core().read_model(scratch / MODEL_FILE)
-    if weight_format in ("int8", "int4"):
-        config, info = _quantization_config(weight_format, group_size or DEFAULT_GROUP_SIZE)
+    exact = grid.compress(model) if weight_format == "int4" and not options.nncf() else None
+    if exact is not None:
+        info = exact
+    elif weight_format in ("int8", "int4"):
+        config, info = _quantization_config(weight_format, options)
         # optimum-intel's wrapper around nncf.compress_weights: it also drops the f16 KV-cache hint the converter
         # put in rt_info for float models, exactly as `optimum-cli export openvino --weight-format int4` does.
         model = _weight_only_quantization(model, config)
@@ -59,25 +64,34 @@ def compress(scratch: Path, dest: Path, weight_format: str, group_size: int | No
     return info
 
 
-def _quantization_config(weight_format: str, group_size: int) -> tuple[Any, dict[str, Any]]:
-    """Weight-only, data-free, asymmetric (the optimum-cli default: better accuracy on CPU/GPU than sym)."""
+def _quantization_config(weight_format: str, options: WeightOptions) -> tuple[Any, dict[str, Any]]:
+    """Weight-only, data-free, asymmetric unless --sym (the optimum-cli default: better accuracy on CPU/GPU than
+    sym)."""
     tool = f"nncf {version('nncf')} via optimum-intel {version('optimum-intel')}"
+    mode = f"{weight_format}_{'sym' if options.sym else 'asym'}"
     if weight_format == "int8":
-        config = OVWeightQuantizationConfig(bits=8, sym=False, group_size=-1, ratio=1.0)
-        return config, {"method": "weight-only", "tool": tool, "mode": "int8_asym", "group_size": "per-channel"}
+        config = OVWeightQuantizationConfig(bits=8, sym=options.sym, group_size=-1, ratio=1.0)
+        return config, {"method": "weight-only", "tool": tool, "mode": mode, "group_size": "per-channel"}
+    group_size = options.group_size or DEFAULT_GROUP_SIZE
+    all_layers = options.lm_head == "int4"
     # ADJUST: a weight whose input channels the group size does not divide (tiny or odd hidden sizes) gets the
     # largest smaller power-of-two group that fits, instead of failing the export.
     config = OVWeightQuantizationConfig(
-        bits=4, sym=False, group_size=group_size, ratio=1.0, group_size_fallback="adjust"
+        bits=4,
+        sym=options.sym,
+        group_size=group_size,
+        ratio=options.ratio,
+        all_layers=all_layers,
+        group_size_fallback="adjust",
     )
     return config, {
         "method": "weight-only",
         "tool": tool,
-        "mode": "int4_asym",
-        "group_size": group_size,
+        "mode": mode,
+        "group_size": "per-channel" if group_size == -1 else group_size,
         "group_size_fallback": "adjust",
-        "ratio": 1.0,
-        "backup_mode": "int8_asym for the embeddings and lm_head",
+        "ratio": options.ratio,
+        "backup_mode": f"{'int4' if all_layers else 'int8_asym'} for the embeddings and lm_head",
     }
 
 

@@ -291,7 +291,19 @@ def test_cli_errors(tiny, tmp_path: Path) -> None:
         ),
         ([llama, existing], f"output exists: {existing} (pass --force to replace it)"),
         ([llama, llama.parent, "--force"], f"output {llama.parent} would replace the source folder {llama}"),
-        ([llama, out, "--group-size", "48"], "group size must be a power of two >= 16, got 48"),
+        (
+            [llama, out, "--group-size", "48"],
+            "group size must be a power of two >= 16 (or -1: per channel, OpenVINO), got 48",
+        ),
+        (
+            [llama, out, "--backend", "onnx", "--weight-format", "int4", "--sym"],
+            "--sym, --ratio, --lm-head and --requantize apply to OpenVINO int8/int4 exports only",
+        ),
+        ([llama, out, "--weight-format", "int4", "--ratio", "0"], "ratio must be in (0, 1], got 0.0"),
+        (
+            [llama, out, "--weight-format", "int8", "--lm-head", "int4"],
+            "--ratio, --lm-head and --requantize apply to int4 exports only",
+        ),
     ]
     for args, message in cases:
         result = _cli(*map(str, args))

@@ -127,9 +127,12 @@ def test_default_model_greedy_matches_transformers(case, default_prompts, defaul
             greedy_divergence(want, top, have, NEAR_TIE_FP16_WEIGHTS, f"{case}: prompt {n}")
 
 
-# Weight-only quantization of a 135M model is lossy (measured here: int8 next-token total-variation distance
-# 0.05-0.09 from f32, int4 0.2-0.75), so these bounds are what a correct export reaches and a broken one does not.
-QUANT = {"int8": dict(chat_tokens=4, max_tv=0.15), "int4": dict(chat_tokens=1, max_tv=0.9)}
+# Weight-only quantization of a 135M model is lossy: NNCF int8 moves the next-token distribution by a total-variation
+# distance of 0.05-0.09 from f32 (measured here), NNCF int4 by 0.2-0.75. The default model's int4 export keeps the
+# GGUF's own Q4_1 grid (export/grid.py), measured 0.005-0.03: it must keep greedy tokens like int8 and stay within
+# 0.1, which a requantized int4 (0.33 median) does not. These bounds are what a correct export reaches and a broken
+# one does not.
+QUANT = {"int8": dict(chat_tokens=4, max_tv=0.15), "int4": dict(chat_tokens=4, max_tv=0.1)}
 
 
 @pytest.mark.parametrize("fmt", list(QUANT))
@@ -156,10 +159,7 @@ def test_quantized_default_model_stays_close(fmt, default_hf, default_prompts, d
         ref = [model(torch.tensor([p])).logits[0, -1].numpy() for p in default_prompts]
     tv = [0.5 * np.abs(_softmax(r) - _softmax(o)).sum() for r, o in zip(ref, ours)]
     n = rule["chat_tokens"]
-    if fmt == "int8":
-        assert [g[:n] for g in got[: len(CHAT)]] == [r[:n] for r in default_reference[: len(CHAT)]]
-    else:  # int4 flips near-ties: most prompts keep their first token
-        assert sum(g[0] == r[0] for g, r in zip(got, default_reference)) >= len(got) // 2
+    assert [g[:n] for g in got[: len(CHAT)]] == [r[:n] for r in default_reference[: len(CHAT)]]
     assert max(tv) < rule["max_tv"], tv
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import openvino as ov
 
 from appliance import devices
+from appliance.backends import cpu_isa
 from appliance.backends.base import DeviceError
 
 if TYPE_CHECKING:
@@ -42,8 +43,10 @@ def compile_properties(config: EngineConfig, *, kv_precision: bool = True) -> di
         kv = config.kv_precision()
         if kv:
             props["KV_CACHE_PRECISION"] = kv
-    if config.num_threads and config.device.upper() == "CPU":
-        props["INFERENCE_NUM_THREADS"] = config.num_threads
+    if config.device.upper() == "CPU":
+        props.update(cpu_isa.plugin_properties(cpu_isa.detect(), config.precision))
+        if config.num_threads:
+            props["INFERENCE_NUM_THREADS"] = config.num_threads
     cache = config.compile_cache()
     cache = usable_cache_dir(cache) if cache else None
     if cache:
