@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The appliance image: serves the embedded default model (SmolLM2-135M-Instruct, OpenVINO fp16) on port 8000.
+# The appliance image: serves the embedded default model (SmolLM2-135M-Instruct, OpenVINO int4) on port 8000.
 #   docker build -t appliance .                       # runtime image (builds the `export` stage for the model)
 #   docker build --target export -t appliance-export . # the export tools (torch, transformers, optimum, nncf)
 # Exposure: the server binds 0.0.0.0 in the container, and a non-loopback bind without an API key refuses to start
@@ -62,15 +62,19 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
  && python -m export.default_model \
  && rm -rf /var/lib/appliance/models/*/hf
 
-# The served export (appliance/paths.py default_export_dir). `make image-test` passes --build-context
-# model-src=<a directory holding an already-built one at this path> instead of running `export`.
+# The served exports (appliance/paths.py SERVED_FORMATS: `--model default` picks one by the CPU it runs on, so the
+# image carries both). `make image-test` passes --build-context model-src=<a directory holding already-built ones at
+# this path> instead of running `export`.
 FROM scratch AS model-src
-COPY --from=export /var/lib/appliance/models/smollm2-135m-instruct/openvino-fp16 \
-     /var/lib/appliance/models/smollm2-135m-instruct/openvino-fp16
+COPY --from=export /var/lib/appliance/models/smollm2-135m-instruct/openvino-int4 \
+     /var/lib/appliance/models/smollm2-135m-instruct/openvino-int4
+COPY --from=export /var/lib/appliance/models/smollm2-135m-instruct/openvino-int8 \
+     /var/lib/appliance/models/smollm2-135m-instruct/openvino-int8
 
 # Root-owned and read-only (0444 files, 0555 dirs): a compromised server cannot persist into weights or templates.
 FROM ${BASE_IMAGE} AS model
-COPY --from=model-src /var/lib/appliance/models/smollm2-135m-instruct/openvino-fp16 /model/openvino-fp16
+COPY --from=model-src /var/lib/appliance/models/smollm2-135m-instruct/openvino-int4 /model/openvino-int4
+COPY --from=model-src /var/lib/appliance/models/smollm2-135m-instruct/openvino-int8 /model/openvino-int8
 RUN chown -R 0:0 /model && find /model -type d -exec chmod 0555 {} + && find /model -type f -exec chmod 0444 {} +
 
 # ---------------------------------------------------------------- runtime

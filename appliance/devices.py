@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-# CPU flags (/proc/cpuinfo) that change how fast or in what precision the CPU plugin runs a model.
-CPU_ISA = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_int8")
+from appliance import cpu_isa
+
 # Device properties worth showing when the plugin has them (each device type answers a different set).
 EXTRA_PROPERTIES = ("DEVICE_ARCHITECTURE", "INFERENCE_PRECISION_HINT", "GPU_DEVICE_TOTAL_MEM_SIZE", "DEVICE_GOPS")
 VIRTUAL = ("AUTO", "HETERO", "MULTI", "BATCH")  # meta-devices: what they name is checked instead
@@ -28,15 +27,6 @@ def available() -> list[str]:
     import openvino as ov
 
     return list(ov.Core().available_devices)
-
-
-def cpu_isa(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [f for f in CPU_ISA if f in flags]
 
 
 def describe() -> list[dict[str, Any]]:
@@ -59,7 +49,9 @@ def describe() -> list[dict[str, Any]]:
                     continue
                 row[prop.lower()] = value.to_string() if isinstance(value, ov.Type) else str(value)
         if device.startswith("CPU"):
-            row["isa"] = cpu_isa()
+            isa = cpu_isa.detect()
+            row["isa"] = list(isa.flags)
+            row["isa_level"] = isa.name  # what the served default export is chosen by (appliance/paths.py)
         rows.append(row)
     return rows
 

@@ -5,8 +5,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from appliance import cpu_isa
+
 DEFAULT_MODEL_SLUG = "smollm2-135m-instruct"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The default model's exports that `make model` builds and `--model default` picks from, by the CPU (measured in
+# docs/performance.md, "Run I", against the quality tolerance there: next-token TVD from transformers no worse than
+# llama.cpp's own on the same GGUF):
+# - int4, the GGUF's own Q4_1 grid kept exactly (export/grid.py): TVD at fp16's level (0.0015 median in f32, 0.018
+#   in bf16), a third of fp16's size, 1.25x fp16's decode on an AVX-512-VNNI-bf16 box (where int8's 0.052 TVD in bf16
+#   is outside the tolerance);
+# - int8 (NNCF, per channel) on CPUs with neither VNNI nor bf16 (AVX2 boxes): there group-wise int4 decompresses at
+#   fp16's speed while per-channel int8 decodes ~1.2x faster, at TVD 0.033 (f32 compute; llama.cpp's own 0.032).
+# fp32 stays available for transformers parity (`--precision f32`).
+SERVED_FORMATS = ("int4", "int8")
 
 
 def data_dir() -> Path:
@@ -19,12 +31,19 @@ def compile_cache_dir() -> Path:
 
 
 def default_model_root() -> Path:
-    """Holds `hf/` (the HF folder built from the GGUF) and one folder per export, e.g. `openvino-fp16/`."""
+    """Holds `hf/` (the HF folder built from the GGUF) and one folder per export, e.g. `openvino-int4/`."""
     return data_dir() / "models" / DEFAULT_MODEL_SLUG
 
 
-def default_export_dir(backend: str = "openvino", weight_format: str = "fp16") -> Path:
-    return default_model_root() / f"{backend}-{weight_format}"
+def served_weight_format(isa: cpu_isa.CpuIsa | None = None) -> str:
+    """The default model's export served on this CPU (SERVED_FORMATS says why)."""
+    isa = isa or cpu_isa.detect()
+    return "int4" if isa.vnni or isa.bf16 else "int8"
+
+
+def default_export_dir(backend: str = "openvino", weight_format: str | None = None) -> Path:
+    """The default model's export folder; `weight_format` None: the one served on this CPU."""
+    return default_model_root() / f"{backend}-{weight_format or served_weight_format()}"
 
 
 def resolve_model(model: str) -> Path:

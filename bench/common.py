@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from appliance.backends import cpu_isa
+from appliance import cpu_isa
 from appliance.testing import procinfo
 from appliance.testing.loopback import ApplianceServer
 from appliance.testing.procinfo import process_tree, status_field
@@ -263,7 +263,7 @@ def arg_parser(
 
 
 # oneDNN's ISA names (ONEDNN_MAX_CPU_ISA), lowest first; ALL lifts the cap.
-ISA_CAPS = (*(name for name, _ in cpu_isa._LEVELS), "ALL")
+ISA_CAPS = (*cpu_isa.LEVELS, "ALL")
 
 
 class _IsaCap(argparse.Action):

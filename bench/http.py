@@ -50,7 +50,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from appliance.backends import cpu_isa
+from appliance import cpu_isa
 from bench.common import (
     LOGS,
     MODEL_CHOICES,

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from appliance.backends.cpu_isa import CpuIsa
+from appliance.cpu_isa import CpuIsa
 from appliance.testing.loopback import LoopbackServer
 from bench.common import LOGS, median, prompts
 from bench.http import http_run, sse_events

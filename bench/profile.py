@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     isa_cap_option(ap)
     args = ap.parse_args(argv)
 
-    from appliance.backends import cpu_isa
+    from appliance import cpu_isa
     from appliance.manifest import Manifest
     from appliance.params import SamplingParams
 

@@ -13,7 +13,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$repo/.venv/bin/python}
 data_dir=${APPLIANCE_DATA_DIR:-$HOME/.cache/appliance}
-served=models/smollm2-135m-instruct/openvino-fp16  # appliance/paths.py default_export_dir()
+served=(models/smollm2-135m-instruct/openvino-int4 models/smollm2-135m-instruct/openvino-int8)  # paths.SERVED_FORMATS
 
 wheels="$IMAGE_TEST_DIR/wheels"
 mkdir -p "$wheels"
@@ -32,9 +32,11 @@ if [[ "${EXPORT:-0}" != 1 ]]; then
 	model_src="$IMAGE_TEST_DIR/model-src"
 	rm -rf "$model_src"
 	mkdir -p "$model_src/var/lib/appliance/models/smollm2-135m-instruct"
-	[[ -f "$data_dir/$served/appliance_manifest.json" ]] || { log "no default model in $data_dir: make model"; exit 1; }
-	cp -al "$data_dir/$served" "$model_src/var/lib/appliance/$served" 2>/dev/null \
-		|| cp -a "$data_dir/$served" "$model_src/var/lib/appliance/$served"
+	for dir in "${served[@]}"; do
+		[[ -f "$data_dir/$dir/appliance_manifest.json" ]] || { log "no $dir in $data_dir: make model"; exit 1; }
+		cp -al "$data_dir/$dir" "$model_src/var/lib/appliance/$dir" 2>/dev/null \
+			|| cp -a "$data_dir/$dir" "$model_src/var/lib/appliance/$dir"
+	done
 	contexts+=(--build-context model-src="$model_src")
 fi
 

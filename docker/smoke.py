@@ -125,7 +125,7 @@ def main() -> int:
         "assert not [m for m in ('torch', 'transformers', 'optimum') if u.find_spec(m)]; "
         "assert '/site-packages/' in appliance.__file__, appliance.__file__; "
         "assert not list(pathlib.Path('/opt/appliance/lib').glob('python3*/site-packages/__editable__*')); "
-        "m = pathlib.Path('/var/lib/appliance/models/smollm2-135m-instruct/openvino-fp16/openvino_model.xml'); "
+        "m = pathlib.Path('/var/lib/appliance/models/smollm2-135m-instruct/openvino-int4/openvino_model.xml'); "
         "open(m, 'a')"
     )
     out = run_checked(in_image(root, config, ["python", "-c", probe], {}, setup), "probe", expect_ok=False)

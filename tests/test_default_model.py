@@ -206,3 +206,10 @@ def test_ensure_export_stages_then_caches(hf_dir, tmp_path, monkeypatch):
     assert out != target and out.parent == target.parent and not out.exists()
     assert (target / MANIFEST_NAME).is_file()
     assert [p.name for p in target.parent.iterdir() if p.is_dir()] == [target.name]
+    # an export cached by an older exporter (EXPORT_VERSIONS: int4 kept the GGUF grid from version 2) is rebuilt once
+    stale = default_export_dir("openvino", "int4")
+    stale.mkdir()
+    (stale / MANIFEST_NAME).write_text("{}")
+    assert default_model.ensure_export("openvino", "int4") == stale
+    assert default_model.ensure_export("openvino", "int4") == stale
+    assert [c[3] for c in calls] == ["fp16", "int4"]

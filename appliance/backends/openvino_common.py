@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import openvino as ov
 
-from appliance import devices
-from appliance.backends import cpu_isa
+from appliance import cpu_isa, devices
 from appliance.backends.base import DeviceError
 
 if TYPE_CHECKING:

@@ -46,7 +46,8 @@ class ServeSettings:
     its default and help are declared here once (appliance/limits.py `setting`; appliance/cli.py derives the flag)."""
 
     model_dir: str = setting(
-        help_text="exported model directory, or 'default': the default model's OpenVINO fp16 export",
+        help_text="exported model directory, or 'default': the default model's OpenVINO export for this CPU (int4 "
+        "on the GGUF's own grid; int8 on CPUs without VNNI or bf16)",
         flag="model",
         cli="default",
     )

@@ -32,6 +32,7 @@ _LEVELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("AVX10_1_512_AMX", ("amx_bf16", "amx_int8")),
 )
 FLAGS = tuple(flag for _, flags in _LEVELS for flag in flags)
+LEVELS = tuple(name for name, _ in _LEVELS)  # the cap's accepted names, lowest first
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,8 @@ def detect(cpuinfo: str = "/proc/cpuinfo", environ: dict[str, str] | None = None
     present = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
     cap = env.get(CAP_ENV, "").strip().upper() or None
     allowed = set(FLAGS)
-    names = [name for name, _ in _LEVELS]
-    if cap in names:
-        allowed = {flag for _, flags in _LEVELS[: names.index(cap) + 1] for flag in flags}
+    if cap in LEVELS:
+        allowed = {flag for _, flags in _LEVELS[: LEVELS.index(cap) + 1] for flag in flags}
     return CpuIsa(tuple(f for f in FLAGS if f in present and f in allowed), cap)
 
 
