@@ -16,7 +16,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #   in bf16), a third of fp16's size, 1.25x fp16's decode on an AVX-512-VNNI-bf16 box (where int8's 0.052 TVD in bf16
 #   is outside the tolerance);
 # - int8 (NNCF, per channel) on CPUs with neither VNNI nor bf16 (AVX2 boxes): there group-wise int4 decompresses at
-#   fp16's speed while per-channel int8 decodes 1.2-1.35x faster, at TVD 0.033 (f32 compute; llama.cpp's own 0.032).
+#   fp16's speed while per-channel int8 decodes faster (batch 1: 1.04-1.18x over HTTP, 1.35x in the engine), at
+#   TVD 0.033 (f32 compute; llama.cpp's own 0.032).
 # fp32 stays available for transformers parity (`--precision f32`).
 SERVED_FORMATS = ("int4", "int8")
 

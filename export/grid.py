@@ -7,15 +7,16 @@ head that is exactly `d * q` (Q8_0: q in -127..127). NNCF's int4 quantizes such 
 asymmetric mode needs an integer zero point, so each group moves by up to half a step (`d * (round(-m/d) + m/d)`),
 and the measured next-token total-variation distance (TVD) from transformers on held-out prompts was 0.33 median
 (0.34 at group 32, 0.33-0.48 for symmetric, per-channel and int4-LM-head variants), against 0.001 for fp16 weights
-and 0.053 for NNCF int8 (docs/performance.md, "Run I").
+and 0.033 for NNCF int8 (docs/performance.md, "Run I").
 
 Here each such weight becomes OpenVINO's compressed-weight pattern with the source grid itself: u4 values, an f16
 scale and an f16 zero point `-m/d` per group (Q4_1), or i8 values and an f16 scale per group (Q8_0): the CPU
-plugin recognises both as a compressed FullyConnected / Gather and decompresses in its kernels. TVD 0.013, the
-size of NNCF int4 (92 MB vs 81; fp16 is 270 MB). The price: an f16 zero point keeps the CPU plugin's dynamic
-quantization of activations (int8 VNNI dot products) off for those layers, since it needs integer zero points;
-measured on an AVX-512-VNNI box the exact int4 decodes at ~1.2x the fp16 export against ~1.6x for NNCF int4, and
-with AVX2 kernels (no VNNI, so no dynamic quantization for anyone) all formats are within a few percent.
+plugin recognises both as a compressed FullyConnected / Gather and decompresses in its kernels. TVD 0.0015 median
+in f32 (fp16 weights: 0.0009), at 92 MB (NNCF int4 81, fp16 257). The price: an f16 zero point keeps the CPU
+plugin's dynamic quantization of activations (int8 VNNI dot products) off for those layers, since it needs integer
+zero points: on an AVX-512-VNNI box the exact int4 decodes at 1.25-1.33x the fp16 export against 1.6x for NNCF
+int4; with AVX2 kernels (no VNNI, so no dynamic quantization for anyone) it decodes at fp16's speed, where only
+per-channel int8 is faster (appliance/paths.py serves that there).
 
 Detection is per weight and exact up to float rounding (1e-5 of the weight's largest magnitude): a weight on
 neither grid makes the whole model fall back to NNCF (`None`), so a model is never half requantized. Q4_0 and the

@@ -19,7 +19,9 @@ import tiny_models
 
 from appliance.manifest import Manifest
 from export.exporter import ExportError, export_model
+from export.graph import WeightOptions
 from export.metadata import write_metadata
+from export.openvino_backend import first_step
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello world! The appliance serves tiny models."
@@ -190,6 +192,18 @@ def test_quantized_weights_are_recorded(exported: Exported) -> None:
     assert (ov_int4["mode"], ov_int4["group_size"], ov_int4["group_size_fallback"]) == ("int4_asym", 128, "adjust")
     assert (onnx_int4["mode"], onnx_int4["block_size"]) == ("int4_sym", 32)
     assert gpt2_int4["quantized_matmuls"] == 8  # 2 blocks x 4 Gemm; GPT-2's tied lm_head is not an initializer
+
+
+def test_nncf_weight_options(tiny, tmp_path: Path, reference: Reference) -> None:
+    """`--sym --group-size -1 --lm-head int4 --ratio 0.5` reach NNCF and the manifest, and the graph still works."""
+    options = WeightOptions(group_size=-1, sym=True, ratio=0.5, lm_head="int4")
+    manifest = export_model(tiny("llama"), tmp_path / "nncf", "openvino", "int4", weights=options)
+    info = manifest.weight_compression
+    assert (info["mode"], info["group_size"], info["ratio"]) == ("int4_sym", "per-channel", 0.5)
+    assert info["backup_mode"] == "int4 for the embeddings and lm_head"
+    ids, expected = reference("llama")
+    got = first_step(tmp_path / "nncf", ids)
+    assert np.isfinite(got).all() and np.abs(got - expected).max() < 1.0  # per-channel int4 of a random model
 
 
 def test_onnx_external_data(tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: Reference) -> None:
