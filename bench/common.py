@@ -95,7 +95,7 @@ def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], t
 
 def machine() -> dict:
     """What the numbers were measured on, and what else was eating CPU (the load caveat). `isa`: the vector
-    extensions our engine's kernels may use (appliance.backends.cpu_isa: the CPU's flags under the
+    extensions our engine's kernels may use (appliance.cpu_isa: the CPU's flags under the
     ONEDNN_MAX_CPU_ISA cap, `isa_cap`, when --isa-cap or the environment sets one)."""
     try:
         cpu = next(
@@ -277,7 +277,7 @@ class _IsaCap(argparse.Action):
 
 def isa_cap_option(ap: argparse.ArgumentParser) -> None:
     """--isa-cap NAME, for the benchmarks that run our engine: caps the CPU plugin's oneDNN kernels at that ISA
-    (AVX2 approximates an AVX2-only box on an AVX-512 one; appliance.backends.cpu_isa derives the properties)."""
+    (AVX2 approximates an AVX2-only box on an AVX-512 one; appliance.cpu_isa derives the properties)."""
     ap.add_argument(
         "--isa-cap",
         type=str.upper,

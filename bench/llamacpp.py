@@ -19,7 +19,7 @@ export is named `smollm2-135m-int4-g32`) and say nothing about the token sequenc
 
 Its ISA: `llama_cpp.llama_print_system_info()` (bytes in llama-cpp-python 0.3) of the same python gives the
 features its ggml build compiled in (`AVX2 = 1 | AVX512 = 1 | ...`; recent builds list only those present), stored
-with the results and compared with our side's (appliance.backends.cpu_isa, under ONEDNN_MAX_CPU_ISA): a mismatch is
+with the results and compared with our side's (appliance.cpu_isa, under ONEDNN_MAX_CPU_ISA): a mismatch is
 printed as a warning under the tables. An AVX2 comparison needs an AVX2 build, e.g. /tmp/llama-avx2-venv built with
 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON".
 """

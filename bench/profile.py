@@ -7,7 +7,7 @@ Measurement only: PERF_COUNT and the --property / --variant values are added by 
 appliance.backends.openvino_paged.compile_properties while each engine compiles (there is no config field for
 arbitrary properties); the engine's own properties come first, these override them. PERF_COUNT itself costs a
 little per node (`--variant noperf:PERF_COUNT=false` runs the same steps unprofiled, beside the others). Honours
-ONEDNN_MAX_CPU_ISA (set it in the environment, or --isa-cap AVX2: appliance.backends.cpu_isa derives the
+ONEDNN_MAX_CPU_ISA (set it in the environment, or --isa-cap AVX2: appliance.cpu_isa derives the
 properties a capped CPU needs); the ISA is printed.
 
     python -m bench.profile MODEL [MODEL ...] [--precision default f32] [--property KEY=VALUE ...]
@@ -226,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     isa_cap_option(ap)
     args = ap.parse_args(argv)
 
-    from appliance import cpu_isa
     from appliance.manifest import Manifest
     from appliance.params import SamplingParams
 
-    info, isa = machine(), cpu_isa.detect().name
+    info = machine()
+    isa = info["isa"]
     common = parse_properties(args.property)
     variants = [parse_variant(v) for v in args.variant] or [("base", {})]
     configs = [(m, p, v) for m in args.models for p in args.precision for v, _ in variants]

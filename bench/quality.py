@@ -205,12 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     isa_cap_option(ap)
     args = ap.parse_args(argv)
 
-    from appliance import cpu_isa
     from appliance.manifest import Manifest
     from appliance.tokenizer import Tokenizer
 
     info = machine()
-    isa = cpu_isa.detect().name
+    isa = info["isa"]
     paths = {m: model_dir(m) for m in args.models}
     manifests = {m: Manifest.load(p) for m, p in paths.items()}
     rows: list[dict] = []
@@ -218,9 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     for m in args.models:
         by_source.setdefault(manifests[m].source or str(paths[m]), []).append(m)
     refs: dict[str, tuple[list[list[int]], list[np.ndarray]]] = {}
+
+    def reference(source: str) -> tuple[list[list[int]], list[np.ndarray]]:
+        """The held-out prompts in the source's tokens and transformers' logits on them, once per source."""
+        if source not in refs:
+            prompts = held_out_prompts(Tokenizer.from_dir(source), args.prompts)
+            refs[source] = prompts, reference_logits(source, prompts)
+        return refs[source]
+
     for source, models in by_source.items():
-        prompts = held_out_prompts(Tokenizer.from_dir(source), args.prompts)
-        refs[source] = prompts, reference_logits(source, prompts)
+        prompts, ref = reference(source)
         for m in models:
             man, path = manifests[m], paths[m]
             bin_file = path / Path(man.model_file).with_suffix(".bin")
@@ -234,15 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             }
             for precision in args.precision:
                 ours = engine_logits(path, precision, prompts)
-                rows.append({**base, "precision": precision, **compare(refs[source][1], ours)})
+                rows.append({**base, "precision": precision, **compare(ref, ours)})
     if args.llamacpp_python:
         from export.default_model import ensure_hf_folder, gguf_path
 
         source = str(ensure_hf_folder())
-        if source not in refs:
-            prompts = held_out_prompts(Tokenizer.from_dir(source), args.prompts)
-            refs[source] = prompts, reference_logits(source, prompts)
-        prompts, ref = refs[source]
+        prompts, ref = reference(source)
         gguf = gguf_path()
         theirs, meta = llamacpp_logits(args.llamacpp_python, gguf, prompts)
         row: dict = {"model": "llama.cpp Q4_1 GGUF", "source": source, "weight_format": "Q4_1", "gguf": str(gguf)}
