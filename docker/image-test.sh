@@ -17,6 +17,6 @@ fi
 bash "$here/base-rootfs.sh"
 bash "$here/build.sh"
 t=$SECONDS
-"${PYTHON:-$here/../.venv/bin/python}" "$here/smoke.py"
+"${PYTHON:-$here/../.venv-dev/bin/python}" "$here/smoke.py"
 podman_ image umount "$IMAGE_TAG" >/dev/null || true
 log "image-test passed: build $((t - start))s, smoke $((SECONDS - t))s, image $(podman_ image inspect --format '{{.Size}}' "$IMAGE_TAG") bytes"
