@@ -24,7 +24,7 @@ from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import compile_cache_dir, resolve_model
 from appliance.server import auth
-from appliance.server.settings import ModelSpec, ServeSettings
+from appliance.server.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
 
 # The serve flags, in --help's and docs/serving.md's order, by group: each is a field of one of these dataclasses,
 # which declares its default and help once (appliance/limits.py `setting`); nothing below repeats a default.
@@ -95,12 +95,12 @@ def _env_default(flag: str, kind, default):
     if kind is bool:
         word = raw.strip().lower()
         if word not in _TRUE + _FALSE:
-            return InvalidEnv(f"appliance: {env_name(flag)}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
+            return InvalidEnv(f"{env_name(flag)}={raw!r} is not a boolean (1/0, true/false, yes/no, on/off)")
         return word in _TRUE
     try:
         return kind(raw)
     except ValueError:
-        return InvalidEnv(f"appliance: {env_name(flag)}={raw!r} is not a valid {kind.__name__}")
+        return InvalidEnv(f"{env_name(flag)}={raw!r} is not a valid {kind.__name__}")
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, probe: bool = False) -> None:
@@ -175,7 +175,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return args
     invalid = next((v for v in vars(args).values() if isinstance(v, InvalidEnv)), None)
     if invalid is not None:
-        raise SystemExit(str(invalid))
+        raise ConfigError(str(invalid))
     from appliance.server import config_file
 
     probe = argparse.ArgumentParser(add_help=False)
@@ -189,7 +189,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     try:
         args.config_loaded = config_file.read(args.config) if args.config else None
     except ValueError as exc:
-        raise SystemExit(f"appliance: {exc}") from None
+        raise ConfigError(str(exc)) from None
     values = config_file.effective(args.config_loaded, args.pinned)
     in_file = args.config_loaded.values if args.config_loaded else {}
     for flag, value in values.items():
@@ -211,20 +211,19 @@ def _models(args: argparse.Namespace) -> list[ModelSpec]:
             if args.sources[flag] in ("flag", "env")
         ]
         if named:
-            raise SystemExit(
-                f"appliance: {' and '.join(named)} cannot go with {loaded.path}'s {config_file.MODEL_LIST}: "
-                "name each model there"
+            raise ConfigError(
+                f"{' and '.join(named)} cannot go with {loaded.path}'s {config_file.MODEL_LIST}: name each model there"
             )
         try:
             return config_file.model_specs(loaded, args.pinned)
         except ValueError as exc:
-            raise SystemExit(f"appliance: {exc}") from None
+            raise ConfigError(str(exc)) from None
     model_dir = resolve_model(args.model)
     try:
         manifest = Manifest.load(model_dir)
     except FileNotFoundError as exc:
         hint = " (build it with `make model` or `python -m export.default_model`)" if args.model == "default" else ""
-        raise SystemExit(f"appliance: {exc}{hint}") from None
+        raise ConfigError(f"{exc}{hint}") from None
     created = int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime)
     engine = engine_config(args, manifest)
     name = args.served_model_name or manifest.name
@@ -234,11 +233,9 @@ def _models(args: argparse.Namespace) -> list[ModelSpec]:
 def _settings(args: argparse.Namespace):
     models = _models(args)
     if args.workers < 1 or args.threads < 1:
-        raise SystemExit("appliance: --workers and --threads must be at least 1")
+        raise ConfigError("--workers and --threads must be at least 1")
     if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
-        raise SystemExit(
-            "appliance: --request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0"
-        )
+        raise ConfigError("--request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0")
     settings = ServeSettings(  # model_dir, served_model_name, model_created: the first model's
         model_dir=models[0].model_dir,
         served_model_name=models[0].name,
@@ -249,6 +246,7 @@ def _settings(args: argparse.Namespace):
         threads=args.threads,
         config_file=str(Path(args.config).resolve()) if args.config else None,
         api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None,
+        admin_key_file=str(Path(args.admin_key_file).resolve()) if args.admin_key_file else None,
         allow_unauthenticated=args.allow_unauthenticated,
         tls_certfile=str(Path(args.tls_certfile).resolve()) if args.tls_certfile else None,
         tls_keyfile=str(Path(args.tls_keyfile).resolve()) if args.tls_keyfile else None,
@@ -269,7 +267,7 @@ def _settings(args: argparse.Namespace):
         tool_prompt.choose_tool_parser(None, settings.tool_parser)
         tool_prompt.choose_reasoning_parser(None, settings.reasoning_parser)
     except ValueError as exc:
-        raise SystemExit(f"appliance: {exc}") from None
+        raise ConfigError(str(exc)) from None
     auth.check_exposure(settings)  # keys, open bind, TLS files, allowed hosts: before any model loads
     settings.models = models
     from appliance.server.config_file import MODEL_FLAGS  # what a reload keeps from the command line
@@ -309,7 +307,7 @@ def _limits(args: argparse.Namespace) -> limits.Limits:
             {f.name: getattr(args, f.metadata["flag"].replace("-", "_")) for f in limits.flag_fields()}
         )
     except ValueError as exc:
-        raise SystemExit(f"appliance: {exc}") from None
+        raise ConfigError(str(exc)) from None
 
 
 _UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -329,8 +327,8 @@ def parse_kv_cache_size(text: str) -> tuple[str, int] | None:
         value = int(float(m[1]) * (_UNITS[m[3]] if m[3] else 1 if m[4] else 1 << 30))
         if value > 0:
             return "bytes", value
-    raise SystemExit(
-        f"appliance: --kv-cache-size {text!r}: use GB as a bare number (2, 1.5), a size with a unit "
+    raise ConfigError(
+        f"--kv-cache-size {text!r}: use GB as a bare number (2, 1.5), a size with a unit "
         "(512MB, 2GiB), a token count (16384tokens) or auto"
     )
 
@@ -338,8 +336,8 @@ def parse_kv_cache_size(text: str) -> tuple[str, int] | None:
 def _kv_size(args: argparse.Namespace) -> tuple[str, int] | None:
     """--kv-cache-size or its alias --kv-cache-tokens (not both); None = auto."""
     if args.kv_cache_size is not None and args.kv_cache_tokens is not None:
-        raise SystemExit(
-            "appliance: give --kv-cache-size or --kv-cache-tokens (its alias), not both "
+        raise ConfigError(
+            "give --kv-cache-size or --kv-cache-tokens (its alias), not both "
             f"(check {env_name('kv-cache-size')} / {env_name('kv-cache-tokens')})"
         )
     if args.kv_cache_tokens is not None:
@@ -349,8 +347,8 @@ def _kv_size(args: argparse.Namespace) -> tuple[str, int] | None:
 
     total = meminfo_bytes("MemTotal")
     if size and size[0] == "bytes" and total and size[1] > total:
-        raise SystemExit(
-            f"appliance: --kv-cache-size {args.kv_cache_size} is more than this machine's memory "
+        raise ConfigError(
+            f"--kv-cache-size {args.kv_cache_size} is more than this machine's memory "
             f"({total / 2**30:.1f} GB); a bare number is GB (a token count is written 16384tokens)"
         )
     return size
@@ -363,10 +361,10 @@ def _static_knobs(args: argparse.Namespace, manifest, paged_only: bool) -> tuple
     slots = static or manifest.backend == "onnx"
     where = "static shapes (--static, --device NPU, an ONNX model)"
     if args.static is False and static:
-        raise SystemExit("appliance: --device NPU needs static shapes; drop --no-static")
+        raise ConfigError("--device NPU needs static shapes; drop --no-static")
     if slots and paged_only:
-        raise SystemExit(
-            f"appliance: --kv-cache-size/-tokens/-precision do not apply to {where}: their KV is "
+        raise ConfigError(
+            f"--kv-cache-size/-tokens/-precision do not apply to {where}: their KV is "
             "--static-batch slots x --static-context positions in the graph's type"
         )
     knobs = {
@@ -375,7 +373,7 @@ def _static_knobs(args: argparse.Namespace, manifest, paged_only: bool) -> tuple
         if getattr(args, k) is not None
     }
     if knobs and not slots:
-        raise SystemExit(f"appliance: --{next(iter(knobs)).replace('_', '-')} applies to {where} only")
+        raise ConfigError(f"--{next(iter(knobs)).replace('_', '-')} applies to {where} only")
     return slots, knobs
 
 
@@ -386,11 +384,11 @@ def _cache_dir(word: str, manifest) -> Path | None:
         return None
     if manifest.backend == "onnx":
         if word.strip().lower() != "auto" and word != os.environ.get(env_name("cache-dir")):
-            raise SystemExit("appliance: --cache-dir is OpenVINO's compiled-model cache; this is an ONNX model")
+            raise ConfigError("--cache-dir is OpenVINO's compiled-model cache; this is an ONNX model")
         return None
     cache_dir = compile_cache_dir() if word.strip().lower() == "auto" else Path(word).expanduser().resolve()
     if cache_dir.exists() and not cache_dir.is_dir():
-        raise SystemExit(f"appliance: --cache-dir {word} is not a directory")
+        raise ConfigError(f"--cache-dir {word} is not a directory")
     return cache_dir
 
 
@@ -402,18 +400,18 @@ def _speculation(args: argparse.Namespace, slots: bool) -> dict[str, Any]:
     match."""
     bound = limits.Limits().assistant_tokens, limits.Limits().ngram_size
     if not 1 <= args.num_assistant_tokens <= bound[0]:
-        raise SystemExit(f"appliance: --num-assistant-tokens must be between 1 and {bound[0]} (a request may send 0)")
+        raise ConfigError(f"--num-assistant-tokens must be between 1 and {bound[0]} (a request may send 0)")
     if not 1 <= args.max_ngram_size <= bound[1]:
-        raise SystemExit(f"appliance: --max-ngram-size must be between 1 and {bound[1]}")
+        raise ConfigError(f"--max-ngram-size must be between 1 and {bound[1]}")
     if args.speculation_max_batch < 1:
-        raise SystemExit("appliance: --speculation-max-batch must be at least 1")
+        raise ConfigError("--speculation-max-batch must be at least 1")
     if args.draft_device is not None and not args.draft_model:
-        raise SystemExit("appliance: --draft-device needs --draft-model (it is the draft model's device)")
+        raise ConfigError("--draft-device needs --draft-model (it is the draft model's device)")
     if args.prompt_lookup and args.draft_model:
-        raise SystemExit("appliance: give --prompt-lookup or --draft-model, not both (one proposer per model)")
+        raise ConfigError("give --prompt-lookup or --draft-model, not both (one proposer per model)")
     if slots and (args.prompt_lookup or args.draft_model):
-        raise SystemExit(
-            f"appliance: --{'draft-model' if args.draft_model else 'prompt-lookup'} needs paged attention: static "
+        raise ConfigError(
+            f"--{'draft-model' if args.draft_model else 'prompt-lookup'} needs paged attention: static "
             "shapes (--static, --device NPU) and ONNX models decode one token per slot and step, so they cannot "
             "verify draft tokens"
         )
@@ -423,11 +421,11 @@ def _speculation(args: argparse.Namespace, slots: bool) -> dict[str, Any]:
         try:
             backend = Manifest.load(draft).backend
         except FileNotFoundError:
-            raise SystemExit(
-                f"appliance: --draft-model {args.draft_model} is not a model export (no {MANIFEST_NAME} there)"
+            raise ConfigError(
+                f"--draft-model {args.draft_model} is not a model export (no {MANIFEST_NAME} there)"
             ) from None
         if backend != "openvino":
-            raise SystemExit(f"appliance: --draft-model {args.draft_model} is an ONNX export; a draft must be OpenVINO")
+            raise ConfigError(f"--draft-model {args.draft_model} is an ONNX export; a draft must be OpenVINO")
     return {
         "prompt_lookup": bool(args.prompt_lookup),
         "draft_model": str(draft) if draft else None,
@@ -444,7 +442,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     if isinstance(args, Mapping):
         args = argparse.Namespace(**{key.replace("-", "_"): value for key, value in args.items()})
     if args.precision not in ("f32", "default"):
-        raise SystemExit("appliance: --precision must be 'f32' or 'default'")
+        raise ConfigError("--precision must be 'f32' or 'default'")
     for name in (
         "max_num_seqs",
         "max_num_batched_tokens",
@@ -457,10 +455,10 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
         "max_prompt_len",
     ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise SystemExit(f"appliance: --{name.replace('_', '-')} must be at least 1")
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
     precision = args.kv_cache_precision.strip().lower()
     if precision not in ("u8", "f16", "f32", "auto"):
-        raise SystemExit("appliance: --kv-cache-precision must be u8, f16, f32 or auto")
+        raise ConfigError("--kv-cache-precision must be u8, f16, f32 or auto")
     size = _kv_size(args)
     slots, knobs = _static_knobs(args, manifest, paged_only=size is not None or precision != "auto")
     cache_dir = _cache_dir(args.cache_dir, manifest)
@@ -483,14 +481,24 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     )
     seqs = min(engine.max_num_seqs, engine.static_batch) if slots else engine.max_num_seqs
     if engine.max_num_batched_tokens < seqs:
-        raise SystemExit(
-            f"appliance: --max-num-batched-tokens ({engine.max_num_batched_tokens}) must be at least "
+        raise ConfigError(
+            f"--max-num-batched-tokens ({engine.max_num_batched_tokens}) must be at least "
             f"the sequences decoded per step ({seqs}): each takes one token of it"
         )
     return engine
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The entry point: a setting that cannot run (ConfigError, from any check) is one line on stderr and exit
+    EX_CONFIG (78), here and nowhere else; argparse's usage errors stay 2 and a crash 1."""
+    try:
+        return _main(argv)
+    except ConfigError as exc:
+        print(f"appliance: {exc}", file=sys.stderr)
+        return EX_CONFIG
+
+
+def _main(argv: list[str] | None) -> int:
     if (sys.argv[1:] if argv is None else argv) == ["--options-table"]:  # the table for docs/serving.md
         print(options_table(), end="")
         return 0
@@ -503,7 +511,10 @@ def main(argv: list[str] | None = None) -> int:
 
         settings, engine = _settings(args)
         wanted = (d for spec in settings.models for d in (spec.engine.device, spec.engine.draft_device) if d)
-        devices.require(wanted)  # one line naming those present
+        try:
+            devices.require(wanted)  # one line naming those present
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         return serve(settings, engine)
     if args.command == "devices":
         return devices.main(args.json)

@@ -91,12 +91,13 @@ def missing(device: str, present: Iterable[str]) -> list[str]:
 
 
 def require(devices: Iterable[str]) -> None:
-    """`serve`'s check before anything starts: one line naming what is present when a device is not."""
+    """`serve`'s check before anything starts: ValueError, one line naming what is present, when a device is not
+    (appliance/cli.py makes it a configuration error: exit 78)."""
     present = available()
     absent = [name for device in devices for name in missing(device, present)]
     if absent:
-        raise SystemExit(
-            f"appliance: device {', '.join(dict.fromkeys(absent))} is not present on this machine; "
+        raise ValueError(
+            f"device {', '.join(dict.fromkeys(absent))} is not present on this machine; "
             f"present: {', '.join(present) or 'none'} (see `appliance devices`)"
         )
 

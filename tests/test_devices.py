@@ -28,7 +28,7 @@ from appliance.config import EngineConfig
 from appliance.engine import Engine, PromptTooLong
 from appliance.params import SamplingParams
 from appliance.server import startup
-from appliance.server.settings import ModelSpec, ServeSettings
+from appliance.server.settings import ConfigError, ModelSpec, ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
@@ -78,7 +78,7 @@ def test_missing_devices(device, present, absent):
 
 
 def test_serve_on_a_missing_device_is_one_line(model_dir):
-    """Before any process starts or the model loads: rc 1 and one line naming what is present."""
+    """Before any process starts or the model loads: rc 78 (EX_CONFIG) and one line naming what is present."""
     proc = subprocess.run(
         [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--device", "GPU", "--port", "9"],
         capture_output=True,
@@ -87,7 +87,7 @@ def test_serve_on_a_missing_device_is_one_line(model_dir):
         cwd=ROOT,
         env={k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")},
     )
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 78 and proc.stdout == ""  # EX_CONFIG: a configuration error
     assert proc.stderr.splitlines() == [
         f"appliance: device GPU is not present on this machine; present: {', '.join(devices.available())} "
         "(see `appliance devices`)"
@@ -112,9 +112,9 @@ def test_cache_dir_words(monkeypatch, tmp_path):
 def test_max_prompt_len_is_a_static_shapes_flag():
     assert engine_config("--static").max_prompt_len == 1024  # OVMS's NPU default
     assert engine_config("--device", "NPU", "--max-prompt-len", "2000").max_prompt_len == 2000
-    with pytest.raises(SystemExit, match="--max-prompt-len applies to static shapes"):
+    with pytest.raises(ConfigError, match="--max-prompt-len applies to static shapes"):
         engine_config("--max-prompt-len", "512")
-    with pytest.raises(SystemExit, match="--max-prompt-len must be at least 1"):
+    with pytest.raises(ConfigError, match="--max-prompt-len must be at least 1"):
         engine_config("--static", "--max-prompt-len", "0")
 
 

@@ -5,6 +5,7 @@ one open on 0.0.0.0 with --allow-unauthenticated; the refusal is a plain `applia
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import ssl
@@ -20,7 +21,7 @@ import requests
 from conftest import Server
 
 from appliance.server import auth
-from appliance.server.settings import ServeSettings
+from appliance.server.settings import ConfigError, ServeSettings
 from appliance.testing.loopback import ROOT
 
 KEYS = ["first-" + "a" * 24, "second-" + "b" * 24]
@@ -162,10 +163,47 @@ def test_open_bind_without_a_key_is_refused_before_loading(tiny_export):
         text=True,
         timeout=60,
     )
-    assert done.returncode != 0
+    assert done.returncode == 78  # EX_CONFIG: systemd does not restart it (RestartPreventExitStatus=78)
     assert "--api-key-file" in done.stderr and "--allow-unauthenticated" in done.stderr, done.stderr
     assert "loading model" not in done.stderr + done.stdout
     assert time.monotonic() - started < 30
+
+
+def config_errors(folder: Path, model: Path) -> dict[str, tuple[list[str], str]]:
+    """Settings `serve` cannot run with: the args after `serve`, and words of its one line."""
+    empty, spaced, config, broken = (folder / name for name in ("empty", "spaced", "config.json", "broken.json"))
+    empty.write_text("# no key yet\n")
+    spaced.write_text("a key with spaces\n")
+    config.write_text(json.dumps({"model_config_list": [{"config": {"name": "m", "base_path": str(model)}}]}))
+    broken.write_text('{"workers": 2,')
+    return {
+        "unreadable key file": (["--api-key-file", str(folder / "missing")], "cannot read the API key file"),
+        "empty key file": (["--api-key-file", str(empty)], "holds no key"),
+        "malformed key": (["--api-key-file", str(spaced)], "is not printable ASCII without spaces"),
+        "--model with a model list": (["--model", str(model), "--config", str(config)], "cannot go with"),
+        "config file not JSON": (["--config", str(broken)], "not JSON"),
+        "config file missing": (["--config", str(folder / "none.json")], "no such config file"),
+        "bad engine setting": (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+    }
+
+
+def test_a_configuration_error_is_one_line_and_exit_78(tiny_export, tmp_path):
+    """The real CLI, as systemd runs it: each mistake is one `appliance: ...` line on stderr and EX_CONFIG (78), the
+    status the unit's RestartPreventExitStatus= names, so a box with a bad setting ends `failed`, not in a restart
+    loop; nothing starts (no gunicorn, no model load)."""
+    for what, (args, words) in config_errors(tmp_path, tiny_export).items():
+        model = [] if "--model" in args or "--config" in args else ["--model", str(tiny_export)]
+        done = subprocess.run(
+            [sys.executable, "-m", "appliance.cli", "serve", *model, "--port", "1", *args],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 78, (what, done.returncode, done.stderr)
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("appliance: ") and words in lines[0], (what, done.stderr)
+        assert done.stdout == ""
 
 
 def test_open_bind_with_the_flag_serves_and_warns(tiny_export, tmp_path):
@@ -202,12 +240,12 @@ def test_start_up_checks(tmp_path):
     empty.write_text("# only a comment\n\n")
     spaced.write_text("good-key\nbad key\n")
     for path, words in ((empty, "holds no key"), (spaced, "key 2"), (tmp_path / "missing", "cannot read")):
-        with pytest.raises(SystemExit, match=words):
+        with pytest.raises(ConfigError, match=words):
             auth.check_exposure(settings(api_key_file=str(path)))
     cert, key = make_cert(tmp_path)
-    with pytest.raises(SystemExit, match="go together"):
+    with pytest.raises(ConfigError, match="go together"):
         auth.check_exposure(settings(tls_certfile=str(cert)))
-    with pytest.raises(SystemExit, match="do not load"):
+    with pytest.raises(ConfigError, match="do not load"):
         auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(cert)))
     auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(key)))
     assert auth.base_url(settings(host="::1", port=1, tls_certfile="c")) == "https://[::1]:1"

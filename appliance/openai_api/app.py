@@ -36,7 +36,7 @@ from appliance.openai_api.validation import (
 from appliance.server import auth
 from appliance.server.client import EngineClient, EngineUnavailable
 from appliance.server.protocol import EngineStatus, HttpRecord, ModelInfo
-from appliance.server.settings import ServeSettings
+from appliance.server.settings import ConfigError, ServeSettings
 
 log = logging.getLogger("appliance.http")
 
@@ -62,8 +62,16 @@ class Api:
             return
         if not auth.host_allowed(request.headers.get("Host"), self.settings.allowed_hosts):
             raise ApiError(400, "Invalid Host header: this server does not answer for that name", code="invalid_host")
-        keys = auth.api_keys(self.settings.api_key_file)
-        if keys is not None and not keys.accepts(request.headers.get("Authorization", "")):
+        try:  # read once per worker, at its first keyed request: the files may have changed since start-up
+            keys = auth.api_keys(self.settings.api_key_file)
+            admin_keys = auth.api_keys(self.settings.admin_key_file)
+        except ConfigError as exc:  # an answer, not the worker's end; the next request reads the files again
+            log.error("cannot read the API keys", extra={"error": str(exc)})
+            message = "The server cannot read its API keys (see its log)"
+            raise ApiError(500, message, code="api_keys_unreadable") from None
+        header = request.headers.get("Authorization", "")
+        g.admin = admin_keys is not None and admin_keys.accepts(header)  # an admin key is a client key too
+        if keys is not None and not g.admin and not keys.accepts(header):
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
 
     @staticmethod
@@ -78,11 +86,13 @@ class Api:
 
     def ready_status(self, model: str, fresh: bool = True) -> EngineStatus:
         """Model `model`'s status if it can serve (ApiError otherwise: 404 for no such model, 503 not ready).
-        Probes ask the engine now (fresh); requests use the kept ready status (serving_status)."""
+        Probes ask the engine now (fresh), and their answers leave out a failed model's error (exception text,
+        paths): the readiness probe needs no key, and the error is in /v1/config and the log. Requests use the kept
+        ready status (serving_status) and get the error."""
         status = self.client.status(model) if fresh else self.client.serving_status(model)
         if status.ready:
             return status
-        _not_serving(model, status.state, status.error)
+        _not_serving(model, status.state, None if fresh else status.error)
 
     # ---- generation endpoints
     def completions(self):
@@ -157,10 +167,10 @@ class Api:
         return {}
 
     def ready(self):
-        """OVMS: the server is ready when every configured model is."""
+        """OVMS: the server is ready when every configured model is. Open to all: no error details (ready_status)."""
         for info in self.client.models():
             if info.state != "ready":
-                _not_serving(info.name, info.state, info.error)
+                _not_serving(info.name, info.state, None)
         return {}
 
     def model_ready(self, name: str):
@@ -189,7 +199,11 @@ class Api:
     def reload(self):
         """OVMS's config reload: the config file read again, models added / changed / removed; the answer is
         /v1/config of the new set once their loads end: 201 when something changed, 200 when nothing did. A broken
-        config is a 400 and changes nothing; a model that fails to load shows as END with its error."""
+        config is a 400 and changes nothing; a model that fails to load shows as END with its error. Only an admin
+        key may ask (appliance/server/auth.py `reload_refusal`)."""
+        refusal = auth.reload_refusal(self.settings, g.get("admin", False), request.headers.get("Origin"))
+        if refusal is not None:
+            raise ApiError(refusal[0], refusal[1], code="admin_key_required")
         reply = self.client.reload()
         if reply.error is not None:
             raise ApiError(reply.error.status, reply.error.message, code=reply.error.code)
@@ -204,8 +218,9 @@ def _not_serving(model: str, state: str, error: str | None) -> NoReturn:
     """The ApiError for a model in `state` (not ready)."""
     if state == "unknown":
         raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
-    if state == "failed":
-        raise ApiError(503, f"The model `{model}` cannot serve: {error}", code="model_failed")  # load or engine
+    if state == "failed":  # load or engine; without `error` (a probe), where to read it
+        why = f": {error}" if error else " (its error: GET /v1/config, or the server's log)"
+        raise ApiError(503, f"The model `{model}` cannot serve{why}", code="model_failed")
     if state == "stopping":
         raise ApiError(503, "The server is shutting down", code="shutting_down")
     raise ApiError(
@@ -269,7 +284,10 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError):
-        return _error_response(exc)
+        response = _error_response(exc)
+        if exc.status == 401:  # RFC 9110: a 401 names its scheme (RFC 6750's bearer token)
+            response.headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
+        return response
 
     @app.errorhandler(EngineUnavailable)
     def _engine_gone(exc: EngineUnavailable):

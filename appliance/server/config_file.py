@@ -9,7 +9,7 @@ undo what the command line said. Only the models (and the engine and parser keys
 the server's own settings (port, workers, keys) take effect at the next start.
 
 Everything is checked before anything loads, and a mistake is one line naming the file and key: ValueError here
-(the server answers a reload with 400), `SystemExit("appliance: ...")` from appliance/cli.py at start-up. The engine
+(the server answers a reload with 400), appliance/cli.py's ConfigError at start-up (one line, exit 78). The engine
 checks are appliance/cli.py's `engine_config`, run on each model's merged mapping: an inherited value is checked as
 if that model's flag (a global kv_cache_size and an NPU model are refused: say it per model), except a box-wide
 cache_dir, which an ONNX model (no compile cache) skips, as it skips APPLIANCE_CACHE_DIR.
@@ -29,7 +29,7 @@ from appliance import cli, tool_prompt
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import resolve_model
-from appliance.server.settings import ModelSpec, ServeSettings
+from appliance.server.settings import ConfigError, ModelSpec, ServeSettings
 
 MODEL_LIST = "model_config_list"  # OVMS's key: [{"config": {"name": ..., "base_path": ..., ...}}]
 # What one model may set for itself: every engine flag (OVMS spells --device `target_device` and --draft-model its
@@ -44,6 +44,7 @@ PATH_FLAGS = {
     "cache-dir": ("auto", "none"),
     "draft-model": ("default",),
     "api-key-file": (),
+    "admin-key-file": (),
     "tls-certfile": (),
     "tls-keyfile": (),
 }
@@ -191,8 +192,8 @@ def model_specs(file: ConfigFile, pinned: dict[str, Any]) -> list[ModelSpec]:
             merged["cache-dir"] = "auto"
         try:
             engine = cli.engine_config({flag: merged[flag] for flag in ENGINE_FLAGS}, manifest)
-        except SystemExit as exc:  # the CLI's own checks, reworded for a file
-            raise ValueError(f"{where}: {str(exc).removeprefix('appliance: ')}") from None
+        except ConfigError as exc:  # the CLI's own checks, reworded for a file
+            raise ConfigError(f"{where}: {exc}") from None
         try:
             tool_prompt.choose_tool_parser(None, merged["tool-parser"])
             tool_prompt.choose_reasoning_parser(None, merged["reasoning-parser"])

@@ -17,6 +17,18 @@ RUNTIME_DIR_ENV = "APPLIANCE_RUNTIME_DIR"
 SETTINGS_FILE = "settings.json"
 SOCKET_FILE = "engine.sock"
 AUTHKEY_FILE = "authkey"
+# sysexits.h's EX_CONFIG: `appliance serve`'s exit status for a setting it cannot run with. A crash stays 1, so a
+# service manager can tell them apart: systemd/appliance.service's RestartPreventExitStatus=78 leaves the unit
+# failed after one start (a bad setting fails the same way every time) instead of restarting it every few seconds.
+EX_CONFIG = 78
+
+
+class ConfigError(ValueError):
+    """A setting `appliance serve` cannot run with, as one line without the "appliance: " prefix. Raised by the
+    start-up checks (appliance/cli.py, appliance/server/auth.py, appliance/server/config_file.py) and turned into
+    that line on stderr and exit EX_CONFIG in one place, cli.main. Not SystemExit: raised on a worker's request
+    thread (a key file read lazily) or in the engine process (a reload), it is an ordinary exception there, which
+    becomes an error answer instead of ending the process. A ValueError, so a reload's 400 catches it too."""
 
 
 @dataclass
@@ -72,6 +84,12 @@ class ServeSettings:
         None,
         "file holding the API keys, one per line; clients then need 'Authorization: Bearer <key>' (401 otherwise)",
         flag="api-key-file",
+    )
+    admin_key_file: str | None = setting(
+        None,
+        "file holding the admin keys, one per line: they are accepted wherever client keys are, and only they may "
+        "POST /v1/config/reload (without this file a reload is refused, except on a loopback server without keys)",
+        flag="admin-key-file",
     )
     allow_unauthenticated: bool = setting(
         False,

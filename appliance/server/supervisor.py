@@ -17,6 +17,8 @@ Reload (POST /v1/config/reload -> the engine service's RELOAD -> `reload_config`
 ones (a changed one is swapped in once ready, the old engine retires when its jobs end), removed ones stop taking
 jobs at once and are shut down after theirs. A model that fails to load on reload is reported failed and the
 others are untouched (a changed one keeps serving with its previous settings); a broken config changes nothing.
+A model that failed is not loaded again by the next reloads until its entry or its export changes: a reload is
+the admin's call (appliance/server/auth.py), and each load of a broken export costs the engine process seconds.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class Supervisor:
         self.service = EngineService(settings, ServerMetrics())
         self.service.reloader = self.reload_config
         self._reloading = threading.Lock()  # one reload at a time
+        # name -> the spec it last failed to load with on a reload: not tried again until its entry (or its
+        # export's manifest, ModelSpec.created) changes, so repeated reloads do not reload a broken model each time
+        self._failed: dict[str, ModelSpec] = {}
         self.gunicorn: subprocess.Popen | None = None
         self.stopping = threading.Event()
         self.load_failed = False
@@ -163,8 +168,14 @@ class Supervisor:
             current = self.service.specs()
             names = [spec.name for spec in specs]
             removed = [name for name in current if name not in names]
-            to_load = [s for s in specs if s.name not in current or current[s.name] != (s, "ready")]
-            log.info("reloading the config", extra={"load": [s.name for s in to_load], "remove": removed})
+            self._failed = {n: f for n, f in self._failed.items() if f in specs}  # forget what is no longer asked
+            changed = [s for s in specs if s.name not in current or current[s.name] != (s, "ready")]
+            to_load = [s for s in changed if self._failed.get(s.name) != s]
+            still_failed = [s.name for s in changed if s not in to_load]
+            log.info(
+                "reloading the config",
+                extra={"load": [s.name for s in to_load], "remove": removed, "failed_unchanged": still_failed},
+            )
             self.service.remove(removed)
             for spec in to_load:
                 self.service.add(spec)
@@ -175,7 +186,9 @@ class Supervisor:
                 except Exception as exc:
                     log.exception("model failed to load on reload", extra={"model": spec.name})
                     self.service.fail(f"{type(exc).__name__}: {exc}", spec.name)
+                    self._failed[spec.name] = spec
                     continue
+                self._failed.pop(spec.name, None)
                 if not self._attach(engine, spec, replace=True):
                     break
             self.settings.models = specs
