@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -23,8 +24,10 @@ from appliance import devices, limits, tool_prompt
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import compile_cache_dir, resolve_model
-from appliance.server import auth
+from appliance.server import auth, logs
 from appliance.server.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
+
+log = logging.getLogger("appliance.serve")
 
 # The serve flags, in --help's and docs/serving.md's order, by group: each is a field of one of these dataclasses,
 # which declares its default and help once (appliance/limits.py `setting`); nothing below repeats a default.
@@ -200,19 +203,26 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _models(args: argparse.Namespace) -> list[ModelSpec]:
-    """The served models: the --config file's model_config_list, else --model with the engine flags."""
+    """The served models: the --config file's model_config_list, else --model with the engine flags.
+
+    A model list beside a model named in the environment (APPLIANCE_MODEL / APPLIANCE_SERVED_MODEL_NAME): the
+    list wins, with an info line. The environment is the box's default (the systemd env file ships
+    APPLIANCE_MODEL=default), and pointing APPLIANCE_CONFIG at a file with a list is how an operator asks for
+    several models. On the command line the two stay an error: someone typed both."""
     loaded = getattr(args, "config_loaded", None)
     if loaded is not None and loaded.models is not None:
         from appliance.server import config_file
 
-        named = [
-            f"--{flag}" if args.sources[flag] == "flag" else env_name(flag)
-            for flag in ("model", "served-model-name")
-            if args.sources[flag] in ("flag", "env")
-        ]
+        named = [f"--{flag}" for flag in ("model", "served-model-name") if args.sources[flag] == "flag"]
         if named:
             raise ConfigError(
                 f"{' and '.join(named)} cannot go with {loaded.path}'s {config_file.MODEL_LIST}: name each model there"
+            )
+        from_env = [env_name(flag) for flag in ("model", "served-model-name") if args.sources[flag] == "env"]
+        if from_env:
+            log.info(
+                f"{config_file.MODEL_LIST} of the config file wins over {' and '.join(from_env)} from the environment",
+                extra={"config_file": loaded.path, "ignored": from_env},
             )
         try:
             return config_file.model_specs(loaded, args.pinned)
@@ -503,6 +513,8 @@ def _main(argv: list[str] | None) -> int:
         print(options_table(), end="")
         return 0
     args = parse(sys.argv[1:] if argv is None else argv)
+    if args.command in ("serve", "config"):
+        logs.setup(args.log_level.lower())  # what the checks below log (JSON lines on stderr, as the server's)
     if args.command == "config":
         print(json.dumps(effective_config(args), indent=1))
         return 0

@@ -8,6 +8,7 @@ file runs in about a second."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -268,7 +269,28 @@ def test_missing_file_and_model_flags_with_a_model_list(tmp_path, monkeypatch):
     conf = two_models(tmp_path)
     assert "--model cannot go with" in refused("--config", str(conf), "--model", "default")
     monkeypatch.setenv("APPLIANCE_SERVED_MODEL_NAME", "x")
-    assert "APPLIANCE_SERVED_MODEL_NAME cannot go with" in refused("--config", str(conf))
+    assert "--served-model-name cannot go with" in refused("--config", str(conf), "--served-model-name", "y")
+
+
+def test_the_model_list_wins_over_a_model_from_the_environment(tmp_path, monkeypatch):
+    """The systemd env file's APPLIANCE_MODEL=default and APPLIANCE_CONFIG with a model list: the list is served,
+    with an info line saying the variable was not used (on the command line the two stay an error, above)."""
+    conf = two_models(tmp_path)
+    monkeypatch.setenv("APPLIANCE_MODEL", "default")
+    monkeypatch.setenv("APPLIANCE_SERVED_MODEL_NAME", "x")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("appliance.serve")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    try:
+        served = settings("--config", str(conf))
+    finally:
+        logger.removeHandler(handler)
+    assert [m.name for m in served.models] == ["a", "b"]
+    line = next(r for r in records if "model_config_list" in r.getMessage())
+    assert line.levelname == "INFO" and line.ignored == ["APPLIANCE_MODEL", "APPLIANCE_SERVED_MODEL_NAME"]
 
 
 # ---------------------------------------------------------------- appliance config

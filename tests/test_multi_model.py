@@ -186,13 +186,48 @@ def test_broken_config_is_400_and_a_broken_model_fails_alone(setup, tmp_path):
     assert r.status_code == 201, r.text
     status = r.json()["broken"]["model_version_status"][0]
     assert status["state"] == "END" and status["status"]["error_code"] == "UNKNOWN"
-    assert requests.get(srv.base + "/v2/models/broken/ready").status_code == 503
-    assert requests.get(srv.base + "/v2/health/ready").status_code == 503  # a configured model does not serve
+    assert "<net>" in status["status"]["error_message"] or str(broken) in status["status"]["error_message"]
+    for probe in ("/v2/models/broken/ready", "/v2/health/ready"):  # a configured model does not serve
+        r = requests.get(srv.base + probe)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_failed", r.text
+        assert str(broken) not in r.text and "Exception" not in r.text, r.text  # no error text on a probe
+    # the same config again: the broken model is not loaded again (its entry did not change); nothing else is
+    since = srv.log_size()
+    again = reload(srv)
+    assert again.status_code == 200 and again.json()["broken"]["model_version_status"][0]["state"] == "END"
+    assert '"loading model"' not in srv.output(since), srv.output(since)
     for name in ("alpha", "beta"):
         assert client(srv).completions.create(model=name, prompt=PROMPT, max_tokens=2).model == name
     write_config(config, models)
     assert reload(srv).status_code == 201
     assert requests.get(srv.base + "/v2/health/ready").status_code == 200
+
+
+def test_a_web_page_cannot_reload_a_keyless_loopback_server(setup):
+    """No keys on loopback (this server): anyone local may reload, but not a browser page: any page may POST to
+    127.0.0.1 without a preflight, and the browser marks it with Origin."""
+    srv = setup[0]
+    r = requests.post(srv.base + "/v1/config/reload", headers={"Origin": "https://evil.example"}, timeout=60)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+    assert reload(srv).status_code == 200
+
+
+def test_who_may_reload():
+    """auth.reload_refusal's rule for the cases the servers above do not run."""
+    from appliance.server import auth
+    from appliance.server.settings import ServeSettings
+
+    def refusal(admin: bool = False, origin: str | None = None, **fields):
+        settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0, **fields)
+        refused = auth.reload_refusal(settings, admin, origin)
+        return refused and refused[0]
+
+    assert refusal() is None and refusal(origin="null") == 403  # keyless loopback: not from a page
+    assert refusal(api_key_file="k") == 403  # client keys only: nobody may
+    assert refusal(host="0.0.0.0", allow_unauthenticated=True) == 403  # open to the LAN: nobody may
+    assert refusal(admin_key_file="a", api_key_file="k") == 403 and refusal(admin_key_file="a") == 401
+    assert refusal(True, admin_key_file="a", api_key_file="k") is None
+    assert refusal(True, "https://page.example", admin_key_file="a") is None  # a key is not sent by a page
 
 
 def test_reload_without_a_config_file_is_400():
@@ -203,3 +238,88 @@ def test_reload_without_a_config_file_is_400():
     sup = Supervisor(ServeSettings(model_dir="x", served_model_name="m", model_created=0), EngineConfig())
     reply = sup.reload_config()
     assert reply.error is not None and reply.error.status == 400 and "no config file" in reply.error.message
+
+
+# ---------------------------------------------------------------- the installed env file with a config file
+
+EXPORTS = Path(os.environ.get("APPLIANCE_DATA_DIR", "~/.cache/appliance")).expanduser() / "models"
+SMOLLM2 = EXPORTS / "smollm2-135m-instruct"
+CLIENT_KEY, ADMIN_KEY = "client-" + "c" * 24, "admin-" + "a" * 24
+
+
+def installed_env(**overrides: str) -> dict[str, str]:
+    """systemd/appliance.env's variables as the unit's EnvironmentFile= gives them, with `overrides`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIANCE_")}
+    for line in (ROOT / "systemd" / "appliance.env").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            env[key.strip()] = value.strip()
+    return {**env, "PYTHONPATH": str(ROOT), **overrides}
+
+
+class EnvServer(Server):
+    """`appliance serve` with no flag but --port, its settings all from the environment (as the unit runs it)."""
+
+    def __init__(self, env: dict[str, str], log_path: Path):
+        def command(port: int) -> list[str]:
+            return [sys.executable, "-m", "appliance.cli", "serve", "--port", str(port)]
+
+        LoopbackServer.__init__(self, command, log_path, env=env, start_timeout=START_TIMEOUT)
+
+
+@pytest.mark.skipif(
+    not all((SMOLLM2 / f"openvino-{w}" / "appliance_manifest.json").exists() for w in ("int4", "int8")),
+    reason="needs the default model's int4 and int8 exports (make model)",
+)
+def test_the_installed_env_file_with_a_config_file_serves_its_model_list(tmp_path):
+    """The shipped env file (APPLIANCE_MODEL=default) plus APPLIANCE_CONFIG naming two models: the list is served
+    (before, the start was refused), an info line says APPLIANCE_MODEL was not used. On the same server: a worker
+    that cannot read its key file answers 500 and lives on; a 401 names the Bearer scheme; only the admin key may
+    reload."""
+    keys, admin = tmp_path / "api-keys", tmp_path / "admin-keys"
+    keys.write_text(CLIENT_KEY + "\n")
+    admin.write_text(ADMIN_KEY + "\n")
+    for secret in (keys, admin):
+        secret.chmod(0o640)  # as the installer makes it (root:appliance 0640)
+    config = tmp_path / "config.json"
+    models = {
+        f"smollm2-{w}": {"base_path": str(SMOLLM2 / f"openvino-{w}"), "kv_cache_size": "64MB"} for w in ("int4", "int8")
+    }
+    write_config(config, models)
+    env = installed_env(
+        APPLIANCE_HOST="127.0.0.1",
+        APPLIANCE_API_KEY_FILE=str(keys),
+        APPLIANCE_ADMIN_KEY_FILE=str(admin),
+        APPLIANCE_CONFIG=str(config),
+        APPLIANCE_WORKERS="1",
+    )
+    assert env["APPLIANCE_MODEL"] == "default"  # the shipped file's, left as it is
+    with EnvServer(env, tmp_path / "serve.log") as srv:
+        notice = [line for line in srv.output().splitlines() if "wins over APPLIANCE_MODEL" in line]
+        assert len(notice) == 1 and '"level": "info"' in notice[0], srv.output()
+
+        # the worker has not read its key file yet (the readiness probe needs no key): take it away
+        workers = srv.workers()
+        keys.rename(tmp_path / "moved")
+        r = requests.get(srv.base + "/v3/models", headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "api_keys_unreadable", r.text
+        assert str(keys) not in r.text  # the path is in the log only
+        (tmp_path / "moved").rename(keys)
+        assert srv.workers() == workers  # the same worker answers: it did not exit
+
+        keyed = openai.OpenAI(base_url=srv.base + "/v3", api_key=CLIENT_KEY, max_retries=0)
+        assert [m.id for m in keyed.models.list().data] == list(models)
+        for name in models:
+            reply = keyed.completions.create(model=name, prompt="The capital of France is", max_tokens=4)
+            assert reply.model == name and reply.system_fingerprint.endswith(f"-{name.split('-')[1]}-cpu")
+
+        r = requests.get(srv.base + "/v3/models", timeout=30)  # no key
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"].split()[0] == "Bearer", r.headers
+
+        url = srv.base + "/v1/config/reload"
+        r = requests.post(url, headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=300)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_key_required", r.text
+        assert requests.post(url, timeout=300).status_code == 401
+        r = requests.post(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=300)
+        assert r.status_code == 200 and set(r.json()) == set(models), r.text  # nothing changed
+        assert keyed.with_options(api_key=ADMIN_KEY).models.list().data  # an admin key is a client key too
