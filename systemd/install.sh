@@ -10,9 +10,16 @@
 # --prefix (default: this checkout, whose .venv `make venv` built), enabled. The env file and the key are written
 # once and never overwritten, so re-running it (after a `git pull`) only refreshes the unit. No network: the code
 # and the model come from `make venv` and `make model` (docs/deploy.md, "Install as a systemd service").
+#
+# The unit goes in /usr/local/lib/systemd/system: systemd's directory for units installed by the local admin
+# from outside a package, the vendor layer. /etc/systemd/system is the admin's own layer, above it: drop-ins
+# there (`systemctl edit appliance`, /etc/systemd/system/appliance.service.d/) survive a re-install, a full copy
+# there overrides ours, and `systemctl revert appliance` goes back to ours. An older install put the unit in
+# /etc/systemd/system; a re-install removes that copy.
+#
 # uninstall: disables and removes the unit and the sysusers.d entry; --purge also deletes /etc/appliance,
-# /var/lib/appliance and /var/cache/appliance. The system user is kept (as packages do: files may still carry
-# its uid); `userdel appliance` removes it.
+# /var/lib/appliance, /var/cache/appliance and the unit's drop-ins (/etc/systemd/system/appliance.service.d).
+# The system user is kept (as packages do: files may still carry its uid); `userdel appliance` removes it.
 #
 # --root DIR (or DESTDIR=DIR): everything under DIR instead of /, systemd not contacted (`systemctl --root`):
 # how tests/test_systemd.py installs into a temporary root. Run by a user other than root (only allowed with
@@ -47,7 +54,10 @@ AS_ROOT=0; [ "$(id -u)" -eq 0 ] && AS_ROOT=1
 [ $SYSTEM_ROOT -eq 1 ] || [ -d "$R" ] || die "--root $ROOT: no such directory"
 LIVE=0; [ $SYSTEM_ROOT -eq 1 ] && [ -d /run/systemd/system ] && LIVE=1   # systemd is PID 1 here
 
-UNIT=$R/etc/systemd/system/$NAME.service
+UNIT_DIR=$R/usr/local/lib/systemd/system   # the vendor layer for local software (the header says why)
+UNIT=$UNIT_DIR/$NAME.service
+OLD_UNIT=$R/etc/systemd/system/$NAME.service  # where installs before this one put it
+DROPINS=$R/etc/systemd/system/$NAME.service.d
 SYSUSERS=$R/etc/sysusers.d/$NAME.conf
 CONF=$R/etc/$NAME
 ENV_FILE=$CONF/$NAME.env
@@ -68,7 +78,11 @@ do_install() {
         /home/*|/root/*|/run/user/*) die "--prefix $PREFIX: the service cannot see /home, /root or /run/user" \
             "(ProtectHome=yes); put the checkout in /opt/$NAME, run \`make venv\` there, install from it" ;;
     esac
-    [ -x "$R$PREFIX/.venv/bin/$NAME" ] || die "$R$PREFIX/.venv/bin/$NAME is missing: run \`make venv\` in $PREFIX first"
+    if [ ! -x "$R$PREFIX/.venv/bin/$NAME" ]; then
+        [ $SYSTEM_ROOT -eq 1 ] || die "$R$PREFIX/.venv/bin/$NAME is missing: the root $ROOT holds no venv at" \
+            "$PREFIX (put the checkout and its venv there first, or give --prefix where they are in the root)"
+        die "$PREFIX/.venv/bin/$NAME is missing: run \`make venv\` in $PREFIX first"
+    fi
     if [ -L "$R$PREFIX/.venv/bin/python" ]; then  # a venv's python links to the one that made it (pyenv: ~/.pyenv)
         local python
         python=$(cd "$R$PREFIX/.venv/bin" && readlink -f python)
@@ -78,7 +92,7 @@ do_install() {
         esac
     fi
 
-    install -d -m 0755 "$R/etc/sysusers.d" "$R/etc/systemd/system" "$DATA" "$DATA/models"
+    install -d -m 0755 "$R/etc/sysusers.d" "$R/etc/systemd/system" "$UNIT_DIR" "$DATA" "$DATA/models"
     cat >"$SYSUSERS.tmp" <<EOF
 # The appliance service's user (systemd/install.sh); render and video open /dev/dri and /dev/accel.
 u $NAME - "Appliance LLM server" /var/lib/$NAME
@@ -114,6 +128,11 @@ EOF
     fi
     chmod -R u+rwX,go+rX,go-w "$DATA"
 
+    if [ -e "$OLD_UNIT" ]; then  # an older install's copy: it would override the one below
+        systemctl_ disable "$NAME.service" 2>/dev/null || true   # its wants link points at it
+        rm -f "$OLD_UNIT"
+        say "removed $OLD_UNIT, an older install's copy (local changes go in drop-ins: systemctl edit $NAME)"
+    fi
     sed "s|/opt/appliance|$PREFIX|g" "$HERE/$NAME.service" >"$UNIT.tmp"
     chmod 0644 "$UNIT.tmp" && mv "$UNIT.tmp" "$UNIT"
     [ $LIVE -eq 0 ] || systemctl daemon-reload
@@ -133,15 +152,16 @@ EOF
 }
 
 do_uninstall() {
-    if [ -e "$UNIT" ]; then
+    if [ -e "$UNIT" ] || [ -e "$OLD_UNIT" ]; then
         if [ $LIVE -eq 1 ]; then systemctl disable --now "$NAME.service" || true; else systemctl_ disable "$NAME.service"; fi
-        rm -f "$UNIT"
+        rm -f "$UNIT" "$OLD_UNIT"
         [ $LIVE -eq 0 ] || systemctl daemon-reload
     fi
     rm -f "$SYSUSERS"
     if [ $PURGE -eq 1 ]; then
-        rm -rf "$CONF" "$DATA" "$CACHE"
-        say "removed the service, its settings, keys, models and compile cache (the $NAME user is kept)"
+        rm -rf "$CONF" "$DATA" "$CACHE" "$DROPINS"
+        [ $LIVE -eq 0 ] || systemctl daemon-reload
+        say "removed the service, its drop-ins, settings, keys, models and compile cache (the $NAME user is kept)"
     else
         say "removed the service; kept $CONF (settings, API keys) and $DATA (models): --purge deletes them"
     fi
