@@ -2,8 +2,8 @@
 
 * Core kinds (Deployment, Service, HorizontalPodAutoscaler, ...) against Kubernetes' own OpenAPI schemas, which
   kubernetes-validate ships, strictly (an unknown or misspelt field fails), for the oldest and the newest
-  Kubernetes the manifests claim. The models-pvc overlay is checked as kustomize builds it (its patch merged here
-  by name, as a strategic merge does for these lists).
+  Kubernetes the manifests claim. The overlays (models-pvc, models-pvc-single-node) are checked as kustomize
+  builds them (their patches merged here by name, as a strategic merge does for these lists).
 * Custom resources (InferenceService, ServingRuntime, ScaledObject, ServiceMonitor, IngressRoute) are in no such
   schema: each is checked against a small closed schema below (our reading of the fields we use, not the CRD),
   whose embedded Kubernetes types (containers, volumes, security contexts, HPA behavior) are Kubernetes' own.
@@ -37,6 +37,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())  # the oldest still-supported k3s line, the newest
 CORE_API_VERSIONS = {"v1", "apps/v1", "autoscaling/v2", "policy/v1", "networking.k8s.io/v1"}
 HELM_VALUES = {"kubernetes/autoscaling/prometheus-adapter-values.yaml"}  # not a Kubernetes object
+OVERLAYS = ("kubernetes/models-pvc", "kubernetes/models-pvc-single-node")  # checked as built
 # `appliance serve` with the default model and 2 workers, before the KV pool fills: VmRSS of its processes
 # (744 MB engine + ~60 MB gunicorn; docs/serving.md "Memory" has the breakdown).
 RESIDENT_BYTES = 800 << 20
@@ -225,15 +226,18 @@ def test_every_document_is_checked_against_a_schema():
                 continue
             if (d["apiVersion"], d["kind"]) in SPECS:
                 custom_validator(d["apiVersion"], d["kind"]).validate(d)
-            elif path == "kubernetes/models-pvc/deployment-patch.yaml":
-                continue  # a partial Deployment: checked merged, below
+            elif path.endswith("-patch.yaml"):
+                continue  # a partial object: checked merged, below
             else:
                 assert d["apiVersion"] in CORE_API_VERSIONS, f"{path}: {d['kind']} has no schema here"
                 for version in K8S_VERSIONS:
                     kubernetes_validate.validate(d, version, strict=True)
-    overlay = next(d for d in built("kubernetes/models-pvc") if d["kind"] == "Deployment")
-    for version in K8S_VERSIONS:
-        kubernetes_validate.validate(overlay, version, strict=True)
+    patches = {p for o in OVERLAYS for p in (f"{o}/{x['path']}" for x in doc(f"{o}/kustomization.yaml")["patches"])}
+    assert patches == {path for path in DOCS if path.endswith("-patch.yaml")}  # every patch is in an overlay
+    for overlay in OVERLAYS:
+        for d in built(overlay):
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(d, version, strict=True)
 
 
 def test_schemas_reject_what_a_cluster_would():
@@ -253,18 +257,34 @@ def test_kustomizations_list_their_files():
     base = doc("kubernetes/base/kustomization.yaml")
     files = {p.name for p in (DEPLOY / "kubernetes/base").glob("*.yaml")} - {"kustomization.yaml"}
     assert sorted(base["resources"]) == sorted(files)
-    kinds = {d["kind"] for d in built("kubernetes/models-pvc")}
-    assert kinds == {d["kind"] for d in built("kubernetes/base")} | {"PersistentVolumeClaim"}
+    for overlay in OVERLAYS:
+        kinds = {d["kind"] for d in built(overlay)}
+        assert kinds == {d["kind"] for d in built("kubernetes/base")} | {"PersistentVolumeClaim"}
+
+
+def test_the_models_claim_fits_its_storage():
+    """models-pvc shares the models across nodes (ReadOnlyMany: NFS, Longhorn); k3s's default local-path
+    provisioner refuses that mode (the claim would stay Pending), so the single-node overlay asks ReadWriteOnce.
+    Either way the pods mount it read-only."""
+    claims = {o: next(d for d in built(o) if d["kind"] == "PersistentVolumeClaim") for o in OVERLAYS}
+    modes = {o.rsplit("/", 1)[1]: c["spec"]["accessModes"] for o, c in claims.items()}
+    assert modes == {"models-pvc": ["ReadOnlyMany"], "models-pvc-single-node": ["ReadWriteOnce"]}
+    for overlay in OVERLAYS:
+        claim = claims[overlay]
+        assert claim["spec"]["resources"] == claims[OVERLAYS[0]]["spec"]["resources"]  # only the mode changed
+        pod = next(d for d in built(overlay) if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert volume["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"], "readOnly": True}
 
 
 # ---- consistency with the server
 def pods() -> dict[str, dict]:
     """Each pod spec the manifests make (containers, volumes and pod fields), KServe's runtime with its predictor's."""
     isvc = doc("kserve/inferenceservice.yaml")["spec"]["predictor"]
-    overlay = next(d for d in built("kubernetes/models-pvc") if d["kind"] == "Deployment")
+    overlays = {o.rsplit("/", 1)[1]: next(d for d in built(o) if d["kind"] == "Deployment") for o in OVERLAYS}
     return {
         "base": doc("kubernetes/base/deployment.yaml")["spec"]["template"]["spec"],
-        "models-pvc": overlay["spec"]["template"]["spec"],
+        **{name: deployment["spec"]["template"]["spec"] for name, deployment in overlays.items()},
         "kserve runtime": {
             **doc("kserve/servingruntime.yaml")["spec"],
             **{k: v for k, v in isvc.items() if k != "model"},
@@ -287,7 +307,7 @@ def size(text: str) -> int:
     return int(m[1]) << {None: 0, "Ki": 10, "k": 10, "Mi": 20, "m": 20, "Gi": 30, "g": 30}[m[2]]
 
 
-@pytest.mark.parametrize("name", ["base", "models-pvc", "kserve runtime", "kserve custom"])
+@pytest.mark.parametrize("name", ["base", "models-pvc", "models-pvc-single-node", "kserve runtime", "kserve custom"])
 def test_pod_matches_the_server(name, monkeypatch):
     pod = pods()[name]
     (container,) = [c for c in pod["containers"] if c["image"].startswith("appliance:")]
@@ -327,6 +347,9 @@ def test_pod_matches_the_server(name, monkeypatch):
     assert "emptyDir" in mount_of(ns.cache_dir)[1] and not mount_of(ns.cache_dir)[0].get("readOnly")
     keys_mount, keys_volume = mount_of(ns.api_key_file)
     assert keys_mount["readOnly"] and keys_volume["secret"]["secretName"] == "appliance-api-keys"
+    # the server refuses a key file every user may read (appliance/server/auth.py): kubelet makes the Secret's
+    # files root:<fsGroup> with defaultMode, so the pod's group reads it and others do not
+    assert keys_volume["secret"]["defaultMode"] & 0o007 == 0 and security["fsGroup"] == security["runAsUser"]
     if ns.model != "default":
         assert ns.model.startswith("/mnt/models") or mount_of(ns.model)[0]["readOnly"]
     # shutdown: the preStop pause and --graceful-timeout fit in the grace period; no injected APPLIANCE_PORT
