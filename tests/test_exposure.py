@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -169,9 +172,22 @@ def test_open_bind_without_a_key_is_refused_before_loading(tiny_export):
     assert time.monotonic() - started < 30
 
 
-def config_errors(folder: Path, model: Path) -> dict[str, tuple[list[str], str]]:
+@pytest.fixture
+def open_folder():
+    """A directory every user may enter (/tmp/xxx, 0755): pytest's own tmp_path sits in a 0700 directory, which
+    keeps whatever is inside it private to its owner."""
+    folder = Path(tempfile.mkdtemp(prefix="appliance-test-", dir="/tmp"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def config_errors(folder: Path, model: Path, open_folder: Path) -> dict[str, tuple[list[str], str]]:
     """Settings `serve` cannot run with: the args after `serve`, and words of its one line."""
     empty, spaced, config, broken = (folder / name for name in ("empty", "spaced", "config.json", "broken.json"))
+    shared = open_folder / "api-keys"
+    shared.write_text("a-key-every-user-can-read\n")
+    shared.chmod(0o644)
     empty.write_text("# no key yet\n")
     spaced.write_text("a key with spaces\n")
     config.write_text(json.dumps({"model_config_list": [{"config": {"name": "m", "base_path": str(model)}}]}))
@@ -180,6 +196,7 @@ def config_errors(folder: Path, model: Path) -> dict[str, tuple[list[str], str]]
         "unreadable key file": (["--api-key-file", str(folder / "missing")], "cannot read the API key file"),
         "empty key file": (["--api-key-file", str(empty)], "holds no key"),
         "malformed key": (["--api-key-file", str(spaced)], "is not printable ASCII without spaces"),
+        "world-readable key file": (["--api-key-file", str(shared)], "readable by every user (mode 0644)"),
         "--model with a model list": (["--model", str(model), "--config", str(config)], "cannot go with"),
         "config file not JSON": (["--config", str(broken)], "not JSON"),
         "config file missing": (["--config", str(folder / "none.json")], "no such config file"),
@@ -187,11 +204,11 @@ def config_errors(folder: Path, model: Path) -> dict[str, tuple[list[str], str]]
     }
 
 
-def test_a_configuration_error_is_one_line_and_exit_78(tiny_export, tmp_path):
+def test_a_configuration_error_is_one_line_and_exit_78(tiny_export, tmp_path, open_folder):
     """The real CLI, as systemd runs it: each mistake is one `appliance: ...` line on stderr and EX_CONFIG (78), the
     status the unit's RestartPreventExitStatus= names, so a box with a bad setting ends `failed`, not in a restart
     loop; nothing starts (no gunicorn, no model load)."""
-    for what, (args, words) in config_errors(tmp_path, tiny_export).items():
+    for what, (args, words) in config_errors(tmp_path, tiny_export, open_folder).items():
         model = [] if "--model" in args or "--config" in args else ["--model", str(tiny_export)]
         done = subprocess.run(
             [sys.executable, "-m", "appliance.cli", "serve", *model, "--port", "1", *args],
@@ -249,6 +266,32 @@ def test_start_up_checks(tmp_path):
         auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(cert)))
     auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(key)))
     assert auth.base_url(settings(host="::1", port=1, tls_certfile="c")) == "https://[::1]:1"
+
+
+def test_secret_files_every_user_may_read_are_refused(open_folder, tmp_path):
+    """The key files and the TLS key: refused when others may read or write them and reach them; the installer's
+    root:appliance 0640 (group read) and 0600 pass, and so does any mode inside a directory others cannot enter."""
+    cert, key = make_cert(open_folder)
+    keys = open_folder / "api-keys"
+    keys.write_text("k" * 32 + "\n")
+    for mode, words in ((0o644, "readable by every user (mode 0644)"), (0o602, "writable by every user")):
+        keys.chmod(mode)
+        for field in ("api_key_file", "admin_key_file"):
+            with pytest.raises(ConfigError, match=re.escape(words)) as info:
+                auth.check_exposure(settings(**{field: str(keys)}))
+            assert f"chmod o-rwx {keys}" in str(info.value) and "\n" not in str(info.value)
+    for mode in (0o640, 0o600, 0o440):
+        keys.chmod(mode)
+        auth.check_exposure(settings(api_key_file=str(keys), admin_key_file=str(keys)))
+    key.chmod(0o644)
+    with pytest.raises(ConfigError, match="the TLS key file .* is readable by every user"):
+        auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(key)))
+    key.chmod(0o640)
+    auth.check_exposure(settings(tls_certfile=str(cert), tls_keyfile=str(key)))
+    private = tmp_path / "api-keys"  # pytest's 0700 directory: no other user gets to the file
+    private.write_text("k" * 32 + "\n")
+    private.chmod(0o644)
+    auth.check_exposure(settings(api_key_file=str(private)))
 
 
 def test_a_tls_client_that_leaves_a_unary_request_frees_its_sequences(guarded):
