@@ -94,6 +94,7 @@ def test_every_key_works_and_nothing_else(guarded):
     for wrong in (None, "wrong", KEYS[0][:-1], KEYS[0] + "x", KEYS[1][:8]):  # prefixes and extensions of a key too
         r = get(guarded, "/v3/models", wrong)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (wrong, r.text)
+        assert r.headers["WWW-Authenticate"] == 'Bearer realm="appliance"'  # RFC 9110: a 401 names its scheme
     r = requests.get(guarded.base + "/v3/models", headers={"Authorization": f"Basic {KEYS[0]}"}, verify=guarded.cert)
     assert r.status_code == 401
 
