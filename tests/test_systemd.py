@@ -82,6 +82,11 @@ def test_install_lays_out_user_settings_key_models_and_the_unit(installed: Path)
     etc = installed / "etc" / "appliance"
     env = (etc / "appliance.env").read_text()
     assert "APPLIANCE_API_KEY_FILE=/etc/appliance/api-keys" in env and "APPLIANCE_HOST=0.0.0.0" in env
+    # a config file and admin keys are one uncommented line each (tests/test_multi_model.py serves that setup)
+    assert {
+        "#APPLIANCE_CONFIG=/etc/appliance/config.json",
+        "#APPLIANCE_ADMIN_KEY_FILE=/etc/appliance/admin-keys",
+    } <= set(env.splitlines())
     key = (etc / "api-keys").read_text()
     assert re.fullmatch(r"[0-9a-f]{48}\n", key), key
     modes = {p: (installed / p).stat().st_mode & 0o777 for p in ("etc/appliance", "etc/appliance/api-keys")}
