@@ -53,7 +53,8 @@ def load_keys(path: str, what: str = "API key file") -> list[str]:
     for number, key in enumerate(keys, 1):
         if not (key.isascii() and key.isprintable() and " " not in key and "\t" not in key):
             raise ConfigError(
-                f"API key {number} in {path} is not printable ASCII without spaces (what an HTTP header can carry)"
+                f"key {number} in the {what} {path} is not printable ASCII without spaces (what an HTTP header "
+                "can carry)"
             )
     return keys
 
@@ -106,7 +107,7 @@ def exposed_problem(path: str, what: str) -> str | None:
     how = "readable and writable" if mode & 0o006 == 0o006 else "writable" if mode & 0o002 else "readable"
     return (
         f"the {what} {path} is {how} by every user (mode {mode:04o}): chmod o-rwx {path} (the service reads it "
-        "as its owner or its group: `make install` makes it root:appliance 0640)"
+        "as its owner or through its group, as `make install`'s root:appliance 0640 key file)"
     )
 
 
