@@ -3,7 +3,11 @@
 One server on the tiny llama export, served under two names with different engine settings (their KV budgets
 differ, which /metrics shows per model); reloads rewrite the config file: a third model added and one removed
 while streams on both run, a broken config (400, nothing changes), a model whose export is broken (reported
-failed, the others serve).
+failed, the others serve; the open probes do not show its error; an unchanged file does not load it again). Who
+may reload: a keyless loopback server, not from a web page (Origin).
+
+A second server as the systemd unit runs it: the shipped env file (APPLIANCE_MODEL=default) plus APPLIANCE_CONFIG
+naming the default model's int4 and int8 exports, with client and admin key files.
 """
 
 from __future__ import annotations
