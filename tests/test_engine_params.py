@@ -156,28 +156,51 @@ def test_stop_token_sequence(engine):
     assert not occurs(stop, ids + out.token_ids[:-1], len(ids))  # it stopped at the first one
 
 
+# (raw prompt, stop string, best_of, n): searches whose pool of finished hypotheses fills (a "." or a newline ends
+# a hypothesis) before max_tokens, with running beams left that transformers' heuristic lets go on
+EARLY_STOPPING_CASES = [
+    ("My favourite colour is", ".", 2, 1),
+    ("Q: What is 2+2?\nA:", ".", 2, 1),
+    ("The best way to learn is", ".", 3, 1),
+    ("The capital of France is", "\n", 3, 1),
+]
+
+
 def test_early_stopping_beams(engine):
-    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a color."}])
-    steps, calls = {}, []
+    """early_stopping reaches the engine's searches: with True a search ends at the step its pool of finished
+    hypotheses fills, with False (the heuristic) it goes on while a running beam may still beat the pool's worst.
+    Each step is watched through the engine's own search state, so what is checked does not depend on which
+    tokens the default precision picks on this CPU; that the cases exercise the difference (False goes on past a
+    full pool) is asserted too."""
     step = engine._beam_step
+    trace: list[tuple[bool, bool]] = []  # per step of the current search: (pool full, search done)
 
-    def counted(group):
-        calls.append(group)
+    def watched(group):
         step(group)
+        trace.append((len(group.search.finished) >= group.search.num_beams, group.search.done))
 
-    engine._beam_step = counted
+    engine._beam_step = watched
+    went_on, steps = 0, {True: 0, False: 0}
     try:
-        for early in (True, False):
-            calls.clear()
-            params = SamplingParams(max_tokens=16, best_of=3, n=3, early_stopping=early)
-            results = engine.submit(ids, params).results()
-            steps[early] = len(calls)
-            assert len(results) == 3
-            for r in results:
-                assert 0 < r.completion_tokens <= 16 and r.finish_reason in ("stop", "length")
+        for text, stop, best_of, n in EARLY_STOPPING_CASES:
+            ids = raw(engine, text)
+            for early in (True, False):
+                trace.clear()
+                params = SamplingParams(max_tokens=NEW, best_of=best_of, n=n, early_stopping=early, stop=[stop])
+                results = engine.submit(ids, params).results()
+                steps[early] += len(trace)
+                assert len(results) == n and trace[-1][1], (text, early, trace)
+                for r in results:
+                    assert 0 < r.completion_tokens <= NEW and r.finish_reason in ("stop", "length")
+                full = [i for i, (pool_full, _) in enumerate(trace) if pool_full]
+                if early:  # the step that fills the pool is the search's last
+                    assert not full or full[0] == len(trace) - 1, (text, "went on past a full pool", trace)
+                else:
+                    went_on += bool(full) and full[0] < len(trace) - 1
     finally:
         del engine._beam_step
-    assert 0 < steps[True] <= steps[False]
+    assert went_on >= 2, f"only {went_on} searches went on past a full pool with early_stopping=False"
+    assert steps[True] < steps[False], steps
 
 
 def test_cached_tokens(engine):
