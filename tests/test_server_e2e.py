@@ -214,10 +214,18 @@ def test_prompt_forms_and_n(client, model_name, server):
 
 
 def test_chat_unary_and_streaming(client, model_name):
+    # The chat prompt (the default system prompt and CHAT) is longer than a KV block, so a run after a first one
+    # starts from the prefix cache, and a cold and a warm prefill may part at a near-tie. A first run fills the
+    # cache whatever ran before: the two runs compared then start alike (their cached_tokens say so).
+    client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=1)
     r = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10)
     assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
-    chunks = list(client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10, stream=True))
+    *chunks, last = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=10, stream=True, stream_options={"include_usage": True}
+    )
+    assert last.choices == [] and last.usage.prompt_tokens == r.usage.prompt_tokens
+    assert last.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens_details.cached_tokens
     first = chunks[0].choices[0]
     assert first.delta.role == "assistant" and first.delta.content is None and first.finish_reason is None
     assert all(c.object == "chat.completion.chunk" for c in chunks)
