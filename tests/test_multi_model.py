@@ -327,3 +327,66 @@ def test_the_installed_env_file_with_a_config_file_serves_its_model_list(tmp_pat
         r = requests.post(url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=300)
         assert r.status_code == 200 and set(r.json()) == set(models), r.text  # nothing changed
         assert keyed.with_options(api_key=ADMIN_KEY).models.list().data  # an admin key is a client key too
+
+
+# ---------------------------------------------------------------- a model removed under its streams
+
+REMOVED_STREAMS = 2  # on beta (1024 KV tokens: two 400-token streams fit)
+
+
+def test_streams_on_a_removed_model_run_to_their_end(setup):
+    """A reload that removes a model returns while streams on it still run; they go on producing tokens after it,
+    each ends with all its tokens and [DONE], and only then is the model's engine unloaded."""
+    srv, config, models, _ = setup
+    outs: list[dict] = [{"events": []} for _ in range(REMOVED_STREAMS)]
+
+    def read(out: dict, started: threading.Event) -> None:
+        body = {
+            "model": "beta",
+            "prompt": PROMPT,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with requests.post(srv.base + "/v3/completions", json=body, stream=True, timeout=120) as r:
+            out["status"] = r.status_code
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    payload = line[len("data: ") :]
+                    out["events"].append(payload if payload == "[DONE]" else json.loads(payload))
+                    started.set()
+
+    started = [threading.Event() for _ in outs]
+    threads = [threading.Thread(target=read, args=pair) for pair in zip(outs, started)]
+    for t in threads:
+        t.start()
+    assert all(e.wait(60) for e in started), "a stream on beta did not start"
+    log_at = srv.log_size()
+    write_config(config, {"alpha": models["alpha"]})
+    r = reload(srv)
+    at_reload = [len(out["events"]) for out in outs]  # events each stream had when the reload returned
+    unloaded_early = '"model unloaded", "model": "beta"' in srv.output(since=log_at)
+    assert r.status_code == 201, r.text
+    assert set(r.json()) == {"alpha"}
+    with pytest.raises(openai.NotFoundError):  # new requests no longer reach it
+        client(srv).completions.create(model="beta", prompt=PROMPT, max_tokens=1)
+    for t in threads:
+        t.join(timeout=120)
+    print(f"\nevents per stream when the reload returned: {at_reload}, at the end: {[len(o['events']) for o in outs]}")
+    try:
+        assert not unloaded_early, "beta's engine was unloaded while its streams ran"
+        for out, seen in zip(outs, at_reload):
+            events = out["events"]
+            assert out["status"] == 200 and events[-1] == "[DONE]", out
+            *chunks, usage = events[:-1]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 400, usage
+            # still streaming when the reload returned: token chunks came after it
+            assert seen < len(chunks) and any(c["choices"][0]["text"] for c in chunks[seen:]), (seen, len(chunks))
+        wait_until(
+            lambda: '"model unloaded", "model": "beta"' in srv.output(since=log_at), "beta's engine to be unloaded"
+        )
+    finally:
+        write_config(config, models)  # back to the start for the next test
+        assert reload(srv).status_code == 201
