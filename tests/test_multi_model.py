@@ -246,8 +246,6 @@ def test_reload_without_a_config_file_is_400():
 
 # ---------------------------------------------------------------- the installed env file with a config file
 
-EXPORTS = Path(os.environ.get("APPLIANCE_DATA_DIR", "~/.cache/appliance")).expanduser() / "models"
-SMOLLM2 = EXPORTS / "smollm2-135m-instruct"
 CLIENT_KEY, ADMIN_KEY = "client-" + "c" * 24, "admin-" + "a" * 24
 
 
@@ -271,10 +269,7 @@ class EnvServer(Server):
         LoopbackServer.__init__(self, command, log_path, env=env, start_timeout=START_TIMEOUT)
 
 
-@pytest.mark.skipif(
-    not all((SMOLLM2 / f"openvino-{w}" / "appliance_manifest.json").exists() for w in ("int4", "int8")),
-    reason="needs the default model's int4 and int8 exports (make model)",
-)
+@pytest.mark.default_model
 def test_the_installed_env_file_with_a_config_file_serves_its_model_list(tmp_path):
     """The shipped env file (APPLIANCE_MODEL=default) plus APPLIANCE_CONFIG naming two models: the list is served
     (before, the start was refused), an info line says APPLIANCE_MODEL was not used. On the same server: a worker
@@ -286,9 +281,10 @@ def test_the_installed_env_file_with_a_config_file_serves_its_model_list(tmp_pat
     for secret in (keys, admin):
         secret.chmod(0o640)  # as the installer makes it (root:appliance 0640)
     config = tmp_path / "config.json"
-    models = {
-        f"smollm2-{w}": {"base_path": str(SMOLLM2 / f"openvino-{w}"), "kv_cache_size": "64MB"} for w in ("int4", "int8")
-    }
+    from export.default_model import ensure_export  # make model's two exports (built here if run alone)
+
+    exports = {w: ensure_export("openvino", w) for w in ("int4", "int8")}
+    models = {f"smollm2-{w}": {"base_path": str(path), "kv_cache_size": "64MB"} for w, path in exports.items()}
     write_config(config, models)
     env = installed_env(
         APPLIANCE_HOST="127.0.0.1",
