@@ -244,6 +244,8 @@ def _settings(args: argparse.Namespace):
     models = _models(args)
     if args.workers < 1 or args.threads < 1:
         raise ConfigError("--workers and --threads must be at least 1")
+    if min(args.client_max_connections, args.client_max_generations) < 0:
+        raise ConfigError("--client-max-connections and --client-max-generations must be at least 0")
     if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
         raise ConfigError("--request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0")
     settings = ServeSettings(  # model_dir, served_model_name, model_created: the first model's
@@ -268,6 +270,8 @@ def _settings(args: argparse.Namespace):
         request_timeout=args.request_timeout,
         send_timeout=args.send_timeout,
         keepalive_timeout=args.keepalive_timeout,
+        client_max_connections=args.client_max_connections,
+        client_max_generations=args.client_max_generations,
         tool_parser=args.tool_parser,
         reasoning_parser=args.reasoning_parser,
         log_level=args.log_level.lower(),

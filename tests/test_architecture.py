@@ -33,7 +33,8 @@ ENTRY_POINT = "appliance.cli"  # glue: flags -> settings, then starts the server
 # What a gunicorn worker runs: the HTTP edge plus the light half of server/ (gunicorn's config and worker class,
 # the engine client and what it needs).
 WORKER_SERVER_MODULES = {
-    f"{SERVER}.{name}" for name in ("client", "protocol", "settings", "logs", "worker", "gunicorn_conf", "auth")
+    f"{SERVER}.{name}"
+    for name in ("client", "protocol", "settings", "logs", "worker", "edge_policy", "gunicorn_conf", "auth")
 }
 # The runtime modules a worker may import: the package root (`__version__`), the wire types and the bounds.
 WORKER_RUNTIME_MODULES = {"appliance", "appliance.params", "appliance.outputs", "appliance.limits", "appliance.config"}

@@ -258,6 +258,8 @@ FLAGS = {
     "request-timeout": (float, 30.0),
     "send-timeout": (float, 30.0),
     "keepalive-timeout": (int, 5),
+    "client-max-connections": (int, 0),
+    "client-max-generations": (int, 0),
     "tool-parser": (str, "auto"),
     "reasoning-parser": (str, "auto"),
     "log-level": (str, "info"),

@@ -19,7 +19,7 @@ import requests
 from conftest import Server, wait_until
 
 from appliance.openai_api.streaming import socket_closed
-from appliance.server.worker import chunked_end, parse_head
+from appliance.server.worker import chunked_end, parse_head, without_expect
 
 THREADS = 6
 REQUEST_TIMEOUT = 3.0
@@ -278,7 +278,15 @@ def test_parse_head_and_chunked_framing():
     head = parse_head(b"\r\nGET /v2/health/ready?x=1 HTTP/1.1\r\nHost: x\r\n\r\n", 100)
     assert (head.path, head.length, head.hand_over) == ("/v2/health/ready", 0, False)
     assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n", 100).hand_over  # 413 by the app
-    assert parse_head(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\n\r\n", 100).hand_over
+    assert parse_head(b"POST / HTTP/1.1\r\nExpect: something\r\n\r\n", 100).hand_over  # 417 by gunicorn
+    assert parse_head(b"POST / HTTP/1.0\r\nExpect: 100-continue\r\n\r\n", 100).hand_over
+    assert parse_head(b"POST / HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 101\r\n\r\n", 100).hand_over
+    buf = bytearray(b"POST / HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 2\r\n\r\nab")
+    head = parse_head(buf, 100)
+    assert not head.hand_over and head.expect and head.length == 2  # answered and read by the event loop
+    assert without_expect(buf, head) == len(b"Expect: 100-Continue\r\n")
+    assert buf == b"POST / HTTP/1.1\r\nContent-Length: 2\r\n\r\nab" and buf[head.end :] == b"ab"
+    assert parse_head(buf, 100).expect == []
     assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 100).hand_over
     head = parse_head(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 100)
     assert head.chunked and not head.hand_over

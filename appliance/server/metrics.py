@@ -17,8 +17,33 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping
 
+from appliance.server.edge_policy import DROP_REASONS, DROPPED_ROUTE
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 PREFIX = "appliance_"
+
+# Label values of the HTTP series come from fixed sets, so clients cannot add series (every response is recorded,
+# 401s included, and gunicorn accepts any token as a method): other methods are "other", other routes "unmatched".
+METHODS = frozenset({"GET", "POST", "HEAD", "OPTIONS", "PUT", "PATCH", "DELETE"})
+_API_ROUTES = (
+    "/completions",
+    "/chat/completions",
+    "/tokenize",
+    "/models",
+    "/models/<path:model_id>",
+)
+ROUTES = frozenset(
+    {f"{prefix}{route}" for prefix in ("/v3", "/v1", "/v3/v1") for route in _API_ROUTES}
+    | {
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/<path:name>/ready",
+        "/v1/config",
+        "/v1/config/reload",
+        "/metrics",
+    }
+)
+UNMATCHED = "unmatched"
 
 
 def _labels(names: tuple[str, ...], values: tuple) -> str:
@@ -125,6 +150,11 @@ class ServerMetrics:
         self.http_errors = Counter(
             "http_errors_total", "HTTP error responses by OpenAI error type.", ("status", "type")
         )
+        self.http_dropped = Counter(
+            "http_dropped_total",
+            "Connections the HTTP edge closed or refused (shed, timeouts, per-client caps), by reason.",
+            ("reason",),
+        )
         self.sequences = Counter(
             "sequences_finished_total",
             "Sequences (choices) finished, by finish reason (abort = cancelled or failed).",
@@ -143,9 +173,15 @@ class ServerMetrics:
         )
 
     def record_http(self, route: str, method: str, status: int, error_type: str | None) -> None:
+        if route == DROPPED_ROUTE:
+            self.http_dropped.inc(method if method in DROP_REASONS else "other", amount=max(0, int(status)))
+            return
+        route = route if route in ROUTES else UNMATCHED
+        method = method if method in METHODS else "other"
+        status = status if 100 <= status <= 599 else 0
         self.http_requests.inc(route, method, str(status))
         if status >= 400:
-            self.http_errors.inc(str(status), error_type or "unknown")
+            self.http_errors.inc(str(status), error_type if isinstance(error_type, str) else "unknown")
 
     def render(self, models: dict[str, tuple[bool, dict | None]]) -> str:
         """`models`: name -> (ready, Engine.stats() or None while it loads), in config order."""
@@ -191,6 +227,7 @@ class ServerMetrics:
         for metric in (
             self.http_requests,
             self.http_errors,
+            self.http_dropped,
             self.sequences,
             self.cancelled,
             self.rejected,

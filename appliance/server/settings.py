@@ -127,6 +127,18 @@ class ServeSettings:
     keepalive_timeout: int = setting(
         5, "seconds an idle kept-alive connection stays open (0: no keep-alive)", flag="keepalive-timeout"
     )
+    client_max_connections: int = setting(
+        0,
+        "connections one client address may hold open in a worker (kept-alive ones included); past it a new one "
+        "gets 503 (0: all but 64 of the worker's connection limit)",
+        flag="client-max-connections",
+    )
+    client_max_generations: int = setting(
+        0,
+        "completions / chat requests one API key, and one client address, may run at once in a worker; past it "
+        "429 (0: no cap; behind a proxy every client has the proxy's address)",
+        flag="client-max-generations",
+    )
     tool_parser: str = setting(
         "auto",
         f"how the model writes tool calls: {', '.join(TOOL_CALL_FORMATS)}; auto: read off the chat template "

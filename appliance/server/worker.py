@@ -53,15 +53,22 @@ import selectors
 import socket
 import ssl
 import struct
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from concurrent import futures
 from functools import partial
+from typing import Any
 
 from gunicorn import http
 from gunicorn import sock as gsock
 from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
+from appliance.server import edge_policy
+from appliance.server.client import EngineClient
+from appliance.server.protocol import HttpRecord
 from appliance.server.settings import ServeSettings
 
 PROBE_THREADS = 4  # per worker: health probes and /metrics, apart from the generation threads
@@ -72,6 +79,16 @@ LINGER_SECONDS = 2.0  # graceful close: how long (and how much) we read after ou
 LINGER_BYTES = 64 * 1024
 _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 _HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_TOO_MANY = (
+    b'{"error": {"message": "Too many generation requests at once from this API key or address: retry when one '
+    b'ends", "type": "rate_limit_error", "param": null, "code": "rate_limit_exceeded"}}'
+)
+_GENERATION_CAP = (
+    b"HTTP/1.1 429 Too Many Requests\r\nConnection: close\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_TOO_MANY), _TOO_MANY)
+)
+REPORT_SECONDS = 1.0  # how often a worker sends its drop counts to the engine process (/metrics)
 _HTTPS_ONLY = (
     b'{"error": {"message": "This port speaks HTTPS: use https://", "type": "invalid_request_error", '
     b'"param": null, "code": "https_required"}}'
@@ -92,15 +109,22 @@ def is_probe(path: str) -> bool:
 
 
 class Head:
-    """What the event loop needs from a request head: where the body starts, how it is framed, the path."""
+    """What the event loop needs from a request head: where the body starts, how it is framed, the path; the
+    `Expect: 100-continue` lines (`expect`: their spans in the buffer) that the loop answers itself; a digest of the
+    Authorization header (per-key counts)."""
 
     def __init__(self, end: int, path: str, length: int | None, chunked: bool, hand_over: bool):
         self.end, self.path, self.length, self.chunked, self.hand_over = end, path, length, chunked, hand_over
+        self.method = ""
+        self.expect: list[tuple[int, int]] = []
+        self.key = b""
 
 
 def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
     """The head if `buf` holds all of it, else None. Malformed framing is not judged here: such a request is handed
-    over (`hand_over`) at once and gunicorn's parser answers it."""
+    over (`hand_over`) at once and gunicorn's parser answers it. `Expect: 100-continue` on an HTTP/1.1 request
+    that is otherwise fine is not handed over: the loop answers it and reads the body under the request's deadline
+    (any other expectation is handed over, gunicorn answers 417)."""
     start = 0
     while buf.startswith(b"\r\n", start):  # RFC 9112: empty lines before a request line are ignored
         start += 2
@@ -110,7 +134,8 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
     lines = bytes(buf[start:end]).split(b"\r\n")
     parts = lines[0].split(b" ")
     path = parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
-    lengths, codings, expect = [], [], False
+    lengths, codings, expect, odd_expect, authorization = [], [], [], len(parts) != 3, b""
+    pos = start + len(lines[0]) + 2
     for line in lines[1:]:
         name, _, value = line.partition(b":")
         name = name.strip().lower()
@@ -119,8 +144,12 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
         elif name == b"transfer-encoding":
             codings.append(value.strip().lower())
         elif name == b"expect":
-            expect = True
-    length, chunked, odd = 0, False, expect
+            expect.append((pos, pos + len(line) + 2))
+            odd_expect = odd_expect or value.strip().lower() != b"100-continue" or parts[2] != b"HTTP/1.1"
+        elif name == b"authorization":
+            authorization = value
+        pos += len(line) + 2
+    length, chunked, odd = 0, False, bool(expect) and odd_expect
     if codings:
         chunked = codings[-1].endswith(b"chunked")
         odd = odd or bool(lengths) or not chunked
@@ -128,7 +157,27 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
         odd = odd or len(set(lengths)) != 1 or not lengths[0].isdigit()
         length = int(lengths[0]) if not odd else 0
         odd = odd or length > max_body
-    return Head(end + 4, path, None if chunked else length, chunked, odd)
+    head = Head(end + 4, path, None if chunked else length, chunked, odd)
+    head.method = parts[0].decode("latin-1")
+    head.expect = [] if odd else expect
+    head.key = edge_policy.key_of(authorization)
+    return head
+
+
+def without_expect(buf: bytearray, head: Head) -> int:
+    """Removes the head's Expect lines from `buf` (the loop answered them: gunicorn must not send a second 100
+    Continue); how many bytes that removed. `head.end` moves with them."""
+    removed = 0
+    for start, end in reversed(head.expect):
+        del buf[start:end]
+        removed += end - start
+    head.end -= removed
+    head.expect = []
+    return removed
+
+
+def is_generation(head: Head) -> bool:
+    return head.method == "POST" and head.path.endswith(("/completions", "/chat/completions"))
 
 
 def chunked_end(buf: bytes | bytearray, pos: int) -> tuple[int, bool]:
@@ -153,10 +202,16 @@ def chunked_end(buf: bytes | bytearray, pos: int) -> tuple[int, bool]:
         pos = eol + 2 + size + 2
 
 
+class RequestDeadline(BaseException):
+    """A request thread read past its request's deadline. A BaseException, so that the app's error handlers (which
+    answer every Exception with a 500) let it through to the worker, which drops the connection."""
+
+
 class EdgeConn(TConn):
     """A gthread connection with the bytes read for it so far and the deadline of its request."""
 
     initialized: bool  # TConn's
+    parser: Any  # TConn's (gunicorn's parser, None until init)
 
     def __init__(self, cfg, sock, client, server) -> None:
         super().__init__(cfg, sock, client, server)
@@ -167,6 +222,9 @@ class EdgeConn(TConn):
         self.reset = False  # close with RST, not gracefully: the client stopped reading
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.handshaking = self.tls  # wrapped, handshake not done yet
+        self.peer = edge_policy.peer_of(client)
+        self.generation: tuple | None = None  # the (address, key) counted while its generation runs
+        self.on_close: Callable[[EdgeConn], None] | None = None  # once, however the connection ends
 
     def start_request(self, timeout: float, deadline: float | None = None) -> None:
         if self.parser is not None:  # bytes of a pipelined request, read ahead by the last one's parser
@@ -175,35 +233,90 @@ class EdgeConn(TConn):
         self.deadline = deadline or time.monotonic() + timeout
 
     def init(self) -> None:
-        """In the thread, before parsing: hand the buffered request to gunicorn's parser; bound any further read."""
+        """In the thread, before parsing: hand the buffered request to gunicorn's parser; bound any further read
+        by the request's deadline (in total, not per read: a body trickled a byte at a time ends there too)."""
+        fresh = self.parser is None
         if self.tls and not self.initialized:  # the event loop did the TLS handshake: gunicorn must not wrap again
             self.initialized = True
             self.parser = http.get_parser(self.cfg, self.sock, self.client)
+            fresh = True
         super().init()
+        if fresh and self.parser is not None and hasattr(self.parser.unreader, "sock"):
+            self.parser.unreader.chunk = partial(self._bounded_chunk, self.parser.unreader.chunk)
         if self.buf:
             self.parser.unreader.unread(bytes(self.buf))
             self.buf = bytearray()
         self.sock.settimeout(max(0.5, self.deadline - time.monotonic()))
+
+    def _bounded_chunk(self, read: Callable, size_hint=None) -> bytes:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RequestDeadline()
+        before = self.sock.gettimeout()
+        self.sock.settimeout(left)
+        try:
+            return read(size_hint)
+        except TimeoutError:
+            raise RequestDeadline() from None
+        finally:
+            self.sock.settimeout(before)
+
+    def close(self, graceful: bool = False) -> None:
+        self.closed()
+        super().close(graceful)
+
+    def closed(self) -> None:
+        on_close, self.on_close = self.on_close, None
+        if on_close is not None:
+            on_close(self)
 
 
 class EdgeWorker(ThreadWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.request_timeout = self.send_timeout = 0.0
-        self.max_body = self.budget = self.buffered = 0
+        self.max_body = self.budget = self.buffered = self.client_budget = 0
         self.reading: dict[EdgeConn, None] = {}  # insertion order = deadline order
         self.lingering: dict[EdgeConn, float] = {}
         self.probe_pool: futures.ThreadPoolExecutor | None = None
         self.tls_context: ssl.SSLContext | None = None
+        self.held: Counter = Counter()  # bytes of unfinished requests per client address
+        self.connections = edge_policy.PeerCounts(0)  # open connections per client address
+        self.generations = edge_policy.PeerCounts(0)  # running generation requests per address and per key
+        self.drops = edge_policy.Drops()
+        self.engine: EngineClient | None = None
 
     def init_process(self):
         """In the forked worker (gunicorn builds the worker object in the arbiter)."""
         settings = ServeSettings.load()
         self.request_timeout, self.send_timeout = settings.request_timeout, settings.send_timeout
         self.max_body, self.budget = settings.max_body_bytes, read_budget(settings.max_body_bytes)
+        self.client_budget = edge_policy.client_budget(self.budget, self.max_body)
+        self.connections = edge_policy.PeerCounts(
+            settings.client_max_connections or max(1, self.cfg.worker_connections - edge_policy.RESERVED_CONNECTIONS)
+        )
+        self.generations = edge_policy.PeerCounts(settings.client_max_generations)
         self.probe_pool = futures.ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
         self.tls_context = gsock.ssl_context(self.cfg) if self.cfg.is_ssl else None
+        self.engine = EngineClient(settings.socket_path, settings.authkey())
+        threading.Thread(target=self._report_drops, name="edge-report", daemon=True).start()
         super().init_process()
+
+    def load_wsgi(self):
+        """The app, its response bodies paced (edge_policy.PacedBody: a response's total wait on its reader)."""
+        super().load_wsgi()
+        self.wsgi = edge_policy.paced(self.wsgi, self.send_timeout)
+
+    def _report_drops(self) -> None:
+        """Drop counts to the engine process (appliance_http_dropped_total), in batches: never from the loop."""
+        while True:
+            time.sleep(REPORT_SECONDS)
+            for reason, count in self.drops.take().items():
+                if self.engine is not None:
+                    self.engine.record_http(HttpRecord(edge_policy.DROPPED_ROUTE, reason, count, 0.0))
+
+    def _dropped(self, conn: EdgeConn, reason: str, **detail) -> None:
+        self.drops.note(reason, conn.peer, **detail)
 
     # ---- every connection enters here
     def accept(self, listener):
@@ -212,6 +325,16 @@ class EdgeWorker(ThreadWorker):
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
+            return
+        peer = edge_policy.peer_of(client_addr)
+        if not self.connections.acquire(peer):  # this address holds its share of the worker's connections
+            self.drops.note("client_connections", peer, open=self.connections[peer])
+            try:
+                client_sock.setblocking(False)
+                client_sock.send(_BUSY)
+            except OSError:
+                pass
+            client_sock.close()
             return
         if self.tls_context is not None:
             try:
@@ -222,10 +345,17 @@ class EdgeWorker(ThreadWorker):
                     suppress_ragged_eofs=self.cfg.suppress_ragged_eofs,
                 )
             except OSError:
+                self.connections.release(peer)
                 client_sock.close()
                 return
         self.nr_conns += 1
-        self.enqueue_req(EdgeConn(self.cfg, client_sock, client_addr, listener.getsockname()))
+        conn = EdgeConn(self.cfg, client_sock, client_addr, listener.getsockname())
+        conn.on_close = self._on_conn_closed
+        self.enqueue_req(conn)
+
+    def _on_conn_closed(self, conn: EdgeConn) -> None:
+        self.connections.release(conn.peer)
+        self._end_generation(conn)
 
     def enqueue_req(self, conn):
         if conn.is_http2 or negotiation.prior_knowledge_allowed(self.cfg, conn.client):
@@ -241,13 +371,20 @@ class EdgeWorker(ThreadWorker):
     def _read_request(self, conn: EdgeConn, deadline: float | None = None) -> None:
         conn.start_request(self.request_timeout, deadline)
         conn.sock.setblocking(False)
-        self.buffered += len(conn.buf)
+        self._hold(conn, len(conn.buf))
         self.reading[conn] = None
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_readable, conn))
         if conn.tls:  # decrypted bytes may wait in the SSL object, where the poller cannot see them
             self._on_readable(conn, None)
         elif conn.buf:  # a pipelined request may be complete already
             self._advance(conn)
+
+    def _hold(self, conn: EdgeConn, nbytes: int) -> None:
+        """Counts `nbytes` more (or fewer) buffered for `conn`: the worker's total and its address's share."""
+        self.buffered += nbytes
+        self.held[conn.peer] += nbytes
+        if self.held[conn.peer] <= 0:
+            del self.held[conn.peer]
 
     # ---- the TLS handshake in the event loop
     def _on_handshake(self, conn: EdgeConn, _fileobj) -> None:
@@ -260,7 +397,7 @@ class EdgeWorker(ThreadWorker):
             self.poller.modify(conn.sock, selectors.EVENT_WRITE, partial(self._on_handshake, conn))
             return
         except ssl.SSLError as exc:  # not TLS, or no common ground: nothing a thread could serve
-            self.log.debug("TLS handshake failed with %s: %s", conn.client, exc)
+            self._dropped(conn, "tls_handshake", error=str(exc.reason))
             return self._drop(conn, _PLAIN_ON_TLS if exc.reason == "HTTP_REQUEST" else b"", clear=True)
         except OSError:
             return self._drop(conn)
@@ -284,13 +421,33 @@ class EdgeWorker(ThreadWorker):
                 return self._drop(conn)
             if not data:
                 return self._drop(conn)
-            if self.buffered + len(data) > self.budget:
-                return self._drop(conn, _BUSY)
+            if not self._make_room(conn, len(data)):
+                return
             conn.buf += data
-            self.buffered += len(data)
+            self._hold(conn, len(data))
             if len(data) < READ_CHUNK and not conn.tls:  # TLS: read on until the SSL object is empty too
                 break
         self._advance(conn)
+
+    def _make_room(self, conn: EdgeConn, incoming: int) -> bool:
+        """Room for `incoming` more bytes of `conn`: within its address's share, then within the worker's budget.
+        Over either, the largest unfinished requests (of that address, or of anyone) are closed with 503 until it
+        fits, which is `conn` itself only when it is the largest. False when `conn` was closed."""
+        for limit, held, reason, same_peer in (
+            (self.client_budget, self.held[conn.peer], "client_bytes", True),
+            (self.budget, self.buffered, "budget_shed", False),
+        ):
+            need = held + incoming - limit
+            if need <= 0:
+                continue
+            sizes: dict[Any, int] = {c: len(c.buf) for c in self.reading if not same_peer or c.peer == conn.peer}
+            sizes[conn] = len(conn.buf) + incoming
+            for victim in edge_policy.pick_victims(sizes, need):
+                self._dropped(victim, reason, held=sizes[victim])
+                self._drop(victim, _BUSY)
+                if victim is conn:
+                    return False
+        return True
 
     def _advance(self, conn: EdgeConn) -> None:
         """Hands the connection to a thread once its request is complete (or must be judged by the parser)."""
@@ -298,7 +455,10 @@ class EdgeWorker(ThreadWorker):
             conn.head = parse_head(conn.buf, self.max_body)
             if conn.head is None:
                 if len(conn.buf) > HEAD_LIMIT:
+                    self._dropped(conn, "head_too_large")
                     self._drop(conn, _HEAD_TOO_LARGE)
+                return
+            if conn.head.expect and not self._continue(conn):
                 return
             conn.chunk_pos = conn.head.end
         head = conn.head
@@ -309,12 +469,38 @@ class EdgeWorker(ThreadWorker):
                     return
             elif len(conn.buf) < head.end + (head.length or 0):  # not chunked: length is set
                 return
+        if not is_probe(head.path) and is_generation(head):
+            if not self.generations.acquire(("address", conn.peer), ("key", head.key) if head.key else None):
+                self._dropped(conn, "generation_cap", cap=self.generations.cap)
+                return self._drop(conn, _GENERATION_CAP)
+            conn.generation = (("address", conn.peer), ("key", head.key) if head.key else None)
         self._stop_reading(conn)
         self._dispatch(conn, self.probe_pool if is_probe(head.path) else self.tpool)
 
+    def _continue(self, conn: EdgeConn) -> bool:
+        """`Expect: 100-continue`: answered here, and the body is read here, under the request's deadline like any
+        other (a thread would wait on it with a per-read timeout only). False when the connection was closed."""
+        head = conn.head
+        assert head is not None
+        self._hold(conn, -without_expect(conn.buf, head))
+        body_sent = len(conn.buf) > head.end
+        if (head.chunked or head.length) and not body_sent:
+            try:
+                if conn.sock.send(_CONTINUE) != len(_CONTINUE):
+                    raise BlockingIOError
+            except (OSError, ssl.SSLError):
+                self._drop(conn)
+                return False
+        return True
+
+    def _end_generation(self, conn: EdgeConn) -> None:
+        generation, conn.generation = conn.generation, None
+        if generation is not None:
+            self.generations.release(*generation)
+
     def _stop_reading(self, conn: EdgeConn) -> None:
-        self.reading.pop(conn, None)
-        self.buffered -= len(conn.buf)
+        if self.reading.pop(conn, False) is None:
+            self._hold(conn, -len(conn.buf))
         try:
             self.poller.unregister(conn.sock)
         except (KeyError, ValueError, OSError):
@@ -341,7 +527,8 @@ class EdgeWorker(ThreadWorker):
             elif not self.alive:
                 conn.deadline = min(conn.deadline, now + STOP_KEEPALIVE_LINGER)
             if conn.deadline <= now:
-                self.log.debug("request not complete within %.1fs: closing %s", self.request_timeout, conn.client)
+                if conn.buf and self.alive:  # an idle connection that never sent a byte is no attack to report
+                    self._dropped(conn, "request_timeout", held=len(conn.buf), timeout=self.request_timeout)
                 self._drop(conn)
         for conn, until in list(self.lingering.items()):
             if until <= now:
@@ -349,22 +536,29 @@ class EdgeWorker(ThreadWorker):
 
     # ---- after the response
     def handle_request(self, req, conn):
-        """In the thread: the request is parsed; its response's sends get `send_timeout`."""
+        """In the thread: the request is parsed; its response's sends get `send_timeout` (each write) and, in
+        total, edge_policy.PacedBody's bound."""
         conn.sock.settimeout(self.send_timeout)
         try:
             return super().handle_request(req, conn)
         except TimeoutError:
-            self.log.debug(
-                "send timeout (%.0fs): %s stopped reading; response abandoned", self.send_timeout, conn.client
-            )
+            self._dropped(conn, "send_timeout", timeout=self.send_timeout)
+            conn.reset = True
+            return False
+        except RequestDeadline:
+            self._dropped(conn, "request_timeout", timeout=self.request_timeout)
             conn.reset = True
             return False
 
     def finish_request(self, conn, fs):
+        self._end_generation(conn)
         try:
-            keep = fs.result() if not fs.cancelled() else False
+            failed = fs.cancelled() or fs.exception() is not None
+            keep = not failed and fs.result()
         except Exception:
             keep = False
+        if keep and conn.head is not None and conn.head.hand_over:
+            keep = False  # the parser read this body itself: whatever it left unread is not a next request
         if keep:
             return super().finish_request(conn, fs)  # kept alive (or pipelined bytes): gthread's path
         self.nr_conns -= 1
@@ -373,6 +567,7 @@ class EdgeWorker(ThreadWorker):
     def _retire(self, conn: EdgeConn) -> None:
         """Closes a connection without blocking the loop: RST for a client that stopped reading, else FIN and a
         bounded, non-blocking read until the peer closes (RFC 9112 9.6: no RST truncating our last response)."""
+        conn.closed()
         sock = conn.sock
         try:
             if conn.reset:

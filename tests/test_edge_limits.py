@@ -1,0 +1,303 @@
+"""What one client may take from the HTTP edge, on a real server (appliance/server/worker.py, edge_policy.py):
+bodies trickled after `Expect: 100-continue` end at the request deadline, a stream read slowly ends after its
+send budget (not only a stream that stopped reading), unfinished bodies that fill a worker's read budget cost their
+holders and not the probes, a key or address past --client-max-generations gets 429, and invented HTTP methods add
+no metric series. Each attack runs beside well-behaved requests, which must be served.
+
+Clients that attack connect from other loopback addresses (127.0.0.2 and up: Linux routes all of 127/8 to lo), so
+the server sees them as other clients than the victims on 127.0.0.1, as it would see hosts on a network."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+import requests
+from conftest import Server, wait_until
+
+THREADS = 4
+REQUEST_TIMEOUT = 4.0
+SEND_TIMEOUT = 3.0
+MAX_GENERATIONS = 3
+# murder_pending runs about once a second, a loaded 2-core box adds its own delays: how late a bound may act
+MARGIN = 4.0
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir, tmp_path_factory):
+    with Server(
+        model_dir,
+        tmp_path_factory.mktemp("edge-limits") / "serve.log",
+        "--workers",
+        "1",
+        "--threads",
+        str(THREADS),
+        "--request-timeout",
+        str(REQUEST_TIMEOUT),
+        "--send-timeout",
+        str(SEND_TIMEOUT),
+        "--client-max-generations",
+        str(MAX_GENERATIONS),
+    ) as server:
+        yield server
+
+
+def connect(server: Server, source: str, rcvbuf: int | None = None) -> socket.socket:
+    """A connection from loopback address `source`."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", server.port))
+    return s
+
+
+def generation_body(model: str, **extra) -> bytes:
+    return json.dumps({"model": model, "prompt": "Once upon a time", **extra}).encode()
+
+
+def post_head(length: int, *headers: str, path: str = "/v3/completions") -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json", f"Content-Length: {length}"]
+    return ("\r\n".join([*lines, *headers]) + "\r\n\r\n").encode()
+
+
+def is_closed(s: socket.socket) -> bool:
+    """True once the server closed `s` (EOF or reset); reads and discards what it sent meanwhile."""
+    s.setblocking(False)
+    try:
+        while True:
+            data = s.recv(65536)
+            if not data:
+                return True
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+
+
+def victim_served(server: Server, model: str) -> tuple[float, int]:
+    """A normal completion from 127.0.0.1: (seconds, status)."""
+    started = time.monotonic()
+    r = requests.post(
+        server.base + "/v3/completions",
+        json={"model": model, "prompt": "The capital of France is", "max_tokens": 4},
+        timeout=60,
+    )
+    return time.monotonic() - started, r.status_code
+
+
+def live(server: Server) -> tuple[float, int]:
+    started = time.monotonic()
+    r = requests.get(server.base + "/v2/health/live", timeout=10)
+    return time.monotonic() - started, r.status_code
+
+
+def dropped(server: Server, reason: str) -> float:
+    return server.metrics().get(f'appliance_http_dropped_total{{reason="{reason}"}}', 0)
+
+
+def test_expect_continue_bodies_trickled_end_at_the_request_deadline(srv, model_name):
+    """70 connections send an `Expect: 100-continue` head, get 100 Continue, then trickle the body a byte a second:
+    each is closed within --request-timeout (plus a margin), holding no thread meanwhile, so a normal completion
+    from another client and the liveness probe are answered during the attack."""
+    body = generation_body(model_name, max_tokens=4)
+    socks = [connect(srv, "127.0.0.2") for _ in range(70)]
+    started = time.monotonic()
+    for s in socks:
+        s.sendall(post_head(len(body), "Expect: 100-continue"))
+    for s in socks[:5]:
+        s.settimeout(10)
+        assert s.recv(64).startswith(b"HTTP/1.1 100 Continue")
+    stop = threading.Event()
+
+    def trickle() -> None:
+        sent = 0
+        while not stop.wait(1.0) and sent < len(body) - 1:
+            for s in socks:
+                try:
+                    s.send(body[sent : sent + 1])
+                except OSError:
+                    pass
+            sent += 1
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    try:
+        time.sleep(1.5)  # every connection has sent body bytes
+        elapsed, status = victim_served(srv, model_name)
+        assert status == 200 and elapsed < 15, (status, elapsed)
+        elapsed, status = live(srv)
+        assert status == 200 and elapsed < 2, (status, elapsed)
+        open_ = list(socks)
+        while open_ and time.monotonic() - started < REQUEST_TIMEOUT + MARGIN + 5:
+            open_ = [s for s in open_ if not is_closed(s)]
+            time.sleep(0.2)
+        closed_after = time.monotonic() - started
+        assert not open_, f"{len(open_)} trickling connections still open after {closed_after:.1f} s"
+        assert closed_after < REQUEST_TIMEOUT + MARGIN, closed_after
+    finally:
+        stop.set()
+        trickler.join()
+        for s in socks:
+            s.close()
+    wait_until(lambda: dropped(srv, "request_timeout") >= 70, "the drops to be counted in /metrics", timeout=10)
+
+
+def test_a_stream_read_slowly_loses_its_connection(srv, model_name):
+    """Two streams whose clients read 2 KB a second (a small receive buffer): each write waits less than the send
+    timeout, but the response's total wait does not, so the server resets them within the send timeout plus a
+    margin and cancels their sequences; meanwhile a normal completion and the liveness probe are answered."""
+    cancelled = srv.metrics().get("appliance_sequences_cancelled_total", 0)
+    body = generation_body(model_name, max_tokens=4000, ignore_eos=True, stream=True)
+    socks = [connect(srv, "127.0.0.3", rcvbuf=2048) for _ in range(2)]
+    for s in socks:
+        s.sendall(post_head(len(body)) + body)
+    started = time.monotonic()
+    got = [b"", b""]
+    closed_at: list[float | None] = [None, None]
+    try:
+        checked_victim = False
+        while time.monotonic() - started < 60 and None in closed_at:
+            for i, s in enumerate(socks):
+                if closed_at[i] is not None:
+                    continue
+                s.settimeout(0.5)
+                try:
+                    data = s.recv(1024)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    closed_at[i] = time.monotonic() - started
+                got[i] += data
+            if not checked_victim and time.monotonic() - started > 4:
+                checked_victim = True
+                elapsed, status = victim_served(srv, model_name)
+                assert status == 200 and elapsed < 15, (status, elapsed)
+                elapsed, status = live(srv)
+                assert status == 200 and elapsed < 2, (status, elapsed)
+            time.sleep(0.5)  # ~2 KB/s per stream
+    finally:
+        for s in socks:
+            s.close()
+    assert all(g.startswith(b"HTTP/1.1 200") for g in got), [g[:100] for g in got]
+    assert not any(b"[DONE]" in g for g in got)  # cut, not finished
+    # filling the buffers takes a few seconds; then about SEND_TIMEOUT of waiting (+1 s per 64 KiB sent)
+    assert all(t is not None and t < SEND_TIMEOUT + 10 + MARGIN for t in closed_at), closed_at
+    wait_until(
+        lambda: (m := srv.metrics())["appliance_running_sequences"] == 0
+        and m.get("appliance_sequences_cancelled_total", 0) >= cancelled + 2,
+        "the slow streams to be cancelled",
+        timeout=30,
+    )
+    wait_until(lambda: dropped(srv, "send_timeout") >= 2, "the drops to be counted in /metrics", timeout=10)
+
+
+def test_unfinished_bodies_filling_the_budget_do_not_make_probes_503(srv, model_name):
+    """17 clients (other addresses) each hold an unfinished 4 MiB body: 68 MiB, past the worker's 64 MiB budget.
+    The largest are shed (503), not the newcomers: probes and a normal completion answer 200 while they are held.
+    One more client holding 5 bodies (20 MiB) from one address loses its own largest (its share is 16 MiB)."""
+    length = 4 * 1024 * 1024
+    held = []
+    for i in range(17):
+        s = connect(srv, f"127.0.1.{i + 1}")
+        s.sendall(post_head(length) + b"x" * (length - 1024 - i))  # a little less each: the newest is smallest
+        held.append(s)
+    greedy = [connect(srv, "127.0.2.1") for _ in range(5)]
+    for s in greedy:
+        s.sendall(post_head(length) + b"y" * (length - 4096))
+    before = time.monotonic()
+    try:
+        time.sleep(1.0)  # the worker read them all
+        for path in ("/v2/health/live", "/v2/health/ready", f"/v2/models/{model_name}/ready"):
+            r = requests.get(srv.base + path, timeout=10)
+            assert r.status_code == 200, (path, r.status_code)
+        elapsed, status = victim_served(srv, model_name)
+        assert status == 200, status
+        assert time.monotonic() - before < REQUEST_TIMEOUT, "the check must run while the bodies are held"
+        shed = [s for s in held if is_closed(s)]
+        assert 1 <= len(shed) < len(held), len(shed)
+        assert sum(is_closed(s) for s in greedy) >= 1
+    finally:
+        for s in held + greedy:
+            s.close()
+    wait_until(
+        lambda: dropped(srv, "budget_shed") >= 1 and dropped(srv, "client_bytes") >= 1,
+        "the sheds to be counted in /metrics",
+        timeout=10,
+    )
+
+
+def test_concurrent_generations_per_key_and_address_are_capped(srv, model_name):
+    """--client-max-generations 3: a fourth concurrent stream from the same address, or with the same key from
+    another address, gets 429 in OpenAI's error shape; other clients are served, and the cap frees as streams end."""
+    body = generation_body(model_name, max_tokens=4000, ignore_eos=True, stream=True)
+
+    def stream(source: str, key: str | None = None) -> socket.socket:
+        s = connect(srv, source)
+        s.sendall(post_head(len(body), *([f"Authorization: Bearer {key}"] if key else [])) + body)
+        return s
+
+    def answer(s: socket.socket) -> bytes:
+        s.settimeout(30)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return data
+
+    holders = [stream("127.0.3.1") for _ in range(MAX_GENERATIONS)]
+    try:
+        for s in holders:
+            assert answer(s).startswith(b"HTTP/1.1 200")
+        fourth = stream("127.0.3.1")
+        reply = answer(fourth) + fourth.recv(4096)
+        fourth.close()
+        assert reply.startswith(b"HTTP/1.1 429"), reply[:200]
+        error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == "rate_limit_exceeded"
+        elapsed, status = victim_served(srv, model_name)  # another address: served
+        assert status == 200, status
+    finally:
+        for s in holders:
+            s.close()
+    keyed = [stream(f"127.0.4.{i + 1}", "key-a") for i in range(MAX_GENERATIONS)]
+    try:
+        for s in keyed:
+            assert answer(s).startswith(b"HTTP/1.1 200")
+        fourth = stream("127.0.4.9", "key-a")
+        assert answer(fourth).startswith(b"HTTP/1.1 429")
+        fourth.close()
+        other_key = stream("127.0.4.10", "key-b")
+        assert answer(other_key).startswith(b"HTTP/1.1 200")
+        other_key.close()
+    finally:
+        for s in keyed:
+            s.close()
+    wait_until(lambda: srv.metrics()["appliance_running_sequences"] == 0, "the streams to end", timeout=30)
+    again = stream("127.0.3.1")  # the cap was given back when the streams ended
+    try:
+        assert answer(again).startswith(b"HTTP/1.1 200")
+    finally:
+        again.close()
+
+
+def test_invented_methods_add_no_metric_series(srv):
+    """Unauthenticated requests with made-up methods are all counted under method "other": no new series."""
+    for i in range(10):
+        s = connect(srv, "127.0.5.1")
+        try:
+            s.sendall(f"ZQX{i:02d} /v3/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            s.settimeout(10)
+            assert s.recv(65536).startswith(b"HTTP/1.1 ")
+        finally:
+            s.close()
+    text = requests.get(srv.base + "/metrics", timeout=10).text
+    assert "ZQX" not in text
+    assert 'method="other"' in text
