@@ -1,0 +1,140 @@
+"""The HTTP edge's per-client rules as plain functions (appliance/server/edge_policy.py) and the bounded label sets
+of the HTTP metrics (appliance/server/metrics.py). The same rules on a real server: test_edge_limits.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from appliance.server import edge_policy as ep
+from appliance.server.metrics import ServerMetrics
+
+
+def test_the_largest_unfinished_requests_are_shed_the_oldest_among_equals():
+    sizes = {"old-big": 4_000_000, "probe": 120, "mid": 1_000_000, "new-big": 4_000_000}
+    assert ep.pick_victims(sizes, 0) == []
+    assert ep.pick_victims(sizes, 1) == ["old-big"]  # never the small newcomer
+    assert ep.pick_victims(sizes, 4_000_001) == ["old-big", "new-big"]
+    assert ep.pick_victims(sizes, 10**9) == ["old-big", "new-big", "mid", "probe"]  # all: still not enough
+
+
+def test_a_client_share_is_a_quarter_of_the_budget_and_at_least_two_bodies():
+    assert ep.client_budget(64 << 20, 4 << 20) == 16 << 20
+    assert ep.client_budget(64 << 20, 20 << 20) == 40 << 20
+
+
+def test_peer_counts_refuse_past_the_cap_on_any_key():
+    counts = ep.PeerCounts(2)
+    assert counts.acquire("a", "k") and counts.acquire("b", "k")
+    assert not counts.acquire("c", "k")  # the key is at its cap
+    assert counts["c"] == 0  # nothing counted for a refused one
+    counts.release("a", "k")
+    assert counts.acquire("c", "k")
+    assert counts.acquire("a", None) and counts.acquire("a") and not counts.acquire("a")  # None: no such key
+    unlimited = ep.PeerCounts(0)
+    assert all(unlimited.acquire("x") for _ in range(1000))
+
+
+def test_peer_and_key_identities():
+    assert ep.peer_of(("10.0.0.7", 51234)) == "10.0.0.7"
+    assert ep.peer_of("") == "local"
+    assert ep.key_of(b"") == b"" and ep.key_of(b"  ") == b""
+    assert ep.key_of(b" Bearer abc") == ep.key_of(b"Bearer abc") != ep.key_of(b"Bearer abd")
+    assert b"abc" not in ep.key_of(b"Bearer abc")
+
+
+def test_drops_are_counted_all_and_logged_once_a_second_per_reason(caplog):
+    now = [100.0]
+    drops = ep.Drops(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="appliance.edge"):
+        for _ in range(5):
+            drops.note("budget_shed", "10.0.0.1", held=10)
+        drops.note("send_timeout", "10.0.0.2")
+        now[0] += 1.5
+        drops.note("budget_shed", "10.0.0.1")
+    records = [r for r in caplog.records if r.name == "appliance.edge"]
+    assert [(r.reason, r.unlogged) for r in records] == [("budget_shed", 0), ("send_timeout", 0), ("budget_shed", 4)]
+    assert all(r.levelno == logging.WARNING and r.event == "edge_drop" for r in records)
+    assert drops.take() == {"budget_shed": 6, "send_timeout": 1}
+    assert drops.take() == {}
+
+
+class FakeSocket:
+    def __init__(self):
+        self.timeouts: list[float] = []
+
+    def settimeout(self, value: float) -> None:
+        self.timeouts.append(value)
+
+
+def test_a_paced_body_gives_each_write_what_is_left_of_the_response_budget(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(ep.time, "monotonic", lambda: clock[0])
+    sock = FakeSocket()
+    closed = []
+
+    class Body:
+        def __iter__(self):
+            yield b"a" * 1000
+            yield b"b" * 1000
+            clock[0] += 10.0  # the generation's own pace: not time spent waiting on the client
+            yield b"c" * 1000
+
+        def close(self):
+            closed.append(True)
+
+    paced = ep.PacedBody(Body(), sock, send_timeout=3.0, min_rate=1000)
+    items = iter(paced)
+    next(items)
+    clock[0] += 2.0  # the server's write of the first item waited 2 s on the client
+    next(items)
+    clock[0] += 2.5
+    next(items)
+    paced.close()
+    # 3 s + 1 s per 1000 bytes sent (the item's own included), minus what the writes waited (2 s, then 4.5 s)
+    assert sock.timeouts == pytest.approx([4.0, 3.0, 1.5])
+    assert closed == [True]
+    exhausted = ep.PacedBody([b"x"], FakeSocket(), send_timeout=1.0, min_rate=1000)
+    exhausted.waited = 50.0
+    list(exhausted)
+    assert exhausted.sock.timeouts == [0.001]  # past the budget: the next write must not wait
+
+
+def test_paced_wraps_responses_with_a_socket_only():
+    def app(environ, start_response):
+        return [b"ok"]
+
+    wrapped = ep.paced(app, 3.0)
+    assert wrapped({}, None) == [b"ok"]
+    assert isinstance(wrapped({"gunicorn.socket": FakeSocket()}, None), ep.PacedBody)
+
+
+def test_http_metric_labels_come_from_fixed_sets():
+    metrics = ServerMetrics()
+    for i in range(50):
+        metrics.record_http("unmatched", f"ZQX{i:02d}", 401, "invalid_request_error")
+        metrics.record_http(f"/made/up/{i}", "GET", 404, "invalid_request_error")
+    metrics.record_http("/v3/chat/completions", "POST", 200, None)
+    metrics.record_http(ep.DROPPED_ROUTE, "budget_shed", 7, None)
+    metrics.record_http(ep.DROPPED_ROUTE, "invented", 2, None)
+    text = metrics.render({})
+    series = [line for line in text.splitlines() if line.startswith("appliance_http_requests_total{")]
+    assert sorted(series) == [
+        'appliance_http_requests_total{route="/v3/chat/completions",method="POST",status="200"} 1',
+        'appliance_http_requests_total{route="unmatched",method="GET",status="404"} 50',
+        'appliance_http_requests_total{route="unmatched",method="other",status="401"} 50',
+    ]
+    assert 'appliance_http_dropped_total{reason="budget_shed"} 7' in text
+    assert 'appliance_http_dropped_total{reason="other"} 2' in text
+
+
+def test_every_route_of_the_app_is_a_known_metric_route(tmp_path):
+    from appliance.openai_api.app import create_app
+    from appliance.server.metrics import ROUTES
+    from appliance.server.settings import ServeSettings
+
+    settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0, runtime_dir=str(tmp_path))
+    app = create_app(settings, client=object())  # type: ignore[arg-type]
+    rules = {rule.rule for rule in app.url_map.iter_rules() if rule.endpoint != "static"}
+    assert rules <= ROUTES, rules - ROUTES
