@@ -15,18 +15,25 @@ through: new, kept-alive, or with pipelined bytes left in its parser):
   to `max_body_bytes`, are read with non-blocking `recv`s in the event loop. Only a complete request is handed to
   a thread; its bytes are given back to gunicorn's parser (`unreader.unread`), which parses them as if it had read
   them itself. A request not complete `request_timeout` seconds after its connection opened (or, on a kept-alive
-  connection, after its first byte) is closed without ever touching a thread. Requests the parser must see
-  early (`Expect: 100-continue`, a body over the limit, framing we cannot follow) are handed over at the end of
-  their head, with a socket timeout so the thread's reads are bounded too. The bytes buffered by one worker are
-  bounded (`READ_BUDGET`): past it a request gets 503 and is closed.
+  connection, after its first byte) is closed without ever touching a thread. `Expect: 100-continue` is answered
+  here and its body read here too. Requests the parser must see early (a body over the limit, framing we cannot
+  follow, other expectations) are handed over at the end of their head; the thread's reads of them stay under
+  the same deadline, in total (`RequestDeadline`), and their connection is not kept alive.
+* **Buffered bytes are bounded per worker and per client** (`read_budget`, edge_policy.client_budget). Past
+  either, the largest unfinished requests are closed with 503 (edge_policy.pick_victims), never a small
+  newcomer: probes and small requests are not refused because of others' bodies. One client address may hold
+  only so many connections (--client-max-connections), and, if the operator sets it, run so many generations at
+  once per address and per API key (--client-max-generations, 429 past it).
 * **Probes have their own threads.** The path is known before dispatch, so `/v2/health/*`, `/v2/models/*/ready`
   and `/metrics` go to a small separate pool (`PROBE_THREADS`): they answer while every generation thread is busy.
 * **Sends are bounded.** A request's socket gets a `send_timeout` timeout; Python's `sendall` with a timeout
-  bounds the whole call. When it fires, gunicorn closes the response iterator (for a stream: the SSE generator,
-  which closes the job and so cancels its sequences engine-side, freeing their KV), the thread is free again and
-  the connection is reset. Streaming responses also get a small send buffer (`streaming.bound_send_buffer`), so
-  a client that stopped reading is noticed after a bounded amount of data, not after the kernel's autotuned
-  megabytes.
+  bounds the whole call, and the time all writes of one response wait on its client is bounded too
+  (edge_policy.PacedBody: `send_timeout` plus one second per 64 KiB sent), so a client that reads a little
+  before each write would time out is cut off like one that stopped. When it fires, gunicorn closes the response
+  iterator (for a stream: the SSE generator, which closes the job and so cancels its sequences engine-side,
+  freeing their KV), the thread is free again and the connection is reset. Streaming responses also get a small
+  send buffer (`streaming.bound_send_buffer`), so a client that stopped reading is noticed after a bounded amount
+  of data, not after the kernel's autotuned megabytes.
 * **Closing never blocks the loop.** gunicorn closes a non-kept-alive connection gracefully (FIN, then read until
   the peer closes, up to 2 s) on the event-loop thread: a peer that never closes stalls every connection of the
   worker. Here the lingering read is non-blocking, in the loop, with the same bounds.
@@ -37,9 +44,12 @@ through: new, kept-alive, or with pipelined bytes left in its parser):
   `request_timeout` as the request it precedes (one deadline from the connection's start), and the request is
   then read as above, decrypted. A plain-HTTP request to the TLS port is answered 400 in clear text ("use
   https://") and closed. One SSL context per worker (gunicorn builds one per connection, reloading the key).
-  Bounds that differ: Python's `SSLSocket.sendall` applies `send_timeout` to each record written, not to the
-  whole call, so a client reading a little every `send_timeout` seconds is not cut off; the small send buffer of
-  a stream still bounds what it holds.
+  Python's `SSLSocket.sendall` applies a timeout to each record written, not to the whole call: a stream (an
+  event per record) is bounded in total by PacedBody as on plain sockets, a large unary body per record only.
+
+* **Drops are visible.** Each shed, timeout or cap is a warning in the log (structured, rate-limited per reason,
+  the reason and the client address only) and counts in `appliance_http_dropped_total{reason}` (reported to the
+  engine process once a second by a thread, never from the loop).
 
 Idle kept-alive connections stay in gunicorn's poller, without a thread, for `keepalive` seconds. Connections per
 worker stay bounded by `worker_connections` (the loop stops accepting there). HTTP/2 (prior knowledge, h2c, ALPN)
