@@ -10,6 +10,8 @@ the server sees them as other clients than the victims on 127.0.0.1, as it would
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -314,3 +316,18 @@ def test_invented_methods_add_no_metric_series(srv):
     text = requests.get(srv.base + "/metrics", timeout=10).text
     assert "ZQX" not in text
     assert 'method="other"' in text
+
+
+def test_liveness_needs_no_engine_round_trip(srv):
+    """The engine process stopped (SIGSTOP, as a long GIL hold would): /v2/health/live still answers at once, as
+    it records itself in a batch, later; the records arrive once the engine runs again."""
+    key = 'appliance_http_requests_total{route="/v2/health/live",method="GET",status="200"}'
+    before = srv.metrics().get(key, 0)
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        for _ in range(5):
+            elapsed, status = live(srv)
+            assert status == 200 and elapsed < 2, (status, elapsed)
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    wait_until(lambda: srv.metrics().get(key, 0) >= before + 5, "the probes to be counted", timeout=20)

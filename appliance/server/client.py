@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
 
 from appliance.server import protocol as p
 
 POOL_SIZE = 8  # idle engine connections a worker keeps; the engine has one thread per open connection
+# HTTP records sent in batches, not one round trip each: the probes (and every 401, whatever its route)
+DEFERRED_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready", "/v2/models/<path:name>/ready"})
+DEFER_SECONDS = 0.5
+DEFERRED_KINDS = 1024  # distinct (route, method, status, type) kept between two batches
 
 
 class EngineUnavailable(Exception):
@@ -35,6 +40,8 @@ class EngineClient:
         self._lock = threading.Lock()
         self._max_idle = max_idle
         self._ready: dict[str, p.EngineStatus] = {}  # per model: the last ready status() answer (serving_status)
+        self._deferred: dict[tuple, int] = {}  # HTTP records not sent yet: (route, method, status, type) -> count
+        self._flusher: threading.Thread | None = None
 
     # ---- connections
     def _take(self) -> Connection:
@@ -127,11 +134,41 @@ class EngineClient:
         return self.call(p.RELOAD, timeout=p.RELOAD_SECONDS)
 
     def record_http(self, record: p.HttpRecord) -> None:
-        """A round trip, so /metrics read after a response always includes it; never fails the request."""
+        """A round trip, so /metrics read after a response always includes it; never fails the request. Probes
+        and 401s are recorded later, in batches (`_deferred`): they need no key, so anyone can send many, and a
+        liveness probe must not wait on the engine process."""
+        if record.status == 401 or record.route in DEFERRED_ROUTES:
+            return self._defer(record)
         try:
             self.call(p.RECORD_HTTP, record)
         except EngineUnavailable:
             pass
+
+    def _defer(self, record: p.HttpRecord) -> None:
+        key = (record.route, record.method, record.status, record.error_type)
+        with self._lock:
+            if key not in self._deferred and len(self._deferred) >= DEFERRED_KINDS:
+                return  # cannot happen with the bounded labels; a bound all the same
+            self._deferred[key] = self._deferred.get(key, 0) + 1
+            if self._flusher is None:
+                self._flusher = threading.Thread(target=self._flush_deferred, name="http-records", daemon=True)
+                self._flusher.start()
+
+    def _flush_deferred(self) -> None:
+        """Every DEFER_SECONDS, one call for all deferred records: the same record object repeated (pickled once)."""
+        while True:
+            time.sleep(DEFER_SECONDS)
+            with self._lock:
+                batch, self._deferred = self._deferred, {}
+            if not batch:
+                continue
+            records = []
+            for (route, method, status, error_type), count in batch.items():
+                records += [p.HttpRecord(route, method, status, 0.0, error_type)] * count
+            try:
+                self.call(p.RECORD_HTTP, *records)
+            except EngineUnavailable:
+                pass
 
     def open_job(self, job: p.Job) -> JobStream:
         conn = self._take()

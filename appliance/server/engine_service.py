@@ -149,9 +149,9 @@ class EngineService:
             if engine is not None:
                 engine.inject_fault(args[0])
             return p.Reply()
-        if op == p.RECORD_HTTP:
-            r: p.HttpRecord = args[0]
-            self.metrics.record_http(r.route, r.method, r.status, r.error_type)
+        if op == p.RECORD_HTTP:  # one record, or a worker's batch of them
+            for r in args:
+                self.metrics.record_http(r.route, r.method, r.status, r.error_type)
             return p.Reply()
         if op == p.METRICS:
             slots = self.registry.all()

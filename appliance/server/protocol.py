@@ -26,7 +26,7 @@ STATUS = "status"  # (model="") -> EngineStatus
 MODELS = "models"  # () -> list[ModelInfo], in config order
 METRICS = "metrics"  # () -> str (Prometheus text)
 TOKENIZE = "tokenize"  # (model, list[str]) -> list[list[int]]
-RECORD_HTTP = "http"  # (HttpRecord) -> Reply()
+RECORD_HTTP = "http"  # (HttpRecord, ...): one, or a batch -> Reply()
 JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
 RELOAD = "reload"  # () -> (changed: bool, list[ModelInfo]) once the loads end; Failed 400 for a broken config
 FAULT = "fault"  # (kind, model="") -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)

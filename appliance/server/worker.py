@@ -77,8 +77,8 @@ from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
 from appliance.server import edge_policy
-from appliance.server.client import EngineClient
-from appliance.server.protocol import HttpRecord
+from appliance.server.client import EngineClient, EngineUnavailable
+from appliance.server.protocol import RECORD_HTTP, HttpRecord
 from appliance.server.settings import ServeSettings
 
 PROBE_THREADS = 4  # per worker: health probes and /metrics, apart from the generation threads
@@ -308,7 +308,7 @@ class EdgeWorker(ThreadWorker):
         self.generations = edge_policy.PeerCounts(settings.client_max_generations)
         self.probe_pool = futures.ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
         self.tls_context = gsock.ssl_context(self.cfg) if self.cfg.is_ssl else None
-        self.engine = EngineClient(settings.socket_path, settings.authkey())
+        self.engine = EngineClient(settings.socket_path, settings.authkey(), max_idle=0)  # no idle connection
         threading.Thread(target=self._report_drops, name="edge-report", daemon=True).start()
         super().init_process()
 
@@ -321,9 +321,14 @@ class EdgeWorker(ThreadWorker):
         """Drop counts to the engine process (appliance_http_dropped_total), in batches: never from the loop."""
         while True:
             time.sleep(REPORT_SECONDS)
-            for reason, count in self.drops.take().items():
-                if self.engine is not None:
-                    self.engine.record_http(HttpRecord(edge_policy.DROPPED_ROUTE, reason, count, 0.0))
+            counts = self.drops.take()
+            if counts and self.engine is not None:
+                try:
+                    self.engine.call(
+                        RECORD_HTTP, *(HttpRecord(edge_policy.DROPPED_ROUTE, r, n, 0.0) for r, n in counts.items())
+                    )
+                except EngineUnavailable:
+                    pass
 
     def _dropped(self, conn: EdgeConn, reason: str, **detail) -> None:
         self.drops.note(reason, conn.peer, **detail)
