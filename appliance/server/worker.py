@@ -18,7 +18,7 @@ through: new, kept-alive, or with pipelined bytes left in its parser):
   connection, after its first byte) is closed without ever touching a thread. `Expect: 100-continue` is answered
   here and its body read here too. Requests the parser must see early (a body over the limit, framing we cannot
   follow, other expectations) are handed over at the end of their head; the thread's reads of them stay under
-  the same deadline, in total (`RequestDeadline`), and their connection is not kept alive.
+  the same deadline, in total (`RequestDeadline`), gunicorn's drain of an unread body after the response too.
 * **Buffered bytes are bounded per worker and per client** (`read_budget`, edge_policy.client_budget). Past
   either, the largest unfinished requests are closed with 503 (edge_policy.pick_victims), never a small
   newcomer: probes and small requests are not refused because of others' bodies. One client address may hold
@@ -448,11 +448,11 @@ class EdgeWorker(ThreadWorker):
         """Room for `incoming` more bytes of `conn`: within its address's share, then within the worker's budget.
         Over either, the largest unfinished requests (of that address, or of anyone) are closed with 503 until it
         fits, which is `conn` itself only when it is the largest. False when `conn` was closed."""
-        for limit, held, reason, same_peer in (
-            (self.client_budget, self.held[conn.peer], "client_bytes", True),
-            (self.budget, self.buffered, "budget_shed", False),
-        ):
-            need = held + incoming - limit
+        for reason, same_peer in (("client_bytes", True), ("budget_shed", False)):
+            if same_peer:
+                need = self.held[conn.peer] + incoming - self.client_budget
+            else:
+                need = self.buffered + incoming - self.budget
             if need <= 0:
                 continue
             sizes: dict[Any, int] = {c: len(c.buf) for c in self.reading if not same_peer or c.peer == conn.peer}
@@ -572,8 +572,6 @@ class EdgeWorker(ThreadWorker):
             keep = not failed and fs.result()
         except Exception:
             keep = False
-        if keep and conn.head is not None and conn.head.hand_over:
-            keep = False  # the parser read this body itself: whatever it left unread is not a next request
         if keep:
             return super().finish_request(conn, fs)  # kept alive (or pipelined bytes): gthread's path
         self.nr_conns -= 1
