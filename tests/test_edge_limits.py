@@ -355,3 +355,23 @@ def test_one_address_cannot_take_the_workers_connections(srv):
         for s in socks:
             s.close()
     wait_until(lambda: dropped(srv, "client_connections") >= 5, "the refusals to be counted", timeout=10)
+
+
+def test_a_full_worker_sheds_its_oldest_connection_not_the_newcomer(model_dir, tmp_path):
+    """1000 silent connections from 20 addresses (50 each, under the per-address cap) bring a worker to gunicorn's
+    worker_connections, where gthread stops accepting: the oldest are closed to make room, so a probe is answered
+    at once instead of after --request-timeout."""
+    with Server(
+        model_dir, tmp_path / "serve.log", "--workers", "1", "--threads", "4", "--request-timeout", "30"
+    ) as server:
+        socks = [connect(server, f"127.0.8.{i // 50 + 1}") for i in range(1000)]
+        try:
+            time.sleep(1.0)  # accepted by the worker
+            for _ in range(3):
+                elapsed, status = live(server)
+                assert status == 200 and elapsed < 2, (status, elapsed)
+            assert 1 <= sum(is_closed(s) for s in socks) < 100
+        finally:
+            for s in socks:
+                s.close()
+        wait_until(lambda: dropped(server, "connections_full") >= 1, "the sheds to be counted", timeout=10)

@@ -46,6 +46,7 @@ DROP_REASONS = frozenset(
         "budget_shed",  # a worker's read budget was full: its largest unfinished request was closed (503)
         "client_bytes",  # one address's unfinished requests held its share of the budget: its largest closed (503)
         "client_connections",  # one address opened more connections than it may hold in a worker (503)
+        "connections_full",  # a worker at its connection limit closed its oldest unfinished request (503)
         "generation_cap",  # one key or address ran more generations at once than allowed (429)
         "head_too_large",  # 431
         "request_timeout",  # a request not complete within --request-timeout

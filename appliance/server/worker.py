@@ -23,7 +23,8 @@ through: new, kept-alive, or with pipelined bytes left in its parser):
   either, the largest unfinished requests are closed with 503 (edge_policy.pick_victims), never a small
   newcomer: probes and small requests are not refused because of others' bodies. One client address may hold
   only so many connections (--client-max-connections), and, if the operator sets it, run so many generations at
-  once per address and per API key (--client-max-generations, 429 past it).
+  once per address and per API key (--client-max-generations, 429 past it). A worker about to reach
+  `worker_connections` (where gthread stops accepting) closes its oldest idle or unfinished connection first.
 * **Probes have their own threads.** The path is known before dispatch, so `/v2/health/*`, `/v2/models/*/ready`
   and `/metrics` go to a small separate pool (`PROBE_THREADS`): they answer while every generation thread is busy.
 * **Sends are bounded.** A request's socket gets a `send_timeout` timeout; Python's `sendall` with a timeout
@@ -363,10 +364,30 @@ class EdgeWorker(ThreadWorker):
                 self.connections.release(peer)
                 client_sock.close()
                 return
+        if self.nr_conns + 1 >= self.worker_connections:
+            self._shed_a_connection()
         self.nr_conns += 1
         conn = EdgeConn(self.cfg, client_sock, client_addr, listener.getsockname())
         conn.on_close = self._on_conn_closed
         self.enqueue_req(conn)
+
+    def _shed_a_connection(self) -> None:
+        """The worker is about to hold `worker_connections`, where gthread stops accepting (probes included):
+        the oldest idle kept-alive connection goes, else the oldest unfinished request, so that a newcomer is
+        never the one left out."""
+        if self.keepalived_conns:
+            conn = self.keepalived_conns.popleft()
+            try:
+                self.poller.unregister(conn.sock)
+            except (OSError, KeyError, ValueError):
+                pass
+            self.nr_conns -= 1
+            conn.close()
+            return
+        oldest = next(iter(self.reading), None)
+        if oldest is not None:
+            self._dropped(oldest, "connections_full", held=len(oldest.buf))
+            self._drop(oldest, _BUSY)
 
     def _on_conn_closed(self, conn: EdgeConn) -> None:
         self.connections.release(conn.peer)
