@@ -138,3 +138,30 @@ def test_every_route_of_the_app_is_a_known_metric_route(tmp_path):
     app = create_app(settings, client=object())  # type: ignore[arg-type]
     rules = {rule.rule for rule in app.url_map.iter_rules() if rule.endpoint != "static"}
     assert rules <= ROUTES, rules - ROUTES
+
+
+def test_probe_and_401_records_go_to_the_engine_in_one_batch(monkeypatch):
+    """EngineClient.record_http: a probe or a 401 costs the request no engine round trip; they are sent together,
+    later, in one call. Other responses are still recorded before the response ends."""
+    import time
+
+    from appliance.server import client as c
+    from appliance.server import protocol as p
+
+    monkeypatch.setattr(c, "DEFER_SECONDS", 0.05)
+    engine = c.EngineClient("/nonexistent", b"k")
+    calls: list = []
+    monkeypatch.setattr(engine, "call", lambda op, *args, **kw: calls.append((op, args)))
+    for _ in range(100):
+        engine.record_http(p.HttpRecord("/v2/health/live", "GET", 200, 0.001))
+    for _ in range(50):
+        engine.record_http(p.HttpRecord("unmatched", "other", 401, 0.001, "invalid_request_error"))
+    assert calls == []
+    deadline = time.monotonic() + 10
+    while sum(len(args) for _, args in calls) < 150 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    records = [r for op, args in calls for r in args if op == p.RECORD_HTTP]
+    assert len(records) == 150 and len(calls) <= 2  # one batch (two if a flush fell between the loops above)
+    assert {(r.route, r.status) for r in records} == {("/v2/health/live", 200), ("unmatched", 401)}
+    engine.record_http(p.HttpRecord("/v3/completions", "POST", 200, 0.1))
+    assert calls[-1][1][0].route == "/v3/completions"  # at once
