@@ -5,11 +5,14 @@ sequence's history (prompt + generated, as transformers' NoBadWordsLogitsProcess
 NoRepeatNGramLogitsProcessor see input_ids):
 
 - bad words: each string is tokenized without special tokens both as written and with a leading space (a word
-  inside text is usually a different token than at the start, as vLLM does), plus bad_word_tokens as given. A
+  inside text is usually a different token than at the start, as vLLM does), plus bad_word_tokens as given. The
+  server does this once per request on the caller's thread (Engine.prepare), so `build` on the engine thread only
+  arranges token tuples; the request's `setup_work` (appliance/limits.py) counts their tokens per sequence. A
   one-token sequence is banned at every step; a longer one bans its last token wherever the history ends with
   the rest of it.
 - no_repeat_ngram n > 1: a token is banned when the last n - 1 tokens followed by it form an n-gram already in the
-  history. The (n-1)-gram -> next tokens index is built once from the prompt (shared, never changed afterwards)
+  history (n at most the limits table's `no_repeat_ngram`; prompt tokens x (n - 1) count in `setup_work`). The
+  (n-1)-gram -> next tokens index is built once from the prompt (shared, never changed afterwards)
   and extended with the tokens generated since the previous call, so a step costs O(new tokens + n), not a rescan.
 
 Copies (beam search forks a beam's sampler, beam_search.fork_sampler) share the prompt's index and copy only
@@ -65,7 +68,8 @@ class Bans:
         for word in params.bad_words:
             for text in (word, " " + word.lstrip()):
                 seqs.add(tuple(tokenizer.encode(text, add_special_tokens=False)))
-        seqs.update(tuple(int(t) for t in ids) for ids in params.bad_word_tokens)
+        # Engine.prepare already made them tuples of ints (and tokenized bad_words), once per request
+        seqs.update(ids if isinstance(ids, tuple) else tuple(int(t) for t in ids) for ids in params.bad_word_tokens)
         seqs = {s for s in seqs if s and min(s) >= 0}
         ngram = params.no_repeat_ngram or 0
         if not seqs and ngram <= 1:

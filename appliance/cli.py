@@ -477,6 +477,9 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     slots, knobs = _static_knobs(args, manifest, paged_only=size is not None or precision != "auto")
     cache_dir = _cache_dir(args.cache_dir, manifest)
     speculation = _speculation(args, slots)
+    sharing = args.prefix_cache_sharing.strip().lower()  # the prefix cache per API key or shared (docs/kv-cache.md)
+    if sharing not in ("keys", "shared"):
+        raise SystemExit("appliance: --prefix-cache-sharing must be keys or shared")
     engine = EngineConfig(
         device=args.device,
         precision="f32" if args.precision == "f32" else None,
@@ -487,6 +490,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_queued=args.max_queued,
         prefix_caching=args.enable_prefix_caching,
+        prefix_cache_sharing=sharing,
         static=bool(args.static),
         num_threads=args.num_threads,
         cache_dir=str(cache_dir) if cache_dir else None,

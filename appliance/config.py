@@ -73,6 +73,12 @@ class EngineConfig:
         "reuse the KV blocks of shared prompt prefixes (OVMS's enable_prefix_caching; paged attention)",
         flag="enable-prefix-caching",
     )
+    prefix_cache_sharing: str = setting(
+        "keys",
+        "`keys`: each API key has its own prefix cache (a hit, `cached_tokens` and its speed, would tell one "
+        "key what another sent); `shared`: all keys reuse each other's prefixes (one tenant)",
+        flag="prefix-cache-sharing",
+    )
     # The --static-* flags default to "not given" (cli=None): the CLI refuses them where static shapes are off.
     static: bool = setting(
         False,

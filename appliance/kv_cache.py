@@ -15,6 +15,13 @@ Python's unsalted 64-bit hash()). It is a keyed BLAKE2b (16 bytes) over the pare
 ids, keyed with a per-process random salt (a fresh one per BlockPool), so nobody can search for a collision
 offline. Cost: about 1.5 us per full block (timeit, 16 or 32 tokens, on the 2-core dev box; hash() was 0.15 us),
 once per block a prompt fills or looks up, never per token.
+
+Tenants: a hit is visible (`usage.prompt_tokens_details.cached_tokens`, and the time to the first token), so a
+cache shared by several API keys tells one key, block by block, what another key sent (a guessed document: 96 of
+its 104 tokens "cached"). So a request carries a namespace (`SamplingParams.cache_scope`: the id of its API key,
+unless the operator chose `--prefix-cache-sharing shared`), and the chain of its blocks starts from that
+namespace's root, a keyed hash of the scope instead of the all-zero parent: two scopes never name a block alike,
+so a prompt finds only its own scope's blocks. The shared namespace ("") keeps the all-zero root.
 """
 
 from __future__ import annotations
@@ -85,12 +92,19 @@ class BlockPool:
                 raise RuntimeError(f"block {b} freed twice")
 
     # ---- prefix caching ----
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:
-        """Cached blocks for the longest run of full blocks at the start of `tokens`, taken (ref + 1), and
-        their chained hashes. At least one token is left to compute: its logits give the first sample."""
+    def root(self, scope: str) -> bytes | None:
+        """The parent of the first block of a prompt in namespace `scope` (None: the shared namespace, "")."""
+        if not scope:
+            return None
+        return hashlib.blake2b(b"scope\0" + scope.encode(), digest_size=DIGEST_SIZE, key=self.salt).digest()
+
+    def match_prefix(self, tokens: list[int], scope: str = "") -> tuple[list[int], list[bytes]]:
+        """Cached blocks for the longest run of full blocks at the start of `tokens` in namespace `scope`, taken
+        (ref + 1), and their chained hashes. At least one token is left to compute: its logits give the first
+        sample."""
         if not self.prefix_caching:
             return [], []
-        bs, blocks, hashes, parent = self.block_size, [], [], None
+        bs, blocks, hashes, parent = self.block_size, [], [], self.root(scope)
         self.queries += len(tokens)
         for start in range(0, len(tokens) - 1 - bs + 1, bs):
             key = tuple(tokens[start : start + bs])
@@ -108,8 +122,9 @@ class BlockPool:
         return blocks, hashes
 
     def register(self, block: int, parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
-        """Name a block that just became full; returns its name (the parent of the next block). Without prefix
-        caching nothing is named: every block gets the same placeholder."""
+        """Name a block that just became full; returns its name (the parent of the next block; a prompt's first
+        block has its namespace's `root`). Without prefix caching nothing is named: every block gets the same
+        placeholder."""
         if not self.prefix_caching:
             return _ROOT
         h = chain_hash(self.salt, parent, tokens)

@@ -84,6 +84,29 @@ class Limits:
     prediction_chars: int = setting(
         65536, "characters of a `prediction` (OpenAI's Predicted Outputs: text the answer is expected to repeat)"
     )
+    no_repeat_ngram: int = setting(
+        32,
+        "`no_repeat_ngram` (Friendli: no n-gram of this size repeats) in [0, this]; its index counts in `setup_work`",
+    )
+    # What a request's sequences cost the engine thread before and while they start, in positions indexed: per
+    # sequence, its bad word tokens (the ban table; bad words are tokenized once per request, with and without a
+    # leading space) + the prediction's tokens x the prompt-lookup n-gram size (the draft index) + the prompt's tokens
+    # x (no_repeat_ngram - 1) (the n-gram ban index). Measured on the 2-core dev box: about 1 us and 150 bytes per
+    # unit (prompt lookup: 65,536 tokens x 16 sizes = 1.0 s, 160 MB; no_repeat_ngram 4001 over 8,000 tokens:
+    # 0.35 s, 130 MB), so the default keeps one request to well under half a second and ~80 MB of index. Typical
+    # use is far below: 8,000 prompt tokens with no_repeat_ngram 3 x 20 choices is 320,000.
+    setup_work: int = setting(
+        524288,
+        "per-request set-up work in positions indexed, summed over its sequences: bad word tokens + prediction "
+        "tokens x n-gram size + prompt tokens x (no_repeat_ngram - 1); checked after tokenization, else 400",
+        flag="max-setup-work",
+    )
+    generated_logprobs: int = setting(
+        524288,
+        "generated logprobs one request may produce: n x max tokens (or what the context leaves) x "
+        "(1 + logprobs), checked after tokenization, else 400 (~150 bytes each in the HTTP worker)",
+        flag="max-generated-logprobs",
+    )
     # float ranges
     temperature: float = setting(2.0, "`temperature` in [0, this]")
     penalty: float = setting(2.0, "`frequency_penalty`, `presence_penalty` in [-this, this]")

@@ -73,6 +73,12 @@ class SamplingParams:
     # OpenAI's Predicted Outputs (`prediction.content`): text the answer is expected to repeat, a source of
     # prompt-lookup drafts (tokenized engine-side)
     prediction: str | None = None
+    # `prediction` as token ids: Engine.prepare tokenizes it (and `bad_words` into bad_word_tokens) once per
+    # request, on the caller's thread, so a request's choices share the work and the engine thread never does it
+    prediction_ids: list[int] | None = None
+    # prefix-cache namespace (the API key's, unless the operator shares the cache): blocks cached for one scope
+    # are never a hit for another ("": the shared namespace)
+    cache_scope: str = ""
 
     @property
     def greedy(self) -> bool:

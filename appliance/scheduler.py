@@ -67,7 +67,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt position
-                seq.block_table, seq.block_hashes = self.pool.match_prefix(seq.token_ids)
+                seq.block_table, seq.block_hashes = self.pool.match_prefix(seq.token_ids, seq.params.cache_scope)
                 seq.num_computed = len(seq.block_table) * self.pool.block_size
                 if seq.first_scheduled is None:  # its first admission: a preempted one's own blocks are no hit
                     seq.num_cached = min(seq.num_computed, seq.prompt_len)
@@ -124,7 +124,7 @@ class Scheduler:
         bs = self.pool.block_size
         while len(seq.block_hashes) < seq.num_computed // bs:
             j = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if j else None
+            parent = seq.block_hashes[-1] if j else self.pool.root(seq.params.cache_scope)  # the key's namespace
             seq.block_hashes.append(
                 self.pool.register(seq.block_table[j], parent, tuple(seq.token_ids[j * bs : (j + 1) * bs]))
             )

@@ -9,6 +9,13 @@ Chat content stays content (`encode_chat`): a special token's text inside a mess
 is encoded as plain text, never as the control token, as the OpenAI API does; otherwise a user could close their
 turn and open a `system` one against the operator's prompt. Raw prompts (`encode`) keep mapping special-token text
 to the special tokens (what completions clients and OVMS expect).
+
+Encoding never holds the GIL for long: every encode goes through `tokenizers`' `encode_batch`, which releases it
+while the Rust side works (`encode` keeps it for the whole call: 1,000,000 digits took 3.6 s, during which another
+Python thread ticking every 10 ms ran once). The engine process runs every model's engine thread, the probes and
+the watchdog, so one long prompt must not stop them. And text that cannot fit is refused before it is encoded at
+all: `max_token_chars` (below) bounds how many characters one token can stand for, so a text longer than
+tokens x that cannot become `tokens` tokens or fewer (`TextTooLong`).
 """
 
 from __future__ import annotations
@@ -95,6 +102,75 @@ def _never_prepend(node: Any) -> bool:
     return found
 
 
+# Pipeline parts that never make the text shorter (so every input character is still covered by some token):
+# normalizers that only add or expand characters, pre-tokenizers that only split or map one-to-one.
+_GROWING_NORMALIZERS = frozenset({"Prepend", "NFD", "NFKD", "Lowercase"})
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Metaspace", "UnicodeScripts"})
+_SPLITTERS = frozenset({"Split", "Punctuation"})
+
+
+def _never_shrinks(node: Any, kind: str) -> bool:
+    """Whether a serialized normalizer / pre-tokenizer keeps every input character (None: no such step)."""
+    if node is None:
+        return True
+    t = node.get("type")
+    if t == "Sequence":
+        return all(_never_shrinks(n, kind) for n in node.get(kind + "s", node.get("normalizers", [])))
+    if kind == "normalizer":
+        if t in _GROWING_NORMALIZERS:
+            return True
+        if t == "Replace":  # a plain string replaced by one at least as long
+            pattern = node.get("pattern") or {}
+            return "String" in pattern and len(node.get("content", "")) >= len(pattern["String"])
+        return False
+    if t in _KEEPING_PRE_TOKENIZERS:
+        return True
+    return t in _SPLITTERS and str(node.get("behavior", "")).lower() != "removed"
+
+
+def max_token_chars(state: dict) -> int | None:
+    """The most input characters one token can stand for, for a tokenizer serialized as `state` (tokenizer.json),
+    or None when no such bound holds (then texts are not refused by length before encoding).
+
+    Why it is sound: every character of the input (after normalization) belongs to exactly one token's span, the
+    spans do not overlap, and a token's span is its own text: its string in the vocabulary (byte-level BPE writes
+    one vocabulary character per byte, and a character is at least one byte, so the string is at least as long
+    as the characters it covers; SentencePiece writes one per character, `<0xNN>` a single byte), or an added
+    token's content. So a text of C characters becomes at least C / L tokens, L the longest such string, and a
+    text longer than T x L characters cannot be T tokens or fewer. This holds only while nothing drops or merges
+    characters, so the bound is None for anything that might: a normalizer that can shorten the text (NFC/NFKC
+    compose, Strip, StripAccents, Bert's cleaning, SentencePiece's precompiled map), a pre-tokenizer that drops
+    (Whitespace, Bert, a Split that removes), a model that gives one token to a run of unknown characters (BPE
+    with fuse_unk and no byte fallback, Unigram without it, WordPiece, WordLevel), or an added token that eats the
+    whitespace around it (lstrip/rstrip). Adding characters (a prefix space, post-processor tokens) only makes more
+    tokens, so it never breaks the bound."""
+    model = state.get("model") or {}
+    kind = model.get("type")
+    if kind == "BPE":
+        if model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback"):
+            return None
+    elif kind == "Unigram":
+        if not model.get("byte_fallback"):
+            return None
+    else:
+        return None
+    if not (
+        _never_shrinks(state.get("normalizer"), "normalizer")
+        and _never_shrinks(state.get("pre_tokenizer"), "pretokenizer")
+    ):
+        return None
+    added = state.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    vocab = model.get("vocab") or {}
+    pieces = vocab.keys() if isinstance(vocab, dict) else (v[0] for v in vocab)  # Unigram: [[piece, score], ...]
+    return max((len(p) for p in [*pieces, *(a.get("content", "") for a in added)]), default=None) or None
+
+
+class TextTooLong(ValueError):
+    """A text with more characters than the tokens it may become can hold (refused before encoding)."""
+
+
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
 
@@ -171,6 +247,7 @@ class Tokenizer:
         self._special_re = re.compile("|".join(map(re.escape, self._special_texts))) if self._special_texts else None
         self._plain: tuple[tokenizers.Tokenizer, tokenizers.Tokenizer] | None = None  # built on first use
         self._plain_lock = threading.Lock()
+        self.max_token_chars: int | None = max_token_chars(json.loads(tok.to_str()))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -199,9 +276,27 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.special_tokens.get("eos_token")
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Default False: chat templates already spell out BOS and friends in the text."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
+        """Default False: chat templates already spell out BOS and friends in the text. `max_tokens`: refuse
+        (TextTooLong) a text that cannot be that many tokens or fewer, before encoding it."""
+        self.check_length(text, max_tokens)
+        return self.encode_many([text], add_special_tokens)[0]
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """Each text's ids, encoded without holding the GIL (`encode_batch`; see the module docstring)."""
+        if not texts:
+            return []
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def check_length(self, text: str, max_tokens: int | None) -> None:
+        """TextTooLong when `text` has more characters than `max_tokens` tokens can stand for (max_token_chars);
+        nothing when either bound is unknown."""
+        per = self.max_token_chars
+        if max_tokens is not None and per is not None and len(text) > max_tokens * per:
+            raise TextTooLong(
+                f"the text has {len(text)} characters, more than {max_tokens} tokens can hold "
+                f"(at most {per} characters per token with this tokenizer)"
+            )
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -279,7 +374,13 @@ class Tokenizer:
         except Exception as e:  # TemplateError, or e.g. a TypeError from messages the template did not expect
             raise ValueError(f"chat template error: {e}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
+        **template_kwargs,
+    ) -> list[int]:
         """The chat prompt's ids: apply_chat_template, then encode, except that special-token text coming from the
         request (any string in `messages` or in `template_kwargs`, e.g. tools) is encoded as plain text.
 
@@ -295,10 +396,13 @@ class Tokenizer:
         included), and each run of text between two of them that holds a marker is encoded again, markers turned
         back into the tokens' text, by a copy of the tokenizer whose special tokens are plain text
         (`encode_special_tokens`, tokenizers >= 0.15). Runs without a marker keep the normal encoding's ids.
+
+        `max_tokens`: the rendered text is refused (TextTooLong) before encoding when it cannot fit (`encode`).
         """
         inputs = (messages, template_kwargs)
         if self._special_re is None or not any(self._special_re.search(s) for s in _strings(inputs)):
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, **template_kwargs))
+            rendered = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            return self.encode(rendered, max_tokens=max_tokens)
         special_re = self._special_re
         taken: set[str] = set()  # one pass over the inputs (a large body must not cost 6400 scans)
         for s in (
@@ -318,11 +422,15 @@ class Tokenizer:
         rendered = self.apply_chat_template(
             _map_strings(messages, mark), add_generation_prompt, **_map_strings(template_kwargs, mark)
         )
+        # what gets encoded: the markers back as the special tokens' texts (each piece of them still a token of at
+        # most max_token_chars characters)
+        plain = re.sub(f"{sentinel}(\\d+){sentinel}", lambda m: self._special_texts[int(m.group(1))], rendered)
+        self.check_length(plain, max_tokens)
         return self._encode_marked(rendered, sentinel)
 
     def _encode_marked(self, rendered: str, sentinel: str) -> list[int]:
         marker = re.compile(f"{sentinel}(\\d+){sentinel}")
-        enc = self._tok.encode(rendered, add_special_tokens=False)
+        enc = self._tok.encode_batch([rendered], add_special_tokens=False)[0]
         ids: list[int] = []
         run: list[int] = []  # the normal encoding of the text since the last real special token
         start = 0  # where that text starts in `rendered`
@@ -334,7 +442,8 @@ class Tokenizer:
                 return
             # A marker a template filter cut in two leaves a lone sentinel: it is ours, not the user's, so drop it
             text = marker.sub(lambda m: self._special_texts[int(m.group(1))], text).replace(sentinel, "")
-            ids.extend(self._plain_tokenizer(first=start == 0).encode(text, add_special_tokens=False).ids)
+            plain = self._plain_tokenizer(first=start == 0)
+            ids.extend(plain.encode_batch([text], add_special_tokens=False)[0].ids)
 
         for i, (a, b) in zip(enc.ids, enc.offsets):
             # A special id is a template token only if it matched its text (an <unk> may stand for a marker)

@@ -876,7 +876,7 @@ def test_message_count_is_bounded():
 
 
 class StubTokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
         text.encode("utf-8")  # as tokenizers: a lone surrogate is refused (there a TypeError)
         if "\x00" in text:
             raise TypeError("TextInputSequence must be str")
@@ -892,7 +892,12 @@ class StubRuntime:
 
         self.tokenizer = StubTokenizer()
         self.manifest = SimpleNamespace(vocab_size=100)
+        self.max_context = 8192
+        self.config = SimpleNamespace(max_ngram_size=3, prefix_cache_sharing="keys")
         self.submitted = []
+
+    def prepare(self, params):
+        return params
 
     def submit_prompts(self, requests):
         self.submitted.append(requests)

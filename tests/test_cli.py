@@ -273,6 +273,7 @@ FLAGS = {
     "max-num-batched-tokens": (int, 512),
     "max-queued": (int, 256),
     "enable-prefix-caching": (bool, True),
+    "prefix-cache-sharing": (str, "keys"),
     "static": (bool, None),
     "static-context": (int, None),
     "static-batch": (int, None),
@@ -291,6 +292,8 @@ FLAGS = {
     "max-n": (int, 20),
     "max-best-of": (int, 20),
     "max-prompt-logprobs": (int, 65536),
+    "max-setup-work": (int, 524288),
+    "max-generated-logprobs": (int, 524288),
     "max-messages": (int, 1024),
 }
 

@@ -5,6 +5,12 @@ queue bound is checked and counted under one lock, so two callers never pass on 
 through an inbox the engine thread drains at the top of each iteration, where each request gets its per-sequence
 processors (sampler, detokenizer, stop matcher) and enters the scheduler. Cancels take the same inbox, so a
 request's KV is freed by the engine thread, between steps.
+
+What can be done once per request is done on the caller's thread (`prepare`: bad words and the prediction
+tokenized, without the GIL, and shared by every choice and prompt of the request), and what the engine thread
+still does per sequence is bounded by the request's `setup_work` (appliance/limits.py). The drain itself has a time
+budget (INBOX_BUDGET_SECONDS): a big submission is started a prompt at a time across iterations, with a step of
+the running sequences between, so one request never holds the others' tokens back for long.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import queue
 import time
 import uuid
+from dataclasses import replace
 
 from appliance.bans import Bans
 from appliance.detokenizer import IncrementalDetokenizer
@@ -26,8 +33,13 @@ from appliance.params import SamplingParams
 from appliance.sampling import SequenceSampler
 from appliance.sequence import Sequence, Status
 from appliance.stopping import StopStringMatcher, resolve_prompt_limits, stop_token_ids
+from appliance.tokenizer import TextTooLong
 
 log = logging.getLogger("appliance.engine")
+
+# How long one drain of the inbox may start sequences before a step runs (when any sequence is running): a prompt's
+# group of choices starts in about 1 ms (sampler, detokenizer, ban index), so this is tens of prompts per step.
+INBOX_BUDGET_SECONDS = 0.02
 
 
 class QueueFull(Exception):
@@ -81,6 +93,35 @@ class Admission(EngineState):
         self._enqueue(groups)
         return [[RequestHandle(self, seq) for seq in seqs] for seqs in groups]
 
+    def prepare(self, params: SamplingParams) -> SamplingParams:
+        """`params` with its texts tokenized: `bad_words` (as written and with a leading space) added to
+        `bad_word_tokens`, `prediction` as `prediction_ids`. Call it once per request on the caller's thread and
+        share the result among the request's sequences (submit does it per sequence for a caller that did not).
+        ValueError (400) for a prediction that cannot fit the context, checked in characters before encoding."""
+        words = [t for word in params.bad_words for t in (word, " " + word.lstrip())]
+        wants_prediction = params.prediction is not None and params.prediction_ids is None
+        if not words and not wants_prediction:
+            return params
+        changes: dict = {}
+        if words:
+            given = (tuple(int(t) for t in ids) for ids in params.bad_word_tokens)
+            seqs = {*given, *map(tuple, self.tokenizer.encode_many(words))}
+            changes.update(bad_words=[], bad_word_tokens=sorted(s for s in seqs if s and min(s) >= 0))
+        if wants_prediction:
+            assert params.prediction is not None
+            text, limit = params.prediction, self.max_context
+            try:
+                ids = self.tokenizer.encode(text, max_tokens=limit) if text else []
+            except TextTooLong as exc:
+                raise ValueError(f"prediction: {exc}, the model's context") from None
+            if len(ids) > limit:
+                raise ValueError(
+                    f"prediction: {len(ids)} tokens, more than the model max length: {limit} (an answer cannot be "
+                    "longer)"
+                )
+            changes["prediction_ids"] = ids
+        return replace(params, **changes)
+
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[GenerationResult]:
         """Submit and wait: the request's choices (one, or params.n for a beam search)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -114,6 +155,7 @@ class Admission(EngineState):
                 f"{cap} (static shapes / NPU: --max-prompt-len, OVMS's max_prompt_len)"
             )
         limit = self.max_context
+        params = self.prepare(params)  # nothing to do when the caller prepared it (JobRunner does, once)
         params = resolve_prompt_limits(params, len(prompt_ids), limit)  # max/min_total_tokens, min_tokens -1
         if params.grammar is not None:  # compiled here, off the engine thread (cached per grammar): 400 if invalid
             self.grammars.check(params.grammar)
@@ -161,11 +203,25 @@ class Admission(EngineState):
 
     # ---- engine thread ----
     def _drain_inbox(self) -> None:
-        while True:
+        """Start what was submitted and apply cancels, in order, for at most INBOX_BUDGET_SECONDS while anything
+        runs: the rest waits in `_backlog` for the next iteration (a submission split into its prompts' groups),
+        so a step runs between two slices of a big submission."""
+        backlog = self._backlog
+        while True:  # everything the inbox holds, in order (cheap: no work yet)
             try:
                 op, target = self._inbox.get_nowait()  # ("add", groups of sequences) or ("cancel", one)
             except queue.Empty:
+                break
+            if op == "add":
+                backlog.extend(("add", [seqs]) for seqs in target)
+            else:
+                backlog.append((op, target))
+        deadline = time.monotonic() + INBOX_BUDGET_SECONDS
+        while backlog:
+            if self.scheduler.running and time.monotonic() > deadline:
+                self._wake.set()  # more to start: do not idle-wait before the next iteration
                 return
+            op, target = backlog.popleft()
             try:
                 self._take(op, target)
             except Exception as exc:  # one submission or cancel fails alone

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,6 +72,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness, Speculation):
         self._load_proposers()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_seqs = 0
+        self._backlog: deque = deque()
         self._admit = threading.Lock()
         self._wake = threading.Event()
         self._stop = False

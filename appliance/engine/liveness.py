@@ -112,10 +112,13 @@ class Liveness(EngineState):
         """End every request the engine holds (inbox, waiting, running) with an error; each on its own, best
         effort (one that cannot be ended does not keep the others waiting)."""
         while True:
-            try:
-                op, target = self._inbox.get_nowait()
-            except queue.Empty:
-                break
+            if self._backlog:  # taken from the inbox, not started yet (_drain_inbox's time budget)
+                op, target = self._backlog.popleft()
+            else:
+                try:
+                    op, target = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
             if op == "add":
                 with self._admit:
                     self._inbox_seqs -= sum(map(len, target))

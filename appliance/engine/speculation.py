@@ -93,7 +93,7 @@ class Speculation(EngineState):
             return
         if p.assistant_confidence_threshold is not None:
             name: str | None = "draft"
-        elif p.prediction or p.max_ngram_size is not None:
+        elif p.prediction or p.prediction_ids or p.max_ngram_size is not None:
             name = "prompt_lookup"
         else:
             name = config.speculative()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -45,6 +46,7 @@ class EngineState:
     _stop: bool
     _inbox: queue.SimpleQueue  # ("add", groups of sequences) or ("cancel", a Sequence or BeamGroup)
     _inbox_seqs: int  # sequences submitted, not yet taken by the engine thread
+    _backlog: deque  # inbox entries drained but not taken yet (the drain's time budget), in order
     _admit: threading.Lock  # check and count a submission at once (no two pass on one slot)
     _ids: itertools.count
     # liveness: time.monotonic() of the loop's last iteration (at least every IDLE_WAIT s when idle, every step

@@ -73,6 +73,7 @@ class Api:
         g.admin = admin_keys is not None and admin_keys.accepts(header)  # an admin key is a client key too
         if keys is not None and not g.admin and not keys.accepts(header):
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
+        g.tenant = keys.key_id(request.headers.get("Authorization", "")) if keys is not None else ""
 
     @staticmethod
     def json_body():
@@ -116,6 +117,7 @@ class Api:
         g.request_id = request_id
         job = make_job(sampling_params(gen, status.generation_defaults), request_id)
         job.model = gen.model
+        job.tenant = g.get("tenant", "")  # which key: its own namespace in the prefix cache
         sock = request.environ.get("gunicorn.socket")
         meta = Meta(
             request_id,

@@ -621,8 +621,9 @@ COMPLETION = (
         "no_repeat_ngram",
         "no_repeat_ngram is not an unsigned integer",
         Min(0),
-        Max(UINT32_MAX),
-        description="Friendli: no n-gram of this size occurs twice in prompt + output; 0 and 1 = off.",
+        Max("no_repeat_ngram", "no_repeat_ngram out of range [0, {no_repeat_ngram}]"),
+        description="Friendli: no n-gram of this size occurs twice in prompt + output; 0 and 1 = off; at most "
+        "{no_repeat_ngram}.",
     ),
     integer(
         "max_total_tokens",

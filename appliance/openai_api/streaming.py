@@ -135,6 +135,7 @@ class Generation:
         self.client, self.job, self.shape, self.meta = client, job, shape, meta
         self.include_usage = include_usage
         self.want_logprobs = job.params.logprobs is not None
+        self.streaming = False  # sse(): a chunk's logprobs go out in its delta and are not kept
         self.deadline = time.monotonic() + timeout if timeout else None
         self.client_gone = client_gone
         self.accepted: p.Accepted | None = None
@@ -218,7 +219,8 @@ class Generation:
             deltas.extend(made if isinstance(made, list) else [made])
         c.parts.append(chunk.text)
         if logprobs:
-            c.logprobs += logprobs
+            if not self.streaming:  # a unary body needs them all (bounded: the limits table's generated_logprobs)
+                c.logprobs += logprobs
             c.offset += sum(len(lp.token) for lp in logprobs)
         c.completion_tokens = chunk.completion_tokens or c.completion_tokens
         if chunk.finish_reason:
@@ -245,6 +247,7 @@ class Generation:
     # ---- phase 2b: streaming (Server-Sent Events)
     def sse(self) -> Iterator[str]:
         """Closing this generator early (client gone) closes the job, which cancels it engine-side."""
+        self.streaming = True
         try:
             for event in self._chunks():
                 for choice in self._apply(event):

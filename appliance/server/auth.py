@@ -74,6 +74,14 @@ class ApiKeys:
             matched |= hmac.compare_digest(digest, key)
         return matched and scheme.lower() == "bearer"
 
+    def key_id(self, authorization: str) -> str:
+        """A non-secret id of the key a request carries: its place in the key file ("0", "1", ...), "" for none.
+        It keeps tenants apart in the prefix cache (jobs.py). Every key is compared, as in `accepts`."""
+        _, _, token = authorization.strip().partition(" ")
+        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        matches = [hmac.compare_digest(digest, key) for key in self.digests]
+        return str(matches.index(True)) if True in matches else ""
+
 
 @cache
 def api_keys(path: str | None) -> ApiKeys | None:

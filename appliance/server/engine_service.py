@@ -24,6 +24,7 @@ from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
 from appliance.server.settings import ModelSpec, ServeSettings
 from appliance.server.slots import Models, Rejected, model_not_found, not_ready, single_spec
+from appliance.tokenizer import TextTooLong
 
 if TYPE_CHECKING:
     from appliance.engine import Engine
@@ -164,7 +165,8 @@ class EngineService:
             slot = self.registry.slot(name)
             if slot.engine is None or slot.state != "ready":
                 return p.Reply(error=not_ready(slot.state))
-            return p.Reply([slot.engine.tokenizer.encode(text, add_special_tokens=True) for text in texts])
+            ids = tokenize(slot.engine, texts)
+            return p.Reply(error=ids) if isinstance(ids, p.Failed) else p.Reply(ids)
         if op == p.RELOAD:
             if self.reloader is None:
                 return p.Reply(error=p.Failed(400, "no config file: start the server with --config to reload it"))
@@ -193,3 +195,16 @@ class EngineService:
             *slot.parsers(),
             serial=slot.serial,
         )
+
+
+def tokenize(engine: Engine, texts: list[str]) -> list[list[int]] | p.Failed:
+    """/tokenize's ids, as a prompt is tokenized (BOS included): without holding the GIL, and a text that cannot
+    fit the model's context refused (400) before anything is encoded, as a prompt is."""
+    tok, limit = engine.tokenizer, engine.max_context
+    for index, text in enumerate(texts):
+        try:
+            tok.check_length(text, limit)
+        except TextTooLong as exc:
+            where = f"prompt {index}" if len(texts) > 1 else "the prompt"
+            return p.Failed(400, f"{where} cannot fit the model max length: {limit}: {exc}", "prompt")
+    return tok.encode_many(texts, add_special_tokens=True)

@@ -24,6 +24,7 @@ from appliance.outputs import Chunk, Timing
 from appliance.server import protocol as p
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready
+from appliance.tokenizer import TextTooLong
 
 if TYPE_CHECKING:
     from appliance.engine import Engine
@@ -88,6 +89,16 @@ class JobRunner:
             echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
         except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
             raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
+        try:  # bad words and the prediction tokenized once for all the request's sequences, off the engine thread
+            prepared = engine.prepare(job.params)
+        except (TypeError, ValueError) as exc:
+            param = "prediction" if str(exc).startswith("prediction") else "bad_words"
+            raise Rejected(p.Failed(400, str(exc), param)) from None
+        if job.tenant and engine.config.prefix_cache_sharing == "keys":  # API keys apart in the prefix cache
+            prepared = replace(prepared, cache_scope=job.tenant)
+        job = replace(job, params=prepared)
+        check_setup(job, prompts, engine, limits)
+        check_generated_logprobs(job, prompts, engine.max_context, limits)
         k = job.params.prompt_logprobs
         volume = sum(map(len, prompts)) * (1 + k) * job.n if k is not None else 0
         if volume > limits.prompt_logprobs:  # echo + logprobs: an entry per prompt token and alternative, per choice
@@ -216,10 +227,55 @@ class JobRunner:
         return last
 
 
+def check_setup(job: p.Job, prompts: list[list[int]], engine: Engine, limits: Limits) -> None:
+    """Rejected (400) when the request's set-up work on the engine thread (limits.py's `setup_work`: ban tables,
+    the prediction's draft index, the no-repeat n-gram index, per sequence) is over the limit."""
+    params = job.params
+    beam = params.best_of is not None and params.best_of > 1  # beams share their root's tables; no speculation
+    per_prompt = 1 if beam else job.n
+    bad = sum(map(len, params.bad_word_tokens))
+    ngram = params.max_ngram_size or engine.config.max_ngram_size
+    predicted = len(params.prediction_ids or ()) * ngram if not beam else 0
+    repeat = max(0, params.no_repeat_ngram - 1)
+    work = sum((bad + predicted + len(ids) * repeat) * per_prompt for ids in prompts)
+    if work > limits.setup_work:
+        raise Rejected(
+            p.Failed(
+                400,
+                f"this request's set-up work is {work} positions (per sequence: {bad} bad word tokens + "
+                f"{len(params.prediction_ids or ())} prediction tokens x n-gram size {ngram} + prompt tokens x "
+                f"(no_repeat_ngram {params.no_repeat_ngram} - 1); {len(prompts) * per_prompt} sequences), more than "
+                f"the limit of {limits.setup_work} per request",
+                "bad_words" if bad else "prediction" if predicted else "no_repeat_ngram",
+            )
+        )
+
+
+def check_generated_logprobs(job: p.Job, prompts: list[list[int]], context: int, limits: Limits) -> None:
+    """Rejected (400) when the request could produce more generated logprobs (n x tokens x (1 + logprobs)) than
+    the limits table's `generated_logprobs`: the HTTP worker holds them until a unary response is built."""
+    k = job.params.logprobs
+    if k is None:
+        return
+    cap = job.params.max_tokens
+    tokens = sum(max(0, context - len(ids)) if cap is None else min(cap, context) for ids in prompts)
+    volume = tokens * (1 + k) * job.n
+    if volume > limits.generated_logprobs:
+        raise Rejected(
+            p.Failed(
+                400,
+                f"logprobs: up to {tokens} generated tokens x (1 + {k}) logprobs x n {job.n} = {volume} entries, "
+                f"more than the limit of {limits.generated_logprobs} per request (lower max_tokens, n or logprobs)",
+                "logprobs",
+            )
+        )
+
+
 def prompt_ids(spec: p.PromptSpec, slot: Slot) -> list[int]:
     engine = slot.engine
     assert engine is not None, "submit checked it"
     tok = engine.tokenizer
+    limit = engine.max_context  # text that cannot be this many tokens is refused before it is encoded
     if spec.token_ids is not None:
         vocab = engine.manifest.vocab_size
         bad = next((t for t in spec.token_ids if t >= vocab), None)
@@ -233,12 +289,17 @@ def prompt_ids(spec: p.PromptSpec, slot: Slot) -> list[int]:
             # the template spells out BOS and friends; special-token text in content stays text. Tools go to
             # the template, or into the prompt when it has no use for them (appliance/tool_prompt.py)
             messages, kwargs = tool_prompt.chat_inputs(spec.messages, spec.tools, tok.chat_template, slot.parsers()[0])
-            ids = tok.encode_chat(messages, add_generation_prompt=True, **kwargs)
+            ids = tok.encode_chat(messages, add_generation_prompt=True, max_tokens=limit, **kwargs)
         except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)
             raise Rejected(p.Failed(400, str(exc), "messages")) from None
     else:
         assert spec.text is not None, "a PromptSpec holds text, token ids or messages"
-        ids = tok.encode(spec.text, add_special_tokens=True)  # as OVMS: a raw prompt gets BOS if the model has one
+        try:  # as OVMS: a raw prompt gets BOS if the model has one
+            ids = tok.encode(spec.text, add_special_tokens=True, max_tokens=limit)
+        except TextTooLong as exc:
+            raise Rejected(
+                p.Failed(400, f"the prompt cannot fit the model max length: {limit}: {exc}", "prompt")
+            ) from None
     if not ids:
         raise Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
     return ids

@@ -125,6 +125,9 @@ class Job:
     echo: bool = False
     seeds: list[int] | None = None  # Friendli's seed list: choice j's seed (len n); None: params.seed + j
     model: str = ""  # the served model that runs it ("": the first one)
+    # which API key sent it: a non-secret id (the key's place in the key file), never the key; "": no key file.
+    # The engine keeps the prefix cache apart per tenant (jobs.py)
+    tenant: str = ""
 
 
 @dataclass
