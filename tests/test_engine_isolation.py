@@ -1,0 +1,263 @@
+"""One request never stalls the engine process or grows it much, and API keys are apart in the prefix cache: on a
+real server with two keys, hostile requests from key B run while key A's short completions and the liveness probe
+are timed, and the engine process's RSS is sampled.
+
+What the requests are (the 2026-11-26 review's probes and their neighbours under the new bounds):
+- a /v3/tokenize of 1.5 MB of digits (cannot fit the context: refused before it is encoded) and one of 600,000
+  digits (fits the character bound, 600,000 tokens: encoded, without holding the engine process's GIL);
+- completions with `prompt: ["hi"] x 16`, 256 bad words of 256 CJK characters and a 65,536-emoji prediction, then
+  the same without the prediction (both refused: the prediction has more tokens than the context, the bad words
+  cost more set-up than the limits table allows), and one within the bounds that runs;
+- `no_repeat_ngram` far past its cap (400 in the worker) and at its cap over a 2,000-token prompt with n = 8
+  (runs: 496,000 units of set-up work);
+- n x max_tokens x logprobs past the generated-logprobs limit (400).
+Timing bounds hold on a loaded 2-core box: the victim's latency is compared with its own baseline, taken in the
+same test, plus the issue's margins (a short completion under 1 s more than its baseline, the liveness probe
+under 0.5 s).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from conftest import Server, rss_mb
+
+pytestmark = pytest.mark.slow
+
+KEY_A, KEY_B = "key-a-0123456789", "key-b-9876543210"
+A = {"Authorization": f"Bearer {KEY_A}"}
+B = {"Authorization": f"Bearer {KEY_B}"}
+VICTIM_MARGIN = 1.0  # seconds a short completion may take beyond its baseline while the attack runs
+LIVE_BOUND = 0.5  # seconds the liveness probe may take while the attack runs
+GROWTH_MB = 200  # what one request may add to the engine process
+
+
+def serve(model_dir: Path, tmp_path: Path, *args: str) -> Server:
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A}\n{KEY_B}\n")
+    return Server(
+        model_dir,
+        tmp_path / "serve.log",
+        "--api-key-file",
+        str(keys),
+        "--workers",
+        "1",
+        "--threads",
+        "8",
+        "--num-threads",
+        "1",
+        *args,
+    )
+
+
+@pytest.fixture(scope="class")
+def keyed(model_dir, tmp_path_factory):
+    with serve(model_dir, tmp_path_factory.mktemp("keyed")) as srv:
+        yield srv
+
+
+def model_of(srv: Server) -> str:
+    return requests.get(srv.base + "/v3/models", headers=A, timeout=30).json()["data"][0]["id"]
+
+
+def victim(srv: Server, name: str) -> float:
+    started = time.monotonic()
+    r = requests.post(
+        f"{srv.base}/v3/completions",
+        headers=A,
+        json={"model": name, "prompt": "Say OK.", "max_tokens": 1, "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text[:300]
+    return time.monotonic() - started
+
+
+def live(srv: Server) -> float:
+    started = time.monotonic()
+    r = requests.get(srv.base + "/v2/health/live", timeout=60)
+    assert r.status_code == 200
+    return time.monotonic() - started
+
+
+class Attack:
+    """Runs `send` over and over on a thread (key B) while the engine process's RSS is sampled."""
+
+    def __init__(self, srv: Server, send):
+        self.srv, self.send = srv, send
+        self.stop = threading.Event()
+        self.answers: list[int] = []
+        self.errors: list[BaseException] = []
+        self.base_rss = rss_mb(srv.pid)
+        self.peak_rss = self.base_rss
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.answers.append(self.send().status_code)
+        except BaseException as exc:  # surfaced by the test
+            self.errors.append(exc)
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.02):
+            self.peak_rss = max(self.peak_rss, rss_mb(self.srv.pid))
+
+    def __enter__(self) -> Attack:
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._run, self._sample)]
+        for t in self.threads:
+            t.start()
+        time.sleep(0.3)  # the first one is in flight
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+        assert not self.errors, self.errors
+
+
+def measured_under(srv: Server, name: str, send, rounds: int = 4) -> tuple[float, float, Attack]:
+    """(worst victim seconds, worst liveness seconds, the attack) while `send` runs back to back."""
+    with Attack(srv, send) as attack:
+        worst_victim = worst_live = 0.0
+        for _ in range(rounds):
+            worst_live = max(worst_live, live(srv))
+            worst_victim = max(worst_victim, victim(srv, name))
+            time.sleep(0.1)
+    return worst_victim, worst_live, attack
+
+
+def baseline(srv: Server, name: str) -> float:
+    victim(srv, name)  # warm
+    return statistics.median(victim(srv, name) for _ in range(3))
+
+
+def post(srv: Server, path: str, body: dict, timeout: float = 120) -> requests.Response:
+    return requests.post(srv.base + path, headers=B, json=body, timeout=timeout)
+
+
+def check(srv: Server, name: str, send, expect: set[int]) -> None:
+    """`send` (key B) back to back: its answers in `expect`, key A's completions and the liveness probe on time,
+    and the engine process grown by less than GROWTH_MB. One round of the attack runs first, unmeasured: the
+    first step of a new shape makes OpenVINO allocate once for good (the first prompt-lookup verification step:
+    +229 MB, the next ones +0, measured in-process), which is the runtime warming up, not what the request costs."""
+    measured_under(srv, name, send, rounds=1)
+    base = baseline(srv, name)
+    worst_victim, worst_live, attack = measured_under(srv, name, send)
+    growth = attack.peak_rss - attack.base_rss
+    print(f"\nvictim {worst_victim:.2f} s (baseline {base:.2f} s), live {worst_live:.3f} s, engine +{growth:.0f} MB")
+    assert attack.answers and set(attack.answers) <= expect, attack.answers
+    assert worst_live < LIVE_BOUND, f"liveness took {worst_live:.2f} s during the attack"
+    assert worst_victim < base + VICTIM_MARGIN, f"victim took {worst_victim:.2f} s (baseline {base:.2f} s)"
+    assert growth < GROWTH_MB, f"the engine process grew by {growth:.0f} MB"
+
+
+def digits(n: int) -> str:
+    rng = random.Random(n)
+    return "".join(rng.choice("0123456789") for _ in range(n))
+
+
+class TestHostileRequestsFromAnotherKey:
+    def test_a_tokenize_that_cannot_fit_is_refused_before_encoding(self, keyed):
+        name = model_of(keyed)
+        text = digits(1_500_000)
+        started = time.monotonic()
+        r = post(keyed, "/v3/tokenize", {"model": name, "prompt": text})
+        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
+        assert time.monotonic() - started < 2.0  # the body's transfer and JSON only
+        r = post(keyed, "/v3/completions", {"model": name, "prompt": text[:700_000], "max_tokens": 1})
+        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
+        check(keyed, name, lambda: post(keyed, "/v3/tokenize", {"model": name, "prompt": text}), {400})
+
+    def test_a_large_tokenize_does_not_hold_the_engine_process(self, keyed):
+        """600,000 digits fit the character bound (8,192 x 81) and become 600,000 tokens (~1.5 s of encoding):
+        encoded without the GIL, so the engine thread and the probes keep going."""
+        name = model_of(keyed)
+        text = digits(600_000)
+        check(keyed, name, lambda: post(keyed, "/v3/tokenize", {"model": name, "prompt": text}), {200})
+
+    def test_bad_words_and_a_prediction_are_bounded_and_tokenized_once(self, keyed):
+        name = model_of(keyed)
+        rng = random.Random(7)
+        words = ["".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(256)) for _ in range(256)]
+        body = {"model": name, "prompt": ["hi"] * 16, "max_tokens": 4, "bad_words": words}
+        emoji = "".join(chr(rng.randrange(0x1F600, 0x1F650)) for _ in range(65_536))
+        r = post(keyed, "/v3/completions", {**body, "prediction": {"type": "content", "content": emoji}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prediction", r.text[:300]
+        r = post(keyed, "/v3/completions", body)
+        assert r.status_code == 400 and "set-up work" in r.json()["error"]["message"], r.text[:300]
+        ok = {**body, "prompt": ["hi"] * 2, "bad_words": words[:4]}  # within the bounds: it runs
+        assert post(keyed, "/v3/completions", ok).status_code == 200
+
+        def both() -> requests.Response:
+            post(keyed, "/v3/completions", {**body, "prediction": {"type": "content", "content": emoji}})
+            return post(keyed, "/v3/completions", body)
+
+        check(keyed, name, both, {400})
+
+    def test_a_long_prediction_within_the_context_runs_without_stalling_others(self, keyed):
+        name = model_of(keyed)
+        rng = random.Random(3)
+        text = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega", "sigma"]) for _ in range(4000))
+        body = {
+            "model": name,
+            "prompt": "Say OK.",
+            "max_tokens": 8,
+            "temperature": 0,
+            "max_ngram_size": 16,
+            "prediction": {"type": "content", "content": text},
+        }
+        check(keyed, name, lambda: post(keyed, "/v3/completions", body), {200})
+
+    def test_no_repeat_ngram_is_capped_and_its_index_counted(self, keyed):
+        """The cap refuses 4001 (the review's probe); at the cap the index is prompt tokens x 31 per sequence, so n
+        counts: 2,000 tokens x 31 x 16 choices is past the set-up limit, x 8 runs. (2,000 tokens, not 8,000: the
+        prefill is what the box can do in a test; the repeats hit key B's own prefix cache, so what is measured
+        is the set-up, not the prefill.)"""
+        name = model_of(keyed)
+        prompt = [random.Random(5).randrange(100, 40000) for _ in range(2000)]
+        body = {"model": name, "prompt": prompt, "max_tokens": 2, "no_repeat_ngram": 4001}
+        r = post(keyed, "/v3/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "no_repeat_ngram", r.text[:300]
+        r = post(keyed, "/v3/completions", {**body, "no_repeat_ngram": 32, "n": 16})
+        assert r.status_code == 400 and "set-up work" in r.json()["error"]["message"], r.text[:300]
+        check(keyed, name, lambda: post(keyed, "/v3/completions", {**body, "no_repeat_ngram": 32, "n": 8}), {200})
+
+    def test_generated_logprobs_are_bounded_per_request(self, keyed):
+        name = model_of(keyed)
+        r = post(keyed, "/v3/completions", {"model": name, "prompt": "hi", "n": 20, "logprobs": 20, "max_tokens": 8000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text[:300]
+        r = post(keyed, "/v3/completions", {"model": name, "prompt": "hi", "n": 2, "logprobs": 5, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][1]["logprobs"]["top_logprobs"], r.text[:300]
+
+    def test_keys_do_not_see_each_others_prefix_cache(self, keyed):
+        name = model_of(keyed)
+        memo = "CONFIDENTIAL MEMO. Acme Corp will acquire Globex for 4.2 billion dollars next quarter. " * 4
+        assert cached(keyed, A, name, memo) == 0
+        assert cached(keyed, A, name, memo) > 0  # key A's own repeat hits its blocks
+        assert cached(keyed, B, name, memo) == 0, "key B learned what key A sent"
+        assert cached(keyed, B, name, memo) > 0  # and key B's own repeat hits its own
+
+
+def cached(srv: Server, headers: dict, name: str, prompt: str) -> int:
+    r = requests.post(
+        f"{srv.base}/v3/completions",
+        headers=headers,
+        json={"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text[:300]
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_shared_prefix_cache_is_the_operators_choice(model_dir, tmp_path):
+    with serve(model_dir, tmp_path, "--prefix-cache-sharing", "shared") as srv:
+        name = model_of(srv)
+        memo = "Shared notes for the whole team: the release ships on Friday after the final review. " * 4
+        assert cached(srv, A, name, memo) == 0
+        assert cached(srv, B, name, memo) > 0
