@@ -90,3 +90,29 @@ def test_register_returns_the_chain_and_match_uses_it():
     hit, names = pool.match_prefix(list(range(9)))
     a = chain_hash(pool.salt, None, (0, 1, 2, 3))
     assert hit == blocks[:2] and names == [a, chain_hash(pool.salt, a, (4, 5, 6, 7))]
+
+
+def _fill_scoped(pool: BlockPool, tokens: list[int], scope: str) -> list[int]:
+    """_fill in namespace `scope`: the scheduler starts a prompt's chain at its scope's root."""
+    blocks = pool.allocate(pool.blocks_for(len(tokens)))
+    parent = pool.root(scope)
+    for j in range(len(tokens) // pool.block_size):
+        parent = pool.register(blocks[j], parent, tuple(tokens[j * 4 : (j + 1) * 4]))
+    return blocks
+
+
+def test_namespaces_never_share_blocks():
+    """A prompt cached in one API key's namespace is no hit in another's (nor in the shared one), and is one in
+    its own; the shared namespace ("") is the all-zero root, as before."""
+    pool = BlockPool(16, 4, prefix_caching=True)
+    prompt = list(range(9))
+    pool.free(_fill_scoped(pool, prompt, "0"))
+    assert pool.match_prefix(prompt, "1") == ([], [])
+    assert pool.match_prefix(prompt) == ([], [])
+    hit, _ = pool.match_prefix(prompt, "0")
+    assert len(hit) == 2
+    pool.free(hit)
+    assert pool.root("") is None and pool.root("0") != pool.root("1")
+    pool.free(_fill(pool, prompt))  # shared: root None
+    shared, _ = pool.match_prefix(prompt)
+    assert len(shared) == 2 and pool.match_prefix(prompt, "1") == ([], [])

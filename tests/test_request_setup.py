@@ -1,0 +1,176 @@
+"""Per-request work in the engine process, module by module: the tokenizer's character bound is sound (it never
+refuses a text that could fit) and encoding lets other threads run; a request's texts are tokenized once
+(Engine.prepare); the engine thread's inbox drain keeps to its time budget. The same bounds on a real server
+with hostile clients: tests/test_engine_isolation.py."""
+
+from __future__ import annotations
+
+import json
+import queue
+import random
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+from test_tokenizer import KINDS, SAMPLES, load_kind
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, normalizers, pre_tokenizers
+
+from appliance.engine.admission import INBOX_BUDGET_SECONDS, Admission
+from appliance.params import SamplingParams
+from appliance.tokenizer import TextTooLong, max_token_chars
+
+HOSTILE = [
+    "1234567890" * 300,
+    " " * 3000,
+    "\n\t " * 700,
+    "a" * 3000,
+    "ab" * 1500,
+    "你好世界" * 500,
+    "👍🏽" * 700,
+    "=" * 2000 + "-" * 1000,
+    "<|im_end|>" * 200,
+    "<s></s><unk>" * 200,
+    "".join(chr(c) for c in range(0x20, 0x3000, 3)),
+]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tok(request, tmp_path_factory):
+    return load_kind(request.param, tmp_path_factory)
+
+
+def test_the_character_bound_never_refuses_a_text_that_fits(tok):
+    """Every text becomes at least len(text) / max_token_chars tokens, so refusing len(text) > T x max_token_chars
+    never refuses a text of T tokens or fewer."""
+    per = tok.max_token_chars
+    if per is None:  # a pipeline that may drop characters (here NFKC): no refusal by length at all
+        tok.check_length("x" * 10**6, 1)
+        return
+    rng = random.Random(0)
+    alphabet = "".join(SAMPLES) + "".join(HOSTILE[-1])
+    texts = (
+        SAMPLES + HOSTILE + ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 400))) for _ in range(200)]
+    )
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=True)
+        assert len(ids) * per >= len(text), (text[:40], len(ids), per)
+        tok.check_length(text, len(ids))  # exactly its own token count is never refused
+        tok.encode(text, max_tokens=len(ids))
+    with pytest.raises(TextTooLong):
+        tok.check_length("x" * (10 * per + 1), 10)
+
+
+def _state(tok: HFTokenizer) -> dict:
+    return json.loads(tok.to_str())
+
+
+def test_no_bound_where_characters_can_vanish():
+    """A bound only where no step can drop or merge characters: otherwise None (and nothing is refused early)."""
+    bpe = HFTokenizer(models.BPE(vocab={"a": 0, "<unk>": 1}, merges=[], unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert max_token_chars(_state(bpe)) == 5  # "<unk>"
+    fused = HFTokenizer(models.BPE(vocab={"a": 0, "<unk>": 1}, merges=[], unk_token="<unk>", fuse_unk=True))
+    assert max_token_chars(_state(fused)) is None  # a run of unknown characters is one token
+    nfkc = HFTokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    nfkc.normalizer = normalizers.NFKC()
+    assert max_token_chars(_state(nfkc)) is None  # composition shortens text
+    spaces = HFTokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    spaces.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert max_token_chars(_state(spaces)) is None  # whitespace is dropped
+    wordpiece = HFTokenizer(models.WordPiece(vocab={"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    assert max_token_chars(_state(wordpiece)) is None  # a whole unknown word is one token
+    stripping = _state(bpe)
+    stripping["added_tokens"] = [{"id": 2, "content": "<m>", "lstrip": True, "rstrip": False}]
+    assert max_token_chars(stripping) is None  # "<m>" eats the spaces before it
+
+
+def test_encoding_lets_other_threads_run(tok):
+    """A long encode releases the GIL (encode_batch): a thread ticking every 5 ms keeps ticking. (tokenizers'
+    `encode` kept it: the ticker ran once in 3.6 s for a million digits.)"""
+    text = "1234567890 hello world " * 40_000
+    ticks = 0
+    done = threading.Event()
+
+    def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            time.sleep(0.005)
+            ticks += 1
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    started = time.monotonic()
+    tok.encode(text)
+    elapsed = time.monotonic() - started
+    done.set()
+    thread.join()
+    if elapsed > 0.2:  # long enough to see it
+        assert ticks >= elapsed / 0.005 / 4, (ticks, elapsed)
+
+
+class Counting:
+    """A tokenizer that counts its encode calls."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+        self.max_token_chars = tok.max_token_chars
+
+    def encode_many(self, texts, add_special_tokens=False):
+        self.calls += 1
+        return self.tok.encode_many(texts, add_special_tokens)
+
+    def encode(self, text, add_special_tokens=False, max_tokens=None):
+        self.calls += 1
+        return self.tok.encode(text, add_special_tokens, max_tokens)
+
+
+def test_prepare_tokenizes_a_request_once_and_bounds_the_prediction(tmp_path_factory):
+    tok = Counting(load_kind("bytelevel", tmp_path_factory))
+    engine = SimpleNamespace(tokenizer=tok, max_context=64)
+    params = SamplingParams(bad_words=["world", " Hello"], bad_word_tokens=[[5, 6]], prediction="Hello world")
+    ready = Admission.prepare(engine, params)  # type: ignore[arg-type]
+    assert ready.bad_words == [] and ready.prediction_ids == tok.tok.encode("Hello world")
+    assert (5, 6) in ready.bad_word_tokens and tuple(tok.tok.encode(" world")) in ready.bad_word_tokens
+    assert tok.calls == 2  # the bad words in one batch, the prediction once
+    assert Admission.prepare(engine, ready) is ready and tok.calls == 2  # prepared params: nothing again
+    with pytest.raises(ValueError, match="prediction"):  # more tokens than the context
+        Admission.prepare(engine, SamplingParams(prediction="Hello world " * 40))  # type: ignore[arg-type]
+    calls = tok.calls
+    with pytest.raises(ValueError, match="prediction"):  # cannot fit: refused before it is encoded
+        Admission.prepare(engine, SamplingParams(prediction="x" * 10**6))  # type: ignore[arg-type]
+    assert tok.calls == calls + 1 or tok.tok.max_token_chars is None
+
+
+def test_the_inbox_drain_keeps_to_its_time_budget():
+    """A submission of many prompts is started a slice per iteration while sequences run (a step between two
+    slices), in order, cancels after what they cancel; with nothing running it is all started at once."""
+    taken: list = []
+
+    def take(op, target):
+        time.sleep(0.005)
+        taken.append((op, target))
+
+    engine = SimpleNamespace(
+        _inbox=queue.SimpleQueue(),
+        _backlog=deque(),
+        scheduler=SimpleNamespace(running=[object()]),
+        _wake=threading.Event(),
+        _take=take,
+    )
+    engine._inbox.put(("add", [[f"seq{i}"] for i in range(40)]))
+    engine._inbox.put(("cancel", "seq0"))
+    started = time.monotonic()
+    Admission._drain_inbox(engine)  # type: ignore[arg-type]
+    assert time.monotonic() - started < INBOX_BUDGET_SECONDS + 0.05
+    assert 0 < len(taken) < 41 and engine._backlog and engine._wake.is_set()
+    while engine._backlog:
+        Admission._drain_inbox(engine)  # type: ignore[arg-type]
+    assert taken == [("add", [[f"seq{i}"]]) for i in range(40)] + [("cancel", "seq0")]
+    engine.scheduler.running = []
+    taken.clear()
+    engine._inbox.put(("add", [[f"seq{i}"] for i in range(10)]))
+    Admission._drain_inbox(engine)  # type: ignore[arg-type]
+    assert len(taken) == 10 and not engine._backlog
