@@ -4,7 +4,8 @@ are timed, and the engine process's RSS is sampled.
 
 What the requests are (the 2026-11-26 review's probes and their neighbours under the new bounds):
 - a /v3/tokenize of 1.5 MB of digits (cannot fit the context: refused before it is encoded) and one of 600,000
-  digits (fits the character bound, 600,000 tokens: encoded, without holding the engine process's GIL);
+  random printable characters (fits the character bound, ~519,000 tokens: encoded, without holding the engine
+  process's GIL), as one text, a list, and a completions prompt list;
 - completions with `prompt: ["hi"] x 16`, 256 bad words of 256 CJK characters and a 65,536-emoji prediction, then
   the same without the prediction (both refused: the prediction has more tokens than the context, the bad words
   cost more set-up than the limits table allows), and one within the bounds that runs;
@@ -175,11 +176,21 @@ class TestHostileRequestsFromAnotherKey:
         check(keyed, name, lambda: post(keyed, "/v3/tokenize", {"model": name, "prompt": text}), {400})
 
     def test_a_large_tokenize_does_not_hold_the_engine_process(self, keyed):
-        """600,000 digits fit the character bound (8,192 x 81) and become 600,000 tokens (~1.5 s of encoding):
-        encoded without the GIL, so the engine thread and the probes keep going."""
+        """600,000 random printable ASCII characters fit the character bound (8,192 x 80 for these characters)
+        and become ~519,000 tokens (~2 s of encoding): encoded without the GIL, so the engine thread and the probes
+        keep going. (600,000 digits are refused before encoding: no token of this vocabulary is two digits.)"""
         name = model_of(keyed)
-        text = digits(600_000)
+        r = post(keyed, "/v3/tokenize", {"model": name, "prompt": digits(600_000)})
+        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
+        rng = random.Random(11)
+        text = "".join(chr(rng.randrange(32, 127)) for _ in range(600_000))
         check(keyed, name, lambda: post(keyed, "/v3/tokenize", {"model": name, "prompt": text}), {200})
+        # a list is bounded as one text: together they cannot fit (7 texts of 600,000 digits: 9 s and +857 MB)
+        r = post(keyed, "/v3/tokenize", {"model": name, "prompt": [text[:300_000]] * 3})
+        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
+        # a completions prompt list: the first prompt that cannot fit ends it, before the next is tokenized
+        many = {"model": name, "prompt": [text] * 6, "max_tokens": 1}
+        check(keyed, name, lambda: post(keyed, "/v3/completions", many), {400})
 
     def test_bad_words_and_a_prediction_are_bounded_and_tokenized_once(self, keyed):
         name = model_of(keyed)

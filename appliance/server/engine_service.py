@@ -198,13 +198,14 @@ class EngineService:
 
 
 def tokenize(engine: Engine, texts: list[str]) -> list[list[int]] | p.Failed:
-    """/tokenize's ids, as a prompt is tokenized (BOS included): without holding the GIL, and a text that cannot
-    fit the model's context refused (400) before anything is encoded, as a prompt is."""
+    """/tokenize's ids, as a prompt is tokenized (BOS included): without holding the GIL, and refused (400) before
+    anything is encoded when the texts together cannot fit the model's context (a text that could not be a prompt;
+    and a list is bounded as one prompt is, since an encoding costs ~150 bytes a token while it is built: 7 texts
+    of 600,000 digits took 9 s and 857 MB, one 120 MB)."""
     tok, limit = engine.tokenizer, engine.max_context
-    for index, text in enumerate(texts):
-        try:
-            tok.check_length(text, limit)
-        except TextTooLong as exc:
-            where = f"prompt {index}" if len(texts) > 1 else "the prompt"
-            return p.Failed(400, f"{where} cannot fit the model max length: {limit}: {exc}", "prompt")
+    try:
+        tok.check_length(texts[0] if len(texts) == 1 else "".join(texts), limit)  # together, as one prompt
+    except TextTooLong as exc:
+        where = "the prompts together" if len(texts) > 1 else "the prompt"
+        return p.Failed(400, f"{where} cannot fit the model max length: {limit}: {exc}", "prompt")
     return tok.encode_many(texts, add_special_tokens=True)

@@ -85,7 +85,7 @@ class JobRunner:
                 p.Failed(400, f"stop token id {bad} is out of the vocabulary range [0, {vocab})", "stop_token_ids")
             )
         try:
-            prompts = [prompt_ids(spec, slot) for spec in job.prompts]
+            prompts = [prompt_ids(spec, slot, job.params.max_tokens) for spec in job.prompts]
             echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
         except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
             raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
@@ -271,7 +271,7 @@ def check_generated_logprobs(job: p.Job, prompts: list[list[int]], context: int,
         )
 
 
-def prompt_ids(spec: p.PromptSpec, slot: Slot) -> list[int]:
+def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) -> list[int]:
     engine = slot.engine
     assert engine is not None, "submit checked it"
     tok = engine.tokenizer
@@ -302,6 +302,16 @@ def prompt_ids(spec: p.PromptSpec, slot: Slot) -> list[int]:
             ) from None
     if not ids:
         raise Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
+    # (static shapes: a prompt past max_prompt gets the engine's own message for that)
+    if len(ids) >= limit and (engine.backend.max_prompt is None or len(ids) <= engine.backend.max_prompt):
+        # refused now, not after the request's other prompts were tokenized too (PromptTooLong says the same)
+        raise Rejected(
+            p.Failed(
+                400,
+                f"Number of prompt tokens: {len(ids)} + max tokens value: {max_tokens or 0} exceeds model max "
+                f"length: {limit}",
+            )
+        )
     return ids
 
 
