@@ -54,6 +54,10 @@ def test_the_character_bound_never_refuses_a_text_that_fits(tok):
     texts = (
         SAMPLES + HOSTILE + ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 400))) for _ in range(200)]
     )
+    # small alphabets: the per-text bound (only pieces spelled with the text's characters) is what decides there
+    for alphabet_small in ("ab ", "0123456789", "01 ", "=-\n", "你好 ", "👍🏽", "<|im_end|> ", "\t\n "):
+        for _ in range(20):
+            texts.append("".join(rng.choice(alphabet_small) for _ in range(rng.randrange(50, 3000))))
     for text in texts:
         ids = tok.encode(text, add_special_tokens=True)
         assert len(ids) * per >= len(text), (text[:40], len(ids), per)
