@@ -180,11 +180,11 @@ class TestHostileRequestsFromAnotherKey:
         and become ~519,000 tokens (~2 s of encoding): encoded without the GIL, so the engine thread and the probes
         keep going. (600,000 digits are refused before encoding: no token of this vocabulary is two digits.)"""
         name = model_of(keyed)
-        r = post(keyed, "/v3/tokenize", {"model": name, "prompt": digits(600_000)})
-        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
         rng = random.Random(11)
         text = "".join(chr(rng.randrange(32, 127)) for _ in range(600_000))
         check(keyed, name, lambda: post(keyed, "/v3/tokenize", {"model": name, "prompt": text}), {200})
+        r = post(keyed, "/v3/tokenize", {"model": name, "prompt": digits(600_000)})
+        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
         # a list is bounded as one text: together they cannot fit (7 texts of 600,000 digits: 9 s and +857 MB)
         r = post(keyed, "/v3/tokenize", {"model": name, "prompt": [text[:300_000]] * 3})
         assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
