@@ -969,3 +969,24 @@ def test_echo_logprobs_volume_is_bounded_after_tokenization():
     assert not runtime.submitted
     (handles, _), _ = submit({"prompts": [PromptSpec(text="x" * 5000)]}, {}, limits)  # no echo logprobs: no bound
     assert len(handles) == 1
+
+
+def test_generated_logprobs_volume_is_bounded_engine_side():
+    """n x tokens (max_tokens, else what the context leaves) x (1 + logprobs) past the limits table's
+    generated_logprobs is a 400 before anything is queued."""
+    failed, runtime = submit({"n": 20}, {"logprobs": 20}, Limits(generated_logprobs=100))
+    assert (failed.status, failed.param) == (400, "logprobs") and "x (1 + 20) logprobs x n 20" in failed.message
+    assert not runtime.submitted
+    (handles, _), runtime = submit({"n": 2}, {"logprobs": 5}, Limits(generated_logprobs=24))  # 2 x 2 x 6
+    assert len(handles) == 2
+
+
+def test_setup_work_is_bounded_engine_side():
+    """bad word tokens + prompt tokens x (no_repeat_ngram - 1), per sequence, past setup_work is a 400."""
+    failed, runtime = submit({"n": 4}, {"no_repeat_ngram": 11}, Limits(setup_work=199))  # 5 tokens x 10 x 4
+    assert failed.status == 400 and failed.param == "no_repeat_ngram" and "set-up work is 200" in failed.message
+    assert not runtime.submitted
+    (handles, _), _ = submit({"n": 4}, {"no_repeat_ngram": 11}, Limits(setup_work=200))
+    assert len(handles) == 4
+    failed, _ = submit({}, {"bad_word_tokens": [[1, 2, 3]] * 10}, Limits(setup_work=29))
+    assert failed.status == 400 and failed.param == "bad_words"
