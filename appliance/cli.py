@@ -479,7 +479,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     speculation = _speculation(args, slots)
     sharing = args.prefix_cache_sharing.strip().lower()  # the prefix cache per API key or shared (docs/kv-cache.md)
     if sharing not in ("keys", "shared"):
-        raise SystemExit("appliance: --prefix-cache-sharing must be keys or shared")
+        raise ConfigError("--prefix-cache-sharing must be keys or shared")
     engine = EngineConfig(
         device=args.device,
         precision="f32" if args.precision == "f32" else None,
