@@ -363,3 +363,45 @@ def test_calls_only_drops_a_call_that_max_tokens_cut(stream):
         assert message["content"] is None and [t["function"]["name"] for t in message["tool_calls"]] == ["f"]
     auto = ChatShape.for_request(replace(req, tool_choice="auto"), "hermes", "none")
     assert auto.choice(c, False)["message"]["content"]  # auto: the cut text stays content, as before
+
+
+# ---------------------------------------------------------------- output nested past the recursion limit
+DEEP = "[" * 1200 + "]" * 1200  # deeper than Python's recursion limit (1000): json raises RecursionError on it
+DEEP_CASES = [
+    ("hermes", "<tool_call>" + DEEP + "</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": ' + DEEP + "}</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "' + DEEP + '"}</tool_call>'),  # arguments as JSON text
+    ("hermes", "<tool_call>" + DEEP),  # ended without its close tag
+    ("llama3_json", '{"a":' + DEEP + "}"),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": ' + DEEP + "}"),
+    ("mistral", "[TOOL_CALLS]" + DEEP),
+    ("mistral", DEEP),
+]
+
+
+@pytest.mark.parametrize("fmt,text", DEEP_CASES)
+def test_output_nested_past_the_recursion_limit_is_content(fmt, text):
+    """No call is nested a thousand levels deep: the text is the answer's content, whole, unary and streamed."""
+    assert parse_tool_calls(text, fmt) == (text, [])
+    assert stream(ToolCallParser(fmt), [text[:700], text[700:1900], text[1900:]]) == (text, [])
+
+
+@pytest.mark.parametrize("fmt,text", DEEP_CASES)
+def test_deep_output_through_the_chat_shape_is_a_normal_answer(fmt, text):
+    """The path the HTTP worker takes (ChatShape, as app.py builds it): a unary message holding the text, and a
+    stream whose content deltas add up to it and that ends with its finish_reason; a call after it still parses."""
+    # a call after it (hermes: llama3_json and mistral take bare calls at the start of the output only)
+    closed = text.endswith("</tool_call>")
+    tail = '\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>' if closed else ""
+    shape = ChatShape.for_request(chat_request(tools=(WEATHER, TIME)), fmt, "none")
+    message = shape.choice(finished(text + tail), False)["message"]
+    assert message["content"] == text
+    assert [t["function"]["name"] for t in message.get("tool_calls", [])] == (["get_time"] if tail else [])
+    for pieces in ([text + tail], [text[:600], text[600:] + tail[:9], tail[9:]]):
+        c = Choice(0)
+        shape = ChatShape.for_request(chat_request(tools=(WEATHER, TIME)), fmt, "none")
+        deltas = [
+            d for i, p in enumerate(pieces) for d in shape.delta(c, p, None, "stop" if i == len(pieces) - 1 else None)
+        ]
+        assert "".join(d["delta"].get("content") or "" for d in deltas) == text
+        assert deltas[-1]["finish_reason"] == ("tool_calls" if tail else "stop")

@@ -13,6 +13,10 @@ calls and content. Text that may be the start of a marker is held back, as a sto
 arguments are emitted only once the call is complete and its JSON parsed, so streamed arguments always concatenate
 to valid JSON. Text shaped like a call that is not valid JSON stays content. Whitespace between content and a
 call is dropped (models write newlines around calls).
+
+JSON nested deeper than Python's recursion limit (~1000 levels; the stdlib decoder recurses per level) is no call
+either: the decoder's RecursionError is caught and the text stays content, so such output (steerable with a
+regex response_format or injected text) is a normal answer, never a 500 or a broken stream.
 """
 
 from __future__ import annotations
@@ -52,14 +56,14 @@ def _call(value: object) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     args = value.get("arguments", value.get("parameters", {}))
-    if isinstance(args, str):
-        try:
+    try:
+        if isinstance(args, str):
             args = json.loads(args)
-        except ValueError:
+        if not isinstance(args, dict) or set(value) - {"name", "arguments", "parameters", "id", "type"}:
             return None
-    if not isinstance(args, dict) or set(value) - {"name", "arguments", "parameters", "id", "type"}:
+        return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
+    except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit: not a call
         return None
-    return ToolCall(value["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _calls(value: object) -> list[ToolCall] | None:
@@ -165,6 +169,10 @@ class ToolCallParser:
             return False
         try:
             value, end = _decoder.raw_decode(stripped)
+        except RecursionError:  # nested past the recursion limit: no call's arguments are, so it is content
+            self._content(out, self.raw + self.buf)
+            self.buf, self.in_call, self.raw = "", False, ""
+            return True
         except ValueError:
             return False  # incomplete (or invalid: then finish() makes it content)
         calls = _calls(value)
@@ -179,7 +187,7 @@ class ToolCallParser:
     def _parse(self, body: str) -> list[ToolCall] | None:
         try:
             return _calls(json.loads(body))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
     def _emit_calls(self, out: list[Event], calls: list[ToolCall]) -> None:
