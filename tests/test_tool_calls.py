@@ -405,3 +405,38 @@ def test_deep_output_through_the_chat_shape_is_a_normal_answer(fmt, text):
         ]
         assert "".join(d["delta"].get("content") or "" for d in deltas) == text
         assert deltas[-1]["finish_reason"] == ("tool_calls" if tail else "stop")
+
+
+# ---------------------------------------------------------------- tool grammars meet the grammar size limit
+def _big_tool(name: str, properties: int) -> dict:
+    props = {f"field_{i}": {"type": "string", "description": "x" * 40} for i in range(properties)}
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": props}}}
+
+
+def test_tool_grammar_counts_against_grammar_chars():
+    """tool_choice required / named compiles the tools' parameters schemas into a grammar: a 400 naming `tools`
+    when they are longer together (canonical JSON) than the limits table's grammar_chars, as a response_format's
+    schema of that size is; auto (no grammar) and a named tool whose own schema fits are served."""
+    from appliance.limits import Limits
+
+    limits = Limits(grammar_chars=4000)
+    big, a, b = _big_tool("big", 60), _big_tool("a", 30), _big_tool("b", 30)
+
+    def size(tool: dict) -> int:
+        return len(json.dumps(tool["function"]["parameters"], separators=(",", ":")))
+
+    assert size(big) > limits.grammar_chars > size(a) == size(b) and size(a) + size(b) > limits.grammar_chars
+    params = SamplingParams(max_tokens=20)
+    for tools, choice, name in (((big,), "required", None), ((a, b), "required", None), ((big, a), "named", "big")):
+        req = chat_request(tools=tools, tool_choice=choice, tool_name=name)
+        with pytest.raises(ApiError) as err:
+            chat_job(req, params, "r", "hermes", limits)
+        assert (err.value.status, err.value.param) == (400, "tools"), err.value.message
+        assert f"longer than {limits.grammar_chars}" in err.value.message
+    named = chat_job(chat_request(tools=(big, a), tool_choice="named", tool_name="a"), params, "r", "", limits)
+    assert named.params.grammar is not None and "field_29" in named.params.grammar.text
+    auto = chat_job(chat_request(tools=(big, a, b)), params, "r", "hermes", limits)
+    assert auto.params.grammar is None and auto.prompts[0].tools == [big, a, b]
+    # the default limit: 128 tools (the most a request may send) of ~450 characters of schema each fit
+    many = tuple(_big_tool(f"t{i}", 5) for i in range(128))
+    assert chat_job(chat_request(tools=many, tool_choice="required"), params, "r", "hermes").params.grammar

@@ -107,7 +107,9 @@ class Api:
         # its parsers: how this model writes tool calls and reasoning
         status = self.ready_status(req.gen.model, fresh=False)
         shape = ChatShape.for_request(req, status.tool_parser, status.reasoning_parser)
-        return self.generate(req.gen, lambda params, rid: chat_job(req, params, rid, status.tool_parser), shape)
+        return self.generate(
+            req.gen, lambda params, rid: chat_job(req, params, rid, status.tool_parser, self.limits), shape
+        )
 
     def generate(self, gen: GenerationRequest, make_job, shape):
         status = self.ready_status(gen.model, fresh=False)

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from appliance.limits import Limits
 from appliance.openai_api.errors import invalid
 from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
 from appliance.openai_api.streaming import Choice
-from appliance.openai_api.tool_calls import ToolCall, ToolCallParser, new_call_id, parse_tool_calls, tool_grammar
+from appliance.openai_api.tool_calls import (
+    GrammarTooLong,
+    ToolCall,
+    ToolCallParser,
+    new_call_id,
+    parse_tool_calls,
+    tool_grammar,
+)
 from appliance.openai_api.validation import ChatRequest
 from appliance.outputs import TokenLogprob
 from appliance.params import TOOL_CALL_FORMATS, Grammar, SamplingParams
@@ -25,12 +33,19 @@ from appliance.server.protocol import Job, PromptSpec
 DEFAULT_TOOL_PARSER = TOOL_CALL_FORMATS[0]  # an engine that names none (tool_prompt's default too)
 
 
-def chat_job(req: ChatRequest, params: SamplingParams, request_id: str, tool_parser: str = "") -> Job:
+def chat_job(
+    req: ChatRequest, params: SamplingParams, request_id: str, tool_parser: str = "", limits: Limits = Limits()
+) -> Job:
     tools = list(req.tools) if req.tools and req.tool_choice != "none" else None
     if tools and req.tool_choice in ("required", "named"):  # validation refused a response_format grammar with it
         named = req.tool_name if req.tool_choice == "named" else None
+        fmt = tool_parser or DEFAULT_TOOL_PARSER
         try:
-            text = tool_grammar(tools, tool_parser or DEFAULT_TOOL_PARSER, parallel=req.parallel_tool_calls, name=named)
+            text = tool_grammar(
+                tools, fmt, parallel=req.parallel_tool_calls, name=named, max_chars=limits.grammar_chars
+            )
+        except GrammarTooLong as exc:
+            raise invalid(str(exc), "tools") from None
         except ValueError as exc:
             raise invalid(str(exc), "tool_choice") from None
         params = replace(params, grammar=Grammar("lark", text))

@@ -265,15 +265,35 @@ def _call_schema(tool: dict, fmt: str) -> dict:
     }
 
 
-def tool_grammar(tools: list[dict], fmt: str, *, parallel: bool, name: str | None = None) -> str:
+class GrammarTooLong(ValueError):
+    """The tools' grammar is over the limits table's `grammar_chars` (a 400 naming `tools`)."""
+
+
+def tool_grammar(
+    tools: list[dict], fmt: str, *, parallel: bool, name: str | None = None, max_chars: int | None = None
+) -> str:
     """A Lark grammar (llguidance) for one call of `name`, else one or more calls (one unless `parallel`) of the
     given tools, each call's arguments constrained by its tool's parameters schema. Markers that are special tokens
-    in their models (`<|python_tag|>`, `[TOOL_CALLS]`) are left out: the parsers take bare calls."""
+    in their models (`<|python_tag|>`, `[TOOL_CALLS]`) are left out: the parsers take bare calls.
+
+    `max_chars` (the limits table's `grammar_chars`, which bounds a response_format's schema as canonical JSON):
+    the chosen tools' parameters schemas, as canonical JSON, must not be longer together, else GrammarTooLong. So
+    tool_choice "required" or a named tool meets the same bound as a response_format (without it the body size
+    was the only bound: 128 tools of any size). The grammar adds ~320 characters of its own per tool (the call's
+    wrapper schema and layout), at most ~41,000 for 128 tools: fixed, not the client's to grow."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown tool call format {fmt!r}")
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise ValueError(f"no tool named {name!r}")
+    if max_chars is not None:
+        size = sum(len(json.dumps(t["function"].get("parameters") or {}, separators=(",", ":"))) for t in chosen)
+        if size > max_chars:
+            which = f"tool {name!r}" if name is not None else f"the {len(chosen)} tools"
+            raise GrammarTooLong(
+                f"tools: the parameters schemas tool_choice constrains the output to ({which}) are {size} "
+                f"characters of JSON, longer than {max_chars}"
+            )
     rules = [f"tool{i}: %json {json.dumps(_call_schema(t, fmt))}" for i, t in enumerate(chosen)]
     body = " | ".join(f"tool{i}" for i in range(len(chosen)))
     many = parallel and name is None
