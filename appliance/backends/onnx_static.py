@@ -2,7 +2,8 @@
 
 The exported graph concatenates past and new KV and returns the whole `present`; we rewrite its outputs to the
 new positions only (the second input of each Concat) and keep the past in our slot buffers, bound to the
-session without copies through IOBinding. Chunks of any length run (ONNX Runtime takes dynamic shapes).
+session without copies through IOBinding. Chunks of any length run (ONNX Runtime takes dynamic shapes). The
+rewritten graph lives in memory only: loading never writes to the model directory (it may be read-only).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
     from appliance.config import EngineConfig
 
 log = logging.getLogger(__name__)
+# Where ONNX Runtime reads a graph's external data when the graph comes from memory (ORT >= 1.19). The rewritten
+# graph of a model with external data (past 2 GiB) is small, its weights stay in their files: it is built from
+# bytes, so nothing is written. Writing it beside the model (as once) fails on a read-only model directory (the
+# unit's ProtectSystem=strict, the image's 0555 layout) and races between processes loading the same model.
+EXTERNAL_FOLDER = "session.model_external_initializers_file_folder_path"
 _NP = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
 
 
@@ -66,13 +72,9 @@ class OnnxBackend(StaticSlotBackend):
         opts.log_severity_level = 3
         if config.num_threads:
             opts.intra_op_num_threads = config.num_threads
-        if external:  # weights stay in their files; the rewritten graph is written beside them once
-            source = path.with_name(path.stem + ".newkv.onnx")
-            if not source.exists() or source.stat().st_mtime < path.stat().st_mtime:
-                onnx.save(model, str(source))
-            self.session = ort.InferenceSession(str(source), opts, providers=["CPUExecutionProvider"])
-        else:
-            self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        if external:  # the graph (weights left out) from memory; its weights from their files in the model dir
+            opts.add_session_config_entry(EXTERNAL_FOLDER, str(path.parent.resolve()))
+        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         del model
         self._init_slots(
             manifest.num_layers,
