@@ -9,6 +9,7 @@ request's fault is a 400, a full queue a 429, a model that cannot serve a 503, b
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,8 @@ from appliance.tokenizer import TextTooLong
 
 if TYPE_CHECKING:
     from appliance.engine import Engine
+
+log = logging.getLogger(__name__)
 
 
 class JobRunner:
@@ -182,11 +185,13 @@ class JobRunner:
                 os.write(wake_w, b".")
 
         pumps = [threading.Thread(target=pump, args=h, name="engine-pump", daemon=True) for h in handles]
-        for t in pumps:
-            t.start()
         finished = 0
         watch: list[Connection | int] = [conn, wake_r]
+        starting = True
         try:
+            for t in pumps:
+                t.start()
+            starting = False
             while finished < len(pumps):
                 for ready in wait(watch):
                     if ready is wake_r:
@@ -201,6 +206,20 @@ class JobRunner:
                     cancel(handles)
             for t in pumps:
                 t.join()
+        except BaseException as exc:  # no sequence of the job may run on without a reader (to max_tokens)
+            state["open"] = False
+            cancel(handles)
+            for t in pumps:
+                if t.ident is not None:  # started: it drains its sequence to the abort
+                    t.join()
+            if not (starting and isinstance(exc, RuntimeError)):
+                raise
+            # no thread to spare (the unit's TasksMax, memory): this request fails, the next may not
+            log.warning("engine: no thread for a job's output", extra={"sequences": len(handles), "error": str(exc)})
+            message = "The server cannot take this request now: no thread left for its output"
+            conn.send(p.Failed(503, message, code="engine_overloaded"))
+            conn.send(p.End())
+            return True
         finally:
             os.close(wake_r)
             os.close(wake_w)

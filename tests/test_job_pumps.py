@@ -1,0 +1,121 @@
+"""A job's output pumps (appliance/server/jobs.py): a pump thread that cannot start (the unit's TasksMax=1024 reached,
+or memory) fails that request with a 503, and none of its sequences is left running without a reader: those
+already pumping are drained to their abort, the rest are cancelled, and their KV is free again.
+
+`threading.Thread.start` is made to fail for the job's later pumps: first with stand-in handles (what exactly is
+cancelled and joined), then on a real engine with a tiny model (nothing left running, no KV block held).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from multiprocessing import Pipe
+
+import pytest
+
+from appliance.config import EngineConfig
+from appliance.engine import Engine
+from appliance.limits import Limits
+from appliance.outputs import Chunk, Timing
+from appliance.params import SamplingParams
+from appliance.server import protocol as p
+from appliance.server.jobs import JobRunner
+from appliance.server.metrics import ServerMetrics
+from appliance.server.settings import ModelSpec
+from appliance.server.slots import Models
+
+
+@pytest.fixture
+def pumps_fail_after(monkeypatch):
+    """Let the first `n` engine-pump threads of a job start; the next ones raise as CPython does without a thread."""
+    started: list[threading.Thread] = []
+
+    def arm(n: int) -> list[threading.Thread]:
+        real = threading.Thread.start
+
+        def start(self: threading.Thread) -> None:
+            if self.name == "engine-pump":
+                if len(started) >= n:
+                    raise RuntimeError("can't start new thread")
+                started.append(self)
+            real(self)
+
+        monkeypatch.setattr(threading.Thread, "start", start)
+        return started
+
+    return arm
+
+
+class StandIn:
+    """A sequence's handle: chunks as the test puts them; cancel() ends it with an abort, as the engine does."""
+
+    def __init__(self) -> None:
+        self.out: queue.Queue[Chunk] = queue.Queue()
+        self.cancelled = False
+        self.timing = Timing()
+
+    def events(self):
+        while True:
+            chunk = self.out.get()
+            yield 0, chunk
+            if chunk.finish_reason:
+                return
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.out.put(Chunk(finish_reason="abort"))
+
+
+def test_a_pump_that_cannot_start_fails_the_job_and_cancels_every_sequence(pumps_fail_after):
+    started = pumps_fail_after(2)
+    handles = [StandIn() for _ in range(5)]
+    handles[0].out.put(Chunk(text="a", token_ids=[1], completion_tokens=1))
+    worker, engine_side = Pipe()
+    runner = JobRunner(None, ServerMetrics(), Limits())  # type: ignore[arg-type]  # _stream needs no models
+    assert runner._stream(engine_side, [(i, h, time.monotonic()) for i, h in enumerate(handles)]) is True
+    assert all(h.cancelled for h in handles)
+    assert len(started) == 2 and not any(t.is_alive() for t in started)  # drained to their abort, joined
+    events = []
+    while worker.poll(0.5):
+        events.append(worker.recv())
+    failed = [e for e in events if isinstance(e, p.Failed)]
+    assert len(failed) == 1 and (failed[0].status, failed[0].code) == (503, "engine_overloaded")
+    assert isinstance(events[-1], p.End)
+    assert not any(isinstance(e, p.ChoiceChunk) and e.chunk.finish_reason == "abort" for e in events)
+
+
+def test_on_a_real_engine_nothing_runs_on_and_the_kv_is_freed(exported, pumps_fail_after):
+    out, _ = exported("gpt2", "openvino", "fp32")
+    engine = Engine(out, EngineConfig(precision="f32", max_num_batched_tokens=64))
+    models = Models([ModelSpec("m", str(out))], graceful_timeout=1)
+    models.attach(engine, "CPU", "m")
+    try:
+        idle = engine.stats()
+        started = pumps_fail_after(2)
+        job = p.Job("r", [p.PromptSpec(text="Hello, how are")], SamplingParams(max_tokens=240, ignore_eos=True), n=6)
+        worker, engine_side = Pipe()
+        try:
+            answered = JobRunner(models, ServerMetrics(), Limits()).run(engine_side, job)
+        except RuntimeError as exc:  # the failure this test is about: see what it leaves behind first
+            answered = exc
+        events = []
+        while worker.poll(0.5):
+            events.append(worker.recv())
+        assert len(started) == 2
+        deadline = time.monotonic() + 30
+        while engine.stats()["running"] + engine.stats()["queued"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = engine.stats()
+        assert (stats["running"], stats["queued"], stats["kv_blocks_used"]) == (0, 0, idle["kv_blocks_used"]), stats
+        # cancelled, not generated to max_tokens with nobody reading
+        assert stats["aborted"] == 6 and stats["generated_tokens"] < 6 * 240, stats
+        assert answered is True
+        assert isinstance(events[0], p.Accepted) and isinstance(events[-1], p.End)
+        assert [(e.status, e.code) for e in events if isinstance(e, p.Failed)] == [(503, "engine_overloaded")]
+        # the engine serves the next request
+        assert len(engine.submit([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).results()[0].token_ids) == 3
+    finally:
+        models.stop()
+        engine.shutdown()
