@@ -21,6 +21,14 @@
 # /var/lib/appliance, /var/cache/appliance and the unit's drop-ins (/etc/systemd/system/appliance.service.d).
 # The system user is kept (as packages do: files may still carry its uid); `userdel appliance` removes it.
 #
+# Run as root, it trusts nothing it did not make: a directory it writes in (/etc/appliance, /var/lib/appliance,
+# the unit's and sysusers.d's) must not be a symlink nor writable by another user, or it stops with one line
+# (a user who could write there could plant a link and have root write, chmod or chown any file); files are
+# made under a random name (mktemp: O_EXCL, mode 0600) and renamed into place, and chown never follows a link.
+# The code the unit runs (--prefix, everything in it including .venv, and the venv's Python) must be root's and
+# not writable by others: whoever can write it runs code as the service, and as root at the next `sudo make`
+# there. A new API key is not printed (install logs keep stderr): the message says which file holds it.
+#
 # --root DIR (or DESTDIR=DIR): everything under DIR instead of /, systemd not contacted (`systemctl --root`):
 # how tests/test_systemd.py installs into a temporary root. Run by a user other than root (only allowed with
 # --root), ownership is left to that user and the user is not created: a staging install, said on stderr.
@@ -65,6 +73,73 @@ KEYS=$CONF/api-keys
 DATA=$R/var/lib/$NAME
 CACHE=$R/var/cache/$NAME
 
+OWNER=$(id -u)   # who must own what install.sh writes in and runs: root, or the user of a staging install
+
+# The one-line reason a path is unsafe for root to write in or run from: a symlink, owned by another user, or
+# writable by every user (by its group too unless that is root's group). Prints nothing when it is safe.
+unsafe() {
+    local path=$1 uid gid mode
+    if [ -L "$path" ]; then echo "is a symlink"; return; fi
+    [ -e "$path" ] || return 0
+    read -r uid gid mode < <(stat -c '%u %g %a' "$path")
+    if [ "$uid" != "$OWNER" ]; then echo "belongs to uid $uid, not $OWNER"; return; fi
+    if (( 8#$mode & 8#002 )); then echo "is writable by every user (mode $mode)"; return; fi
+    if (( 8#$mode & 8#020 )) && [ "$gid" != 0 ] && [ $AS_ROOT -eq 1 ]; then
+        echo "is writable by group $gid (mode $mode)"
+    fi
+}
+
+# Refuses (one line) a directory install.sh writes in that is unsafe, or not a directory.
+check_dir() {
+    local why
+    why=$(unsafe "$1")
+    [ -z "$why" ] && { [ ! -e "$1" ] || [ -d "$1" ]; } || why=${why:-is not a directory}
+    [ -z "$why" ] || die "$1 $why: install.sh writes there as root; make it a directory only uid $OWNER" \
+        "writes (chown $OWNER $1; chmod go-w $1), or remove it"
+}
+
+# Refuses (one line) code the unit would run that someone else may change: the prefix and the directories above
+# it (in the root), everything in the prefix (the checkout, its .venv), and the Python the venv links to.
+check_code() {
+    local top=$R$PREFIX path why bad
+    [ $SYSTEM_ROOT -eq 0 ] || top=$(readlink -f "$PREFIX")   # the real directories, links resolved
+    path=$top
+    while [ "$path" != "$R" ] && [ "$path" != / ] && [ "$path" != . ]; do
+        why=$(unsafe "$path")
+        [ -z "$why" ] || die "$path $why: the service would run code that others can change" \
+            "(chown $OWNER $path; chmod go-w $path)"
+        path=$(dirname "$path")
+    done
+    bad=$(find "$top/" \( ! -user "$OWNER" -o \( ! -type l -perm -0002 \) \) -print -quit) || die "cannot check $top"
+    if [ -z "$bad" ] && [ $AS_ROOT -eq 1 ]; then
+        bad=$(find "$top/" ! -type l -perm -0020 ! -group 0 -print -quit) || die "cannot check $top"
+    fi
+    [ -z "$bad" ] || die "$bad: not uid $OWNER's, or writable by others: the service (and root, at the next" \
+        "\`sudo make\` there) would run code that others can change (chown -R $OWNER:0 $PREFIX; chmod -R go-w $PREFIX)"
+    if [ -L "$top/.venv/bin/python" ]; then
+        local python
+        python=$(readlink -f "$top/.venv/bin/python")
+        why=$(unsafe "$python")
+        [ -z "$why" ] || [ "$OWNER" != 0 ] || \
+            die "$python (the venv's Python) $why: others can change what the service runs"
+    fi
+}
+
+# put DEST MODE [OWNER] < content: DEST written atomically: a fresh file beside it (mktemp: O_EXCL, mode 0600),
+# its mode and owner set, then renamed over DEST (a symlink at DEST is replaced, never written through).
+put() {
+    local dest=$1 mode=$2 owner=${3:-} tmp
+    tmp=$(mktemp "$(dirname "$dest")/.$(basename "$dest").XXXXXX")
+    if cat >"$tmp" && chmod "$mode" "$tmp" && { [ -z "$owner" ] || chown -h "$owner" "$tmp"; } \
+        && mv -fT "$tmp" "$dest"; then
+        return 0
+    fi
+    rm -f "$tmp"
+    die "could not write $dest"
+}
+
+present() { [ -e "$1" ] || [ -L "$1" ]; }   # a dangling symlink is there too: kept, never written through
+
 systemctl_() {  # systemctl on the running manager, or offline on the files under --root
     if [ $LIVE -eq 1 ]; then systemctl "$@"; else systemctl --root="$ROOT" "$@"; fi
 }
@@ -91,15 +166,19 @@ do_install() {
                 "make the venv with a system Python (make venv PYTHON=/usr/bin/python3)" ;;
         esac
     fi
+    check_code
+    local dir
+    for dir in "$R/etc/sysusers.d" "$R/etc/systemd/system" "$UNIT_DIR" "$DATA" "$DATA/models" "$CONF"; do
+        check_dir "$dir"
+    done
 
     install -d -m 0755 "$R/etc/sysusers.d" "$R/etc/systemd/system" "$UNIT_DIR" "$DATA" "$DATA/models"
-    cat >"$SYSUSERS.tmp" <<EOF
+    put "$SYSUSERS" 0644 <<EOF
 # The appliance service's user (systemd/install.sh); render and video open /dev/dri and /dev/accel.
 u $NAME - "Appliance LLM server" /var/lib/$NAME
 m $NAME render
 m $NAME video
 EOF
-    chmod 0644 "$SYSUSERS.tmp" && mv "$SYSUSERS.tmp" "$SYSUSERS"
     local group=
     if [ $AS_ROOT -eq 1 ]; then
         systemd-sysusers --root="$ROOT" "$SYSUSERS"
@@ -110,22 +189,23 @@ EOF
     fi
 
     install -d -m 0750 "$CONF"
-    if [ ! -e "$ENV_FILE" ]; then
-        install -m 0640 "$HERE/$NAME.env" "$ENV_FILE"
+    # The service reads its settings and keys (group), never writes them; models are root's, world-readable.
+    local owner=${group:+0:$group}
+    [ -z "$owner" ] || chown -h "$owner" "$CONF"
+    if ! present "$ENV_FILE"; then
+        put "$ENV_FILE" 0640 "$owner" <"$HERE/$NAME.env"
     else
         say "kept $ENV_FILE (compare with $HERE/$NAME.env for new settings)"
+        [ -z "$owner" ] || chown -h "$owner" "$ENV_FILE"
     fi
-    local new_key=
-    if [ ! -e "$KEYS" ]; then
-        new_key=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
-        (umask 077 && printf '%s\n' "$new_key" >"$KEYS.tmp")
-        chmod 0640 "$KEYS.tmp" && mv "$KEYS.tmp" "$KEYS"
+    local new_key=0
+    if ! present "$KEYS"; then
+        printf '%s\n' "$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')" | put "$KEYS" 0640 "$owner"
+        new_key=1
+    else
+        [ -z "$owner" ] || chown -h "$owner" "$KEYS"
     fi
-    if [ -n "$group" ]; then
-        # The service reads its settings and keys (group), never writes them; models are root's, world-readable.
-        chown "0:$group" "$CONF" "$ENV_FILE" "$KEYS"
-        chown -R 0:0 "$DATA"
-    fi
+    [ -z "$group" ] || chown -hR 0:0 "$DATA"
     chmod -R u+rwX,go+rX,go-w "$DATA"
 
     if [ -e "$OLD_UNIT" ]; then  # an older install's copy: it would override the one below
@@ -133,15 +213,14 @@ EOF
         rm -f "$OLD_UNIT"
         say "removed $OLD_UNIT, an older install's copy (local changes go in drop-ins: systemctl edit $NAME)"
     fi
-    sed "s|/opt/appliance|$PREFIX|g" "$HERE/$NAME.service" >"$UNIT.tmp"
-    chmod 0644 "$UNIT.tmp" && mv "$UNIT.tmp" "$UNIT"
+    sed "s|/opt/appliance|$PREFIX|g" "$HERE/$NAME.service" | put "$UNIT" 0644
     [ $LIVE -eq 0 ] || systemctl daemon-reload
     systemctl_ enable "$NAME.service"
     [ $LIVE -eq 0 ] || systemctl try-restart "$NAME.service"
 
     say "installed $UNIT (ExecStart $PREFIX/.venv/bin/$NAME serve), settings in $ENV_FILE"
-    if [ -n "$new_key" ]; then
-        say "API key (also in $KEYS): $new_key"
+    if [ $new_key -eq 1 ]; then  # not printed: install logs keep stderr
+        say "API key: a new random key in $KEYS (clients send 'Authorization: Bearer <key>'; sudo cat $KEYS)"
     else
         say "API keys: $KEYS (kept)"
     fi

@@ -12,6 +12,11 @@ is a staging install (no user, no chown), and the ownership test is skipped.
 
 The unit is installed in /usr/local/lib/systemd/system, the vendor layer for software from outside packages, so
 the admin's layer (/etc/systemd/system: drop-ins, a full override) is never written by a re-install.
+
+Run as root, install.sh writes nothing through a link another user could plant: a settings directory another user
+owns or may write is refused in one line, and a stand-in for /etc/shadow linked from it stays as it was (the
+script before wrote the key into it, 0640, group appliance); code the unit would run that others may change is
+refused; the new key is not printed.
 """
 
 from __future__ import annotations
@@ -288,3 +293,95 @@ def test_a_watchdog_meant_for_another_process_is_not_ours(systemd_socket, monkey
     assert sdnotify.start_watchdog(lambda: True) is None
     assert systemd_socket() == "STATUS=loading the model"
     assert systemd_socket(timeout=0.3) is None
+
+
+# ---------------------------------------------------------------- install.sh as root: what it trusts
+
+
+def test_install_does_not_print_the_key_and_leaves_no_temporary_files(root: Path):
+    done = install(root)
+    assert done.returncode == 0, done.stderr
+    etc = root / "etc" / "appliance"
+    key = (etc / "api-keys").read_text().strip()
+    assert key not in done.stdout + done.stderr  # install logs keep stderr: the message names the file instead
+    assert f"a new random key in {etc / 'api-keys'}" in done.stderr
+    assert sorted(p.name for p in etc.iterdir()) == ["api-keys", "appliance.env"]
+    assert not [p for p in (root / UNIT).parent.iterdir() if p.name.startswith(".")]
+
+
+def _victim(tmp_path: Path) -> Path:
+    """A file only root may write (/etc/shadow's stand-in)."""
+    victim = tmp_path / "shadow"
+    victim.write_text("root:secret\n")
+    victim.chmod(0o600)
+    return victim
+
+
+def _untouched(victim: Path) -> bool:
+    st = victim.stat()
+    return victim.read_text() == "root:secret\n" and st.st_mode & 0o777 == 0o600 and (st.st_uid, st.st_gid) == (0, 0)
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="another user's directory needs root to make (chown)")
+def test_install_refuses_a_settings_dir_another_user_can_write(root: Path, tmp_path: Path):
+    """A pre-existing /etc/appliance that another user owns (or every user may write) could hold their symlinks:
+    install.sh refuses it in one line, before writing, chmod-ing or chown-ing anything through it."""
+    victim = _victim(tmp_path)
+    etc = root / "etc" / "appliance"
+    etc.mkdir(parents=True)
+    os.chown(etc, 65534, 65534)  # nobody's
+    for planted in ("api-keys.tmp", "api-keys", "appliance.env"):
+        (etc / planted).symlink_to(victim)
+        os.lchown(etc / planted, 65534, 65534)
+    (etc / "api-keys").unlink()  # a key file that is not there yet: install.sh would make one (via .tmp, before)
+    done = install(root)
+    assert _untouched(victim), (victim.read_text(), oct(victim.stat().st_mode), victim.stat().st_gid)
+    assert done.returncode != 0 and f"{etc} belongs to uid 65534, not 0" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (root / UNIT).exists()
+
+    os.chown(etc, 0, 0)
+    etc.chmod(0o777)  # root's, but every user may write it
+    done = install(root)
+    assert done.returncode != 0 and f"{etc} is writable by every user" in done.stderr and _untouched(victim)
+
+
+def test_install_refuses_a_symlinked_settings_dir(root: Path, tmp_path: Path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "etc").mkdir()
+    (root / "etc" / "appliance").symlink_to(elsewhere)
+    done = install(root)
+    assert done.returncode != 0 and f"{root / 'etc' / 'appliance'} is a symlink" in done.stderr, done.stderr
+    assert not list(elsewhere.iterdir()) and not (root / UNIT).exists()
+
+
+def test_a_symlink_in_a_safe_settings_dir_is_never_written_through(installed: Path, tmp_path: Path):
+    """Re-install over an admin's own links (root's directory): kept as links, chown changes the link only."""
+    victim = _victim(tmp_path)
+    keys = installed / "etc" / "appliance" / "api-keys"
+    keys.unlink()
+    keys.symlink_to(victim)
+    done = install(installed)
+    assert done.returncode == 0, done.stderr
+    assert keys.is_symlink() and _untouched(victim)
+
+
+def test_install_refuses_code_that_others_can_change(root: Path):
+    """The unit runs PREFIX's venv as the service (and root runs `make` there): it must be root's, not writable
+    by others, nor the directories above it."""
+    prefix = root / PREFIX.lstrip("/")
+    bin_dir = prefix / ".venv" / "bin"
+    for path in (bin_dir, prefix.parent):  # a directory in the venv, one above the prefix
+        mode = path.stat().st_mode & 0o777
+        path.chmod(mode | 0o002)
+        done = install(root)
+        assert done.returncode != 0 and str(path) in done.stderr and "others can change" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not (root / UNIT).exists()
+        path.chmod(mode)
+    if AS_ROOT:
+        os.chown(bin_dir / "appliance", 65534, 65534)
+        done = install(root)
+        assert done.returncode != 0 and str(bin_dir / "appliance") in done.stderr, done.stderr
+        os.chown(bin_dir / "appliance", 0, 0)
+    assert install(root).returncode == 0
