@@ -686,7 +686,8 @@ CHAT = (
         _tool_choice,
         "`none`, `auto` (default with tools), `required` (at least one call) or `{{\"type\": \"function\", "
         "\"function\": {{\"name\"}}}}` naming one of `tools` (that call); required and named calls are "
-        "grammar-constrained to the tool's parameters. Only with `tools` (as OpenAI).",
+        "grammar-constrained to the tool's parameters: the parameters schemas of the tools they may call, at most "
+        "{grammar_chars} characters of JSON together (a 400 naming `tools`). Only with `tools` (as OpenAI).",
     ),
     boolean(
         "parallel_tool_calls",
