@@ -3,7 +3,8 @@ or memory) fails that request with a 503, and none of its sequences is left runn
 already pumping are drained to their abort, the rest are cancelled, and their KV is free again.
 
 `threading.Thread.start` is made to fail for the job's later pumps: first with stand-in handles (what exactly is
-cancelled and joined), then on a real engine with a tiny model (nothing left running, no KV block held).
+cancelled and joined), then on a real engine with a tiny model (nothing left running, no KV block held). Likewise
+a worker that is gone before its job's Accepted could be sent: the submitted sequences are cancelled.
 """
 
 from __future__ import annotations
@@ -86,36 +87,61 @@ def test_a_pump_that_cannot_start_fails_the_job_and_cancels_every_sequence(pumps
     assert not any(isinstance(e, p.ChoiceChunk) and e.chunk.finish_reason == "abort" for e in events)
 
 
-def test_on_a_real_engine_nothing_runs_on_and_the_kv_is_freed(exported, pumps_fail_after):
+@pytest.fixture
+def served(exported):
+    """A tiny model's engine, served as model "m"."""
     out, _ = exported("gpt2", "openvino", "fp32")
     engine = Engine(out, EngineConfig(precision="f32", max_num_batched_tokens=64))
     models = Models([ModelSpec("m", str(out))], graceful_timeout=1)
     models.attach(engine, "CPU", "m")
     try:
-        idle = engine.stats()
-        started = pumps_fail_after(2)
-        job = p.Job("r", [p.PromptSpec(text="Hello, how are")], SamplingParams(max_tokens=240, ignore_eos=True), n=6)
-        worker, engine_side = Pipe()
-        try:
-            answered = JobRunner(models, ServerMetrics(), Limits()).run(engine_side, job)
-        except RuntimeError as exc:  # the failure this test is about: see what it leaves behind first
-            answered = exc
-        events = []
-        while worker.poll(0.5):
-            events.append(worker.recv())
-        assert len(started) == 2
-        deadline = time.monotonic() + 30
-        while engine.stats()["running"] + engine.stats()["queued"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stats = engine.stats()
-        assert (stats["running"], stats["queued"], stats["kv_blocks_used"]) == (0, 0, idle["kv_blocks_used"]), stats
-        # cancelled, not generated to max_tokens with nobody reading
-        assert stats["aborted"] == 6 and stats["generated_tokens"] < 6 * 240, stats
-        assert answered is True
-        assert isinstance(events[0], p.Accepted) and isinstance(events[-1], p.End)
-        assert [(e.status, e.code) for e in events if isinstance(e, p.Failed)] == [(503, "engine_overloaded")]
-        # the engine serves the next request
-        assert len(engine.submit([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).results()[0].token_ids) == 3
+        yield engine, models
     finally:
         models.stop()
         engine.shutdown()
+
+
+def _settled(engine: Engine) -> dict:
+    deadline = time.monotonic() + 30
+    while engine.stats()["running"] + engine.stats()["queued"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return engine.stats()
+
+
+def test_a_worker_gone_before_the_job_is_accepted_leaves_nothing_running(served):
+    """The worker closed its end while the job was submitted: sending Accepted fails, and the sequences are
+    cancelled rather than generated to max_tokens for nobody."""
+    engine, models = served
+    job = p.Job("r", [p.PromptSpec(text="Hello, how are")], SamplingParams(max_tokens=240, ignore_eos=True), n=4)
+    worker, engine_side = Pipe()
+    worker.close()
+    with pytest.raises(OSError):
+        JobRunner(models, ServerMetrics(), Limits()).run(engine_side, job)
+    stats = _settled(engine)
+    assert (stats["running"], stats["queued"], stats["kv_blocks_used"]) == (0, 0, 0), stats
+    assert stats["aborted"] == 4 and stats["generated_tokens"] < 4 * 240, stats
+
+
+def test_on_a_real_engine_nothing_runs_on_and_the_kv_is_freed(served, pumps_fail_after):
+    engine, models = served
+    idle = engine.stats()
+    started = pumps_fail_after(2)
+    job = p.Job("r", [p.PromptSpec(text="Hello, how are")], SamplingParams(max_tokens=240, ignore_eos=True), n=6)
+    worker, engine_side = Pipe()
+    try:
+        answered = JobRunner(models, ServerMetrics(), Limits()).run(engine_side, job)
+    except RuntimeError as exc:  # the failure this test is about: see what it leaves behind first
+        answered = exc
+    events = []
+    while worker.poll(0.5):
+        events.append(worker.recv())
+    assert len(started) == 2
+    stats = _settled(engine)
+    assert (stats["running"], stats["queued"], stats["kv_blocks_used"]) == (0, 0, idle["kv_blocks_used"]), stats
+    # cancelled, not generated to max_tokens with nobody reading
+    assert stats["aborted"] == 6 and stats["generated_tokens"] < 6 * 240, stats
+    assert answered is True
+    assert isinstance(events[0], p.Accepted) and isinstance(events[-1], p.End)
+    assert [(e.status, e.code) for e in events if isinstance(e, p.Failed)] == [(503, "engine_overloaded")]
+    # the engine serves the next request
+    assert len(engine.submit([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).results()[0].token_ids) == 3

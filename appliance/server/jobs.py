@@ -61,7 +61,11 @@ class JobRunner:
             conn.send(exc.failed)
             conn.send(p.End())
             return True
-        conn.send(accepted)
+        try:
+            conn.send(accepted)
+        except BaseException:  # the worker is gone: nobody would read the sequences, which would run on
+            cancel(handles)
+            raise
         if not handles:  # echo with max_tokens 0 (and no prompt logprobs): the prompt is the whole answer
             for index in range(len(job.prompts) * job.n):
                 tokens = accepted.prompt_tokens[index // job.n]
