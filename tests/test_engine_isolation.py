@@ -14,7 +14,9 @@ What the requests are (the 2026-11-26 review's probes and their neighbours under
 - n x max_tokens x logprobs past the generated-logprobs limit (400).
 Timing bounds hold on a loaded 2-core box: the victim's latency is compared with its own baseline, taken in the
 same test, plus the issue's margins (a short completion under 1 s more than its baseline, the liveness probe
-under 0.5 s).
+under 0.5 s) on a quiet box; on a busy one, where the baseline itself is slow, under LOAD_FACTOR times the
+baseline instead, whichever is larger. The failures these catch cost seconds (one 1.5 MB tokenize held the engine
+process 3.2 s, the bad-words request 8 s, a 600,000-character encoding under the GIL ~2 s), more than either.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ A = {"Authorization": f"Bearer {KEY_A}"}
 B = {"Authorization": f"Bearer {KEY_B}"}
 VICTIM_MARGIN = 1.0  # seconds a short completion may take beyond its baseline while the attack runs
 LIVE_BOUND = 0.5  # seconds the liveness probe may take while the attack runs
+LOAD_FACTOR = 3  # on a box so busy that the baselines are slow: how many times them the attack may take
 GROWTH_MB = 200  # what one request may add to the engine process
 
 
@@ -133,9 +136,11 @@ def measured_under(srv: Server, name: str, send, rounds: int = 4) -> tuple[float
     return worst_victim, worst_live, attack
 
 
-def baseline(srv: Server, name: str) -> float:
+def baseline(srv: Server, name: str) -> tuple[float, float]:
+    """Median seconds of the victim's completion and of the liveness probe, with no attack running."""
     victim(srv, name)  # warm
-    return statistics.median(victim(srv, name) for _ in range(3))
+    live(srv)
+    return statistics.median(victim(srv, name) for _ in range(3)), statistics.median(live(srv) for _ in range(3))
 
 
 def post(srv: Server, path: str, body: dict, timeout: float = 120) -> requests.Response:
@@ -148,13 +153,18 @@ def check(srv: Server, name: str, send, expect: set[int]) -> None:
     first step of a new shape makes OpenVINO allocate once for good (the first prompt-lookup verification step:
     +229 MB, the next ones +0, measured in-process), which is the runtime warming up, not what the request costs."""
     measured_under(srv, name, send, rounds=1)
-    base = baseline(srv, name)
+    base, live_base = baseline(srv, name)
     worst_victim, worst_live, attack = measured_under(srv, name, send)
     growth = attack.peak_rss - attack.base_rss
-    print(f"\nvictim {worst_victim:.2f} s (baseline {base:.2f} s), live {worst_live:.3f} s, engine +{growth:.0f} MB")
+    print(
+        f"\nvictim {worst_victim:.2f} s (baseline {base:.2f} s), live {worst_live:.3f} s (baseline {live_base:.3f} s),"
+        f" engine +{growth:.0f} MB"
+    )
     assert attack.answers and set(attack.answers) <= expect, attack.answers
-    assert worst_live < LIVE_BOUND, f"liveness took {worst_live:.2f} s during the attack"
-    assert worst_victim < base + VICTIM_MARGIN, f"victim took {worst_victim:.2f} s (baseline {base:.2f} s)"
+    live_bound = max(LIVE_BOUND, LOAD_FACTOR * live_base)
+    assert worst_live < live_bound, f"liveness took {worst_live:.2f} s during the attack (baseline {live_base:.3f} s)"
+    victim_bound = max(base + VICTIM_MARGIN, LOAD_FACTOR * base)
+    assert worst_victim < victim_bound, f"victim took {worst_victim:.2f} s (baseline {base:.2f} s)"
     assert growth < GROWTH_MB, f"the engine process grew by {growth:.0f} MB"
 
 
@@ -170,7 +180,7 @@ class TestHostileRequestsFromAnotherKey:
         started = time.monotonic()
         r = post(keyed, "/v3/tokenize", {"model": name, "prompt": text})
         assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
-        assert time.monotonic() - started < 2.0  # the body's transfer and JSON only
+        assert time.monotonic() - started < 2.5  # the body's transfer and JSON only (encoding it: 3-4 s)
         r = post(keyed, "/v3/completions", {"model": name, "prompt": text[:700_000], "max_tokens": 1})
         assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
         check(keyed, name, lambda: post(keyed, "/v3/tokenize", {"model": name, "prompt": text}), {400})

@@ -3,6 +3,11 @@
 Each test starts what a careless or hostile client does next to well-behaved ones and checks that the
 well-behaved ones are served (complete, in bounded time) and that the server's resources come back. Two servers:
 `hostile` (module-wide, short edge timeouts, fault injection on) and, for the engine-death drill, one of its own.
+
+Timing bounds hold on a loaded 2-core box, where a short completion beside 30 streams can take seconds, and still
+catch the failure each guards, which costs far more: a thread held by a slow client until the 30 s request
+timeout, an engine connection waiting behind 20 stalled handshakes of HANDSHAKE_SECONDS each, a call that never
+returns.
 """
 
 from __future__ import annotations
@@ -96,7 +101,8 @@ def test_engine_socket_outlives_broken_and_stalled_peers(hostile, name):
         started = time.monotonic()
         status = engine_client(hostile).status()
         assert status.ready, status
-        assert time.monotonic() - started < 2.0, "a fresh engine connection waited behind stalled ones"
+        # behind even one stalled handshake it would wait HANDSHAKE_SECONDS (5 s); behind all 20, 100 s
+        assert time.monotonic() - started < 4.0, "a fresh engine connection waited behind stalled ones"
         r = complete(hostile, name, timeout=30)
         assert r.status_code == 200, r.text
     finally:
@@ -119,7 +125,7 @@ def test_engine_calls_are_bounded(hostile):
             with pytest.raises(Exception) as info:
                 client.status()
             assert "engine" in str(info.value)
-            assert time.monotonic() - started < p.HANDSHAKE_SECONDS + 3
+            assert time.monotonic() - started < p.HANDSHAKE_SECONDS + 10  # unbounded, it would never return
         finally:
             Path(fake_path).unlink(missing_ok=True)
 
@@ -284,7 +290,7 @@ def test_a_prompt_list_times_n_bomb_is_refused_before_anything_is_built(hostile,
         started = time.monotonic()
         r = complete(hostile, name, timeout=30, prompt=["a " * 2000] * 256, n=20)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text[:300]
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 15  # the body's transfer and JSON; building it shows in the RSS
     assert rss_mb(hostile.pid) - before < 50
     assert hostile.metrics()["appliance_queue_depth"] == 0
 
@@ -319,8 +325,9 @@ def _stalled_stream(server: Server, model: str) -> socket.socket:
 
 
 def test_slow_headers_and_stalled_streams_do_not_take_the_box(hostile, name):
-    """100 connections trickle a request head, 30 streams stop reading: a normal request still answers in < 5 s
-    and health in < 1 s; the stalled streams are cancelled (send timeout) and every KV block comes back."""
+    """100 connections trickle a request head, 30 streams stop reading: a normal request still answers in < 15 s
+    and health in < 10 s (a thread held by a slow client would make them wait for the 30 s request timeout: past
+    the client's 20 s); the stalled streams are cancelled (send timeout) and every KV block comes back."""
     cancelled = hostile.metrics().get("appliance_sequences_cancelled_total", 0)
     slow = []
     for _ in range(100):
@@ -335,11 +342,11 @@ def test_slow_headers_and_stalled_streams_do_not_take_the_box(hostile, name):
         wait_until(lambda: hostile.metrics().get("appliance_running_sequences", 0) >= 25, "the stalled streams")
         for _ in range(3):
             started = time.monotonic()
-            assert requests.get(f"{hostile.base}/v2/health/ready", timeout=5).status_code == 200
-            assert time.monotonic() - started < 1.0
+            assert requests.get(f"{hostile.base}/v2/health/ready", timeout=20).status_code == 200
+            assert time.monotonic() - started < 10.0
             started = time.monotonic()
-            assert complete(hostile, name, timeout=30).status_code == 200
-            assert time.monotonic() - started < 5.0
+            assert complete(hostile, name, timeout=20).status_code == 200
+            assert time.monotonic() - started < 15.0
         # KV is freed on the engine thread, each cancel counted as its last chunk passes a pump thread: wait for both
         wait_until(
             lambda: (m := hostile.metrics())["appliance_kv_cache_blocks_used"] == 0
