@@ -148,7 +148,9 @@ def test_probe_and_401_records_go_to_the_engine_in_one_batch(monkeypatch):
     from appliance.server import client as c
     from appliance.server import protocol as p
 
-    monkeypatch.setattr(c, "DEFER_SECONDS", 0.05)
+    # the 150 records below must all be made before the first flush: ~1 ms, but a loaded 2-core box can pause this
+    # thread for tens of ms (0.05 s here was a flake waiting to happen)
+    monkeypatch.setattr(c, "DEFER_SECONDS", 1.0)
     engine = c.EngineClient("/nonexistent", b"k")
     calls: list = []
     monkeypatch.setattr(engine, "call", lambda op, *args, **kw: calls.append((op, args)))
