@@ -11,8 +11,9 @@ A hostile fraction rides along (HOSTILE of the requests, chosen with the seeded 
 review's probes, sized from the server's own limits (/v1/config's limits table, the model's context and its
 tokenizer's longest token), each with its expected answer: a /v3/tokenize text too long to fit the context (400
 "cannot fit"), a prompt list with the most and longest bad words and the longest prediction (400 on the prediction,
-and without it 400 for the set-up work), `no_repeat_ngram` past its cap and `logprobs` past its bound (400 on that
-field), an invented HTTP method (405). The slow ones (an `Expect: 100-continue` body trickled, a body never
+and without it 400 for the set-up work), `no_repeat_ngram` past its cap, n x tokens x `logprobs` past the
+generated-logprobs bound (this tiny model's context is too short for it: then `logprobs` past its own) (400 on
+that field), an invented HTTP method (405). The slow ones (an `Expect: 100-continue` body trickled, a body never
 finished, a stream never read) wait on the server's short --request-timeout / --send-timeout, so they are few
 (SLOW_PROBES of the requests) and run on PROBE_THREADS threads of their own: the server must close each at its
 deadline (plus a margin), and the stream never read must be cut before its end. The only error answers in
@@ -251,27 +252,35 @@ def _fast_probe(h: _Hostile, kind: str, i: int) -> str | None:
     rng = random.Random(i)
     post = _session().post
     lim = h.limits
-    if kind == "tokenize":  # N1: text past what the context can hold, refused before it is encoded
+    if kind == "tokenize":  # text past what the context can hold, refused before it is encoded
         text = "".join(rng.choices("0123456789 abc", k=h.too_long + rng.randrange(h.too_long)))
         return _refused(
             post(h.base + "/v3/tokenize", json={"model": "tiny-llama", "prompt": text}, timeout=60),
             400,
             words="cannot fit",
         )
-    if kind.startswith("setup"):  # N2/N3: a prompt list, the most and longest bad words, the longest prediction
+    if kind.startswith("setup"):  # a prompt list, the most and longest bad words, the longest prediction
         body = {"model": "tiny-llama", "prompt": ["hi"] * 16, "max_tokens": 4, "bad_words": h.bad_words}
         if kind == "setup-prediction":
             body["prediction"] = {"type": "content", "content": h.prediction}
             return _refused(post(h.base + "/v3/completions", json=body, timeout=60), 400, param="prediction")
         return _refused(post(h.base + "/v3/completions", json=body, timeout=60), 400, words="set-up work")
-    if kind == "no_repeat_ngram":  # N2: an n-gram ban index past its cap
+    if kind == "no_repeat_ngram":  # an n-gram ban index past its cap
         big = lim.no_repeat_ngram + 1 + rng.randrange(2**32 - 2 - lim.no_repeat_ngram)
         body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 2, "no_repeat_ngram": big}
         return _refused(post(h.base + "/v3/completions", json=body, timeout=60), 400, param="no_repeat_ngram")
-    if kind == "logprobs":  # N10: n x logprobs past the bound (this context is too short to pass the product's)
-        body = {"model": "tiny-llama", "prompt": "hi", "n": lim.n, "logprobs": lim.logprobs + 1, "max_tokens": 8}
+    if kind == "logprobs":  # n x tokens x logprobs past the generated-logprobs bound, where the context can pass it
+        body = {
+            "model": "tiny-llama",
+            "prompt": "hi",
+            "n": lim.n,
+            "logprobs": lim.logprobs,
+            "max_tokens": h.context - 8,
+        }
+        if lim.n * (h.context - 8) * (1 + lim.logprobs) <= lim.generated_logprobs:  # (this tiny one cannot)
+            body.update(logprobs=lim.logprobs + 1, max_tokens=8)  # then logprobs past its own bound
         return _refused(post(h.base + "/v3/completions", json=body, timeout=60), 400, param="logprobs")
-    if kind == "method":  # N6: an invented method, answered and recorded under a fixed label
+    if kind == "method":  # an invented method, answered and recorded under a fixed label
         method = "ZQX" + "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=rng.randint(1, 12)))
         with socket.create_connection(("127.0.0.1", h.port), timeout=60) as s:
             s.sendall(f"{method} /v3/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
@@ -318,7 +327,7 @@ def _slow_probe(h: _Hostile, kind: str, i: int) -> str | None:
     deadline = EDGE_TIMEOUT + EDGE_MARGIN
     s = socket.socket()
     try:
-        if kind == "unread":  # N5: a long stream never read (a 4 KiB window): reset after the send timeout
+        if kind == "unread":  # a long stream never read (a 4 KiB window): reset after the send timeout
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(("127.0.0.1", h.port))
             stream = {"model": "tiny-llama", "prompt": [5], "max_tokens": h.context - 4, "ignore_eos": True}
@@ -339,7 +348,7 @@ def _slow_probe(h: _Hostile, kind: str, i: int) -> str | None:
                 return f"a stream never read was not cut: {took:.1f} s, {len(got)} bytes, ends {got[-60:]!r}"
             return None
         s.connect(("127.0.0.1", h.port))
-        if kind == "expect":  # N5: 100 Continue, then the body a byte at a time
+        if kind == "expect":  # 100 Continue, then the body a byte at a time
             s.sendall(head + b"Expect: 100-continue\r\n\r\n")
             s.settimeout(deadline)
             reply = s.recv(64)
@@ -357,7 +366,7 @@ def _slow_probe(h: _Hostile, kind: str, i: int) -> str | None:
             else:
                 took, got = _closed_in(s, deadline)
             took = time.monotonic() - start if took is not None else None
-        else:  # N4: a body never finished
+        else:  # a body never finished
             s.sendall(head + b"\r\n" + body[: rng.randrange(len(body) - 1)])
             took, got = _closed_in(s, deadline)
         if took is None or took > deadline or got.startswith(b"HTTP/1.1 200"):
