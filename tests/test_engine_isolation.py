@@ -153,7 +153,7 @@ def check(srv: Server, name: str, send, expect: set[int]) -> None:
     first step of a new shape makes OpenVINO allocate once for good (the first prompt-lookup verification step:
     +229 MB, the next ones +0, measured in-process), which is the runtime warming up, not what the request costs.
     (One warm-up round left the long prediction's batch beside the victims to the measured rounds on a busy box:
-    +207 MB in 3 runs of 3.)"""
+    +207 MB in 3 of 4 runs of this file.)"""
     measured_under(srv, name, send)  # as many rounds as measured: the batches met there are met here first
     base, live_base = baseline(srv, name)
     worst_victim, worst_live, attack = measured_under(srv, name, send)
