@@ -71,7 +71,9 @@ class Limits:
     )
     token_sequence: int = setting(32, "token ids in one `stop_tokens` / `bad_word_tokens` entry (Friendli)")
     grammar_chars: int = setting(
-        65536, "characters of a `response_format` JSON schema (canonical JSON text), regex or grammar"
+        65536,
+        "characters of a `response_format` JSON schema (canonical JSON text), regex or grammar; for `tools` with "
+        "`tool_choice` required or named, of the constrained tools' parameter schemas together",
     )
     depth: int = setting(32, "nesting of objects and arrays in a request body")
     # speculative decoding: a step verifies 1 + num_assistant_tokens positions per sequence, so this bounds what one
