@@ -3,7 +3,7 @@
 #   docker build -t appliance .                       # runtime image (builds the `export` stage for the model)
 #   docker build --target export -t appliance-export . # the export tools (torch, transformers, optimum, nncf)
 # Exposure: the server binds 0.0.0.0 in the container, and a non-loopback bind without an API key refuses to start
-# (appliance/server/auth.py). Give it a key file (one key per line, readable by uid 10001), or say it is meant:
+# (appliance/auth.py). Give it a key file (one key per line, readable by uid 10001), or say it is meant:
 #   docker run -p 8000:8000 -v /srv/appliance/api-keys:/run/secrets/api-keys:ro \
 #       -e APPLIANCE_API_KEY_FILE=/run/secrets/api-keys appliance
 #   docker run -p 127.0.0.1:8000:8000 -e APPLIANCE_ALLOW_UNAUTHENTICATED=1 appliance   # open: logs a warning

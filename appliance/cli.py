@@ -20,12 +20,12 @@ from dataclasses import Field, asdict
 from pathlib import Path
 from typing import Any, NamedTuple, get_args, get_type_hints
 
-from appliance import devices, limits, tool_prompt
+from appliance import auth, devices, limits, logs
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import compile_cache_dir, resolve_model
-from appliance.server import auth, logs
-from appliance.server.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
+from appliance.server import tool_prompt
+from appliance.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
 
 log = logging.getLogger("appliance.serve")
 
@@ -33,7 +33,7 @@ log = logging.getLogger("appliance.serve")
 # which declares its default and help once (appliance/limits.py `setting`); nothing below repeats a default.
 # The environment variable is APPLIANCE_<FLAG IN UPPER SNAKE CASE>.
 GROUPS: tuple[tuple[str, type], ...] = (
-    ("server (ServeSettings, appliance/server/settings.py)", ServeSettings),
+    ("server (ServeSettings, appliance/settings.py)", ServeSettings),
     ("engine (EngineConfig, appliance/config.py: the Python API's configuration too)", EngineConfig),
     ("request limits (Limits, appliance/limits.py)", limits.Limits),
 )
@@ -357,7 +357,7 @@ def _kv_size(args: argparse.Namespace) -> tuple[str, int] | None:
     if args.kv_cache_tokens is not None:
         return "tokens", args.kv_cache_tokens
     size = parse_kv_cache_size(args.kv_cache_size) if args.kv_cache_size is not None else None
-    from appliance.backends.kv_budget import meminfo_bytes  # here: the backends package loads numpy
+    from appliance.runtime.backends.kv_budget import meminfo_bytes  # here: the backends package loads numpy
 
     total = meminfo_bytes("MemTotal")
     if size and size[0] == "bytes" and total and size[1] > total:

@@ -32,7 +32,7 @@ class EngineConfig:
         flag="kv-cache-precision",
         cli="auto",
     )
-    # Paged KV pool budget, all sequences together (appliance/backends/kv_budget.py): kv_cache_bytes wins when set;
+    # Paged KV pool budget, all sequences together (runtime/backends/kv_budget.py): kv_cache_bytes wins when set;
     # both None = auto (a quarter of the memory free after loading, capped at max_num_seqs full contexts).
     # Static-shape backends ignore both: their KV is static_batch x static_context.
     # The Python API's default is a fixed 16384-token pool, on purpose: a library shares its process (tests,
@@ -124,7 +124,7 @@ class EngineConfig:
         cli=None,
     )
 
-    # Speculative decoding (appliance/speculative/, appliance/engine/speculation.py): a proposer drafts tokens, the
+    # Speculative decoding (runtime/speculative/, runtime/engine/speculation.py): a proposer drafts tokens, the
     # model verifies them all in one step (paged attention only; static shapes and ONNX refuse these flags). The
     # output is the same as without (greedy: token for token; sampling: the same distribution, the same tokens for
     # a seed); only the speed changes.

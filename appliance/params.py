@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 GrammarKind = Literal["json_schema", "regex", "lark", "gbnf"]
-# How a model writes tool calls and reasoning: appliance/tool_prompt.py picks one from the chat template (or the
+# How a model writes tool calls and reasoning: appliance/server/tool_prompt.py picks one from the chat template (or the
 # serve flags), HTTP workers parse the output with it (appliance/openai_api/tool_calls.py, reasoning.py)
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")  # the first: a template that shows none
 REASONING_FORMATS = ("none", "think")
@@ -14,7 +14,7 @@ REASONING_FORMATS = ("none", "think")
 
 @dataclass(frozen=True)
 class Grammar:
-    """A constraint on the generated text, compiled engine-side (appliance/grammar.py, llguidance) into a token
+    """A constraint on the generated text, compiled engine-side (appliance/runtime/grammar.py, llguidance) into a token
     mask applied at every step. `text`: the JSON schema as canonical JSON text (json_object is the schema
     {"type": "object"}), the regular expression, a Lark grammar (which may embed JSON schemas with `%json {...}`,
     as tool calls do) or a GBNF one (llama.cpp's; converted to Lark engine-side). Equal grammars share one

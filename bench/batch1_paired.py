@@ -102,8 +102,8 @@ def bench_model(name: str, runs: int, prompt_len: int, new_tokens: int, bar, see
     import openvino as ov
     import openvino_genai as ov_genai
 
-    from appliance.backends.openvino_common import compile_properties
     from appliance.manifest import Manifest
+    from appliance.runtime.backends.openvino_common import compile_properties
     from bench.concurrency import engine_settings, load_engine, load_genai
 
     path = model_dir(name)

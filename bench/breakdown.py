@@ -64,7 +64,7 @@ class _RequestProxy:
 
 
 def instrument(engine) -> dict[str, _Timed]:
-    import appliance.engine.core as engine_module  # where the step calls sample_batch
+    import appliance.runtime.engine.core as engine_module  # where the step calls sample_batch
 
     timers = {"step": _Timed(engine.step), "forward": _Timed(engine.backend.forward)}
     engine.step = timers["step"]

@@ -44,8 +44,8 @@ _request_ids = itertools.count()
 
 
 def load_engine(path: Path, config=None):
-    from appliance.engine import Engine
     from appliance.params import SamplingParams
+    from appliance.runtime.engine import Engine
 
     engine = Engine(path, config)
     engine.generate([100 + i for i in range(16)], SamplingParams(max_tokens=4))  # compile kernels
@@ -55,12 +55,12 @@ def load_engine(path: Path, config=None):
 def engine_settings(engine) -> dict:
     """What the engine ran with (engine internals read defensively: they may move, the benchmark should not
     break over a settings report)."""
-    from appliance.backends.openvino_common import compile_properties
+    from appliance.runtime.backends.openvino_common import compile_properties
 
     c, pool, backend = engine.config, engine.pool, engine.backend
     compiled = getattr(backend, "compiled", None)
     return {
-        "impl": "appliance.engine.Engine",
+        "impl": "appliance.runtime.engine.Engine",
         "max_num_seqs": engine.scheduler.max_num_seqs,
         "max_num_batched_tokens": c.max_num_batched_tokens,
         "chunked_prefill": True,
@@ -121,7 +121,7 @@ def load_genai(path: Path, engine) -> tuple[object, dict]:
     """A ContinuousBatchingPipeline with the engine's scheduler limits, KV budget and compile properties."""
     import openvino_genai as ov_genai
 
-    from appliance.backends.openvino_common import compile_properties
+    from appliance.runtime.backends.openvino_common import compile_properties
 
     c = engine.config
     sc = ov_genai.SchedulerConfig()

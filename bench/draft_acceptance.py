@@ -1,5 +1,5 @@
 """Which draft model is worth it for the default model: acceptance of the target's greedy tokens, and the cost of
-a draft step relative to a target step, for each candidate draft (appliance/speculative/draft.py's DraftModel).
+a draft step relative to a target step, for each candidate draft (appliance/runtime/speculative/draft.py's DraftModel).
 
 Acceptance: the target (our Engine, greedy) answers each prompt (input-grounded: summarize / rewrite / extract /
 code edit from a given text; free-form chat; all through the chat template); then speculative decoding is replayed
@@ -23,15 +23,15 @@ from pathlib import Path
 
 import numpy as np
 
-from appliance.backends.base import Backend, StepBatch
 from appliance.config import EngineConfig
-from appliance.engine import Engine
-from appliance.kv_cache import BlockPool
 from appliance.manifest import Manifest
 from appliance.params import SamplingParams
-from appliance.sequence import Sequence
-from appliance.speculative.base import SpecState
-from appliance.speculative.draft import DraftModel
+from appliance.runtime.backends.base import Backend, StepBatch
+from appliance.runtime.engine import Engine
+from appliance.runtime.kv_cache import BlockPool
+from appliance.runtime.sequence import Sequence
+from appliance.runtime.speculative.base import SpecState
+from appliance.runtime.speculative.draft import DraftModel
 from bench.common import arg_parser, machine, median, model_dir, print_table, rotate, save_results
 
 TEXT = (

@@ -4,7 +4,7 @@ with the kernels that ran them (exec types: brgemm_avx512_bf16, brgemm_avx2_f32,
 engine's decode step wall time and the time spent outside OpenVINO's nodes (step wall - sum of node times).
 
 Measurement only: PERF_COUNT and the --property / --variant values are added by wrapping
-appliance.backends.openvino_paged.compile_properties while each engine compiles (there is no config field for
+appliance.runtime.backends.openvino_paged.compile_properties while each engine compiles (there is no config field for
 arbitrary properties); the engine's own properties come first, these override them. PERF_COUNT itself costs a
 little per node (`--variant noperf:PERF_COUNT=false` runs the same steps unprofiled, beside the others). Honours
 ONEDNN_MAX_CPU_ISA (set it in the environment, or --isa-cap AVX2: appliance.cpu_isa derives the
@@ -153,11 +153,11 @@ class Recorder:
 def load(path, precision: str, extra: dict[str, Any]):
     """An Engine compiled with the engine's properties + PERF_COUNT + `extra`, warmed up, its Recorder, and those
     properties (with the compiled model's own values of EFFECTIVE)."""
-    import appliance.backends.openvino_paged as paged
-    from appliance.backends.openvino_common import logits_matmul, read_model
+    import appliance.runtime.backends.openvino_paged as paged
     from appliance.config import EngineConfig
-    from appliance.engine import Engine
     from appliance.params import SamplingParams
+    from appliance.runtime.backends.openvino_common import logits_matmul, read_model
+    from appliance.runtime.engine import Engine
 
     original = paged.compile_properties
     used: dict[str, Any] = {}

@@ -107,9 +107,9 @@ def reference_logits(hf_dir: str, prompts: list[list[int]]) -> list[np.ndarray]:
 
 def engine_logits(path: Path, precision: str, prompts: list[list[int]]) -> list[np.ndarray]:
     """Last-position logits of each prompt, prefilled in one forward (as tests/test_parity.py does)."""
-    from appliance.backends import StepBatch
     from appliance.config import EngineConfig
-    from appliance.engine import Engine
+    from appliance.runtime.backends import StepBatch
+    from appliance.runtime.engine import Engine
 
     engine = Engine(path, EngineConfig(precision=None if precision == "default" else precision, kv_cache_tokens=4096))
     try:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from appliance.manifest import Manifest
-    from appliance.tokenizer import Tokenizer
+    from appliance.runtime.tokenizer import Tokenizer
 
     info = machine()
     isa = info["isa"]

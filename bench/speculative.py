@@ -348,7 +348,7 @@ class Sides:
     def _genai(self, path: Path, draft: Path | None, args, base) -> None:
         import openvino_genai as ov_genai
 
-        from appliance.backends.openvino_common import compile_properties
+        from appliance.runtime.backends.openvino_common import compile_properties
 
         props = compile_properties(base.config)  # the engine's, so only the generation loops differ
         gpath = str(genai_dir(path))
@@ -740,7 +740,7 @@ def bench_shapes(path: Path, rounds: int, context: int = 480) -> list[dict]:
     the input shape between calls costs."""
     import numpy as np
 
-    from appliance.backends.base import StepBatch
+    from appliance.runtime.backends.base import StepBatch
     from bench.concurrency import load_engine
 
     engine = load_engine(path)

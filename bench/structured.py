@@ -1,4 +1,4 @@
-"""Structured output's cost: decode tok/s with a JSON-schema mask (appliance/grammar.py) vs free text, at 1 and 16
+"""Structured output's cost: decode tok/s with a JSON-schema mask (runtime/grammar.py) vs free text, at 1 and 16
 concurrent requests on the same engine, interleaved (the arm that goes first alternates every run), medians of
 per-run ratios.
 

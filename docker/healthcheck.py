@@ -3,7 +3,7 @@
 Runs inside the container as the serving user, against the port and scheme the server was started with
 (APPLIANCE_PORT, https when APPLIANCE_TLS_CERTFILE is set: the certificate is for the box's name, not 127.0.0.1, so
 it is not verified here). The probe is the cached readiness the load balancer sees too; the health endpoints need no
-API key (appliance/server/auth.py). Stdlib only: it must not load the server's modules every 30 s.
+API key (appliance/auth.py). Stdlib only: it must not load the server's modules every 30 s.
 """
 
 from __future__ import annotations

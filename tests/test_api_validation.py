@@ -454,21 +454,21 @@ def test_request_values_reach_sampling_params():
 
 class StubEngine:
     def __init__(self, state: str = "ready", fail_with: Exception | None = None):
-        from appliance.server.protocol import EngineStatus
+        from appliance.protocol import EngineStatus
 
         self._status = EngineStatus(state, max_context=64, vocab_size=100)
         self.fail_with = fail_with
         self.records = []
 
     def status(self, model: str = ""):
-        from appliance.server.protocol import EngineStatus
+        from appliance.protocol import EngineStatus
 
         return self._status if model == MODEL else EngineStatus("unknown", f"The model `{model}` does not exist")
 
     serving_status = status
 
     def models(self):
-        from appliance.server.protocol import ModelInfo
+        from appliance.protocol import ModelInfo
 
         return [ModelInfo(MODEL, 1, self._status.state)]
 
@@ -481,7 +481,7 @@ class StubEngine:
 
 def edge(engine: StubEngine, **settings):
     from appliance.openai_api.app import create_app
-    from appliance.server.settings import ServeSettings
+    from appliance.settings import ServeSettings
 
     app = create_app(ServeSettings(model_dir="unused", served_model_name=MODEL, model_created=1, **settings), engine)
     return app.test_client()
@@ -548,7 +548,7 @@ def test_limits_table_in_docs_is_the_declared_one():
 
 def test_limit_flags_derive_from_the_fields(monkeypatch):
     from appliance import cli, limits
-    from appliance.server.settings import ConfigError
+    from appliance.settings import ConfigError
 
     for f in limits.flag_fields():
         kind, default, help_text = cli.SERVE_OPTIONS[f.metadata["flag"]]
@@ -563,7 +563,7 @@ def test_limit_flags_derive_from_the_fields(monkeypatch):
 
 
 def test_settings_round_trip_rebuilds_limits(tmp_path):
-    from appliance.server.settings import ServeSettings
+    from appliance.settings import ServeSettings
 
     s = ServeSettings(
         model_dir="x",
@@ -911,11 +911,11 @@ class SimpleHandle:
 
 def submit(job_fields: dict, params_fields: dict, limits: Limits = Limits()):
     from appliance.params import SamplingParams
+    from appliance.protocol import Job, PromptSpec
     from appliance.server import engine_service as es
     from appliance.server.metrics import ServerMetrics
-    from appliance.server.protocol import Job, PromptSpec
-    from appliance.server.settings import ServeSettings
     from appliance.server.slots import Rejected
+    from appliance.settings import ServeSettings
 
     service = es.EngineService(
         ServeSettings(model_dir="x", served_model_name=MODEL, model_created=1, limits=limits), ServerMetrics()
@@ -945,7 +945,7 @@ def test_stop_token_ids_outside_the_vocabulary_are_400():
 
 
 def test_tokenizer_errors_are_400_not_a_dropped_connection():
-    from appliance.server.protocol import PromptSpec
+    from appliance.protocol import PromptSpec
 
     for text in ("bad\x00text", "\ud800"):
         failed, runtime = submit({"prompts": [PromptSpec(text=text)]}, {})
@@ -954,7 +954,7 @@ def test_tokenizer_errors_are_400_not_a_dropped_connection():
 
 
 def test_echo_logprobs_volume_is_bounded_after_tokenization():
-    from appliance.server.protocol import PromptSpec
+    from appliance.protocol import PromptSpec
 
     limits = Limits(prompt_logprobs=1000)
     # 100 prompt tokens x (1 + 4) x n 2 = 1000: fits; one token more does not

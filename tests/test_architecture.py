@@ -1,16 +1,20 @@
 """The package's import boundaries, checked so that they hold as code moves.
 
-`appliance/` has four roles (README "Layout"): the runtime (every module outside the three packages below, and
-`backends/`), the serving processes (`server/`), the HTTP edge in the gunicorn workers (`openai_api/`) and the
-harness tests and bench share (`testing/`). Two properties matter and nothing else enforces them:
+The tree shows the processes (README "Layout"): each package under `appliance/` runs in one process, and the
+modules at the package root are what more than one of them share.
 
-- the runtime is a library: it never imports the server or the HTTP edge, and nothing in the package imports the
-  test harness;
-- a gunicorn worker stays light (about 32 MB, docs/serving.md): it loads neither numpy nor OpenVINO, and of the
-  runtime only the wire types and bounds (`params`, `outputs`, `limits`).
+- the root modules (`params`, `outputs`, `limits`, `config`, `protocol`, `settings`, `logs`, `auth`, `manifest`,
+  `paths`, `cpu_isa`, `devices`) run in any process and import only the root;
+- `runtime/` (engine, scheduler, KV, sampling, backends, ...) runs in the engine process: itself and the root;
+- `server/` (supervisor, engine service, jobs, slots, metrics) is the engine process's serving code: itself,
+  `runtime/` and the root; of `http/` only the gunicorn config it launches, by name;
+- `http/` (gunicorn config, edge worker, engine client) and the client APIs (`openai_api/`) run in the gunicorn
+  workers: themselves and the root;
+- `cli` is the entry point (anything but the test harness); `testing/` serves tests and bench (anything).
 
-The static checks read every module's AST (imports inside functions count too, as do module paths handed to
-gunicorn as strings); the last test imports what a worker imports in a fresh interpreter and looks at sys.modules.
+A gunicorn worker stays light (about 32 MB, docs/serving.md): the last test imports what a worker imports in a
+fresh interpreter and checks that neither numpy nor OpenVINO nor any runtime module loaded. The static checks
+read every module's AST (imports inside functions count too, as do module paths handed to gunicorn as strings).
 Roles are derived from paths, so a new module is covered without editing this file.
 """
 
@@ -28,20 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "appliance"
 
-SERVER, HTTP, TESTING = "appliance.server", "appliance.openai_api", "appliance.testing"
-ENTRY_POINT = "appliance.cli"  # glue: flags -> settings, then starts the server; belongs to no layer
-# What a gunicorn worker runs: the HTTP edge plus the light half of server/ (gunicorn's config and worker class,
-# the engine client and what it needs).
-WORKER_SERVER_MODULES = {
-    f"{SERVER}.{name}"
-    for name in ("client", "protocol", "settings", "logs", "worker", "edge_policy", "gunicorn_conf", "auth")
-}
-# The runtime modules a worker may import: the package root (`__version__`), the wire types and the bounds.
-WORKER_RUNTIME_MODULES = {"appliance", "appliance.params", "appliance.outputs", "appliance.limits", "appliance.config"}
+RUNTIME, SERVER, HTTP, TESTING = "appliance.runtime", "appliance.server", "appliance.http", "appliance.testing"
+CLIENT_APIS = ("appliance.openai_api",)  # the client API adapters: they run in the gunicorn workers
+SHARED, ENTRY_POINT = "shared", "appliance.cli"  # the package root's modules; glue: flags -> settings -> server
+# The one edge from the engine process into the workers' package: the supervisor starts gunicorn with this config.
+LAUNCHES = {("appliance.server.supervisor", "appliance.http.gunicorn_conf")}
 HEAVY = ("numpy", "openvino", "onnxruntime", "tokenizers")
 
 # A module path given as a string: "python:appliance.x" (gunicorn --config), "appliance.x:app()" (wsgi_app),
-# "appliance.x.Class" (worker_class). Logger names ("appliance.http") match none of these forms.
+# "appliance.x.Class" (worker_class). Logger names ("appliance.edge") match none of these forms.
 MODULE_STRING = re.compile(r"^python:(appliance(?:\.\w+)+)$|^(appliance(?:\.\w+)*?)(?::.+|\.[A-Z]\w*)$")
 
 
@@ -60,10 +59,14 @@ def within(name: str, package: str) -> bool:
 
 
 def role(name: str) -> str:
-    for package in (SERVER, HTTP, TESTING):
+    """The process a module runs in, from its path: a package's name, HTTP for the client APIs, SHARED for the
+    package root's modules, ENTRY_POINT for the CLI."""
+    for package in (RUNTIME, SERVER, HTTP, TESTING):
         if within(name, package):
             return package
-    return ENTRY_POINT if name == ENTRY_POINT else "runtime"
+    if any(within(name, api) for api in CLIENT_APIS):
+        return HTTP
+    return ENTRY_POINT if name == ENTRY_POINT else SHARED
 
 
 def docstrings(tree: ast.Module) -> set[int]:
@@ -120,50 +123,42 @@ def violations(allowed: Callable[[str, str], bool]) -> list[str]:
 
 
 def test_the_roles_are_derived_from_the_package():
-    runtime = {name for name in modules() if role(name) == "runtime"}
+    roles = {name: role(name) for name in modules()}
     assert {
-        "appliance",
-        "appliance.engine",
-        "appliance.scheduler",
-        "appliance.params",
-        "appliance.backends",
-        "appliance.backends.base",
-        "appliance.backends.kv_budget",
-    } <= runtime
-    assert not runtime & {
-        "appliance.cli",
-        "appliance.server.metrics",
-        "appliance.server.gunicorn_conf",
-        "appliance.openai_api.app",
-        "appliance.testing.loopback",
-    }
-    assert WORKER_SERVER_MODULES <= set(modules()), "a worker module named above no longer exists"
+        roles[n]
+        for n in ("appliance.runtime.engine", "appliance.runtime.scheduler", "appliance.runtime.backends.kv_budget")
+    } == {RUNTIME}
+    assert {roles[n] for n in ("appliance", "appliance.params", "appliance.protocol", "appliance.settings")} == {SHARED}
+    assert {roles[n] for n in ("appliance.server.metrics", "appliance.server.supervisor")} == {SERVER}
+    assert {roles[n] for n in ("appliance.http.worker", "appliance.openai_api.app")} == {HTTP}
+    assert roles["appliance.cli"] == ENTRY_POINT and roles["appliance.testing.loopback"] == TESTING
     # Known edges are seen, lazy ones (inside a function) and string ones included.
-    assert "appliance.engine" in graph()["appliance.server.supervisor"]
+    assert "appliance.runtime.engine" in graph()["appliance.server.supervisor"]
     assert "appliance.server.supervisor" in graph()["appliance.cli"]
-    assert {"appliance.openai_api.app", "appliance.server.worker"} <= graph()["appliance.server.gunicorn_conf"]
+    assert {"appliance.openai_api.app", "appliance.http.worker"} <= graph()["appliance.http.gunicorn_conf"]
+    assert LAUNCHES <= {(name, target) for name, targets in graph().items() for target in targets}
 
 
 def test_the_checker_sees_every_form_of_import():
     source = '''"""Docstrings are prose: appliance.server.nothing:here is not a reference."""
-import appliance.server.client
+import appliance.http.client
 from appliance.openai_api import app
 from appliance import params, __version__
 from .sibling import thing
 def lazy():
     from appliance.testing.procinfo import children
-    return "python:appliance.server.gunicorn_conf", "appliance.server.worker.EdgeWorker", "appliance.http"
+    return "python:appliance.http.gunicorn_conf", "appliance.http.worker.EdgeWorker", "appliance.http"
 '''
-    found = imported(source, "appliance.backends.example")
+    found = imported(source, "appliance.runtime.backends.example")
     assert found == {
-        "appliance.server.client",
+        "appliance.http.client",
         "appliance.openai_api.app",
         "appliance.params",
         "appliance",
-        "appliance.backends.sibling",
+        "appliance.runtime.backends.sibling",
         "appliance.testing.procinfo",
-        "appliance.server.gunicorn_conf",
-        "appliance.server.worker",
+        "appliance.http.gunicorn_conf",
+        "appliance.http.worker",
     }
 
 
@@ -171,36 +166,41 @@ def test_every_module_imported_or_named_exists():
     """Imports, and the strings gunicorn is started with (--config python:..., wsgi_app, worker_class), name
     modules that exist: a module moved without updating a string that names it fails here, not in production."""
     named = {target for targets in graph().values() for target in targets}
-    assert "appliance.server.gunicorn_conf" in graph()["appliance.server.supervisor"]
+    assert "appliance.http.gunicorn_conf" in graph()["appliance.server.supervisor"]
     assert not named - set(modules()), f"no such module: {sorted(named - set(modules()))}"
 
 
 # ---------------------------------------------------------------- the boundaries
 
+# What each process's package may import (besides itself): the table in the module docstring.
+MAY_IMPORT = {
+    SHARED: {SHARED},
+    RUNTIME: {RUNTIME, SHARED},
+    SERVER: {SERVER, RUNTIME, SHARED},
+    HTTP: {HTTP, SHARED},
+    ENTRY_POINT: {ENTRY_POINT, SHARED, RUNTIME, SERVER, HTTP},
+    TESTING: {TESTING, ENTRY_POINT, SHARED, RUNTIME, SERVER, HTTP},
+}
 
-def test_the_runtime_never_imports_the_server_or_the_http_edge():
+
+def test_each_package_imports_only_what_its_process_may():
     def allowed(name: str, target: str) -> bool:
-        return role(name) != "runtime" or role(target) not in (SERVER, HTTP)
+        return role(target) in MAY_IMPORT[role(name)] or (name, target) in LAUNCHES
 
     assert violations(allowed) == []
 
 
-def test_nothing_in_the_package_imports_the_test_harness():
-    def allowed(name: str, target: str) -> bool:
-        return role(target) != TESTING or role(name) == TESTING
-
-    assert violations(allowed) == []
-
-
-def test_worker_modules_import_only_worker_modules_and_the_wire_types():
-    """Statically, so an import inside a request handler counts too (the subprocess test below only sees
-    module-level imports)."""
-    worker = {name for name in modules() if role(name) == HTTP} | WORKER_SERVER_MODULES
-
-    def allowed(name: str, target: str) -> bool:
-        return name not in worker or target in worker or target in WORKER_RUNTIME_MODULES
-
-    assert violations(allowed) == []
+def test_the_shared_root_loads_nothing_heavy(tmp_path):
+    """The root's modules are imported by every process, the workers included: none may pull in numpy or
+    OpenVINO (a worker would grow by ~100 MB and seconds of start-up)."""
+    shared = sorted(name for name in modules() if role(name) == SHARED)
+    code = (
+        f"import importlib, json, sys\nfor m in {shared!r}: importlib.import_module(m)\n"
+        "print(json.dumps(sorted(sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(m for m in json.loads(result.stdout) if m.split(".")[0] in HEAVY) == []
 
 
 def test_a_worker_loads_neither_numpy_nor_openvino(tmp_path):
@@ -208,10 +208,10 @@ def test_a_worker_loads_neither_numpy_nor_openvino(tmp_path):
     gunicorn_conf reads the settings file at import, so one is written first."""
     code = f"""
 import json, os, sys
-from appliance.server.settings import RUNTIME_DIR_ENV, ServeSettings
+from appliance.settings import RUNTIME_DIR_ENV, ServeSettings
 ServeSettings(model_dir={str(tmp_path)!r}, served_model_name="m", model_created=0, runtime_dir={str(tmp_path)!r}).save()
 os.environ[RUNTIME_DIR_ENV] = {str(tmp_path)!r}
-import appliance.server.gunicorn_conf, appliance.server.worker, appliance.openai_api.app, appliance.server.client
+import appliance.http.gunicorn_conf, appliance.http.worker, appliance.openai_api.app, appliance.http.client
 print(json.dumps(sorted(sys.modules)))
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -219,5 +219,5 @@ print(json.dumps(sorted(sys.modules)))
     loaded = set(json.loads(result.stdout))
     assert "appliance.openai_api.app" in loaded and "flask" in loaded  # it did import the worker's code
     assert sorted(m for m in loaded if m.split(".")[0] in HEAVY) == []
-    runtime = {m for m in loaded if within(m, "appliance") and role(m) == "runtime"}
-    assert runtime <= WORKER_RUNTIME_MODULES, f"a worker loads runtime modules: {sorted(runtime)}"
+    others = {m for m in loaded if within(m, "appliance") and role(m) not in (HTTP, SHARED)}
+    assert others == set(), f"a worker loads modules of another process: {sorted(others)}"

@@ -1,4 +1,4 @@
-"""appliance.bans (bad words, no_repeat_ngram) and stopping.resolve_prompt_limits on their own: the banned sets
+"""appliance.runtime.bans (bad words, no_repeat_ngram) and stopping.resolve_prompt_limits on their own: the banned sets
 against a brute-force rescan of the history (transformers' semantics), forks that must not share state, and the
 prompt-relative limits."""
 
@@ -10,11 +10,11 @@ import random
 import numpy as np
 import pytest
 
-from appliance.bans import Bans
-from appliance.beam_search import fork_sampler
 from appliance.params import SamplingParams
-from appliance.sampling import SequenceSampler, apply_processors
-from appliance.stopping import resolve_prompt_limits
+from appliance.runtime.bans import Bans
+from appliance.runtime.beam_search import fork_sampler
+from appliance.runtime.sampling import SequenceSampler, apply_processors
+from appliance.runtime.stopping import resolve_prompt_limits
 
 
 class WordTokenizer:

@@ -1,7 +1,7 @@
 """Beam search (best_of > 1): the same hypotheses as transformers' `generate(num_beams=B, num_return_sequences=n,
 do_sample=False, length_penalty=lp)`.
 
-Three levels: the pure selection rule (appliance.beam_search) driven by a tiny random torch model against
+Three levels: the pure selection rule (appliance.runtime.beam_search) driven by a tiny random torch model against
 transformers on many random cases; the engine (beams as sequences sharing KV blocks, forks copying the last
 block) on the default model in f32, on every backend and under KV pressure; and the HTTP API.
 """
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from conftest import in_process_api, one_torch_thread
 
-from appliance.beam_search import WIDTH_STOP_TOKENS, BeamSearch, log_softmax, top_continuations
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.params import SamplingParams
+from appliance.runtime.beam_search import WIDTH_STOP_TOKENS, BeamSearch, log_softmax, top_continuations
+from appliance.runtime.engine import Engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -196,7 +196,7 @@ def _until_eos(tokens: list[int], eos) -> list[int]:
 
 @pytest.fixture(scope="module")
 def prompts(default_hf):
-    from appliance.tokenizer import Tokenizer
+    from appliance.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_hf)
     chats = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
@@ -361,7 +361,7 @@ def test_cancel_frees_every_beam(engine, prompts):
 
 
 def test_beam_search_that_cannot_fit_is_refused(engine, prompts):
-    from appliance.engine import PromptTooLong
+    from appliance.runtime.engine import PromptTooLong
 
     with pytest.raises(PromptTooLong):
         engine.submit(prompts[0], SamplingParams(max_tokens=8000, best_of=4))

@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 
-from appliance.tokenizer import Tokenizer
+from appliance.runtime.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -16,9 +16,9 @@ import pytest
 from conftest import NEAR_TIE_F32, greedy_divergence
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine, QueueFull
 from appliance.outputs import GenerationResult
 from appliance.params import SamplingParams
+from appliance.runtime.engine import Engine, QueueFull
 
 NEW = 12
 PROMPT_LEN = 70  # not a multiple of the 32-token block: the last prompt block is copied, not shared

@@ -1,5 +1,5 @@
 """`appliance serve`'s engine flags (appliance/cli.py) and the KV pool sizing they lead to
-(appliance/backends/kv_budget.py).
+(appliance/runtime/backends/kv_budget.py).
 
 Parsing and validation run without a model (a stub manifest); one test builds a real paged engine on a tiny
 random model to check that a bytes budget sizes the pool the backend allocates."""
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from appliance import cli
-from appliance.backends import kv_budget
-from appliance.server.settings import ConfigError
+from appliance.runtime.backends import kv_budget
+from appliance.settings import ConfigError
 
 GiB, MiB = 1 << 30, 1 << 20
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
@@ -393,7 +393,7 @@ BLOCK = MiB  # bytes per block in these cases: 32 seqs x 32 blocks (1024 / 32 to
 )
 def test_auto_budget_bounds(monkeypatch, caplog, available, want):
     meminfo(monkeypatch, None if available is None else available // 1024)
-    with caplog.at_level(logging.INFO, logger="appliance.backends.kv_budget"):
+    with caplog.at_level(logging.INFO, logger="appliance.runtime.backends.kv_budget"):
         blocks = kv_budget.pool_blocks(budget_config(), 32, BLOCK, 1024)
     assert blocks * BLOCK == want
     assert 256 * MiB <= blocks * BLOCK <= GiB
@@ -421,8 +421,8 @@ def test_explicit_budgets(monkeypatch):
 
 def test_paged_backend_sizes_its_pool_from_a_bytes_budget(exported):
     from appliance.config import EngineConfig
-    from appliance.engine import Engine, PromptTooLong
     from appliance.params import SamplingParams
+    from appliance.runtime.engine import Engine, PromptTooLong
 
     out, manifest = exported("llama", "openvino", "fp32")
     # f32 KV: a block is layers x (key + value) x kv_heads x block_size x head_dim x 4 bytes
@@ -452,7 +452,7 @@ def test_paged_backend_auto_budget_is_the_ceiling_for_a_tiny_model(exported):
     """The tiny model's ceiling (32 sequences x its whole context) is far below the 256 MiB floor, so auto is
     exactly that ceiling whatever memory this machine has free."""
     from appliance.config import EngineConfig
-    from appliance.engine import Engine
+    from appliance.runtime.engine import Engine
 
     out, manifest = exported("llama", "openvino", "fp32")
     engine = Engine(out, EngineConfig(precision="f32", kv_cache_tokens=None, max_num_seqs=32))

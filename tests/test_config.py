@@ -20,7 +20,7 @@ from appliance import cli
 from appliance.manifest import Manifest
 from appliance.paths import served_weight_format
 from appliance.server import config_file
-from appliance.server.settings import ConfigError, ServeSettings
+from appliance.settings import ConfigError, ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED = f"openvino-{served_weight_format()}"  # the default model's served export folder on this CPU

@@ -28,10 +28,10 @@ import yaml
 from referencing import Registry, Resource
 
 from appliance import __version__, cli
+from appliance.http.client import EngineClient
 from appliance.openai_api.app import OPEN_PATHS, create_app
-from appliance.server.client import EngineClient
 from appliance.server.metrics import ServerMetrics
-from appliance.server.settings import ServeSettings
+from appliance.settings import ServeSettings
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())  # the oldest still-supported k3s line, the newest
@@ -347,7 +347,7 @@ def test_pod_matches_the_server(name, monkeypatch):
     assert "emptyDir" in mount_of(ns.cache_dir)[1] and not mount_of(ns.cache_dir)[0].get("readOnly")
     keys_mount, keys_volume = mount_of(ns.api_key_file)
     assert keys_mount["readOnly"] and keys_volume["secret"]["secretName"] == "appliance-api-keys"
-    # the server refuses a key file every user may read (appliance/server/auth.py): kubelet makes the Secret's
+    # the server refuses a key file every user may read (appliance/auth.py): kubelet makes the Secret's
     # files root:<fsGroup> with defaultMode, so the pod's group reads it and others do not
     assert keys_volume["secret"]["defaultMode"] & 0o007 == 0 and security["fsGroup"] == security["runAsUser"]
     if ns.model != "default":

@@ -1,4 +1,4 @@
-"""appliance.detokenizer: streamed pieces concatenate to the full decode, never split a character, stay O(window)."""
+"""runtime.detokenizer: streamed pieces concatenate to the full decode, never split a character, stay O(window)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from appliance.detokenizer import IncrementalDetokenizer
-from appliance.tokenizer import Tokenizer, gpt2_unicode_to_byte
+from appliance.runtime.detokenizer import IncrementalDetokenizer
+from appliance.runtime.tokenizer import Tokenizer, gpt2_unicode_to_byte
 
 # The tokenizer builders live in test_tokenizer.py; load it by path so this works in any pytest import mode.
 _spec = importlib.util.spec_from_file_location("_tokenizer_builders", Path(__file__).with_name("test_tokenizer.py"))

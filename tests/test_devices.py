@@ -23,12 +23,12 @@ import requests
 from conftest import Server
 
 from appliance import cli, devices
-from appliance.backends.openvino_common import compile_properties
 from appliance.config import EngineConfig
-from appliance.engine import Engine, PromptTooLong
 from appliance.params import SamplingParams
+from appliance.runtime.backends.openvino_common import compile_properties
+from appliance.runtime.engine import Engine, PromptTooLong
 from appliance.server import startup
-from appliance.server.settings import ConfigError, ModelSpec, ServeSettings
+from appliance.settings import ConfigError, ModelSpec, ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
@@ -124,7 +124,7 @@ def test_max_prompt_len_is_a_static_shapes_flag():
 LOAD = """
 import json, sys
 from appliance.config import EngineConfig
-from appliance.engine import Engine
+from appliance.runtime.engine import Engine
 from appliance.params import SamplingParams
 engine = Engine(sys.argv[1], EngineConfig(**json.loads(sys.argv[2])))
 backend = engine.backend

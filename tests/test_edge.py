@@ -1,4 +1,4 @@
-"""Edge timeouts on a real server (appliance/server/worker.py): slow or stalled clients hold no generation thread,
+"""Edge timeouts on a real server (appliance/http/worker.py): slow or stalled clients hold no generation thread,
 incomplete requests are closed at their deadline, a stream whose client stopped reading is cancelled (its KV freed)
 after the send timeout, probes answer while every generation thread is busy; plus `socket_closed` on an fd > 1024.
 
@@ -24,8 +24,8 @@ import pytest
 import requests
 from conftest import Server, wait_until
 
+from appliance.http.worker import chunked_end, parse_head, without_expect
 from appliance.openai_api.streaming import socket_closed
-from appliance.server.worker import chunked_end, parse_head, without_expect
 
 THREADS = 6
 REQUEST_TIMEOUT = 10.0

@@ -1,4 +1,4 @@
-"""What one client may take from the HTTP edge, on a real server (appliance/server/worker.py, edge_policy.py):
+"""What one client may take from the HTTP edge, on a real server (appliance/http/worker.py, edge_policy.py):
 bodies trickled after `Expect: 100-continue` end at the request deadline, a stream read slowly ends after its
 send budget (not only a stream that stopped reading), unfinished bodies that fill a worker's read budget cost their
 holders and not the probes, a key or address past --client-max-generations gets 429, and invented HTTP methods add

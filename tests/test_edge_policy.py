@@ -1,4 +1,4 @@
-"""The HTTP edge's per-client rules as plain functions (appliance/server/edge_policy.py) and the bounded label sets
+"""The HTTP edge's per-client rules as plain functions (appliance/http/edge_policy.py) and the bounded label sets
 of the HTTP metrics (appliance/server/metrics.py). The same rules on a real server: test_edge_limits.py."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import logging
 
 import pytest
 
-from appliance.server import edge_policy as ep
+from appliance.http import edge_policy as ep
+from appliance.protocol import DROPPED_ROUTE
 from appliance.server.metrics import ServerMetrics
 
 
@@ -116,8 +117,8 @@ def test_http_metric_labels_come_from_fixed_sets():
         metrics.record_http("unmatched", f"ZQX{i:02d}", 401, "invalid_request_error")
         metrics.record_http(f"/made/up/{i}", "GET", 404, "invalid_request_error")
     metrics.record_http("/v3/chat/completions", "POST", 200, None)
-    metrics.record_http(ep.DROPPED_ROUTE, "budget_shed", 7, None)
-    metrics.record_http(ep.DROPPED_ROUTE, "invented", 2, None)
+    metrics.record_http(DROPPED_ROUTE, "budget_shed", 7, None)
+    metrics.record_http(DROPPED_ROUTE, "invented", 2, None)
     text = metrics.render({})
     series = [line for line in text.splitlines() if line.startswith("appliance_http_requests_total{")]
     assert sorted(series) == [
@@ -132,7 +133,7 @@ def test_http_metric_labels_come_from_fixed_sets():
 def test_every_route_of_the_app_is_a_known_metric_route(tmp_path):
     from appliance.openai_api.app import create_app
     from appliance.server.metrics import ROUTES
-    from appliance.server.settings import ServeSettings
+    from appliance.settings import ServeSettings
 
     settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0, runtime_dir=str(tmp_path))
     app = create_app(settings, client=object())  # type: ignore[arg-type]
@@ -145,8 +146,8 @@ def test_probe_and_401_records_go_to_the_engine_in_one_batch(monkeypatch):
     later, in one call. Other responses are still recorded before the response ends."""
     import time
 
-    from appliance.server import client as c
-    from appliance.server import protocol as p
+    from appliance import protocol as p
+    from appliance.http import client as c
 
     # the 150 records below must all be made before the first flush: ~1 ms, but a loaded 2-core box can pause this
     # thread for tens of ms (0.05 s here was a flake waiting to happen)

@@ -11,12 +11,12 @@ import time
 import numpy as np
 import pytest
 
-import appliance.engine as engine_mod
-import appliance.engine.core as engine_core  # the step's sampling and logprobs calls
-from appliance.beam_search import WIDTH_STOP_TOKENS, BeamSearch
+import appliance.runtime.engine as engine_mod
+import appliance.runtime.engine.core as engine_core  # the step's sampling and logprobs calls
 from appliance.config import EngineConfig
-from appliance.engine import STOP_WINDOW_TOKENS, Engine, EngineDead
 from appliance.params import SamplingParams
+from appliance.runtime.beam_search import WIDTH_STOP_TOKENS, BeamSearch
+from appliance.runtime.engine import STOP_WINDOW_TOKENS, Engine, EngineDead
 
 NEW = 24
 BAD_SEED = 666  # marks the request whose part of the step is made to raise

@@ -14,11 +14,11 @@ import pytest
 from conftest import one_torch_thread
 from test_beam_search import _toy_model, drive_search, transformers_beams
 
-from appliance.beam_search import BeamSearch
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.params import SamplingParams
-from appliance.stopping import check_token_stop
+from appliance.runtime.beam_search import BeamSearch
+from appliance.runtime.engine import Engine
+from appliance.runtime.stopping import check_token_stop
 
 # ---------------------------------------------------------------- units
 
@@ -220,10 +220,10 @@ def test_cached_tokens(engine):
 
 def test_seed_list_gives_each_choice_its_seed(engine, tmp_path):
     """Friendli's seed list (Job.seeds): choice j gets seeds[j]; without it, seed + j as before."""
-    from appliance.server import protocol as p
+    from appliance import protocol as p
     from appliance.server.engine_service import EngineService
     from appliance.server.metrics import ServerMetrics
-    from appliance.server.settings import ServeSettings
+    from appliance.settings import ServeSettings
 
     settings = ServeSettings(
         model_dir=str(engine.model_dir), served_model_name="m", model_created=0, runtime_dir=str(tmp_path)

@@ -1,4 +1,4 @@
-"""Safe exposure (appliance/server/auth.py, the EdgeWorker's TLS path): API keys, the refusal of an open bind,
+"""Safe exposure (appliance/auth.py, the EdgeWorker's TLS path): API keys, the refusal of an open bind,
 the Host allow-list, TLS. Two real servers on the tiny llama export: one guarded (several keys, allowed hosts,
 TLS with a self-signed certificate made here, threads and request timeout small so a held thread would show) and
 one open on 0.0.0.0 with --allow-unauthenticated; the refusal is a plain `appliance serve` that must exit."""
@@ -23,8 +23,8 @@ import pytest
 import requests
 from conftest import Server
 
-from appliance.server import auth
-from appliance.server.settings import ConfigError, ServeSettings
+from appliance import auth
+from appliance.settings import ConfigError, ServeSettings
 from appliance.testing.loopback import ROOT
 
 KEYS = ["first-" + "a" * 24, "second-" + "b" * 24]

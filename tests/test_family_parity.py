@@ -8,8 +8,8 @@ import tiny_models
 from test_parity import engine_greedy, hf_greedy
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
-from appliance.tokenizer import Tokenizer
+from appliance.runtime.engine import Engine
+from appliance.runtime.tokenizer import Tokenizer
 
 PROMPTS = ["Hello world! How are you today?", "The appliance serves", "def main():\n"]
 NEW_TOKENS = 24

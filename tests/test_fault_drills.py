@@ -29,7 +29,7 @@ import requests
 from conftest import Server, wait_until
 from test_hostile import engine_client
 
-from appliance.server import protocol as p
+from appliance import protocol as p
 from appliance.testing.procinfo import is_zombie
 
 pytestmark = pytest.mark.slow

@@ -90,7 +90,7 @@ def test_openapi_paths_are_the_routes_the_app_serves():
     """Every route of the Flask app is documented with its methods, and nothing else is (no server needed: the
     app is built with no engine client, which route registration never touches)."""
     from appliance.openai_api.app import create_app
-    from appliance.server.settings import ServeSettings
+    from appliance.settings import ServeSettings
 
     app = create_app(ServeSettings(model_dir="unused", served_model_name="m", model_created=1), client=object())
     served = {

@@ -1,4 +1,4 @@
-"""Structured output (appliance/grammar.py): the compiler's errors and cache, the matcher, the mask on fake logits,
+"""Structured output (runtime/grammar.py): the compiler's errors and cache, the matcher, the mask on fake logits,
 and the engine through its Python API on the default model: outputs match their JSON schema / regex / Lark / GBNF
 grammar, greedy and sampled, with n > 1, streaming and logprobs; invalid grammars and beam search are refused."""
 
@@ -11,12 +11,12 @@ import jsonschema
 import numpy as np
 import pytest
 
-from appliance import grammar as grammar_mod
-from appliance.engine import Engine
-from appliance.grammar import GrammarCompiler, GrammarError, apply_grammar_masks
 from appliance.manifest import Manifest
 from appliance.params import Grammar, SamplingParams
-from appliance.sampling import SequenceSampler, apply_processors
+from appliance.runtime import grammar as grammar_mod
+from appliance.runtime.engine import Engine
+from appliance.runtime.grammar import GrammarCompiler, GrammarError, apply_grammar_masks
+from appliance.runtime.sampling import SequenceSampler, apply_processors
 
 EOS = 2  # the default model's <|im_end|>
 

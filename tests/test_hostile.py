@@ -22,9 +22,9 @@ import pytest
 import requests
 from conftest import Server, sse_events, wait_until
 
-from appliance.server import protocol as p
-from appliance.server.client import EngineClient
-from appliance.server.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, SOCKET_FILE
+from appliance import protocol as p
+from appliance.http.client import EngineClient
+from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, SOCKET_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -16,16 +16,16 @@ from multiprocessing import Pipe
 
 import pytest
 
+from appliance import protocol as p
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.limits import Limits
 from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
-from appliance.server import protocol as p
+from appliance.runtime.engine import Engine
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
-from appliance.server.settings import ModelSpec
 from appliance.server.slots import Models
+from appliance.settings import ModelSpec
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""--keepalive-timeout on a real server (gunicorn's `keepalive`, appliance/server/gunicorn_conf.py): a kept-alive
+"""--keepalive-timeout on a real server (gunicorn's `keepalive`, appliance/http/gunicorn_conf.py): a kept-alive
 connection left idle is closed once the timeout has passed, not before; one that keeps sending requests, each
 within the timeout of the last, stays open for as long as it is used, far past the timeout; with 0 there is no
 keep-alive (each answer says `Connection: close` and the connection ends).

@@ -2,7 +2,7 @@
 
 import pytest
 
-from appliance.kv_cache import BlockPool, chain_hash
+from appliance.runtime.kv_cache import BlockPool, chain_hash
 
 
 def test_allocate_free_and_exhaustion():

@@ -218,8 +218,8 @@ def test_a_web_page_cannot_reload_a_keyless_loopback_server(setup):
 
 def test_who_may_reload():
     """auth.reload_refusal's rule for the cases the servers above do not run."""
-    from appliance.server import auth
-    from appliance.server.settings import ServeSettings
+    from appliance import auth
+    from appliance.settings import ServeSettings
 
     def refusal(admin: bool = False, origin: str | None = None, **fields):
         settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0, **fields)
@@ -236,8 +236,8 @@ def test_who_may_reload():
 
 def test_reload_without_a_config_file_is_400():
     from appliance.config import EngineConfig
-    from appliance.server.settings import ServeSettings
     from appliance.server.supervisor import Supervisor
+    from appliance.settings import ServeSettings
 
     sup = Supervisor(ServeSettings(model_dir="x", served_model_name="m", model_created=0), EngineConfig())
     reply = sup.reload_config()

@@ -20,8 +20,8 @@ import pytest
 from test_parity import engine_greedy
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
-from appliance.tokenizer import Tokenizer
+from appliance.runtime.engine import Engine
+from appliance.runtime.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["Hello world! How are you today?", "def main():\n"]
@@ -33,7 +33,7 @@ CHILD = """
 import json, sys
 from pathlib import Path
 from appliance.config import EngineConfig
-from appliance.engine import Engine
+from appliance.runtime.engine import Engine
 from test_parity import engine_greedy
 model, prompts, new_tokens = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 config = json.loads(sys.argv[4])

@@ -18,8 +18,8 @@ import pytest
 from conftest import NEAR_TIE_FP16_WEIGHTS, greedy_divergence
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.params import SamplingParams
+from appliance.runtime.engine import Engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -77,7 +77,7 @@ def engine_greedy(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
 
 @pytest.fixture(scope="module")
 def default_prompts(default_hf):
-    from appliance.tokenizer import Tokenizer
+    from appliance.runtime.tokenizer import Tokenizer
 
     return _prompts(Tokenizer.from_dir(default_hf))
 
@@ -140,7 +140,7 @@ def test_quantized_default_model_stays_close(fmt, default_hf, default_prompts, d
     import torch
     from transformers import AutoModelForCausalLM
 
-    from appliance.backends import StepBatch
+    from appliance.runtime.backends import StepBatch
     from export.default_model import ensure_export
 
     rule = QUANT[fmt]

@@ -1,4 +1,4 @@
-"""Sibling projections fused into one MatMul (appliance/backends/projection_fusion.py): which groups fuse on the
+"""Sibling projections fused into one MatMul (appliance/runtime/backends/projection_fusion.py): which groups fuse on the
 default model's IRs (not the one feeding an activation; nothing on the quantized ones, whose graph is left as it
 was), and that the paged backend's f32 logits are bit-identical with and without the fusion. The logits are
 compared on fp32 and fp16 only: int8 and int4 are not fused, so there both runs would be the same graph."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import appliance.backends.openvino_paged as paged
-from appliance.backends.base import StepBatch
-from appliance.backends.openvino_common import read_model
-from appliance.backends.projection_fusion import fuse_sibling_projections
+import appliance.runtime.backends.openvino_paged as paged
 from appliance.config import EngineConfig
 from appliance.manifest import Manifest
+from appliance.runtime.backends.base import StepBatch
+from appliance.runtime.backends.openvino_common import read_model
+from appliance.runtime.backends.projection_fusion import fuse_sibling_projections
 from export.default_model import ensure_export
 
 pytestmark = pytest.mark.default_model

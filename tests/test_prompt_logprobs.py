@@ -12,8 +12,8 @@ import pytest
 from conftest import NEAR_TIE_F32, greedy_divergence, in_process_api, one_torch_thread
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.params import SamplingParams
+from appliance.runtime.engine import Engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -24,7 +24,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog. " * 5, "def fibonacci(n):
 
 @pytest.fixture(scope="module")
 def prompts(default_hf):
-    from appliance.tokenizer import Tokenizer
+    from appliance.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_hf)
     chat = tok.apply_chat_template([{"role": "user", "content": "Explain in two sentences why the sky is blue."}])

@@ -18,9 +18,9 @@ from test_tokenizer import KINDS, SAMPLES, load_kind
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
-from appliance.engine.admission import INBOX_BUDGET_SECONDS, Admission
 from appliance.params import SamplingParams
-from appliance.tokenizer import TextTooLong, max_token_chars
+from appliance.runtime.engine.admission import INBOX_BUDGET_SECONDS, Admission
+from appliance.runtime.tokenizer import TextTooLong, max_token_chars
 
 HOSTILE = [
     "1234567890" * 300,

@@ -1,4 +1,4 @@
-"""appliance.sampling: every processor against a hand computation, and sampling statistics with fixed seeds."""
+"""appliance.runtime.sampling: every processor against a hand computation, and sampling statistics with fixed seeds."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from appliance.params import SamplingParams
-from appliance.sampling import SequenceSampler, _top_p_full, apply_processors, ranked, sample_batch
+from appliance.runtime.sampling import SequenceSampler, _top_p_full, apply_processors, ranked, sample_batch
 
 EOS = [0]
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import queue
 
-from appliance.kv_cache import BlockPool
 from appliance.outputs import Timing
 from appliance.params import SamplingParams
-from appliance.scheduler import Scheduler
-from appliance.sequence import Sequence, Status
+from appliance.runtime.kv_cache import BlockPool
+from appliance.runtime.scheduler import Scheduler
+from appliance.runtime.sequence import Sequence, Status
 
 BS = 4  # block size: small, so that a few tokens make full blocks
 

@@ -42,12 +42,12 @@ import requests
 import tiny_models
 from conftest import Server, wait_until
 
+from appliance.http.client import POOL_SIZE
+from appliance.http.edge_policy import MIN_SEND_RATE
 from appliance.limits import Limits
 from appliance.manifest import Manifest
-from appliance.server.client import POOL_SIZE
-from appliance.server.edge_policy import MIN_SEND_RATE
+from appliance.runtime.tokenizer import Tokenizer
 from appliance.testing.procinfo import fd_counts, status_field
-from appliance.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

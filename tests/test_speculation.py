@@ -20,10 +20,10 @@ import pytest
 import tiny_models
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.params import Grammar, SamplingParams
-from appliance.speculative.base import MAX_PAUSE, SpecState
-from appliance.speculative.ngram import PromptLookup, _Lookup
+from appliance.runtime.engine import Engine
+from appliance.runtime.speculative.base import MAX_PAUSE, SpecState
+from appliance.runtime.speculative.ngram import PromptLookup, _Lookup
 
 F32 = dict(precision="f32")
 

@@ -18,11 +18,11 @@ import pytest
 import requests
 from conftest import NEAR_TIE_F32, Server, sse_events, wait_idle
 
+from appliance import protocol as p
 from appliance.openai_api.completions import CompletionShape
 from appliance.openai_api.streaming import Generation, Meta
 from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
-from appliance.server import protocol as p
 from appliance.server.metrics import ServerMetrics
 from appliance.testing.loopback import parse_metrics
 

@@ -1,4 +1,4 @@
-"""DraftModel (appliance/speculative/draft.py) on tiny random models: its proposals are the draft model's own greedy
+"""DraftModel (runtime/speculative/draft.py) on tiny random models: its proposals are the draft model's own greedy
 continuation (checked against an Engine on the draft's folder, f32), batched and chunked; the confidence threshold
 cuts a chain; accepted() rolls the draft KV back so the next proposal is still right; release frees every block; a
 full pool is no error; a draft with another tokenizer is refused. The draft is the tiny llama truncated to one layer
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.manifest import Manifest
 from appliance.params import SamplingParams
-from appliance.sequence import Sequence
-from appliance.speculative.base import SpecState
-from appliance.speculative.draft import DraftModel
+from appliance.runtime.engine import Engine
+from appliance.runtime.sequence import Sequence
+from appliance.runtime.speculative.base import SpecState
+from appliance.runtime.speculative.draft import DraftModel
 from export.__main__ import main as export_main
 from export.exporter import ExportError, export_model
 

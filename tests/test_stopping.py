@@ -1,4 +1,4 @@
-"""appliance.stopping: stop strings over streamed pieces, and the per-token stop/length rule."""
+"""appliance.runtime.stopping: stop strings over streamed pieces, and the per-token stop/length rule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from appliance.params import SamplingParams
-from appliance.stopping import StopStringMatcher, check_token_stop, stop_token_ids
+from appliance.runtime.stopping import StopStringMatcher, check_token_stop, stop_token_ids
 
 
 def run(stops, pieces, include=False):

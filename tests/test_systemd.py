@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from appliance.server import sdnotify
-from appliance.server.settings import EX_CONFIG
+from appliance.settings import EX_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALL = REPO / "systemd" / "install.sh"

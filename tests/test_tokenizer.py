@@ -1,4 +1,4 @@
-"""appliance.tokenizer on small tokenizers built here (no downloads), plus the default model's when it is built.
+"""appliance.runtime.tokenizer on small tokenizers built here (no downloads), plus the default model's when it is built.
 
 The builders are shared with test_detokenizer.py (loaded by path, see that file)."""
 
@@ -12,7 +12,7 @@ from tokenizers import SentencePieceBPETokenizer, decoders, models, pre_tokenize
 from tokenizers import Tokenizer as HFTokenizer
 
 from appliance.paths import default_model_root
-from appliance.tokenizer import Tokenizer, gpt2_unicode_to_byte
+from appliance.runtime.tokenizer import Tokenizer, gpt2_unicode_to_byte
 
 CORPUS = [
     "Hello world, this is a small corpus for a small tokenizer.",

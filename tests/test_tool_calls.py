@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import pytest
 
-from appliance import tool_prompt
 from appliance.openai_api import tool_calls
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.errors import ApiError
@@ -18,6 +17,7 @@ from appliance.openai_api.streaming import Choice
 from appliance.openai_api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
 from appliance.openai_api.validation import ChatRequest, GenerationRequest
 from appliance.params import SamplingParams
+from appliance.server import tool_prompt
 
 WEATHER = {
     "type": "function",
@@ -280,7 +280,7 @@ ROUND_TRIP = [
 
 
 def test_fallback_prompt_for_a_template_without_tools(model_dir):
-    from appliance.tokenizer import Tokenizer
+    from appliance.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     assert not tool_prompt.uses_tools(tok.chat_template)
@@ -312,7 +312,7 @@ def test_engine_status_names_the_parsers():
 
     from appliance.server.engine_service import EngineService
     from appliance.server.metrics import ServerMetrics
-    from appliance.server.settings import ServeSettings
+    from appliance.settings import ServeSettings
 
     engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{% if tools %}[TOOL_CALLS]{% endif %}<think>"))
     settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0)

@@ -17,8 +17,8 @@ import pytest
 from conftest import in_process_api
 
 from appliance.config import EngineConfig
-from appliance.engine import Engine
 from appliance.limits import Limits
+from appliance.runtime.engine import Engine
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DEPTH = 1100  # past the recursion limit (1000)

@@ -21,7 +21,8 @@ from flask import Flask, Response, g, request
 from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
-from appliance import __version__
+from appliance import __version__, auth
+from appliance.http.client import EngineClient, EngineUnavailable
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.completions import CompletionShape, completion_job
 from appliance.openai_api.errors import ApiError
@@ -33,10 +34,8 @@ from appliance.openai_api.validation import (
     parse_tokenize,
     sampling_params,
 )
-from appliance.server import auth
-from appliance.server.client import EngineClient, EngineUnavailable
-from appliance.server.protocol import EngineStatus, HttpRecord, ModelInfo
-from appliance.server.settings import ConfigError, ServeSettings
+from appliance.protocol import EngineStatus, HttpRecord, ModelInfo
+from appliance.settings import ConfigError, ServeSettings
 
 log = logging.getLogger("appliance.http")
 
@@ -57,7 +56,7 @@ class Api:
 
     # ---- guards
     def authorize(self) -> None:
-        """The Host allow-list, then the API key (appliance/server/auth.py); probes skip both (its docstring)."""
+        """The Host allow-list, then the API key (appliance/auth.py); probes skip both (its docstring)."""
         if request.path in OPEN_PATHS:
             return
         if not auth.host_allowed(request.headers.get("Host"), self.settings.allowed_hosts):
@@ -204,7 +203,7 @@ class Api:
         """OVMS's config reload: the config file read again, models added / changed / removed; the answer is
         /v1/config of the new set once their loads end: 201 when something changed, 200 when nothing did. A broken
         config is a 400 and changes nothing; a model that fails to load shows as END with its error. Only an admin
-        key may ask (appliance/server/auth.py `reload_refusal`)."""
+        key may ask (appliance/auth.py `reload_refusal`)."""
         refusal = auth.reload_refusal(self.settings, g.get("admin", False), request.headers.get("Origin"))
         if refusal is not None:
             raise ApiError(refusal[0], refusal[1], code="admin_key_required")

@@ -28,7 +28,7 @@ from appliance.openai_api.tool_calls import (
 from appliance.openai_api.validation import ChatRequest
 from appliance.outputs import TokenLogprob
 from appliance.params import TOOL_CALL_FORMATS, Grammar, SamplingParams
-from appliance.server.protocol import Job, PromptSpec
+from appliance.protocol import Job, PromptSpec
 
 DEFAULT_TOOL_PARSER = TOOL_CALL_FORMATS[0]  # an engine that names none (tool_prompt's default too)
 

@@ -8,7 +8,7 @@ from appliance.openai_api.streaming import Choice
 from appliance.openai_api.validation import CompletionRequest
 from appliance.outputs import TokenLogprob
 from appliance.params import SamplingParams
-from appliance.server.protocol import Job, PromptSpec
+from appliance.protocol import Job, PromptSpec
 
 
 def completion_job(req: CompletionRequest, params: SamplingParams, request_id: str) -> Job:

@@ -4,7 +4,7 @@
 
 Each is a validation.py `Parser`, (value, limits, fields read so far) -> value, checking one field alone; the rules
 across fields are in validation.py, and the JSON schemas (docs/openapi.json) in fields.py. Whether a schema, regex or
-grammar compiles is decided engine-side (appliance/grammar.py, a 400 naming `response_format` from there): the HTTP
+grammar compiles is decided engine-side (runtime/grammar.py, a 400 naming `response_format` from there): the HTTP
 workers do not import llguidance. JSON schemas are written as canonical JSON (sorted keys, no spaces) so that equal
 schemas share one compilation, whatever key order or spacing each client sends.
 """

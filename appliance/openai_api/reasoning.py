@@ -10,7 +10,7 @@ before it aside); `<think>` later in the text is content.
 
 from __future__ import annotations
 
-PARSERS = ("none", "think")  # `--reasoning-parser` after auto is resolved; appliance/tool_prompt.py picks one
+PARSERS = ("none", "think")  # `--reasoning-parser` after auto is resolved; appliance/server/tool_prompt.py picks one
 OPEN, CLOSE = "<think>", "</think>"
 
 

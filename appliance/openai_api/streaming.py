@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Protocol
 
+from appliance import protocol as p
+from appliance.http.client import EngineClient, EngineUnavailable, JobStream
 from appliance.openai_api.errors import ApiError
 from appliance.outputs import Timing, TokenLogprob
-from appliance.server import protocol as p
-from appliance.server.client import EngineClient, EngineUnavailable, JobStream
 
 # How often a waiting worker looks at its client's socket (and the request's deadline) between engine events.
 CLIENT_CHECK_SECONDS = 0.5
 # Kernel send buffer of a streaming response (Linux doubles it): what a client that stopped reading can leave unread
-# before the worker's send timeout starts counting (appliance/server/worker.py).
+# before the worker's send timeout starts counting (appliance/http/worker.py).
 STREAM_SEND_BUFFER = 16 * 1024
 
 

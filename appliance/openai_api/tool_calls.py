@@ -1,6 +1,6 @@
 """Tool calls in the generated text: the parsers of the common formats and the grammar that forces calls.
 
-Formats (the model's chat template picks one engine-side, appliance/tool_prompt.py; `--tool-parser` overrides):
+Formats (the model's chat template picks one engine-side, appliance/server/tool_prompt.py; `--tool-parser` overrides):
 - hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeated (Qwen2.5/3, Hermes, and the
   prompt the appliance writes for a template that knows no tools);
 - llama3_json: `{"name": ..., "parameters": {...}}` at the start of the output, optionally after `<|python_tag|>`,

@@ -15,7 +15,7 @@ if that model's flag (a global kv_cache_size and an NPU model are refused: say i
 cache_dir, which an ONNX model (no compile cache) skips, as it skips APPLIANCE_CACHE_DIR.
 
 No numpy or OpenVINO at import (tests/test_config.py checks): the engine process imports this for reloads. Checking an
-explicit kv_cache_size against the machine's memory imports appliance/backends/kv_budget.py, at call time, as
+explicit kv_cache_size against the machine's memory imports appliance/runtime/backends/kv_budget.py, at call time, as
 start-up does; the engine process has it loaded anyway."""
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import cli, tool_prompt
+from appliance import cli
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import resolve_model
-from appliance.server.settings import ConfigError, ModelSpec, ServeSettings
+from appliance.server import tool_prompt
+from appliance.settings import ConfigError, ModelSpec, ServeSettings
 
 MODEL_LIST = "model_config_list"  # OVMS's key: [{"config": {"name": ..., "base_path": ..., ...}}]
 # What one model may set for itself: every engine flag (OVMS spells --device `target_device` and --draft-model its

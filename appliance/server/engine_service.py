@@ -19,15 +19,15 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 from typing import TYPE_CHECKING
 
-from appliance.server import protocol as p
+from appliance import protocol as p
+from appliance.runtime.tokenizer import TextTooLong
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
-from appliance.server.settings import ModelSpec, ServeSettings
 from appliance.server.slots import Models, Rejected, model_not_found, not_ready, single_spec
-from appliance.tokenizer import TextTooLong
+from appliance.settings import ModelSpec, ServeSettings
 
 if TYPE_CHECKING:
-    from appliance.engine import Engine
+    from appliance.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 

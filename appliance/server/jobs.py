@@ -17,18 +17,18 @@ from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from appliance import tool_prompt
-from appliance.engine import EngineDead, QueueFull
-from appliance.grammar import GrammarError
+from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.outputs import Chunk, Timing
-from appliance.server import protocol as p
+from appliance.runtime.engine import EngineDead, QueueFull
+from appliance.runtime.grammar import GrammarError
+from appliance.runtime.tokenizer import TextTooLong
+from appliance.server import tool_prompt
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready
-from appliance.tokenizer import TextTooLong
 
 if TYPE_CHECKING:
-    from appliance.engine import Engine
+    from appliance.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) ->
     if spec.messages is not None:
         try:
             # the template spells out BOS and friends; special-token text in content stays text. Tools go to
-            # the template, or into the prompt when it has no use for them (appliance/tool_prompt.py)
+            # the template, or into the prompt when it has no use for them (appliance/server/tool_prompt.py)
             messages, kwargs = tool_prompt.chat_inputs(spec.messages, spec.tools, tok.chat_template, slot.parsers()[0])
             ids = tok.encode_chat(messages, add_generation_prompt=True, max_tokens=limit, **kwargs)
         except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)

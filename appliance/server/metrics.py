@@ -17,7 +17,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Mapping
 
-from appliance.server.edge_policy import DROP_REASONS, DROPPED_ROUTE
+from appliance.protocol import DROP_REASONS, DROPPED_ROUTE
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 PREFIX = "appliance_"

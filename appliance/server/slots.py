@@ -19,13 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from appliance import tool_prompt
+from appliance import protocol as p
 from appliance.config import EngineConfig
-from appliance.server import protocol as p
-from appliance.server.settings import ModelSpec, ServeSettings
+from appliance.server import tool_prompt
+from appliance.settings import ModelSpec, ServeSettings
 
 if TYPE_CHECKING:
-    from appliance.engine import Engine
+    from appliance.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 

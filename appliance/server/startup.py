@@ -1,7 +1,7 @@
 """The one start-up log line: the effective settings of this server, so an unattended box's journal says what it
 ran with (which device, which precision, where the compile cache is, the limits) without reading its env file.
 
-Structured (a JSON line, appliance/server/logs.py) and safe to ship to a log collector: the API key file is named
+Structured (a JSON line, appliance/logs.py) and safe to ship to a log collector: the API key file is named
 as "api keys: on", never read or printed, and no prompt or request is part of it. Limits are summarised as the
 values that differ from their defaults (the full set is `appliance serve --help`)."""
 
@@ -14,7 +14,7 @@ from typing import Any
 import appliance
 from appliance import limits
 from appliance.config import EngineConfig
-from appliance.server.settings import ModelSpec, ServeSettings
+from appliance.settings import ModelSpec, ServeSettings
 
 log = logging.getLogger("appliance.serve")
 

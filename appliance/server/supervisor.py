@@ -18,7 +18,7 @@ ones (a changed one is swapped in once ready, the old engine retires when its jo
 jobs at once and are shut down after theirs. A model that fails to load on reload is reported failed and the
 others are untouched (a changed one keeps serving with its previous settings); a broken config changes nothing.
 A model that failed is not loaded again by the next reloads until its entry or its export changes: a reload is
-the admin's call (appliance/server/auth.py), and each load of a broken export costs the engine process seconds.
+the admin's call (appliance/auth.py), and each load of a broken export costs the engine process seconds.
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ import threading
 from pathlib import Path
 
 import appliance
+from appliance import auth, logs
+from appliance import protocol as p
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import auth, logs, sdnotify, startup
-from appliance.server import protocol as p
+from appliance.server import sdnotify, startup
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
-from appliance.server.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ModelSpec, ServeSettings
 from appliance.server.slots import single_spec
+from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ModelSpec, ServeSettings
 
 log = logging.getLogger("appliance.serve")
 
@@ -50,7 +51,7 @@ WARMUP_PROMPT = "Hello"
 
 
 def _default_engine(model_dir: str, config: EngineConfig):
-    from appliance.engine import Engine  # heavy (OpenVINO): only in this process
+    from appliance.runtime.engine import Engine  # heavy (OpenVINO): only in this process
 
     return Engine(model_dir, config)
 
@@ -99,7 +100,7 @@ class Supervisor:
         env[RUNTIME_DIR_ENV] = self.settings.runtime_dir
         package_root = str(Path(appliance.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "gunicorn", "--config", "python:appliance.server.gunicorn_conf"]
+        cmd = [sys.executable, "-m", "gunicorn", "--config", "python:appliance.http.gunicorn_conf"]
         # Own session: a terminal's Ctrl-C reaches us only, and we stop gunicorn gracefully.
         return subprocess.Popen(cmd, env=env, start_new_session=True)
 

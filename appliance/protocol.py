@@ -1,0 +1,189 @@
+"""What HTTP workers and the engine process say to each other over the Unix socket.
+
+Transport: `multiprocessing.connection` (length-prefixed pickle, HMAC challenge with a random authkey that only
+this server's processes can read). A worker keeps a small pool of connections; on each it either makes a call
+(one request, one reply) or runs one job (a generation request) whose events stream back until `End`.
+Closing a connection in the middle of a job cancels the job's sequences: that is how a client disconnect
+frees its KV at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+from appliance.outputs import Chunk, Timing
+from appliance.params import SamplingParams
+
+# An HttpRecord with this route is a batch of edge drops (appliance/http/worker.py): the reason in `method`, how
+# many in `status`. The workers report them over the same engine op as responses, once a second.
+DROPPED_ROUTE = "<edge drop>"
+DROP_REASONS = frozenset(
+    {
+        "budget_shed",  # a worker's read budget was full: its largest unfinished request was closed (503)
+        "client_bytes",  # one address's unfinished requests held its share of the budget: its largest closed (503)
+        "client_connections",  # one address opened more connections than it may hold in a worker (503)
+        "connections_full",  # a worker at its connection limit closed its oldest unfinished request (503)
+        "generation_cap",  # one key or address ran more generations at once than allowed (429)
+        "head_too_large",  # 431
+        "request_timeout",  # a request not complete within --request-timeout
+        "send_timeout",  # a response waited on its reader longer than allowed
+        "tls_handshake",  # not TLS, or no common ground
+    }
+)
+
+
+# ---- calls: (name, *args) -> Reply
+# A model name "" means the first configured model (single-model callers); an unknown one: status state "unknown",
+# a job or tokenize Failed 404 model_not_found.
+STATUS = "status"  # (model="") -> EngineStatus
+MODELS = "models"  # () -> list[ModelInfo], in config order
+METRICS = "metrics"  # () -> str (Prometheus text)
+TOKENIZE = "tokenize"  # (model, list[str]) -> list[list[int]]
+RECORD_HTTP = "http"  # (HttpRecord, ...): one, or a batch -> Reply()
+JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
+RELOAD = "reload"  # () -> (changed: bool, list[ModelInfo]) once the loads end; Failed 400 for a broken config
+FAULT = "fault"  # (kind, model="") -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
+
+FAULT_INJECTION_ENV = "APPLIANCE_FAULT_INJECTION"
+
+# Bounds on a peer that stops answering. The handshake is a few small messages: a peer silent for this long is
+# gone (a worker killed mid-handshake) or hostile, and must not hold a thread. Calls are answered between two
+# engine steps (the engine process's GIL): seconds mean the engine is wedged, and a worker must not wait forever.
+HANDSHAKE_SECONDS = 5.0
+CALL_SECONDS = 10.0
+RELOAD_SECONDS = 900.0  # a reload answers once its models have loaded and warmed up (a large one on a GPU: minutes)
+
+
+@contextlib.contextmanager
+def io_timeout(conn: Connection, seconds: float) -> Iterator[None]:
+    """Kernel send/receive timeouts (SO_RCVTIMEO / SO_SNDTIMEO) on a Connection's socket for the block: a read
+    or write that waits longer fails with OSError. The socket stays blocking, which Connection needs."""
+    sec = int(seconds)
+    on, off = struct.pack("ll", sec, int((seconds - sec) * 1e6)), struct.pack("ll", 0, 0)
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:  # a dup: same socket
+        for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            sock.setsockopt(socket.SOL_SOCKET, opt, on)
+        try:
+            yield
+        finally:
+            for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+                sock.setsockopt(socket.SOL_SOCKET, opt, off)
+
+
+def handshake(conn: Connection, authkey: bytes, *, server: bool) -> None:
+    """multiprocessing's HMAC challenge both ways, bounded by HANDSHAKE_SECONDS. Raises OSError, EOFError or
+    multiprocessing.AuthenticationError on a peer that is gone, slow or without the key."""
+    with io_timeout(conn, HANDSHAKE_SECONDS):
+        if server:
+            deliver_challenge(conn, authkey)
+            answer_challenge(conn, authkey)
+        else:
+            answer_challenge(conn, authkey)
+            deliver_challenge(conn, authkey)
+
+
+@dataclass
+class Reply:
+    value: object = None
+    error: Failed | None = None
+
+
+@dataclass
+class EngineStatus:
+    state: str  # loading | ready | failed | stopping | unknown (no such model; error says so)
+    error: str | None = None
+    max_context: int = 0
+    vocab_size: int = 0
+    generation_defaults: dict = field(default_factory=dict)
+    backend: str = ""
+    weight_format: str = ""
+    device: str = ""
+    # how this model writes tool calls and reasoning (appliance/server/tool_prompt.py picks them from the chat template,
+    # `--tool-parser` / `--reasoning-parser` override): HTTP workers parse the output with these
+    tool_parser: str = ""
+    reasoning_parser: str = ""
+    serial: int = 0  # new per load of the model: a worker drops a kept status whose serial a job no longer sees
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+@dataclass
+class ModelInfo:
+    """One configured model as /v3/models and /v1/config show it."""
+
+    name: str
+    created: int
+    state: str  # as EngineStatus.state
+    error: str | None = None
+
+
+@dataclass
+class PromptSpec:
+    """One prompt as the client gave it; the engine process tokenizes (one tokenizer, next to the model)."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[dict] | None = None  # chat: rendered with the model's chat template
+    tools: list[dict] | None = (
+        None  # chat: the request's tools, passed to the template (appliance/server/tool_prompt.py)
+    )
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompts: list[PromptSpec]
+    params: SamplingParams
+    n: int = 1  # sequences per prompt; choice index = prompt * n + j
+    echo: bool = False
+    seeds: list[int] | None = None  # Friendli's seed list: choice j's seed (len n); None: params.seed + j
+    model: str = ""  # the served model that runs it ("": the first one)
+    # which API key sent it: a non-secret id (the key's place in the key file), never the key; "": no key file.
+    # The engine keeps the prefix cache apart per tenant (jobs.py)
+    tenant: str = ""
+
+
+@dataclass
+class HttpRecord:
+    route: str
+    method: str
+    status: int
+    seconds: float
+    error_type: str | None = None
+
+
+# ---- job events (engine -> worker)
+@dataclass
+class Accepted:
+    prompt_tokens: list[int]  # per prompt
+    echo_texts: list[str] | None = None  # per prompt, when echo was asked
+    serial: int = 0  # the model's EngineStatus.serial
+
+
+@dataclass
+class Failed:
+    """An error the worker answers with as is (status + OpenAI error fields)."""
+
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass
+class ChoiceChunk:
+    index: int
+    chunk: Chunk
+    timing: Timing | None = None  # with the last chunk of the choice
+
+
+@dataclass
+class End:
+    pass

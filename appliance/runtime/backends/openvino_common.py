@@ -1,0 +1,84 @@
+"""OpenVINO helpers shared by the paged and static backends: core, device checks, compile properties."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import openvino as ov
+
+from appliance import cpu_isa, devices
+from appliance.runtime.backends.base import DeviceError
+
+if TYPE_CHECKING:
+    from appliance.config import EngineConfig
+
+log = logging.getLogger(__name__)
+_core: ov.Core | None = None
+
+
+def core() -> ov.Core:
+    global _core
+    if _core is None:
+        _core = ov.Core()
+    return _core
+
+
+def check_device(device: str) -> None:
+    """Fail early and plainly when e.g. NPU or GPU is asked for on a machine without one."""
+    available = core().available_devices
+    absent = devices.missing(device, available)
+    if absent:
+        raise DeviceError(f"device {absent[0]} is not available on this machine (found: {', '.join(available)})")
+
+
+def compile_properties(config: EngineConfig, *, kv_precision: bool = True) -> dict[str, Any]:
+    props: dict[str, Any] = {"PERFORMANCE_HINT": "LATENCY"}
+    if config.precision:
+        props["INFERENCE_PRECISION_HINT"] = config.precision
+    if kv_precision:
+        kv = config.kv_precision()
+        if kv:
+            props["KV_CACHE_PRECISION"] = kv
+    if config.device.upper() == "CPU":
+        props.update(cpu_isa.plugin_properties(cpu_isa.detect(), config.precision))
+        if config.num_threads:
+            props["INFERENCE_NUM_THREADS"] = config.num_threads
+    cache = config.compile_cache()
+    cache = usable_cache_dir(cache) if cache else None
+    if cache:
+        props["CACHE_DIR"] = cache
+    return props
+
+
+def usable_cache_dir(path: str) -> str | None:
+    """The compile cache directory, created if need be, or None (with a warning) when it cannot be written: a
+    read-only box still serves, it only compiles at every start. OpenVINO itself would fail the compilation."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        log.warning(
+            "compile cache disabled: its directory is not writable; every start compiles",
+            extra={"cache_dir": path, "error": str(exc)},
+        )
+        return None
+    return str(path)
+
+
+def read_model(model_dir: Path, model_file: str) -> ov.Model:
+    return core().read_model(str(Path(model_dir) / model_file))
+
+
+def logits_matmul(model: ov.Model) -> ov.Node:
+    """The MatMul that produces the logits (the LM head): walk up from the `logits` result through
+    element-wise / convert ops."""
+    node = model.output("logits").get_node().input_value(0).get_node()
+    while node.get_type_name() != "MatMul":
+        if node.get_input_size() == 0:
+            raise RuntimeError("could not find the LM head MatMul above the logits output")
+        node = node.input_value(0).get_node()
+    return node

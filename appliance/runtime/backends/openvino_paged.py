@@ -1,0 +1,180 @@
+"""OpenVINO with paged attention (CPU, GPU): the runtime's own block pool, many sequences per call.
+
+The stateful IR is rewritten by OpenVINO's `paged_attention_transformation` (the route vLLM's OpenVINO backend
+and openvino_genai's continuous batching take): attention reads and writes KV blocks in cache tensors that we
+allocate once here and bind to the infer request once. Per step only small index arrays change, so no KV byte
+is copied per token. We also gather the last token of each sequence before the LM head, so a prefill does
+not compute vocabulary-sized logits for every prompt token.
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import chain
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+from openvino._offline_transformations import paged_attention_transformation
+
+from appliance.manifest import Manifest
+from appliance.runtime.backends.base import Backend, StepBatch
+from appliance.runtime.backends.kv_budget import pool_blocks
+from appliance.runtime.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
+from appliance.runtime.backends.projection_fusion import fuse_sibling_projections
+
+if TYPE_CHECKING:
+    from appliance.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def _gather_last_tokens(model: ov.Model) -> None:
+    """Insert Gather(hidden, logits_indices) before the LM head MatMul; `logits_indices` picks rows of the
+    flattened token dimension."""
+    matmul = logits_matmul(model)
+    hidden = matmul.input_value(0)
+    indices = ops.parameter([-1], ov.Type.i64, name="logits_indices")
+    indices.output(0).get_tensor().set_names({"logits_indices"})
+    gathered = ops.gather(hidden, indices, ops.constant(np.int64(0)))
+    matmul.input(0).replace_source_output(gathered.output(0))
+    model.add_parameters([indices])
+    model.validate_nodes_and_infer_types()
+
+
+def _ranges(counts: np.ndarray) -> np.ndarray:
+    """concatenate(arange(c) for c in counts), vectorised."""
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+
+
+def _cache_tensor(device: str, kind: ov.Type, shape: list[int]) -> tuple[ov.Tensor, np.ndarray]:
+    """One zeroed KV cache tensor and its memory as uint8 [num_blocks, bytes per block] (for copy_blocks).
+
+    Zeros, because a kernel reading a never-written position must not meet NaN bit patterns. On CPU the memory
+    is calloc'ed and 64-byte aligned: the OS maps pages only as blocks are first written (2 MB huge pages:
+    numpy asks for them), so an idle server's RSS is not the whole pool. On a GPU it is the plugin's USM host
+    memory (an iGPU reads it in place, no copy per inference) from the device's default context."""
+    nbytes = int(np.prod(shape)) * kind.size
+    if device.upper().startswith("CPU"):
+        raw = np.zeros(nbytes + 64, np.uint8)
+        mem = raw[-raw.ctypes.data % 64 :][:nbytes]  # the views keep raw alive
+        tensor = ov.Tensor(mem, ov.Shape(shape), kind)
+    else:
+        tensor = core().get_default_context(device).create_host_tensor(kind, ov.Shape(shape))
+        mem = np.asarray(tensor.data).reshape(-1).view(np.uint8)
+        mem[...] = 0
+    return tensor, mem.reshape(shape[0], -1)
+
+
+class OpenVINOPagedBackend(Backend):
+    def __init__(self, model_dir: Path, manifest: Manifest, config: EngineConfig):
+        check_device(config.device)
+        if not manifest.stateful:
+            raise ValueError("paged attention needs the stateful OpenVINO IR (export with the default options)")
+        model = read_model(model_dir, manifest.model_file)
+        paged_attention_transformation(model)
+        log.debug("fused %d groups of sibling projections", fuse_sibling_projections(model))
+        _gather_last_tokens(model)
+        self.compiled = core().compile_model(model, config.device, compile_properties(config))
+        self.request = self.compiled.create_infer_request()
+        cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
+        # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.
+        values = next(i for i in cache_inputs if i.get_any_name().startswith("value_cache."))
+        self.block_size = values.get_partial_shape()[2].get_length()
+        block_dims = [
+            [ps[d].get_length() for d in range(1, ps.rank.get_length())]
+            for ps in (port.get_partial_shape() for port in cache_inputs)
+        ]
+        self.bytes_per_block = sum(
+            int(np.prod(dims)) * port.get_element_type().size for port, dims in zip(cache_inputs, block_dims)
+        )
+        self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
+        self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
+        self._inputs: dict[str, np.ndarray] = {}  # input name -> numpy view of the tensor bound to it
+        self._blocks = []  # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
+        for port, dims in zip(cache_inputs, block_dims):
+            tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
+            self.request.set_tensor(port, tensor)
+            self._blocks.append(blocks)
+        self.cache_bytes = self.num_blocks * self.bytes_per_block
+        self.kv_precision = cache_inputs[0].get_element_type().get_type_name()  # "u8", not "<Type: 'uint8_t'>"
+        log.info(
+            "paged KV: %d blocks x %d tokens, %s, %.1f MB",
+            self.num_blocks,
+            self.block_size,
+            self.kv_precision,
+            self.cache_bytes / 2**20,
+        )
+
+    def forward(self, batch: StepBatch) -> np.ndarray:
+        """The returned logits are a view of the output tensor: valid until the next forward call."""
+        n, bs = len(batch.token_ids), self.block_size
+        lens = np.fromiter(map(len, batch.token_ids), np.int32, n)
+        past = np.asarray(batch.past_lens, np.int32)
+        begins = np.zeros(n + 1, np.int32)
+        np.cumsum(lens, out=begins[1:])
+        total = int(begins[-1])
+        ids = np.fromiter(chain.from_iterable(batch.token_ids), np.int64, total)
+        if total == n:  # decode only: one token per sequence, at position past_len
+            positions = past.astype(np.int64)
+        else:
+            positions = np.repeat((past - begins[:-1]).astype(np.int64), lens) + np.arange(total)
+        used = (past + lens + (bs - 1)) // bs
+        block_begins = np.zeros(n + 1, np.int32)
+        np.cumsum(used, out=block_begins[1:])
+        blocks = np.fromiter(
+            chain.from_iterable(t[:u] for t, u in zip(batch.block_tables, used.tolist())),
+            np.int32,
+            int(block_begins[-1]),
+        )
+        flags = batch.all_logits
+        if flags is not None and any(flags):  # every position of the flagged sequences, the last of the others
+            counts = np.where(np.asarray(flags, bool), lens, 1)
+            logits_indices = np.repeat(begins[1:] - counts, counts) + _ranges(counts)
+        else:
+            flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
+        request = self.request
+        for name, value in (
+            ("input_ids", ids),
+            ("position_ids", positions),
+            ("past_lens", past),
+            ("subsequence_begins", begins),
+            ("block_indices", blocks),
+            ("block_indices_begins", block_begins),
+            ("max_context_len", np.array(int((past + lens).max()), np.int32)),
+            ("logits_indices", logits_indices.astype(np.int64, copy=False)),
+        ):
+            view = self._inputs.get(name)
+            if view is not None and view.shape == value.shape:
+                view[...] = value  # decode steps keep their shapes: write into the bound tensor
+            else:
+                tensor = ov.Tensor(value)  # owns a copy, stays bound until the shape changes
+                request.set_tensor(name, tensor)
+                self._inputs[name] = tensor.data
+        request.start_async()  # infer() would also copy every output into a fresh numpy array
+        request.wait()
+        logits = request.get_tensor("logits").data
+        if flags is None:
+            return logits.reshape(n, -1)
+        rows = np.array(logits, dtype=np.float32).reshape(len(logits_indices), -1)  # kept past this call
+        ends = np.cumsum(counts)
+        batch.position_logits = [rows[e - c : e] if f else None for e, c, f in zip(ends, counts, flags)]
+        return rows[ends - 1]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]], num_tokens: list[int] | None = None) -> None:
+        """Whole blocks, every key_cache / value_cache tensor, in place through numpy views of their memory (a
+        u8 key cache keeps its per-block scales in extra rows of the block, so rows are never copied partly)."""
+        if not pairs:
+            return
+        src = np.fromiter((s for s, _ in pairs), np.int64, len(pairs))
+        dst = np.fromiter((d for _, d in pairs), np.int64, len(pairs))
+        for blocks in self._blocks:
+            blocks[dst] = blocks[src]
+
+    def close(self) -> None:
+        self._blocks.clear()
+        self.request = None
+        self.compiled = None
