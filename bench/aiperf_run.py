@@ -2,7 +2,7 @@
 `aiperf`, pinned) streams synthetic prompts to /v3/completions and /v3/chat/completions at a fixed concurrency and
 counts the requests it could not parse as errors. The check is that a client we did not write reads every stream:
 aiperf 0.13 reads completions chunks only when their `object` is "text_completion" (what OpenAI and vLLM send) and
-recorded each of our `text_completion.chunk` streams as an error (issue 11: 8 of 8 streamed completions failed,
+recorded each of our `text_completion.chunk` streams as an error (8 of 8 streamed completions failed,
 "No responses with actual content were received"; with "text_completion" 32 of 32 on each endpoint succeed). Exit
 status 1 if any request errored or did not complete.
 

@@ -78,7 +78,9 @@ def targets(out_dir: Path = RESULTS) -> list[dict]:
             where = f"{t['model']} c={t['concurrency']}"
             if "tok_s_ratio" in t:  # the first model's rows: the in-process engine ran beside it
                 add("HTTP streaming tok/s vs engine", where, t["tok_s_ratio"], 0.9, True)
-            if "tok_s_ratio_llamacpp" in t:  # issue 14: batch 1 >= 1.0x, TTFT <= 0.5x, 8 concurrent >= 3x
+            if (
+                "tok_s_ratio_llamacpp" in t
+            ):  # the targets vs llama.cpp: batch 1 >= 1.0x, TTFT <= 0.5x, 8 concurrent >= 3x
                 if t["concurrency"] == 1:
                     add("HTTP tok/s vs llama.cpp's server", where, t["tok_s_ratio_llamacpp"], 1.0, True)
                     add("HTTP TTFT vs llama.cpp's server", where, t["ttft_ratio_llamacpp"], 0.5, False)

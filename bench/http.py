@@ -11,7 +11,7 @@ count is reported too). The clients are raw `requests` + json (light: they share
 
 Several models (`--model default-int4 default-fp16 /path/to/export`): each gets its own server process, started
 once and kept for the whole run (an idle server waits on its queue), and is one more side of the rotation, so every
-cell of every model is measured interleaved with the others and with llama.cpp's. Issue 14 asks which of our
+cell of every model is measured interleaved with the others and with llama.cpp's. The question it answers: which of our
 exports of the same weights (int4 included) beats llama.cpp on an AVX2 box: one run answers it for all of them.
 The in-process engine side (HTTP overhead) runs for the first model only (`--no-engine`: not at all).
 

@@ -1,4 +1,4 @@
-"""llama.cpp's server as a side of bench.http: what edge users pick on AVX2 boxes (issue 14), so our exports are
+"""llama.cpp's server as a side of bench.http: what edge users pick on AVX2 boxes, so our exports are
 measured against it in the same run, on the same weights, on the same ISA.
 
 The server is llama-cpp-python's `python -m llama_cpp.server` (requirements/llamacpp.txt), run by the python that
@@ -14,7 +14,7 @@ Which of our exports it may stand beside: an export of the default model's weigh
 (int4, int8, fp16, ...). The test is the tokenizer and the depth, not the manifest's name: tokenizer.json must be
 byte-identical to the default model's HF folder's (then the text prompts are the same token sequences on both
 sides), and num_layers equal to the HF config's (the layer-pruned draft exports share the tokenizer but are other
-models). A name + vocab_size test would refuse the same-weights variants issue 14 compares (the drafts' int4-g32
+models). A name + vocab_size test would refuse the same-weights variants the bench compares (the drafts' int4-g32
 export is named `smollm2-135m-int4-g32`) and say nothing about the token sequences.
 
 Its ISA: `llama_cpp.llama_print_system_info()` (bytes in llama-cpp-python 0.3) of the same python gives the

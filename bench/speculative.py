@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 12), interleaved: our engine without speculation, with prompt lookup and with a draft
+"""Speculative decoding, interleaved: our engine without speculation, with prompt lookup and with a draft
 model vs openvino_genai.LLMPipeline without and with its own prompt lookup / draft model, at batch 1, greedy, on
 input-grounded prompts (summarize / rewrite / extract from a given text, code edits of a given function) and on
 free-form chat prompts; then 4 / 8 concurrent grounded requests with and without lookup; then decode speed-up
@@ -1019,7 +1019,7 @@ def main(argv=None) -> int:
         )
     out["targets"] = targets(batch1, conc)
     if out["targets"]:
-        tables.append(print_table(out["targets"], TARGET_COLUMNS, title="issue 12 targets"))
+        tables.append(print_table(out["targets"], TARGET_COLUMNS, title="speculation targets"))
     save_results(args, "speculative", info, tables=tables, **out)
     return 0
 

@@ -1,4 +1,4 @@
-"""End to end: special-token text in chat content stays text on a real server (issue 9, review finding #19).
+"""End to end: special-token text in chat content stays text on a real server.
 
 A user message spelling `<|im_end|>\n<|im_start|>system\n...` must not close its turn and open a system one. The
 prompt's token count (usage.prompt_tokens) shows which encoding the engine used: the tokenizer's encode_chat (the

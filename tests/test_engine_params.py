@@ -1,4 +1,4 @@
-"""The Friendli / Cerebras parameters in the engine (issue 11): bad words, no_repeat_ngram, max/min_total_tokens,
+"""The Friendli / Cerebras parameters in the engine: bad words, no_repeat_ngram, max/min_total_tokens,
 min_tokens -1, multi-token stop sequences, beam search's early_stopping, and cached_tokens from the prefix cache.
 
 Selection-rule units first (check_token_stop, BeamSearch against transformers' early_stopping=True on a tiny random

@@ -208,7 +208,7 @@ def fuzz_document(doc: dict, model: str, vocab_size: int) -> dict:
         request["properties"]["timeout"] = {"type": ["number", "null"], "minimum": 120, "maximum": 600}
         request["properties"]["logit_bias"]["propertyNames"] = {"pattern": "^(0|[1-9][0-9]{0,8})$"}
         request["properties"]["stop_token_ids"]["items"]["maximum"] = vocab_size - 1  # else 400, engine-side
-    # issue 11's fields: no schema, regex or grammar the engine could refuse (a 400 from there), token ids inside the
+    # structured fields: no schema, regex or grammar the engine could refuse (a 400 from there), token ids inside the
     # vocabulary, max_tokens (required here) bounds every generation, tool choices that name no unknown tool
     plain_format = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}}
     for request in (completion, chat):
@@ -247,7 +247,7 @@ SPECULATION_FIELDS = ("num_assistant_tokens", "assistant_confidence_threshold", 
 
 
 def without_speculation(doc: dict) -> dict:
-    """The document without issue 12's speculation fields (tests/test_speculation_api.py and test_api_validation.py
+    """The document without the speculation fields (tests/test_speculation_api.py and test_api_validation.py
     cover them): the shared server has no draft model, so a confidence threshold is a 400 engine-side; with four
     more properties schemathesis's canonicalizer gives up on chat's combined rules (positive mode) and generating
     invalid bodies of the completions request fails hypothesis's too-slow health check (negative mode)."""

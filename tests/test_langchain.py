@@ -1,6 +1,6 @@
 """End to end: LangChain's `ChatOpenAI` (langchain-openai, a test dependency) against the real server, unchanged, as
 an agent framework uses it: `bind_tools(..., tool_choice=...)` (unary and streamed) and `with_structured_output` (the
-json_schema and function_calling methods). Issue 11's proof that a real agent-style client works.
+json_schema and function_calling methods). The proof that a real agent-style client works.
 
 Nothing may reach the internet: LangChain only needs tiktoken for token counting (never called here) and traces
 to LangSmith only when told to (the environment variables are cleared); a guard on `socket.connect` fails the test

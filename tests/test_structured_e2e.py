@@ -1,5 +1,5 @@
 """End to end: structured output through the official `openai` client against the real server and default model
-(issue 11's proof). `response_format` json_object / json_schema / regex / grammar, unary and streamed, with n > 1
+(the proof it works). `response_format` json_object / json_schema / regex / grammar, unary and streamed, with n > 1
 and logprobs, the SDK's `chat.completions.parse(response_format=<pydantic model>)`, and the 400s for a schema,
 regex or grammar that does not compile.
 

@@ -1,5 +1,5 @@
 """End to end: tool calls and reasoning through the official `openai` client against the real server and default
-model (issue 11's proof). The default model's template (ChatML) knows no tools, so the server writes them into the
+model (the proof). The default model's template (ChatML) knows no tools, so the server writes them into the
 prompt in the hermes format and parses `<tool_call>` blocks; tool_choice "required" and a named tool constrain
 the output with a grammar, so their calls are checked against the tool's schema (jsonschema), unary and streamed.
 

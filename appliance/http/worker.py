@@ -325,9 +325,7 @@ class EdgeWorker(ThreadWorker):
             counts = self.drops.take()
             if counts and self.engine is not None:
                 try:
-                    self.engine.call(
-                        RECORD_HTTP, *(HttpRecord(DROPPED_ROUTE, r, n, 0.0) for r, n in counts.items())
-                    )
+                    self.engine.call(RECORD_HTTP, *(HttpRecord(DROPPED_ROUTE, r, n, 0.0) for r, n in counts.items()))
                 except EngineUnavailable:
                     pass
 
