@@ -1,6 +1,6 @@
 """Engine configuration: one dataclass, the Python API's (`Engine(model_dir, EngineConfig(...))`) and the source of
 `appliance serve`'s engine flags: each field declares its default and help once (appliance/limits.py `setting`), and
-appliance/cli.py derives the flag, its APPLIANCE_* variable, its help and docs/serving.md's Options table from it.
+appliance/options.py derives the flag, its APPLIANCE_* variable, its help and docs/serving.md's Options table from it.
 
 Where a flag's default differs from the field's, the field says so (`cli=`): the CLI needs "not given" to refuse a
 flag that cannot act (the --static-* knobs off static shapes), or a word it converts ("auto", "default"). The two

@@ -28,7 +28,7 @@ def setting(
 ) -> Any:
     """A configuration field, the one declaration of a default (Limits here, EngineConfig, ServeSettings): its
     default, a short help (flag help, docs tables) and the `appliance serve` flag that sets it, if an operator may
-    (appliance/cli.py derives the flag, its APPLIANCE_* variable, its help and docs/serving.md's Options table).
+    (appliance/options.py derives the flag, its APPLIANCE_* variable, its help and docs/serving.md's Options table).
     `cli`: the flag's own default where it differs on purpose from the field's (None: "not given", so the CLI can
     refuse a flag that cannot act; or a word the CLI converts, "auto"); `show`: how help and docs write the default
     when the value alone would not say it; `kind`: the flag's type where it is not the field's."""

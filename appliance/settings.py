@@ -25,7 +25,7 @@ EX_CONFIG = 78
 
 class ConfigError(ValueError):
     """A setting `appliance serve` cannot run with, as one line without the "appliance: " prefix. Raised by the
-    start-up checks (appliance/cli.py, appliance/auth.py, appliance/server/config_file.py) and turned into
+    start-up checks (appliance/options.py, appliance/auth.py, appliance/server/config_file.py) and turned into
     that line on stderr and exit EX_CONFIG in one place, cli.main. Not SystemExit: raised on a worker's request
     thread (a key file read lazily) or in the engine process (a reload), it is an ordinary exception there, which
     becomes an error answer instead of ending the process. A ValueError, so a reload's 400 catches it too."""
@@ -55,7 +55,7 @@ class ModelSpec:
 @dataclass
 class ServeSettings:
     """What `appliance serve` runs with besides the engine's EngineConfig. A field with a `flag` is a serve option:
-    its default and help are declared here once (appliance/limits.py `setting`; appliance/cli.py derives the flag)."""
+    its default and help are declared here once (appliance/limits.py `setting`; appliance/options.py derives the flag)."""
 
     model_dir: str = setting(
         help_text="exported model directory, or 'default': the default model's OpenVINO export for this CPU (int4 "

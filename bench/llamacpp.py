@@ -38,8 +38,8 @@ from typing import Any
 
 from appliance.cpu_isa import CpuIsa
 from appliance.testing.loopback import LoopbackServer
+from bench.client import http_run, sse_events
 from bench.common import LOGS, median, prompts
-from bench.http import http_run, sse_events
 
 # llama.cpp's system-info feature names -> the cpu_isa flags they stand for (what both sides can disagree on).
 SYSTEM_INFO_FLAGS = {
@@ -212,7 +212,7 @@ def text_prompts(tokenizer, vocab: int, n: int, length: int, seed: int) -> list[
 
 
 def stream_llamacpp(base: str, prompt: str, new_tokens: int, logit_bias: dict[str, float], session=None) -> dict:
-    """One streaming completion from llama.cpp's server: event times as bench.http.stream_one's (every event with
+    """One streaming completion from llama.cpp's server: event times as bench.client.stream_one's (every event with
     a choice: one per token, then its empty closing one). Tokens = new_tokens when it ends on the length limit
     (its chunks carry no usage; a chunk can hold more than one token when a character spans tokens)."""
     body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True, "logit_bias": logit_bias}

@@ -72,7 +72,7 @@ def measure(
     path: Path, workers: int, concurrency: int, rounds: int, prompt_len: int, new_tokens: int, log_path: Path, bar
 ) -> dict:
     from appliance.manifest import Manifest
-    from bench.http import http_run
+    from bench.client import http_run
 
     vocab = Manifest.load(path).vocab_size
     with ServerProcess(path, "--workers", str(workers), "--log-level", "warning", log_path=log_path) as srv:

@@ -547,19 +547,19 @@ def test_limits_table_in_docs_is_the_declared_one():
 
 
 def test_limit_flags_derive_from_the_fields(monkeypatch):
-    from appliance import cli, limits
+    from appliance import cli, limits, options
     from appliance.settings import ConfigError
 
     for f in limits.flag_fields():
-        kind, default, help_text = cli.SERVE_OPTIONS[f.metadata["flag"]]
+        kind, default, help_text = options.SERVE_OPTIONS[f.metadata["flag"]]
         assert (default, help_text) == (f.default, f.metadata["help"])
     args = cli.build_parser().parse_args(["serve", "--max-prompts", "3", "--max-n", "4"])
-    got = cli._limits(args)
+    got = options.limits_from(args)
     assert (got.prompts, got.n, got.best_of, got.max_tokens) == (3, 4, 20, None)
     with pytest.raises(ConfigError, match="--max-prompts must be at least 1"):
-        cli._limits(cli.build_parser().parse_args(["serve", "--max-prompts", "0"]))
+        options.limits_from(cli.build_parser().parse_args(["serve", "--max-prompts", "0"]))
     monkeypatch.setenv("APPLIANCE_MAX_BEST_OF", "2")
-    assert cli._limits(cli.build_parser().parse_args(["serve"])).best_of == 2
+    assert options.limits_from(cli.build_parser().parse_args(["serve"])).best_of == 2
 
 
 def test_settings_round_trip_rebuilds_limits(tmp_path):

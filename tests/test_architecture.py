@@ -221,3 +221,109 @@ print(json.dumps(sorted(sys.modules)))
     assert sorted(m for m in loaded if m.split(".")[0] in HEAVY) == []
     others = {m for m in loaded if within(m, "appliance") and role(m) not in (HTTP, SHARED)}
     assert others == set(), f"a worker loads modules of another process: {sorted(others)}"
+
+
+# ---------------------------------------------------------------- no import cycles
+
+CYCLE_ROOTS = ("appliance", "export", "bench")  # the packages whose import graph must be acyclic
+
+
+@cache
+def every_module() -> dict[str, Path]:
+    return {module_name(path): path for root in CYCLE_ROOTS for path in sorted((ROOT / root).rglob("*.py"))}
+
+
+def import_edges(name: str, path: Path) -> set[str]:
+    """The modules of CYCLE_ROOTS that `name` imports by any statement: at the top, inside a function, under
+    `if TYPE_CHECKING:` (an annotation-only cycle still says two modules are one unit). `from X import Y` is X.Y
+    when that is a module, else X; a name that is no module of ours (a third-party package) is no edge."""
+    known = every_module()
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names)
+    return {module for module in found if module in known and module != name}
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[tuple[list[str], list[str]]]:
+    """For each strongly connected component of more than one module (Tarjan): a shortest cycle through its first
+    module (a -> ... -> a), and all its modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def connect(node: str) -> None:  # recursion depth is bounded by the number of modules (a few hundred)
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(edges.get(node, ())):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    found = []
+    for component in components:  # breadth first from the start, inside the component, back to the start
+        start = min(component)
+        came_from: dict[str, str] = {}
+        frontier = [start]
+        while frontier and start not in came_from:
+            following = []
+            for node in frontier:
+                for target in sorted(edges[node] & component):
+                    if target not in came_from:
+                        came_from[target] = node
+                        following.append(target)
+            frontier = following
+        path = [start]
+        while len(path) == 1 or path[-1] != start:
+            path.append(came_from[path[-1]])
+        found.append((path[::-1], sorted(component)))
+    return sorted(found)
+
+
+def test_the_checker_finds_cycles(tmp_path):
+    assert find_cycles({"a": {"b"}, "b": {"c", "d"}, "c": {"a"}, "d": {"b"}, "e": {"a"}}) == [
+        (["a", "b", "c", "a"], ["a", "b", "c", "d"])
+    ]
+    assert find_cycles({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+    probe = tmp_path / "example.py"  # an annotation-only import and one inside a function are edges too
+    probe.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from appliance.runtime.sequence import Sequence\n"
+        "def lazy():\n    from bench import client\n    import numpy\n"
+    )
+    assert import_edges("appliance.runtime.example", probe) == {"appliance.runtime.sequence", "bench.client"}
+
+
+def test_no_import_cycles():
+    """No two modules of appliance/, export/ or bench/ import each other, directly or round a loop, by any import
+    (top-level, inside a function, or for annotations only). A function-level import that only dodges a cycle at
+    run time still ties two modules into one, and hides which one is the lower layer."""
+    edges = {name: import_edges(name, path) for name, path in every_module().items()}
+    found = find_cycles(edges)
+    assert found == [], "import cycles:\n" + "\n".join(
+        f"{' -> '.join(cycle)} (tied together: {', '.join(component)})" for cycle, component in found
+    )

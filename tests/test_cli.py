@@ -1,5 +1,5 @@
-"""`appliance serve`'s engine flags (appliance/cli.py) and the KV pool sizing they lead to
-(appliance/runtime/backends/kv_budget.py).
+"""`appliance serve`'s engine flags (appliance/options.py, parsed by appliance/cli.py) and the KV pool sizing they
+lead to (appliance/runtime/backends/kv_budget.py).
 
 Parsing and validation run without a model (a stub manifest); one test builds a real paged engine on a tiny
 random model to check that a bytes budget sizes the pool the backend allocates."""
@@ -7,14 +7,18 @@ random model to check that a bytes budget sizes the pool the backend allocates."
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from appliance import cli
+from appliance import cli, host, options
 from appliance.runtime.backends import kv_budget
 from appliance.settings import ConfigError
 
+ROOT = Path(__file__).resolve().parent.parent
 GiB, MiB = 1 << 30, 1 << 20
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
 
@@ -22,12 +26,12 @@ OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="o
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     """No APPLIANCE_* variable of the developer's shell may leak into these tests."""
-    for flag in cli.SERVE_OPTIONS:
-        monkeypatch.delenv(cli.env_name(flag), raising=False)
+    for flag in options.SERVE_OPTIONS:
+        monkeypatch.delenv(options.env_name(flag), raising=False)
 
 
 def config(*flags: str, manifest=OPENVINO):
-    return cli.engine_config(cli.build_parser().parse_args(["serve", *flags]), manifest)
+    return options.engine_config(cli.build_parser().parse_args(["serve", *flags]), manifest)
 
 
 def refused(*flags: str, manifest=OPENVINO) -> str:
@@ -59,7 +63,7 @@ def refused(*flags: str, manifest=OPENVINO) -> str:
     ],
 )
 def test_kv_cache_size_values(text, want):
-    assert cli.parse_kv_cache_size(text) == want
+    assert options.parse_kv_cache_size(text) == want
 
 
 @pytest.mark.parametrize(
@@ -67,7 +71,7 @@ def test_kv_cache_size_values(text, want):
 )
 def test_kv_cache_size_garbage_is_one_clean_line(text):
     with pytest.raises(ConfigError) as info:
-        cli.parse_kv_cache_size(text)
+        options.parse_kv_cache_size(text)
     assert str(info.value).startswith(f"--kv-cache-size {text!r}: ") and "16384tokens" in str(info.value)
 
 
@@ -133,9 +137,22 @@ def test_alias_conflict_across_flag_and_environment(monkeypatch):
 
 
 def test_a_size_beyond_the_machine_is_refused(monkeypatch):
-    monkeypatch.setattr(kv_budget, "read_meminfo", lambda: "MemTotal:  1048576 kB\nMemAvailable:  524288 kB\n")
+    monkeypatch.setattr(host, "read_meminfo", lambda: "MemTotal:  1048576 kB\nMemAvailable:  524288 kB\n")
     assert "more than this machine's memory (1.0 GB)" in refused("--kv-cache-size", "16384")
     assert config("--kv-cache-size", "512MB").kv_cache_bytes == 512 * MiB
+
+
+def test_checking_a_size_against_the_machine_loads_no_numpy():
+    """The memory check reads /proc/meminfo through appliance/host.py: `appliance config` and a reload's checks
+    do not load the backends package (numpy) to read one text file."""
+    code = (
+        "import sys; from types import SimpleNamespace; from appliance import cli, options\n"
+        "args = cli.build_parser().parse_args(['serve', '--kv-cache-size', '1GB'])\n"
+        "assert options.engine_config(args, SimpleNamespace(backend='openvino')).kv_cache_bytes == 1 << 30\n"
+        "print(sorted(m for m in ('numpy', 'openvino') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr + result.stdout
 
 
 @pytest.mark.parametrize(
@@ -299,10 +316,10 @@ FLAGS = {
 
 
 def test_flags_keep_their_names_types_and_defaults():
-    assert {flag: (o.kind, o.default) for flag, o in cli.SERVE_OPTIONS.items()} == FLAGS
+    assert {flag: (o.kind, o.default) for flag, o in options.SERVE_OPTIONS.items()} == FLAGS
     args = cli.build_parser().parse_args(["serve"])
     assert {flag: getattr(args, flag.replace("-", "_")) for flag in FLAGS} == {f: d for f, (_, d) in FLAGS.items()}
-    assert cli.env_name("max-num-batched-tokens") == "APPLIANCE_MAX_NUM_BATCHED_TOKENS"
+    assert options.env_name("max-num-batched-tokens") == "APPLIANCE_MAX_NUM_BATCHED_TOKENS"
     timed = cli.build_parser().parse_args(["serve", "--request-timeout", "2.5", "--port", "9000"])
     assert (timed.request_timeout, timed.port) == (2.5, 9000)
 
@@ -312,8 +329,8 @@ def test_every_flag_is_a_declared_field():
     is the field's."""
     from dataclasses import MISSING
 
-    for flag, (_, f) in cli.FIELDS.items():
-        option = cli.SERVE_OPTIONS[flag]
+    for flag, (_, f) in options.FIELDS.items():
+        option = options.SERVE_OPTIONS[flag]
         assert option.default == (f.metadata["cli"] if "cli" in f.metadata else f.default), flag
         assert f.default is not MISSING or "cli" in f.metadata, f"{flag}: a required field needs the flag's default"
         assert option.help == f.metadata["help"] and "|" not in option.help
@@ -339,7 +356,7 @@ def test_help_shows_each_environment_variable_and_the_declared_default(capsys):
         cli.build_parser().parse_args(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for flag in FLAGS:
-        assert f"--{flag}" in text and cli.env_name(flag) in text
+        assert f"--{flag}" in text and options.env_name(flag) in text
     # the static knobs are "not given" to the parser but show the engine's default; nothing writes it twice
     assert "(env APPLIANCE_STATIC_CONTEXT, default 1024)" in text
     assert "(env APPLIANCE_PORT, default 8000)" in text and "(env APPLIANCE_ACCESS_LOG=1/0, default off)" in text
@@ -350,7 +367,7 @@ def test_options_table_in_docs_is_the_declared_one(capsys):
     """docs/serving.md's Options table is exactly `options_table()`: one row per flag, its default and help."""
     from pathlib import Path
 
-    table = cli.options_table()
+    table = options.options_table()
     doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
     assert table in doc, "regenerate the table: python -m appliance.cli --options-table"
     rows = {
@@ -376,7 +393,7 @@ def budget_config(**kw):
 
 def meminfo(monkeypatch, available_kb: int | None):
     text = "MemTotal:  99999999 kB\n" + (f"MemAvailable:  {available_kb} kB\n" if available_kb is not None else "")
-    monkeypatch.setattr(kv_budget, "read_meminfo", lambda: text)
+    monkeypatch.setattr(host, "read_meminfo", lambda: text)
 
 
 BLOCK = MiB  # bytes per block in these cases: 32 seqs x 32 blocks (1024 / 32 tokens) = a 1 GiB ceiling
@@ -408,7 +425,7 @@ def test_auto_budget_ceiling_below_the_floor(monkeypatch):
 
 
 def test_explicit_budgets(monkeypatch):
-    monkeypatch.setattr(kv_budget, "read_meminfo", lambda: pytest.fail("an explicit budget must not read meminfo"))
+    monkeypatch.setattr(host, "read_meminfo", lambda: pytest.fail("an explicit budget must not read meminfo"))
     assert kv_budget.pool_blocks(budget_config(kv_cache_bytes=10 * BLOCK + 5), 32, BLOCK, 1024) == 10
     assert kv_budget.pool_blocks(budget_config(kv_cache_tokens=100), 32, BLOCK, 1024) == 4  # rounded up
     assert kv_budget.pool_blocks(budget_config(kv_cache_tokens=100, kv_cache_bytes=2 * BLOCK), 32, BLOCK, 1024) == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import cli
+from appliance import cli, options
 from appliance.manifest import Manifest
 from appliance.paths import served_weight_format
 from appliance.server import config_file
@@ -30,8 +30,8 @@ GiB = 1 << 30
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch, tmp_path):
     """No APPLIANCE_* variable of the developer's shell leaks in; `default` is a fake export under tmp_path."""
-    for flag in cli.SERVE_OPTIONS:
-        monkeypatch.delenv(cli.env_name(flag), raising=False)
+    for flag in options.SERVE_OPTIONS:
+        monkeypatch.delenv(options.env_name(flag), raising=False)
     monkeypatch.setenv("APPLIANCE_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.chdir(tmp_path)
     fake_export(tmp_path / "data" / "models" / "smollm2-135m-instruct" / SERVED, "SmolLM2-135M-Instruct")
@@ -301,7 +301,7 @@ def test_appliance_config_prints_values_sources_and_models(tmp_path, monkeypatch
     monkeypatch.setenv("APPLIANCE_WORKERS", "3")
     assert cli.main(["config", "--config", str(conf), "--max-num-batched-tokens", "128"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["config_file"] == str(conf) and set(out["settings"]) == set(out["sources"]) == set(cli.SERVE_OPTIONS)
+    assert out["config_file"] == str(conf) and set(out["settings"]) == set(out["sources"]) == set(options.SERVE_OPTIONS)
     assert (out["settings"]["workers"], out["settings"]["max-num-seqs"], out["settings"]["port"]) == (3, 16, 8000)
     assert {k: out["sources"][k] for k in ("workers", "max-num-seqs", "max-num-batched-tokens", "port")} == {
         "workers": "env",
@@ -325,7 +325,9 @@ def test_config_takes_the_flags_of_serve(monkeypatch):
     flags = ["--port", "9", "--no-enable-prefix-caching", "--kv-cache-size", "2GB"]
     serve, config = (vars(cli.build_parser().parse_args([command, *flags])) for command in ("serve", "config"))
     assert serve.pop("command") == "serve" and config.pop("command") == "config"
-    assert serve == config and serve["threads"] == 7 and set(serve) == {f.replace("-", "_") for f in cli.SERVE_OPTIONS}
+    assert (
+        serve == config and serve["threads"] == 7 and set(serve) == {f.replace("-", "_") for f in options.SERVE_OPTIONS}
+    )
 
 
 def test_appliance_config_of_one_model_and_its_errors(capsys):

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
-from appliance import __version__, cli
+from appliance import __version__, cli, options
 from appliance.http.client import EngineClient
 from appliance.openai_api.app import OPEN_PATHS, create_app
 from appliance.server.metrics import ServerMetrics
@@ -313,7 +313,7 @@ def test_pod_matches_the_server(name, monkeypatch):
     (container,) = [c for c in pod["containers"] if c["image"].startswith("appliance:")]
     assert container["image"] == f"appliance:{__version__}"  # the tag docs/deploy.md builds
     env = container_env(container)
-    flags = {cli.env_name(flag) for flag in cli.SERVE_OPTIONS}
+    flags = {options.env_name(flag) for flag in options.SERVE_OPTIONS}
     assert set(env) <= flags | {"APPLIANCE_DATA_DIR"}, set(env) - flags
     for var in [v for v in os.environ if v.startswith("APPLIANCE_")]:
         monkeypatch.delenv(var)
@@ -359,7 +359,7 @@ def test_pod_matches_the_server(name, monkeypatch):
     # sized for the pod: threads = CPUs, the KV budget + what the server holds besides fits the memory limit
     limits, requests = container["resources"]["limits"], container["resources"]["requests"]
     assert ns.num_threads == int(limits["cpu"]) == int(requests["cpu"])
-    kind, kv_bytes = cli.parse_kv_cache_size(ns.kv_cache_size)
+    kind, kv_bytes = options.parse_kv_cache_size(ns.kv_cache_size)
     assert kind == "bytes" and RESIDENT_BYTES < size(requests["memory"])
     assert RESIDENT_BYTES + kv_bytes <= size(limits["memory"])
 
@@ -378,7 +378,7 @@ def test_autoscaling_reads_metrics_the_server_exports():
     assert hpa["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
     assert set(targets) == {"appliance_queue_depth", "appliance_running_sequences"} and set(targets) <= gauges
-    max_num_seqs = cli.SERVE_OPTIONS["max-num-seqs"].default
+    max_num_seqs = options.SERVE_OPTIONS["max-num-seqs"].default
     assert 0 < int(targets["appliance_running_sequences"]) < max_num_seqs
     # prometheus-adapter serves exactly the HPA's metrics, under the same names
     (rule,) = doc("kubernetes/autoscaling/prometheus-adapter-values.yaml")["rules"]["custom"]
@@ -422,4 +422,4 @@ def test_service_monitor_and_ingresses_reach_the_service():
     annotations = nginx["metadata"]["annotations"]
     assert "upstream-hash-by" in " ".join(annotations)
     body = annotations["nginx.ingress.kubernetes.io/proxy-body-size"]
-    assert size(body) == cli.SERVE_OPTIONS["max-body-bytes"].default
+    assert size(body) == options.SERVE_OPTIONS["max-body-bytes"].default

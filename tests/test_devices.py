@@ -22,7 +22,7 @@ import pytest
 import requests
 from conftest import Server
 
-from appliance import cli, devices
+from appliance import cli, devices, options
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
 from appliance.runtime.backends.openvino_common import compile_properties
@@ -36,12 +36,12 @@ OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="o
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for flag in cli.SERVE_OPTIONS:
-        monkeypatch.delenv(cli.env_name(flag), raising=False)
+    for flag in options.SERVE_OPTIONS:
+        monkeypatch.delenv(options.env_name(flag), raising=False)
 
 
 def engine_config(*flags: str, manifest=OPENVINO) -> EngineConfig:
-    return cli.engine_config(cli.build_parser().parse_args(["serve", *flags]), manifest)
+    return options.engine_config(cli.build_parser().parse_args(["serve", *flags]), manifest)
 
 
 # ---------------------------------------------------------------- appliance devices

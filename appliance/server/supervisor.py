@@ -39,7 +39,7 @@ from appliance import auth, logs
 from appliance import protocol as p
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import sdnotify, startup
+from appliance.server import config_file, sdnotify, startup
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import single_spec
@@ -155,11 +155,9 @@ class Supervisor:
         """The engine service's RELOAD: the config file read again, then reload(); a broken one is a 400."""
         if not self.settings.config_file:
             return p.Reply(error=p.Failed(400, "no config file: start the server with --config to reload it"))
-        from appliance.server.config_file import reload_models  # the config helper's loader (its module says how)
-
         try:
-            specs = reload_models(self.settings)
-        except ValueError as exc:
+            specs = config_file.reload_models(self.settings)
+        except ValueError as exc:  # ConfigError, or a malformed export's manifest
             return p.Reply(error=p.Failed(400, str(exc), code="invalid_config"))
         return p.Reply(self.reload(specs))
 

@@ -9,7 +9,8 @@ budget: their KV is `static_batch` slots x `static_context` positions.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+
+from appliance.host import meminfo_bytes
 
 log = logging.getLogger(__name__)
 
@@ -20,23 +21,6 @@ log = logging.getLogger(__name__)
 # max_num_seqs full-context sequences can use, never less than AUTO_FLOOR (or the ceiling, if smaller).
 AUTO_FRACTION = 0.25
 AUTO_FLOOR = 256 << 20
-
-
-def read_meminfo() -> str:
-    """/proc/meminfo's text ('' where there is none); a function so tests can replace it."""
-    try:
-        return Path("/proc/meminfo").read_text()
-    except OSError:
-        return ""
-
-
-def meminfo_bytes(field: str) -> int | None:
-    """A /proc/meminfo field in bytes, e.g. MemAvailable (the kernel's estimate of what can be allocated
-    without swapping) or MemTotal; None if there is no such line."""
-    for line in read_meminfo().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return None
 
 
 def auto_kv_bytes(ceiling: int, available: int | None) -> int:
