@@ -55,7 +55,8 @@ class ModelSpec:
 @dataclass
 class ServeSettings:
     """What `appliance serve` runs with besides the engine's EngineConfig. A field with a `flag` is a serve option:
-    its default and help are declared here once (appliance/limits.py `setting`; appliance/options.py derives the flag)."""
+    its default and help are declared here once (appliance/limits.py `setting`; appliance/options.py derives the
+    flag)."""
 
     model_dir: str = setting(
         help_text="exported model directory, or 'default': the default model's OpenVINO export for this CPU (int4 "
