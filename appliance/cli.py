@@ -273,10 +273,7 @@ def _main(argv: list[str] | None) -> int:
 
         settings, engine = _settings(args)
         wanted = (d for spec in settings.models for d in (spec.engine.device, spec.engine.draft_device) if d)
-        try:
-            devices.require(wanted)  # one line naming those present
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+        devices.require(wanted)  # one line naming those present
         return serve(settings, engine)
     if args.command == "devices":
         return devices.main(args.json)

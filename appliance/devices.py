@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from appliance import cpu_isa
+from appliance.settings import ConfigError
 
 # Device properties worth showing when the plugin has them (each device type answers a different set).
 EXTRA_PROPERTIES = ("DEVICE_ARCHITECTURE", "INFERENCE_PRECISION_HINT", "GPU_DEVICE_TOTAL_MEM_SIZE", "DEVICE_GOPS")
@@ -91,12 +92,12 @@ def missing(device: str, present: Iterable[str]) -> list[str]:
 
 
 def require(devices: Iterable[str]) -> None:
-    """`serve`'s check before anything starts: ValueError, one line naming what is present, when a device is not
-    (appliance/cli.py makes it a configuration error: exit 78)."""
+    """`serve`'s check before anything starts: ConfigError, one line naming what is present, when a device is not
+    (appliance/cli.py's `main` makes it exit 78)."""
     present = available()
     absent = [name for device in devices for name in missing(device, present)]
     if absent:
-        raise ValueError(
+        raise ConfigError(
             f"device {', '.join(dict.fromkeys(absent))} is not present on this machine; "
             f"present: {', '.join(present) or 'none'} (see `appliance devices`)"
         )
