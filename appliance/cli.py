@@ -37,6 +37,7 @@ from appliance.server.config_file import ALIASES, MODEL_FLAGS
 from appliance.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
 
 log = logging.getLogger("appliance.serve")
+PATH_FIELDS = ("config_file", "api_key_file", "admin_key_file", "tls_certfile", "tls_keyfile")  # made absolute
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -185,34 +186,16 @@ def _models(args: argparse.Namespace) -> list[ModelSpec]:
 def _settings(args: argparse.Namespace):
     models = _models(args)
     check_server(args)
-    settings = ServeSettings(  # model_dir, served_model_name, model_created: the first model's
-        model_dir=models[0].model_dir,
-        served_model_name=models[0].name,
+    # Every server flag is a ServeSettings field of the same name (a new flag needs no line here); the files as
+    # absolute paths; the first model's directory and name.
+    values = {f.name: getattr(args, f.metadata["flag"].replace("-", "_")) for f in limits.flag_fields(ServeSettings)}
+    values |= {name: str(Path(values[name]).resolve()) for name in PATH_FIELDS if values[name]}
+    values.update(model_dir=models[0].model_dir, served_model_name=models[0].name, log_level=args.log_level.lower())
+    settings = ServeSettings(
+        **values,
         model_created=models[0].created,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        threads=args.threads,
-        config_file=str(Path(args.config).resolve()) if args.config else None,
-        api_key_file=str(Path(args.api_key_file).resolve()) if args.api_key_file else None,
-        admin_key_file=str(Path(args.admin_key_file).resolve()) if args.admin_key_file else None,
-        allow_unauthenticated=args.allow_unauthenticated,
-        tls_certfile=str(Path(args.tls_certfile).resolve()) if args.tls_certfile else None,
-        tls_keyfile=str(Path(args.tls_keyfile).resolve()) if args.tls_keyfile else None,
-        allowed_hosts=args.allowed_hosts,
-        max_body_bytes=args.max_body_bytes,
         limits=limits_from(args),
         max_queued=max(model.engine.max_queued for model in models),  # workers refuse what fits no model's queue
-        graceful_timeout=args.graceful_timeout,
-        request_timeout=args.request_timeout,
-        send_timeout=args.send_timeout,
-        keepalive_timeout=args.keepalive_timeout,
-        client_max_connections=args.client_max_connections,
-        client_max_generations=args.client_max_generations,
-        tool_parser=args.tool_parser,
-        reasoning_parser=args.reasoning_parser,
-        log_level=args.log_level.lower(),
-        access_log=args.access_log,
     )
     try:  # a misspelt parser fails here, not at the first tool call
         tool_prompt.choose_tool_parser(None, settings.tool_parser)
