@@ -100,8 +100,8 @@ def options_table() -> str:
 
 
 def check_server(args: argparse.Namespace) -> None:
-    """The server's own settings that their types let through: worker and thread counts, per-client caps and
-    timeouts."""
+    """The ranges of the server's own settings (argparse checks only their types): worker and thread counts,
+    per-client caps, timeouts."""
     if args.workers < 1 or args.threads < 1:
         raise ConfigError("--workers and --threads must be at least 1")
     if min(args.client_max_connections, args.client_max_generations) < 0:
