@@ -3,8 +3,8 @@
 The tree shows the processes (README "Layout"): each package under `appliance/` runs in one process, and the
 modules at the package root are what more than one of them share.
 
-- the root modules (`params`, `outputs`, `limits`, `config`, `protocol`, `settings`, `logs`, `auth`, `manifest`,
-  `paths`, `cpu_isa`, `devices`) run in any process and import only the root;
+- the root modules (`params`, `outputs`, `limits`, `config`, `options`, `protocol`, `settings`, `logs`, `auth`,
+  `manifest`, `paths`, `host`, `cpu_isa`, `devices`) run in any process and import only the root;
 - `runtime/` (engine, scheduler, KV, sampling, backends, ...) runs in the engine process: itself and the root;
 - `server/` (supervisor, engine service, jobs, slots, metrics) is the engine process's serving code: itself,
   `runtime/` and the root; of `http/` only the gunicorn config it launches, by name;
