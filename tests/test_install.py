@@ -78,7 +78,7 @@ def test_serving_install_on_a_plain_index_resolves_without_torch_or_cuda(tmp_pat
     pins = lock_pins()
     off_lock = {n: v for n, v in resolved.items() if n != "appliance" and pins.get(n) != v}
     assert not off_lock, f"resolved outside the lock: {off_lock}"
-    assert {"openvino", "tokenizers", "flask", "gunicorn", "llguidance"} <= set(resolved)
+    assert {"openvino", "tokenizers", "flask", "gunicorn", "llguidance", "prometheus-client"} <= set(resolved)
 
 
 def test_dev_environment_has_cpu_torch_and_no_cuda():

@@ -287,7 +287,7 @@ def test_metrics_count_requests_and_tokens(server, client, model_name):
     before = server.metrics()
     r = complete(client, model_name, max_tokens=5)
     after = server.metrics()
-    key = 'appliance_http_requests_total{route="/v3/completions",method="POST",status="200"}'
+    key = 'appliance_http_requests_total{method="POST",route="/v3/completions",status="200"}'
     assert after[key] == before.get(key, 0) + 1
     assert (
         after["appliance_generation_tokens_total"] - before["appliance_generation_tokens_total"]

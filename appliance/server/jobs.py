@@ -151,18 +151,18 @@ class JobRunner:
                 handles = [(k, h, now) for k, h in enumerate(h for hs in choices for h in hs)]
         except QueueFull as exc:
             cancel(handles)
-            self.metrics.rejected.inc("queue_full")
+            self.metrics.rejected.labels("queue_full").inc()
             raise Rejected(p.Failed(429, str(exc), code="queue_full")) from None
         except EngineDead as exc:  # died between slot.problem() and the submission
             cancel(handles)
             raise Rejected(p.Failed(503, f"The engine cannot serve: {exc}", code="engine_failed")) from None
         except GrammarError as exc:  # the response_format's schema / regex / grammar does not compile
             cancel(handles)
-            self.metrics.rejected.inc("invalid")
+            self.metrics.rejected.labels("invalid").inc()
             raise Rejected(p.Failed(400, str(exc), "response_format")) from None
         except ValueError as exc:  # PromptTooLong and other prompt problems the engine found
             cancel(handles)
-            self.metrics.rejected.inc("invalid")
+            self.metrics.rejected.labels("invalid").inc()
             raise Rejected(p.Failed(400, str(exc))) from None
         return handles, accepted
 
@@ -235,15 +235,15 @@ class JobRunner:
         now = time.monotonic()
         m = self.metrics
         if chunk.token_ids:
-            m.generated_tokens.inc(amount=len(chunk.token_ids))
+            m.generated_tokens.inc(len(chunk.token_ids))
             if chunk.completion_tokens <= len(chunk.token_ids):
                 m.ttft.observe(now - submitted)
             else:
                 m.itl.observe((now - last) / len(chunk.token_ids))
             last = now
         if chunk.finish_reason:
-            m.sequences.inc(chunk.finish_reason)
-            m.prompt_tokens.inc(amount=chunk.prompt_tokens)
+            m.sequences.labels(chunk.finish_reason).inc()
+            m.prompt_tokens.inc(chunk.prompt_tokens)
             m.e2e.observe(now - submitted)
             if chunk.finish_reason == "abort" and chunk.error is None:
                 m.cancelled.inc()
