@@ -14,12 +14,16 @@ global default: tests and the supervisor make several), and the engine gauges co
 the `Engine.stats()` snapshots the engine service hands to `render` into metric families at scrape time; nothing
 waits on the engine thread. The HTTP workers never import it: they send records to the engine process.
 What the library changes in the text (same names, types, labels, help and buckets; Prometheus reads both alike):
-values are Go floats (`1.0`, not `1`; `le="1.0"`), a series' labels are sorted by name
-(`{method,route,status}`), and the `_created` samples it adds to counters and histograms are switched off
-(`disable_created_metrics()`: process-wide, the engine process holds no other prometheus_client metrics).
-Cost, measured (/tmp timeit, a loaded 2-core box, best of 5): a scrape of 4 models, 114 HTTP series and the
-3 histograms filled (256 samples, ~20 kB) took 546-689 us hand-written and XXX us now; a histogram observe (per
-token: inter-token latency) took 448-627 ns and now YYY ns.
+values are written as floats (`1.0`, not `1`; `le="1.0"`), a series' labels are sorted by name
+(`{method,route,status}`), and the `_created` samples it adds to counters and histograms are switched off with
+`disable_created_metrics()` (0.26 has no per-registry switch; process-wide is right here, the engine process
+holds no other prometheus_client metrics).
+Cost, measured (timeit, best of 5, interleaved with the hand-written version on the same loaded 2-core box): a
+scrape of 4 models, 114 HTTP series and the 3 histograms filled (256 samples, ~21 kB) takes 4.7-5.5 ms against
+1.1-1.4 ms hand-written (the library validates and escapes every name and label per sample); a histogram observe
+(per chunk: inter-token latency) 1.7-2.7 us against 0.65-1.0 us, a counter inc 1.0-1.3 us against 0.6-1.0 us. Both
+stay far below what they serve: a scrape every 15-30 s runs on its connection's thread, and a real server's
+`GET /metrics` round trip did not move (median 7.2 ms now, 8.3 ms before, 300 scrapes, one worker).
 """
 
 from __future__ import annotations
