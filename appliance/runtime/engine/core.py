@@ -26,7 +26,7 @@ from appliance.outputs import Chunk
 from appliance.runtime.backends import StepBatch, load_backend
 from appliance.runtime.engine.admission import Admission
 from appliance.runtime.engine.beams import BeamSearches
-from appliance.runtime.engine.choices import Choices
+from appliance.runtime.engine.choices import FollowerForks
 from appliance.runtime.engine.liveness import Liveness
 from appliance.runtime.engine.logprobs import record_prompt_logprobs, sampled_logprobs, token_text, wants_prompt_logits
 from appliance.runtime.engine.speculation import Speculation, Verify
@@ -44,7 +44,7 @@ log = logging.getLogger("appliance.runtime.engine")
 Plan = list[tuple[Sequence, int]]  # a step's (sequence, tokens it feeds)
 
 
-class Engine(Admission, Choices, BeamSearches, Liveness, Speculation):
+class Engine(Admission, BeamSearches, Liveness, Speculation):
     """One model's generation loop on its own thread: submit from any thread (admission.py), one step at a time
     on the engine thread (step)."""
 
@@ -69,6 +69,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness, Speculation):
         )
         max_seqs = min(self.config.max_num_seqs, self.backend.max_batch or self.config.max_num_seqs)
         self.scheduler = Scheduler(self.pool, max_seqs, self.config.max_num_batched_tokens)
+        self.choices = FollowerForks(self.scheduler, self.pool, self._copy_tails)  # n > 1: forks of a prompt's KV
         self._load_proposers()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_seqs = 0
@@ -197,7 +198,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness, Speculation):
                 elif seq.group is not None:
                     beams.append((seq, i))
                 else:
-                    ready += [(s, i) for s in [seq] + (self._fork_followers(seq) if seq.followers else [])]
+                    ready += [(s, i) for s in [seq] + (self.choices.fork(seq) if seq.followers else [])]
         return ready, beams, verifying
 
     def _sample(self, logits: np.ndarray, ready: Plan) -> list[tuple[Sequence, SampleOutput, int]]:
@@ -265,7 +266,7 @@ class Engine(Admission, Choices, BeamSearches, Liveness, Speculation):
             self._finish_group(seq.group, error=error)
             return
         if seq.followers:  # ended before its prompt was computed: the other choices compute their own
-            self._release_followers(seq)
+            self.choices.release(seq)
         self._release_speculation(seq)
         self.scheduler.finish(seq)
         self._set_timing(seq)
