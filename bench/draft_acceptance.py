@@ -30,8 +30,8 @@ from appliance.runtime.backends.base import Backend, StepBatch
 from appliance.runtime.engine import Engine
 from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.sequence import Sequence
-from appliance.runtime.speculative.base import SpecState
 from appliance.runtime.speculative.draft import DraftModel
+from appliance.runtime.speculative.state import SpecState
 from bench.common import arg_parser, machine, median, model_dir, print_table, rotate, save_results
 
 TEXT = (
@@ -71,7 +71,7 @@ def answers(engine: Engine, new_tokens: int) -> list[tuple[str, list[int], list[
 def replay(draft: DraftModel, prompt: list[int], answer: list[int], k: int) -> dict[str, int]:
     """Speculative decoding of `answer` with fixed k: proposed / accepted draft tokens, target steps."""
     seq = Sequence("r", len(prompt), list(prompt), SamplingParams(), 1 << 20, None, None)  # type: ignore[arg-type]
-    seq.spec = SpecState(draft, max_k=k)
+    seq.spec = SpecState(draft.name, max_k=k)
     draft.start(seq)
     p = proposed = accepted = steps = 0
     while p < len(answer):
@@ -128,7 +128,7 @@ def main() -> None:
         sides[f"{path.name}/step"] = timer(draft.backend, draft.pool, vocab, 1)
         context = list(range(100, 100 + CONTEXT))
         seq = Sequence("t", CONTEXT, context, SamplingParams(), 1 << 20, None, None)  # type: ignore[arg-type]
-        seq.spec = SpecState(draft, max_k=args.k)
+        seq.spec = SpecState(draft.name, max_k=args.k)
         draft.propose([(seq, args.k)])  # the prompt: then each call feeds 1 token + k - 1 drafted ones
         sides[f"{path.name}/propose"] = proposing(draft, seq, args.k)
         rows.append({"draft": path.name, "counts": counts})

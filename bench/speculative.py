@@ -651,16 +651,17 @@ def sweep_rows(runs: list[dict]) -> list[dict]:
 
 
 class StepProfiler:
-    """Times one engine's steps and their parts: instance attributes shadow Engine.step / _propose / _verify and
-    backend.forward (the engine thread calls them through self), so nothing in appliance/ changes. Per step: wall,
-    forward, propose, verify (its per-position sampling and appends included), tokens fed and tokens emitted."""
+    """Times one engine's steps and their parts: instance attributes shadow Engine.step, engine.speculation's
+    propose / verify and backend.forward (the engine thread calls them through their objects), so nothing in
+    appliance/ changes. Per step: wall, forward, propose, verify (its per-position sampling and appends included),
+    tokens fed and tokens emitted."""
 
     def __init__(self, engine) -> None:
         self.engine, self.on = engine, False
         self.steps: list[dict] = []
         self.cur: dict = {}
-        for name in ("_propose", "_verify"):
-            setattr(engine, name, self._timed(getattr(engine, name), name.lstrip("_")))
+        for name in ("propose", "verify"):
+            setattr(engine.speculation, name, self._timed(getattr(engine.speculation, name), name))
         engine.backend.forward = self._timed(engine.backend.forward, "forward")
         step = engine.step
 

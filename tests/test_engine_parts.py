@@ -6,14 +6,24 @@ back, how a beam search's group collects its rows, forks its beams and ends."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
+from collections.abc import Iterator
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
+
+from appliance.config import EngineConfig
 from appliance.outputs import Timing
 from appliance.params import SamplingParams
 from appliance.runtime.engine.choices import FollowerForks
+from appliance.runtime.engine.speculation import Speculation
 from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sequence import Sequence, Status
+from appliance.runtime.speculative.base import Proposer
+from appliance.runtime.speculative.state import SpecState
 
 BS = 4  # block size: small, so that a few tokens make full blocks
 
@@ -112,3 +122,181 @@ def test_a_leader_ending_before_its_prompt_hands_its_followers_to_the_scheduler(
     assert leader.followers is None and list(sched.waiting) == [leader, waiting]
     forks.release(leader)  # nothing left to release
     assert list(sched.waiting) == [leader, waiting]
+
+
+# ---------------------------------------------------------------- speculative decoding (Speculation)
+
+VOCAB = 256
+
+
+class FakeProposer(Proposer):
+    """Drafts what it is told; records what the engine tells it back."""
+
+    name = "fake"
+
+    def __init__(self, drafts: list[int], adaptive: bool = False) -> None:
+        self.drafts, self.adaptive = drafts, adaptive
+        self.accepted_seqs: list[str] = []
+        self.released: list[str] = []
+
+    def propose(self, batch: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [self.drafts[:k] for _, k in batch]
+
+    def accepted(self, seq: Sequence) -> None:
+        self.accepted_seqs.append(seq.request_id)
+
+    def release(self, seq: Sequence) -> None:
+        self.released.append(seq.request_id)
+
+
+def speculation(proposer: FakeProposer, sched: Scheduler, **config) -> tuple[Speculation, dict[str, int]]:
+    counters = {"draft_tokens": 0, "accepted_draft_tokens": 0}
+    return Speculation({proposer.name: proposer}, sched, EngineConfig(**config), counters), counters
+
+
+def decoding(sched: Scheduler, *rids: str, prompt: int = 7, k: int = 5) -> list[Sequence]:
+    """Sequences past their prompt (the first token sampled, not computed yet) that speculate with k drafts."""
+    seqs = [make_seq(prompt, rid) for rid in rids or ("s",)]
+    for seq in seqs:
+        seq.spec = SpecState("fake", max_k=k)
+        sched.add(seq)
+    compute(sched)
+    for seq in seqs:
+        seq.token_ids.append(50)
+    return seqs
+
+
+def argmax_sample(logits: np.ndarray, ready: list[tuple[Sequence, int]]):
+    """The engine's sampler played by argmax: one batched output, (sequence, output, row)."""
+    out = SimpleNamespace(token_ids=np.argmax(logits, axis=1))
+    return [(seq, out, j) for j, (seq, _) in enumerate(ready)]
+
+
+def append(seq: Sequence, token: int, out, j: int) -> None:  # the engine's _append without text or chunks
+    seq.token_ids.append(token)
+
+
+@contextlib.contextmanager
+def not_isolated(seq: Sequence) -> Iterator[None]:
+    yield
+
+
+def fed_rows(draws: list[int]) -> np.ndarray:
+    """The logits of the fed positions: position j's argmax is draws[j]."""
+    rows = np.zeros((len(draws), VOCAB), dtype=np.float32)
+    rows[np.arange(len(draws)), draws] = 1.0
+    return rows
+
+
+def step(spec: Speculation, sched: Scheduler, draws: dict[str, list[int]], append=append, isolate=not_isolated):
+    """One speculative step without a model: drafts, the schedule that feeds them, the verification."""
+    spec.propose()
+    plan = sched.schedule()
+    verifying = [(seq, fed_rows(draws[seq.request_id][:n])) for seq, n in plan if seq.draft]
+    spec.verify(verifying, argmax_sample, append, isolate)
+    return plan
+
+
+def test_verify_keeps_the_drafts_the_model_draws_and_gives_back_the_rest():
+    sched = make_scheduler()
+    proposer = FakeProposer([51, 52, 53, 54, 55])
+    spec, counters = speculation(proposer, sched)
+    [seq] = decoding(sched)  # 8 tokens, 7 computed: 2 blocks
+    assert sched.pool.num_used == 2
+    plan = step(spec, sched, {"s": [51, 52, 99, 0, 0, 0]})  # the model draws 51, 52, then not 53
+    assert plan == [(seq, 6)]  # its last token and 5 drafts: positions 7..12, 4 blocks while verifying
+    assert seq.generated == [50, 51, 52, 99]  # 2 drafts kept and the model's own next token
+    assert seq.num_computed == 10  # 50, 51, 52 fed and kept; 99 is fed next step
+    assert len(seq.block_table) == 3 and sched.pool.num_used == 3  # the block of rejected positions went back
+    assert seq.draft == [] and (seq.spec.proposed, seq.spec.accepted, seq.spec.rejected) == (5, 2, 3)
+    assert counters == {"draft_tokens": 5, "accepted_draft_tokens": 2}
+    assert proposer.accepted_seqs == ["s"] and seq.spec.k == 5  # prompt lookup's k does not adapt
+
+
+def test_all_drafts_accepted_give_one_more_token_and_nothing_is_rolled_back():
+    sched = make_scheduler()
+    spec, counters = speculation(FakeProposer([51, 52, 53, 54, 55]), sched)
+    [seq] = decoding(sched)
+    step(spec, sched, {"s": [51, 52, 53, 54, 55, 77]})
+    assert seq.generated == [50, 51, 52, 53, 54, 55, 77] and seq.num_computed == 13
+    assert len(seq.block_table) == 4 and counters["accepted_draft_tokens"] == 5
+
+
+def test_an_adaptive_proposer_drafts_fewer_after_a_rejection_and_pauses():
+    sched = make_scheduler()
+    proposer = FakeProposer([51, 52], adaptive=True)
+    spec, counters = speculation(proposer, sched)
+    [seq] = decoding(sched)
+    plan = step(spec, sched, {"s": [99] * 6})  # 2 drafts padded to 5; the first is rejected
+    assert plan == [(seq, 6)] and seq.generated == [50, 99] and seq.num_computed == 8
+    assert (seq.spec.k, seq.spec.misses, seq.spec.pause) == (4, 1, 2)  # k - 1, and a pause of 2 steps
+    assert counters == {"draft_tokens": 2, "accepted_draft_tokens": 0}  # padding is not counted
+    assert len(seq.block_table) == sched.pool.blocks_for(len(seq.token_ids))
+    spec.propose()
+    assert seq.draft == [] and seq.spec.pause == 1  # paused: no draft, and an empty one is not padded
+
+
+def test_a_short_draft_is_padded_to_k_and_padding_is_not_counted():
+    sched = make_scheduler()
+    spec, counters = speculation(FakeProposer([51]), sched)  # prompt lookup: not adaptive
+    [seq] = decoding(sched, k=3)
+    spec.propose()
+    assert seq.draft == [51, 51, 51] and seq.spec.real == 1  # the same fed shape every step
+    sched.schedule()
+    spec.verify([(seq, fed_rows([51, 51, 60, 0]))], argmax_sample, append, not_isolated)
+    assert seq.generated == [50, 51, 51, 60]  # a filler token the model also drew is kept
+    assert counters == {"draft_tokens": 1, "accepted_draft_tokens": 1}
+
+
+def test_no_drafts_past_speculation_max_batch():
+    sched = make_scheduler()
+    spec, _ = speculation(FakeProposer([51, 52]), sched, speculation_max_batch=1)
+    a, b = decoding(sched, "a", "b")
+    spec.propose()
+    assert a.draft == [] and b.draft == []
+    sched.finish(b)
+    spec.propose()
+    assert a.draft == [51, 52, 52, 52, 52]
+
+
+def test_a_failing_sequence_fails_alone_in_the_verification():
+    """An exception in one sequence's part of the verification (here its append) fails it alone, through the
+    engine's isolate: the other sequence verifies in full."""
+    sched = make_scheduler()
+    proposer = FakeProposer([51, 52, 53])
+    spec, _ = speculation(proposer, sched)
+    bad, good = decoding(sched, "bad", "good", k=3)
+    failed: list[str] = []
+
+    def breaking(seq, token, out, j):
+        if seq is bad:
+            raise ValueError("broken")
+        append(seq, token, out, j)
+
+    @contextlib.contextmanager
+    def isolate(seq):  # the engine's _isolated: the failure ends that sequence alone
+        try:
+            yield
+        except ValueError:
+            failed.append(seq.request_id)
+            sched.finish(seq)
+
+    step(spec, sched, {"bad": [51, 52, 53, 54], "good": [51, 52, 53, 54]}, breaking, isolate)
+    assert failed == ["bad"] and bad.status is Status.FINISHED and bad.block_table == []
+    assert good.generated == [50, 51, 52, 53, 54] and good.num_computed == 11
+    assert proposer.accepted_seqs == ["good"]
+    spec.release(good)
+    assert proposer.released == ["good"] and good.draft == []
+
+
+def test_check_refuses_what_the_proposers_cannot_do():
+    sched = make_scheduler()
+    spec, _ = speculation(FakeProposer([]), sched)
+    spec.check(SamplingParams(num_assistant_tokens=3))
+    with pytest.raises(ValueError, match="cannot be used together"):
+        spec.check(SamplingParams(num_assistant_tokens=3, assistant_confidence_threshold=0.5))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        spec.check(SamplingParams(assistant_confidence_threshold=0.5))
+    static = Speculation({}, sched, EngineConfig(), {})
+    with pytest.raises(ValueError, match="needs paged attention"):
+        static.check(SamplingParams(max_ngram_size=2))

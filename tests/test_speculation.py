@@ -22,8 +22,8 @@ import tiny_models
 from appliance.config import EngineConfig
 from appliance.params import Grammar, SamplingParams
 from appliance.runtime.engine import Engine
-from appliance.runtime.speculative.base import MAX_PAUSE, SpecState
-from appliance.runtime.speculative.ngram import PromptLookup, _Lookup
+from appliance.runtime.speculative.ngram import _Lookup
+from appliance.runtime.speculative.state import MAX_PAUSE, SpecState
 
 F32 = dict(precision="f32")
 
@@ -58,7 +58,7 @@ def test_prediction_is_where_the_answer_starts():
 
 
 def test_draft_length_adapts_and_failing_sequences_pause():
-    spec = SpecState(PromptLookup.__new__(PromptLookup), max_k=5)
+    spec = SpecState("prompt_lookup", max_k=5)
     assert spec.k == 5 and spec.ready()
     spec.adapt(5, 2)
     assert spec.k == 4 and spec.pause == 0

@@ -19,8 +19,8 @@ from appliance.manifest import Manifest
 from appliance.params import SamplingParams
 from appliance.runtime.engine import Engine
 from appliance.runtime.sequence import Sequence
-from appliance.runtime.speculative.base import SpecState
 from appliance.runtime.speculative.draft import DraftModel
+from appliance.runtime.speculative.state import SpecState
 from export.__main__ import main as export_main
 from export.exporter import ExportError, export_model
 
@@ -64,7 +64,7 @@ def draft(dirs: tuple[Path, Path]):
 
 def sequence(proposer: DraftModel, prompt: list[int], k: int = 5, confidence: float | None = None) -> Sequence:
     seq = Sequence("r", len(prompt), list(prompt), SamplingParams(), 1000, None, None)  # type: ignore[arg-type]
-    seq.spec = SpecState(proposer, max_k=k, confidence=confidence)
+    seq.spec = SpecState(proposer.name, max_k=k, confidence=confidence)
     proposer.start(seq)
     return seq
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from appliance.runtime.detokenizer import IncrementalDetokenizer
     from appliance.runtime.engine.beams import BeamGroup
     from appliance.runtime.sampling import SequenceSampler
-    from appliance.runtime.speculative.base import SpecState
+    from appliance.runtime.speculative.state import SpecState
     from appliance.runtime.stopping import StopStringMatcher
 
 

@@ -159,7 +159,7 @@ class Admission(EngineState):
         params = resolve_prompt_limits(params, len(prompt_ids), limit)  # max/min_total_tokens, min_tokens -1
         if params.grammar is not None:  # compiled here, off the engine thread (cached per grammar): 400 if invalid
             self.grammars.check(params.grammar)
-        self._check_speculation(params)
+        self.speculation.check(params)
         if len(prompt_ids) + (params.max_tokens or 0) > limit or len(prompt_ids) >= limit:
             raise PromptTooLong(
                 f"Number of prompt tokens: {len(prompt_ids)} + max tokens value: "
@@ -272,6 +272,6 @@ class Admission(EngineState):
         seq.stop = StopStringMatcher(p.stop, p.include_stop_str_in_output) if p.stop else None
         if p.prompt_logprobs is not None:
             seq.prompt_logprobs = first_prompt_logprob(self.tokenizer, seq)
-        self._start_speculation(seq)
+        self.speculation.start(seq)
         if scheduled:
             self.scheduler.add(seq)

@@ -29,7 +29,7 @@ from appliance.runtime.engine.beams import BeamSearches
 from appliance.runtime.engine.choices import FollowerForks
 from appliance.runtime.engine.liveness import Liveness
 from appliance.runtime.engine.logprobs import record_prompt_logprobs, sampled_logprobs, token_text, wants_prompt_logits
-from appliance.runtime.engine.speculation import Speculation, Verify
+from appliance.runtime.engine.speculation import Speculation, Verify, load_proposers
 from appliance.runtime.engine.text import text_step
 from appliance.runtime.grammar import GrammarCompiler
 from appliance.runtime.kv_cache import BlockPool
@@ -44,7 +44,7 @@ log = logging.getLogger("appliance.runtime.engine")
 Plan = list[tuple[Sequence, int]]  # a step's (sequence, tokens it feeds)
 
 
-class Engine(Admission, BeamSearches, Liveness, Speculation):
+class Engine(Admission, BeamSearches, Liveness):
     """One model's generation loop on its own thread: submit from any thread (admission.py), one step at a time
     on the engine thread (step)."""
 
@@ -70,7 +70,13 @@ class Engine(Admission, BeamSearches, Liveness, Speculation):
         max_seqs = min(self.config.max_num_seqs, self.backend.max_batch or self.config.max_num_seqs)
         self.scheduler = Scheduler(self.pool, max_seqs, self.config.max_num_batched_tokens)
         self.choices = FollowerForks(self.scheduler, self.pool, self._copy_tails)  # n > 1: forks of a prompt's KV
-        self._load_proposers()
+        self.proposers = load_proposers(
+            self.config,
+            self.model_dir,
+            self.tokenizer,
+            paged=self.backend.max_batch is None,
+            kv_tokens=self.pool.num_blocks * self.pool.block_size,
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox_seqs = 0
         self._backlog: deque = deque()
@@ -80,6 +86,7 @@ class Engine(Admission, BeamSearches, Liveness, Speculation):
         self._ids = itertools.count()
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
         self.counters |= {"draft_tokens": 0, "accepted_draft_tokens": 0}  # speculative decoding (speculation.py)
+        self.speculation = Speculation(self.proposers, self.scheduler, self.config, self.counters)
         self.heartbeat = time.monotonic()
         self.dead: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None
@@ -126,7 +133,7 @@ class Engine(Admission, BeamSearches, Liveness, Speculation):
         """The step's plan. A beam whose logits are in but whose siblings' are not (a search advances all its beams
         at once) has nothing to feed: the scheduler lists it with 0 tokens, and it is left out. Nothing to run
         while sequences wait: every running sequence is a stalled beam (_unstall)."""
-        self._propose()  # speculative decoding: drafts for the decoding sequences, fed after their last token
+        self.speculation.propose()  # drafts for the decoding sequences, fed after their last token
         plan = [(s, n) for s, n in self.scheduler.schedule() if n > 0]
         if not plan and self.scheduler.waiting:
             self._unstall()
@@ -164,7 +171,8 @@ class Engine(Admission, BeamSearches, Liveness, Speculation):
         for seq, out, j in self._sample(logits, ready):
             with self._isolated(seq):
                 self._append(seq, int(out.token_ids[j]), out, j)
-        self._verify(verifying)
+        if verifying:
+            self.speculation.verify(verifying, self._sample, self._append, self._isolated)
         self._beam_logits(beams, logits)
 
     def _computed(self, plan: Plan, batch: StepBatch) -> tuple[Plan, Plan, Verify]:
@@ -267,7 +275,7 @@ class Engine(Admission, BeamSearches, Liveness, Speculation):
             return
         if seq.followers:  # ended before its prompt was computed: the other choices compute their own
             self.choices.release(seq)
-        self._release_speculation(seq)
+        self.speculation.release(seq)
         self.scheduler.finish(seq)
         self._set_timing(seq)
         chunk = chunk or Chunk(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)

@@ -21,55 +21,73 @@ Rollback costs nothing: KV written for rejected positions lies past num_computed
 step; blocks allocated only for them go back to the pool (Scheduler.rollback), and only blocks full of accepted
 tokens are named for the prefix cache. Where it is off: static shapes (one-token decode graphs), beam search, and
 steps with more than speculation_max_batch decoding sequences (compute-bound already).
+
+Speculation is an object of the engine's (Engine.speculation), built with what it uses: the proposers, the
+scheduler (its running sequences, rollback), the config (modes, k, speculation_max_batch) and the counters. The
+engine's own per-token steps reach it as arguments of `verify` (sample, append, and `isolate`: an exception in one
+sequence's verification fails that sequence alone, as everywhere in the step).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 import numpy as np
 
+from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.runtime.engine.state import EngineState
+from appliance.runtime.sampling import SampleOutput
+from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sequence import Sequence, Status
-from appliance.runtime.speculative.base import Proposer, SpecState
+from appliance.runtime.speculative.base import Proposer
 from appliance.runtime.speculative.ngram import PromptLookup
-
-if TYPE_CHECKING:
-    from appliance.runtime.sampling import SampleOutput
+from appliance.runtime.speculative.state import SpecState
+from appliance.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("appliance.runtime.engine")
 
 Verify = list[tuple[Sequence, np.ndarray]]  # a verifying sequence and the logits of its fed positions
+# the engine's steps that verify uses (Engine._sample, _append, _isolated)
+Sample = Callable[[np.ndarray, list[tuple[Sequence, int]]], list[tuple[Sequence, SampleOutput, int]]]
+Append = Callable[[Sequence, int, SampleOutput, int], None]
+Isolate = Callable[[Sequence], AbstractContextManager[None]]
 
 
-class Speculation(EngineState):
-    """Engine's speculative decoding (a part of Engine: see state.py for the state it uses)."""
-
-    def _load_proposers(self) -> None:
-        """Prompt lookup on every paged model (a request may ask for it); a draft model when configured."""
-        self.proposers = {}
-        mode = self.config.speculative()
-        if self.backend.max_batch is not None:
-            if mode:
-                raise ValueError(
-                    f"speculative decoding ({mode}) needs paged attention: static shapes decode one token per slot"
-                )
-            return
-        self.proposers["prompt_lookup"] = PromptLookup(self.tokenizer)
-        if self.config.draft_model:
-            from appliance.runtime.speculative.draft import DraftModel
-
-            self.proposers["draft"] = DraftModel(
-                self.config.draft_model,
-                self.config,
-                self.model_dir,
-                self.config.max_num_batched_tokens,
-                kv_tokens=self.pool.num_blocks * self.pool.block_size,
+def load_proposers(
+    config: EngineConfig, model_dir: Path, tokenizer: Tokenizer, paged: bool, kv_tokens: int
+) -> dict[str, Proposer]:
+    """Prompt lookup on every paged model (a request may ask for it); a draft model when configured. By name."""
+    proposers: dict[str, Proposer] = {}
+    mode = config.speculative()
+    if not paged:
+        if mode:
+            raise ValueError(
+                f"speculative decoding ({mode}) needs paged attention: static shapes decode one token per slot"
             )
+        return proposers
+    proposers["prompt_lookup"] = PromptLookup(tokenizer)
+    if config.draft_model:
+        from appliance.runtime.speculative.draft import DraftModel
 
-    def _check_speculation(self, p: SamplingParams) -> None:
+        proposers["draft"] = DraftModel(
+            config.draft_model, config, model_dir, config.max_num_batched_tokens, kv_tokens=kv_tokens
+        )
+    return proposers
+
+
+class Speculation:
+    """Speculative decoding for the engine: `check` a request's parameters (any thread), `start` and `release` a
+    sequence's SpecState, `propose` drafts before the schedule, `verify` them after the forward."""
+
+    def __init__(
+        self, proposers: dict[str, Proposer], scheduler: Scheduler, config: EngineConfig, counters: dict[str, int]
+    ):
+        self.proposers, self.scheduler, self.config, self.counters = proposers, scheduler, config, counters
+
+    def check(self, p: SamplingParams) -> None:
         """A request's speculation parameters, on the caller's thread (ValueError: 400). `prediction` is a hint:
         taken where prompt lookup runs, of no effect on static shapes."""
         given = [
@@ -86,7 +104,7 @@ class Speculation(EngineState):
         if p.assistant_confidence_threshold is not None and "draft" not in self.proposers:
             raise ValueError("assistant_confidence_threshold needs a draft model (serve with --draft-model)")
 
-    def _start_speculation(self, seq: Sequence) -> None:
+    def start(self, seq: Sequence) -> None:
         """seq's SpecState, if it speculates: the model's mode, or prompt lookup when the request asks for it."""
         p, config = seq.params, self.config
         if not self.proposers or p.num_assistant_tokens == 0 or (p.best_of or 1) > 1:
@@ -99,24 +117,24 @@ class Speculation(EngineState):
             name = config.speculative()
         if name is None:
             return
-        proposer = self.proposers[name]
         seq.spec = SpecState(
-            proposer,
+            name,
             max_k=p.num_assistant_tokens or config.num_assistant_tokens,
             max_ngram=p.max_ngram_size or config.max_ngram_size,
             confidence=p.assistant_confidence_threshold,
         )
-        proposer.start(seq)
+        self.proposers[name].start(seq)
 
-    def _release_speculation(self, seq: Sequence) -> None:
+    def release(self, seq: Sequence) -> None:
+        """seq ends: its proposer frees what it holds for it."""
         if seq.spec is not None:
             seq.draft = []
             try:
-                seq.spec.proposer.release(seq)
+                self.proposers[seq.spec.proposer].release(seq)
             except Exception:  # the request is ending anyway; a proposer bug must not keep it from ending
                 log.exception("speculation: could not release request %s", seq.request_id)
 
-    def _propose(self) -> None:
+    def propose(self) -> None:
         """Drafts for the sequences that decode this step (before the schedule, which may shorten them)."""
         if not self.proposers:
             return
@@ -127,7 +145,7 @@ class Speculation(EngineState):
                 decoding.append(seq)
         if not decoding or len(decoding) > self.config.speculation_max_batch:
             return
-        asks: dict[Proposer, list[tuple[Sequence, int]]] = {}
+        asks: dict[str, list[tuple[Sequence, int]]] = {}
         for seq in decoding:
             spec = seq.spec
             if spec is None or seq.status is not Status.RUNNING:
@@ -135,11 +153,12 @@ class Speculation(EngineState):
             k = min(spec.k, seq.max_len - len(seq.token_ids) - 1)  # past max_len nothing would be kept
             if k > 0 and spec.ready():
                 asks.setdefault(spec.proposer, []).append((seq, k))
-        for proposer, batch in asks.items():
+        for name, batch in asks.items():
+            proposer = self.proposers[name]
             try:
                 drafts = proposer.propose(batch)
             except Exception:  # no drafts this step: the sequences decode as usual, their output is unchanged
-                log.exception("speculation: %s failed to propose; decoding without drafts", proposer.name)
+                log.exception("speculation: %s failed to propose; decoding without drafts", name)
                 continue
             for (seq, k), draft in zip(batch, drafts):
                 seq.draft = [int(t) for t in draft[:k]]
@@ -148,8 +167,10 @@ class Speculation(EngineState):
                 if seq.draft or not proposer.adaptive:  # the same fed shape every step (module docstring)
                     seq.draft += [seq.draft[-1] if seq.draft else seq.token_ids[-1]] * (k - len(seq.draft))
 
-    def _verify(self, verifying: Verify) -> None:
-        """Keep each sequence's drafts up to the first one its sampler does not draw (module docstring)."""
+    def verify(self, verifying: Verify, sample: Sample, append: Append, isolate: Isolate) -> None:
+        """Keep each sequence's drafts up to the first one its sampler does not draw (module docstring): each
+        position's token drawn with `sample`, kept with `append` (the engine's decode path), each sequence's
+        part inside `isolate`."""
         start = {id(seq): seq.num_computed for seq, _ in verifying}
         rows = {id(seq): logits for seq, logits in verifying}
         for seq, _ in verifying:
@@ -161,8 +182,8 @@ class Speculation(EngineState):
         while active:
             going = []
             logits = np.stack([rows[id(seq)][j] for seq in active])
-            for seq, out, r in self._sample(logits, [(seq, i) for i, seq in enumerate(active)]):
-                with self._isolated(seq):
+            for seq, out, r in sample(logits, [(seq, i) for i, seq in enumerate(active)]):
+                with isolate(seq):
                     token = int(out.token_ids[r])
                     seq.num_computed = start[id(seq)] + j + 1  # the KV of the token fed at position j
                     hit = j < len(seq.draft) and token == seq.draft[j]
@@ -170,7 +191,7 @@ class Speculation(EngineState):
                     if hit and j < seq.spec.real:  # a padding token the model also drew is kept, not counted
                         seq.spec.accepted += 1
                         self.counters["accepted_draft_tokens"] += 1
-                    self._append(seq, token, out, r)
+                    append(seq, token, out, r)
                     if hit and seq.status is not Status.FINISHED:
                         going.append(seq)
                     else:
@@ -182,18 +203,12 @@ class Speculation(EngineState):
         rejected positions, adapt k, let the proposer roll back."""
         spec = seq.spec
         assert spec is not None
-        if spec.proposer.adaptive and spec.real:
+        proposer = self.proposers[spec.proposer]
+        if proposer.adaptive and spec.real:
             spec.adapt(spec.real, min(accepted, spec.real))
         seq.draft = []
         if seq.status is Status.FINISHED:
             return
         self.scheduler.computed(seq)
         self.scheduler.rollback(seq)
-        spec.proposer.accepted(seq)
-
-    if TYPE_CHECKING:
-
-        def _sample(
-            self, logits: np.ndarray, ready: list[tuple[Sequence, int]]
-        ) -> list[tuple[Sequence, SampleOutput, int]]: ...
-        def _append(self, seq: Sequence, token: int, out: SampleOutput, j: int) -> None: ...
+        proposer.accepted(seq)

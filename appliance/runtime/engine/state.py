@@ -19,6 +19,7 @@ from appliance.config import EngineConfig
 from appliance.outputs import Chunk
 from appliance.params import SamplingParams
 from appliance.runtime.backends.base import Backend
+from appliance.runtime.engine.speculation import Speculation
 from appliance.runtime.grammar import GrammarCompiler
 from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.scheduler import Scheduler
@@ -42,6 +43,7 @@ class EngineState:
     scheduler: Scheduler
     counters: dict[str, int]
     proposers: dict[str, Proposer]  # speculative decoding (speculation.py): by name, prompt_lookup / draft
+    speculation: Speculation
     _wake: threading.Event  # set: the engine thread has something to do
     _stop: bool
     _inbox: queue.SimpleQueue  # ("add", groups of sequences) or ("cancel", a Sequence or BeamGroup)
@@ -79,5 +81,3 @@ class EngineState:
         def _beam_logits(self, beams: list[tuple[Sequence, int]], logits: np.ndarray) -> None: ...
         def _unstall(self) -> None: ...
         def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int: ...
-        def _check_speculation(self, p: SamplingParams) -> None: ...
-        def _start_speculation(self, seq: Sequence) -> None: ...

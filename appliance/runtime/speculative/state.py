@@ -1,0 +1,57 @@
+"""One sequence's speculation (SpecState): which proposer drafts for it, how many tokens, and what was accepted.
+
+SpecState names its proposer (the engine's key for it) instead of holding it, so that this record, which
+runtime/sequence.py holds, imports nothing (a proposer's interface names Sequence). How many tokens to draft: a
+draft model pays for every token it drafts, so its k adapts: transformers'
+"heuristic" schedule (all accepted: k + 2, else k - 1, between 1 and the request's num_assistant_tokens), and a
+back-off for sequences whose drafts keep failing: after m proposals in a row with nothing accepted, skip 2**m steps
+(at most MAX_PAUSE) before drafting again. Prompt lookup costs nothing to draft, so it always drafts max_k
+(`Proposer.adaptive` False): what its drafts cost is the verification, and that cost is set by the shape the step
+feeds, not by how many of the fed tokens are drafts (the engine pads drafts to a constant length:
+appliance/runtime/engine/speculation.py says why, with the measurement).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+MAX_PAUSE = 64  # steps a failing sequence waits at most before it drafts again
+
+
+@dataclass(eq=False)
+class SpecState:
+    """One sequence's speculation: its proposer, how many tokens to draft next, and what was accepted."""
+
+    proposer: str  # the proposer's name (Proposer.name: the engine's key for it, Speculation.proposers)
+    max_k: int  # num_assistant_tokens: the most tokens one step drafts
+    max_ngram: int = 3  # prompt lookup: the longest n-gram matched
+    confidence: float | None = None  # draft model: stop drafting below this probability of its argmax
+    k: int = 0  # tokens to draft next (starts at max_k)
+    real: int = 0  # of this step's draft, the proposer's tokens (the rest is padding: not counted as drafts)
+    proposed: int = 0  # draft tokens verified so far
+    accepted: int = 0  # of which the model accepted
+    misses: int = 0  # proposals in a row with nothing accepted
+    pause: int = 0  # steps left before drafting again
+    data: Any = None  # the proposer's own per-sequence state (an n-gram index, a draft KV table)
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.max_k
+
+    @property
+    def rejected(self) -> int:
+        return self.proposed - self.accepted
+
+    def ready(self) -> bool:
+        """Draft this step? (counts a paused step down)"""
+        if self.pause:
+            self.pause -= 1
+            return False
+        return self.max_k > 0
+
+    def adapt(self, proposed: int, accepted: int) -> None:
+        """After a verification of `proposed` draft tokens of which the first `accepted` were kept (the engine
+        counts them in `proposed` / `accepted` as it goes)."""
+        self.k = min(self.max_k, self.k + 2) if accepted == proposed else max(1, self.k - 1)
+        self.misses = 0 if accepted else self.misses + 1
+        self.pause = min(MAX_PAUSE, 2**self.misses) if self.misses else 0
