@@ -172,14 +172,14 @@ def test_early_stopping_beams(engine):
     Each step is watched through the engine's own search state, so what is checked does not depend on which
     tokens the default precision picks on this CPU; that the cases exercise the difference (False goes on past a
     full pool) is asserted too."""
-    step = engine._beam_step
+    step = engine.beams._step
     trace: list[tuple[bool, bool]] = []  # per step of the current search: (pool full, search done)
 
     def watched(group):
         step(group)
         trace.append((len(group.search.finished) >= group.search.num_beams, group.search.done))
 
-    engine._beam_step = watched
+    engine.beams._step = watched
     went_on, steps = 0, {True: 0, False: 0}
     try:
         for text, stop, best_of, n in EARLY_STOPPING_CASES:
@@ -198,7 +198,7 @@ def test_early_stopping_beams(engine):
                 else:
                     went_on += bool(full) and full[0] < len(trace) - 1
     finally:
-        del engine._beam_step
+        del engine.beams._step
     assert went_on >= 2, f"only {went_on} searches went on past a full pool with early_stopping=False"
     assert steps[True] < steps[False], steps
 

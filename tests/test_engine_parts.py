@@ -13,17 +13,21 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_tokenizer import load_kind
 
 from appliance.config import EngineConfig
 from appliance.outputs import Timing
 from appliance.params import SamplingParams
+from appliance.runtime.engine.beams import BeamSearches
 from appliance.runtime.engine.choices import FollowerForks
 from appliance.runtime.engine.speculation import Speculation
 from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.scheduler import Scheduler
-from appliance.runtime.sequence import Sequence, Status
+from appliance.runtime.sampling import SequenceSampler
+from appliance.runtime.sequence import BeamGroup, Sequence, Status
 from appliance.runtime.speculative.base import Proposer
 from appliance.runtime.speculative.state import SpecState
+from appliance.runtime.tokenizer import Tokenizer
 
 BS = 4  # block size: small, so that a few tokens make full blocks
 
@@ -300,3 +304,89 @@ def test_check_refuses_what_the_proposers_cannot_do():
     static = Speculation({}, sched, EngineConfig(), {})
     with pytest.raises(ValueError, match="needs paged attention"):
         static.check(SamplingParams(max_ngram_size=2))
+
+
+# ---------------------------------------------------------------- beam search (BeamSearches)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return load_kind("bytelevel", tmp_path_factory)  # a small real tokenizer: the results' text is decoded
+
+
+def beam_search(tokenizer, sched: Scheduler, copies=None, **params) -> tuple[BeamSearches, Sequence, BeamGroup]:
+    beams = BeamSearches(sched, sched.pool, tokenizer, copies or Copies(), {"generated_tokens": 0})
+    root = make_seq(7, "b", **params)
+    root.sampler = SequenceSampler(root.params, root.token_ids[:7])
+    root.group = BeamGroup(root, 0)
+    sched.add(root)
+    return beams, root, root.group
+
+
+def rows(*tops: tuple[int, int]) -> np.ndarray:
+    """One logits row per beam: its best token first, its second best next, the rest far below."""
+    out = np.full((len(tops), VOCAB), -20.0, dtype=np.float32)
+    for i, (best, second) in enumerate(tops):
+        out[i, best], out[i, second] = 5.0, 4.0
+    return out
+
+
+def test_a_search_forks_its_beams_and_ends_with_its_n_best(tokenizer):
+    sched, copies = make_scheduler(), Copies()
+    beams, root, group = beam_search(tokenizer, sched, copies, max_tokens=3, best_of=2, n=2)
+    compute(sched)  # the prompt: 7 tokens, 2 blocks (the second holds 3)
+    beams.collect([(root, 0)], rows((60, 61)), not_isolated)
+    child = group.beams[1]
+    assert group.beams == [root, child] and root.generated == [60] and child.generated == [61]
+    assert child.block_table[0] == root.block_table[0] and child.block_table[1] != root.block_table[1]
+    assert copies.made == [(root.block_table[1], child.block_table[1], 3)] and sched.pool.num_used == 3
+    assert child.status is Status.RUNNING and child.num_computed == 7
+    assert beams.counters["generated_tokens"] == 2
+    for _ in range(2):
+        plan = compute(sched)
+        assert sorted(s.request_id for s, _ in plan) == ["b", "b"]
+        beams.collect([(root, 0)], rows((62, 63)), not_isolated)  # one row in: the search waits for the other
+        assert len(group.logits) == 1 and not group.done
+        beams.collect([(group.beams[1], 1)], rows((62, 63), (64, 65)), not_isolated)
+    assert group.done and sched.pool.num_used == 0 and not sched.running and not sched.waiting
+    results = group.out.get_nowait()
+    assert len(results) == 2 and all(c.finish_reason == "length" and c.completion_tokens == 3 for c in results)
+    assert results[0].token_ids == [60, 62, 62] and results[0].text == tokenizer.decode([60, 62, 62])
+    assert root.timing.total_time is not None
+
+
+def test_an_aborted_search_frees_every_beam_once(tokenizer):
+    sched = make_scheduler()
+    beams, root, group = beam_search(tokenizer, sched, max_tokens=8, best_of=3, n=2)
+    compute(sched)
+    beams.collect([(root, 0)], rows((60, 61)), not_isolated)
+    assert len(group.beams) >= 2 and sched.pool.num_used > 2
+    beams.finish(group, error="internal error: X")
+    assert group.done and sched.pool.num_used == 0 and all(s.status is Status.FINISHED for s in group.beams)
+    chunks = group.out.get_nowait()
+    assert [(c.finish_reason, c.error) for c in chunks] == [("abort", "internal error: X")] * 2
+    beams.finish(group)  # ended already: nothing more is sent
+    assert group.out.empty()
+
+
+def test_a_search_that_raises_fails_in_isolate_and_unstall_lets_the_oldest_through(tokenizer):
+    sched = make_scheduler()
+    beams, root, group = beam_search(tokenizer, sched, max_tokens=8, best_of=2, n=1)
+    other = make_seq(5, "other")
+    sched.add(other)
+    compute(sched)
+    beams.unstall()  # nothing was stalled, but the oldest search goes first: the other sequence is preempted
+    assert sched.running == [root] and list(sched.waiting) == [other]
+    group.search.candidates = None  # type: ignore[assignment]  # the search's scoring raises (TypeError)
+    failed: list[str] = []
+
+    @contextlib.contextmanager
+    def isolate(seq):
+        try:
+            yield
+        except TypeError:
+            failed.append(seq.request_id)
+            beams.finish(seq.group, error="internal error: TypeError")
+
+    beams.collect([(root, 0)], rows((60, 61)), isolate)
+    assert failed == ["b"] and group.done and root.block_table == [] and other.status is Status.WAITING

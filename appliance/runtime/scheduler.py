@@ -16,7 +16,7 @@ import contextlib
 from collections import deque
 
 from appliance.runtime.kv_cache import BlockPool
-from appliance.runtime.sequence import Sequence, Status
+from appliance.runtime.sequence import BeamGroup, Sequence, Status
 
 
 class Scheduler:
@@ -157,7 +157,7 @@ class Scheduler:
         self.running.append(child)
         return copy
 
-    def make_room(self, blocks: int, spare: object = None) -> bool:
+    def make_room(self, blocks: int, spare: BeamGroup | None = None) -> bool:
         """Free `blocks` KV blocks, preempting the newest running sequences (but none of group `spare`) if needed.
         False: not even that frees enough."""
         while not self.pool.can_allocate(blocks):
@@ -167,7 +167,7 @@ class Scheduler:
             self.preempt(victim)
         return True
 
-    def prioritize(self, group: object) -> None:
+    def prioritize(self, group: BeamGroup) -> None:
         """Let one group of sequences (a beam search) through alone: preempt every other running sequence, and
         put the group's waiting sequences first in line (the rest keep their order)."""
         for seq in list(self.running):

@@ -1,5 +1,8 @@
 """One generation in flight: its tokens, KV blocks, and the per-sequence processors (sampler, detokenizer,
-stop matcher). Owned by the engine thread only."""
+stop matcher); and a beam search's group of them (BeamGroup). Owned by the engine thread only.
+
+BeamGroup is a record of sequences like Sequence itself, so it lives here, the lowest layer, where the scheduler
+(make_room, prioritize) and the engine's parts can name it without importing the engine."""
 
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ from typing import TYPE_CHECKING
 
 from appliance.outputs import Chunk, Timing, TokenLogprob
 from appliance.params import SamplingParams
+from appliance.runtime.beam_search import BeamSearch
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from appliance.runtime.detokenizer import IncrementalDetokenizer
-    from appliance.runtime.engine.beams import BeamGroup
     from appliance.runtime.sampling import SequenceSampler
     from appliance.runtime.speculative.state import SpecState
     from appliance.runtime.stopping import StopStringMatcher
@@ -77,3 +82,38 @@ class Sequence:
 
     def emit(self, chunk: Chunk) -> None:
         self.out.put(chunk)
+
+    def set_timing(self) -> None:
+        """The request ends now: its queue, prompt, completion and total times."""
+        t = self.timing
+        end = time.monotonic()
+        start = self.first_scheduled or end
+        first = self.first_token or end
+        t.queue_time, t.prompt_time = start - self.arrived, first - start
+        t.completion_time, t.total_time = end - first, end - self.arrived
+
+
+STOP_WINDOW_TOKENS = 256  # most tokens decoded per candidate to look for a stop string
+
+# what a finished hypothesis carries: its generated tokens, their logprob entries (params.logprobs set), its reason
+BeamPayload = tuple[list[int], list[TokenLogprob] | None, str]
+
+
+class BeamGroup:
+    """One beam search inside the engine: its live beams (Sequences that share KV blocks), the logits they
+    produced for the next step so far, the search state. Engine thread only, except `out`."""
+
+    def __init__(self, root: Sequence, num_stop_tokens: int):
+        self.root, self.params = root, root.params
+        assert root.params.best_of is not None  # a BeamGroup is made for best_of > 1 only (Admission.submit)
+        self.search: BeamSearch[BeamPayload] = BeamSearch(
+            root.params.best_of, root.params.length_penalty, num_stop_tokens, root.params.early_stopping
+        )
+        # tokens decoded per candidate to find a stop string ending there: enough for the longest one (a token is
+        # at least one character, 8 spare for byte pieces), bounded so that no stop string makes a step costly
+        longest = max((len(s) for s in root.params.stop), default=0)
+        self.stop_window = min(longest + 8, STOP_WINDOW_TOKENS)
+        self.beams: list[Sequence] = [root]
+        self.logits: dict[Sequence, np.ndarray] = {}
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # once: the n result Chunks
+        self.done = False

@@ -25,13 +25,12 @@ from appliance.outputs import GenerationResult, Timing
 from appliance.params import SamplingParams
 from appliance.runtime.bans import Bans
 from appliance.runtime.detokenizer import IncrementalDetokenizer
-from appliance.runtime.engine.beams import BeamGroup
 from appliance.runtime.engine.handles import RequestHandle
 from appliance.runtime.engine.liveness import EngineDead
 from appliance.runtime.engine.logprobs import first_prompt_logprob
 from appliance.runtime.engine.state import EngineState
 from appliance.runtime.sampling import SequenceSampler
-from appliance.runtime.sequence import Sequence, Status
+from appliance.runtime.sequence import BeamGroup, Sequence, Status
 from appliance.runtime.stopping import StopStringMatcher, resolve_prompt_limits, stop_token_ids
 from appliance.runtime.tokenizer import TextTooLong
 
@@ -67,7 +66,7 @@ class Admission(EngineState):
             seq.max_len = self._beam_max_len(len(prompt_ids), seq.params, seq.max_len)  # limits resolved
             seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
         self._enqueue([[seq]])
-        return RequestHandle(self, seq)
+        return RequestHandle(self._cancel, seq)
 
     def submit_choices(
         self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str] | None = None
@@ -91,7 +90,7 @@ class Admission(EngineState):
                 seqs[0].followers = seqs[1:]
             groups.append(seqs)
         self._enqueue(groups)
-        return [[RequestHandle(self, seq) for seq in seqs] for seqs in groups]
+        return [[RequestHandle(self._cancel, seq) for seq in seqs] for seqs in groups]
 
     def prepare(self, params: SamplingParams) -> SamplingParams:
         """`params` with its texts tokenized: `bad_words` (as written and with a leading space) added to
@@ -242,7 +241,7 @@ class Admission(EngineState):
         elif isinstance(target, BeamGroup):
             if not target.done:
                 self.counters["aborted"] += 1
-                self._finish_group(target)
+                self.beams.finish(target)
         elif target.status is not Status.FINISHED:
             self.counters["aborted"] += 1
             self._finish(target, "abort")

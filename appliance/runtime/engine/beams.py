@@ -7,67 +7,67 @@ until every beam's row is in; then the best continuation of a beam extends it in
 forks it (the fork shares the parent's full KV blocks and gets a copy of its partly filled last block). All beams
 of a search must fit the KV pool and the sequence slots together (checked at submit), or they could wait on each
 other forever; when nothing can run because every running beam waits for a sibling that cannot be admitted, the
-oldest search is let through alone (`_unstall`). The n best hypotheses leave as one whole-choice Chunk each.
+oldest search is let through alone (`unstall`). The n best hypotheses leave as one whole-choice Chunk each.
+
+BeamSearches is an object of the engine's (Engine.beams), built with what it uses: the scheduler and the pool (forks and
+room), the tokenizer (stop strings, logprob texts, the result's text), the backend's block
+copy and the counters. A search's own record, BeamGroup, lives beside Sequence (runtime/sequence.py). The step hands
+it each beam's logits row with the engine's `isolate`, so a search that raises fails alone, as everywhere in the step.
 """
 
 from __future__ import annotations
 
-import queue
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import numpy as np
 
 from appliance.outputs import Chunk, TokenLogprob
-from appliance.runtime.beam_search import BeamSearch, Candidate, Hypothesis, fork_sampler, log_softmax
+from appliance.runtime.beam_search import Candidate, Hypothesis, fork_sampler, log_softmax
 from appliance.runtime.detokenizer import IncrementalDetokenizer
-from appliance.runtime.engine.state import EngineState
+from appliance.runtime.engine.logprobs import token_text
 from appliance.runtime.engine.text import text_step
+from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.sampling import apply_processors, ranked
-from appliance.runtime.sequence import Sequence, Status
+from appliance.runtime.scheduler import Scheduler
+from appliance.runtime.sequence import BeamGroup, BeamPayload, Sequence, Status
 from appliance.runtime.stopping import StopStringMatcher, check_token_stop
+from appliance.runtime.tokenizer import Tokenizer
 
-STOP_WINDOW_TOKENS = 256  # most tokens decoded per candidate to look for a stop string
-
-# what a finished hypothesis carries: its generated tokens, their logprob entries (params.logprobs set), its reason
-BeamPayload = tuple[list[int], list[TokenLogprob] | None, str]
-
-
-class BeamGroup:
-    """One beam search inside the engine: its live beams (Sequences that share KV blocks), the logits they
-    produced for the next step so far, the search state. Engine thread only, except `out`."""
-
-    def __init__(self, root: Sequence, num_stop_tokens: int):
-        self.root, self.params = root, root.params
-        assert root.params.best_of is not None  # a BeamGroup is made for best_of > 1 only (Admission.submit)
-        self.search: BeamSearch[BeamPayload] = BeamSearch(
-            root.params.best_of, root.params.length_penalty, num_stop_tokens, root.params.early_stopping
-        )
-        # tokens decoded per candidate to find a stop string ending there: enough for the longest one (a token is
-        # at least one character, 8 spare for byte pieces), bounded so that no stop string makes a step costly
-        longest = max((len(s) for s in root.params.stop), default=0)
-        self.stop_window = min(longest + 8, STOP_WINDOW_TOKENS)
-        self.beams: list[Sequence] = [root]
-        self.logits: dict[Sequence, np.ndarray] = {}
-        self.out: queue.SimpleQueue = queue.SimpleQueue()  # once: the n result Chunks
-        self.done = False
+CopyTails = Callable[[list[tuple[int, int, int]]], None]  # runs the (src, dst, positions) copies forks queued
+Isolate = Callable[[Sequence], AbstractContextManager[None]]  # the engine's _isolated
 
 
-class BeamSearches(EngineState):
-    """Engine's beam-search part (a part of Engine: see state.py for the state it uses)."""
+class BeamSearches:
+    """The engine's beam searches: `collect` feeds them a step's rows, `unstall` lets the oldest through when
+    nothing can run, `finish` ends one (its results, or an abort)."""
 
-    def _beam_logits(self, beams: list[tuple[Sequence, int]], logits: np.ndarray) -> None:
-        """Collect the step's logits row of each beam (sequence, row); a group whose beams are all in steps."""
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        pool: BlockPool,
+        tokenizer: Tokenizer,
+        copy_tails: CopyTails,
+        counters: dict[str, int],
+    ):
+        self.scheduler, self.pool, self.tokenizer = scheduler, pool, tokenizer
+        self.copy_tails, self.counters = copy_tails, counters
+
+    def collect(self, beams: list[tuple[Sequence, int]], logits: np.ndarray, isolate: Isolate) -> None:
+        """Collect the step's logits row of each beam (sequence, row); a group whose beams are all in steps. Each
+        beam's part runs inside `isolate`: a search that raises fails alone."""
         for seq, i in beams:
             group = seq.group
             assert group is not None  # `beams` holds beams only (Engine._computed)
             if group.done or seq not in group.beams:
                 continue
-            with self._isolated(seq):
+            with isolate(seq):
                 group.logits[seq] = np.array(logits[i], dtype=np.float32)
                 if len(group.logits) == len(group.beams):
-                    self._beam_step(group)
+                    self._step(group)
 
-    def _beam_step(self, group: BeamGroup) -> None:
+    def _step(self, group: BeamGroup) -> None:
         """All beams' logits are in: pick the next beams (beam_search.BeamSearch), then fork / extend / drop the
         sequences. The best continuation of a beam extends it in place; each further one forks it: the fork
         shares the parent's full KV blocks and gets a copy of its partly filled last block."""
@@ -83,13 +83,14 @@ class BeamSearches(EngineState):
         full = len(beams[0].token_ids) + 1 >= beams[0].max_len
         reasons = [self._beam_stop(beams[c.beam], c.token, generated, full) for c in cands]
         top = ranked(raw, p.logprobs) if p.logprobs else None
+        tok = self.tokenizer
 
         def entry(c) -> TokenLogprob | None:
             if p.logprobs is None:
                 return None
             row = raw[c.beam]
-            alts = [] if top is None else [(int(i), self.token_text(int(i)), float(row[i])) for i in top[c.beam]]
-            return TokenLogprob(c.token, self.token_text(c.token), float(raw[c.beam, c.token]), alts)
+            alts = [] if top is None else [(int(i), token_text(tok, int(i)), float(row[i])) for i in top[c.beam]]
+            return TokenLogprob(c.token, token_text(tok, c.token), float(raw[c.beam, c.token]), alts)
 
         payloads: list[BeamPayload | None] = [
             (beams[c.beam].generated + [c.token], self._beam_logprobs(beams[c.beam], entry(c)), r)
@@ -99,7 +100,7 @@ class BeamSearches(EngineState):
         ]
         running = search.update(cands, [r is not None for r in reasons], generated, payloads)
         if search.done:
-            self._finish_group(group, [self._beam_chunk(group, h) for h in search.best(p.n)])
+            self.finish(group, [self._beam_chunk(group, h) for h in search.best(p.n)])
             return
         self.counters["generated_tokens"] += len(running)
         kept: dict[int, Candidate] = {}
@@ -114,7 +115,7 @@ class BeamSearches(EngineState):
                 self.scheduler.finish(seq)
         copies: list[tuple[int, int, int]] = []
         children = {id(c): self._fork_beam(beams[c.beam], c, entry(c), copies) for c in forks}  # parents unchanged yet
-        self._copy_tails(copies)
+        self.copy_tails(copies)
         for b, c in kept.items():
             seq = beams[b]
             seq.token_ids.append(c.token)
@@ -176,7 +177,7 @@ class BeamSearches(EngineState):
             self.scheduler.add(child, first=True)
         return child
 
-    def _unstall(self) -> None:
+    def unstall(self) -> None:
         """Nothing could run: every running sequence is a beam waiting for a sibling that cannot be admitted
         (other searches hold the KV). Let the oldest search through: preempt everything else, its waiting
         beams first in line. Each search fits alone (submit checks), so it completes."""
@@ -186,7 +187,7 @@ class BeamSearches(EngineState):
 
     def _beam_chunk(self, group: BeamGroup, hyp: Hypothesis[BeamPayload]) -> Chunk:
         """A finished hypothesis as one whole-choice Chunk: text as the streaming path would have made it."""
-        assert hyp.payload is not None  # _beam_step gives every candidate that can become a hypothesis its payload
+        assert hyp.payload is not None  # _step gives every candidate that can become a hypothesis its payload
         tokens, logprobs, reason = hyp.payload
         p = group.params
         root = group.root
@@ -213,16 +214,16 @@ class BeamSearches(EngineState):
             prompt_logprobs=root.prompt_logprobs,
         )
 
-    def _finish_group(self, group: BeamGroup, chunks: list[Chunk] | None = None, error: str | None = None) -> None:
+    def finish(self, group: BeamGroup, chunks: list[Chunk] | None = None, error: str | None = None) -> None:
         """End a beam search with its n result chunks, or (chunks None) abort it: cancel, failure, shutdown."""
         if group.done:
             return
         group.done = True
-        # its beams, and any a failed _beam_step forked before it could list them in group.beams
+        # its beams, and any a failed _step forked before it could list them in group.beams
         for seq in group.beams + [s for s in self.scheduler.sequences() if s.group is group]:
             self.scheduler.finish(seq)
         group.logits.clear()
-        self._set_timing(group.root)
+        group.root.set_timing()
         if chunks is None:
             chunks = [
                 Chunk(finish_reason="abort", error=error, prompt_tokens=group.root.prompt_len)

@@ -1,8 +1,11 @@
 """The Engine: the heartbeat that drives one step after another on its own thread.
 
-Engine.step() is schedule -> backend forward -> per-request postprocess. What a step does for one kind of request
-lives in a module named for it (admission.py, choices.py, beams.py, logprobs.py; liveness.py for the loop and the
-failure paths); Engine is assembled from those parts and holds the state they share (set in __init__ below).
+Engine.step() is schedule -> backend forward -> per-request postprocess. Engine is one class over the loop's state,
+written in three files (this one: the step; admission.py: submissions and the inbox; liveness.py: the loop and the
+failure paths; state.py names what they share). What a step does for one feature is an object built in __init__
+with what it uses as its constructor's arguments: n > 1 choices (self.choices, choices.py), speculative decoding
+(self.speculation, speculation.py), beam search (self.beams, beams.py); logprobs.py and text.py are functions. The
+step hands a feature its part of the per-request work with `_isolated`, so an error there still fails one request.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ log = logging.getLogger("appliance.runtime.engine")
 Plan = list[tuple[Sequence, int]]  # a step's (sequence, tokens it feeds)
 
 
-class Engine(Admission, BeamSearches, Liveness):
+class Engine(Admission, Liveness):
     """One model's generation loop on its own thread: submit from any thread (admission.py), one step at a time
     on the engine thread (step)."""
 
@@ -87,6 +90,7 @@ class Engine(Admission, BeamSearches, Liveness):
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
         self.counters |= {"draft_tokens": 0, "accepted_draft_tokens": 0}  # speculative decoding (speculation.py)
         self.speculation = Speculation(self.proposers, self.scheduler, self.config, self.counters)
+        self.beams = BeamSearches(self.scheduler, self.pool, self.tokenizer, self._copy_tails, self.counters)
         self.heartbeat = time.monotonic()
         self.dead: BaseException | None = None
         self.on_death: Callable[[BaseException], None] | None = None
@@ -132,11 +136,11 @@ class Engine(Admission, BeamSearches, Liveness):
     def _schedule(self) -> Plan:
         """The step's plan. A beam whose logits are in but whose siblings' are not (a search advances all its beams
         at once) has nothing to feed: the scheduler lists it with 0 tokens, and it is left out. Nothing to run
-        while sequences wait: every running sequence is a stalled beam (_unstall)."""
+        while sequences wait: every running sequence is a stalled beam (BeamSearches.unstall)."""
         self.speculation.propose()  # drafts for the decoding sequences, fed after their last token
         plan = [(s, n) for s, n in self.scheduler.schedule() if n > 0]
         if not plan and self.scheduler.waiting:
-            self._unstall()
+            self.beams.unstall()
         now = time.monotonic()
         for seq, _ in plan:
             if seq.first_scheduled is None:
@@ -173,7 +177,8 @@ class Engine(Admission, BeamSearches, Liveness):
                 self._append(seq, int(out.token_ids[j]), out, j)
         if verifying:
             self.speculation.verify(verifying, self._sample, self._append, self._isolated)
-        self._beam_logits(beams, logits)
+        if beams:
+            self.beams.collect(beams, logits, self._isolated)
 
     def _computed(self, plan: Plan, batch: StepBatch) -> tuple[Plan, Plan, Verify]:
         """The plan's tokens are computed: record prompt logprobs, name the blocks that became full. Returns the
@@ -271,25 +276,16 @@ class Engine(Admission, BeamSearches, Liveness):
 
     def _finish(self, seq: Sequence, reason: str, chunk: Chunk | None = None, error: str | None = None) -> None:
         if seq.group is not None:  # a beam ends only with its whole search; here that means an abort
-            self._finish_group(seq.group, error=error)
+            self.beams.finish(seq.group, error=error)
             return
         if seq.followers:  # ended before its prompt was computed: the other choices compute their own
             self.choices.release(seq)
         self.speculation.release(seq)
         self.scheduler.finish(seq)
-        self._set_timing(seq)
+        seq.set_timing()
         chunk = chunk or Chunk(prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated)
         chunk.finish_reason, chunk.error = reason, error
         seq.emit(chunk)
-
-    @staticmethod
-    def _set_timing(seq: Sequence) -> None:
-        t = seq.timing
-        end = time.monotonic()
-        start = seq.first_scheduled or end
-        first = seq.first_token or end
-        t.queue_time, t.prompt_time = start - seq.arrived, first - start
-        t.completion_time, t.total_time = end - first, end - seq.arrived
 
     def _finish_prompt_only(self, seq: Sequence) -> None:
         """max_tokens 0 (echo with prompt logprobs): end after the prompt, nothing sampled."""
@@ -297,4 +293,4 @@ class Engine(Admission, BeamSearches, Liveness):
         if seq.group is None:
             self._finish(seq, "length", chunk)
         else:
-            self._finish_group(seq.group, [chunk] + [copy.copy(chunk) for _ in range(seq.params.n - 1)])
+            self.beams.finish(seq.group, [chunk] + [copy.copy(chunk) for _ in range(seq.params.n - 1)])

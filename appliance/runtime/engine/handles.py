@@ -8,22 +8,18 @@ way `events()` gives (choice offset, Chunk) pairs and `results()` a list of Gene
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 from appliance.outputs import Chunk, GenerationResult, Timing
-from appliance.runtime.sequence import Sequence
-
-if TYPE_CHECKING:
-    from appliance.runtime.engine.state import EngineState
+from appliance.runtime.sequence import BeamGroup, Sequence
 
 
 class RequestHandle:
     """The requester's side of one request: iterate for its Chunks, `events()` for them with their choice offset,
     `results()` for the whole answer, `cancel()` to end it and free its KV at once. Any thread."""
 
-    def __init__(self, engine: EngineState, seq: Sequence):
-        self._engine, self._seq = engine, seq
+    def __init__(self, cancel: Callable[[Sequence | BeamGroup], None], seq: Sequence):
+        self._cancel, self._seq = cancel, seq  # cancel: the engine's (Admission._cancel), any thread
         self.id = seq.request_id
         self.prompt_tokens = seq.prompt_len
         self._beam_chunks: list[Chunk] | None = None  # a beam search's n Chunks, once they arrived
@@ -53,7 +49,7 @@ class RequestHandle:
 
     def cancel(self) -> None:
         group = self._seq.group
-        self._engine._cancel(group if group is not None else self._seq)
+        self._cancel(group if group is not None else self._seq)
 
     def results(self) -> list[GenerationResult]:
         """The request's choices, in order: one for a sampled request, params.n for a beam search (best first).

@@ -1,6 +1,10 @@
-"""What the parts of Engine share, declared once: Engine is assembled from parts (admission.py, choices.py,
-beams.py, liveness.py, core.py), each a class of methods over the state Engine.__init__ sets. This base names that
-state and the methods one part calls on another, so that each part reads (and type-checks) on its own."""
+"""What Engine's classes share, declared once: Engine (core.py) is one class over the loop's state, written in
+three files (core.py: the step; admission.py: submissions and the inbox; liveness.py: the loop and its failure
+paths), because all three work on that state (the inbox, `_admit`, `dead`, the counters). This base names the state
+and the few methods one file calls on another, so that each file reads (and type-checks) on its own.
+
+The engine's features are not part of it: n > 1 choices, speculative decoding and beam search are objects
+(choices.py, speculation.py, beams.py) built in Engine.__init__ with what each uses as its constructor's arguments."""
 
 from __future__ import annotations
 
@@ -9,16 +13,14 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from appliance.config import EngineConfig
 from appliance.outputs import Chunk
-from appliance.params import SamplingParams
 from appliance.runtime.backends.base import Backend
+from appliance.runtime.engine.beams import BeamSearches
+from appliance.runtime.engine.choices import FollowerForks
 from appliance.runtime.engine.speculation import Speculation
 from appliance.runtime.grammar import GrammarCompiler
 from appliance.runtime.kv_cache import BlockPool
@@ -26,9 +28,6 @@ from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sequence import Sequence
 from appliance.runtime.speculative.base import Proposer
 from appliance.runtime.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from appliance.runtime.engine.beams import BeamGroup
 
 
 class EngineState:
@@ -43,7 +42,6 @@ class EngineState:
     scheduler: Scheduler
     counters: dict[str, int]
     proposers: dict[str, Proposer]  # speculative decoding (speculation.py): by name, prompt_lookup / draft
-    speculation: Speculation
     _wake: threading.Event  # set: the engine thread has something to do
     _stop: bool
     _inbox: queue.SimpleQueue  # ("add", groups of sequences) or ("cancel", a Sequence or BeamGroup)
@@ -59,25 +57,13 @@ class EngineState:
     _thread: threading.Thread
     _faults: set[str]  # inject_fault: pending injected faults
 
-    if TYPE_CHECKING:  # defined by the parts; named here for the others
+    choices: FollowerForks  # n > 1 (choices.py)
+    speculation: Speculation  # speculative decoding (speculation.py)
+    beams: BeamSearches  # beam search (beams.py)
+
+    if TYPE_CHECKING:  # defined by one of Engine's classes (core.py, admission.py, liveness.py); named for the others
 
         def step(self) -> None: ...
-        def token_text(self, token: int) -> str: ...
-        def _queued(self) -> int: ...
-        def _cancel(self, target: Sequence | BeamGroup) -> None: ...
         def _drain_inbox(self) -> None: ...
-        def _injected(self, kind: str) -> None: ...
-        def _isolated(self, seq: Sequence) -> AbstractContextManager[None]: ...
-        def _fail(self, seq: Sequence, error: str) -> None: ...
         def _try_fail(self, seq: Sequence, error: str) -> None: ...
         def _finish(self, seq: Sequence, reason: str, chunk: Chunk | None = None, error: str | None = None) -> None: ...
-        def _finish_group(
-            self, group: BeamGroup, chunks: list[Chunk] | None = None, error: str | None = None
-        ) -> None: ...
-        def _finish_prompt_only(self, seq: Sequence) -> None: ...
-        @staticmethod
-        def _set_timing(seq: Sequence) -> None: ...
-        def _copy_tails(self, copies: list[tuple[int, int, int]]) -> None: ...
-        def _beam_logits(self, beams: list[tuple[Sequence, int]], logits: np.ndarray) -> None: ...
-        def _unstall(self) -> None: ...
-        def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int: ...
