@@ -22,8 +22,8 @@ from appliance.runtime.engine.beams import BeamSearches
 from appliance.runtime.engine.choices import FollowerForks
 from appliance.runtime.engine.speculation import Speculation
 from appliance.runtime.kv_cache import BlockPool
-from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sampling import SequenceSampler
+from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sequence import BeamGroup, Sequence, Status
 from appliance.runtime.speculative.base import Proposer
 from appliance.runtime.speculative.state import SpecState
