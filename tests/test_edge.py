@@ -24,7 +24,7 @@ import pytest
 import requests
 from conftest import Server, wait_until
 
-from appliance.http.worker import chunked_end, parse_head, without_expect
+from appliance.http.edge import chunked_end, parse_head, without_expect
 from appliance.openai_api.streaming import socket_closed
 
 THREADS = 6

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger("appliance.edge")
 
@@ -38,6 +38,8 @@ MIN_SEND_RATE = 64 * 1024
 # connections of a worker that one client address can never take (probes and other clients keep them)
 RESERVED_CONNECTIONS = 64
 WARN_EVERY_SECONDS = 1.0  # at most one warning per drop reason per second (the counter has them all)
+
+K = TypeVar("K", bound=Hashable)
 
 
 def peer_of(client: Any) -> str:
@@ -52,13 +54,14 @@ def key_of(authorization: bytes) -> bytes:
     return hashlib.blake2b(authorization.strip(), digest_size=16).digest() if authorization.strip() else b""
 
 
-def pick_victims(sizes: Mapping[Hashable, int], need: int) -> list:
+def pick_victims(sizes: Mapping[K, int], need: int) -> list[K]:
     """Which unfinished requests to close so that `need` bytes are freed: the largest first, the oldest first among
     equals (`sizes` in arrival order). Empty when nothing is needed; all of them when even that is not enough."""
     if need <= 0:
         return []
     order = sorted(sizes, key=lambda k: -sizes[k])  # stable: arrival order among equal sizes
-    victims, freed = [], 0
+    victims: list[K] = []
+    freed = 0
     for k in order:
         if freed >= need:
             break
