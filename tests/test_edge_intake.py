@@ -1,0 +1,211 @@
+"""How the edge reads a request in the worker's event loop (appliance/http/edge.py), with byte strings and a fake
+clock: when a request is complete, what is answered in the loop, the byte budgets and whom they shed, deadlines,
+lingering closes. The same rules on a real server: test_edge.py, test_edge_limits.py, test_hostile.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.http import edge
+from appliance.http.edge_policy import PeerCounts
+
+MAX_BODY = 100
+BUDGET = 1000  # a client's share: max(1000 // 4, 2 * MAX_BODY) = 250
+EMBED = "/v3/embeddings"  # not a generation: not counted against the cap
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def intake(clock):
+    return edge.Intake(10.0, MAX_BODY, PeerCounts(1), budget=BUDGET, clock=clock)
+
+
+def post(body: bytes, path: str = "/v3/completions", extra: bytes = b"") -> bytes:
+    return b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n%s" % (path.encode(), extra, len(body), body)
+
+
+def test_a_request_is_ready_once_its_body_is_complete_and_its_bytes_then_leave_the_counts(intake):
+    intake.start("c", "10.0.0.1")
+    request = post(b'{"prompt": "hi"}')
+    for i in range(0, len(request) - 1, 7):
+        assert intake.received("c", request[i : min(i + 7, len(request) - 1)]) == []
+        assert intake.advance("c") is edge.Step.MORE
+    assert intake.buffered == len(request) - 1 and intake.held["10.0.0.1"] == len(request) - 1
+    intake.received("c", request[-1:])
+    assert intake.advance("c") is edge.Step.READY
+    done = intake.stop("c")
+    assert done is not None and bytes(done.buf) == request and done.head is not None
+    assert done.head.path == "/v3/completions" and done.generation == (("address", "10.0.0.1"), None)
+    assert intake.buffered == 0 and not intake.held and intake.stop("c") is None
+
+
+def test_pipelined_bytes_count_and_may_be_complete_already(intake):
+    request = intake.start("c", "p", pipelined=b"GET /v2/health/ready HTTP/1.1\r\n\r\nGET /next")
+    assert intake.buffered == len(request.buf)
+    assert intake.advance("c") is edge.Step.READY
+    assert request.head is not None and edge.is_probe(request.head.path) and request.generation is None
+
+
+def test_chunked_bodies_are_read_to_their_end_or_handed_over_past_the_limit(intake):
+    head = b"POST /v3/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+    intake.start("c", "p")
+    intake.received("c", head + b"4\r\nabcd\r\n")
+    assert intake.advance("c") is edge.Step.MORE
+    intake.received("c", b"0\r\n\r\n")
+    assert intake.advance("c") is edge.Step.READY
+    intake.start("big", "q")  # more than MAX_BODY framed: the parser answers it (413), no need to hold more
+    intake.received("big", head + b"40\r\n" + b"x" * 64 + b"\r\n40\r\n" + b"x" * 40)
+    assert intake.advance("big") is edge.Step.READY
+
+
+def test_a_head_past_the_limit_is_refused_and_an_oversized_body_is_handed_over_at_its_head():
+    intake = edge.Intake(10.0, MAX_BODY, PeerCounts(0), budget=10 * edge.HEAD_LIMIT)
+    intake.start("c", "p")
+    intake.received("c", b"GET / HTTP/1.1\r\nX: " + b"y" * edge.HEAD_LIMIT)
+    assert intake.advance("c") is edge.Step.HEAD_TOO_LARGE
+    intake.start("d", "p")
+    intake.received("d", b"POST /v3/completions HTTP/1.1\r\nContent-Length: 101\r\n\r\n")
+    assert intake.advance("d") is edge.Step.READY
+
+
+def test_expect_100_continue_is_answered_here_and_its_line_removed(intake):
+    intake.start("c", "p")
+    intake.received("c", post(b"", EMBED, b"Expect: 100-continue\r\n").replace(b"Length: 0", b"Length: 5"))
+    held = intake.buffered
+    assert intake.advance("c") is edge.Step.CONTINUE
+    assert intake.buffered == held - len(b"Expect: 100-continue\r\n")  # gunicorn must not send a second 100
+    assert intake.advance("c") is edge.Step.MORE
+    intake.received("c", b"hello")
+    assert intake.advance("c") is edge.Step.READY
+    request = intake.stop("c")
+    assert request is not None and b"Expect" not in request.buf and request.buf.endswith(b"\r\n\r\nhello")
+    intake.start("sent", "p")  # the body came with the head: no 100 to send
+    intake.received("sent", post(b"hello", EMBED, b"Expect: 100-continue\r\n"))
+    assert intake.advance("sent") is edge.Step.READY
+
+
+def test_generations_past_the_cap_of_an_address_or_key_are_refused_and_probes_never_count(intake):
+    for key in ("a", "b"):
+        intake.start(key, "10.0.0.1")
+        intake.received(key, post(b"{}", extra=b"Authorization: Bearer k%s\r\n" % key.encode()))
+    assert intake.advance("a") is edge.Step.READY
+    assert intake.advance("b") is edge.Step.GENERATION_CAP  # same address, cap 1
+    intake.start("probe", "10.0.0.1")
+    intake.received("probe", b"GET /v2/models/m/ready HTTP/1.1\r\n\r\n")
+    assert intake.advance("probe") is edge.Step.READY
+    done = intake.stop("a")
+    assert done is not None and done.generation is not None
+    intake.generations.release(*done.generation)
+    assert intake.advance("b") is edge.Step.READY
+
+
+def test_a_full_budget_sheds_the_largest_unfinished_requests_never_a_small_newcomer(intake):
+    sizes = {}
+    for i, peer in enumerate(("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4")):
+        key = f"big{i}"
+        intake.start(key, peer)
+        sizes[key] = 240 if i < 2 else 200  # each under its address's share (250)
+        assert intake.received(key, b"x" * sizes[key]) == []
+    assert intake.buffered == 880
+    intake.start("probe", "10.0.0.9")
+    shed = intake.received("probe", b"GET /v2/health/live HTTP/1.1\r\n" + b"h" * 100 + b"\r\n\r\n")
+    assert shed == [("big0", "budget_shed", 240)]  # the largest, the oldest among equals
+    assert intake.advance("probe") is edge.Step.READY
+    assert intake.buffered == 880 - 240 + len(intake.requests["probe"].buf)
+    assert "big0" not in intake.requests
+
+
+def test_a_request_that_is_itself_the_largest_is_the_one_shed(intake):
+    intake.start("small", "10.0.0.1")
+    intake.received("small", b"x" * 10)
+    intake.start("grows", "10.0.0.1")
+    intake.received("grows", b"x" * 200)
+    shed = intake.received("grows", b"x" * 100)  # 310 of the address's 250
+    assert shed == [("grows", "client_bytes", 300)]
+    assert intake.buffered == 10 and intake.held["10.0.0.1"] == 10 and list(intake.requests) == ["small"]
+
+
+def test_one_address_is_shed_within_its_own_share_before_others_are_touched(intake):
+    intake.start("other", "10.0.0.2")
+    intake.received("other", b"x" * 240)
+    intake.start("mine-old", "10.0.0.1")
+    intake.received("mine-old", b"x" * 150)
+    intake.start("mine-new", "10.0.0.1")
+    shed = intake.received("mine-new", b"x" * 120)  # 270 of the address's 250: its own largest goes
+    assert shed == [("mine-old", "client_bytes", 150)]
+    assert set(intake.requests) == {"other", "mine-new"}
+
+
+def test_requests_past_their_deadline_expire_and_a_stopping_worker_gives_idle_ones_no_time(intake, clock):
+    intake.start("idle", "p")
+    intake.start("started", "p")
+    intake.received("started", b"POST / HTTP/1.1\r\n")
+    clock.now += 5
+    intake.start("late", "p")
+    intake.received("late", b"GET")
+    assert intake.expired(stopping=False, linger=2.0) == []
+    clock.now += 5.0
+    assert [key for key, _ in intake.expired(stopping=False, linger=2.0)] == ["idle", "started"]
+    assert set(intake.requests) == {"late"} and intake.buffered == 3
+    intake.start("idle2", "p")
+    assert [key for key, _ in intake.expired(stopping=True, linger=2.0)] == ["idle2"]  # no byte: closed now
+    clock.now += 2.0
+    assert [key for key, _ in intake.expired(stopping=True, linger=2.0)] == ["late"]  # under way: 2 s at most
+
+
+def test_one_deadline_covers_the_tls_handshake_and_the_request_after_it(intake, clock):
+    handshake = intake.start("c", "p")
+    clock.now += 8
+    intake.stop("c")
+    intake.start("c", "p", deadline=handshake.deadline)
+    clock.now += 2
+    assert [key for key, _ in intake.expired(stopping=False, linger=2.0)] == ["c"]
+
+
+def test_the_oldest_request_is_the_first_in(intake):
+    assert intake.oldest() is None
+    intake.start("a", "p")
+    intake.start("b", "p")
+    oldest = intake.oldest()
+    assert oldest is not None and oldest[0] == "a"
+
+
+def test_read_budget_is_a_few_bodies_at_least_64_mib():
+    assert edge.read_budget(4 << 20) == 64 << 20
+    assert edge.read_budget(100 << 20) == 200 << 20
+
+
+def test_probe_and_generation_paths():
+    assert edge.is_probe("/v2/health/live") and edge.is_probe("/metrics") and edge.is_probe("/v2/models/x/ready")
+    assert not edge.is_probe("/v2/models/x") and not edge.is_probe("/v3/chat/completions")
+    head = edge.parse_head(b"POST /v3/chat/completions?x HTTP/1.1\r\nAuthorization: Bearer k\r\n\r\n", 10)
+    assert head is not None and edge.is_generation(head) and head.key and head.path == "/v3/chat/completions"
+    head = edge.parse_head(b"GET /v3/chat/completions HTTP/1.1\r\n\r\n", 10)
+    assert head is not None and not edge.is_generation(head) and head.key == b""
+
+
+def test_a_lingering_close_ends_after_enough_bytes_or_its_time(clock):
+    lingering: edge.Lingering[str] = edge.Lingering(clock)
+    lingering.add("a")
+    assert not lingering.drained("a", edge.LINGER_BYTES - 1)
+    assert lingering.drained("a", 1)
+    clock.now += 1
+    lingering.add("b")
+    assert lingering.expired() == []
+    clock.now += edge.LINGER_SECONDS - 1
+    assert lingering.expired() == ["a"]
+    lingering.remove("a")
+    clock.now += 1
+    assert lingering.expired() == ["b"]
