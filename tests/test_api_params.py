@@ -2,7 +2,7 @@
 chat tools, and the Friendli / Cerebras completions parameters (docs/serving.md "Structured output and parameters
 of other APIs").
 
-Unit tests of the parsers first (each mapping onto GenerationRequest / SamplingParams, every new 400 with the
+Unit tests of the parsers first (each mapping onto the SamplingParams it means, every new 400 with the
 parameter it names), then end to end through the real server and the `openai` SDK (`extra_body` for what OpenAI's
 API does not have): each parameter changes the output as documented. Expected outputs are derived from other
 requests made with the engine otherwise idle (conftest.wait_idle), never written down.
@@ -20,11 +20,17 @@ from conftest import sse_events, wait_idle
 
 from appliance.limits import Limits
 from appliance.openai_api.errors import ApiError
-from appliance.openai_api.validation import parse_chat, parse_completion, sampling_params
+from appliance.openai_api.sampling import to_sampling_params
+from appliance.openai_api.validation import parse_chat, parse_completion
 from appliance.params import Grammar
 
 MODEL = "m"
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def params(req, generation_defaults=None):
+    """The SamplingParams a parsed request means (the model's generation_config.json: none unless given)."""
+    return to_sampling_params(req.sampling, generation_defaults or {})
 
 
 def completion(**fields):
@@ -48,7 +54,7 @@ def error_of(parse, **fields) -> ApiError:
 @pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
 def test_response_format_forms(parse):
     def grammar(rf):
-        return parse(response_format=rf).gen.grammar
+        return params(parse(response_format=rf)).grammar
 
     assert grammar({"type": "text"}) is None
     assert grammar({"type": "json_object"}) == Grammar("json_schema", '{"type":"object"}')
@@ -66,13 +72,13 @@ def test_response_format_forms(parse):
     assert grammar({"type": "grammar", "syntax": "lark", "definition": 'start: "a"'}) == Grammar("lark", 'start: "a"')
     nested = {"type": "grammar", "grammar": {"syntax": "gbnf", "definition": 'root ::= "a"'}}
     assert grammar(nested) == Grammar("gbnf", 'root ::= "a"')
-    assert sampling_params(parse(response_format={"type": "regex", "schema": "a"}).gen, {}).grammar.text == "a"
+    assert to_sampling_params(parse(response_format={"type": "regex", "schema": "a"}).sampling, {}).grammar.text == "a"
 
 
 def test_grammar_root_maps_onto_json_values():
-    assert completion(grammar_root="object").gen.grammar == Grammar("json_schema", '{"type":"object"}')
-    assert completion(grammar_root="value").gen.grammar == Grammar("json_schema", "{}")
-    assert json.loads(completion(grammar_root="boolean").gen.grammar.text) == {"type": "boolean"}
+    assert params(completion(grammar_root="object")).grammar == Grammar("json_schema", '{"type":"object"}')
+    assert params(completion(grammar_root="value")).grammar == Grammar("json_schema", "{}")
+    assert json.loads(params(completion(grammar_root="boolean")).grammar.text) == {"type": "boolean"}
 
 
 def test_friendli_and_cerebras_completion_fields_map_onto_sampling_params():
@@ -95,17 +101,16 @@ def test_friendli_and_cerebras_completion_fields_map_onto_sampling_params():
         }
     )
     assert req.prompts == ((5, 6, 7),)
-    gen = req.gen
-    assert (gen.seeds, gen.seed, gen.return_raw_tokens, gen.logprobs) == ((4, 5), None, True, 0)
-    p = sampling_params(gen, {})
+    p = params(req)
+    assert (req.edge.seeds, p.seed, req.edge.return_raw_tokens, p.logprobs) == ((4, 5), None, True, 0)
     assert p.stop_token_ids == [1, 9] and p.stop_token_sequences == [[3, 4]]
     assert (p.bad_words, p.bad_word_tokens, p.no_repeat_ngram) == (["x", "y"], [[8, 8]], 3)
     assert (p.max_total_tokens, p.min_total_tokens, p.min_tokens_to_limit, p.min_tokens) == (50, 10, True, 0)
-    assert sampling_params(completion(no_repeat_ngram=1).gen, {}).no_repeat_ngram == 0  # 0 and 1: off
-    assert completion(include_output_logprobs=True, logprobs=3).gen.logprobs == 3
-    beams = completion(num_beams=4, n=2, early_stopping=True).gen
-    assert (beams.best_of, beams.n, sampling_params(beams, {}).early_stopping) == (4, 2, True)
-    assert completion(early_stopping=False).gen.early_stopping is False  # false constrains nothing
+    assert to_sampling_params(completion(no_repeat_ngram=1).sampling, {}).no_repeat_ngram == 0  # 0 and 1: off
+    assert params(completion(include_output_logprobs=True, logprobs=3)).logprobs == 3
+    beams = params(completion(num_beams=4, n=2, early_stopping=True))
+    assert (beams.best_of, beams.n, beams.early_stopping) == (4, 2, True)
+    assert params(completion(early_stopping=False)).early_stopping is False  # false constrains nothing
 
 
 @pytest.mark.parametrize("parse", [completion, chat], ids=["completions", "chat"])
@@ -115,18 +120,18 @@ def test_speculation_fields_map_onto_sampling_params(parse):
     req = parse(
         num_assistant_tokens=0, max_ngram_size=4, prediction={"type": "content", "content": "def f():\n    pass"}
     )
-    params = sampling_params(req.gen, {})
+    params = to_sampling_params(req.sampling, {})
     assert (params.num_assistant_tokens, params.max_ngram_size) == (0, 4)  # 0: no speculation for this request
     assert params.prediction == "def f():\n    pass" and params.assistant_confidence_threshold is None
     parts = [{"type": "text", "text": "a b"}, {"type": "text", "text": " c"}]
-    params = sampling_params(
-        parse(assistant_confidence_threshold=0.4, prediction={"type": "content", "content": parts}).gen, {}
+    params = to_sampling_params(
+        parse(assistant_confidence_threshold=0.4, prediction={"type": "content", "content": parts}).sampling, {}
     )
     assert (params.assistant_confidence_threshold, params.prediction) == (0.4, "a b c")  # parts joined as they are
-    params = sampling_params(parse(prediction=None, num_assistant_tokens=None).gen, {})
+    params = to_sampling_params(parse(prediction=None, num_assistant_tokens=None).sampling, {})
     assert (params.num_assistant_tokens, params.assistant_confidence_threshold, params.max_ngram_size) == (None,) * 3
     assert params.prediction is None
-    assert sampling_params(parse(prediction={"type": "content", "content": ""}).gen, {}).prediction == ""
+    assert to_sampling_params(parse(prediction={"type": "content", "content": ""}).sampling, {}).prediction == ""
 
 
 def test_tools_map_onto_chat_request():
@@ -137,7 +142,7 @@ def test_tools_map_onto_chat_request():
     assert (named.tool_choice, named.tool_name) == ("named", "get_weather")
     assert chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=False).parallel_tool_calls is False
     # a schema response_format with tool_choice auto / none is fine: the model may answer in text
-    assert chat(tools=[TOOL], tool_choice="none", response_format={"type": "json_object"}).gen.grammar is not None
+    assert params(chat(tools=[TOOL], tool_choice="none", response_format={"type": "json_object"})).grammar is not None
 
 
 # ---------------------------------------------------------------- every new 400
@@ -233,7 +238,7 @@ def test_grammar_size_is_bounded():
         parse_completion(body, limits)
     assert info.value.param == "response_format" and "10 characters" in info.value.message
     body["response_format"]["schema"] = "a" * 10
-    assert parse_completion(body, limits).gen.grammar == Grammar("regex", "a" * 10)
+    assert params(parse_completion(body, limits)).grammar == Grammar("regex", "a" * 10)
 
 
 # ---------------------------------------------------------------- end to end: the real server and the openai SDK

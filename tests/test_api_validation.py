@@ -8,9 +8,15 @@ from dataclasses import fields
 import pytest
 
 from appliance.openai_api.errors import ApiError
-from appliance.openai_api.validation import Limits, parse_chat, parse_completion, parse_tokenize, sampling_params
+from appliance.openai_api.sampling import to_sampling_params
+from appliance.openai_api.validation import Limits, parse_chat, parse_completion, parse_tokenize
 
 MODEL = "m"
+
+
+def params(req, generation_defaults=None):
+    """The SamplingParams a parsed request means (the model's generation_config.json: none unless given)."""
+    return to_sampling_params(req.sampling, generation_defaults or {})
 
 
 def completion(**fields):
@@ -242,13 +248,13 @@ def test_body_and_model(body, message):
 
 def test_configured_max_tokens_limit():
     limits = Limits(max_tokens=100)
-    assert parse_completion({"model": MODEL, "prompt": "x", "max_tokens": 100}, limits).gen.max_tokens == 100
+    assert params(parse_completion({"model": MODEL, "prompt": "x", "max_tokens": 100}, limits)).max_tokens == 100
     err = error_of(parse_completion, {"model": MODEL, "prompt": "x", "max_tokens": 101}, limits)
     assert err.message == "max_tokens exceeds limit provided in graph config: 100"
 
 
 def test_stop_limit_is_configurable_and_16_is_fine():
-    assert len(completion(stop=[f"s{i}" for i in range(16)]).gen.stop) == 16
+    assert len(params(completion(stop=[f"s{i}" for i in range(16)])).stop) == 16
     assert (
         error_of(
             parse_completion, {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c"]}, Limits(stop_strings=2)
@@ -303,9 +309,9 @@ def test_every_optional_field_accepts_null_as_not_set():
 
 
 def test_stream_options_null_include_usage_and_false_stream():
-    assert completion(stream=True, stream_options={"include_usage": None}).gen.include_usage is False
-    assert completion(stream=True, stream_options={"include_usage": True}).gen.include_usage is True
-    assert completion(stream=True, stream_options={}).gen.include_usage is False
+    assert completion(stream=True, stream_options={"include_usage": None}).edge.include_usage is False
+    assert completion(stream=True, stream_options={"include_usage": True}).edge.include_usage is True
+    assert completion(stream=True, stream_options={}).edge.include_usage is False
 
 
 @pytest.mark.parametrize(
@@ -323,26 +329,26 @@ def test_prompt_forms(prompt, expected):
 
 def test_unknown_fields_are_accepted_and_reported():
     req = completion(suffix=None, frobnicate=3, metadata={"a": 1})
-    assert req.gen.unknown == ("frobnicate", "metadata", "suffix")
-    assert chat(extra_body=1).gen.unknown == ("extra_body",)
-    assert completion().gen.unknown == ()
+    assert req.edge.unknown == ("frobnicate", "metadata", "suffix")
+    assert chat(extra_body=1).edge.unknown == ("extra_body",)
+    assert completion().edge.unknown == ()
 
 
 def test_echo_allows_max_tokens_zero():
     req = completion(echo=True, max_tokens=0)
-    assert req.echo is True and req.gen.max_tokens == 0
+    assert req.echo is True and params(req).max_tokens == 0
 
 
 def test_stop_string_forms():
-    assert completion(stop="###").gen.stop == ("###",)
-    assert completion(stop=[]).gen.stop == ()
-    assert completion(stop=["a", "", "b"]).gen.stop == ("a", "b")
+    assert params(completion(stop="###")).stop == ["###"]
+    assert params(completion(stop=[])).stop == []
+    assert params(completion(stop=["a", "", "b"])).stop == ["a", "b"]
 
 
 def test_best_of_one_and_n_default():
     req = completion(best_of=1, n=1)
-    assert req.gen.n == 1
-    assert completion(n=3).gen.n == 3
+    assert req.edge.n == 1
+    assert completion(n=3).edge.n == 3
 
 
 def test_chat_content_parts_are_joined_and_null_content_is_empty():
@@ -359,12 +365,12 @@ def test_chat_content_parts_are_joined_and_null_content_is_empty():
 
 
 def test_chat_max_completion_tokens_wins_and_logprobs_forms():
-    assert chat(max_tokens=5, max_completion_tokens=7).gen.max_tokens == 7
-    assert chat(max_tokens=5).gen.max_tokens == 5
-    assert chat(logprobs=True).gen.logprobs == 0
-    assert chat(logprobs=True, top_logprobs=3).gen.logprobs == 3
-    assert chat(logprobs=False).gen.logprobs is None
-    assert chat(tools=[]).gen.unknown == ()
+    assert params(chat(max_tokens=5, max_completion_tokens=7)).max_tokens == 7
+    assert params(chat(max_tokens=5)).max_tokens == 5
+    assert params(chat(logprobs=True)).logprobs == 0
+    assert params(chat(logprobs=True, top_logprobs=3)).logprobs == 3
+    assert params(chat(logprobs=False)).logprobs is None
+    assert chat(tools=[]).edge.unknown == ()
 
 
 def test_tokenize_forms():
@@ -385,7 +391,7 @@ def test_non_finite_numbers_are_rejected():
 
 
 def test_builtin_defaults_are_greedy_and_unbounded():
-    sp = sampling_params(completion().gen, {})
+    sp = to_sampling_params(completion().sampling, {})
     assert (sp.temperature, sp.top_k, sp.top_p, sp.repetition_penalty) == (0.0, -1, 1.0, 1.0)
     assert sp.max_tokens is None  # until EOS or the context is full
     assert sp.include_stop_str_in_output is False
@@ -393,34 +399,36 @@ def test_builtin_defaults_are_greedy_and_unbounded():
 
 
 def test_sampling_without_top_k_gets_ovms_40():
-    assert sampling_params(completion(temperature=0.7).gen, {}).top_k == 40
-    assert sampling_params(completion(temperature=0.7, top_k=5).gen, {}).top_k == 5
-    assert sampling_params(completion(temperature=0.7, top_k=-1).gen, {}).top_k == -1
-    assert sampling_params(completion(temperature=0.0).gen, {}).top_k == -1
+    assert to_sampling_params(completion(temperature=0.7).sampling, {}).top_k == 40
+    assert to_sampling_params(completion(temperature=0.7, top_k=5).sampling, {}).top_k == 5
+    assert to_sampling_params(completion(temperature=0.7, top_k=-1).sampling, {}).top_k == -1
+    assert to_sampling_params(completion(temperature=0.0).sampling, {}).top_k == -1
 
 
 def test_generation_config_defaults_apply_before_builtins():
     model_defaults = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1}
-    sp = sampling_params(completion().gen, model_defaults)
+    sp = to_sampling_params(completion().sampling, model_defaults)
     assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty) == (0.6, 0.9, 20, 1.1)
-    sp = sampling_params(completion(temperature=0.0, top_p=0.5, repetition_penalty=1.0).gen, model_defaults)
+    sp = to_sampling_params(completion(temperature=0.0, top_p=0.5, repetition_penalty=1.0).sampling, model_defaults)
     assert (sp.temperature, sp.top_p, sp.repetition_penalty) == (0.0, 0.5, 1.0)
 
 
 def test_generation_config_temperature_needs_do_sample():
-    sp = sampling_params(completion().gen, {"temperature": 0.6, "top_k": 0})
+    sp = to_sampling_params(completion().sampling, {"temperature": 0.6, "top_k": 0})
     assert (sp.temperature, sp.top_k) == (0.0, -1)
-    assert sampling_params(completion(temperature=1.0).gen, {"top_k": 0}).top_k == -1  # HF 0 = disabled
+    assert to_sampling_params(completion(temperature=1.0).sampling, {"top_k": 0}).top_k == -1  # HF 0 = disabled
 
 
 def test_include_stop_str_defaults_follow_streaming():
-    assert sampling_params(completion(stream=True).gen, {}).include_stop_str_in_output is True
-    assert sampling_params(completion().gen, {}).include_stop_str_in_output is False
-    assert sampling_params(completion(include_stop_str_in_output=True).gen, {}).include_stop_str_in_output is True
+    assert to_sampling_params(completion(stream=True).sampling, {}).include_stop_str_in_output is True
+    assert to_sampling_params(completion().sampling, {}).include_stop_str_in_output is False
+    assert (
+        to_sampling_params(completion(include_stop_str_in_output=True).sampling, {}).include_stop_str_in_output is True
+    )
 
 
 def test_request_values_reach_sampling_params():
-    gen = completion(
+    req = completion(
         max_tokens=7,
         seed=3,
         stop=["x"],
@@ -433,8 +441,8 @@ def test_request_values_reach_sampling_params():
         frequency_penalty=-0.5,
         skip_special_tokens=False,
         n=2,
-    ).gen
-    sp = sampling_params(gen, {})
+    )
+    sp = params(req)
     assert (sp.max_tokens, sp.seed, sp.stop, sp.stop_token_ids, sp.ignore_eos, sp.min_tokens) == (
         7,
         3,
@@ -445,7 +453,7 @@ def test_request_values_reach_sampling_params():
     )
     assert (sp.logit_bias, sp.logprobs, sp.presence_penalty, sp.frequency_penalty) == ({5: -100.0}, 2, 0.5, -0.5)
     assert sp.skip_special_tokens is False
-    assert sp.n == 1 and gen.n == 2  # n choices are n independent submissions
+    assert sp.n == 1 and req.edge.n == 2  # n choices are n independent submissions
 
 
 # ---------------------------------------------------------------- the HTTP edge around validation (app.py)
@@ -619,18 +627,19 @@ def test_bounds(parse, fields_, message, param):
 
 
 def test_bounds_accept_their_edges():
-    gen = completion(
+    req = completion(
         length_penalty=-10,
         repetition_penalty=10,
         timeout=86400,
         stop=["x" * 256],
         stop_token_ids=list(range(64)),
         logit_bias={str(i): -100 for i in range(300)},
-    ).gen
-    assert gen.length_penalty == -10.0 and len(gen.stop_token_ids) == 64 and len(gen.logit_bias) == 300
-    assert completion(logit_bias={"0": 1, "10": 2}).gen.logit_bias == ((0, 1.0), (10, 2.0))
-    assert completion(stop_token_ids=[5, 5, 6]).gen.stop_token_ids == (5, 6)
-    assert completion(top_k=4294967295).gen.top_k == 4294967295
+    )
+    p = params(req)
+    assert p.length_penalty == -10.0 and len(p.stop_token_ids) == 64 and len(p.logit_bias) == 300
+    assert params(completion(logit_bias={"0": 1, "10": 2})).logit_bias == {0: 1.0, 10: 2.0}
+    assert params(completion(stop_token_ids=[5, 5, 6])).stop_token_ids == [5, 6]
+    assert params(completion(top_k=4294967295)).top_k == 4294967295
 
 
 def test_speculation_bounds_follow_the_limits():
@@ -644,8 +653,8 @@ def test_speculation_bounds_follow_the_limits():
         body = {"model": MODEL, "prompt": "x", field_: value}
         assert message in error_of(parse_completion, body, limits).message
     edges = {"num_assistant_tokens": 4, "max_ngram_size": 2, "prediction": {"type": "content", "content": "x" * 5}}
-    gen = parse_completion({"model": MODEL, "prompt": "x", **edges}, limits).gen
-    assert (gen.num_assistant_tokens, gen.max_ngram_size, gen.prediction) == (4, 2, "xxxxx")
+    p = params(parse_completion({"model": MODEL, "prompt": "x", **edges}, limits))
+    assert (p.num_assistant_tokens, p.max_ngram_size, p.prediction) == (4, 2, "xxxxx")
 
 
 def test_float_ranges_follow_the_limits():
@@ -704,8 +713,8 @@ def test_n_times_prompts_past_max_queued_is_400_before_anything_is_built():
         parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9}, limits)
     assert info.value.status == 400
     # beam search queues one sequence per prompt, whatever n is
-    assert parse_completion({"model": MODEL, "prompt": ["a"] * 8, "n": 3, "best_of": 3}, limits).gen.n == 3
-    assert parse_completion({"model": MODEL, "prompt": ["a"] * 100, "n": 20}).gen.n == 20  # no max_queued known
+    assert parse_completion({"model": MODEL, "prompt": ["a"] * 8, "n": 3, "best_of": 3}, limits).edge.n == 3
+    assert parse_completion({"model": MODEL, "prompt": ["a"] * 100, "n": 20}).edge.n == 20  # no max_queued known
 
 
 def test_queue_check_on_the_http_edge_never_reaches_the_engine():
@@ -770,7 +779,7 @@ def test_deep_nesting_is_400():
     shallow: object = "x"
     for _ in range(30):  # body (1) + 31 levels: fine
         shallow = {"a": shallow}
-    assert completion(metadata=shallow).gen.unknown == ("metadata",)
+    assert completion(metadata=shallow).edge.unknown == ("metadata",)
     assert (
         error_of(parse_completion, {"model": MODEL, "prompt": "x", "metadata": [[[1]]]}, Limits(depth=3)).param
         == "metadata"

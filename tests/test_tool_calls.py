@@ -15,7 +15,7 @@ from appliance.openai_api.errors import ApiError
 from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
 from appliance.openai_api.streaming import Choice
 from appliance.openai_api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
-from appliance.openai_api.validation import ChatRequest, GenerationRequest
+from appliance.openai_api.validation import ChatRequest, EdgeOptions
 from appliance.params import SamplingParams
 from appliance.server import tool_prompt
 
@@ -138,8 +138,8 @@ def test_grammar_compiles_and_accepts_calls_of_the_tools(lark_matcher, fmt):
 
 
 def chat_request(**kw) -> ChatRequest:
-    gen = GenerationRequest(model="m", **kw.pop("gen", {}))
-    return ChatRequest(gen, ({"role": "user", "content": "Weather in Paris?"},), **kw)
+    edge = EdgeOptions(model="m", **kw.pop("edge", {}))
+    return ChatRequest(edge, {}, ({"role": "user", "content": "Weather in Paris?"},), **kw)
 
 
 def test_chat_job_tool_choice():
@@ -349,7 +349,7 @@ def test_calls_only_drops_a_call_that_max_tokens_cut(stream):
     """tool_choice required: the grammar allows calls only, so a trailing call cut by max_tokens is no content."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     req = ChatRequest(
-        GenerationRequest(model="m"), ({"role": "user", "content": "x"},), tools=(tool,), tool_choice="required"
+        EdgeOptions(model="m"), {}, ({"role": "user", "content": "x"},), tools=(tool,), tool_choice="required"
     )
     shape = ChatShape.for_request(req, "hermes", "none")
     text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu'

@@ -26,14 +26,9 @@ from appliance.http.client import EngineClient, EngineUnavailable
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.completions import CompletionShape, completion_job
 from appliance.openai_api.errors import ApiError
+from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
-from appliance.openai_api.validation import (
-    GenerationRequest,
-    parse_chat,
-    parse_completion,
-    parse_tokenize,
-    sampling_params,
-)
+from appliance.openai_api.validation import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_tokenize
 from appliance.protocol import EngineStatus, HttpRecord, ModelInfo
 from appliance.settings import ConfigError, ServeSettings
 
@@ -98,25 +93,26 @@ class Api:
     def completions(self):
         req = parse_completion(self.json_body(), self.limits)
         return self.generate(
-            req.gen, lambda params, rid: completion_job(req, params, rid), CompletionShape(req.gen.return_raw_tokens)
+            req, lambda params, rid: completion_job(req, params, rid), CompletionShape(req.edge.return_raw_tokens)
         )
 
     def chat(self):
         req = parse_chat(self.json_body(), self.limits)
         # its parsers: how this model writes tool calls and reasoning
-        status = self.ready_status(req.gen.model, fresh=False)
+        status = self.ready_status(req.edge.model, fresh=False)
         shape = ChatShape.for_request(req, status.tool_parser, status.reasoning_parser)
         return self.generate(
-            req.gen, lambda params, rid: chat_job(req, params, rid, status.tool_parser, self.limits), shape
+            req, lambda params, rid: chat_job(req, params, rid, status.tool_parser, self.limits), shape
         )
 
-    def generate(self, gen: GenerationRequest, make_job, shape):
+    def generate(self, req: CompletionRequest | ChatRequest, make_job, shape):
+        gen = req.edge
         status = self.ready_status(gen.model, fresh=False)
         if gen.unknown:
             log.debug("ignored unknown request fields", extra={"fields": list(gen.unknown)})
         request_id = shape.id_prefix + uuid.uuid4().hex
         g.request_id = request_id
-        job = make_job(sampling_params(gen, status.generation_defaults), request_id)
+        job = make_job(to_sampling_params(req.sampling, status.generation_defaults), request_id)
         job.model = gen.model
         job.tenant = g.get("tenant", "")  # which key: its own namespace in the prefix cache
         sock = request.environ.get("gunicorn.socket")

@@ -50,7 +50,7 @@ def chat_job(
             raise invalid(str(exc), "tool_choice") from None
         params = replace(params, grammar=Grammar("lark", text))
     spec = PromptSpec(messages=[dict(m) for m in req.messages], tools=tools)
-    return Job(request_id, [spec], params, n=req.gen.n)
+    return Job(request_id, [spec], params, n=req.edge.n)
 
 
 def _entry(token: str, logprob: float | None) -> dict:  # None only for a first prompt token

@@ -15,8 +15,8 @@ def completion_job(req: CompletionRequest, params: SamplingParams, request_id: s
     prompts = [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in req.prompts]
     if req.echo and params.logprobs is not None:  # echo + logprobs: the echoed prompt's tokens get logprobs too
         params = replace(params, prompt_logprobs=params.logprobs)
-    seeds = list(req.gen.seeds) if req.gen.seeds is not None else None  # Friendli: choice j's seed
-    return Job(request_id, prompts, params, n=req.gen.n, echo=req.echo, seeds=seeds)
+    seeds = list(req.edge.seeds) if req.edge.seeds is not None else None  # Friendli: choice j's seed
+    return Job(request_id, prompts, params, n=req.edge.n, echo=req.echo, seeds=seeds)
 
 
 def logprobs_object(entries: list[TokenLogprob], offset: int, prompt: list[TokenLogprob] | None = None) -> dict:

@@ -7,9 +7,12 @@ appliance/openai_api/openapi.py writes the request schemas from them. Messages a
 templates over the `Limits` fields (and `name`: the field's own name).
 
 Fields whose value has structure (prompt, messages, stop, logit_bias, ...) are `custom`: their JSON schema is
-declared here, their check is code in validation.py (`PARSERS`). Rules across fields (stream and stream_options,
-n and best_of, echo and max_tokens, ...) are code in validation.py, and their JSON-schema form in openapi.py.
-No numpy here: HTTP workers import this.
+declared here, their check is the parser they name (parsers.py). A field's `param` is the `SamplingParams` attribute
+its value sets (builders default to the field's own name; `param=None`: an edge field) and `model_default` the
+generation_config.json key that fills it when unset: a new sampling parameter is its `Field` here and its
+`SamplingParams` attribute (tests/test_fields.py keeps the two in step). Rules across fields (stream and
+stream_options, n and best_of, echo and max_tokens, ...) are code in validation.py, and their JSON-schema form in
+openapi.py. No numpy here: HTTP workers import this.
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from appliance.limits import Limits
-
-UINT32_MAX = 4294967295
-TOKEN_ID_PATTERN = r"0|[1-9][0-9]{0,9}"  # canonical decimal: "01", "+1", " 1", "1_0" name no token
+from appliance.openai_api import parsers as P
+from appliance.openai_api.parsers import GRAMMAR_ROOTS, TOKEN_ID_PATTERN, TOOL_NAME_PATTERN, UINT32_MAX
 
 Kind = Literal["boolean", "integer", "number", "string", "any", "custom"]
 
@@ -52,9 +54,17 @@ def Max(value: int | float | str, message: str | None = None, *, exclusive: bool
     return Bound("max", value, message, exclusive)
 
 
+SAME = "="  # a builder's `param` default: the SamplingParams attribute of the field's own name
+
+
 @dataclass(frozen=True)
 class Field:
-    """One request field. A JSON null means "not set" (optional fields) or missing (`required` ones)."""
+    """One request field. A JSON null means "not set" (optional fields) or missing (`required` ones).
+
+    `param`: the `SamplingParams` attribute the field's value sets (None: an edge field, read by the app or by a
+    rule across fields); validation.py passes every set value to it, appliance/openai_api/sampling.py builds the
+    `SamplingParams`. `model_default`: the generation_config.json key that supplies the value a request leaves
+    unset (None: the dataclass default)."""
 
     name: str
     kind: Kind
@@ -64,32 +74,87 @@ class Field:
     required: str | None = None  # the message when missing; None: optional
     description: str = ""
     schema: Callable[[Limits], dict] | None = None  # custom fields: the JSON schema (nullable added if optional)
+    parse: P.Parser | None = None  # custom fields: the check (parsers.py)
+    param: str | None = None
+    model_default: str | None = None
 
     def text(self, template: str, limits: Limits) -> str:
         return template.format(name=self.name, **vars(limits))
 
 
-def boolean(name: str, message: str, description: str = "") -> Field:
-    return Field(name, "boolean", message, description=description)
+def _param(name: str, param: str | None) -> str | None:
+    return name if param == SAME else param
 
 
-def integer(name: str, message: str, *bounds: Bound, description: str = "", also: tuple[int, ...] = ()) -> Field:
-    return Field(name, "integer", message, bounds, also, description=description)
+def boolean(name: str, message: str, description: str = "", *, param: str | None = SAME) -> Field:
+    return Field(name, "boolean", message, description=description, param=_param(name, param))
 
 
-def number(name: str, *bounds: Bound, message: str = "{name} is not a valid number", description: str = "") -> Field:
-    return Field(name, "number", message, bounds, description=description)
+def integer(
+    name: str,
+    message: str,
+    *bounds: Bound,
+    description: str = "",
+    also: tuple[int, ...] = (),
+    param: str | None = SAME,
+    model_default: str | None = None,
+) -> Field:
+    return Field(
+        name,
+        "integer",
+        message,
+        bounds,
+        also,
+        description=description,
+        param=_param(name, param),
+        model_default=model_default,
+    )
 
 
-def custom(name: str, schema: Callable[[Limits], dict], description: str = "", required: str | None = None) -> Field:
-    return Field(name, "custom", required=required, description=description, schema=schema)
+def number(
+    name: str,
+    *bounds: Bound,
+    message: str = "{name} is not a valid number",
+    description: str = "",
+    param: str | None = SAME,
+    model_default: str | None = None,
+) -> Field:
+    return Field(
+        name,
+        "number",
+        message,
+        bounds,
+        description=description,
+        param=_param(name, param),
+        model_default=model_default,
+    )
+
+
+def custom(
+    name: str,
+    schema: Callable[[Limits], dict],
+    description: str = "",
+    required: str | None = None,
+    *,
+    parse: P.Parser,
+    param: str | None = SAME,
+) -> Field:
+    return Field(
+        name,
+        "custom",
+        required=required,
+        description=description,
+        schema=schema,
+        parse=parse,
+        param=_param(name, param),
+    )
 
 
 def ignored(name: str) -> Field:
     return Field(name, "any", description="Accepted and ignored.")
 
 
-def max_tokens(name: str, *, positive: bool, description: str) -> Field:
+def max_tokens(name: str, *, positive: bool, description: str, param: str = SAME) -> Field:
     """max_tokens (completions: 0 allowed with echo) and chat's max_tokens / max_completion_tokens (at least 1)."""
     zero = (Min(1, "{name} value should be greater than 0"),) if positive else ()
     return integer(
@@ -100,6 +165,7 @@ def max_tokens(name: str, *, positive: bool, description: str) -> Field:
         Max("max_tokens", "{name} exceeds limit provided in graph config: {max_tokens}"),
         *zero,
         description=description,
+        param=param,
     )
 
 
@@ -236,21 +302,6 @@ def _response_format(limits: Limits) -> dict:
     }
 
 
-# Cerebras grammar_root values that name a JSON value -> the JSON schema they mean ({}: any JSON value)
-GRAMMAR_ROOTS: dict[str, dict] = {
-    "value": {},
-    "root": {},
-    "object": {"type": "object"},
-    "array": {"type": "array"},
-    "string": {"type": "string"},
-    "number": {"type": "number"},
-    "integer": {"type": "integer"},
-    "boolean": {"type": "boolean"},
-    "null": {"type": "null"},
-}
-TOOL_NAME_PATTERN = r"[a-zA-Z0-9_-]{1,64}"
-
-
 def _grammar_root(limits: Limits) -> dict:
     return {"type": "string", "enum": [*GRAMMAR_ROOTS, None]}  # null: not set
 
@@ -359,6 +410,8 @@ def response_format(description: str) -> Field:
         "the expression; `grammar` with `syntax` lark or gbnf and `definition` (flat, or nested in `grammar` as "
         "OpenAI's custom tools write it). At most {grammar_chars} characters of schema (canonical JSON), regex or "
         "grammar; one that does not compile is a 400. Not with beam search. " + description,
+        parse=P.response_format,
+        param="grammar",
     )
 
 
@@ -401,6 +454,7 @@ SPECULATION = (
         "{prediction_chars} characters. A hint: on a paged model it turns prompt lookup on for this request, "
         "drafting from the prediction too; elsewhere it has no effect. The output is the same either way; "
         "`usage.completion_tokens_details` says how many draft tokens were accepted and rejected.",
+        parse=P.prediction,
     ),
 )
 
@@ -413,8 +467,15 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "stream",
             "Stream is not bool",
             "Answer with Server-Sent Events (`text/event-stream`) instead of one JSON body. Default false.",
+            param=None,
         ),
-        custom("stream_options", _stream_options, "Only with `stream: true`; the only key is `include_usage`."),
+        custom(
+            "stream_options",
+            _stream_options,
+            "Only with `stream: true`; the only key is `include_usage`.",
+            parse=P.stream_options,
+            param=None,
+        ),
         boolean(
             "ignore_eos", "ignore_eos accepts values true or false", "Keep generating past the end-of-sequence token."
         ),
@@ -433,6 +494,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "repetition_penalty",
             OPEN,
             Max("repetition_penalty", "repetition_penalty out of range(0.0, {repetition_penalty}]"),
+            model_default="repetition_penalty",
         ),
         number(
             "length_penalty",
@@ -440,6 +502,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             Max("length_penalty", "length_penalty out of range(-{length_penalty}, {length_penalty})"),
             description="Beam search (`best_of` > 1): the score of a finished beam is divided by its length to "
             "this power (transformers' `length_penalty`). Default 1.",
+            model_default="length_penalty",
         ),
         number(
             "temperature",
@@ -447,10 +510,19 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             Max("temperature", "temperature out of range(0.0, {temperature})"),
             description="0 = greedy. Default: the model's generation_config.json (sampling only with do_sample), "
             "else 0.",
+            model_default="temperature",
         ),
-        number("top_p", Min(0, "top_p out of range(0.0, 1.0)"), Max(1, "top_p out of range(0.0, 1.0)")),
         number(
-            "min_p", Min(0, "min_p out of range [0.0, 1.0)"), Max(1, "min_p out of range [0.0, 1.0)", exclusive=True)
+            "top_p",
+            Min(0, "top_p out of range(0.0, 1.0)"),
+            Max(1, "top_p out of range(0.0, 1.0)"),
+            model_default="top_p",
+        ),
+        number(
+            "min_p",
+            Min(0, "min_p out of range [0.0, 1.0)"),
+            Max(1, "min_p out of range [0.0, 1.0)", exclusive=True),
+            model_default="min_p",
         ),
         integer(
             "top_k",
@@ -459,6 +531,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             Max(UINT32_MAX, "top_k must be -1 (all tokens) or a positive integer"),
             also=(-1,),
             description="-1 = all tokens. Sampling with no top_k from the request or the model uses 40 (OVMS).",
+            model_default="top_k",
         ),
         seed,
         custom(
@@ -467,6 +540,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "Up to {stop_strings} stop strings of at most {stop_chars} characters (empty strings are "
             "ignored). Unary answers leave the stop string out unless `include_stop_str_in_output`; "
             "streams include it (OVMS).",
+            parse=P.stop,
         ),
         boolean(
             "include_stop_str_in_output",
@@ -478,6 +552,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "stop_token_ids",
             _stop_token_ids,
             "At most {stop_token_ids} token ids, each below the model's vocabulary size (else 400).",
+            parse=P.stop_token_ids,
         ),
         integer(
             "min_tokens",
@@ -487,6 +562,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             also=(-1,),
             description="Stop tokens (EOS, `stop_token_ids`) are masked until this many tokens. -1 (Cerebras): "
             "until `max_tokens`, or without it the end of the context.",
+            model_default="min_new_tokens",
         ),
         custom(
             "logit_bias",
@@ -494,6 +570,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "At most {logit_bias} entries (as OpenAI). Token id (canonical ASCII "
             "decimal: no sign, spaces or leading zeros; at most 4294967295) -> bias "
             "added to its logit; ids outside the vocabulary have no effect.",
+            parse=P.logit_bias,
         ),
         number(
             "timeout",
@@ -502,6 +579,7 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             message="timeout must be a positive number of seconds",
             description="Seconds, at most {timeout:g} (a day). Past it the request is cancelled and answered 429 "
             "`timeout` (in-band error event if the stream already started).",
+            param=None,
         ),
         integer(
             "best_of",
@@ -530,8 +608,8 @@ DEPTH_TEXT = (
 )
 
 
-def _token_lists(name: str, count: str, description: str) -> Field:
-    return custom(name, _id_lists(count), description)
+def _token_lists(name: str, count: str, description: str, param: str) -> Field:
+    return custom(name, _id_lists(count), description, parse=P.token_lists(name, count), param=param)
 
 
 COMPLETION = (
@@ -542,6 +620,7 @@ COMPLETION = (
             _seeds,
             "Choice j of `n` uses seed + j. A list (Friendli): one seed per choice, exactly `n` of them. Not "
             "set: a random seed.",
+            parse=P.seeds,
         ),
     ),
     custom(
@@ -551,17 +630,22 @@ COMPLETION = (
         "choice set per prompt; at most {prompts} prompts, `--max-prompts`). A text "
         "prompt gets the tokenizer's special tokens (BOS), as in OVMS. Required unless `tokens` is given "
         '("prompt is missing").',
+        parse=P.prompts,
+        param=None,
     ),
     custom(
         "tokens",
         lambda limits: _token_ids(),
         "Friendli: the prompt as token ids (as `prompt: [ids]`); not together with `prompt`.",
+        parse=P.tokens,
+        param=None,
     ),
     boolean(
         "echo",
         "echo accepts values true or false",
         "Prefix each choice's text with its prompt (`completion_tokens` excludes it). With echo, `max_tokens: 0` "
         "answers the prompt alone.",
+        param=None,
     ),
     integer(
         "logprobs",
@@ -577,6 +661,7 @@ COMPLETION = (
         "include_output_logprobs",
         "include_output_logprobs accepts values true or false",
         "Friendli: true = the chosen tokens' logprobs (`logprobs: 0`) when `logprobs` is not set.",
+        param=None,
     ),
     response_format("Not together with `grammar_root`."),
     custom(
@@ -585,6 +670,8 @@ COMPLETION = (
         "Cerebras: the output is one JSON value of this kind (`value` / `root`: any; `object`, `array`, `string`, "
         "`number`, `integer`, `boolean`, `null`). Roots of Cerebras's own tool-call grammar (`funcall`, "
         "`tool_name`, `tool_args`, ...) are a 400. Not together with `response_format`.",
+        parse=P.grammar_root,
+        param="grammar",
     ),
     integer(
         "num_beams",
@@ -593,6 +680,7 @@ COMPLETION = (
         Max("best_of", "num_beams exceeds limit provided in graph config: {best_of}"),
         description="Friendli's name of `best_of` (beam search with this many beams, n <= num_beams); not "
         "together with `best_of`.",
+        param="best_of",
     ),
     boolean(
         "early_stopping",
@@ -605,17 +693,20 @@ COMPLETION = (
         "stop_token_ids",
         "Friendli: `[{{\"tokens\": [ids]}}]`, at most {stop_token_ids} entries of at most {token_sequence} ids: one "
         "id is a stop token (as `stop_token_ids`), several stop when generated in a row.",
+        "stop_token_sequences",
     ),
     custom(
         "bad_words",
         _bad_words,
         "Friendli: strings never generated (tokenized with and without a leading space); at most {bad_words} "
         "entries with `bad_word_tokens`, each at most {stop_chars} characters.",
+        parse=P.bad_words,
     ),
     _token_lists(
         "bad_word_tokens",
         "bad_words",
         "Friendli: `[{{\"tokens\": [ids]}}]`: token sequences never generated (at most {token_sequence} ids each).",
+        "bad_word_tokens",
     ),
     integer(
         "no_repeat_ngram",
@@ -644,6 +735,7 @@ COMPLETION = (
         "return_raw_tokens",
         "return_raw_tokens accepts values true or false",
         "Cerebras: each choice carries `tokens`, its generated token ids (stream chunks: the delta's ids).",
+        param=None,
     ),
 )
 
@@ -655,6 +747,7 @@ CHAT = (
                 "max_completion_tokens",
                 positive=True,
                 description="OpenAI's newer name of max_tokens; wins when both are set.",
+                param="max_tokens",
             ),
         )
     ),
@@ -665,14 +758,17 @@ CHAT = (
         "`tool_call_id` and `tool_calls` reach the chat template; other message fields are "
         "dropped.",
         required="messages missing in request",
+        parse=P.messages,
+        param=None,
     ),
-    boolean("logprobs", "logprobs accepts values true or false", "Log-probabilities of the chosen tokens."),
+    boolean("logprobs", "logprobs accepts values true or false", "Log-probabilities of the chosen tokens.", param=None),
     integer(
         "top_logprobs",
         "top_logprobs is not an integer",
         Min(0, "top_logprobs out of range [0, {logprobs}]"),
         Max("logprobs", "top_logprobs out of range [0, {logprobs}]"),
         description="Alternatives per token; needs `logprobs: true`.",
+        param=None,
     ),
     response_format("Not together with `tool_choice` required or named (which constrain the output to calls)."),
     custom(
@@ -680,6 +776,8 @@ CHAT = (
         _tools,
         "At most {tools} functions (`{{\"type\": \"function\", \"function\": {{\"name\", \"description\"?, "
         "\"parameters\"?: a JSON schema, \"strict\"?}}}}`), names unique, passed to the chat template.",
+        parse=P.tools,
+        param=None,
     ),
     custom(
         "tool_choice",
@@ -688,11 +786,14 @@ CHAT = (
         "\"function\": {{\"name\"}}}}` naming one of `tools` (that call); required and named calls are "
         "grammar-constrained to the tool's parameters: the parameters schemas of the tools they may call, at most "
         "{grammar_chars} characters of JSON together (a 400 naming `tools`). Only with `tools` (as OpenAI).",
+        parse=P.tool_choice,
+        param=None,
     ),
     boolean(
         "parallel_tool_calls",
         "parallel_tool_calls accepts values true or false",
         "false: at most one call per answer. Default true.",
+        param=None,
     ),
 )
 
@@ -704,6 +805,8 @@ TOKENIZE = (
         "Tokenized with the tokenizer's special tokens, as a completion prompt is. A "
         "list holds at most {prompts} prompts (`--max-prompts`).",
         required="prompt is missing",
+        parse=P.tokenize_prompt,
+        param=None,
     ),
 )
 

@@ -1,37 +1,59 @@
-"""Parsers of the structured request fields of issue 11: structured output (`response_format`, Cerebras's
-`grammar_root`), chat tools, and Friendli's list-valued completions fields (`tokens`, `seed` as a list,
-`stop_tokens`, `bad_words`, `bad_word_tokens`), and OpenAI's `prediction` (speculative decoding, issue 12).
+"""Parsers of the structured request fields: each checks one field alone and returns its value.
 
-Each is a validation.py `Parser`, (value, limits, fields read so far) -> value, checking one field alone; the rules
-across fields are in validation.py, and the JSON schemas (docs/openapi.json) in fields.py. Whether a schema, regex or
-grammar compiles is decided engine-side (runtime/grammar.py, a 400 naming `response_format` from there): the HTTP
-workers do not import llguidance. JSON schemas are written as canonical JSON (sorted keys, no spaces) so that equal
-schemas share one compilation, whatever key order or spacing each client sends.
+Each is a `Parser`, (value, limits, fields read so far) -> value, and fields.py names it beside the field it reads
+(`custom(..., parse=...)`); the rules across fields are in validation.py, and the JSON schemas (docs/openapi.json)
+in fields.py. Here: the prompt and chat messages, stop strings and ids, logit_bias, stream_options, structured
+output (`response_format`, Cerebras's `grammar_root`), chat tools, Friendli's list-valued completions fields
+(`tokens`, `seed` as a list, `stop_tokens`, `bad_words`, `bad_word_tokens`), and OpenAI's `prediction`.
+
+Whether a schema, regex or grammar compiles is decided engine-side (runtime/grammar.py, a 400 naming
+`response_format` from there): the HTTP workers do not import llguidance. JSON schemas are written as canonical JSON
+(sorted keys, no spaces) so that equal schemas share one compilation, whatever key order or spacing each client
+sends. No numpy here: HTTP workers import this.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 from appliance.limits import Limits
-from appliance.openai_api import fields as F
 from appliance.openai_api.errors import invalid
 from appliance.params import Grammar
 
-_TOOL_NAME = re.compile(F.TOOL_NAME_PATTERN)
+Parser = Callable[[Any, Limits, dict], Any]  # a custom field's check: (value, limits, fields read so far) -> value
+Prompt = str | tuple[int, ...]  # text or token ids
+UINT32_MAX = 4294967295
+TOKEN_ID_PATTERN = r"0|[1-9][0-9]{0,9}"  # canonical decimal: "01", "+1", " 1", "1_0" name no token
+TOOL_NAME_PATTERN = r"[a-zA-Z0-9_-]{1,64}"
+MESSAGE_STRINGS = ("name", "tool_call_id")  # message fields passed to the chat template besides role/content
+# Cerebras grammar_root values that name a JSON value -> the JSON schema they mean ({}: any JSON value)
+GRAMMAR_ROOTS: dict[str, dict] = {
+    "value": {},
+    "root": {},
+    "object": {"type": "object"},
+    "array": {"type": "array"},
+    "string": {"type": "string"},
+    "number": {"type": "number"},
+    "integer": {"type": "integer"},
+    "boolean": {"type": "boolean"},
+    "null": {"type": "null"},
+}
+_TOKEN_ID = re.compile(TOKEN_ID_PATTERN)
+_TOOL_NAME = re.compile(TOOL_NAME_PATTERN)
 # Cerebras grammar_root values with no JSON-value meaning: the rules of its own tool-call grammar
 _TOOL_ROOTS = ("funcall", "tool_name", "tool_args", "tool_call", "tool_calls")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _id(value: Any) -> bool:
-    return _is_int(value) and 0 <= value <= F.UINT32_MAX
+    return is_int(value) and 0 <= value <= UINT32_MAX
 
 
 def canonical_schema(schema: dict) -> str:
@@ -98,15 +120,15 @@ def response_format(value: Any, limits: Limits, read: dict) -> Grammar | None:
 
 def grammar_root(value: Any, limits: Limits, read: dict) -> Grammar:
     """Cerebras's grammar_root: a JSON value of one kind (a JSON schema); its tool-call roots are refused."""
-    if isinstance(value, str) and value in F.GRAMMAR_ROOTS:
-        return Grammar("json_schema", canonical_schema(F.GRAMMAR_ROOTS[value]))
+    if isinstance(value, str) and value in GRAMMAR_ROOTS:
+        return Grammar("json_schema", canonical_schema(GRAMMAR_ROOTS[value]))
     if value in _TOOL_ROOTS:
         raise invalid(
             f"grammar_root {value!r} is a rule of Cerebras's tool-call grammar, which this server does not have: "
             "use chat tools with tool_choice \"required\" or a named function",
             "grammar_root",
         )
-    raise invalid(f"grammar_root must be one of {', '.join(F.GRAMMAR_ROOTS)}", "grammar_root")
+    raise invalid(f"grammar_root must be one of {', '.join(GRAMMAR_ROOTS)}", "grammar_root")
 
 
 def tools(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
@@ -156,7 +178,7 @@ def tool_choice(value: Any, limits: Limits, read: dict) -> tuple[str, str | None
 
 def seeds(value: Any, limits: Limits, read: dict) -> int | tuple[int, ...]:
     """A seed, or (Friendli) a list of one seed per choice (its length is checked against n by the caller)."""
-    if _is_int(value):
+    if is_int(value):
         if not _id(value):
             raise invalid("seed out of range [0, 4294967295]", "seed")
         return value
@@ -169,7 +191,7 @@ def seeds(value: Any, limits: Limits, read: dict) -> int | tuple[int, ...]:
 
 def tokens(value: Any, limits: Limits, read: dict) -> tuple[int, ...]:
     """Friendli's prompt as token ids (each checked against the vocabulary engine-side)."""
-    if not isinstance(value, list) or not value or not all(_is_int(t) and t >= 0 for t in value):
+    if not isinstance(value, list) or not value or not all(is_int(t) and t >= 0 for t in value):
         raise invalid("tokens is not a non-empty array of token ids", "tokens")
     return tuple(value)
 
@@ -229,3 +251,158 @@ def prediction(value: Any, limits: Limits, read: dict) -> str:
     if len(content) > limits.prediction_chars:
         raise invalid(f"prediction content must be at most {limits.prediction_chars} characters", "prediction")
     return content
+
+
+def finite(value: Any) -> float | None:
+    """A JSON number as a finite float, else None (a string, a bool, NaN, infinity, or an integer too large for a
+    float: float(10**400) raises OverflowError, as math.isfinite(10**400) does)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def stream_options(options: Any, limits: Limits, read: dict) -> bool:
+    """include_usage; stream_options is only for streams (OVMS checks that first)."""
+    if not read["stream"]:
+        raise invalid("stream_options provided, but stream not set to true", "stream_options")
+    if not isinstance(options, dict):
+        raise invalid("stream_options is not an object", "stream_options")
+    if set(options) - {"include_usage"}:
+        raise invalid(
+            "Found unexpected stream options. Properties accepted in stream_options: include_usage", "stream_options"
+        )
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise invalid("stream_options.include_usage is not a boolean", "stream_options")
+    return bool(usage)
+
+
+def stop(value: Any, limits: Limits, read: dict) -> tuple[str, ...]:
+    if isinstance(value, str):
+        values = [value]
+    elif isinstance(value, list):
+        if len(value) > limits.stop_strings:
+            raise invalid(f"stop array must have no more than {limits.stop_strings} strings", "stop")
+        if not all(isinstance(s, str) for s in value):
+            raise invalid("stop array contains non string element", "stop")
+        values = value
+    else:
+        raise invalid("stop is not a string or array of strings", "stop")
+    if any(len(s) > limits.stop_chars for s in values):
+        raise invalid(f"stop strings must be at most {limits.stop_chars} characters long", "stop")
+    return tuple(s for s in values if s)  # an empty stop string would match everywhere: it means nothing
+
+
+def stop_token_ids(stop_ids: Any, limits: Limits, read: dict) -> tuple[int, ...]:
+    if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t <= UINT32_MAX for t in stop_ids):
+        raise invalid("stop_token_ids is not an array of token ids", "stop_token_ids")
+    if len(stop_ids) > limits.stop_token_ids:  # each id is checked against the vocabulary engine-side
+        raise invalid(f"stop_token_ids must have no more than {limits.stop_token_ids} token ids", "stop_token_ids")
+    return tuple(dict.fromkeys(stop_ids))
+
+
+def logit_bias(value: Any, limits: Limits, read: dict) -> tuple[tuple[int, float], ...]:
+    if not isinstance(value, dict):
+        raise invalid("logit_bias is not an object", "logit_bias")
+    if len(value) > limits.logit_bias:
+        raise invalid(f"logit_bias must have no more than {limits.logit_bias} entries", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        # Canonical decimal only: int() would also take " 5", "+5", "1_0", "05" and other scripts' digits, and
+        # "1" and "01" would then be two entries for one token. Bounded: the engine keeps token ids in int64 arrays.
+        if not _TOKEN_ID.fullmatch(key) or int(key) > UINT32_MAX:
+            raise invalid("logit_bias keys must be token ids", "logit_bias")
+        bias = finite(bias)
+        if bias is None or not -100 <= bias <= 100:
+            raise invalid("logit_bias values must be numbers in [-100, 100]", "logit_bias")
+        out.append((int(key), bias))
+    return tuple(out)
+
+
+def prompts(value: Any, limits: Limits, read: dict) -> tuple[Prompt, ...]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids (at most limits.prompts)."""
+    if isinstance(value, str):
+        items: list = [value]
+    elif isinstance(value, list) and value and all(is_int(t) for t in value):
+        items = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        items = value
+    elif isinstance(value, list) and not value:
+        raise invalid("prompt is empty", "prompt")
+    else:
+        raise invalid(
+            "prompt is not a string, an array of strings, an array of token ids or an array of arrays of token ids",
+            "prompt",
+        )
+    if len(items) > limits.prompts:
+        raise invalid(f"prompt array must have no more than {limits.prompts} prompts", "prompt")
+    out: list[Prompt] = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise invalid("prompt is empty", "prompt")
+            out.append(item)
+        else:
+            if not item:
+                raise invalid("prompt is empty", "prompt")
+            if not all(is_int(t) and t >= 0 for t in item):
+                raise invalid("prompt token ids must be non-negative integers", "prompt")
+            out.append(tuple(item))
+    return tuple(out)
+
+
+def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
+    """Each message: an object with a string role; content a string, null or a list of text parts (joined).
+    Only what a chat template may use goes on: role, content, name and tool_call_id (strings), tool_calls (an
+    array of objects); other fields are dropped, so nothing unbounded reaches the template or the pickler."""
+    if not isinstance(value, list):
+        raise invalid("messages is not an array", "messages")
+    if not value:
+        raise invalid("messages array is empty", "messages")
+    if len(value) > limits.messages:
+        raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
+    out = []
+    for message in value:
+        if not isinstance(message, dict):
+            raise invalid("message is not an object", "messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise invalid("message role is missing or not a string", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise invalid("only text content parts are supported", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is not None and not isinstance(content, str):
+            raise invalid("message content is not a string or an array of text parts", "messages")
+        kept: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
+        for name in MESSAGE_STRINGS:
+            if message.get(name) is not None:
+                if not isinstance(message[name], str):
+                    raise invalid(f"message {name} is not a string", "messages")
+                kept[name] = message[name]
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if not isinstance(tool_calls, list) or not all(isinstance(c, dict) for c in tool_calls):
+                raise invalid("message tool_calls is not an array of objects", "messages")
+            kept["tool_calls"] = tool_calls
+        out.append(kept)
+    return tuple(out)
+
+
+def tokenize_prompt(prompt: Any, limits: Limits, read: dict) -> tuple[tuple[str, ...], bool]:
+    """(prompts, batched): a string, or a list of strings (answered as a list of lists)."""
+    if isinstance(prompt, str):
+        return (prompt,), False
+    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        if len(prompt) > limits.prompts:
+            raise invalid(f"prompt array must have no more than {limits.prompts} prompts", "prompt")
+        return tuple(prompt), True
+    raise invalid("prompt is not a string or array of strings", "prompt")
