@@ -298,6 +298,23 @@ def test_bad_words_removes_a_word(client, model_name):
     assert word not in banned and banned != plain, (word, plain, banned)
 
 
+def test_bad_words_on_chat(client, model_name):
+    """vLLM's chat completions take bad_words too: the same ban as on completions."""
+
+    def answer(**extra) -> str:
+        messages = [{"role": "user", "content": "Tell me about the sea."}]
+        reply = client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=12, temperature=0, extra_body=extra or None
+        )
+        return reply.choices[0].message.content
+
+    plain = answer()
+    word = max(re.findall(r"[A-Za-z]{3,}", plain), key=len)
+    banned = answer(bad_words=[word])
+    assert word not in banned and banned != plain, (word, plain, banned)
+    assert params(chat(bad_words=[word])).bad_words == [word]
+
+
 def _repeats(ids: list[int], start: int, size: int) -> bool:
     """An n-gram ending at a generated position (>= start) occurs earlier in ids."""
     seen = {tuple(ids[i : i + size]) for i in range(start - size + 1)}

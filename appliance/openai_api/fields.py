@@ -612,6 +612,14 @@ def _token_lists(name: str, count: str, description: str, param: str) -> Field:
     return custom(name, _id_lists(count), description, parse=P.token_lists(name, count), param=param)
 
 
+BAD_WORDS = custom(
+    "bad_words",
+    _bad_words,
+    "Friendli and vLLM: strings never generated (tokenized with and without a leading space); at most {bad_words} "
+    "entries (completions: together with `bad_word_tokens`), each at most {stop_chars} characters.",
+    parse=P.bad_words,
+)
+
 COMPLETION = (
     *generation(
         (max_tokens("max_tokens", positive=False, description=MAX_TOKENS_TEXT),),
@@ -695,13 +703,7 @@ COMPLETION = (
         "id is a stop token (as `stop_token_ids`), several stop when generated in a row.",
         "stop_token_sequences",
     ),
-    custom(
-        "bad_words",
-        _bad_words,
-        "Friendli: strings never generated (tokenized with and without a leading space); at most {bad_words} "
-        "entries with `bad_word_tokens`, each at most {stop_chars} characters.",
-        parse=P.bad_words,
-    ),
+    BAD_WORDS,
     _token_lists(
         "bad_word_tokens",
         "bad_words",
@@ -795,6 +797,7 @@ CHAT = (
         "false: at most one call per answer. Default true.",
         param=None,
     ),
+    BAD_WORDS,
 )
 
 TOKENIZE = (
