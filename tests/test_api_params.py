@@ -19,9 +19,10 @@ import requests
 from conftest import sse_events, wait_idle
 
 from appliance.limits import Limits
+from appliance.openai_api.chat import parse_chat
+from appliance.openai_api.completions import parse_completion
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.validation import parse_chat, parse_completion
 from appliance.params import Grammar
 
 MODEL = "m"

@@ -11,9 +11,11 @@ import pytest
 
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
+from appliance.openai_api.chat import parse_chat
+from appliance.openai_api.completions import parse_completion
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.openapi import DOC_PATH, document, render, request_schema
-from appliance.openai_api.validation import parse_chat, parse_completion, parse_tokenize
+from appliance.openai_api.validation import parse_tokenize
 
 PARSE = {"CompletionRequest": parse_completion, "ChatCompletionRequest": parse_chat, "TokenizeRequest": parse_tokenize}
 BASE = {

@@ -10,12 +10,12 @@ from dataclasses import replace
 import pytest
 
 from appliance.openai_api import tool_calls
-from appliance.openai_api.chat import ChatShape, chat_job
+from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
 from appliance.openai_api.streaming import Choice
 from appliance.openai_api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
-from appliance.openai_api.validation import ChatRequest, EdgeOptions
+from appliance.openai_api.validation import EdgeOptions
 from appliance.params import SamplingParams
 from appliance.server import tool_prompt
 

@@ -23,12 +23,12 @@ from werkzeug.exceptions import HTTPException
 
 from appliance import __version__, auth
 from appliance.http.client import EngineClient, EngineUnavailable
-from appliance.openai_api.chat import ChatShape, chat_job
-from appliance.openai_api.completions import CompletionShape, completion_job
+from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
+from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
-from appliance.openai_api.validation import ChatRequest, CompletionRequest, parse_chat, parse_completion, parse_tokenize
+from appliance.openai_api.validation import parse_tokenize
 from appliance.protocol import EngineStatus, HttpRecord, ModelInfo
 from appliance.settings import ConfigError, ServeSettings
 

@@ -1,5 +1,6 @@
-"""`/v3/chat/completions`: the job a chat request makes (messages -> the model's chat template, engine-side),
-and how its choices and chunks are spelled.
+"""`/v3/chat/completions`, the adapter of OpenAI's chat API: its body -> a `ChatRequest` (the rules across its
+fields; the fields themselves are fields.CHAT), the job it makes (messages -> the model's chat template,
+engine-side), and how its choices and chunks are spelled.
 
 Tools (tool_calls.py): tool_choice "none" passes no tools and parses nothing; "auto" parses the free output;
 "required" and a named tool constrain it with a Lark grammar of calls whose arguments follow each tool's parameters
@@ -12,8 +13,10 @@ incremental, so a stream's deltas add up to the unary message; a call is streame
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 from appliance.limits import Limits
+from appliance.openai_api import fields as F
 from appliance.openai_api.errors import invalid
 from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
 from appliance.openai_api.streaming import Choice
@@ -25,12 +28,62 @@ from appliance.openai_api.tool_calls import (
     parse_tool_calls,
     tool_grammar,
 )
-from appliance.openai_api.validation import ChatRequest
+from appliance.openai_api.validation import EdgeOptions, check_queue, generation, read_body
 from appliance.outputs import TokenLogprob
 from appliance.params import TOOL_CALL_FORMATS, Grammar, SamplingParams
 from appliance.protocol import Job, PromptSpec
 
 DEFAULT_TOOL_PARSER = TOOL_CALL_FORMATS[0]  # an engine that names none (tool_prompt's default too)
+
+
+ToolChoice = Literal["none", "auto", "required", "named"]
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    edge: EdgeOptions
+    sampling: dict[str, Any]
+    messages: tuple[dict, ...]
+    # each {"type": "function", "function": {"name", "description"?, "parameters"?: JSON schema, "strict"?}}
+    tools: tuple[dict, ...] = ()
+    tool_choice: ToolChoice = "auto"  # "auto" when tools are given and tool_choice is not
+    tool_name: str | None = None  # tool_choice "named": the function that must be called
+    parallel_tool_calls: bool = True
+
+
+def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
+    values, unknown = read_body(body, F.CHAT, limits)
+    # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given (both
+    # are checked: an invalid value is an error even where the other one wins): the later field in the table
+    edge, sampling = generation(values, F.CHAT)
+    logprobs, top = values["logprobs"], values["top_logprobs"]
+    if top is not None and not logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    if logprobs:
+        sampling["logprobs"] = top or 0
+    tools = values["tools"] or ()
+    choice: ToolChoice
+    choice, name = values["tool_choice"] or ("auto", None)
+    if values["tool_choice"] is not None and not tools:
+        raise invalid("tool_choice is only allowed when tools are specified", "tool_choice")
+    if name is not None and name not in {t["function"]["name"] for t in tools}:
+        raise invalid(f"tool_choice names function {name!r}, which is not one of tools", "tool_choice")
+    if sampling.get("grammar") is not None and choice in ("required", "named"):
+        raise invalid(
+            f"response_format cannot constrain the output together with tool_choice {choice!r} (which constrains "
+            "it to tool calls): send one",
+            "response_format",
+        )
+    check_queue(1, edge["n"], sampling, limits)
+    return ChatRequest(
+        EdgeOptions(**edge, unknown=unknown),
+        sampling,
+        values["messages"],
+        tools=tools,
+        tool_choice=choice,
+        tool_name=name,
+        parallel_tool_calls=values["parallel_tool_calls"] is not False,
+    )
 
 
 def chat_job(

@@ -1,14 +1,77 @@
-"""`/v3/completions`: the job a completion request makes, and how its choices and chunks are spelled."""
+"""`/v3/completions`, the adapter of OpenAI's (and OVMS's) legacy completions API: its body -> a `CompletionRequest`
+(the rules across its fields, Friendli's and Cerebras's included; the fields themselves are fields.COMPLETION), the
+job it makes, and how its choices and chunks are spelled."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
+from appliance.limits import Limits
+from appliance.openai_api import fields as F
+from appliance.openai_api.errors import invalid
+from appliance.openai_api.parsers import Prompt
 from appliance.openai_api.streaming import Choice
-from appliance.openai_api.validation import CompletionRequest
+from appliance.openai_api.validation import EdgeOptions, check_queue, generation, read_body
 from appliance.outputs import TokenLogprob
 from appliance.params import SamplingParams
 from appliance.protocol import Job, PromptSpec
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    edge: EdgeOptions
+    sampling: dict[str, Any]  # SamplingParams attribute -> the request's value (unset ones absent; sampling.py)
+    prompts: tuple[Prompt, ...]
+    echo: bool = False
+
+
+def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
+    values, unknown = read_body(body, F.COMPLETION, limits)
+    edge, sampling = generation(values, F.COMPLETION)
+    prompts, echo = values["prompt"], bool(values["echo"])
+    if values["tokens"] is not None:
+        if prompts is not None:
+            raise invalid("prompt and tokens cannot both be set (tokens is the prompt as token ids)", "tokens")
+        prompts = (values["tokens"],)
+    if prompts is None:
+        raise invalid("prompt is missing", "prompt")
+    if sampling.get("max_tokens") == 0 and not echo:
+        raise invalid("max_tokens value should be greater than 0 unless echo is set", "max_tokens")
+    seed = values["seed"]
+    if isinstance(seed, tuple):  # Friendli: one seed per choice
+        if len(seed) != edge["n"]:
+            raise invalid(f"a seed list needs one seed per choice: n is {edge['n']}, the list has {len(seed)}", "seed")
+        edge["seeds"] = seed
+        del sampling["seed"]
+    _friendli(values, sampling, limits)
+    if values["logprobs"] is None and values["include_output_logprobs"]:
+        sampling["logprobs"] = 0  # Friendli: the chosen tokens' logprobs
+    edge["return_raw_tokens"] = bool(values["return_raw_tokens"])
+    check_queue(len(prompts), edge["n"], sampling, limits)  # last: an invalid request is a 400 whatever its size
+    return CompletionRequest(EdgeOptions(**edge, unknown=unknown), sampling, prompts, echo)
+
+
+def _friendli(values: dict[str, Any], sampling: dict, limits: Limits) -> None:
+    """The rules across Friendli's completions fields; their values into `sampling`."""
+    total, least = values["max_total_tokens"], values["min_total_tokens"]
+    if total is not None and sampling.get("max_tokens") is not None:
+        raise invalid("max_tokens and max_total_tokens cannot both be set", "max_total_tokens")
+    if total is not None and least is not None and least > total:
+        raise invalid("min_total_tokens cannot be greater than max_total_tokens", "min_total_tokens")
+    words, word_tokens = values["bad_words"] or (), values["bad_word_tokens"] or ()
+    if len(words) + len(word_tokens) > limits.bad_words:
+        raise invalid(
+            f"bad_words and bad_word_tokens must have no more than {limits.bad_words} entries together",
+            "bad_words",
+        )
+    stops = sampling.pop("stop_token_sequences", ())  # one id: a stop token; several: a sequence
+    sampling["stop_token_ids"] = tuple(
+        dict.fromkeys((*sampling.get("stop_token_ids", ()), *(ids[0] for ids in stops if len(ids) == 1)))
+    )
+    sampling["stop_token_sequences"] = tuple(ids for ids in stops if len(ids) > 1)
+    if sampling.get("no_repeat_ngram", 0) <= 1:  # 0 and 1: off
+        sampling.pop("no_repeat_ngram", None)
 
 
 def completion_job(req: CompletionRequest, params: SamplingParams, request_id: str) -> Job:

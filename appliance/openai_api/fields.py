@@ -11,7 +11,8 @@ declared here, their check is the parser they name (parsers.py). A field's `para
 its value sets (builders default to the field's own name; `param=None`: an edge field) and `model_default` the
 generation_config.json key that fills it when unset: a new sampling parameter is its `Field` here and its
 `SamplingParams` attribute (tests/test_fields.py keeps the two in step). Rules across fields (stream and
-stream_options, n and best_of, echo and max_tokens, ...) are code in validation.py, and their JSON-schema form in
+stream_options, n and best_of, echo and max_tokens, ...) are code in validation.py (shared) and the adapters
+completions.py and chat.py, and their JSON-schema form in
 openapi.py. No numpy here: HTTP workers import this.
 """
 

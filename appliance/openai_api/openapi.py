@@ -2,9 +2,10 @@
 
 The request schemas (CompletionRequest, ChatCompletionRequest, TokenizeRequest) come from the field tables in
 appliance/openai_api/fields.py, the same tables validation.py walks, with bounds from `Limits()` defaults; the
-rules across fields are written here in JSON-schema form (the code that enforces them is in validation.py). The
-`limits` object of the Config schema comes from `appliance.limits.Limits`. The rest of the document (paths,
-responses, response schemas) is written by hand in docs/openapi.json itself: edit it there, then regenerate.
+rules across fields are written here in JSON-schema form (the code that enforces them is in validation.py and the
+adapters completions.py and chat.py). The `limits` object of the Config schema comes from
+`appliance.limits.Limits`. The rest of the document (paths, responses, response schemas) is written by hand in
+docs/openapi.json itself: edit it there, then regenerate.
 
     python -m appliance.openai_api.openapi           # rewrite docs/openapi.json in place
     python -m appliance.openai_api.openapi --check   # exit 1 if it is not current (tests/test_openapi_current.py)
@@ -160,7 +161,7 @@ _NO_BEAMS = {"enum": [1, None]}
 
 
 def _completion_rules(limits: Limits) -> list[dict]:
-    """The rules across Friendli's and Cerebras's completions fields (validation.py `parse_completion`,
+    """The rules across Friendli's and Cerebras's completions fields (completions.py `parse_completion`,
     `_friendli`)."""
     beam = {"type": "integer", "minimum": 2}
     return [

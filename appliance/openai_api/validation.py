@@ -11,30 +11,30 @@ numbers; chat messages keep only the fields a chat template may use, each of a k
 
 Which fields there are, their types, bounds, messages, parsers and the `SamplingParams` attribute each sets are
 declared in appliance/openai_api/fields.py (which also writes docs/openapi.json's request schemas); this module walks
-those tables (`_read`) and keeps the rules across fields as code (`_generation`, the endpoint parsers, `_friendli`,
-`_check_queue`). A generation request comes out as `EdgeOptions` (what the app reads) and `sampling`, the set values
-by `SamplingParams` attribute; appliance/openai_api/sampling.py adds the model's defaults and builds the
+those tables (`read_body`) and keeps the rules across fields that completions and chat share (`generation`,
+`check_queue`); each API's adapter (completions.py, chat.py) adds its own and builds its request, so adding an API
+is adding a module. A generation request comes out as `EdgeOptions` (what the app reads) and `sampling`, the set
+values by `SamplingParams` attribute; appliance/openai_api/sampling.py adds the model's defaults and builds the
 `SamplingParams`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
 from appliance.openai_api.errors import invalid
-from appliance.openai_api.parsers import Prompt, finite, is_int
+from appliance.openai_api.parsers import finite, is_int
 
 __all__ = [
     "Limits",
     "EdgeOptions",
-    "CompletionRequest",
-    "ChatRequest",
     "TokenizeRequest",
-    "parse_completion",
-    "parse_chat",
+    "read_body",
+    "generation",
+    "check_queue",
     "parse_tokenize",
 ]
 
@@ -51,29 +51,6 @@ class EdgeOptions:
     seeds: tuple[int, ...] | None = None  # Friendli: one seed per choice (len n)
     return_raw_tokens: bool = False  # Cerebras: each choice also carries its token ids (`tokens`)
     unknown: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    edge: EdgeOptions
-    sampling: dict[str, Any]  # SamplingParams attribute -> the request's value (unset ones absent; sampling.py)
-    prompts: tuple[Prompt, ...]
-    echo: bool = False
-
-
-ToolChoice = Literal["none", "auto", "required", "named"]
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    edge: EdgeOptions
-    sampling: dict[str, Any]
-    messages: tuple[dict, ...]
-    # each {"type": "function", "function": {"name", "description"?, "parameters"?: JSON schema, "strict"?}}
-    tools: tuple[dict, ...] = ()
-    tool_choice: ToolChoice = "auto"  # "auto" when tools are given and tool_choice is not
-    tool_name: str | None = None  # tool_choice "named": the function that must be called
-    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -182,6 +159,14 @@ def _scalar(f: F.Field, value: Any, limits: Limits) -> Any:
     return value
 
 
+def read_body(body: Any, table: tuple[F.Field, ...], limits: Limits) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A JSON body's fields of `table`, each checked alone (name -> value, None: not set), and the names of its
+    other fields (`unknown`)."""
+    b = _object(body, limits)
+    values = _read(b, table, limits)
+    return values, b.unknown()
+
+
 # ---------------------------------------------------------------- shared rules
 
 
@@ -192,7 +177,7 @@ def _sampling(values: dict[str, Any], table: tuple[F.Field, ...]) -> dict[str, A
     return {f.param: values[f.name] for f in table if f.param is not None and values[f.name] is not None}
 
 
-def _generation(values: dict[str, Any], table: tuple[F.Field, ...]) -> tuple[dict, dict]:
+def generation(values: dict[str, Any], table: tuple[F.Field, ...]) -> tuple[dict, dict]:
     """(EdgeOptions' keyword arguments, the sampling values) from the fields read, once the rules across fields
     hold (the endpoint-specific ones are checked by callers)."""
     stream = bool(values["stream"])
@@ -249,10 +234,7 @@ def _generation(values: dict[str, Any], table: tuple[F.Field, ...]) -> tuple[dic
     return edge, sampling
 
 
-# ---------------------------------------------------------------- endpoints
-
-
-def _check_queue(prompts: int, n: int, sampling: dict, limits: Limits) -> None:
+def check_queue(prompts: int, n: int, sampling: dict, limits: Limits) -> None:
     """n x prompts against the engine's queue before anything is built for them (choices here, sequences there):
     a request that can never fit is a 400 (a 429 would tell clients to retry what can never succeed; the engine
     answers 429 to one that fits the queue but not its current room). Called once every other rule passed."""
@@ -265,92 +247,7 @@ def _check_queue(prompts: int, n: int, sampling: dict, limits: Limits) -> None:
         )
 
 
-def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
-    b = _object(body, limits)
-    values = _read(b, F.COMPLETION, limits)
-    edge, sampling = _generation(values, F.COMPLETION)
-    prompts, echo = values["prompt"], bool(values["echo"])
-    if values["tokens"] is not None:
-        if prompts is not None:
-            raise invalid("prompt and tokens cannot both be set (tokens is the prompt as token ids)", "tokens")
-        prompts = (values["tokens"],)
-    if prompts is None:
-        raise invalid("prompt is missing", "prompt")
-    if sampling.get("max_tokens") == 0 and not echo:
-        raise invalid("max_tokens value should be greater than 0 unless echo is set", "max_tokens")
-    seed = values["seed"]
-    if isinstance(seed, tuple):  # Friendli: one seed per choice
-        if len(seed) != edge["n"]:
-            raise invalid(f"a seed list needs one seed per choice: n is {edge['n']}, the list has {len(seed)}", "seed")
-        edge["seeds"] = seed
-        del sampling["seed"]
-    _friendli(values, sampling, limits)
-    if values["logprobs"] is None and values["include_output_logprobs"]:
-        sampling["logprobs"] = 0  # Friendli: the chosen tokens' logprobs
-    edge["return_raw_tokens"] = bool(values["return_raw_tokens"])
-    _check_queue(len(prompts), edge["n"], sampling, limits)  # last: an invalid request is a 400 whatever its size
-    return CompletionRequest(EdgeOptions(**edge, unknown=b.unknown()), sampling, prompts, echo)
-
-
-def _friendli(values: dict[str, Any], sampling: dict, limits: Limits) -> None:
-    """The rules across Friendli's completions fields; their values into `sampling`."""
-    total, least = values["max_total_tokens"], values["min_total_tokens"]
-    if total is not None and sampling.get("max_tokens") is not None:
-        raise invalid("max_tokens and max_total_tokens cannot both be set", "max_total_tokens")
-    if total is not None and least is not None and least > total:
-        raise invalid("min_total_tokens cannot be greater than max_total_tokens", "min_total_tokens")
-    words, word_tokens = values["bad_words"] or (), values["bad_word_tokens"] or ()
-    if len(words) + len(word_tokens) > limits.bad_words:
-        raise invalid(
-            f"bad_words and bad_word_tokens must have no more than {limits.bad_words} entries together",
-            "bad_words",
-        )
-    stops = sampling.pop("stop_token_sequences", ())  # one id: a stop token; several: a sequence
-    sampling["stop_token_ids"] = tuple(
-        dict.fromkeys((*sampling.get("stop_token_ids", ()), *(ids[0] for ids in stops if len(ids) == 1)))
-    )
-    sampling["stop_token_sequences"] = tuple(ids for ids in stops if len(ids) > 1)
-    if sampling.get("no_repeat_ngram", 0) <= 1:  # 0 and 1: off
-        sampling.pop("no_repeat_ngram", None)
-
-
-def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
-    b = _object(body, limits)
-    values = _read(b, F.CHAT, limits)
-    # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given (both
-    # are checked: an invalid value is an error even where the other one wins): the later field in the table
-    edge, sampling = _generation(values, F.CHAT)
-    logprobs, top = values["logprobs"], values["top_logprobs"]
-    if top is not None and not logprobs:
-        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
-    if logprobs:
-        sampling["logprobs"] = top or 0
-    tools = values["tools"] or ()
-    choice: ToolChoice
-    choice, name = values["tool_choice"] or ("auto", None)
-    if values["tool_choice"] is not None and not tools:
-        raise invalid("tool_choice is only allowed when tools are specified", "tool_choice")
-    if name is not None and name not in {t["function"]["name"] for t in tools}:
-        raise invalid(f"tool_choice names function {name!r}, which is not one of tools", "tool_choice")
-    if sampling.get("grammar") is not None and choice in ("required", "named"):
-        raise invalid(
-            f"response_format cannot constrain the output together with tool_choice {choice!r} (which constrains "
-            "it to tool calls): send one",
-            "response_format",
-        )
-    _check_queue(1, edge["n"], sampling, limits)
-    return ChatRequest(
-        EdgeOptions(**edge, unknown=b.unknown()),
-        sampling,
-        values["messages"],
-        tools=tools,
-        tool_choice=choice,
-        tool_name=name,
-        parallel_tool_calls=values["parallel_tool_calls"] is not False,
-    )
-
-
 def parse_tokenize(body: Any, limits: Limits = Limits()) -> TokenizeRequest:
-    values = _read(_object(body, limits), F.TOKENIZE, limits)
+    values, _ = read_body(body, F.TOKENIZE, limits)
     prompts, batched = values["prompt"]
     return TokenizeRequest(values["model"], prompts, batched=batched)
