@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from appliance.limits import Limits
 from appliance.openai_api import parsers as P
@@ -55,17 +55,17 @@ def Max(value: int | float | str, message: str | None = None, *, exclusive: bool
     return Bound("max", value, message, exclusive)
 
 
-SAME = "="  # a builder's `param` default: the SamplingParams attribute of the field's own name
+SAME = "="  # `Field.param`'s default: the SamplingParams attribute of the field's own name
 
 
 @dataclass(frozen=True)
 class Field:
     """One request field. A JSON null means "not set" (optional fields) or missing (`required` ones).
 
-    `param`: the `SamplingParams` attribute the field's value sets (None: an edge field, read by the app or by a
-    rule across fields); validation.py passes every set value to it, appliance/openai_api/sampling.py builds the
-    `SamplingParams`. `model_default`: the generation_config.json key that supplies the value a request leaves
-    unset (None: the dataclass default)."""
+    `param`: the `SamplingParams` attribute the field's value sets, by default the one of its own name (None: an
+    edge field, read by the app or by a rule across fields); validation.py passes every set value to it,
+    appliance/openai_api/sampling.py builds the `SamplingParams`. `model_default`: the generation_config.json key
+    that supplies the value a request leaves unset (None: the dataclass default)."""
 
     name: str
     kind: Kind
@@ -76,83 +76,36 @@ class Field:
     description: str = ""
     schema: Callable[[Limits], dict] | None = None  # custom fields: the JSON schema (nullable added if optional)
     parse: P.Parser | None = None  # custom fields: the check (parsers.py)
-    param: str | None = None
+    param: str | None = SAME
     model_default: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.param == SAME:
+            object.__setattr__(self, "param", self.name)
 
     def text(self, template: str, limits: Limits) -> str:
         return template.format(name=self.name, **vars(limits))
 
 
-def _param(name: str, param: str | None) -> str | None:
-    return name if param == SAME else param
+# the builders: `options` are Field's keyword arguments (param, model_default, ...)
+def boolean(name: str, message: str, description: str = "", **options: Any) -> Field:
+    return Field(name, "boolean", message, description=description, **options)
 
 
-def boolean(name: str, message: str, description: str = "", *, param: str | None = SAME) -> Field:
-    return Field(name, "boolean", message, description=description, param=_param(name, param))
+def integer(name: str, message: str, *bounds: Bound, **options: Any) -> Field:
+    return Field(name, "integer", message, bounds, **options)
 
 
-def integer(
-    name: str,
-    message: str,
-    *bounds: Bound,
-    description: str = "",
-    also: tuple[int, ...] = (),
-    param: str | None = SAME,
-    model_default: str | None = None,
-) -> Field:
-    return Field(
-        name,
-        "integer",
-        message,
-        bounds,
-        also,
-        description=description,
-        param=_param(name, param),
-        model_default=model_default,
-    )
+def number(name: str, *bounds: Bound, message: str = "{name} is not a valid number", **options: Any) -> Field:
+    return Field(name, "number", message, bounds, **options)
 
 
-def number(
-    name: str,
-    *bounds: Bound,
-    message: str = "{name} is not a valid number",
-    description: str = "",
-    param: str | None = SAME,
-    model_default: str | None = None,
-) -> Field:
-    return Field(
-        name,
-        "number",
-        message,
-        bounds,
-        description=description,
-        param=_param(name, param),
-        model_default=model_default,
-    )
-
-
-def custom(
-    name: str,
-    schema: Callable[[Limits], dict],
-    description: str = "",
-    required: str | None = None,
-    *,
-    parse: P.Parser,
-    param: str | None = SAME,
-) -> Field:
-    return Field(
-        name,
-        "custom",
-        required=required,
-        description=description,
-        schema=schema,
-        parse=parse,
-        param=_param(name, param),
-    )
+def custom(name: str, schema: Callable[[Limits], dict], description: str = "", **options: Any) -> Field:
+    return Field(name, "custom", description=description, schema=schema, **options)
 
 
 def ignored(name: str) -> Field:
-    return Field(name, "any", description="Accepted and ignored.")
+    return Field(name, "any", description="Accepted and ignored.", param=None)
 
 
 def max_tokens(name: str, *, positive: bool, description: str, param: str = SAME) -> Field:
@@ -382,6 +335,7 @@ MODEL = Field(
     "model is not a string",
     required="model missing in request",
     description="The served model name (`GET /v3/models`); another name gets 404 `model_not_found`.",
+    param=None,
 )
 MAX_TOKENS_TEXT = (
     "Generated tokens at most (unsigned 32-bit). Also bounded by `--max-tokens-limit` (400 above it) "
