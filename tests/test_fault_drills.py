@@ -72,10 +72,11 @@ def first(messages: list[str], prefix: str) -> int | None:
     return next((i for i, m in enumerate(messages) if m.startswith(prefix)), None)
 
 
-@pytest.fixture(scope="module")
-def watched(model_dir, tmp_path_factory) -> Iterator[tuple[Server, FakeSystemd]]:
-    """One server (1 worker, fault injection on) started as systemd would start the unit."""
-    tmp = tmp_path_factory.mktemp("drills")
+@pytest.fixture
+def watched(model_dir, tmp_path) -> Iterator[tuple[Server, FakeSystemd]]:
+    """A server of its own for each drill (1 worker, fault injection on) started as systemd would start the unit:
+    a drill kills a worker or the engine loop, and the next one must not meet that server (a start is ~3 s)."""
+    tmp = tmp_path
     systemd = FakeSystemd(tmp / "notify")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("NOTIFY_SOCKET", str(tmp / "notify"))
@@ -160,7 +161,6 @@ def test_a_killed_worker_is_replaced_and_serving_resumes(watched):
 
 
 def test_a_dead_engine_loop_stops_the_keepalives_and_frees_the_port(watched):
-    """Last on the watched server."""
     srv, systemd = watched
     t = time.monotonic()
     engine_client(srv).call(p.FAULT, "loop")

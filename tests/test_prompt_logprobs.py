@@ -79,8 +79,10 @@ def test_prompt_logprobs_match_transformers(engine, prompts, reference):
 
 
 def test_cached_prompt_still_gives_every_prompt_logprob(engine, prompts, reference):
-    """The prompt's full blocks are in the prefix cache by now (previous test), but a request for prompt
-    logprobs needs the logits of every prompt position, so it bypasses the cache and computes them all."""
+    """The prompt's full blocks are in the prefix cache (put there here: the test runs in any order), but a
+    request for prompt logprobs needs the logits of every prompt position, so it bypasses the cache and computes
+    them all."""
+    assert engine.submit(prompts[1], SamplingParams(max_tokens=1)).results()[0]  # computes and caches its blocks
     hits = engine.stats()["prefix_cache_hit_tokens"]
     assert engine.submit(prompts[1], SamplingParams(max_tokens=1)).results()[0]
     assert engine.stats()["prefix_cache_hit_tokens"] > hits  # the blocks are cached...
