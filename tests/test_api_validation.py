@@ -904,6 +904,7 @@ class StubRuntime:
         self.tokenizer = StubTokenizer()
         self.manifest = SimpleNamespace(vocab_size=100)
         self.max_context = 8192
+        self.backend = SimpleNamespace(max_prompt=None)  # dynamic shapes: no prompt cap below the context
         self.config = SimpleNamespace(max_ngram_size=3, prefix_cache_sharing="keys")
         self.submitted = []
 
@@ -1001,3 +1002,35 @@ def test_setup_work_is_bounded_engine_side():
     assert len(handles) == 4
     failed, _ = submit({}, {"bad_word_tokens": [[1, 2, 3]] * 10}, Limits(setup_work=29))
     assert failed.status == 400 and failed.param == "bad_words"
+
+
+def test_a_prepare_failure_names_the_field_the_engine_names(monkeypatch):
+    """The 400's `param` for what `prepare` refuses is the field its ParamInvalid names, and `bad_words` for any
+    other error (the bad words are all it tokenizes besides the prediction), whatever the message's words."""
+    from appliance.runtime.engine.admission import ParamInvalid
+
+    for error, param in (
+        (ParamInvalid("the hint is 9000 tokens, more than the model max length", "prediction"), "prediction"),
+        (ValueError("prediction: a bad word the tokenizer refused"), "bad_words"),
+    ):
+
+        def refuse(self, params, error=error):
+            raise error
+
+        monkeypatch.setattr(StubRuntime, "prepare", refuse)
+        failed, runtime = submit({}, {"bad_words": ["prediction"]})
+        assert (failed.status, failed.param, failed.message) == (400, param, str(error))
+        assert not runtime.submitted
+
+
+def test_a_prompt_past_the_context_gets_ovms_message_before_the_engine_sees_it():
+    """A prompt that alone fills the context is refused as it is tokenized, in OVMS's words (the engine's own
+    check, for a prompt + max_tokens past it, says the same)."""
+    from appliance.protocol import PromptSpec
+
+    failed, runtime = submit({"prompts": [PromptSpec(text="x" * 8192)]}, {})  # the stub: a token per character
+    assert (failed.status, failed.message) == (
+        400,
+        "Number of prompt tokens: 8192 + max tokens value: 2 exceeds model max length: 8192",
+    )
+    assert not runtime.submitted

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
 from appliance.params import SamplingParams
-from appliance.runtime.engine.admission import INBOX_BUDGET_SECONDS, Admission
+from appliance.runtime.engine.admission import INBOX_BUDGET_SECONDS, Admission, ParamInvalid
 from appliance.runtime.tokenizer import TextTooLong, max_token_chars
 
 HOSTILE = [
@@ -140,11 +140,12 @@ def test_prepare_tokenizes_a_request_once_and_bounds_the_prediction(tmp_path_fac
     assert (5, 6) in ready.bad_word_tokens and tuple(tok.tok.encode(" world")) in ready.bad_word_tokens
     assert tok.calls == 2  # the bad words in one batch, the prediction once
     assert Admission.prepare(engine, ready) is ready and tok.calls == 2  # prepared params: nothing again
-    with pytest.raises(ValueError, match="prediction"):  # more tokens than the context
+    with pytest.raises(ParamInvalid, match="prediction") as more:  # more tokens than the context
         Admission.prepare(engine, SamplingParams(prediction="Hello world " * 40))  # type: ignore[arg-type]
     calls = tok.calls
-    with pytest.raises(ValueError, match="prediction"):  # cannot fit: refused before it is encoded
+    with pytest.raises(ParamInvalid, match="prediction") as longer:  # cannot fit: refused before it is encoded
         Admission.prepare(engine, SamplingParams(prediction="x" * 10**6))  # type: ignore[arg-type]
+    assert more.value.param == longer.value.param == "prediction"  # the 400's `param`
     assert tok.calls == calls + 1 or tok.tok.max_token_chars is None
 
 

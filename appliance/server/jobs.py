@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.outputs import Chunk, Timing
-from appliance.runtime.engine import EngineDead, QueueFull
+from appliance.runtime.engine import EngineDead, PromptTooLong, QueueFull
+from appliance.runtime.engine.admission import ParamInvalid
 from appliance.runtime.grammar import GrammarError
 from appliance.runtime.tokenizer import TextTooLong
 from appliance.server import tool_prompt
@@ -98,8 +99,8 @@ class JobRunner:
             raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
         try:  # bad words and the prediction tokenized once for all the request's sequences, off the engine thread
             prepared = engine.prepare(job.params)
-        except (TypeError, ValueError) as exc:
-            param = "prediction" if str(exc).startswith("prediction") else "bad_words"
+        except (TypeError, ValueError) as exc:  # ParamInvalid names its field; the rest came from bad words
+            param = exc.param if isinstance(exc, ParamInvalid) else "bad_words"
             raise Rejected(p.Failed(400, str(exc), param)) from None
         if job.tenant and engine.config.prefix_cache_sharing == "keys":  # API keys apart in the prefix cache
             prepared = replace(prepared, cache_scope=job.tenant)
@@ -327,14 +328,8 @@ def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) ->
         raise Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
     # (static shapes: a prompt past max_prompt gets the engine's own message for that)
     if len(ids) >= limit and (engine.backend.max_prompt is None or len(ids) <= engine.backend.max_prompt):
-        # refused now, not after the request's other prompts were tokenized too (PromptTooLong says the same)
-        raise Rejected(
-            p.Failed(
-                400,
-                f"Number of prompt tokens: {len(ids)} + max tokens value: {max_tokens or 0} exceeds model max "
-                f"length: {limit}",
-            )
-        )
+        # refused now, not after the request's other prompts were tokenized too (in the engine's words)
+        raise Rejected(p.Failed(400, str(PromptTooLong.over_context(len(ids), max_tokens, limit))))
     return ids
 
 

@@ -48,6 +48,22 @@ class QueueFull(Exception):
 class PromptTooLong(ValueError):
     """Prompt (+ max_tokens) does not fit the context (HTTP 400)."""
 
+    @classmethod
+    def over_context(cls, prompt_tokens: int, max_tokens: int | None, limit: int) -> PromptTooLong:
+        """OVMS's message for a prompt (+ max_tokens) past the model's context, the one wording both checks use."""
+        return cls(
+            f"Number of prompt tokens: {prompt_tokens} + max tokens value: {max_tokens or 0} exceeds model max "
+            f"length: {limit}"
+        )
+
+
+class ParamInvalid(ValueError):
+    """A request parameter the engine cannot serve (HTTP 400), with the name of the field at fault (`param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
 
 class Admission(EngineState):
     """Engine's submission side (a part of Engine: see state.py for the state it uses)."""
@@ -96,7 +112,7 @@ class Admission(EngineState):
         """`params` with its texts tokenized: `bad_words` (as written and with a leading space) added to
         `bad_word_tokens`, `prediction` as `prediction_ids`. Call it once per request on the caller's thread and
         share the result among the request's sequences (submit does it per sequence for a caller that did not).
-        ValueError (400) for a prediction that cannot fit the context, checked in characters before encoding."""
+        ParamInvalid (400) for a prediction that cannot fit the context, checked in characters before encoding."""
         words = [t for word in params.bad_words for t in (word, " " + word.lstrip())]
         wants_prediction = params.prediction is not None and params.prediction_ids is None
         if not words and not wants_prediction:
@@ -112,11 +128,12 @@ class Admission(EngineState):
             try:
                 ids = self.tokenizer.encode(text, max_tokens=limit) if text else []
             except TextTooLong as exc:
-                raise ValueError(f"prediction: {exc}, the model's context") from None
+                raise ParamInvalid(f"prediction: {exc}, the model's context", "prediction") from None
             if len(ids) > limit:
-                raise ValueError(
+                raise ParamInvalid(
                     f"prediction: {len(ids)} tokens, more than the model max length: {limit} (an answer cannot be "
-                    "longer)"
+                    "longer)",
+                    "prediction",
                 )
             changes["prediction_ids"] = ids
         return replace(params, **changes)
@@ -160,10 +177,7 @@ class Admission(EngineState):
             self.grammars.check(params.grammar)
         self.speculation.check(params)
         if len(prompt_ids) + (params.max_tokens or 0) > limit or len(prompt_ids) >= limit:
-            raise PromptTooLong(
-                f"Number of prompt tokens: {len(prompt_ids)} + max tokens value: "
-                f"{params.max_tokens or 0} exceeds model max length: {limit}"
-            )
+            raise PromptTooLong.over_context(len(prompt_ids), params.max_tokens, limit)
         max_len = min(limit, len(prompt_ids) + params.max_tokens if params.max_tokens is not None else limit)
         return Sequence(
             request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
