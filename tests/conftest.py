@@ -111,6 +111,29 @@ class Server(ApplianceServer):
         return code
 
 
+def one_worker_server(
+    model_dir: Path,
+    log_path: Path,
+    *extra: str,
+    threads: int | None = None,
+    request_timeout: float | None = None,
+    send_timeout: float | None = None,
+    keepalive_timeout: float | None = None,
+) -> Server:
+    """A server with one gunicorn worker and the HTTP bounds a test measures spelled out (None: the default): the
+    edge tests count one worker's threads and connections and wait on its timeouts. Use it as `with ... as srv:`."""
+    flags = ["--workers", "1"]
+    for flag, value in (
+        ("--threads", threads),
+        ("--request-timeout", request_timeout),
+        ("--send-timeout", send_timeout),
+        ("--keepalive-timeout", keepalive_timeout),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    return Server(model_dir, log_path, *flags, *extra)
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The default model's fp16 export, the one the server tests run: built (once, cached, under a lock) by the same

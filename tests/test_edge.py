@@ -22,7 +22,7 @@ import time
 
 import pytest
 import requests
-from conftest import Server, wait_until
+from conftest import Server, one_worker_server, wait_until
 
 from appliance.http.edge import chunked_end, parse_head, without_expect
 from appliance.openai_api.streaming import socket_closed
@@ -35,17 +35,12 @@ BOUND = 8.0  # what a request may take beside slow clients: under the ~10 s a he
 
 @pytest.fixture(scope="module")
 def edge(model_dir, tmp_path_factory):
-    with Server(
+    with one_worker_server(
         model_dir,
         tmp_path_factory.mktemp("edge") / "serve.log",
-        "--workers",
-        "1",
-        "--threads",
-        str(THREADS),
-        "--request-timeout",
-        str(REQUEST_TIMEOUT),
-        "--send-timeout",
-        str(SEND_TIMEOUT),
+        threads=THREADS,
+        request_timeout=REQUEST_TIMEOUT,
+        send_timeout=SEND_TIMEOUT,
     ) as srv:
         yield srv
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 import requests
-from conftest import Server, wait_until
+from conftest import Server, one_worker_server, wait_until
 
 THREADS = 4
 # long enough that the budget test's probes and completion (seconds each on a loaded 2-core box) run while the
@@ -36,21 +36,16 @@ LIVE_BOUND = 5.0
 
 @pytest.fixture(scope="module")
 def srv(model_dir, tmp_path_factory):
-    with Server(
+    with one_worker_server(
         model_dir,
         tmp_path_factory.mktemp("edge-limits") / "serve.log",
-        "--workers",
-        "1",
-        "--threads",
-        str(THREADS),
-        "--request-timeout",
-        str(REQUEST_TIMEOUT),
-        "--send-timeout",
-        str(SEND_TIMEOUT),
         "--client-max-generations",
         str(MAX_GENERATIONS),
         "--client-max-connections",
         str(MAX_CONNECTIONS),
+        threads=THREADS,
+        request_timeout=REQUEST_TIMEOUT,
+        send_timeout=SEND_TIMEOUT,
     ) as server:
         yield server
 
@@ -366,9 +361,7 @@ def test_a_full_worker_sheds_its_oldest_connection_not_the_newcomer(model_dir, t
     """1000 silent connections from 20 addresses (50 each, under the per-address cap) bring a worker to gunicorn's
     worker_connections, where gthread stops accepting: the oldest are closed to make room, so a probe is answered
     at once instead of after --request-timeout."""
-    with Server(
-        model_dir, tmp_path / "serve.log", "--workers", "1", "--threads", "4", "--request-timeout", "30"
-    ) as server:
+    with one_worker_server(model_dir, tmp_path / "serve.log", threads=4, request_timeout=30) as server:
         socks = [connect(server, f"127.0.8.{i // 50 + 1}") for i in range(1000)]
         try:
             time.sleep(1.0)  # accepted by the worker

@@ -16,7 +16,7 @@ import threading
 import time
 
 import pytest
-from conftest import Server
+from conftest import one_worker_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +34,8 @@ def tiny_export(exported):
 
 @pytest.fixture(scope="module")
 def kept(tiny_export, tmp_path_factory):
-    with Server(
-        tiny_export,
-        tmp_path_factory.mktemp("keepalive") / "serve.log",
-        "--workers",
-        "1",
-        "--keepalive-timeout",
-        str(KEEPALIVE),
+    with one_worker_server(
+        tiny_export, tmp_path_factory.mktemp("keepalive") / "serve.log", keepalive_timeout=KEEPALIVE
     ) as srv:
         yield srv
 
@@ -122,8 +117,8 @@ def test_idle_connection_closed_after_the_timeout_busy_one_kept(kept):
 
 @pytest.fixture(scope="module")
 def unkept(tiny_export, tmp_path_factory):
-    with Server(
-        tiny_export, tmp_path_factory.mktemp("no-keepalive") / "serve.log", "--workers", "1", "--keepalive-timeout", "0"
+    with one_worker_server(
+        tiny_export, tmp_path_factory.mktemp("no-keepalive") / "serve.log", keepalive_timeout=0
     ) as srv:
         yield srv
 
