@@ -8,7 +8,9 @@ this checkout's launcher (the venv's `appliance` script) where install.sh's --pr
 *.target units that every service depends on (without them `systemd-analyze verify --root` fails with "Unit
 sysinit.target not found": docs/deploy.md's offline check says so too). Run as root (the box's case) install.sh
 creates the user in the root's /etc/passwd with systemd-sysusers --root and sets ownership; run as another user it
-is a staging install (no user, no chown), and the ownership test is skipped.
+is a staging install (no user, no chown), so the checks of ownership (the service's user, root-owned files, a
+directory another user owns) need root: as another user they are skipped with a reason that says so (NEEDS_ROOT).
+A user namespace (`unshare -r`) does not stand in: it maps one uid, and these checks chown to other users.
 
 The unit is installed in /usr/local/lib/systemd/system, the vendor layer for software from outside packages, so
 the admin's layer (/etc/systemd/system: drop-ins, a full override) is never written by a re-install.
@@ -40,6 +42,7 @@ INSTALL = REPO / "systemd" / "install.sh"
 PREFIX = "/opt/appliance"
 EXPOSURE_LIMIT = 2.0  # "OK" is < 4.5 in systemd's scale; the unit measures 1.5 (docs/deploy.md)
 AS_ROOT = os.geteuid() == 0
+NEEDS_ROOT = "ownership is checked only as root (run the tests as root, as the container does)"
 UNIT = "usr/local/lib/systemd/system/appliance.service"  # in the root
 OLD_UNIT = "etc/systemd/system/appliance.service"  # where installs before put it: now the admin's override
 WANTS = "etc/systemd/system/multi-user.target.wants/appliance.service"
@@ -104,7 +107,7 @@ def test_install_lays_out_user_settings_key_models_and_the_unit(installed: Path)
     assert not (installed / OLD_UNIT).exists()  # the admin's layer is left to the admin
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="as another user install.sh makes a staging root: no user, no chown")
+@pytest.mark.skipif(not AS_ROOT, reason=f"{NEEDS_ROOT}: as another user install.sh makes no user and chowns nothing")
 def test_install_as_root_makes_the_user_and_owns_the_files(installed: Path):
     etc, models = installed / "etc" / "appliance", installed / "var" / "lib" / "appliance" / "models"
     passwd = (installed / "etc" / "passwd").read_text()
@@ -310,7 +313,7 @@ def test_install_does_not_print_the_key_and_leaves_no_temporary_files(root: Path
 
 
 def _victim(tmp_path: Path) -> Path:
-    """A file only root may write (/etc/shadow's stand-in)."""
+    """A file only its owner may write (/etc/shadow's stand-in: root's when the tests run as root)."""
     victim = tmp_path / "shadow"
     victim.write_text("root:secret\n")
     victim.chmod(0o600)
@@ -319,10 +322,11 @@ def _victim(tmp_path: Path) -> Path:
 
 def _untouched(victim: Path) -> bool:
     st = victim.stat()
-    return victim.read_text() == "root:secret\n" and st.st_mode & 0o777 == 0o600 and (st.st_uid, st.st_gid) == (0, 0)
+    owner = (os.geteuid(), os.getegid())  # who made it (_victim): a chown through a link would change it
+    return victim.read_text() == "root:secret\n" and st.st_mode & 0o777 == 0o600 and (st.st_uid, st.st_gid) == owner
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="another user's directory needs root to make (chown)")
+@pytest.mark.skipif(not AS_ROOT, reason=f"{NEEDS_ROOT}: the test makes a directory another user owns (chown)")
 def test_install_refuses_a_settings_dir_another_user_can_write(root: Path, tmp_path: Path):
     """A pre-existing /etc/appliance that another user owns (or every user may write) could hold their symlinks:
     install.sh refuses it in one line, before writing, chmod-ing or chown-ing anything through it."""
@@ -379,7 +383,7 @@ def test_install_refuses_code_that_others_can_change(root: Path):
         assert done.returncode != 0 and str(path) in done.stderr and "others can change" in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and not (root / UNIT).exists()
         path.chmod(mode)
-    if AS_ROOT:
+    if AS_ROOT:  # a launcher another user owns: only root can make one (chown); the rest runs as any user
         os.chown(bin_dir / "appliance", 65534, 65534)
         done = install(root)
         assert done.returncode != 0 and str(bin_dir / "appliance") in done.stderr, done.stderr
