@@ -47,7 +47,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus k alternatives
     skip_special_tokens: bool = True
     n: int = 1
-    best_of: int | None = None  # > 1: beam search (issue 3/4)
+    best_of: int | None = None  # > 1: beam search
     length_penalty: float = 1.0
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus k alternatives
     # structured output: the text must match this grammar (EOS only where it accepts); None: free text

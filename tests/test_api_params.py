@@ -1,4 +1,4 @@
-"""Issue 11's request parameters at the HTTP edge: structured output (`response_format`, Cerebras's `grammar_root`),
+"""Request parameters beyond OpenAI's at the edge: structured output (`response_format`, Cerebras's `grammar_root`),
 chat tools, and the Friendli / Cerebras completions parameters (docs/serving.md "Structured output and parameters
 of other APIs").
 
