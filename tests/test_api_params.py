@@ -1,4 +1,4 @@
-"""Request parameters beyond OpenAI's at the edge: structured output (`response_format`, Cerebras's `grammar_root`),
+"""Request parameters at the HTTP edge: structured output (`response_format`, Cerebras's `grammar_root`),
 chat tools, and the Friendli / Cerebras completions parameters (docs/serving.md "Structured output and parameters
 of other APIs").
 
