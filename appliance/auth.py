@@ -83,6 +83,15 @@ class ApiKeys:
         return str(matches.index(True)) if True in matches else ""
 
 
+def authorization(header: str | None, api_key: str | None) -> str:
+    """The credentials a request carries, as an Authorization header: that header, else Anthropic's `x-api-key`
+    as a bearer token (the same key file, the same checks; the edge worker's per-key counts read it the same way,
+    appliance/http/worker.py)."""
+    if header or not api_key:
+        return header or ""
+    return f"Bearer {api_key.strip()}"
+
+
 @cache
 def api_keys(path: str | None) -> ApiKeys | None:
     """The worker's keys (read once per process; a failed read is not kept); None: no key file."""

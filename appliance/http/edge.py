@@ -89,7 +89,7 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
     lines = bytes(buf[start:end]).split(b"\r\n")
     parts = lines[0].split(b" ")
     path = parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
-    lengths, codings, expect, odd_expect, authorization = [], [], [], len(parts) != 3, b""
+    lengths, codings, expect, odd_expect, authorization, api_key = [], [], [], len(parts) != 3, b"", b""
     pos = start + len(lines[0]) + 2
     for line in lines[1:]:
         name, _, value = line.partition(b":")
@@ -103,6 +103,8 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
             odd_expect = odd_expect or value.strip().lower() != b"100-continue" or parts[2] != b"HTTP/1.1"
         elif name == b"authorization":
             authorization = value
+        elif name == b"x-api-key":  # Anthropic's header: counted as the same key sent as a bearer token
+            api_key = value.strip()
         pos += len(line) + 2
     length, chunked, odd = 0, False, bool(expect) and odd_expect
     if codings:
@@ -115,7 +117,7 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
     head = Head(end + 4, path, None if chunked else length, chunked, odd)
     head.method = parts[0].decode("latin-1")
     head.expect = [] if odd else expect
-    head.key = edge_policy.key_of(authorization)
+    head.key = edge_policy.key_of(authorization if authorization.strip() or not api_key else b"Bearer " + api_key)
     return head
 
 

@@ -22,6 +22,7 @@ from flask.json.provider import DefaultJSONProvider
 from werkzeug.exceptions import HTTPException
 
 from appliance import __version__, auth
+from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
 from appliance.http.client import EngineClient, EngineUnavailable
 from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
 from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
@@ -63,11 +64,11 @@ class Api:
             log.error("cannot read the API keys", extra={"error": str(exc)})
             message = "The server cannot read its API keys (see its log)"
             raise ApiError(500, message, code="api_keys_unreadable") from None
-        header = request.headers.get("Authorization", "")
+        header = auth.authorization(request.headers.get("Authorization"), request.headers.get("x-api-key"))
         g.admin = admin_keys is not None and admin_keys.accepts(header)  # an admin key is a client key too
         if keys is not None and not g.admin and not keys.accepts(header):
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
-        g.tenant = keys.key_id(request.headers.get("Authorization", "")) if keys is not None else ""
+        g.tenant = keys.key_id(header) if keys is not None else ""
 
     @staticmethod
     def json_body():
@@ -253,6 +254,7 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
         app.add_url_rule(
             f"{prefix}/models/<path:model_id>", view_func=api.model, methods=["GET"], endpoint=f"model{prefix}"
         )
+    app.register_blueprint(anthropic_blueprint(api))  # Anthropic's Messages API: /v1/messages
     app.add_url_rule("/v2/health/live", view_func=api.live, methods=["GET"])
     app.add_url_rule("/v2/health/ready", view_func=api.ready, methods=["GET"])
     app.add_url_rule("/v2/models/<path:name>/ready", view_func=api.model_ready, methods=["GET"])

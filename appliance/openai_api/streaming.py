@@ -247,17 +247,15 @@ class Generation:
     # ---- phase 2b: streaming (Server-Sent Events)
     def sse(self) -> Iterator[str]:
         """Closing this generator early (client gone) closes the job, which cancels it engine-side."""
-        self.streaming = True
         try:
-            for event in self._chunks():
-                for choice in self._apply(event):
-                    yield self._event(
-                        {
-                            **self._head(self.shape.chunk_object),
-                            "choices": [choice],
-                            **({"usage": None} if self.include_usage else {}),
-                        }
-                    )
+            for choice in self.deltas():
+                yield self._event(
+                    {
+                        **self._head(self.shape.chunk_object),
+                        "choices": [choice],
+                        **({"usage": None} if self.include_usage else {}),
+                    }
+                )
             if self.include_usage:
                 yield self._event(
                     {
@@ -274,6 +272,16 @@ class Generation:
         finally:
             self.close()
         yield "data: [DONE]\n\n"
+
+    def deltas(self) -> Iterator[dict]:
+        """The shape's stream deltas as the chunks come (sse() wraps them; an API that spells its own events, such
+        as Anthropic's Messages, writes them itself); the job is closed at the end."""
+        self.streaming = True
+        try:
+            for event in self._chunks():
+                yield from self._apply(event)
+        finally:
+            self.close()
 
     @staticmethod
     def _event(data: dict) -> str:

@@ -1,0 +1,281 @@
+"""`POST /v1/messages` and `/v1/messages/count_tokens`: an Anthropic Messages body -> the chat adapter's
+`ChatRequest` (appliance/openai_api/chat.py), the one internal request of a chat generation. So the model's chat
+template, the tools prompt, the tool-call and reasoning parsers and the tool grammar are the chat path's, and every
+bound is the chat one from the limits table (messages, stop strings, tools, max_tokens, grammar size, depth).
+
+Fields: `model`, `max_tokens` (required), `system` (a string or text blocks), `messages` (user / assistant; content
+a string or blocks: `text`, `tool_use`, `tool_result` with string or text-block content and `is_error`; an
+assistant's `thinking` blocks are dropped, as Anthropic drops earlier turns' thoughts), `stop_sequences`,
+`temperature` / `top_p` / `top_k`, `tools` (custom tools with `input_schema`), `tool_choice` (auto, any, tool,
+none; `disable_parallel_tool_use`), `thinking`, `stream`, `metadata` (ignored: it does not change the output).
+Refused (400): images, documents and other non-text blocks (the served models read text), server tools (web
+search, code execution, ...), and a last message from the assistant (a prefill: the chat template starts a new
+assistant turn, so the answer would not continue it).
+
+Mapping: content blocks become chat messages (a user turn's `tool_result` blocks each a `tool` message with its
+`tool_call_id`, its text a user message, in their order; an assistant's `tool_use` blocks its `tool_calls`);
+`tool_choice` any -> required, tool -> a named call (both grammar-constrained to the tool's input_schema);
+`disable_parallel_tool_use` -> one call. `thinking` enabled needs a model with a reasoning parser (the app checks;
+its budget_tokens is checked as Anthropic does, 1024 <= budget < max_tokens, but not enforced: max_tokens bounds
+the thought and the answer together).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+from appliance.limits import Limits
+from appliance.openai_api import fields as F
+from appliance.openai_api import parsers as P
+from appliance.openai_api.chat import ChatRequest, ToolChoice
+from appliance.openai_api.errors import invalid
+from appliance.openai_api.validation import EdgeOptions, read_body
+
+MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
+TEXT_ONLY = "the served models read text only"
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    chat: ChatRequest  # the internal request: messages, tools, tool choice, sampling values
+    thinking: str = "disabled"  # enabled | disabled | adaptive
+    stop_sequences: tuple[str, ...] = ()
+    one_call: bool = False  # disable_parallel_tool_use
+
+
+def _text_blocks(value: Any, where: str) -> str:
+    """A string, or text blocks joined (what `system` and a tool_result's content may be)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise invalid(f"{where} must be a string or an array of text blocks", where)
+    texts = []
+    for block in value:
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise invalid(f"{where}: each block must be an object with a type", where)
+        if block["type"] != "text":
+            raise invalid(f"{where}: blocks of type {block['type']!r} are not supported ({TEXT_ONLY})", where)
+        if not isinstance(block.get("text"), str):
+            raise invalid(f"{where}: a text block needs a string text", where)
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def system(value: Any, limits: Limits, read: dict) -> str:
+    return _text_blocks(value, "system")
+
+
+def _user(content: list, out: list[dict]) -> None:
+    texts: list[str] = []
+    for block in content:
+        kind = block["type"]
+        if kind == "text":
+            texts.append(block["text"])
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            tool_use_id = block.get("tool_use_id")
+            if not isinstance(tool_use_id, str) or not tool_use_id:
+                raise invalid("messages: a tool_result block needs its tool_use_id (a string)", "messages")
+            result = _text_blocks(block.get("content") or "", "messages")
+            is_error = block.get("is_error")
+            if is_error is not None and not isinstance(is_error, bool):
+                raise invalid("messages: a tool_result's is_error must be a boolean", "messages")
+            out.append(
+                {"role": "tool", "tool_call_id": tool_use_id, "content": f"Error: {result}" if is_error else result}
+            )
+        else:
+            raise invalid(f"messages: a user message cannot hold a {kind!r} block", "messages")
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+
+
+def _assistant(content: list, out: list[dict]) -> None:
+    texts: list[str] = []
+    calls: list[dict] = []
+    for block in content:
+        kind = block["type"]
+        if kind == "text":
+            texts.append(block["text"])
+        elif kind == "tool_use":
+            call_id, name, arguments = block.get("id"), block.get("name"), block.get("input")
+            if not isinstance(call_id, str) or not isinstance(name, str) or not isinstance(arguments, dict):
+                raise invalid(
+                    "messages: a tool_use block needs id and name (strings) and input (an object)", "messages"
+                )
+            function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
+            calls.append({"id": call_id, "type": "function", "function": function})
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # earlier turns' thoughts do not go back into the prompt (Anthropic drops them too)
+        else:
+            raise invalid(f"messages: an assistant message cannot hold a {kind!r} block", "messages")
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if calls:
+        message["tool_calls"] = calls
+    out.append(message)
+
+
+_BLOCKS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+
+
+def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
+    """Anthropic messages -> chat messages (the module docstring's mapping); the chat bounds hold for the result
+    (parsers.messages: count, the fields kept)."""
+    if not isinstance(value, list):
+        raise invalid("messages: Input should be a valid list", "messages")
+    if not value:
+        raise invalid("messages: at least one message is required", "messages")
+    if len(value) > limits.messages:
+        raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
+    out: list[dict] = []
+    for message in value:
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise invalid('messages: each message is an object whose role is "user" or "assistant"', "messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            raise invalid("messages: content must be a string or an array of content blocks", "messages")
+        for block in content:
+            if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+                raise invalid("messages: each content block must be an object with a type", "messages")
+            if block["type"] not in _BLOCKS:
+                raise invalid(
+                    f"messages: content blocks of type {block['type']!r} are not supported ({TEXT_ONLY}; blocks: "
+                    "text, tool_use, tool_result, thinking)",
+                    "messages",
+                )
+            if block["type"] == "text" and not isinstance(block.get("text"), str):
+                raise invalid("messages: a text block needs a string text", "messages")
+        (_user if message["role"] == "user" else _assistant)(content, out)
+    if value[-1]["role"] == "assistant":
+        raise invalid(
+            "messages: the last message is the assistant's (a prefill), which this server cannot continue: end "
+            "with a user message",
+            "messages",
+        )
+    return tuple(out)
+
+
+def tools(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
+    """Custom tools {name, description?, input_schema} -> chat tools (parsers.tools: names, count, uniqueness)."""
+    if not isinstance(value, list):
+        raise invalid("tools: Input should be a valid list", "tools")
+    converted = []
+    for tool in value[: limits.tools + 1]:  # one past the bound: parsers.tools names the bound
+        if not isinstance(tool, dict):
+            raise invalid("tools: each tool must be an object", "tools")
+        if tool.get("type") not in (None, "custom"):
+            raise invalid(
+                f"tools: tool type {tool['type']!r} is not supported (server tools run at Anthropic); only custom "
+                "tools with an input_schema",
+                "tools",
+            )
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise invalid("tools: each tool needs an input_schema (a JSON schema object)", "tools")
+        function = {"name": tool.get("name"), "parameters": schema}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        converted.append({"type": "function", "function": function})
+    return P.tools(converted, limits, read)
+
+
+def tool_choice(value: Any, limits: Limits, read: dict) -> tuple[ToolChoice, str | None, bool]:
+    """(the chat tool_choice, the tool's name, disable_parallel_tool_use)."""
+    kinds: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+    if not isinstance(value, dict) or value.get("type") not in kinds:
+        raise invalid('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
+    one = value.get("disable_parallel_tool_use")
+    if one is not None and not isinstance(one, bool):
+        raise invalid("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
+    name = value.get("name")
+    if value["type"] == "tool" and (not isinstance(name, str) or not name):
+        raise invalid('tool_choice of type "tool" needs the tool\'s name', "tool_choice")
+    return kinds[value["type"]], name if value["type"] == "tool" else None, bool(one)
+
+
+def thinking(value: Any, limits: Limits, read: dict) -> tuple[str, int | None]:
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise invalid('thinking must be {"type": "enabled", "budget_tokens": N}, or type "disabled"', "thinking")
+    budget = value.get("budget_tokens")
+    if value["type"] == "enabled":
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
+            raise invalid(f"thinking.budget_tokens: must be an integer >= {MIN_THINKING_BUDGET}", "thinking")
+        if read["max_tokens"] is not None and budget >= read["max_tokens"]:
+            raise invalid("thinking.budget_tokens: must be less than max_tokens", "thinking")
+    return value["type"], budget
+
+
+def stop_sequences(value: Any, limits: Limits, read: dict) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop_sequences must be an array of strings", "stop_sequences")
+    if len(value) > limits.stop_strings:
+        raise invalid(f"stop_sequences must have no more than {limits.stop_strings} strings", "stop_sequences")
+    if any(len(s) > limits.stop_chars for s in value):
+        raise invalid(f"stop_sequences strings must be at most {limits.stop_chars} characters long", "stop_sequences")
+    return tuple(dict.fromkeys(s for s in value if s))
+
+
+def _schema(kind: str) -> Any:
+    return lambda limits: {"type": kind}
+
+
+MAX_TOKENS = replace(
+    F.max_tokens("max_tokens", positive=True, description="Generated tokens at most (thought and answer). Required."),
+    required="max_tokens: Field required",
+)
+
+# check order: the order of these fields (count_tokens reads the same table: its max_tokens is not required)
+MESSAGES = (
+    F.MODEL,
+    MAX_TOKENS,
+    F.custom("system", _schema("string"), parse=system, param=None),
+    F.custom("messages", _schema("array"), required="messages: Field required", parse=messages, param=None),
+    F.custom("stop_sequences", _schema("array"), parse=stop_sequences, param=None),
+    F.boolean("stream", "stream: Input should be a valid boolean", param=None),
+    F.number("temperature", F.Min(0), F.Max(1), message="temperature: must be a number in [0, 1]"),
+    F.number("top_p", F.Min(0), F.Max(1), message="top_p: must be a number in [0, 1]"),
+    F.integer("top_k", "top_k: must be a non-negative integer", F.Min(0), F.Max(P.UINT32_MAX)),
+    F.custom("tools", _schema("array"), parse=tools, param=None),
+    F.custom("tool_choice", _schema("object"), parse=tool_choice, param=None),
+    F.custom("thinking", _schema("object"), parse=thinking, param=None),
+    F.ignored("metadata"),
+)
+COUNT_TOKENS = tuple(replace(f, required=None) if f is MAX_TOKENS else f for f in MESSAGES)
+
+
+def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = False) -> MessagesRequest:
+    values, unknown = read_body(body, COUNT_TOKENS if count_only else MESSAGES, limits)
+    chat_messages = values["messages"]
+    if values["system"] is not None:
+        chat_messages = ({"role": "system", "content": values["system"]}, *chat_messages)
+    chat_messages = P.messages(list(chat_messages), limits, {})  # the chat bounds, on what the template reads
+    found = values["tools"] or ()
+    choice: ToolChoice
+    choice, name, one = values["tool_choice"] or ("auto", None, False)
+    if choice in ("required", "named") and not found:
+        raise invalid('tool_choice "any" or "tool" needs tools', "tool_choice")
+    if name is not None and name not in {t["function"]["name"] for t in found}:
+        raise invalid(f"tool_choice names tool {name!r}, which is not one of tools", "tool_choice")
+    stops = values["stop_sequences"] or ()
+    sampling: dict[str, Any] = {
+        key: values[key] for key in ("max_tokens", "temperature", "top_p", "top_k") if values[key] is not None
+    }
+    if stops:  # kept by the engine, cut by the shape, which then knows which one matched (shape.py)
+        sampling["stop"], sampling["include_stop_str_in_output"] = stops, True
+    stream = bool(values["stream"]) and not count_only
+    chat = ChatRequest(
+        EdgeOptions(values["model"], stream=stream, unknown=unknown),
+        sampling,
+        tuple(chat_messages),
+        tools=found,
+        tool_choice=choice,
+        tool_name=name,
+        parallel_tool_calls=not one,
+    )
+    mode, _ = values["thinking"] or ("disabled", None)
+    return MessagesRequest(chat, mode, stops, one)

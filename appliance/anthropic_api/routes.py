@@ -1,0 +1,263 @@
+"""The Messages API's routes (a Flask Blueprint the app registers): `POST /v1/messages` and
+`/v1/messages/count_tokens`, and Anthropic's error shape for every error they meet.
+
+A message is a chat generation: request.py makes the chat adapter's `ChatRequest`, the chat adapter makes the
+job, and the shared `Generation` (appliance/openai_api/streaming.py) runs it; only the spelling differs (shape.py
+here). So auth, the Host allow-list, body limits and the engine's answers (queue full, prompt too long, timeouts)
+are the OpenAI routes' too, rendered as `{"type": "error", "error": {"type", "message"}}` with the same status.
+The `anthropic-version` header is accepted and not checked (one version of the API is spoken).
+
+count_tokens: the messages (with system and tools) go through the chat template engine-side as a job with
+max_tokens 0, which the engine answers with the prompt's token count and no generation (jobs.py: nothing is
+queued), so the count is exactly what a `/v1/messages` request with the same input would prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Protocol
+
+from flask import Blueprint, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from appliance import protocol as p
+from appliance.anthropic_api.request import MessagesRequest, parse_messages
+from appliance.anthropic_api.shape import MessageShape, new_message_id
+from appliance.http.client import EngineClient, EngineUnavailable
+from appliance.limits import Limits
+from appliance.openai_api.chat import DEFAULT_TOOL_PARSER, chat_job
+from appliance.openai_api.errors import ApiError
+from appliance.openai_api.sampling import to_sampling_params
+from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+from appliance.params import SamplingParams
+from appliance.settings import ServeSettings
+
+log = logging.getLogger("appliance.http")
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+class Backend(Protocol):
+    """What the routes need of the app's `Api` (appliance/openai_api/app.py)."""
+
+    client: EngineClient
+    limits: Limits
+    settings: ServeSettings
+
+    def ready_status(self, model: str, fresh: bool = True) -> p.EngineStatus: ...
+    def json_body(self): ...
+
+
+def error_body(exc: ApiError) -> dict:
+    kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def error_response(exc: ApiError) -> Response:
+    g.error_type = exc.type
+    return Response(json.dumps(error_body(exc)), status=exc.status, mimetype="application/json")
+
+
+def _event(data: dict) -> str:
+    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class Messages:
+    def __init__(self, api: Backend):
+        self.api = api
+
+    def _status(self, req: MessagesRequest) -> p.EngineStatus:
+        status = self.api.ready_status(req.chat.edge.model, fresh=False)
+        if req.thinking == "enabled" and status.reasoning_parser != "think":
+            raise ApiError(
+                400,
+                f"thinking: the model `{req.chat.edge.model}` does not think (it has no reasoning parser: its chat "
+                "template writes no <think> block; `--reasoning-parser think` turns it on for one that does)",
+                param="thinking",
+            )
+        return status
+
+    def create(self):
+        req = parse_messages(self.api.json_body(), self.api.limits)
+        status = self._status(req)
+        chat = req.chat
+        if chat.edge.unknown:
+            log.debug("ignored unknown request fields", extra={"fields": list(chat.edge.unknown)})
+        parse_tools = bool(chat.tools) and chat.tool_choice != "none"
+        shape = MessageShape(
+            (status.tool_parser or DEFAULT_TOOL_PARSER) if parse_tools else None,
+            reasoning=status.reasoning_parser == "think",
+            thinking=req.thinking != "disabled",
+            calls_only=parse_tools and chat.tool_choice in ("required", "named"),
+            one_call=req.one_call,
+            stop_sequences=req.stop_sequences,
+        )
+        message_id = new_message_id()
+        g.request_id = message_id
+        job = chat_job(
+            chat,
+            to_sampling_params(chat.sampling, status.generation_defaults),
+            message_id,
+            status.tool_parser,
+            self.api.limits,
+        )
+        job.model = chat.edge.model
+        job.tenant = g.get("tenant", "")
+        sock = request.environ.get("gunicorn.socket")
+        meta = Meta(message_id, int(time.time()), chat.edge.model, "")
+        generation = Generation(self.api.client, job, shape, meta, client_gone=lambda: socket_closed(sock)).start()
+        head = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": chat.edge.model,
+        }
+        if not chat.edge.stream:
+            body = generation.unary()
+            answer = body["choices"][0]
+            return {**head, **answer, "usage": _usage(body["usage"])}
+        bound_send_buffer(sock)
+        return Response(
+            self._sse(generation, shape, head),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    @staticmethod
+    def _sse(generation: Generation, shape: MessageShape, head: dict) -> Iterator[str]:
+        """Anthropic's event order: message_start, ping, the blocks' start / delta / stop, message_delta (stop
+        reason, output tokens), message_stop; an error after the start is an `error` event."""
+        accepted = generation.accepted
+        prompt = sum(accepted.prompt_tokens) if accepted else 0
+        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None}
+        start["usage"] = {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0}
+        try:
+            yield _event({"type": "message_start", "message": start})
+            yield _event({"type": "ping"})
+            for event in generation.deltas():
+                yield _event(event)
+            choice = generation.choices[0]
+            usage = _usage(generation.usage())
+            yield _event(
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": shape.stop_reason(choice.finish_reason),
+                        "stop_sequence": shape.stop_sequence,
+                    },
+                    "usage": usage,
+                }
+            )
+            yield _event({"type": "message_stop"})
+        except ApiError as exc:  # the response started: in-band, as Anthropic does
+            yield _event(error_body(exc))
+        except ClientGone:
+            return
+        finally:
+            generation.close()
+
+    def count_tokens(self):
+        req = parse_messages(self.api.json_body(), self.api.limits, count_only=True)
+        self._status(req)
+        chat = req.chat
+        tools = list(chat.tools) if chat.tools and chat.tool_choice != "none" else None
+        job = p.Job(
+            "count-" + uuid.uuid4().hex,
+            [p.PromptSpec(messages=[dict(m) for m in chat.messages], tools=tools)],
+            SamplingParams(max_tokens=0),
+            model=chat.edge.model,
+            tenant=g.get("tenant", ""),
+        )
+        return {"input_tokens": _prompt_tokens(self.api.client, job)}
+
+
+def _prompt_tokens(client: EngineClient, job: p.Job) -> int:
+    """The prompt's token count of a max_tokens 0 job (the engine answers Accepted, one finished chunk, End)."""
+    stream = client.open_job(job)
+    deadline = time.monotonic() + p.CALL_SECONDS
+    tokens = None
+    try:
+        while not stream.ended:
+            left = deadline - time.monotonic()
+            event = stream.next(left) if left > 0 else None
+            if event is None:
+                raise ApiError(503, f"the engine did not count the tokens within {p.CALL_SECONDS:g} s")
+            if isinstance(event, p.Failed):
+                raise ApiError(event.status, event.message, param=event.param, code=event.code)
+            if isinstance(event, p.Accepted):
+                tokens = sum(event.prompt_tokens)
+    except EngineUnavailable as exc:
+        raise ApiError(503, str(exc), code="engine_unavailable") from None
+    finally:
+        stream.close()
+    if tokens is None:
+        raise ApiError(500, "engine protocol error: expected Accepted")
+    return tokens
+
+
+def _usage(usage: dict) -> dict:
+    """The generation's usage in Anthropic's names; cache_read_input_tokens: prompt tokens the prefix cache gave."""
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        "output_tokens": usage["completion_tokens"],
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def blueprint(api: Backend) -> Blueprint:
+    """The routes, under /v1 (Anthropic's base path: its SDK appends /v1/messages to the base URL)."""
+    bp = Blueprint("anthropic", __name__)
+    messages = Messages(api)
+    bp.add_url_rule("/v1/messages", view_func=messages.create, methods=["POST"], endpoint="messages")
+    bp.add_url_rule("/v1/messages/count_tokens", view_func=messages.count_tokens, methods=["POST"], endpoint="count")
+
+    @bp.errorhandler(ApiError)
+    def _api_error(exc: ApiError):
+        response = error_response(exc)
+        if exc.status == 401:  # as the app's: a 401 names its scheme
+            response.headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
+        return response
+
+    @bp.errorhandler(EngineUnavailable)
+    def _engine_gone(exc: EngineUnavailable):
+        return error_response(ApiError(503, "The inference engine is not reachable", code="engine_unavailable"))
+
+    @bp.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):  # the app's messages (404 cannot reach here: the routes matched)
+        if exc.code == 405:
+            response = error_response(ApiError(405, f"Method {request.method} is not allowed on {request.path}"))
+            response.headers["Allow"] = ", ".join(sorted(getattr(exc, "valid_methods", None) or ()))
+            return response
+        if exc.code == 413:
+            limit = api.settings.max_body_bytes
+            return error_response(ApiError(413, f"Request body too large: the limit is {limit} bytes"))
+        return error_response(ApiError(exc.code or 500, exc.description or exc.name))
+
+    @bp.errorhandler(ClientGone)
+    def _client_gone(exc: ClientGone):
+        g.error_type = "client_closed_request"
+        return Response(status=499)
+
+    @bp.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(ApiError(500, "Internal server error"))
+
+    return bp
