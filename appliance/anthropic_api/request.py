@@ -6,8 +6,11 @@ bound is the chat one from the limits table (messages, stop strings, tools, max_
 Fields: `model`, `max_tokens` (required), `system` (a string or text blocks), `messages` (user / assistant; content
 a string or blocks: `text`, `tool_use`, `tool_result` with string or text-block content and `is_error`; an
 assistant's `thinking` blocks are dropped, as Anthropic drops earlier turns' thoughts), `stop_sequences`,
-`temperature` / `top_p` / `top_k`, `tools` (custom tools with `input_schema`), `tool_choice` (auto, any, tool,
-none; `disable_parallel_tool_use`), `thinking`, `stream`, `metadata` (ignored: it does not change the output).
+`temperature` / `top_p` / `top_k` (the SDK no longer sends them; older clients do), `tools` (custom tools with
+`input_schema`), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`), `thinking`, `output_config`
+(`format` json_schema: constrained as chat's response_format; `effort` ignored), `stream`, `metadata` (ignored: it
+does not change the output). Other fields (service_tier, cache_control, ...) are accepted and ignored, as the chat
+adapter ignores unknown fields: none of them constrains the output.
 Refused (400): images, documents and other non-text blocks (the served models read text), server tools (web
 search, code execution, ...), and a last message from the assistant (a prefill: the chat template starts a new
 assistant turn, so the answer would not continue it).
@@ -30,7 +33,7 @@ from appliance.limits import Limits
 from appliance.openai_api import fields as F
 from appliance.openai_api import parsers as P
 from appliance.openai_api.chat import ChatRequest, ToolChoice
-from appliance.openai_api.errors import invalid
+from appliance.openai_api.errors import ApiError, invalid
 from appliance.openai_api.validation import EdgeOptions, read_body
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
@@ -210,6 +213,23 @@ def thinking(value: Any, limits: Limits, read: dict) -> tuple[str, int | None]:
     return value["type"], budget
 
 
+def output_config(value: Any, limits: Limits, read: dict) -> Any:
+    """Structured outputs: `format` {type: json_schema, schema} is the chat path's json_schema response_format (the
+    same grammar, the same grammar_chars bound); `effort` is accepted and ignored (no model here has the switch,
+    and it does not constrain the output)."""
+    if not isinstance(value, dict) or set(value) - {"effort", "format"}:
+        raise invalid("output_config accepts effort and format", "output_config")
+    fmt = value.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise invalid('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config")
+    try:
+        return P.response_format({"type": "json_schema", "json_schema": {"schema": fmt["schema"]}}, limits, read)
+    except ApiError as exc:
+        raise invalid(exc.message.replace("response_format", "output_config.format"), "output_config") from None
+
+
 def stop_sequences(value: Any, limits: Limits, read: dict) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise invalid("stop_sequences must be an array of strings", "stop_sequences")
@@ -243,6 +263,7 @@ MESSAGES = (
     F.custom("tools", _schema("array"), parse=tools, param=None),
     F.custom("tool_choice", _schema("object"), parse=tool_choice, param=None),
     F.custom("thinking", _schema("object"), parse=thinking, param=None),
+    F.custom("output_config", _schema("object"), parse=output_config, param=None),
     F.ignored("metadata"),
 )
 COUNT_TOKENS = tuple(replace(f, required=None) if f is MAX_TOKENS else f for f in MESSAGES)
@@ -261,10 +282,19 @@ def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = F
         raise invalid('tool_choice "any" or "tool" needs tools', "tool_choice")
     if name is not None and name not in {t["function"]["name"] for t in found}:
         raise invalid(f"tool_choice names tool {name!r}, which is not one of tools", "tool_choice")
+    grammar = values["output_config"]
+    if grammar is not None and choice in ("required", "named"):
+        raise invalid(
+            'output_config.format cannot constrain the output together with tool_choice "any" or "tool" (which '
+            "constrain it to tool calls): send one",
+            "output_config",
+        )
     stops = values["stop_sequences"] or ()
     sampling: dict[str, Any] = {
         key: values[key] for key in ("max_tokens", "temperature", "top_p", "top_k") if values[key] is not None
     }
+    if grammar is not None:
+        sampling["grammar"] = grammar
     if stops:  # kept by the engine, cut by the shape, which then knows which one matched (shape.py)
         sampling["stop"], sampling["include_stop_str_in_output"] = stops, True
     stream = bool(values["stream"]) and not count_only

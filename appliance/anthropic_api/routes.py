@@ -140,15 +140,14 @@ class Messages:
 
     @staticmethod
     def _sse(generation: Generation, shape: MessageShape, head: dict) -> Iterator[str]:
-        """Anthropic's event order: message_start, ping, the blocks' start / delta / stop, message_delta (stop
-        reason, output tokens), message_stop; an error after the start is an `error` event."""
+        """Anthropic's event order: message_start, ping (the shape's opening), the blocks' start / delta / stop,
+        message_delta (stop reason, output tokens), message_stop; an error after the start is an `error` event."""
         accepted = generation.accepted
         prompt = sum(accepted.prompt_tokens) if accepted else 0
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None}
         start["usage"] = {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0}
         try:
             yield _event({"type": "message_start", "message": start})
-            yield _event({"type": "ping"})
             for event in generation.deltas():
                 yield _event(event)
             choice = generation.choices[0]

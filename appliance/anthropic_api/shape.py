@@ -114,8 +114,9 @@ class MessageShape:
         return STOP_REASONS.get(finish_reason or "stop", "end_turn")
 
     # ---- Shape
-    def opening(self, c: Choice) -> list[dict]:
-        return []  # message_start is the route's: it carries the usage the engine's Accepted event gave
+    def opening(self, c: Choice) -> dict:
+        """The prefill is done: a `ping` (message_start is the route's, with the usage of the Accepted event)."""
+        return {"type": "ping"}
 
     def delta(self, c: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None) -> list[dict]:
         if finish_reason == "stop":

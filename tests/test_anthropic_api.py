@@ -1,0 +1,193 @@
+"""End to end: Anthropic's Messages API (`/v1/messages`, appliance/anthropic_api) through the official `anthropic`
+client against the real server and default model, with an API key (sent as `x-api-key`, the SDK's way).
+
+Greedy requests are compared with each other on the same server (unary vs stream, with vs without a stop
+sequence), never with a fixed text: bf16 boxes differ. Tool calls forced by tool_choice are grammar-constrained,
+so their input is checked against the tool's input_schema (jsonschema).
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import pytest
+import requests
+from conftest import Server
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-anthropic-test-key"
+ASK = [{"role": "user", "content": "Write three sentences about the sea."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [{"name": "get_weather", "description": "Current weather of a city", "input_schema": SCHEMA}]
+GREEDY = {"temperature": 0}  # the SDK dropped temperature; older clients send it, and the server takes it
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def keyed(model_dir, tmp_path_factory):
+    """One server with an API key for the module (1 worker: the requests are sequential)."""
+    folder = tmp_path_factory.mktemp("anthropic")
+    keys = folder / "keys"
+    keys.write_text(KEY + "\n")
+    keys.chmod(0o600)
+    with Server(model_dir, folder / "serve.log", "--workers", "1", "--api-key-file", str(keys)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(keyed) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=keyed.base, api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(keyed) -> str:
+    r = requests.get(keyed.base + "/v3/models", headers={"x-api-key": KEY}, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def text_of(message) -> str:
+    return "".join(block.text for block in message.content if block.type == "text")
+
+
+def test_create_text(client, model):
+    m = client.messages.create(model=model, max_tokens=48, messages=ASK, system="You are brief.", extra_body=GREEDY)
+    assert m.type == "message" and m.role == "assistant" and m.model == model
+    assert m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and text_of(m)
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.stop_sequence is None
+    assert m.usage.input_tokens > 0 and 0 < m.usage.output_tokens <= 48
+    assert m.usage.cache_read_input_tokens is not None
+
+
+def test_max_tokens(client, model):
+    m = client.messages.create(model=model, max_tokens=3, messages=ASK, extra_body=GREEDY)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
+
+
+def test_stop_sequence_unary_and_stream(client, model):
+    """A word of the greedy answer as a stop sequence: the answer ends before it, without it, and names it."""
+    full = text_of(client.messages.create(model=model, max_tokens=48, messages=ASK, extra_body=GREEDY))
+    words = full.split()
+    assert len(words) > 4, full
+    stop = " " + words[3]
+    m = client.messages.create(model=model, max_tokens=48, messages=ASK, extra_body=GREEDY, stop_sequences=[stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert full.startswith(text_of(m) + stop) and stop not in text_of(m)
+    with client.messages.stream(
+        model=model, max_tokens=48, messages=ASK, extra_body=GREEDY, stop_sequences=[stop]
+    ) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text_of(m) == text_of(final)
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+
+
+def test_stream_events(client, model):
+    unary = client.messages.create(model=model, max_tokens=32, messages=ASK, extra_body=GREEDY)
+    with client.messages.stream(model=model, max_tokens=32, messages=ASK, extra_body=GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type not in ("ping", "text")]  # "text": the SDK's own helper events
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    blocks = kinds[1:-2]
+    assert blocks[0] == "content_block_start" and blocks[-1] == "content_block_stop"
+    assert set(blocks[1:-1]) == {"content_block_delta"}
+    deltas = "".join(e.delta.text for e in events if e.type == "content_block_delta")
+    assert deltas == text_of(final) == text_of(unary)
+    assert events[0].message.usage.input_tokens == unary.usage.input_tokens
+    assert final.stop_reason == unary.stop_reason and final.usage.output_tokens == unary.usage.output_tokens
+
+
+def test_tool_round_trip(client, model):
+    m = client.messages.create(
+        model=model,
+        max_tokens=64,
+        messages=WEATHER,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    assert m.stop_reason == "tool_use"
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, SCHEMA)
+    follow = client.messages.create(
+        model=model,
+        max_tokens=32,
+        tools=TOOLS,
+        messages=[
+            *WEATHER,
+            {"role": "assistant", "content": m.content},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "22 degrees, sunny"}],
+            },
+        ],
+    )
+    assert follow.type == "message" and follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert follow.content
+
+
+def test_forced_tool_streamed(client, model):
+    with client.messages.stream(
+        model=model, max_tokens=64, messages=WEATHER, tools=TOOLS, tool_choice={"type": "any"}
+    ) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    partial = "".join(
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    )
+    jsonschema.validate(json.loads(partial), SCHEMA)
+    assert final.stop_reason == "tool_use"
+    assert [b.type for b in final.content] == ["tool_use"] and final.content[0].input == json.loads(partial)
+
+
+def test_count_tokens(client, model):
+    counted = client.messages.count_tokens(model=model, messages=ASK, system="You are brief.")
+    m = client.messages.create(model=model, max_tokens=1, messages=ASK, system="You are brief.")
+    assert counted.input_tokens == m.usage.input_tokens > 0
+    with_tools = client.messages.count_tokens(model=model, messages=ASK, tools=TOOLS)
+    assert with_tools.input_tokens > client.messages.count_tokens(model=model, messages=ASK).input_tokens
+
+
+def test_auth(keyed, model):
+    wrong = anthropic.Anthropic(base_url=keyed.base, api_key="not-the-key", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        wrong.messages.create(model=model, max_tokens=4, messages=ASK)
+    assert info.value.body["error"]["type"] == "authentication_error"
+    bearer = anthropic.Anthropic(base_url=keyed.base, auth_token=KEY, max_retries=0)  # Authorization: Bearer
+    assert bearer.messages.count_tokens(model=model, messages=ASK).input_tokens > 0
+
+
+def test_errors_in_anthropic_shape(keyed, client, model):
+    r = requests.post(
+        keyed.base + "/v1/messages",
+        json={"model": model, "messages": ASK},
+        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"},
+    }
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=model, max_tokens=8, messages=ASK, extra_body={"temperature": 1.5})
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError, match="thinking"):  # the default model has no reasoning parser
+        client.messages.create(
+            model=model, max_tokens=2048, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024}
+        )
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
