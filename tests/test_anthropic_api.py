@@ -191,3 +191,27 @@ def test_errors_in_anthropic_shape(keyed, client, model):
         )
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
+
+
+def test_output_config_json_schema(client, model):
+    m = client.messages.create(
+        model=model,
+        max_tokens=64,
+        messages=WEATHER,
+        output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+    )
+    assert m.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(text_of(m)), SCHEMA)
+
+
+def test_edge_counts_x_api_key_as_the_bearer_key():
+    """The edge worker's per-key generation cap: `x-api-key: K` is the key `Authorization: Bearer K` is."""
+    from appliance.http.worker import parse_head
+
+    def key(header: bytes) -> bytes:
+        head = parse_head(b"POST /v1/messages HTTP/1.1\r\nHost: h\r\n" + header + b"\r\nContent-Length: 0\r\n\r\n", 99)
+        assert head is not None
+        return head.key
+
+    assert key(b"x-api-key: K1") == key(b"Authorization: Bearer K1") != key(b"x-api-key: K2")
+    assert key(b"x-api-key: K1") != b"" and key(b"Authorization: Bearer K1\r\nx-api-key: K2") == key(b"x-api-key: K1")
