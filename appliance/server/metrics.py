@@ -60,6 +60,8 @@ ROUTES = frozenset(
         "/v1/config",
         "/v1/config/reload",
         "/metrics",
+        "/v1/messages",  # Anthropic's Messages API (appliance/anthropic_api)
+        "/v1/messages/count_tokens",
     }
 )
 UNMATCHED = "unmatched"
