@@ -206,7 +206,7 @@ def test_output_config_json_schema(client, model):
 
 def test_edge_counts_x_api_key_as_the_bearer_key():
     """The edge worker's per-key generation cap: `x-api-key: K` is the key `Authorization: Bearer K` is."""
-    from appliance.http.worker import parse_head
+    from appliance.http.edge import parse_head
 
     def key(header: bytes) -> bytes:
         head = parse_head(b"POST /v1/messages HTTP/1.1\r\nHost: h\r\n" + header + b"\r\nContent-Length: 0\r\n\r\n", 99)
