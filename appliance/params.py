@@ -34,6 +34,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # -1: all tokens
     min_p: float = 0.0
+    typical_p: float = 1.0  # locally typical sampling: the mass of the most typical tokens kept; 1.0: off
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

@@ -479,6 +479,16 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             Max(1, "min_p out of range [0.0, 1.0)", exclusive=True),
             model_default="min_p",
         ),
+        number(
+            "typical_p",
+            Min(0, "typical_p out of range(0.0, 1.0]", exclusive=True),
+            Max(1, "typical_p out of range(0.0, 1.0]"),
+            description="Locally typical sampling (Meister et al. 2022; transformers', llama.cpp's and Ollama's "
+            "`typical_p`): keep the tokens whose surprisal is closest to the entropy of the next-token "
+            "distribution until they hold this much of its probability, after temperature, top_k, top_p and "
+            "min_p (transformers' order). 1 = off (the default); sampling only.",
+            model_default="typical_p",
+        ),
         integer(
             "top_k",
             "top_k is not an integer",
