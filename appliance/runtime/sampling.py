@@ -10,10 +10,14 @@ Processors, in order (each vectorised over the batch; a row whose parameter is n
      grammar       structured output (runtime/grammar.py): tokens the row's grammar disallows -> -inf, last, so
                    it wins over every mask above (a row they left empty: raw logits under the grammar mask)
   4. greedy rows (temperature < 1e-5, as vLLM): argmax of the processed logits, ties -> lowest id.
-     Sampling rows: / temperature -> top_k -> top_p -> min_p -> inverse-CDF draw over the surviving tokens in
-     token-id order, with one uniform from the sequence's own Generator. Every step is row-local, so a seed
-     gives the same tokens whatever else shares the batch.
+     Sampling rows: / temperature -> top_k -> top_p -> min_p -> typical_p -> inverse-CDF draw over the
+     surviving tokens in token-id order, with one uniform from the sequence's own Generator. Every step is
+     row-local, so a seed gives the same tokens whatever else shares the batch.
 top_p is renormalised after top_k (transformers, vLLM); min_p is relative to the best token (so order-free).
+typical_p (locally typical sampling, Meister et al. 2022) comes last, as transformers' TypicalLogitsWarper does:
+on the distribution the earlier filters left (renormalised), it keeps the tokens whose surprisal -log p is
+closest to that distribution's entropy, closest first, until they hold typical_p of the mass (the token that
+crosses it, and any tied with it, included; so at least one token).
 Rankings (top_k, top_p, logprobs) break ties towards the lowest token id.
 Reported logprobs are the model's raw log-softmax, before bias, penalties, grammar masks and temperature.
 """
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
 GREEDY_EPS = 1e-5
 _BLOCK = 64  # ids per block: blocked top-m preselection and blocked inverse-CDF sums
 _NUCLEUS_START = 64  # top_p: candidates ranked first; a larger nucleus takes a value sort of its row
+_TYPICAL_START = 256  # typical_p: candidates sorted first; 8x more while they hold less than typical_p
 
 
 class TokenCounts:
@@ -303,6 +308,42 @@ def _top_p_full(e: np.ndarray, top_p: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return out_ids, out_w
 
 
+def _typical(w: np.ndarray, mass: np.ndarray) -> np.ndarray:
+    """Locally typical truncation of weights w [B, W] (0: dropped), transformers' TypicalLogitsWarper rule on the
+    renormalised distribution p = w / S: rank tokens by |-log p - H| (H the entropy), keep every token whose
+    distance is at most that of the first one at which the ranked mass reaches `mass`. Returns the weights with
+    the others zeroed.
+
+    Ties in the ranking do not move the cut (it is a distance, and the mass before and after a group of tied
+    tokens is the same in any order), so the ranking needs no stable sort. Distances are float32 over the row,
+    masses float64 over the candidates only: |-log p - H| = |log w - (log S - H)|. Like _top_p_full, only the m
+    closest tokens (np.argpartition, m = 256, 2048, ..., W) are sorted until they hold `mass`. Measured on V =
+    49152 random logits, one row: a float64 argsort of the row 3.6 ms (12 ms stable), this 1-2 ms."""
+    B, W = w.shape
+    total = w.sum(axis=1, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logw = np.log(w)  # -inf where dropped: those rank last (distance inf) and weigh nothing
+        wlogw = np.sum(w * logw, axis=1, dtype=np.float64, where=w > 0)
+    entropy = np.log(total) - wlogw / total
+    shifted = np.abs(logw - (np.log(total) - entropy).astype(np.float32)[:, None])
+    cut = np.full(B, np.inf, np.float32)
+    pending, m = np.arange(B), _TYPICAL_START
+    while len(pending):
+        m = min(m, W)
+        s, q = shifted[pending], w[pending]
+        if m < W:
+            closest = np.argpartition(s, m - 1, axis=1)[:, :m]
+            s, q = np.take_along_axis(s, closest, axis=1), np.take_along_axis(q, closest, axis=1)
+        order = np.argsort(s, axis=1)
+        s = np.take_along_axis(s, order, axis=1)
+        cum = np.cumsum(np.take_along_axis(q, order, axis=1), axis=1, dtype=np.float64) / total[pending, None]
+        closed = (cum[:, -1] >= mass[pending]) | (m == W)
+        last = np.minimum((cum < mass[pending, None]).sum(axis=1), m - 1)  # W - 1 if rounding never reaches it
+        cut[pending[closed]] = s[closed, last[closed]]
+        pending, m = pending[~closed], m * 8
+    return np.where(shifted <= cut[:, None], w, 0.0).astype(w.dtype, copy=False)
+
+
 def _draw_candidates(ids: np.ndarray, w: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Inverse CDF over candidate tokens (weight 0: dropped), taken in token-id order like the full-vocabulary
     draw, so a token depends only on (surviving set, weights, u), never on which path found the set."""
@@ -332,14 +373,21 @@ def _draw_full(e: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def _sample(x: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.ndarray:
-    """Temperature -> top_k -> top_p -> min_p -> draw for the sampling rows; x is scratch and gets overwritten.
-    Rows are grouped by which truncations they use; each group is vectorised and row-local."""
+    """Temperature -> top_k -> top_p -> min_p -> typical_p -> draw for the sampling rows; x is scratch and gets
+    overwritten. Rows are grouped by which truncations they use; each group is vectorised and row-local."""
     B, V = x.shape
     x /= np.array([p.temperature for p in params], dtype=np.float32)[:, None]
     k = np.array([p.top_k if 0 < p.top_k < V else 0 for p in params], dtype=np.int64)
     top_p = np.array([p.top_p for p in params], dtype=np.float64)
     min_p = np.array([p.min_p for p in params], dtype=np.float32)[:, None]
+    typical = np.array([p.typical_p for p in params], dtype=np.float64)
     out = np.zeros(B, dtype=np.int64)
+
+    def typical_of(g: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """w (the rows g, 0: dropped) after typical_p, in place; rows with typical_p 1 untouched."""
+        if (t := typical[g] < 1.0).any():
+            w[t] = _typical(w[t], typical[g][t])
+        return w
 
     def rows_of(g: np.ndarray) -> np.ndarray:
         return x if len(g) == B else x[g]
@@ -352,7 +400,7 @@ def _sample(x: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.nd
         if (t := top_p[g] < 1.0).any():  # renormalised within the top k
             keep, _ = _nucleus(w[t], w[t].sum(axis=1, dtype=np.float64), top_p[g][t])
             w[t] = np.where(keep, w[t], 0.0)
-        out[g] = _draw_candidates(ids, np.where(w >= min_p[g], w, 0.0), u[g])
+        out[g] = _draw_candidates(ids, typical_of(g, np.where(w >= min_p[g], w, 0.0)), u[g])
     for nucleus in (True, False):  # no top_k: with top_p, then without
         if not (g := np.nonzero((k == 0) & ((top_p < 1.0) == nucleus))[0]).size:
             continue
@@ -361,11 +409,11 @@ def _sample(x: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.nd
         np.exp(e, out=e)  # in place: weights; the best token weighs exactly 1, so min_p compares with min_p itself
         if nucleus:
             ids, w = _top_p_full(e, top_p[g])
-            out[g] = _draw_candidates(ids, np.where(w >= min_p[g], w, 0.0), u[g])
+            out[g] = _draw_candidates(ids, typical_of(g, np.where(w >= min_p[g], w, 0.0)), u[g])
         else:
             if (min_p[g] > 0).any():
                 e[e < min_p[g]] = 0.0
-            out[g] = _draw_full(e, u[g])
+            out[g] = _draw_full(typical_of(g, e), u[g])
     return out
 
 
