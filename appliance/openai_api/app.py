@@ -24,6 +24,7 @@ from werkzeug.exceptions import HTTPException
 from appliance import __version__, auth
 from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
 from appliance.http.client import EngineClient, EngineUnavailable
+from appliance.ollama_api.routes import blueprint as ollama_blueprint
 from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
 from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
 from appliance.openai_api.errors import ApiError
@@ -261,6 +262,7 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     app.add_url_rule("/v1/config", view_func=api.config, methods=["GET"])
     app.add_url_rule("/v1/config/reload", view_func=api.reload, methods=["POST"])
     app.add_url_rule("/metrics", view_func=api.metrics, methods=["GET"])
+    app.register_blueprint(ollama_blueprint(api))  # Ollama's API (appliance/ollama_api/)
 
     @app.before_request
     def _start():

@@ -1,0 +1,256 @@
+"""An Ollama `/api/chat` or `/api/generate` body -> the OpenAI chat / completions request it means.
+
+Translating the body (not re-implementing validation) keeps one set of rules: the translated body goes through
+`parse_chat` / `parse_completion`, so messages, tools, stop strings, max_tokens and every other bound of
+appliance/limits.py are checked exactly as on the OpenAI side. What Ollama has and OpenAI lacks is decided here:
+
+- `options`: the sampling ones map onto OpenAI's fields (repeat_penalty -> repetition_penalty, num_predict ->
+  max_tokens); load-time and resource options (RESOURCE_OPTIONS) change no output and are accepted and ignored;
+  any other option (mirostat, tfs_z, ...) would change the output in a way we cannot, so it is a 400, never
+  silently dropped.
+- `num_ctx`: Ollama clamps a num_ctx above the model's training context (a warning in its log) and uses a smaller
+  one as the window; here the served context always applies (the KV cache is shared, not per request), so num_ctx
+  is checked as a positive integer and otherwise has no effect (docs/ollama.md).
+- `num_predict`: a positive value is max_tokens (the same limit: 400 above `--max-tokens-limit`); -1 (until the
+  context ends), -2 (fill the context) and 0 (Ollama's runner: no limit) all mean "not set": until a stop condition
+  or the end of the context, as OpenAI's unset max_tokens.
+- `format`: "json" -> any JSON object, a JSON schema -> that schema (constrained decoding, response_format).
+- `images`, `suffix`, a non-empty `context`, a custom `template`: 400 (no vision, fill-in-the-middle, context
+  continuation or per-request templates yet).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.limits import Limits
+from appliance.openai_api import fields as F
+from appliance.openai_api.chat import ChatRequest, parse_chat
+from appliance.openai_api.completions import CompletionRequest, parse_completion
+from appliance.openai_api.errors import invalid
+
+# Ollama option -> the OpenAI field it is
+SAMPLING_OPTIONS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+# load-time / resource options: how Ollama places and runs the model, never what it writes
+RESOURCE_OPTIONS = frozenset(
+    {
+        "numa",
+        "num_batch",
+        "num_gpu",
+        "main_gpu",
+        "low_vram",
+        "f16_kv",
+        "logits_all",
+        "vocab_only",
+        "use_mmap",
+        "use_mlock",
+        "embedding_only",
+        "num_thread",
+        "num_keep",  # tokens kept when Ollama shifts a full context; the appliance never shifts
+        "penalize_newline",  # Ollama's own engine ignores it (deprecated)
+    }
+)
+# options whose no-op value is accepted (it asks for what the appliance does anyway); other values are a 400
+NEUTRAL = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "repeat_last_n": -1}
+TEMPLATES = ("", "{{ .Prompt }}")  # a `template` that is the prompt itself: the same as no template
+TYPICAL_P_SUPPORTED = any(f.name == "typical_p" for f in F.CHAT)
+
+
+@dataclass(frozen=True)
+class OllamaRequest:
+    """What the Ollama routes need besides the OpenAI request: the kind of answer and its spelling."""
+
+    model: str  # as the client sent it (Ollama echoes it)
+    stream: bool
+    think: bool | None  # None: not asked (thinking is returned apart when the model has a reasoning parser)
+    chat: ChatRequest | None = None  # /api/chat and templated /api/generate
+    completion: CompletionRequest | None = None  # /api/generate with raw: the prompt as it is
+    load_only: bool = False  # no messages / empty prompt: Ollama loads the model and answers done_reason "load"
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise invalid("Received json is not an object")
+    return body
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be a boolean", name)
+    return value
+
+
+def _think(body: dict) -> bool | None:
+    value = body.get("think")
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("low", "medium", "high"):  # gpt-oss's levels: thinking on (the level is not a knob here)
+        return True
+    raise invalid('think must be a boolean or one of "low", "medium", "high"', "think")
+
+
+def options(body: dict, limits: Limits) -> dict[str, Any]:
+    """`options` -> OpenAI fields (their checks are validation's, on the translated body)."""
+    opts = body.get("options")
+    if opts is None:
+        return {}
+    if not isinstance(opts, dict):
+        raise invalid("options must be an object", "options")
+    out: dict[str, Any] = {}
+    for name, value in opts.items():
+        if value is None or name in RESOURCE_OPTIONS:
+            continue
+        if name in SAMPLING_OPTIONS:
+            out[SAMPLING_OPTIONS[name]] = _sampling_value(name, value)
+        elif name == "num_predict":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise invalid("num_predict must be an integer", "num_predict")
+            if value > 0:
+                out["max_tokens"] = value
+            elif value not in (0, -1, -2):
+                raise invalid("num_predict must be positive, or -1 (until the context ends) or -2 (fill it)", name)
+        elif name == "num_ctx":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise invalid("num_ctx must be a positive integer", "num_ctx")
+        elif name == "typical_p" and TYPICAL_P_SUPPORTED:
+            out["typical_p"] = value
+        elif name in NEUTRAL:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != NEUTRAL[name]:
+                raise invalid(f"option {name} is not supported (only its neutral value {NEUTRAL[name]})", name)
+        else:
+            raise invalid(f"option {name} is not supported", name)
+    return out
+
+
+def _sampling_value(name: str, value: Any) -> Any:
+    """Ollama's spellings of "off" -> OpenAI's: top_k <= 0 is all tokens, a negative seed is a random one."""
+    if name == "top_k" and isinstance(value, int) and not isinstance(value, bool) and value <= 0:
+        return -1
+    if name == "seed" and isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        return None
+    return value
+
+
+def response_format(body: dict) -> dict | None:
+    fmt = body.get("format")
+    if fmt is None or fmt == "":
+        return None
+    if fmt == "json":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict):
+        return {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    raise invalid('format must be "json" or a JSON schema (an object)', "format")
+
+
+def _no_images(message: dict, where: str) -> None:
+    if message.get("images"):
+        raise invalid("images are not supported: the served model has no vision", where)
+
+
+def _message(m: Any) -> Any:
+    """An Ollama message -> OpenAI's (tool calls' arguments stay objects: the chat template takes them so)."""
+    if not isinstance(m, dict):
+        return m  # validation says what is wrong
+    _no_images(m, "messages")
+    out = {k: v for k, v in m.items() if k not in ("images", "thinking", "tool_name")}
+    if m.get("role") == "tool" and isinstance(m.get("tool_name"), str):
+        out["name"] = m["tool_name"]
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        out["tool_calls"] = [
+            {"type": "function", "function": c.get("function")} if isinstance(c, dict) else c for c in calls
+        ]
+    return out
+
+
+def _common(body: dict, limits: Limits) -> dict:
+    openai: dict[str, Any] = {"model": body.get("model"), "stream": False}
+    openai.update(options(body, limits))
+    fmt = response_format(body)
+    if fmt is not None:
+        openai["response_format"] = fmt
+    return openai
+
+
+def parse_ollama_chat(body: Any, limits: Limits) -> OllamaRequest:
+    body = _object(body)
+    stream, think = _bool(body, "stream", True), _think(body)
+    if body.get("logprobs"):
+        raise invalid("logprobs are not supported on Ollama's API here (use /v3/chat/completions)", "logprobs")
+    openai = _common(body, limits)
+    messages = body.get("messages")
+    if messages == [] or (messages is None and body.get("model") is not None):
+        return OllamaRequest(str(body.get("model")), stream, think, load_only=True)
+    openai["messages"] = [_message(m) for m in messages] if isinstance(messages, list) else messages
+    if body.get("tools"):
+        openai["tools"] = body["tools"]
+    return OllamaRequest(str(body.get("model")), stream, think, chat=parse_chat(openai, limits))
+
+
+def parse_ollama_generate(body: Any, limits: Limits) -> OllamaRequest:
+    body = _object(body)
+    stream, think = _bool(body, "stream", True), _think(body)
+    raw = _bool(body, "raw", False)
+    _no_images(body, "images")
+    if body.get("suffix"):
+        raise invalid("suffix is not supported: no fill-in-the-middle yet", "suffix")
+    if body.get("context"):
+        raise invalid("context is not supported: send the conversation to /api/chat instead", "context")
+    template = body.get("template")
+    if template is not None and (not isinstance(template, str) or template.strip() not in TEMPLATES):
+        raise invalid("a custom template is not supported: the model's own chat template applies", "template")
+    if body.get("logprobs"):
+        raise invalid("logprobs are not supported on Ollama's API here (use /v3/completions)", "logprobs")
+    openai = _common(body, limits)
+    prompt, system = body.get("prompt"), body.get("system")
+    if prompt is not None and not isinstance(prompt, str):
+        raise invalid("prompt must be a string", "prompt")
+    if system is not None and not isinstance(system, str):
+        raise invalid("system must be a string", "system")
+    if not prompt:
+        return OllamaRequest(str(body.get("model")), stream, think, load_only=True)
+    model = str(body.get("model"))
+    if raw or (template is not None and template.strip() == TEMPLATES[1]):
+        openai["prompt"] = prompt
+        return OllamaRequest(model, stream, think, completion=parse_completion(openai, limits))
+    openai["messages"] = [
+        *([{"role": "system", "content": system}] if system else []),
+        {"role": "user", "content": prompt},
+    ]
+    return OllamaRequest(model, stream, think, chat=parse_chat(openai, limits))
+
+
+def with_model(req: OllamaRequest, served: str) -> OllamaRequest:
+    """The request aimed at the served model `served` (the client may have said `served:latest`)."""
+    if req.chat is not None:
+        return dataclasses.replace(
+            req, chat=dataclasses.replace(req.chat, edge=dataclasses.replace(req.chat.edge, model=served))
+        )
+    if req.completion is not None:
+        edge = dataclasses.replace(req.completion.edge, model=served)
+        return dataclasses.replace(req, completion=dataclasses.replace(req.completion, edge=edge))
+    return req
+
+
+def arguments_object(arguments: str) -> Any:
+    """A parsed call's arguments (JSON text) as the object Ollama sends."""
+    try:
+        return json.loads(arguments) if arguments else {}
+    except ValueError:
+        return arguments

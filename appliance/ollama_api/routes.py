@@ -1,0 +1,176 @@
+"""Ollama's routes, a Flask Blueprint on the OpenAI app's `Api` (its auth, body checks, engine client and limits):
+`create_app` registers it, so the same port, keys and bounds serve both APIs. Errors are Ollama's
+`{"error": "..."}` with the same statuses as the OpenAI side (400 / 404 / 413 / 429 / 500 / 503)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, Protocol
+
+from flask import Blueprint, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from appliance import __version__
+from appliance.http.client import EngineClient, EngineUnavailable
+from appliance.limits import Limits
+from appliance.ollama_api import models as M
+from appliance.ollama_api.requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate, with_model
+from appliance.ollama_api.wire import OllamaGeneration, Render
+from appliance.openai_api.chat import ChatShape, chat_job
+from appliance.openai_api.completions import CompletionShape, completion_job
+from appliance.openai_api.errors import ApiError
+from appliance.openai_api.sampling import to_sampling_params
+from appliance.openai_api.streaming import ClientGone, Meta, bound_send_buffer, socket_closed
+from appliance.protocol import EngineStatus
+from appliance.settings import ServeSettings
+
+
+class Api(Protocol):
+    """What these routes use of the OpenAI app's `Api` (appliance/openai_api/app.py, which registers them; a
+    Protocol, not an import: the app imports this module)."""
+
+    settings: ServeSettings
+    client: EngineClient
+    limits: Limits
+
+    def json_body(self) -> Any: ...
+    def ready_status(self, model: str, fresh: bool = True) -> EngineStatus: ...
+
+
+log = logging.getLogger("appliance.http")
+OLLAMA_VERSION = "0.13.0"  # the Ollama API this adapter follows (clients gate features on it)
+
+
+def _error(status: int, message: str) -> Response:
+    g.error_type = "ollama_error"
+    return Response(json.dumps({"error": message}), status=status, mimetype="application/json")
+
+
+class OllamaRoutes:
+    def __init__(self, api: Api):
+        self.api = api
+
+    def resolve(self, name: object) -> tuple[str, EngineStatus]:
+        """The served model a client's `name` or `name:latest` means, and its status (404 / 503 otherwise)."""
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "model is required")
+        for candidate in dict.fromkeys((name, M.untagged(name))):
+            status = self.api.client.serving_status(candidate)
+            if status.state != "unknown":
+                return candidate, self.api.ready_status(candidate, fresh=False)
+        raise ApiError(404, f"model '{name}' not found")
+
+    def chat(self):
+        return self._generate(parse_ollama_chat(self.api.json_body(), self.api.limits), chat=True)
+
+    def generate(self):
+        return self._generate(parse_ollama_generate(self.api.json_body(), self.api.limits), chat=False)
+
+    def _generate(self, req: OllamaRequest, chat: bool):
+        served, status = self.resolve(req.model)
+        req = with_model(req, served)
+        thinks = status.reasoning_parser == "think"
+        if req.think and not thinks:
+            raise ApiError(400, f'"{req.model}" does not support thinking')
+        render = Render(req.model, chat, keep_thinking=req.think is not False)
+        if req.load_only:  # Ollama: a request with nothing to say loads the model (here: always loaded)
+            return {**render.body(""), "done": True, "done_reason": "load"}
+        request_id = ("chatcmpl-" if req.chat is not None else "cmpl-") + uuid.uuid4().hex
+        g.request_id = request_id
+        if req.chat is not None:
+            chat_req = req.chat
+            shape: ChatShape | CompletionShape = ChatShape.for_request(
+                chat_req, status.tool_parser, status.reasoning_parser
+            )
+            params = to_sampling_params(chat_req.sampling, status.generation_defaults)
+            job = chat_job(chat_req, params, request_id, status.tool_parser, self.api.limits)
+            timeout = chat_req.edge.timeout
+        else:
+            assert req.completion is not None
+            shape = CompletionShape(False)
+            params = to_sampling_params(req.completion.sampling, status.generation_defaults)
+            job = completion_job(req.completion, params, request_id)
+            timeout = req.completion.edge.timeout
+        job.model = served
+        job.tenant = g.get("tenant", "")
+        sock = request.environ.get("gunicorn.socket")
+        meta = Meta(request_id, int(time.time()), served, f"appliance-{__version__}".lower())
+        generation = OllamaGeneration(
+            self.api.client, job, shape, meta, timeout=timeout, client_gone=lambda: socket_closed(sock)
+        )
+        generation.start()
+        if not req.stream:
+            return generation.ollama_unary(render)
+        bound_send_buffer(sock)
+        return Response(
+            generation.ndjson(render), mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache"}
+        )
+
+    def tags(self):
+        settings = self.api.settings
+        return {"models": [M.tag_entry(settings, info) for info in self.api.client.models()]}
+
+    def ps(self):
+        out = []
+        for info in self.api.client.models():
+            if info.state == "ready":
+                out.append(M.ps_entry(self.api.settings, info, self.api.client.serving_status(info.name)))
+        return {"models": out}
+
+    def show(self):
+        body = self.api.json_body()
+        if not isinstance(body, dict):
+            raise ApiError(400, "Received json is not an object")
+        name = body.get("model") or body.get("name")  # `name`: Ollama's older spelling
+        served, status = self.resolve(name)
+        info = next((m for m in self.api.client.models() if m.name == served), None)
+        if info is None:
+            raise ApiError(404, f"model '{name}' not found")
+        return M.show_body(self.api.settings, info, status)
+
+    @staticmethod
+    def version():
+        return {"version": OLLAMA_VERSION}
+
+
+def blueprint(api: Api) -> Blueprint:
+    routes = OllamaRoutes(api)
+    bp = Blueprint("ollama", __name__, url_prefix="/api")
+    bp.add_url_rule("/chat", view_func=routes.chat, methods=["POST"])
+    bp.add_url_rule("/generate", view_func=routes.generate, methods=["POST"])
+    bp.add_url_rule("/tags", view_func=routes.tags, methods=["GET"])
+    bp.add_url_rule("/ps", view_func=routes.ps, methods=["GET"])
+    bp.add_url_rule("/show", view_func=routes.show, methods=["POST"])
+    bp.add_url_rule("/version", view_func=OllamaRoutes.version, methods=["GET"])
+
+    @bp.errorhandler(ApiError)
+    def _api_error(exc: ApiError):
+        response = _error(exc.status, exc.message)
+        if exc.status == 401:
+            response.headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
+        return response
+
+    @bp.errorhandler(EngineUnavailable)
+    def _engine_gone(exc: EngineUnavailable):
+        return _error(503, "The inference engine is not reachable")
+
+    @bp.errorhandler(ClientGone)
+    def _client_gone(exc: ClientGone):
+        g.error_type = "client_closed_request"
+        return Response(status=499)
+
+    @bp.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        if exc.code == 413:
+            return _error(413, f"Request body too large: the limit is {api.settings.max_body_bytes} bytes")
+        return _error(exc.code or 500, exc.description or exc.name)
+
+    @bp.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(500, "Internal server error")
+
+    return bp
