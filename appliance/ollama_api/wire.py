@@ -111,13 +111,11 @@ class OllamaGeneration(Generation):
 
     def ndjson(self, render: Render) -> Iterator[str]:
         """Closing this generator early (client gone) closes the job, which cancels it engine-side."""
-        self.streaming = True
         try:
-            for event in self._chunks():
-                for chunk in self._apply(event):
-                    fragment = render.fragment(chunk)
-                    if fragment is not None:
-                        yield line(fragment)
+            for chunk in self.deltas():
+                fragment = render.fragment(chunk)
+                if fragment is not None:
+                    yield line(fragment)
             yield line(render.final(self))
         except ApiError as exc:  # headers are sent: the error is the last line, as Ollama does
             yield line({"error": exc.message})

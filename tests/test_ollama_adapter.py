@@ -1,0 +1,158 @@
+"""appliance/ollama_api/requests.py and wire.py alone (no server): an Ollama body becomes the OpenAI request it
+means (options mapped, runtime options ignored, output-changing unknown ones refused, chat's bounds kept), and the
+Ollama routes answer 401 in Ollama's error shape before any engine is asked."""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.limits import Limits
+from appliance.ollama_api.requests import parse_ollama_chat, parse_ollama_generate
+from appliance.ollama_api.wire import Render
+from appliance.openai_api.errors import ApiError
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body):
+    return parse_ollama_chat({"model": "m", "messages": MSG, **body}, Limits())
+
+
+def refused(fn, body: dict, fragment: str) -> None:
+    with pytest.raises(ApiError) as err:
+        fn(body, Limits())
+    assert err.value.status == 400 and fragment in err.value.message
+
+
+def test_options_map_onto_sampling():
+    req = chat(
+        options={
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 7,
+            "min_p": 0.1,
+            "seed": 3,
+            "stop": ["x"],
+            "repeat_penalty": 1.2,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.25,
+            "num_predict": 5,
+            "num_ctx": 4096,
+            "num_thread": 4,
+            "use_mmap": False,
+            "typical_p": 1.0,
+            "mirostat": 0,
+        }
+    )
+    assert req.stream and req.chat is not None
+    s = req.chat.sampling
+    assert s["temperature"] == 0.5 and s["top_p"] == 0.9 and s["top_k"] == 7 and s["min_p"] == 0.1
+    assert s["seed"] == 3 and s["stop"] == ("x",) and s["repetition_penalty"] == 1.2
+    assert s["presence_penalty"] == 0.5 and s["frequency_penalty"] == 0.25 and s["max_tokens"] == 5
+    assert s["include_stop_str_in_output"] is False  # Ollama leaves the stop string out, streamed or not
+
+
+@pytest.mark.parametrize("value", [-1, -2, 0])
+def test_num_predict_unbounded_values_leave_max_tokens_unset(value):
+    assert "max_tokens" not in chat(options={"num_predict": value}).chat.sampling
+
+
+def test_off_spellings():
+    s = chat(options={"top_k": 0, "seed": -1}).chat.sampling
+    assert s["top_k"] == -1 and "seed" not in s
+
+
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({"mirostat": 2}, "mirostat"),
+        ({"tfs_z": 0.5}, "tfs_z"),
+        ({"repeat_last_n": 64}, "repeat_last_n"),
+        ({"no_such": 1}, "no_such"),
+        ({"num_ctx": 0}, "num_ctx"),
+        ({"num_predict": -3}, "num_predict"),
+        ({"temperature": -1}, "temperature"),  # chat's own bound, through the translated body
+        ({"num_predict": 10**12}, "max_tokens"),
+        ({"stop": ["s"] * 10_000}, "stop"),
+    ],
+)
+def test_refused_options(options, fragment):
+    refused(parse_ollama_chat, {"model": "m", "messages": MSG, "options": options}, fragment)
+
+
+def test_typical_p_other_than_neutral_is_never_ignored():
+    from appliance.ollama_api.requests import TYPICAL_P_SUPPORTED
+
+    if TYPICAL_P_SUPPORTED:
+        assert chat(options={"typical_p": 0.5}).chat.sampling["typical_p"] == 0.5
+    else:
+        refused(parse_ollama_chat, {"model": "m", "messages": MSG, "options": {"typical_p": 0.5}}, "typical_p")
+
+
+def test_refused_fields():
+    refused(
+        parse_ollama_chat, {"model": "m", "messages": [{"role": "user", "content": "x", "images": ["AA=="]}]}, "images"
+    )
+    refused(parse_ollama_generate, {"model": "m", "prompt": "x", "images": ["AA=="]}, "images")
+    refused(parse_ollama_generate, {"model": "m", "prompt": "x", "suffix": "y"}, "suffix")
+    refused(parse_ollama_generate, {"model": "m", "prompt": "x", "context": [1, 2]}, "context")
+    refused(parse_ollama_generate, {"model": "m", "prompt": "x", "template": "{{ .System }} {{ .Prompt }}"}, "template")
+    refused(parse_ollama_chat, {"model": "m", "messages": MSG, "format": "yaml"}, "format")
+    refused(parse_ollama_chat, {"model": "m", "messages": MSG, "think": "max"}, "think")
+    refused(parse_ollama_chat, {"model": "m", "messages": MSG * 100_000}, "messages")  # chat's bound
+
+
+def test_format_and_generate_paths():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert chat(format=schema).chat.sampling["grammar"].kind == "json_schema"
+    assert chat(format="json").chat.sampling["grammar"] is not None
+    g = parse_ollama_generate({"model": "m", "prompt": "p", "system": "s", "stream": False}, Limits())
+    assert not g.stream and g.chat is not None and [m["role"] for m in g.chat.messages] == ["system", "user"]
+    raw = parse_ollama_generate({"model": "m", "prompt": "p", "raw": True}, Limits())
+    assert raw.completion is not None and raw.completion.prompts == ("p",)
+    assert parse_ollama_generate({"model": "m"}, Limits()).load_only
+    assert parse_ollama_chat({"model": "m", "messages": []}, Limits()).load_only
+
+
+def test_tool_history_is_translated():
+    history = [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {"a": 1}}}]},
+        {"role": "tool", "content": "1", "tool_name": "f"},
+    ]
+    req = chat(messages=history)
+    assert req.chat.messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    ]
+    assert req.chat.messages[1]["name"] == "f"
+
+
+def test_streamed_tool_call_is_one_object_call():
+    r = Render("m:latest", chat=True)
+    named = {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": ""}}]}}
+    assert r.fragment(named) is None  # held until its arguments come
+    args = {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]}}
+    line = r.fragment(args)
+    assert line["message"]["tool_calls"] == [{"function": {"name": "f", "arguments": {"a": 1}}}]
+    assert line["done"] is False and line["model"] == "m:latest"
+    thought = {"index": 0, "delta": {"reasoning_content": "hm"}}
+    assert r.fragment(thought)["message"]["thinking"] == "hm"
+    assert Render("m", chat=True, keep_thinking=False).fragment(thought) is None
+
+
+def test_routes_need_the_key(tmp_path):
+    from appliance.openai_api.app import create_app
+    from appliance.settings import ServeSettings
+
+    keys = tmp_path / "keys"
+    keys.write_text("secret-key-0123456789\n")
+    settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0, api_key_file=str(keys))
+
+    class NoEngine:  # a 401 is answered before any engine call; only the HTTP record is sent
+        def record_http(self, record) -> None:
+            pass
+
+    app = create_app(settings, client=NoEngine())  # type: ignore[arg-type]
+    with app.test_client() as c:
+        r = c.post("/api/chat", json={"model": "m", "messages": MSG})
+        assert r.status_code == 401 and set(r.get_json()) == {"error"} and isinstance(r.get_json()["error"], str)
+        assert c.get("/api/tags").status_code == 401
