@@ -177,6 +177,12 @@ def test_refusals(client, tag, srv):
     with pytest.raises(ollama.ResponseError) as err:
         client.chat(model=tag, messages=ASK, think=True)  # the default model has no reasoning parser
     assert err.value.status_code == 400
+    # a prompt over the context: a 400 before the stream starts, streamed or not
+    for stream in (False, True):
+        with pytest.raises(ollama.ResponseError) as err:
+            reply = client.chat(model=tag, messages=[{"role": "user", "content": "hi " * 9000}], stream=stream)
+            list(reply) if stream else None
+        assert err.value.status_code == 400 and "max length" in err.value.error
     # harmless runtime options are accepted
     r = client.chat(model=tag, messages=ASK, options={**PREDICT, "num_thread": 2, "use_mmap": True, "num_ctx": 99999})
     assert r.done
