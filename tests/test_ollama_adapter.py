@@ -156,3 +156,22 @@ def test_routes_need_the_key(tmp_path):
         r = c.post("/api/chat", json={"model": "m", "messages": MSG})
         assert r.status_code == 401 and set(r.get_json()) == {"error"} and isinstance(r.get_json()["error"], str)
         assert c.get("/api/tags").status_code == 401
+
+
+def test_an_error_mid_stream_is_the_last_line(monkeypatch):
+    """Once the stream started, a failure (here the engine's, after one fragment) is one last `{"error"}` line, which
+    Ollama's clients raise; no `done: true` line claims success."""
+    import json
+
+    from appliance.ollama_api.wire import OllamaGeneration
+
+    def deltas(self):
+        yield {"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}
+        raise ApiError(500, "generation failed: boom")
+
+    monkeypatch.setattr(OllamaGeneration, "deltas", deltas)
+    gen = OllamaGeneration.__new__(OllamaGeneration)  # no engine: only ndjson()'s framing is under test
+    gen._stream = None
+    lines = [json.loads(x) for x in gen.ndjson(Render("m", chat=True))]
+    assert lines[0]["message"]["content"] == "Hel" and lines[0]["done"] is False
+    assert lines[-1] == {"error": "generation failed: boom"} and len(lines) == 2
