@@ -85,6 +85,17 @@ def test_generate(client, tag):
     assert raw
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs(client, tag, stream):
+    kwargs = dict(model=tag, messages=ASK, options={"num_predict": 4, "temperature": 0}, logprobs=True, top_logprobs=2)
+    if stream:
+        entries = [e for chunk in client.chat(**kwargs, stream=True) for e in chunk.logprobs or ()]
+    else:
+        entries = list(client.chat(**kwargs).logprobs or ())
+    assert len(entries) == 4
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
+
+
 def test_num_predict_is_a_length_stop(client, tag):
     r = client.chat(
         model=tag, messages=[{"role": "user", "content": "Count from 1 to 100."}], options={"num_predict": 3}

@@ -185,14 +185,15 @@ def _common(body: dict, limits: Limits) -> dict:
     fmt = response_format(body)
     if fmt is not None:
         openai["response_format"] = fmt
+    for name in ("logprobs", "top_logprobs"):  # chat's fields and checks (top_logprobs 0..20, with logprobs)
+        if body.get(name) is not None:
+            openai[name] = body[name]
     return openai
 
 
 def parse_ollama_chat(body: Any, limits: Limits) -> OllamaRequest:
     body = _object(body)
     stream, think = _bool(body, "stream", True), _think(body)
-    if body.get("logprobs"):
-        raise invalid("logprobs are not supported on Ollama's API here (use /v3/chat/completions)", "logprobs")
     openai = _common(body, limits)
     messages = body.get("messages")
     if messages == [] or (messages is None and body.get("model") is not None):
@@ -215,8 +216,6 @@ def parse_ollama_generate(body: Any, limits: Limits) -> OllamaRequest:
     template = body.get("template")
     if template is not None and (not isinstance(template, str) or template.strip() not in TEMPLATES):
         raise invalid("a custom template is not supported: the model's own chat template applies", "template")
-    if body.get("logprobs"):
-        raise invalid("logprobs are not supported on Ollama's API here (use /v3/completions)", "logprobs")
     openai = _common(body, limits)
     prompt, system = body.get("prompt"), body.get("system")
     if prompt is not None and not isinstance(prompt, str):
@@ -227,6 +226,8 @@ def parse_ollama_generate(body: Any, limits: Limits) -> OllamaRequest:
         return OllamaRequest(str(body.get("model")), stream, think, load_only=True)
     model = str(body.get("model"))
     if raw or (template is not None and template.strip() == TEMPLATES[1]):
+        if "logprobs" in openai or "top_logprobs" in openai:
+            raise invalid("logprobs are not supported with raw (use /v3/completions)", "logprobs")
         openai["prompt"] = prompt
         return OllamaRequest(model, stream, think, completion=parse_completion(openai, limits))
     openai["messages"] = [

@@ -70,9 +70,10 @@ class Render:
             elif call["index"] in self._pending:
                 name = self._pending.pop(call["index"])
                 calls.append({"function": {"name": name, "arguments": arguments_object(fn.get("arguments", ""))}})
-        if not (text or (thought and self.keep_thinking) or calls):
+        logprobs = (chunk.get("logprobs") or {}).get("content")
+        if not (text or (thought and self.keep_thinking) or calls or logprobs):
             return None
-        return {**self.body(text, thought, calls), "done": False}
+        return {**self.body(text, thought, calls), **({"logprobs": logprobs} if logprobs else {}), "done": False}
 
     def unary(self, body: dict) -> dict:
         """An OpenAI unary body -> the Ollama one (stats added by `final`)."""
@@ -84,7 +85,10 @@ class Render:
             {"function": {"name": c["function"]["name"], "arguments": arguments_object(c["function"]["arguments"])}}
             for c in message.get("tool_calls") or ()
         ]
-        return self.body(message.get("content") or "", message.get("reasoning_content"), calls)
+        out = self.body(message.get("content") or "", message.get("reasoning_content"), calls)
+        if choice.get("logprobs"):  # chat's entries are Ollama's: token, logprob, bytes, top_logprobs
+            out["logprobs"] = choice["logprobs"]["content"]
+        return out
 
     def final(self, gen: Generation, body: dict | None = None) -> dict:
         """The `done: true` line (or the unary body): done_reason, counts and durations (ns)."""
