@@ -98,6 +98,9 @@ def test_refused_fields():
     refused(parse_ollama_generate, {"model": "m", "prompt": "x", "context": [1, 2]}, "context")
     refused(parse_ollama_generate, {"model": "m", "prompt": "x", "template": "{{ .System }} {{ .Prompt }}"}, "template")
     refused(parse_ollama_chat, {"model": "m", "messages": MSG, "format": "yaml"}, "format")
+    refused(parse_ollama_generate, {"model": "m", "prompt": "x", "raw": True, "logprobs": True}, "logprobs")
+    refused(parse_ollama_chat, {"messages": MSG}, "model is required")
+    refused(parse_ollama_generate, {"model": "", "prompt": "x"}, "model is required")
     refused(parse_ollama_chat, {"model": "m", "messages": MSG, "think": "max"}, "think")
     refused(parse_ollama_chat, {"model": "m", "messages": MSG * 100_000}, "messages")  # chat's bound
 

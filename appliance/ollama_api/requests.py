@@ -84,6 +84,8 @@ class OllamaRequest:
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise invalid("Received json is not an object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise invalid("model is required", "model")  # Ollama's message
     return body
 
 
@@ -196,12 +198,12 @@ def parse_ollama_chat(body: Any, limits: Limits) -> OllamaRequest:
     stream, think = _bool(body, "stream", True), _think(body)
     openai = _common(body, limits)
     messages = body.get("messages")
-    if messages == [] or (messages is None and body.get("model") is not None):
-        return OllamaRequest(str(body.get("model")), stream, think, load_only=True)
+    if not messages:
+        return OllamaRequest(body["model"], stream, think, load_only=True)
     openai["messages"] = [_message(m) for m in messages] if isinstance(messages, list) else messages
     if body.get("tools"):
         openai["tools"] = body["tools"]
-    return OllamaRequest(str(body.get("model")), stream, think, chat=parse_chat(openai, limits))
+    return OllamaRequest(body["model"], stream, think, chat=parse_chat(openai, limits))
 
 
 def parse_ollama_generate(body: Any, limits: Limits) -> OllamaRequest:
@@ -223,8 +225,8 @@ def parse_ollama_generate(body: Any, limits: Limits) -> OllamaRequest:
     if system is not None and not isinstance(system, str):
         raise invalid("system must be a string", "system")
     if not prompt:
-        return OllamaRequest(str(body.get("model")), stream, think, load_only=True)
-    model = str(body.get("model"))
+        return OllamaRequest(body["model"], stream, think, load_only=True)
+    model = body["model"]
     if raw or (template is not None and template.strip() == TEMPLATES[1]):
         if "logprobs" in openai or "top_logprobs" in openai:
             raise invalid("logprobs are not supported with raw (use /v3/completions)", "logprobs")
