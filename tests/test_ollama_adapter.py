@@ -40,7 +40,7 @@ def test_options_map_onto_sampling():
             "num_ctx": 4096,
             "num_thread": 4,
             "use_mmap": False,
-            "typical_p": 1.0,
+            "typical_p": 0.9,
             "mirostat": 0,
         }
     )
@@ -49,6 +49,7 @@ def test_options_map_onto_sampling():
     assert s["temperature"] == 0.5 and s["top_p"] == 0.9 and s["top_k"] == 7 and s["min_p"] == 0.1
     assert s["seed"] == 3 and s["stop"] == ("x",) and s["repetition_penalty"] == 1.2
     assert s["presence_penalty"] == 0.5 and s["frequency_penalty"] == 0.25 and s["max_tokens"] == 5
+    assert s["typical_p"] == 0.9
     assert s["include_stop_str_in_output"] is False  # Ollama leaves the stop string out, streamed or not
 
 
@@ -80,13 +81,9 @@ def test_refused_options(options, fragment):
     refused(parse_ollama_chat, {"model": "m", "messages": MSG, "options": options}, fragment)
 
 
-def test_typical_p_other_than_neutral_is_never_ignored():
-    from appliance.ollama_api.requests import TYPICAL_P_SUPPORTED
-
-    if TYPICAL_P_SUPPORTED:
-        assert chat(options={"typical_p": 0.5}).chat.sampling["typical_p"] == 0.5
-    else:
-        refused(parse_ollama_chat, {"model": "m", "messages": MSG, "options": {"typical_p": 0.5}}, "typical_p")
+def test_typical_p_is_typical_sampling():
+    assert chat(options={"typical_p": 0.5}).chat.sampling["typical_p"] == 0.5
+    refused(parse_ollama_chat, {"model": "m", "messages": MSG, "options": {"typical_p": 0}}, "typical_p")
 
 
 def test_refused_fields():

@@ -194,8 +194,20 @@ def test_refusals(client, tag, srv):
             reply = client.chat(model=tag, messages=[{"role": "user", "content": "hi " * 9000}], stream=stream)
             list(reply) if stream else None
         assert err.value.status_code == 400 and "max length" in err.value.error
-    # harmless runtime options are accepted
-    r = client.chat(model=tag, messages=ASK, options={**PREDICT, "num_thread": 2, "use_mmap": True, "num_ctx": 99999})
+    # harmless runtime options are accepted (and typical_p reaches the sampler)
+    r = client.chat(
+        model=tag,
+        messages=ASK,
+        options={
+            **PREDICT,
+            "num_thread": 2,
+            "use_mmap": True,
+            "num_ctx": 99999,
+            "typical_p": 0.9,
+            "temperature": 0.7,
+            "seed": 5,
+        },
+    )
     assert r.done
     # a bound of the OpenAI side holds here too: too many stop strings
     r2 = requests.post(

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.limits import Limits
-from appliance.openai_api import fields as F
 from appliance.openai_api.chat import ChatRequest, parse_chat
 from appliance.openai_api.completions import CompletionRequest, parse_completion
 from appliance.openai_api.errors import invalid
@@ -43,6 +42,7 @@ SAMPLING_OPTIONS = {
     "repeat_penalty": "repetition_penalty",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
+    "typical_p": "typical_p",  # (0, 1], 1 = off, as Ollama
 }
 # load-time / resource options: how Ollama places and runs the model, never what it writes
 RESOURCE_OPTIONS = frozenset(
@@ -64,9 +64,8 @@ RESOURCE_OPTIONS = frozenset(
     }
 )
 # options whose no-op value is accepted (it asks for what the appliance does anyway); other values are a 400
-NEUTRAL = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "repeat_last_n": -1}
+NEUTRAL = {"tfs_z": 1.0, "mirostat": 0, "repeat_last_n": -1}
 TEMPLATES = ("", "{{ .Prompt }}")  # a `template` that is the prompt itself: the same as no template
-TYPICAL_P_SUPPORTED = any(f.name == "typical_p" for f in F.CHAT)
 
 
 @dataclass(frozen=True)
@@ -130,8 +129,6 @@ def options(body: dict, limits: Limits) -> dict[str, Any]:
         elif name == "num_ctx":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise invalid("num_ctx must be a positive integer", "num_ctx")
-        elif name == "typical_p" and TYPICAL_P_SUPPORTED:
-            out["typical_p"] = value
         elif name in NEUTRAL:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != NEUTRAL[name]:
                 raise invalid(f"option {name} is not supported (only its neutral value {NEUTRAL[name]})", name)
