@@ -216,8 +216,14 @@ def test_refusals(client, tag, srv):
     assert r2.status_code == 400 and set(r2.json()) == {"error"}
 
 
-def test_version(srv):
+def test_version_and_routes_not_served(srv, client, tag):
     assert requests.get(srv.base + "/api/version", timeout=30).json()["version"]
+    for method, path in (("POST", "/api/pull"), ("POST", "/api/embed"), ("GET", "/api/chat")):
+        r = requests.request(method, srv.base + path, json={"model": tag}, timeout=30)
+        assert r.status_code == 404 and isinstance(r.json()["error"], str), (method, path)
+    with pytest.raises(ollama.ResponseError) as err:
+        client.delete(tag)
+    assert err.value.status_code == 404
 
 
 def test_langchain(srv, tag):

@@ -136,6 +136,10 @@ class OllamaRoutes:
         return {"version": OLLAMA_VERSION}
 
 
+def _not_served(rest: str):
+    raise ApiError(404, f"{request.method} {request.path} is not served here (docs/ollama.md)")
+
+
 def blueprint(api: Api) -> Blueprint:
     routes = OllamaRoutes(api)
     bp = Blueprint("ollama", __name__, url_prefix="/api")
@@ -145,6 +149,8 @@ def blueprint(api: Api) -> Blueprint:
     bp.add_url_rule("/ps", view_func=routes.ps, methods=["GET"])
     bp.add_url_rule("/show", view_func=routes.show, methods=["POST"])
     bp.add_url_rule("/version", view_func=OllamaRoutes.version, methods=["GET"])
+    # everything else under /api (pull, delete, embed, a wrong method, ...): Ollama's 404, in its error shape
+    bp.add_url_rule("/<path:rest>", view_func=_not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 
     @bp.errorhandler(ApiError)
     def _api_error(exc: ApiError):

@@ -52,7 +52,7 @@ _API_ROUTES = (
     "/models/<path:model_id>",
 )
 # Ollama's API (appliance/ollama_api/routes.py)
-_OLLAMA_ROUTES = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version")
+_OLLAMA_ROUTES = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/<path:rest>")
 ROUTES = frozenset(
     {f"{prefix}{route}" for prefix in ("/v3", "/v1", "/v3/v1") for route in _API_ROUTES}
     | set(_OLLAMA_ROUTES)
