@@ -96,6 +96,19 @@ def test_logprobs(client, tag, stream):
     assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_is_left_out(client, tag, stream):
+    """Ollama leaves the stop string out of the text, streamed too (the OpenAI side's streams keep it, as OVMS)."""
+    options = {"num_predict": 24, "temperature": 0, "stop": [" "]}
+    if stream:
+        chunks = list(client.chat(model=tag, messages=ASK, options=options, stream=True))
+        text, reason = "".join(c.message.content or "" for c in chunks), chunks[-1].done_reason
+    else:
+        r = client.chat(model=tag, messages=ASK, options=options)
+        text, reason = r.message.content, r.done_reason
+    assert reason == "stop" and " " not in text
+
+
 def test_num_predict_is_a_length_stop(client, tag):
     r = client.chat(
         model=tag, messages=[{"role": "user", "content": "Count from 1 to 100."}], options={"num_predict": 3}
