@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+from appliance.openai_api import fields as F
 from appliance.openai_api.chat import parse_chat
 from appliance.openai_api.completions import parse_completion
 from appliance.openai_api.errors import ApiError
@@ -34,6 +35,44 @@ def error_of(fn, *args, **kwargs) -> ApiError:
         fn(*args, **kwargs)
     assert info.value.status == 400
     return info.value
+
+
+# ---------------------------------------------------------------- the field tables (appliance/openai_api/fields.py)
+# Tests over "every field" take their fields from the tables, so a Field added there is under them at once.
+
+ENDPOINTS = {"completions": (F.COMPLETION, parse_completion), "chat": (F.CHAT, parse_chat)}
+TYPE_SAMPLES = {"boolean": "yes", "integer": "1", "number": "x", "string": 5}  # a value of another JSON type
+
+
+def base_body(endpoint: str, without: str = "") -> dict:
+    """The smallest valid body of `endpoint` that does not set `without` (completions: `tokens` as the prompt when
+    `without` is prompt)."""
+    if endpoint == "chat":
+        return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    return {"model": MODEL, **({"tokens": [1]} if without == "prompt" else {"prompt": "hi"})}
+
+
+def json_types(f: F.Field) -> set[str]:
+    """The JSON types a field's value may have at its top level (custom fields: by their declared schema)."""
+    if f.kind != "custom":
+        return {f.kind}
+    assert f.schema is not None
+    schema = f.schema(Limits())
+    found: set[str] = set()
+    for part in [schema, *schema.get("anyOf", [])]:
+        kind = part.get("type", [])
+        found |= {kind} if isinstance(kind, str) else set(kind)
+    return found
+
+
+def table_params(select) -> list:
+    """pytest params (endpoint, field) of every field of the completions and chat tables that `select` takes."""
+    return [
+        pytest.param(endpoint, f, id=f"{endpoint}-{f.name}")
+        for endpoint, (table, _) in ENDPOINTS.items()
+        for f in table
+        if select(f)
+    ]
 
 
 # ---------------------------------------------------------------- OVMS messages, one row per rule
@@ -268,46 +307,30 @@ def test_stop_limit_is_configurable_and_16_is_fine():
 # ---------------------------------------------------------------- accepted forms, nulls, unknown fields
 
 
-def test_every_optional_field_accepts_null_as_not_set():
-    optional = [
-        "stream",
-        "stream_options",
-        "ignore_eos",
-        "max_tokens",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "length_penalty",
-        "temperature",
-        "top_p",
-        "min_p",
-        "top_k",
-        "seed",
-        "stop",
-        "include_stop_str_in_output",
-        "best_of",
-        "n",
-        "skip_special_tokens",
-        "stop_token_ids",
-        "min_tokens",
-        "logit_bias",
-        "timeout",
-        "user",
-    ]
-    nulls = {name: None for name in optional}
-    assert completion(**nulls, echo=None, logprobs=None) == completion()
-    assert (
-        chat(
-            **nulls,
-            logprobs=None,
-            top_logprobs=None,
-            max_completion_tokens=None,
-            response_format=None,
-            tools=None,
-            tool_choice=None,
-        )
-        == chat()
-    )
+# Optional fields that refuse a JSON null. None does: OVMS reads null as "not set" in every optional field (a
+# completions `prompt: null` is not set too, and so "prompt is missing" unless `tokens` is given: base_body). A field
+# that must refuse null goes here as {(endpoint, name): why}.
+NULL_REFUSED: dict[tuple[str, str], str] = {}
+
+
+@pytest.mark.parametrize("endpoint,f", table_params(lambda f: f.required is None))
+def test_every_optional_field_accepts_null_as_not_set(endpoint, f):
+    table, parse = ENDPOINTS[endpoint]
+    body = base_body(endpoint, without=f.name)
+    if (endpoint, f.name) in NULL_REFUSED:
+        assert error_of(parse, {**body, f.name: None}).param == f.name
+    else:
+        assert parse({**body, f.name: None}) == parse(body)
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_all_optional_fields_null_together_are_not_set(endpoint):
+    table, parse = ENDPOINTS[endpoint]
+    body = base_body(endpoint)
+    nulls = {f.name: None for f in table if f.required is None and f.name not in body}
+    nulls = {name: None for name in nulls if (endpoint, name) not in NULL_REFUSED}
+    assert len(nulls) > 20
+    assert parse({**nulls, **body}) == parse(body)
 
 
 def test_stream_options_null_include_usage_and_false_stream():
@@ -672,18 +695,58 @@ def test_float_ranges_follow_the_limits():
         assert error_of(parse_completion, body, limits).message == message
 
 
-@pytest.mark.parametrize(
-    "field_", ["temperature", "top_p", "min_p", "length_penalty", "repetition_penalty", "frequency_penalty", "timeout"]
-)
-def test_huge_integers_in_number_fields_are_400(field_):
-    err = error_of(completion, **{field_: 10**400})
-    assert err.param == field_
-    assert error_of(completion, **{field_: -(10**400)}).param == field_
+@pytest.mark.parametrize("endpoint,f", table_params(lambda f: f.kind == "number"))
+def test_huge_integers_in_number_fields_are_400(endpoint, f):
+    """A 400-digit integer is no float: the field's 400, not an OverflowError."""
+    table, parse = ENDPOINTS[endpoint]
+    for huge in (10**400, -(10**400)):
+        assert error_of(parse, {**base_body(endpoint), f.name: huge}).param == f.name
 
 
-@pytest.mark.parametrize("field_", ["max_tokens", "n", "best_of", "seed", "logprobs", "top_k", "min_tokens"])
-def test_huge_integers_in_integer_fields_are_400(field_):
-    assert error_of(completion, **{field_: 10**400}).param == field_
+@pytest.mark.parametrize("endpoint,f", table_params(lambda f: f.kind != "number" and "integer" in json_types(f)))
+def test_huge_integers_in_integer_fields_are_400(endpoint, f):
+    """Integer fields (and structured ones that take an integer: completions' seed) refuse 400-digit integers."""
+    table, parse = ENDPOINTS[endpoint]
+    for huge in (10**400, -(10**400)):
+        assert error_of(parse, {**base_body(endpoint), f.name: huge}).param == f.name
+
+
+def _outside(f: F.Field, bound: F.Bound, limits: Limits) -> int | float | None:
+    """The nearest value of the field's type past `bound` (None: no bound under these limits)."""
+    edge = bound.resolve(limits)
+    if edge is None or bound.exclusive:
+        return edge
+    step = 1 if f.kind == "integer" else max(abs(edge), 1.0) * 1e-9
+    return edge - step if bound.side == "min" else edge + step
+
+
+def _first_failed(f: F.Field, value: float, limits: Limits) -> F.Bound | None:
+    for bound in f.bounds:
+        edge = bound.resolve(limits)
+        if edge is not None and (value < edge if bound.side == "min" else value > edge):
+            return bound
+        if edge is not None and bound.exclusive and value == edge:
+            return bound
+    return None
+
+
+@pytest.mark.parametrize("endpoint,f", table_params(lambda f: f.kind in TYPE_SAMPLES))
+def test_every_typed_field_refuses_other_types_and_values_past_its_bounds(endpoint, f):
+    """Each boolean, integer, number and string field of the tables, as declared there: a value of another JSON
+    type is its type message, a value just past each bound the message of the first bound it breaks (the exact OVMS
+    texts are pinned by the rows above), both naming the field."""
+    table, parse = ENDPOINTS[endpoint]
+    limits = Limits()
+    err = error_of(parse, {**base_body(endpoint), f.name: TYPE_SAMPLES[f.kind]})
+    assert (err.message, err.param) == (f.text(f.message, limits), f.name)
+    for bound in f.bounds:
+        value = _outside(f, bound, limits)
+        if value is None or value in f.also:
+            continue
+        failed = _first_failed(f, value, limits)
+        assert failed is not None, (f.name, value)
+        err = error_of(parse, {**base_body(endpoint), f.name: value}, limits)
+        assert (err.message, err.param) == (f.text(failed.message or f.message, limits), f.name), value
 
 
 def test_prompt_count_is_bounded():
@@ -791,43 +854,8 @@ def test_deep_nesting_is_400():
 def test_wrong_types_everywhere_are_400():
     """Every field, given every JSON type: a 400 (or accepted), never another exception."""
     samples = [None, True, 0, -1, 1.5, 10**400, "s", "", [], [1], ["a"], [[1]], {}, {"a": 1}, [None], [{}]]
-    names = [
-        "model",
-        "prompt",
-        "messages",
-        "stream",
-        "stream_options",
-        "max_tokens",
-        "max_completion_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "length_penalty",
-        "stop",
-        "stop_token_ids",
-        "include_stop_str_in_output",
-        "ignore_eos",
-        "min_tokens",
-        "logit_bias",
-        "skip_special_tokens",
-        "n",
-        "best_of",
-        "timeout",
-        "echo",
-        "logprobs",
-        "top_logprobs",
-        "response_format",
-        "tools",
-        "num_assistant_tokens",
-        "assistant_confidence_threshold",
-        "max_ngram_size",
-        "prediction",
-    ]
+    names = list(dict.fromkeys(f.name for table in (F.COMPLETION, F.CHAT, F.TOKENIZE) for f in table))
+    names.append("an_unknown_field")
     for name in names:
         for value in samples:
             for parse, base in (
