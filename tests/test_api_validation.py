@@ -481,6 +481,64 @@ def test_request_values_reach_sampling_params():
     assert sp.n == 1 and req.edge.n == 2  # n choices are n independent submissions
 
 
+# A value (with the fields it needs beside it) for every field that sets a SamplingParams attribute (`Field.param`):
+# a hand list, since a valid non-default value is the field's own, so each new such field must be given one here.
+REACHES: dict[str, dict] = {
+    "ignore_eos": {"ignore_eos": True},
+    "max_tokens": {"max_tokens": 7},
+    "max_completion_tokens": {"max_completion_tokens": 7},
+    "frequency_penalty": {"frequency_penalty": -0.5},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "repetition_penalty": {"repetition_penalty": 1.2},
+    "length_penalty": {"length_penalty": 2.0},
+    "temperature": {"temperature": 0.7},
+    "top_p": {"top_p": 0.5},
+    "min_p": {"min_p": 0.1},
+    "typical_p": {"typical_p": 0.5},
+    "top_k": {"top_k": 5},
+    "seed": {"seed": 3},
+    "stop": {"stop": ["x"]},
+    "include_stop_str_in_output": {"include_stop_str_in_output": True},
+    "skip_special_tokens": {"skip_special_tokens": False},
+    "stop_token_ids": {"stop_token_ids": [9]},
+    "min_tokens": {"min_tokens": 2},
+    "logit_bias": {"logit_bias": {"5": -100}},
+    "best_of": {"best_of": 3},
+    "n": {"n": 2, "best_of": 3},  # alone, n choices are n submissions of n = 1; beam search answers n of best_of
+    "num_assistant_tokens": {"num_assistant_tokens": 3},
+    "assistant_confidence_threshold": {"assistant_confidence_threshold": 0.5},
+    "max_ngram_size": {"max_ngram_size": 2},
+    "prediction": {"prediction": {"type": "content", "content": "xyz"}},
+    "logprobs": {"logprobs": 2},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "grammar_root": {"grammar_root": "object"},
+    "num_beams": {"num_beams": 3},
+    "early_stopping": {"early_stopping": True, "best_of": 2},
+    "stop_tokens": {"stop_tokens": [{"tokens": [1, 2]}]},
+    "bad_words": {"bad_words": ["no"]},
+    "bad_word_tokens": {"bad_word_tokens": [{"tokens": [1]}]},
+    "no_repeat_ngram": {"no_repeat_ngram": 3},
+    "max_total_tokens": {"max_total_tokens": 50},
+    "min_total_tokens": {"min_total_tokens": 5},
+}
+
+
+def test_reaches_names_exactly_the_fields_that_set_sampling_params():
+    setting = {f.name for table, _ in ENDPOINTS.values() for f in table if f.param is not None}
+    assert set(REACHES) == setting
+
+
+@pytest.mark.parametrize("endpoint,f", table_params(lambda f: f.param is not None))
+def test_every_field_value_reaches_its_sampling_params_attribute(endpoint, f):
+    """Each field that sets a SamplingParams attribute changes that attribute from what a request without it gets."""
+    assert f.name in REACHES, f"{f.name}: give it a valid non-default value in REACHES"
+    table, parse = ENDPOINTS[endpoint]
+    body = base_body(endpoint)
+    assert f.param is not None
+    got, unset = params(parse({**body, **REACHES[f.name]})), params(parse(body))
+    assert getattr(got, f.param) != getattr(unset, f.param), (f.name, getattr(got, f.param))
+
+
 # ---------------------------------------------------------------- the HTTP edge around validation (app.py)
 # A stub engine client stands in for the engine process: these check what the app itself decides.
 

@@ -254,9 +254,9 @@ SPECULATION_FIELDS = tuple(f.name for f in F.SPECULATION)  # the table's specula
 
 def without_speculation(doc: dict) -> dict:
     """The document without the speculation fields (tests/test_speculation_api.py and test_api_validation.py
-    cover them): the shared server has no draft model, so a confidence threshold is a 400 engine-side; with four
-    more properties schemathesis's canonicalizer gives up on chat's combined rules (positive mode) and generating
-    invalid bodies of the completions request fails hypothesis's too-slow health check (negative mode)."""
+    cover them): the shared server has no draft model, so a confidence threshold is a 400 engine-side; with these
+    properties schemathesis's canonicalizer gives up on chat's combined rules (positive mode) and generating
+    invalid bodies of the completions request is too slow (negative mode: it failed hypothesis's too_slow check)."""
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         request = doc["components"]["schemas"][name]
         for field in SPECULATION_FIELDS:
