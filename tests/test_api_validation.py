@@ -327,8 +327,8 @@ def test_every_optional_field_accepts_null_as_not_set(endpoint, f):
 def test_all_optional_fields_null_together_are_not_set(endpoint):
     table, parse = ENDPOINTS[endpoint]
     body = base_body(endpoint)
-    nulls = {f.name: None for f in table if f.required is None and f.name not in body}
-    nulls = {name: None for name in nulls if (endpoint, name) not in NULL_REFUSED}
+    optional = [f.name for f in table if f.required is None and f.name not in body]
+    nulls = {name: None for name in optional if (endpoint, name) not in NULL_REFUSED}
     assert len(nulls) > 20
     assert parse({**nulls, **body}) == parse(body)
 
