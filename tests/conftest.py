@@ -300,3 +300,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if DEFAULT_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.default_model)
+
+
+# ================================================================ test order
+# pytest-randomly shuffles every run (setup.cfg). Its header line with the seed is hidden under `-q` (what `make
+# test` and CI use), so the seed is printed here, before the first test and again in the summary: a failure that
+# depends on the order is repeated with `PYTEST_ARGS="-p randomly --randomly-seed=N"`.
+
+
+def _order_line(config: pytest.Config) -> str | None:
+    seed = getattr(config.option, "randomly_seed", None)
+    if not config.pluginmanager.hasplugin("randomly") or not isinstance(seed, int):
+        return None
+    return f"test order: random, repeat with -p randomly --randomly-seed={seed}"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    line = _order_line(session.config)
+    if line:
+        session.config.get_terminal_writer().line(line)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    line = _order_line(config)
+    if line:
+        terminalreporter.write_line(line)
