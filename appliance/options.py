@@ -101,7 +101,9 @@ def options_table() -> str:
 
 def check_server(args: argparse.Namespace) -> None:
     """The ranges of the server's own settings (argparse checks only their types): worker and thread counts,
-    per-client caps, timeouts."""
+    per-client caps, timeouts, the Responses API's store."""
+    if args.responses_retention <= 0 or args.responses_max_bytes < 0:
+        raise ConfigError("--responses-retention must be positive, --responses-max-bytes at least 0")
     if args.workers < 1 or args.threads < 1:
         raise ConfigError("--workers and --threads must be at least 1")
     if min(args.client_max_connections, args.client_max_generations) < 0:

@@ -152,6 +152,16 @@ class ServeSettings:
         "think when the chat template mentions <think>",
         flag="reasoning-parser",
     )
+    responses_retention: float = setting(
+        30 * 86400.0,
+        "seconds a stored Responses API response (`store: true`) is kept in <APPLIANCE_DATA_DIR>/responses.sqlite3",
+        flag="responses-retention",
+    )
+    responses_max_bytes: int = setting(
+        256 * 1024 * 1024,
+        "bytes of stored Responses API responses at most; the oldest go first",
+        flag="responses-max-bytes",
+    )
     log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
     access_log: bool = setting(False, "log every HTTP request", flag="access-log")
     # the served models (ModelSpec above); a plain `serve` has one: model_dir / served_model_name / model_created

@@ -1,0 +1,505 @@
+"""`/v3/responses`, the adapter of OpenAI's Responses API onto the one internal chat request.
+
+A Responses body is translated into a chat completions body (input items -> chat messages, flat function tools ->
+chat's nested ones, `text.format` -> `response_format`, `max_output_tokens` -> `max_tokens`) and then read by chat's
+own `parse_chat`: every bound, message and rule of chat applies unchanged (messages count, tools count, schema
+size, grammar compilation). What the Responses API has and chat lacks is refused here with a 400 when it would
+change the output (`background`, non-function tools, images and files, `top_logprobs`, `max_tool_calls`,
+`truncation: auto`, `conversation`, `prompt`) and accepted when it cannot (`metadata`, `user`, `include`,
+`service_tier`, `prompt_cache_key`, `safety_identifier`, `text.verbosity`); any other field is a 400, so a client
+never silently gets an output its request did not ask for.
+
+`reasoning`: with the model's reasoning parser on (`think`), its leading thought comes out as a `reasoning` item and
+`reasoning.effort` is accepted as is (the chat template decides whether the model thinks: the engine has no
+per-request thinking switch to map the effort onto). On a model without a reasoning parser, `reasoning` with an
+effort or summary is a 400: nothing could honour it.
+
+Output: the engine's chunks go through chat's `ChatShape` parsers (reasoning, tool calls), whose deltas
+`ResponseEvents` turns into Responses items and streaming events (one path for unary and streaming, so the stream's
+deltas always add up to the unary output). State (`store`, `previous_response_id`) lives in response_store.py.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from appliance.limits import Limits
+from appliance.openai_api.chat import ChatRequest, parse_chat
+from appliance.openai_api.errors import invalid
+from appliance.openai_api.validation import read_body
+
+# Fields read here; the rest of a body is refused (ACCEPTED_IGNORED: read and dropped).
+FIELDS = (
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "text",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "reasoning",
+    "stream",
+    "store",
+    "previous_response_id",
+    "truncation",
+    "background",
+    "top_logprobs",
+    "max_tool_calls",
+)
+ACCEPTED_IGNORED = ("metadata", "user", "include", "service_tier", "prompt_cache_key", "safety_identifier")
+METADATA_ENTRIES, METADATA_CHARS = 16, 512  # OpenAI's metadata bounds (keys 64 characters, values 512)
+ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    chat: ChatRequest
+    body: dict  # the client's body (fields echoed in the response object)
+    input_items: list[dict]  # this request's input, as items with ids (GET .../input_items)
+    messages: list[dict]  # the conversation (previous responses', then this input's), without the instructions
+    store: bool
+    previous_response_id: str | None
+    reasoning: dict | None
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or parts of text (input_text / output_text / refusal), joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where}: content must be a string or an array of input_text parts", "input")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict):
+            raise invalid(f"{where}: each content part must be an object", "input")
+        kind = part.get("type")
+        if kind not in TEXT_PARTS:
+            raise invalid(
+                f"{where}: content part type {kind!r} is not supported (this server takes text parts only: "
+                "input_text, output_text)",
+                "input",
+            )
+        text = part.get("refusal") if kind == "refusal" else part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}: a {kind} part needs a string text", "input")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]:
+    """Input items -> (chat messages, the items as stored: with ids and content as parts)."""
+    if len(items) > limits.messages:
+        raise invalid(f"input must have no more than {limits.messages} items", "input")
+    messages: list[dict] = []
+    stored: list[dict] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise invalid(f"{where} is not an object", "input")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise invalid(f"{where}: role must be user, system, developer or assistant", "input")
+            text = _text_of(item.get("content"), where)
+            messages.append({"role": role, "content": text})
+            part = "output_text" if role == "assistant" else "input_text"
+            content = [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]
+            stored.append(
+                {
+                    "type": "message",
+                    "id": item.get("id") if isinstance(item.get("id"), str) else new_id("msg"),
+                    "role": item["role"],
+                    "status": "completed",
+                    "content": content,
+                }
+            )
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+                raise invalid(f"{where}: a function_call needs string call_id, name and arguments", "input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # one assistant turn: its text, then its calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            stored.append(
+                {
+                    "type": "function_call",
+                    "id": item.get("id") if isinstance(item.get("id"), str) else new_id("fc"),
+                    "call_id": call_id,
+                    "name": name,
+                    "arguments": arguments,
+                    "status": "completed",
+                }
+            )
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise invalid(f"{where}: a function_call_output needs a string call_id", "input")
+            text = _text_of(output, where)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            stored.append(
+                {
+                    "type": "function_call_output",
+                    "id": item.get("id") if isinstance(item.get("id"), str) else new_id("fco"),
+                    "call_id": call_id,
+                    "output": text,
+                    "status": "completed",
+                }
+            )
+        elif kind == "reasoning":  # a previous output handed back: the template drops past thoughts anyway
+            continue
+        else:
+            raise invalid(
+                f"{where}: item type {kind!r} is not supported (message, function_call, function_call_output, "
+                "reasoning)",
+                "input",
+            )
+    return messages, stored
+
+
+def _tools(value: Any) -> list[dict]:
+    if not isinstance(value, list):
+        raise invalid("tools is not an array", "tools")
+    out = []
+    for tool in value:
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise invalid(f"tool type {kind!r} is not supported: only function tools", "tools")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") == "function":
+        return {"type": "function", "function": {"name": value.get("name")}}
+    if value in ("none", "auto", "required"):
+        return value
+    raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name": ...}', "tool_choice")
+
+
+def _text_format(value: Any) -> dict | None:
+    if not isinstance(value, dict):
+        raise invalid("text must be an object", "text")
+    unknown = set(value) - {"format", "verbosity"}
+    if unknown:
+        raise invalid(f"text.{sorted(unknown)[0]} is not supported", "text")
+    fmt = value.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid("text.format.type must be text, json_object or json_schema", "text.format")
+    if fmt["type"] != "json_schema":
+        return {"type": fmt["type"]}
+    if not isinstance(fmt.get("schema"), dict):
+        raise invalid("text.format.schema must be a JSON schema (an object)", "text.format")
+    spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def parse_responses(
+    body: Any, limits: Limits, previous: list[dict] | None = None, reasoning_parser: str = "none"
+) -> ResponsesRequest:
+    """`previous`: the conversation of `previous_response_id` (the app looked it up: it needs the store)."""
+    read_body(body, (), limits)  # an object; depth and Unicode of the whole body
+    assert isinstance(body, dict)
+    unknown = sorted(set(body) - set(FIELDS) - set(ACCEPTED_IGNORED))
+    if unknown:
+        raise invalid(f"{unknown[0]} is not supported by this server", unknown[0])
+    for name, bad in (("background", True), ("conversation", None), ("prompt", None)):
+        if body.get(name) is not None and body.get(name) is bad:
+            raise invalid(f"{name} is not supported by this server", name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise invalid('truncation must be "disabled": this server never drops input to fit', "truncation")
+    if body.get("top_logprobs") not in (None, 0):
+        raise invalid("top_logprobs is not supported by the Responses endpoint here", "top_logprobs")
+    if body.get("max_tool_calls") is not None:
+        raise invalid("max_tool_calls is not supported (parallel_tool_calls false allows one call)", "max_tool_calls")
+    metadata = body.get("metadata")
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or len(metadata) > METADATA_ENTRIES
+        or not all(isinstance(k, str) and len(k) <= 64 for k in metadata)
+        or not all(isinstance(v, str) and len(v) <= METADATA_CHARS for v in metadata.values())
+    ):
+        raise invalid(
+            f"metadata must be at most {METADATA_ENTRIES} string pairs (keys 64, values {METADATA_CHARS} characters)",
+            "metadata",
+        )
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+            raise invalid("reasoning must be an object with effort and summary", "reasoning")
+        wants = any(reasoning.get(k) not in (None, "none") for k in ("effort", "summary", "generate_summary"))
+        if wants and reasoning_parser != "think":
+            raise invalid(
+                "reasoning is not supported by this model: it has no reasoning parser (--reasoning-parser)",
+                "reasoning",
+            )
+    raw_input = body.get("input")
+    if raw_input is None and previous is None:
+        raise invalid("input missing in request", "input")
+    if isinstance(raw_input, str):
+        raw_input = [{"type": "message", "role": "user", "content": raw_input}]
+    elif raw_input is None:
+        raw_input = []
+    elif not isinstance(raw_input, list):
+        raise invalid("input must be a string or an array of items", "input")
+    messages, stored = _item_messages(raw_input, limits)
+    conversation = [*(previous or []), *messages]
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise invalid("instructions must be a string", "instructions")
+    chat: dict[str, Any] = {
+        "model": body.get("model"),
+        "messages": ([{"role": "system", "content": instructions}] if instructions else []) + conversation,
+    }
+    for ours, theirs in (
+        ("max_output_tokens", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("parallel_tool_calls", "parallel_tool_calls"),
+        ("stream", "stream"),
+    ):
+        if body.get(ours) is not None:
+            chat[theirs] = body[ours]
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+        if not chat["tools"]:
+            del chat["tools"]
+    if body.get("tool_choice") is not None and "tools" in chat:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("text") is not None:
+        fmt = _text_format(body["text"])
+        if fmt is not None:
+            chat["response_format"] = fmt
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise invalid("store must be a boolean", "store")
+    previous_id = body.get("previous_response_id")
+    try:
+        req = parse_chat(chat, limits)
+    except Exception as exc:  # chat's names of fields, said in this API's
+        param = getattr(exc, "param", None)
+        if param is not None:
+            renamed = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+            exc.param = renamed.get(param, param)  # type: ignore[attr-defined]
+        raise
+    return ResponsesRequest(req, body, stored, conversation, store is not False, previous_id, reasoning)
+
+
+# ---------------------------------------------------------------- output: chat deltas -> Responses items / events
+
+
+@dataclass
+class ResponseEvents:
+    """Folds chat deltas (ChatShape.delta's: content, reasoning_content, tool_calls) into Responses output items,
+    yielding the streaming events in OpenAI's order; `sequence_number` counts every event."""
+
+    base: dict  # the response object so far (status in_progress, output [])
+    seq: int = 0
+    output: list[dict] = field(default_factory=list)
+    _open: dict | None = None  # the item being written
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        e = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return e
+
+    def opening(self) -> Iterator[dict]:
+        yield self.event("response.created", response=self.snapshot("in_progress"))
+        yield self.event("response.in_progress", response=self.snapshot("in_progress"))
+
+    def snapshot(self, status: str, **more: Any) -> dict:
+        return {**self.base, "status": status, "output": [dict(i) for i in self.output], **more}
+
+    def _start(self, item: dict) -> Iterator[dict]:
+        yield from self.close()
+        self._open = item
+        self.output.append(item)
+        index = len(self.output) - 1
+        added = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            added["content"] = []
+        yield self.event("response.output_item.added", output_index=index, item=added)
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            yield self.event(
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+            )
+
+    def close(self, status: str = "completed") -> Iterator[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        index = self.output.index(item)
+        item["status"] = status
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            yield self.event("response.output_text.done", **ids, text=text, logprobs=[])
+            yield self.event("response.content_part.done", **ids, part=item["content"][0])
+        elif item["type"] == "reasoning":
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            yield self.event("response.reasoning_text.done", **ids, text=item["content"][0]["text"])
+        else:
+            yield self.event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        yield self.event("response.output_item.done", output_index=index, item=item)
+
+    def feed(self, delta: dict) -> Iterator[dict]:
+        thought = delta.get("reasoning_content")
+        if thought:
+            if self._open is None or self._open["type"] != "reasoning":
+                item = {
+                    "type": "reasoning",
+                    "id": new_id("rs"),
+                    "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}],
+                }
+                yield from self._start(item)
+            assert self._open is not None
+            self._open["content"][0]["text"] += thought
+            yield self.event(
+                "response.reasoning_text.delta",
+                item_id=self._open["id"],
+                output_index=len(self.output) - 1,
+                content_index=0,
+                delta=thought,
+            )
+        text = delta.get("content")
+        if text:
+            if self._open is None or self._open["type"] != "message":
+                item = {
+                    "type": "message",
+                    "id": new_id("msg"),
+                    "role": "assistant",
+                    "content": [{"type": "output_text", "text": "", "annotations": []}],
+                }
+                yield from self._start(item)
+            assert self._open is not None
+            self._open["content"][0]["text"] += text
+            yield self.event(
+                "response.output_text.delta",
+                item_id=self._open["id"],
+                output_index=len(self.output) - 1,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        for call in delta.get("tool_calls") or ():
+            fn = call.get("function", {})
+            if "id" in call:  # a new call: its name (its arguments follow in the next delta)
+                item = {
+                    "type": "function_call",
+                    "id": new_id("fc"),
+                    "call_id": call["id"],
+                    "name": fn.get("name", ""),
+                    "arguments": "",
+                }
+                yield from self._start(item)
+            arguments = fn.get("arguments")
+            if arguments and self._open is not None and self._open["type"] == "function_call":
+                self._open["arguments"] += arguments
+                yield self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=self._open["id"],
+                    output_index=len(self.output) - 1,
+                    delta=arguments,
+                )
+
+    def assistant_messages(self) -> list[dict]:
+        """This response's output as chat messages (the next turn's prefix: the template renders them as the
+        model wrote them, so the prefix cache finds this turn's prompt)."""
+        text = "".join(i["content"][0]["text"] for i in self.output if i["type"] == "message")
+        calls = [
+            {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+            for i in self.output
+            if i["type"] == "function_call"
+        ]
+        message: dict = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
+
+
+def response_base(req: ResponsesRequest, response_id: str, model: str, params: Any) -> dict:
+    """The response object's fields other than status / output / usage: what OpenAI echoes of the request."""
+    body = req.body
+    chat = req.chat
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    tool_choice: Any = body.get("tool_choice") or "auto"
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "max_tool_calls": None,
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": chat.parallel_tool_calls,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {
+            "effort": (req.reasoning or {}).get("effort"),
+            "summary": (req.reasoning or {}).get("summary"),
+        },
+        "service_tier": "default",
+        "store": req.store,
+        "temperature": params.temperature,
+        "text": {"format": fmt, "verbosity": (body.get("text") or {}).get("verbosity") or "medium"},
+        "tool_choice": tool_choice,
+        "tools": [
+            {"type": "function", "strict": None, "description": None, "parameters": None, **t["function"]}
+            for t in chat.tools
+        ],
+        "top_logprobs": 0,
+        "top_p": params.top_p,
+        "truncation": "disabled",
+        "usage": None,
+        "user": body.get("user"),
+        "metadata": body.get("metadata") or {},
+    }
+
+
+def usage(chat_usage: dict, output: list[dict]) -> dict:
+    """Chat's usage in the Responses spelling. The engine does not count reasoning tokens apart: they are the
+    output tokens' share of the reasoning characters (0 without a thought)."""
+    prompt, generated = chat_usage["prompt_tokens"], chat_usage["completion_tokens"]
+    thought = sum(len(i["content"][0]["text"]) for i in output if i["type"] == "reasoning")
+    written = thought + sum(
+        len(i["content"][0]["text"]) if i["type"] == "message" else len(i["arguments"])
+        for i in output
+        if i["type"] in ("message", "function_call")
+    )
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": generated,
+        "output_tokens_details": {"reasoning_tokens": round(generated * thought / written) if thought else 0},
+        "total_tokens": prompt + generated,
+    }

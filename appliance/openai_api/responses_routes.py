@@ -1,0 +1,211 @@
+"""The Responses routes: `POST /v3/responses` (and /v1), `GET` / `DELETE /v3/responses/{id}`,
+`GET /v3/responses/{id}/input_items`, registered on the app by `register`.
+
+A create runs as chat does (the request's Job through `Generation`, started before any byte is answered, so queue,
+timeout and prompt errors keep their statuses for streams too); responses.py turns its chat deltas into items and
+events. With `store` (OpenAI's default: true) the finished response is committed to response_store.py before the
+answer's last byte (the unary body, or the stream's `response.completed`): an acknowledged response is on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from flask import Flask, Response, g, request
+
+from appliance import __version__, paths
+from appliance.openai_api.chat import ChatShape, chat_job
+from appliance.openai_api.errors import ApiError, invalid
+from appliance.openai_api.response_store import ResponseStore
+from appliance.openai_api.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    new_id,
+    parse_responses,
+    response_base,
+    usage,
+)
+from appliance.openai_api.sampling import to_sampling_params
+from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+
+if TYPE_CHECKING:
+    from appliance.openai_api.app import Api
+
+STORE_FILE = "responses.sqlite3"  # in the data dir (APPLIANCE_DATA_DIR, which the workers inherit)
+INPUT_ITEMS_PAGE = (1, 100, 20)  # input_items `limit`: min, max, default (OpenAI's)
+
+
+class ResponsesApi:
+    def __init__(self, api: Api):
+        self.api = api
+        s = api.settings
+        self.store = ResponseStore(paths.data_dir() / STORE_FILE, s.responses_retention, s.responses_max_bytes)
+
+    def owner(self) -> str:
+        """The SHA-256 of the request's key ("" on a server without keys): whose responses it may read."""
+        s = self.api.settings
+        if not (s.api_key_file or s.admin_key_file):
+            return ""
+        _, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+        return hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).hexdigest()
+
+    # ---- POST /v3/responses
+    def create(self):
+        api = self.api
+        body = api.json_body()
+        owner = self.owner()
+        previous = None
+        if isinstance(body, dict) and body.get("previous_response_id") is not None:
+            pid = body["previous_response_id"]
+            if not isinstance(pid, str):
+                raise invalid("previous_response_id must be a string", "previous_response_id")
+            stored = self.store.get(owner, pid)
+            if stored is None:
+                raise ApiError(
+                    404,
+                    f"Previous response with id '{pid}' not found.",
+                    param="previous_response_id",
+                    code="previous_response_not_found",
+                )
+            previous = stored.messages
+        model = body.get("model") if isinstance(body, dict) else None
+        status = api.ready_status(model, fresh=False) if isinstance(model, str) else None
+        req = parse_responses(body, api.limits, previous, status.reasoning_parser if status else "none")
+        if status is None:  # parse_chat refused the missing model already; for the type checker
+            raise invalid("model missing in request", "model")
+        shape = ChatShape.for_request(req.chat, status.tool_parser, status.reasoning_parser)
+        response_id = new_id("resp")
+        g.request_id = response_id
+        params = to_sampling_params(req.chat.sampling, status.generation_defaults)
+        job = chat_job(req.chat, params, "resp-" + uuid.uuid4().hex, status.tool_parser, api.limits)
+        job.model, job.tenant = req.chat.edge.model, g.get("tenant", "")
+        sock = request.environ.get("gunicorn.socket")
+        meta = Meta(
+            response_id,
+            int(time.time()),
+            req.chat.edge.model,
+            f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower(),
+        )
+        generation = Generation(
+            api.client, job, shape, meta, timeout=req.chat.edge.timeout, client_gone=lambda: socket_closed(sock)
+        ).start()
+        events = ResponseEvents(response_base(req, response_id, req.chat.edge.model, params))
+        if not req.chat.edge.stream:
+            final: dict = {}
+            for event in self._run(generation, events, req, owner):
+                final = event
+            return final["response"]
+        bound_send_buffer(sock)
+        return Response(
+            self._sse(generation, events, req, owner),
+            mimetype="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    def _run(self, generation: Generation, events: ResponseEvents, req: ResponsesRequest, owner: str) -> Iterator[dict]:
+        """Every event of the response, the last one response.completed / response.incomplete (after the store's
+        commit)."""
+        try:
+            yield from events.opening()
+            for chunk in generation._chunks():
+                for delta in generation._apply(chunk):
+                    yield from events.feed(delta["delta"])
+        finally:
+            generation.close()
+        choice = generation.choices[0]
+        cut = choice.finish_reason == "length"
+        yield from events.close("incomplete" if cut else "completed")
+        status = "incomplete" if cut else "completed"
+        final = events.snapshot(
+            status,
+            incomplete_details={"reason": "max_output_tokens"} if cut else None,
+            usage=usage(generation.usage(), events.output),
+        )
+        if req.store:
+            self.store.put(owner, final, req.input_items, req.messages + events.assistant_messages())
+        yield events.event(f"response.{status}", response=final)
+
+    def _sse(self, generation: Generation, events: ResponseEvents, req: ResponsesRequest, owner: str) -> Iterator[str]:
+        generation.streaming = True
+        try:
+            for event in self._run(generation, events, req, owner):
+                yield _sse(event)
+        except ApiError as exc:  # headers are sent: in-band, as OpenAI does
+            yield _sse(events.event("error", code=exc.code, message=exc.message, param=exc.param))
+        except ClientGone:
+            return
+
+    # ---- GET / DELETE /v3/responses/{id}, GET .../input_items
+    def _stored(self, response_id: str):
+        stored = self.store.get(self.owner(), response_id)
+        if stored is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
+        return stored
+
+    def get(self, response_id: str):
+        if request.args.get("stream") in ("true", "1"):
+            raise invalid("stream is not supported when retrieving a response", "stream")
+        return self._stored(response_id).response
+
+    def delete(self, response_id: str):
+        if not self.store.delete(self.owner(), response_id):
+            raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    def input_items(self, response_id: str):
+        items = list(self._stored(response_id).input_items)
+        low, high, default = INPUT_ITEMS_PAGE
+        raw = request.args.get("limit")
+        limit = int(raw) if raw is not None and raw.isdigit() else (default if raw is None else -1)
+        if not low <= limit <= high:
+            raise invalid(f"limit must be an integer in [{low}, {high}]", "limit")
+        order = request.args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise invalid("order must be asc or desc", "order")
+        if order == "desc":
+            items.reverse()
+        after = request.args.get("after")
+        if after is not None:
+            ids = [i.get("id") for i in items]
+            if after not in ids:
+                raise invalid(f"after: no input item with id '{after}'", "after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+
+
+def _sse(event: dict[str, Any]) -> str:
+    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {event['type']}\ndata: {data}\n\n"
+
+
+def register(app: Flask, api: Api, prefixes: tuple[str, ...]) -> None:
+    r = ResponsesApi(api)
+    for prefix in prefixes:
+        app.add_url_rule(f"{prefix}/responses", view_func=r.create, methods=["POST"], endpoint=f"responses{prefix}")
+        app.add_url_rule(
+            f"{prefix}/responses/<response_id>", view_func=r.get, methods=["GET"], endpoint=f"response_get{prefix}"
+        )
+        app.add_url_rule(
+            f"{prefix}/responses/<response_id>",
+            view_func=r.delete,
+            methods=["DELETE"],
+            endpoint=f"response_delete{prefix}",
+        )
+        app.add_url_rule(
+            f"{prefix}/responses/<response_id>/input_items",
+            view_func=r.input_items,
+            methods=["GET"],
+            endpoint=f"response_input_items{prefix}",
+        )

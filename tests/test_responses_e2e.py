@@ -1,0 +1,239 @@
+"""End to end: OpenAI's Responses API (`/v3/responses`) through the real `openai` SDK against a real server and the
+default model: unary, streaming (event order, sequence numbers, deltas adding up), structured output, a function
+tool round trip, `previous_response_id` (the prefix cache reuses turn 1), the stored responses (GET, DELETE,
+input_items, another key, a restart on the same data dir). Validity is asserted, never the exact text.
+
+The server runs with two API keys and its own data dir (the store is <data dir>/responses.sqlite3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import jsonschema
+import openai
+import pytest
+from conftest import Server
+from pydantic import BaseModel, Field
+
+pytestmark = pytest.mark.default_model
+
+KEYS = ("key-one-0123456789", "key-two-0123456789")
+PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather of a city",
+    "parameters": PARAMETERS,
+    "strict": True,
+}
+# long enough that turn 1's prompt fills whole KV blocks (the prefix cache shares full blocks only)
+LONG_QUESTION = "Please tell me, in a few words, what the capital of France is. " * 6
+
+
+def _start(model_dir, data_dir, log_path, keyfile) -> Server:
+    before = os.environ.get("APPLIANCE_DATA_DIR")
+    os.environ["APPLIANCE_DATA_DIR"] = str(data_dir)  # the server (and its workers) inherit it
+    try:
+        return Server(model_dir, log_path, "--api-key-file", str(keyfile))
+    finally:
+        if before is None:
+            del os.environ["APPLIANCE_DATA_DIR"]
+        else:
+            os.environ["APPLIANCE_DATA_DIR"] = before
+
+
+@pytest.fixture(scope="module")
+def setup(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("responses")
+    keyfile = root / "keys"
+    keyfile.write_text("\n".join(KEYS) + "\n")
+    data_dir = root / "data"
+    data_dir.mkdir()
+    srv = _start(model_dir, data_dir, root / "serve.log", keyfile)
+    state = {
+        "server": srv,
+        "restart": lambda: _start(model_dir, data_dir, root / "serve2.log", keyfile),
+        "data_dir": data_dir,
+    }
+    try:
+        srv.wait_ready()
+        yield state
+    finally:
+        state["server"].close()
+
+
+def _client(srv: Server, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base + "/v3", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def client(setup) -> openai.OpenAI:
+    return _client(setup["server"])  # the current one: test_survives_a_restart starts another
+
+
+@pytest.fixture
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_string_input(client, model_name):
+    r = client.responses.create(model=model_name, input="Say hello.", max_output_tokens=16)
+    assert r.id.startswith("resp_") and r.object == "response"
+    assert r.status in ("completed", "incomplete")
+    message = r.output[0]
+    assert message.type == "message" and message.id.startswith("msg_") and message.role == "assistant"
+    assert message.content[0].type == "output_text" and r.output_text == message.content[0].text
+    assert r.usage.input_tokens > 0 and 0 < r.usage.output_tokens <= 16
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.max_output_tokens == 16 and r.model == model_name
+
+
+def test_items_with_instructions_and_incomplete(client, model_name):
+    r = client.responses.create(
+        model=model_name,
+        instructions="You answer like a pirate.",
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Tell me a long story about the sea."}]},
+        ],
+        max_output_tokens=5,
+        temperature=0.0,
+    )
+    assert r.instructions == "You answer like a pirate." and r.temperature == 0.0
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 5 and r.output[0].status == "incomplete"
+
+
+def test_stream(client, model_name):
+    kinds, seqs, deltas = [], [], []
+    final = None
+    with client.responses.stream(model=model_name, input="Count from one to five.", max_output_tokens=24) as s:
+        for event in s:
+            kinds.append(event.type)
+            seqs.append(event.sequence_number)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response  # the SDK's get_final_response waits for response.completed only
+    assert final is not None, kinds
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed" if final.status == "completed" else "response.incomplete",
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and deltas
+    assert seqs == list(range(len(seqs)))
+    assert "".join(deltas) == final.output_text and final.output_text
+
+
+class City(BaseModel):  # bounded strings: a small model's free integer may run on past max_output_tokens
+    name: str = Field(max_length=16)
+    country: str = Field(max_length=16)
+
+
+def test_parse_structured(client, model_name):
+    r = client.responses.parse(
+        model=model_name, input="Describe Paris as JSON.", text_format=City, max_output_tokens=64
+    )
+    assert r.status == "completed", r.output_text
+    assert isinstance(r.output_parsed, City)
+    assert r.text.format.type == "json_schema"
+
+
+def test_function_round_trip(client, model_name):
+    r = client.responses.create(
+        model=model_name,
+        input="What is the weather in Paris?",
+        tools=[TOOL],
+        tool_choice="required",
+        max_output_tokens=64,
+    )
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls, r.output
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+    r2 = client.responses.create(
+        model=model_name,
+        previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}],
+        tools=[TOOL],
+        max_output_tokens=24,
+    )
+    assert r2.previous_response_id == r.id and r2.status in ("completed", "incomplete")
+    assert r2.output and r2.usage.input_tokens > r.usage.input_tokens
+
+
+def test_previous_response_reuses_the_prefix(client, model_name):
+    r1 = client.responses.create(model=model_name, input=LONG_QUESTION, max_output_tokens=16)
+    r2 = client.responses.create(
+        model=model_name, previous_response_id=r1.id, input="And of Italy?", max_output_tokens=16
+    )
+    assert r2.usage.input_tokens > r1.usage.input_tokens
+    assert r2.usage.input_tokens_details.cached_tokens > 0, r2.usage
+
+
+def test_stored_get_delete_and_input_items(setup, client, model_name):
+    r = client.responses.create(
+        model=model_name,
+        input=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+        ],
+        max_output_tokens=8,
+    )
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.usage.total_tokens == r.usage.total_tokens
+    items = client.responses.input_items.list(r.id, order="asc")
+    assert [i.role for i in items.data] == ["user", "assistant", "user"]
+    assert items.data[0].content[0].text == "Hi"
+    with pytest.raises(openai.NotFoundError):  # another key's response does not exist for this key
+        _client(setup["server"], KEYS[1]).responses.retrieve(r.id)
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    db = setup["data_dir"] / "responses.sqlite3"
+    assert stat.S_IMODE(db.stat().st_mode) == 0o600
+
+
+def test_store_false_is_not_kept(client, model_name):
+    r = client.responses.create(model=model_name, input="Hi", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def test_refusals(client, model_name):
+    for extra in ({"background": True}, {"tools": [{"type": "web_search"}]}, {"frobnicate": 1}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=model_name, input="Hi", max_output_tokens=4, extra_body=extra)
+        assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=model_name, input="Hi", previous_response_id="resp_nope")
+
+
+def test_survives_a_restart(setup, client, model_name):
+    r = client.responses.create(model=model_name, input="Remember me.", max_output_tokens=8)
+    setup["server"].close()
+    setup["server"] = setup["restart"]()
+    setup["server"].wait_ready()
+    again = _client(setup["server"]).responses.retrieve(r.id)
+    assert again.id == r.id and again.output_text == r.output_text
