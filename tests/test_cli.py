@@ -279,6 +279,8 @@ FLAGS = {
     "client-max-generations": (int, 0),
     "tool-parser": (str, "auto"),
     "reasoning-parser": (str, "auto"),
+    "responses-retention": (float, 2592000.0),
+    "responses-max-bytes": (int, 268435456),
     "log-level": (str, "info"),
     "access-log": (bool, False),
     "device": (str, "CPU"),

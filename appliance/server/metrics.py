@@ -50,6 +50,9 @@ _API_ROUTES = (
     "/tokenize",
     "/models",
     "/models/<path:model_id>",
+    "/responses",
+    "/responses/<response_id>",
+    "/responses/<response_id>/input_items",
 )
 # Ollama's API (appliance/ollama_api/routes.py)
 _OLLAMA_ROUTES = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/<path:rest>")
