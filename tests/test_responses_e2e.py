@@ -237,3 +237,55 @@ def test_survives_a_restart(setup, client, model_name):
     setup["server"].wait_ready()
     again = _client(setup["server"]).responses.retrieve(r.id)
     assert again.id == r.id and again.output_text == r.output_text
+
+
+def test_function_call_streamed(client, model_name):
+    kinds, args = [], []
+    with client.responses.stream(
+        model=model_name,
+        input="Weather in Rome?",
+        tools=[TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,  # one call, then the grammar ends the output
+        max_output_tokens=64,
+    ) as s:
+        for event in s:
+            kinds.append(event.type)
+            if event.type == "response.function_call_arguments.delta":
+                args.append(event.delta)
+            if event.type == "response.function_call_arguments.done":
+                done = event.arguments
+        final = s.get_final_response()
+    assert "response.output_item.added" in kinds and kinds[-1] == "response.completed"
+    assert "".join(args) == done
+    call = next(i for i in final.output if i.type == "function_call")
+    assert call.arguments == done
+    jsonschema.validate(json.loads(done), PARAMETERS)
+
+
+def test_openai_agents_sdk_runs_a_tool_agent(setup, model_name):
+    """The OpenAI Agents SDK (pinned in the test extra) over the Responses API: a tool call, the tool's result
+    handed back, the agent's final output."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city."""
+        calls.append(city)
+        return f"It is sunny and 21 C in {city}."
+
+    client = openai.AsyncOpenAI(base_url=setup["server"].base + "/v3", api_key=KEYS[0], max_retries=0, timeout=120)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer questions about the weather with the get_weather tool.",
+        tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model=model_name, openai_client=client),
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0.0
+        ),
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert calls, "the agent never called its tool"
+    assert isinstance(result.final_output, str) and result.final_output
