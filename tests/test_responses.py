@@ -71,6 +71,9 @@ def test_tools_format_and_sampling_map_onto_chat():
     "extra, param",
     [
         ({"background": True}, "background"),
+        ({"background": 0}, "background"),  # 0 == False in Python: still not a boolean
+        ({"top_logprobs": False}, "top_logprobs"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools to require
         ({"frobnicate": 1}, "frobnicate"),
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"truncation": "auto"}, "truncation"),

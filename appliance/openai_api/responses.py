@@ -30,6 +30,7 @@ from typing import Any
 from appliance.limits import Limits
 from appliance.openai_api.chat import ChatRequest, parse_chat
 from appliance.openai_api.errors import invalid
+from appliance.openai_api.parsers import is_int
 from appliance.openai_api.validation import read_body
 
 # Fields read here; the rest of a body is refused (ACCEPTED_IGNORED: read and dropped).
@@ -221,12 +222,11 @@ def parse_responses(
     unknown = sorted(set(body) - set(FIELDS) - set(ACCEPTED_IGNORED))
     if unknown:
         raise invalid(f"{unknown[0]} is not supported by this server", unknown[0])
-    for name, bad in (("background", True), ("conversation", None), ("prompt", None)):
-        if body.get(name) is not None and body.get(name) is bad:
-            raise invalid(f"{name} is not supported by this server", name)
+    if body.get("background") is not None and body["background"] is not False:
+        raise invalid("background is not supported by this server: responses are answered in the request", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise invalid('truncation must be "disabled": this server never drops input to fit', "truncation")
-    if body.get("top_logprobs") not in (None, 0):
+    if body.get("top_logprobs") is not None and (not is_int(body["top_logprobs"]) or body["top_logprobs"] != 0):
         raise invalid("top_logprobs is not supported by the Responses endpoint here", "top_logprobs")
     if body.get("max_tool_calls") is not None:
         raise invalid("max_tool_calls is not supported (parallel_tool_calls false allows one call)", "max_tool_calls")
@@ -282,8 +282,8 @@ def parse_responses(
         chat["tools"] = _tools(body["tools"])
         if not chat["tools"]:
             del chat["tools"]
-    if body.get("tool_choice") is not None and "tools" in chat:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("tool_choice") is not None and ("tools" in chat or body["tool_choice"] not in ("auto", "none")):
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])  # required / named without tools: chat's 400
     if body.get("text") is not None:
         fmt = _text_format(body["text"])
         if fmt is not None:
