@@ -148,6 +148,7 @@ def test_events_order_and_sequence_numbers():
 def test_store_owner_bounds_and_mode(tmp_path):
     path = tmp_path / "r.sqlite3"
     store = ResponseStore(path, retention=3600, max_bytes=2000)
+    assert store.get("k1", "resp_a") is None and not store.delete("k1", "resp_a") and not path.exists()
     body = {"id": "resp_a", "output": ["x" * 500]}
     assert store.put("k1", body, [], [])
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

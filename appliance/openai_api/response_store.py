@@ -100,7 +100,13 @@ class ResponseStore:
             db.close()
         return True
 
+    def _exists(self) -> bool:
+        """Reads never create the file: a server nobody stored anything on leaves its data dir as it was."""
+        return self._ready or Path(self.path).exists()
+
     def get(self, owner: str, response_id: str) -> Stored | None:
+        if not self._exists():
+            return None
         db = self._connect()
         try:
             row = db.execute(
@@ -112,6 +118,8 @@ class ResponseStore:
         return None if row is None else Stored(*(json.loads(t) for t in row))
 
     def delete(self, owner: str, response_id: str) -> bool:
+        if not self._exists():
+            return False
         db = self._connect()
         try:
             return db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount > 0
