@@ -49,7 +49,9 @@ def _start(model_dir, data_dir, log_path, keyfile) -> Server:
     before = os.environ.get("APPLIANCE_DATA_DIR")
     os.environ["APPLIANCE_DATA_DIR"] = str(data_dir)  # the server (and its workers) inherit it
     try:
-        return Server(model_dir, log_path, "--api-key-file", str(keyfile))
+        return Server(
+            model_dir, log_path, "--api-key-file", str(keyfile), "--workers", "2"
+        )  # the store across processes
     finally:
         if before is None:
             del os.environ["APPLIANCE_DATA_DIR"]
