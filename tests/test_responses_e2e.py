@@ -149,6 +149,7 @@ def test_stream(client, model_name):
     assert set(kinds[4:-4]) == {"response.output_text.delta"} and deltas
     assert seqs == list(range(len(seqs)))
     assert "".join(deltas) == final.output_text and final.output_text
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored before the last event
 
 
 class City(BaseModel):  # bounded strings: a small model's free integer may run on past max_output_tokens

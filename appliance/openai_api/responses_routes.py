@@ -112,9 +112,8 @@ class ResponsesApi:
         commit)."""
         try:
             yield from events.opening()
-            for chunk in generation._chunks():
-                for delta in generation._apply(chunk):
-                    yield from events.feed(delta["delta"])
+            for delta in generation.deltas():
+                yield from events.feed(delta["delta"])
         finally:
             generation.close()
         choice = generation.choices[0]

@@ -227,6 +227,12 @@ class Generation:
             c.finish_reason, c.timing = chunk.finish_reason, event.timing
         return deltas
 
+    def deltas(self) -> Iterator[dict]:
+        """Every engine chunk folded into its choice, as the shape's stream deltas: for an API that spells its own
+        events from them (responses_routes.py). The caller closes the generation."""
+        for event in self._chunks():
+            yield from self._apply(event)
+
     # ---- phase 2a: unary
     def unary(self) -> dict:
         try:
