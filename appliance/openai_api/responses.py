@@ -29,7 +29,7 @@ from typing import Any
 
 from appliance.limits import Limits
 from appliance.openai_api.chat import ChatRequest, parse_chat
-from appliance.openai_api.errors import invalid
+from appliance.openai_api.errors import ApiError, invalid
 from appliance.openai_api.parsers import is_int
 from appliance.openai_api.validation import read_body
 
@@ -58,6 +58,7 @@ ACCEPTED_IGNORED = ("metadata", "user", "include", "service_tier", "prompt_cache
 METADATA_ENTRIES, METADATA_CHARS = 16, 512  # OpenAI's metadata bounds (keys 64 characters, values 512)
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
 def new_id(prefix: str) -> str:
@@ -111,7 +112,7 @@ def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]
             raise invalid(f"{where} is not an object", "input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise invalid(f"{where}: role must be user, system, developer or assistant", "input")
             text = _text_of(item.get("content"), where)
@@ -294,11 +295,8 @@ def parse_responses(
     previous_id = body.get("previous_response_id")
     try:
         req = parse_chat(chat, limits)
-    except Exception as exc:  # chat's names of fields, said in this API's
-        param = getattr(exc, "param", None)
-        if param is not None:
-            renamed = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
-            exc.param = renamed.get(param, param)  # type: ignore[attr-defined]
+    except ApiError as exc:  # chat's names of fields, said in this API's
+        exc.param = CHAT_NAMES.get(exc.param or "", exc.param)
         raise
     return ResponsesRequest(req, body, stored, conversation, store is not False, previous_id, reasoning)
 
