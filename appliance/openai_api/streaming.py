@@ -227,12 +227,6 @@ class Generation:
             c.finish_reason, c.timing = chunk.finish_reason, event.timing
         return deltas
 
-    def deltas(self) -> Iterator[dict]:
-        """Every engine chunk folded into its choice, as the shape's stream deltas: for an API that spells its own
-        events from them (responses_routes.py). The caller closes the generation."""
-        for event in self._chunks():
-            yield from self._apply(event)
-
     # ---- phase 2a: unary
     def unary(self) -> dict:
         try:
@@ -281,7 +275,7 @@ class Generation:
 
     def deltas(self) -> Iterator[dict]:
         """The shape's stream deltas as the chunks come (sse() wraps them; an API that spells its own events, such
-        as Anthropic's Messages, writes them itself); the job is closed at the end."""
+        as Anthropic's Messages or the Responses API, writes them itself); the job is closed at the end."""
         self.streaming = True
         try:
             for event in self._chunks():
