@@ -19,7 +19,6 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Protocol
 
 from flask import Blueprint, Response, g, request
 from werkzeug.exceptions import HTTPException
@@ -28,13 +27,12 @@ from appliance import protocol as p
 from appliance.anthropic_api.request import MessagesRequest, parse_messages
 from appliance.anthropic_api.shape import MessageShape, new_message_id
 from appliance.http.client import EngineClient, EngineUnavailable
-from appliance.limits import Limits
+from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.chat import DEFAULT_TOOL_PARSER, chat_job
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
 from appliance.params import SamplingParams
-from appliance.settings import ServeSettings
 
 log = logging.getLogger("appliance.http")
 
@@ -52,17 +50,6 @@ ERROR_TYPES = {
 }
 
 
-class Backend(Protocol):
-    """What the routes need of the app's `Api` (appliance/openai_api/app.py)."""
-
-    client: EngineClient
-    limits: Limits
-    settings: ServeSettings
-
-    def ready_status(self, model: str, fresh: bool = True) -> p.EngineStatus: ...
-    def json_body(self): ...
-
-
 def error_body(exc: ApiError) -> dict:
     kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
@@ -78,7 +65,7 @@ def _event(data: dict) -> str:
 
 
 class Messages:
-    def __init__(self, api: Backend):
+    def __init__(self, api: AppApi):
         self.api = api
 
     def _status(self, req: MessagesRequest) -> p.EngineStatus:
@@ -220,7 +207,7 @@ def _usage(usage: dict) -> dict:
     }
 
 
-def blueprint(api: Backend) -> Blueprint:
+def blueprint(api: AppApi) -> Blueprint:
     """The routes, under /v1 (Anthropic's base path: its SDK appends /v1/messages to the base URL)."""
     bp = Blueprint("anthropic", __name__)
     messages = Messages(api)

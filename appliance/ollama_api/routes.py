@@ -8,37 +8,22 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Protocol
 
 from flask import Blueprint, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from appliance import __version__
-from appliance.http.client import EngineClient, EngineUnavailable
-from appliance.limits import Limits
+from appliance.http.client import EngineUnavailable
 from appliance.ollama_api import models as M
 from appliance.ollama_api.requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate, with_model
 from appliance.ollama_api.wire import OllamaGeneration, Render
+from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.completions import CompletionShape, completion_job
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import ClientGone, Meta, bound_send_buffer, socket_closed
 from appliance.protocol import EngineStatus
-from appliance.settings import ServeSettings
-
-
-class Api(Protocol):
-    """What these routes use of the OpenAI app's `Api` (appliance/openai_api/app.py, which registers them; a
-    Protocol, not an import: the app imports this module)."""
-
-    settings: ServeSettings
-    client: EngineClient
-    limits: Limits
-
-    def json_body(self) -> Any: ...
-    def ready_status(self, model: str, fresh: bool = True) -> EngineStatus: ...
-
 
 log = logging.getLogger("appliance.http")
 OLLAMA_VERSION = "0.13.0"  # the Ollama API this adapter follows (clients gate features on it)
@@ -50,7 +35,7 @@ def _error(status: int, message: str) -> Response:
 
 
 class OllamaRoutes:
-    def __init__(self, api: Api):
+    def __init__(self, api: AppApi):
         self.api = api
 
     def resolve(self, name: object) -> tuple[str, EngineStatus]:
@@ -140,7 +125,7 @@ def _not_served(rest: str):
     raise ApiError(404, f"{request.method} {request.path} is not served here (docs/ollama.md)")
 
 
-def blueprint(api: Api) -> Blueprint:
+def blueprint(api: AppApi) -> Blueprint:
     routes = OllamaRoutes(api)
     bp = Blueprint("ollama", __name__, url_prefix="/api")
     bp.add_url_rule("/chat", view_func=routes.chat, methods=["POST"])

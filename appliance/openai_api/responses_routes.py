@@ -14,11 +14,12 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flask import Flask, Response, g, request
 
 from appliance import __version__, paths
+from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.errors import ApiError, invalid
 from appliance.openai_api.response_store import ResponseStore
@@ -33,15 +34,12 @@ from appliance.openai_api.responses import (
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
 
-if TYPE_CHECKING:
-    from appliance.openai_api.app import Api
-
 STORE_FILE = "responses.sqlite3"  # in the data dir (APPLIANCE_DATA_DIR, which the workers inherit)
 INPUT_ITEMS_PAGE = (1, 100, 20)  # input_items `limit`: min, max, default (OpenAI's)
 
 
 class ResponsesApi:
-    def __init__(self, api: Api):
+    def __init__(self, api: AppApi):
         self.api = api
         s = api.settings
         self.store = ResponseStore(paths.data_dir() / STORE_FILE, s.responses_retention, s.responses_max_bytes)
@@ -189,7 +187,7 @@ def _sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {data}\n\n"
 
 
-def register(app: Flask, api: Api, prefixes: tuple[str, ...]) -> None:
+def register(app: Flask, api: AppApi, prefixes: tuple[str, ...]) -> None:
     r = ResponsesApi(api)
     for prefix in prefixes:
         app.add_url_rule(f"{prefix}/responses", view_func=r.create, methods=["POST"], endpoint=f"responses{prefix}")
