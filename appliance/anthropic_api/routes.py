@@ -21,13 +21,12 @@ import uuid
 from collections.abc import Iterator
 
 from flask import Blueprint, Response, g, request
-from werkzeug.exceptions import HTTPException
 
 from appliance import protocol as p
 from appliance.anthropic_api.request import MessagesRequest, parse_messages
 from appliance.anthropic_api.shape import MessageShape, new_message_id
 from appliance.http.client import EngineClient, EngineUnavailable
-from appliance.openai_api.adapter import AppApi
+from appliance.openai_api.adapter import AppApi, error_handlers
 from appliance.openai_api.chat import DEFAULT_TOOL_PARSER, chat_job
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
@@ -214,36 +213,5 @@ def blueprint(api: AppApi) -> Blueprint:
     bp.add_url_rule("/v1/messages", view_func=messages.create, methods=["POST"], endpoint="messages")
     bp.add_url_rule("/v1/messages/count_tokens", view_func=messages.count_tokens, methods=["POST"], endpoint="count")
 
-    @bp.errorhandler(ApiError)
-    def _api_error(exc: ApiError):
-        response = error_response(exc)
-        if exc.status == 401:  # as the app's: a 401 names its scheme
-            response.headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
-        return response
-
-    @bp.errorhandler(EngineUnavailable)
-    def _engine_gone(exc: EngineUnavailable):
-        return error_response(ApiError(503, "The inference engine is not reachable", code="engine_unavailable"))
-
-    @bp.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):  # the app's messages (404 cannot reach here: the routes matched)
-        if exc.code == 405:
-            response = error_response(ApiError(405, f"Method {request.method} is not allowed on {request.path}"))
-            response.headers["Allow"] = ", ".join(sorted(getattr(exc, "valid_methods", None) or ()))
-            return response
-        if exc.code == 413:
-            limit = api.settings.max_body_bytes
-            return error_response(ApiError(413, f"Request body too large: the limit is {limit} bytes"))
-        return error_response(ApiError(exc.code or 500, exc.description or exc.name))
-
-    @bp.errorhandler(ClientGone)
-    def _client_gone(exc: ClientGone):
-        g.error_type = "client_closed_request"
-        return Response(status=499)
-
-    @bp.errorhandler(Exception)
-    def _unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(ApiError(500, "Internal server error"))
-
+    error_handlers(bp, error_response, api.settings.max_body_bytes)
     return bp

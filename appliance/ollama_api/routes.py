@@ -5,27 +5,23 @@
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 
 from flask import Blueprint, Response, g, request
-from werkzeug.exceptions import HTTPException
 
 from appliance import __version__
-from appliance.http.client import EngineUnavailable
 from appliance.ollama_api import models as M
 from appliance.ollama_api.requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate, with_model
 from appliance.ollama_api.wire import OllamaGeneration, Render
-from appliance.openai_api.adapter import AppApi
+from appliance.openai_api.adapter import AppApi, error_handlers
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.completions import CompletionShape, completion_job
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import ClientGone, Meta, bound_send_buffer, socket_closed
+from appliance.openai_api.streaming import Meta, bound_send_buffer, socket_closed
 from appliance.protocol import EngineStatus
 
-log = logging.getLogger("appliance.http")
 OLLAMA_VERSION = "0.13.0"  # the Ollama API this adapter follows (clients gate features on it)
 
 
@@ -137,31 +133,5 @@ def blueprint(api: AppApi) -> Blueprint:
     # everything else under /api (pull, delete, embed, a wrong method, ...): Ollama's 404, in its error shape
     bp.add_url_rule("/<path:rest>", view_func=_not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 
-    @bp.errorhandler(ApiError)
-    def _api_error(exc: ApiError):
-        response = _error(exc.status, exc.message)
-        if exc.status == 401:
-            response.headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
-        return response
-
-    @bp.errorhandler(EngineUnavailable)
-    def _engine_gone(exc: EngineUnavailable):
-        return _error(503, "The inference engine is not reachable")
-
-    @bp.errorhandler(ClientGone)
-    def _client_gone(exc: ClientGone):
-        g.error_type = "client_closed_request"
-        return Response(status=499)
-
-    @bp.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):
-        if exc.code == 413:
-            return _error(413, f"Request body too large: the limit is {api.settings.max_body_bytes} bytes")
-        return _error(exc.code or 500, exc.description or exc.name)
-
-    @bp.errorhandler(Exception)
-    def _unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error(500, "Internal server error")
-
+    error_handlers(bp, lambda exc: _error(exc.status, exc.message), api.settings.max_body_bytes)
     return bp

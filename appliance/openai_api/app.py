@@ -19,18 +19,18 @@ from typing import NoReturn, cast
 
 from flask import Flask, Response, g, request
 from flask.json.provider import DefaultJSONProvider
-from werkzeug.exceptions import HTTPException
 
 from appliance import __version__, auth
 from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
-from appliance.http.client import EngineClient, EngineUnavailable
+from appliance.http.client import EngineClient
 from appliance.ollama_api.routes import blueprint as ollama_blueprint
+from appliance.openai_api.adapter import error_handlers
 from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
 from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.responses_routes import register as register_responses
 from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+from appliance.openai_api.streaming import Generation, Meta, bound_send_buffer, socket_closed
 from appliance.openai_api.validation import parse_tokenize
 from appliance.protocol import EngineStatus, HttpRecord, ModelInfo
 from appliance.settings import ConfigError, ServeSettings
@@ -287,39 +287,5 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
             response.headers["X-Request-Id"] = g.request_id
         return response
 
-    @app.errorhandler(ApiError)
-    def _api_error(exc: ApiError):
-        response = _error_response(exc)
-        if exc.status == 401:  # RFC 9110: a 401 names its scheme (RFC 6750's bearer token)
-            response.headers["WWW-Authenticate"] = 'Bearer realm="appliance"'
-        return response
-
-    @app.errorhandler(EngineUnavailable)
-    def _engine_gone(exc: EngineUnavailable):
-        return _error_response(ApiError(503, "The inference engine is not reachable", code="engine_unavailable"))
-
-    @app.errorhandler(ClientGone)
-    def _client_gone(exc: ClientGone):
-        g.error_type = "client_closed_request"
-        return Response(status=499)  # nginx's convention; nobody reads it
-
-    @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):
-        if exc.code == 404:
-            return _error_response(ApiError(404, f"Route {request.method} {request.path} does not exist"))
-        if exc.code == 405:  # RFC 9110: a 405 names the allowed methods
-            response = _error_response(ApiError(405, f"Method {request.method} is not allowed on {request.path}"))
-            response.headers["Allow"] = ", ".join(sorted(getattr(exc, "valid_methods", None) or ()))
-            return response
-        if exc.code == 413:
-            return _error_response(
-                ApiError(413, f"Request body too large: the limit is {settings.max_body_bytes} bytes")
-            )
-        return _error_response(ApiError(exc.code or 500, exc.description or exc.name))
-
-    @app.errorhandler(Exception)
-    def _unexpected(exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _error_response(ApiError(500, "Internal server error"))
-
+    error_handlers(app, _error_response, settings.max_body_bytes)
     return app
