@@ -288,6 +288,18 @@ def wait_idle(server: Server) -> None:
     )
 
 
+# The tool the tool-call tests of every client API offer: small enough for the 135M default model to fill in.
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+
 # ================================================================ test tiers: what needs the default model
 # `make test-fast` runs `-m "not default_model and not slow"`: unit tests and tiny random models, no `make model`.
 # A test needs the default model when it uses one of these fixtures (directly or through another fixture); a test

@@ -14,21 +14,13 @@ import anthropic
 import jsonschema
 import pytest
 import requests
-from conftest import Server
+from conftest import WEATHER_PARAMETERS, Server
 
 pytestmark = pytest.mark.slow
 
 KEY = "sk-anthropic-test-key"
 ASK = [{"role": "user", "content": "Write three sentences about the sea."}]
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+SCHEMA = WEATHER_PARAMETERS
 TOOLS = [{"name": "get_weather", "description": "Current weather of a city", "input_schema": SCHEMA}]
 GREEDY = {"temperature": 0}  # the SDK dropped temperature; older clients send it, and the server takes it
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -19,21 +19,13 @@ import time
 import jsonschema
 import openai
 import pytest
-from conftest import Server
+from conftest import WEATHER_PARAMETERS, Server
 from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.default_model
 
 KEYS = ("key-one-0123456789", "key-two-0123456789")
-PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+PARAMETERS = WEATHER_PARAMETERS
 TOOL = {
     "type": "function",
     "name": "get_weather",

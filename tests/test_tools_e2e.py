@@ -14,20 +14,12 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import Server
+from conftest import WEATHER_PARAMETERS, Server
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 64
-PARAMETERS = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
+PARAMETERS = WEATHER_PARAMETERS
 TOOLS = [
     {
         "type": "function",
