@@ -22,6 +22,10 @@ class Grammar:
 
     kind: GrammarKind
     text: str
+    # Where it came from, for the 400 when it does not compile: the request field, and for a Lark grammar built of
+    # clients' JSON schemas (tool calls) what each of its `%json` lines holds, in order ("the parameters of ...")
+    param: str = "response_format"
+    parts: tuple[str, ...] = ()
 
 
 @dataclass

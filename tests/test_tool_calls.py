@@ -16,7 +16,8 @@ from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
 from appliance.openai_api.streaming import Choice
 from appliance.openai_api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
 from appliance.openai_api.validation import EdgeOptions
-from appliance.params import SamplingParams
+from appliance.params import Grammar, SamplingParams
+from appliance.runtime.grammar import JSON_OPTIONS
 from appliance.server import tool_prompt
 
 WEATHER = {
@@ -96,8 +97,15 @@ def lark_matcher(model_dir):
     llguidance = pytest.importorskip("llguidance")
     tok = llguidance.LLTokenizer(str(model_dir / "tokenizer.json"))
 
-    def accepts(grammar: str, text: str) -> bool:
-        m = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_lark(grammar))
+    def accepts(grammar: str | Grammar, text: str) -> bool:
+        """Whether the grammar (Lark text, or a Grammar compiled as the engine compiles it) accepts text whole."""
+        if isinstance(grammar, str):
+            grammar = Grammar("lark", grammar)
+        if grammar.kind == "json_schema":  # as runtime/grammar.py compiles a response_format's schema
+            source = llguidance.LLMatcher.grammar_from_json_schema(grammar.text, defaults=JSON_OPTIONS)
+        else:
+            source = llguidance.LLMatcher.grammar_from_lark(grammar.text)
+        m = llguidance.LLMatcher(tok, source)
         assert not m.is_error(), m.get_error()
         return m.consume_tokens(tok.tokenize_str(text)) and m.is_accepting() and not m.is_error()
 
@@ -132,6 +140,126 @@ def test_grammar_compiles_and_accepts_calls_of_the_tools(lark_matcher, fmt):
         assert lark_matcher(many, two) and not lark_matcher(one, two)
     content, calls = parse_tool_calls(CALL_TEXT[fmt], fmt)
     assert content == "" and calls == [ToolCall("get_weather", '{"city": "Paris"}')]
+
+
+# Parameters schemas as client libraries send them: Pydantic's nested models ($defs / $ref, Optional as anyOf with
+# null), a recursive model ("$ref": "#"), enum, const, format and pattern; each with arguments it must accept and
+# arguments it must refuse
+ADDRESS = {
+    "properties": {"street": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["street", "city"],
+    "type": "object",
+    "additionalProperties": False,
+}
+BOOKING = {
+    "$defs": {"Address": ADDRESS},
+    "properties": {
+        "restaurant": {"type": "string"},
+        "guest": {"$ref": "#/$defs/Address"},
+        "billing": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}], "default": None},
+    },
+    "required": ["restaurant", "guest"],
+    "type": "object",
+    "additionalProperties": False,
+}
+TREE = {  # a recursive model: its refs point at the parameters' root
+    "type": "object",
+    "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+    "required": ["v"],
+}
+KEYWORDS = {
+    "type": "object",
+    "properties": {
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "kind": {"const": "booking"},
+        "day": {"type": "string", "format": "date"},
+        "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+    },
+    "required": ["note", "unit", "kind", "day", "code"],
+}
+KW_OK = '{"note": null, "unit": "celsius", "kind": "booking", "day": "2026-11-26", "code": "CDG"}'
+SCHEMA_CASES = [
+    (
+        BOOKING,
+        [
+            '{"restaurant": "Chez Paul", "guest": {"street": "1 rue de Rivoli", "city": "Paris"}}',
+            '{"restaurant": "A", "guest": {"street": "s", "city": "c"}, "billing": null}',
+            '{"restaurant": "A", "guest": {"street": "s", "city": "c"}, "billing": {"street": "t", "city": "d"}}',
+        ],
+        [
+            '{"restaurant": "A", "guest": {"street": "s"}}',
+            '{"restaurant": "A", "guest": "Paris"}',
+            '{"restaurant": "A", "guest": {"street": "s", "city": "c"}, "billing": {"city": "d"}}',
+        ],
+    ),
+    (
+        TREE,
+        ['{"v": 1}', '{"v": 1, "kids": [{"v": 2, "kids": [{"v": 4}]}, {"v": 3}]}'],
+        ['{"v": 1, "kids": [{"w": 2}]}', '{"v": 1, "kids": [{"v": "2"}]}'],
+    ),
+    (
+        KEYWORDS,
+        [KW_OK, KW_OK.replace("null", '"hi"').replace("celsius", "fahrenheit")],
+        [
+            KW_OK.replace("null", "3"),
+            KW_OK.replace("celsius", "kelvin"),
+            KW_OK.replace('"booking"', '"order"'),
+            KW_OK.replace("2026-11-26", "tomorrow"),
+            KW_OK.replace("CDG", "cdg"),
+        ],
+    ),
+]
+WRAP = {
+    "hermes": '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>',
+    "llama3_json": '{{"name": "f", "parameters": {}}}',
+    "mistral": '[{{"name": "f", "arguments": {}}}]',
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("schema,good,bad", SCHEMA_CASES)
+def test_tool_arguments_are_constrained_as_the_same_response_format_is(lark_matcher, fmt, schema, good, bad):
+    """A call's arguments follow its tool's parameters exactly as a response_format of that schema would: the
+    parameters are a JSON document of their own in the grammar, so their `$ref`s resolve where the client wrote
+    them (a tool's grammar once nested them under a wrapper, where "#/$defs/Address" pointed nowhere)."""
+    tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
+    grammar = tool_grammar([tool, TIME], fmt, parallel=True)
+    assert (grammar.kind, grammar.param, grammar.parts[0]) == ("lark", "tools", "the parameters of function 'f'")
+    # the same schema as a response_format (closed as a tool's parameters are)
+    as_format = Grammar("json_schema", json.dumps(tool_calls.closed_objects(schema)))
+    for args in good + bad:
+        expected = args in good
+        assert lark_matcher(as_format, args) is expected, args
+        assert lark_matcher(grammar, WRAP[fmt].format(args)) is expected, (fmt, args)
+        if expected:
+            content, calls = parse_tool_calls(WRAP[fmt].format(args), fmt)
+            assert (content, calls) == ("", [ToolCall("f", json.dumps(json.loads(args)))])
+
+
+@pytest.mark.parametrize(
+    "schema, message",
+    [
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}}, "Pointer '/$defs/Nope' does not exist"),
+        ({"type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}}, "Unknown format: bogus"),
+    ],
+)
+def test_a_tool_schema_that_does_not_compile_names_its_tool(model_dir, schema, message):
+    """The 400 names the tool whose parameters are at fault and the `tools` field, never the Lark grammar the
+    client did not write; the tool's position among the others does not matter."""
+    from appliance.manifest import Manifest
+    from appliance.runtime.grammar import GrammarCompiler, GrammarError
+
+    m = Manifest.load(model_dir)
+    compiler = GrammarCompiler(model_dir / m.tokenizer_file, m.vocab_size, [2])
+    bad = {"type": "function", "function": {"name": "bad_one", "parameters": schema}}
+    for tools in ([bad], [WEATHER, bad, TIME], [TIME, WEATHER, bad]):
+        grammar = tool_grammar(tools, "hermes", parallel=True)
+        with pytest.raises(GrammarError) as err:
+            compiler.check(grammar)
+        assert str(err.value) == f"invalid JSON schema in the parameters of function 'bad_one': {message}"
+        assert grammar.param == "tools"
+    compiler.check(tool_grammar([WEATHER, bad], "hermes", parallel=True, name="get_weather"))  # not chosen: fine
 
 
 # ---------------------------------------------------------------- chat job and shape

@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 from conftest import WEATHER_PARAMETERS, Server
+from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.slow
 
@@ -156,3 +157,59 @@ def test_reasoning_parser_moves_the_thought(thinking):
     cut_message = cut.choices[0].message.model_dump()
     assert cut.choices[0].finish_reason == "length" and cut_message["reasoning_content"] is not None
     assert not cut_message["content"]  # cut mid-thought: the half thought is reasoning, never content
+
+
+# ---------------------------------------------------------------- tool schemas as client libraries send them
+class Address(BaseModel):
+    street: str = Field(max_length=20)
+    city: str = Field(max_length=12)
+
+
+class Booking(BaseModel):
+    """Book a table"""
+
+    restaurant: str = Field(max_length=16)
+    guest: Address
+    billing: Address | None = None  # anyOf with null
+
+
+class Node(BaseModel):
+    name: str = Field(max_length=8)
+    children: list[Node] = Field(max_length=2)
+
+
+BOOK = [{"role": "user", "content": "Book a table at Chez Paul for me, I live at 1 rue de Rivoli, Paris."}]
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_nested_pydantic_model_as_a_forced_tool(client, model_name, choice):
+    """openai's pydantic_function_tool emits `$defs` and `$ref` for a nested model (and anyOf with null for an
+    Optional one): the call's arguments are constrained by that schema and parse back into the model, through the
+    SDK's own `parse` (parsed_arguments), unary and streamed."""
+    tool = openai.pydantic_function_tool(Booking)
+    assert "$defs" in tool["function"]["parameters"]
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "Booking"}}
+    r = client.chat.completions.parse(
+        model=model_name, messages=BOOK, tools=[tool], tool_choice=tool_choice, max_tokens=160
+    )
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "Booking" and isinstance(call.function.parsed_arguments, Booking)
+    assert Booking.model_validate_json(call.function.arguments) == call.function.parsed_arguments
+    with client.chat.completions.stream(
+        model=model_name, messages=BOOK, tools=[tool], tool_choice=tool_choice, max_tokens=160
+    ) as stream:
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Booking)
+
+
+def test_a_tool_schema_that_does_not_compile_is_a_400_naming_the_tool(client, model_name):
+    bad = {"type": "function", "function": {"name": "broken", "parameters": {"$ref": "#/$defs/Missing"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model=model_name, messages=ASK, tools=[TOOLS[0], bad], tool_choice="required", max_tokens=8
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "tools", body
+    assert "'broken'" in body["message"] and "Lark" not in body["message"], body

@@ -30,7 +30,7 @@ from appliance.openai_api.tool_calls import (
 )
 from appliance.openai_api.validation import EdgeOptions, check_queue, generation, read_body
 from appliance.outputs import TokenLogprob
-from appliance.params import TOOL_CALL_FORMATS, Grammar, SamplingParams
+from appliance.params import TOOL_CALL_FORMATS, SamplingParams
 from appliance.protocol import Job, PromptSpec
 
 DEFAULT_TOOL_PARSER = TOOL_CALL_FORMATS[0]  # an engine that names none (tool_prompt's default too)
@@ -94,14 +94,14 @@ def chat_job(
         named = req.tool_name if req.tool_choice == "named" else None
         fmt = tool_parser or DEFAULT_TOOL_PARSER
         try:
-            text = tool_grammar(
+            grammar = tool_grammar(
                 tools, fmt, parallel=req.parallel_tool_calls, name=named, max_chars=limits.grammar_chars
             )
         except GrammarTooLong as exc:
             raise invalid(str(exc), "tools") from None
         except ValueError as exc:
             raise invalid(str(exc), "tool_choice") from None
-        params = replace(params, grammar=Grammar("lark", text))
+        params = replace(params, grammar=grammar)
     spec = PromptSpec(messages=[dict(m) for m in req.messages], tools=tools)
     return Job(request_id, [spec], params, n=req.edge.n)
 

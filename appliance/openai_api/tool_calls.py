@@ -26,7 +26,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.params import TOOL_CALL_FORMATS
+from appliance.params import TOOL_CALL_FORMATS, Grammar
 
 FORMATS = TOOL_CALL_FORMATS  # the parser names (`--tool-parser`, EngineStatus.tool_parser)
 _OPEN = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
@@ -253,16 +253,24 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
-def _call_schema(tool: dict, fmt: str) -> dict:
-    fn = tool["function"]
-    params = closed_objects(fn.get("parameters") or {"type": "object", "properties": {}})
-    return {
-        "type": "object",
-        "properties": {"name": {"const": fn["name"]}, _ARGS[fmt]: params},
-        "required": ["name", _ARGS[fmt]],
-        "additionalProperties": False,
-        "x-guidance": _JSON_LAYOUT,
-    }
+def _arguments_schema(tool: dict) -> dict:
+    """The schema a call's arguments follow: the tool's parameters (closed_objects), compiled as a JSON document of
+    its own, as a response_format's schema is, so that its `$ref`s ("#/$defs/Address", "#" for a recursive model)
+    resolve against the parameters, where the client wrote them. Its layout is the appliance's (no free
+    whitespace, json.dumps' separators) unless the schema's own "x-guidance" says otherwise."""
+    params = closed_objects(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+    own = params.get("x-guidance")
+    return {**params, "x-guidance": {**_JSON_LAYOUT, **own} if isinstance(own, dict) else _JSON_LAYOUT}
+
+
+def _call_rules(i: int, tool: dict, fmt: str) -> list[str]:
+    """tool{i}: the call's fixed head (its name, then the arguments key) as a literal, then the arguments."""
+    head = f'{{"name": {json.dumps(tool["function"]["name"])}, "{_ARGS[fmt]}": '
+    return [f'tool{i}: {_lark_string(head)} args{i} "}}"', f"args{i}: %json {json.dumps(_arguments_schema(tool))}"]
+
+
+def _label(tool: dict) -> str:
+    return f"the parameters of function {tool['function']['name']!r}"
 
 
 class GrammarTooLong(ValueError):
@@ -271,7 +279,7 @@ class GrammarTooLong(ValueError):
 
 def tool_grammar(
     tools: list[dict], fmt: str, *, parallel: bool, name: str | None = None, max_chars: int | None = None
-) -> str:
+) -> Grammar:
     """A Lark grammar (llguidance) for one call of `name`, else one or more calls (one unless `parallel`) of the
     given tools, each call's arguments constrained by its tool's parameters schema. Markers that are special tokens
     in their models (`<|python_tag|>`, `[TOOL_CALLS]`) are left out: the parsers take bare calls.
@@ -279,8 +287,14 @@ def tool_grammar(
     `max_chars` (the limits table's `grammar_chars`, which bounds a response_format's schema as canonical JSON):
     the chosen tools' parameters schemas, as canonical JSON, must not be longer together, else GrammarTooLong. So
     tool_choice "required" or a named tool meets the same bound as a response_format (without it the body size
-    was the only bound: 128 tools of any size). The grammar adds ~320 characters of its own per tool (the call's
-    wrapper schema and layout), at most ~41,000 for 128 tools: fixed, not the client's to grow."""
+    was the only bound: 128 tools of any size). The grammar adds ~330 characters of its own per tool (the call's
+    head, the layout, JSON's spaces), at most ~35,000 for 128 tools: fixed, not the client's to grow.
+
+    Each call is its head as a literal (`{"name": "f", "arguments": `) and then the arguments as a `%json` block
+    of their own: a JSON schema's `$ref`s are pointers from its document's root, so the parameters must be that
+    root ("#/$defs/Address" and a recursive model's "#" then mean what they mean in a response_format). The
+    `%json` lines are labelled by tool (Grammar.parts): a schema that does not compile is a 400 on `tools`
+    naming the function."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown tool call format {fmt!r}")
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
@@ -294,7 +308,7 @@ def tool_grammar(
                 f"tools: the parameters schemas tool_choice constrains the output to ({which}) are {size} "
                 f"characters of JSON, longer than {max_chars}"
             )
-    rules = [f"tool{i}: %json {json.dumps(_call_schema(t, fmt))}" for i, t in enumerate(chosen)]
+    rules = [rule for i, t in enumerate(chosen) for rule in _call_rules(i, t, fmt)]
     body = " | ".join(f"tool{i}" for i in range(len(chosen)))
     many = parallel and name is None
     if fmt == "hermes":
@@ -306,4 +320,5 @@ def tool_grammar(
     else:
         call = f"call: {body}"
         start = 'start: "[" call (", " call)* "]"' if many else 'start: "[" call "]"'
-    return "\n".join([start, call, *rules]) + "\n"
+    text = "\n".join([start, call, *rules]) + "\n"
+    return Grammar("lark", text, param="tools", parts=tuple(_label(t) for t in chosen))

@@ -76,6 +76,21 @@ def _readable(kind: str, message: str) -> str:
     return head if len(head) <= _MESSAGE_CHARS else head[: _MESSAGE_CHARS - 3] + "..."
 
 
+def _message(grammar: Grammar, message: str) -> str:
+    """_readable's message; for a Lark grammar whose `%json` lines are labelled (Grammar.parts: tool calls), an error
+    in one of those schemas names what it is instead of the grammar the client never wrote:
+    "invalid JSON schema in the parameters of function 'f': Pointer '/$defs/A' does not exist"."""
+    found = (
+        re.match(r"\s*at (\d+)\(\d+\): (?:failed to compile JSON schema: )?(.*)", message) if grammar.parts else None
+    )
+    lines = grammar.text.splitlines()
+    if found and 0 < (line := int(found[1])) <= len(lines) and "%json" in lines[line - 1]:
+        i = sum("%json" in text for text in lines[:line]) - 1
+        if i < len(grammar.parts):
+            return _readable("json_schema", f"invalid JSON schema in {grammar.parts[i]}: {found[2]}")
+    return _readable(grammar.kind, message)
+
+
 def _source(grammar: Grammar) -> str:
     """The grammar in llguidance's own form (raises on malformed input)."""
     if grammar.kind == "json_schema":
@@ -156,10 +171,10 @@ class GrammarCompiler:
         except GrammarError:
             raise
         except Exception as exc:  # malformed JSON, a GBNF rule that does not exist, ...
-            raise GrammarError(_readable(grammar.kind, str(exc))) from None
+            raise GrammarError(_message(grammar, str(exc))) from None
         proto = llguidance.LLMatcher(self.tokenizer, source, log_level=0, limits=self.limits)
         if proto.is_error():
-            raise GrammarError(_readable(grammar.kind, proto.get_error()))
+            raise GrammarError(_message(grammar, proto.get_error()))
         with self._lock:
             self._cache[grammar] = proto
             self._cache.move_to_end(grammar)

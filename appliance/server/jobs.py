@@ -157,10 +157,11 @@ class JobRunner:
         except EngineDead as exc:  # died between slot.problem() and the submission
             cancel(handles)
             raise Rejected(p.Failed(503, f"The engine cannot serve: {exc}", code="engine_failed")) from None
-        except GrammarError as exc:  # the response_format's schema / regex / grammar does not compile
+        except GrammarError as exc:  # the response_format's (or the tools') schema / regex / grammar does not compile
             cancel(handles)
             self.metrics.rejected.labels("invalid").inc()
-            raise Rejected(p.Failed(400, str(exc), "response_format")) from None
+            grammar = job.params.grammar
+            raise Rejected(p.Failed(400, str(exc), grammar.param if grammar else "response_format")) from None
         except ValueError as exc:  # PromptTooLong and other prompt problems the engine found
             cancel(handles)
             self.metrics.rejected.labels("invalid").inc()
