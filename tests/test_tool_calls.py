@@ -435,7 +435,6 @@ def test_native_template_gets_tools_and_argument_objects():
 
 def test_engine_status_names_the_parsers():
     """EngineService resolves `auto` from the attached model's template once; the flags override it."""
-    from dataclasses import replace
     from types import SimpleNamespace
 
     from appliance.server.engine_service import EngineService
@@ -472,25 +471,86 @@ def test_closed_objects_closes_open_objects_only():
     assert "additionalProperties" not in schema  # the request's schema is not changed in place
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_calls_only_drops_a_call_that_max_tokens_cut(stream):
-    """tool_choice required: the grammar allows calls only, so a trailing call cut by max_tokens is no content."""
+def _cut_message(fmt: str, text: str, pieces: list[str] | None = None) -> tuple[dict, str]:
+    """(message, finish_reason) for `text` cut by max_tokens under tool_choice required: unary, or streamed in
+    `pieces` (the deltas folded back into a message as a client does)."""
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     req = ChatRequest(
         EdgeOptions(model="m"), {}, ({"role": "user", "content": "x"},), tools=(tool,), tool_choice="required"
     )
+    shape = ChatShape.for_request(req, fmt, "none")
+    if pieces is None:
+        choice = shape.choice(Choice(0, parts=[text], finish_reason="length"), False)
+        return choice["message"], choice["finish_reason"]
+    c, message, finish = Choice(0), {"content": None}, None
+    for i, piece in enumerate(pieces):
+        for chunk in shape.delta(c, piece, None, "length" if i == len(pieces) - 1 else None):
+            finish = chunk["finish_reason"] or finish
+            delta = chunk["delta"]
+            if delta.get("content"):
+                message["content"] = (message["content"] or "") + delta["content"]
+            for tc in delta.get("tool_calls", []):
+                calls = message.setdefault("tool_calls", [])
+                if "id" in tc:
+                    calls.append({"id": tc["id"], "type": "function", "function": dict(tc["function"])})
+                else:
+                    calls[tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
+    return message, finish
+
+
+CUT_CASES = [  # (format, text max_tokens cut, the calls returned as (name, arguments), finish_reason)
+    (  # cut mid-arguments: the call so far
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {"restaurant": "Chez P',
+        [("f", '{"restaurant": "Chez P')],
+        "length",
+    ),
+    (  # a whole call, then one cut in its arguments' key: named, no arguments yet
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu',
+        [("f", "{}"), ("f", "")],
+        "length",
+    ),
+    # arguments whole, the call's closing brace not: the arguments are all there, still a cut call
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}', [("f", '{"a": 1}')], "length"),
+    # the call whole, its close tag cut: a whole call
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_', [("f", '{"a": 1}')], "tool_calls"),
+    ("hermes", '<tool_call>\n{"name": "f', [], "length"),  # the name not complete yet: no call
+    ("llama3_json", '{"name": "f", "parameters": {"a": [1, 2', [("f", '{"a": [1, 2')], "length"),
+    (
+        "llama3_json",
+        '{"name": "f", "parameters": {}}; {"name": "f", "parameters": {"b',
+        [("f", "{}"), ("f", '{"b')],
+        "length",
+    ),
+    (
+        "mistral",
+        '[{"name": "f", "arguments": {"a": 1}}, {"name": "f", "arguments": {"a"',
+        [("f", '{"a": 1}'), ("f", '{"a"')],
+        "length",
+    ),
+    ("mistral", '[{"name": "f", "arguments": {"x": "\\"q', [("f", '{"x": "\\"q')], "length"),  # an escape
+]
+
+
+@pytest.mark.parametrize("fmt,text,calls,finish_reason", CUT_CASES)
+def test_a_call_max_tokens_cut_comes_back_as_far_as_it_got(fmt, text, calls, finish_reason):
+    """tool_choice required / named: a call cut by max_tokens is returned with its name and the arguments written so
+    far, finish_reason "length" (as OpenAI returns it); never as content. Unary and every streaming split agree."""
+    for pieces in (None, [text], [text[:9], text[9:30], text[30:]], list(text)):
+        message, finish = _cut_message(fmt, text, pieces)
+        got = [(t["function"]["name"], t["function"]["arguments"]) for t in message.get("tool_calls", [])]
+        assert (got, message["content"], finish) == (calls, None, finish_reason), pieces
+
+
+def test_a_cut_call_under_auto_stays_content():
+    """tool_choice auto: no grammar says the text is a call, so a cut one stays the answer's text, unchanged."""
+    req = chat_request(tools=(WEATHER,))
     shape = ChatShape.for_request(req, "hermes", "none")
-    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "f", "argu'
-    c = Choice(0, parts=[text], finish_reason="length")
-    if stream:
-        deltas = [d["delta"] for d in shape.delta(Choice(0), text, None, "length")]
-        assert not any("content" in d for d in deltas)
-        assert [t["function"]["name"] for d in deltas for t in d.get("tool_calls", []) if "id" in t] == ["f"]
-    else:
-        message = shape.choice(c, False)["message"]
-        assert message["content"] is None and [t["function"]["name"] for t in message["tool_calls"]] == ["f"]
-    auto = ChatShape.for_request(replace(req, tool_choice="auto"), "hermes", "none")
-    assert auto.choice(c, False)["message"]["content"]  # auto: the cut text stays content, as before
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+    choice = shape.choice(Choice(0, parts=[text], finish_reason="length"), False)
+    assert (choice["message"]["content"], choice["finish_reason"]) == (text, "length")
+    assert "tool_calls" not in choice["message"]
 
 
 # ---------------------------------------------------------------- output nested past the recursion limit

@@ -204,6 +204,75 @@ def test_nested_pydantic_model_as_a_forced_tool(client, model_name, choice):
     assert isinstance(call.function.parsed_arguments, Booking)
 
 
+def test_recursive_pydantic_model_as_a_forced_tool(client, model_name):
+    """A recursive model ("$ref": "#/$defs/Node" inside Node): every complete call validates against it."""
+    tool = openai.pydantic_function_tool(Node)
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "A family tree: Ann has two kids, Bob and Cy."}],
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=200,
+    )
+    choice = r.choices[0]
+    [call] = choice.message.tool_calls
+    assert call.function.name == "Node"
+    if choice.finish_reason == "tool_calls":
+        Node.model_validate_json(call.function.arguments)
+    else:  # the model nested past max_tokens: the call comes back cut, as OpenAI returns it
+        assert choice.finish_reason == "length" and call.function.arguments.startswith('{"name": ')
+
+
+LONG_NOTE = {  # arguments far longer than max_tokens allows: the call is always cut inside its note
+    "type": "function",
+    "function": {
+        "name": "take_note",
+        "parameters": {
+            "type": "object",
+            "properties": {"note": {"type": "string", "minLength": 400, "maxLength": 500}},
+            "required": ["note"],
+        },
+    },
+}
+
+
+def _check_cut(finish_reason: str | None, content: str | None, calls: list[tuple[str, str]]) -> None:
+    """A call max_tokens cut: returned with its name and the arguments so far, finish_reason "length"."""
+    assert finish_reason == "length" and not content
+    [(name, arguments)] = calls
+    assert name == "take_note"
+    head = '{"note": "'
+    assert head.startswith(arguments) or arguments.startswith(head), arguments
+    with pytest.raises(ValueError):
+        json.loads(arguments)
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_call_max_tokens_cut_is_returned_as_far_as_it_got(client, model_name, choice):
+    """OpenAI returns a tool call cut by max_tokens with finish_reason "length" and the arguments so far; so does
+    the server, unary and streamed (it once returned neither content nor calls: everything generated was lost)."""
+    tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "take_note"}}
+    kw = dict(model=model_name, messages=ASK, tools=[LONG_NOTE], tool_choice=tool_choice, max_tokens=48)
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    _check_cut(
+        c.finish_reason,
+        c.message.content,
+        [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []],
+    )
+    calls: dict[int, list[str]] = {}
+    content, finish = "", None
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for d in chunk.choices:
+            content += d.delta.content or ""
+            for tc in d.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, ["", ""])
+                call[0] += tc.function.name or ""
+                call[1] += tc.function.arguments or ""
+            finish = d.finish_reason or finish
+    _check_cut(finish, content, [(name, args) for name, args in calls.values()])
+
+
 def test_a_tool_schema_that_does_not_compile_is_a_400_naming_the_tool(client, model_name):
     bad = {"type": "function", "function": {"name": "broken", "parameters": {"$ref": "#/$defs/Missing"}}}
     with pytest.raises(openai.BadRequestError) as err:

@@ -7,7 +7,9 @@ Tools (tool_calls.py): tool_choice "none" passes no tools and parses nothing; "a
 schema. Reasoning (reasoning.py): with the engine's reasoning parser on, a leading thought goes to
 `reasoning_content` and `reasoning`; tool calls are parsed in the rest only. The parsers are per choice and
 incremental, so a stream's deltas add up to the unary message; a call is streamed as a delta naming it (arguments
-"") and one holding its whole arguments, which therefore always concatenate to valid JSON.
+"") and one holding its whole arguments, which therefore always concatenate to valid JSON, except in the one call
+max_tokens cut where only calls may be (tool_choice required / named): it comes last, with the arguments written
+so far and finish_reason "length", as OpenAI returns it.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class _Parsing:
     reasoning: ReasoningParser | None
     tools: ToolCallParser | None
     calls: int = 0
+    cut: bool = False  # a call max_tokens cut was sent: finish_reason stays "length"
 
 
 @dataclass
@@ -135,7 +138,8 @@ class ChatShape:
     tool_parser: str | None = None  # the call format to parse; None: no tools in play (or tool_choice none)
     reasoning: bool = False  # the engine's reasoning parser is "think"
     # tool_choice required / named: the grammar lets the output be calls only, so text outside complete calls is a
-    # call that max_tokens cut (or the separator before it): dropped, not shown as content
+    # call that max_tokens cut (or the separator before it): never content; a cut call comes back as far as it got
+    # (its name and the start of its arguments), with finish_reason "length", as OpenAI returns it
     calls_only: bool = False
     _parsing: dict[int, _Parsing] = field(default_factory=dict)
 
@@ -153,7 +157,8 @@ class ChatShape:
         reasoning, content = split_reasoning(c.text) if self.reasoning else (None, c.text)
         calls: list[ToolCall] = []
         if self.tool_parser is not None:
-            content, calls = parse_tool_calls(content, self.tool_parser)
+            cut = self.calls_only and c.finish_reason == "length"
+            content, calls = parse_tool_calls(content, self.tool_parser, cut)
             content = "" if self.calls_only else content
         empty_is_null = calls or self.reasoning or self.calls_only
         message: dict = {"role": "assistant", "content": (content or None) if empty_is_null else content}
@@ -164,7 +169,7 @@ class ChatShape:
         return {
             "index": c.index,
             "message": message,
-            "finish_reason": "tool_calls" if calls else c.finish_reason,
+            "finish_reason": "tool_calls" if calls and not any(call.cut for call in calls) else c.finish_reason,
             "logprobs": logprobs_object(c.logprobs) if logprobs else None,
         }
 
@@ -194,7 +199,7 @@ class ChatShape:
             thought, answer = thought + more_thought, answer + more_answer
         events = st.tools.feed(answer) if st.tools else [("content", answer)]
         if finish_reason and st.tools:
-            events += st.tools.finish()
+            events += st.tools.finish(self.calls_only and finish_reason == "length")
         deltas: list[dict] = [{"reasoning_content": thought, "reasoning": thought}] if thought else []
         for kind, value in events:
             if kind == "content":
@@ -206,13 +211,13 @@ class ChatShape:
                     deltas.append({"content": value})
             else:
                 assert isinstance(value, ToolCall)
-                k, st.calls = st.calls, st.calls + 1
+                k, st.calls, st.cut = st.calls, st.calls + 1, st.cut or value.cut
                 head = {"index": k, "id": new_call_id(), "type": "function"}
                 deltas.append({"tool_calls": [{**head, "function": {"name": value.name, "arguments": ""}}]})
                 deltas.append({"tool_calls": [{"index": k, "function": {"arguments": value.arguments}}]})
         if not deltas and (logprobs or finish_reason):
             deltas = [{}]
-        if finish_reason and st.calls:
+        if finish_reason and st.calls and not st.cut:
             finish_reason = "tool_calls"
         return [
             self._chunk(c, d, logprobs if i == 0 else None, finish_reason if i == len(deltas) - 1 else None)

@@ -22,6 +22,7 @@ regex response_format or injected text) is a normal answer, never a 500 or a bro
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,8 @@ _decoder = json.JSONDecoder()
 @dataclass(frozen=True)
 class ToolCall:
     name: str
-    arguments: str  # JSON text of an object
+    arguments: str  # JSON text of an object; of its start only when `cut`
+    cut: bool = False  # max_tokens ended the output inside this call (finish_reason stays "length")
 
     def to_openai(self, call_id: str) -> dict:
         return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -106,10 +108,16 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The end of the output. `cut`: max_tokens ended it where only calls may be (tool_choice required /
+        named): a call it cut is returned as far as it got (_cut_calls), as OpenAI returns it, not as content."""
         out: list[Event] = []
         while self._step(out, final=True):
             pass
+        if self.in_call and cut:
+            if so_far := _cut_calls(self.buf):
+                self._emit_calls(out, so_far)
+            self.in_call, self.raw, self.buf = False, "", ""
         if self.in_call:  # cut, or closed by the end of the output: a call if its JSON is whole, else content
             calls = self._parse(self.buf)
             if calls:
@@ -211,10 +219,39 @@ class ToolCallParser:
         self.ws, self.after_call, self.at_start = text[len(text.rstrip()) :], False, False
 
 
-def parse_tool_calls(text: str, fmt: str) -> tuple[str, list[ToolCall]]:
-    """Unary: (content, calls)."""
+_CUT_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*(,\s*"(?:arguments|parameters)"\s*:\s*)?')
+
+
+def _cut_calls(body: str) -> list[ToolCall]:
+    """The calls in a call's text that max_tokens cut (one call, or mistral's array of them): the whole ones, then
+    the last as far as it got: its name and its arguments' text so far (the start of a JSON object, "" before it),
+    marked `cut`. That is how OpenAI returns a call cut by max_tokens (finish_reason "length"), so a client keeps
+    what was generated instead of a message with neither content nor calls. A call whose name is not complete
+    yet is none. Only where a grammar allowed nothing but calls (tool_choice required / named): the text is then
+    the grammar's layout (`{"name": "f", "arguments": ...`), and the name one of the tools'."""
+    text = body.lstrip()
+    text = text[1:] if text.startswith("[") else text
+    calls: list[ToolCall] = []
+    while text := text.lstrip().removeprefix(",").lstrip():
+        try:
+            value, end = _decoder.raw_decode(text)
+        except (ValueError, RecursionError):
+            head = _CUT_HEAD.match(text)
+            if head:
+                calls.append(ToolCall(json.loads(head[1]), text[head.end() :] if head[2] else "", cut=True))
+            break
+        call = _call(value)
+        if call is None:
+            break
+        calls.append(call)
+        text = text[end:]
+    return calls
+
+
+def parse_tool_calls(text: str, fmt: str, cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """Unary: (content, calls). `cut`: as ToolCallParser.finish's."""
     p = ToolCallParser(fmt)
-    events = p.feed(text) + p.finish()
+    events = p.feed(text) + p.finish(cut)
     content = "".join(v for k, v in events if k == "content")  # type: ignore[misc]
     return content, [v for k, v in events if k == "call"]  # type: ignore[misc]
 
