@@ -316,13 +316,6 @@ def test_validation_errors_are_400_json_even_for_streams(server, model_name):
     url = server.base + "/v3/completions"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "temperature": 3, "stream": True}), 400)
     assert e["message"] == "temperature out of range(0.0, 2.0)" and e["param"] == "temperature"
-    e = error(
-        requests.post(
-            url, json={"model": model_name, "prompt": "x", "stream": True, "include_stop_str_in_output": False}
-        ),
-        400,
-    )
-    assert e["message"] == "include_stop_str_in_output cannot be set to false if streaming is used"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "best_of": 2, "stream": True}), 400)
     assert e["message"] == "best_of cannot be used in streaming mode" and e["param"] == "best_of"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "max_tokens": 0}), 400)

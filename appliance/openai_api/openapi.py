@@ -87,13 +87,8 @@ def _rules(request: str, limits: Limits) -> list[dict]:
             ),
         },
         {
-            "description": "\"include_stop_str_in_output cannot be set to false if streaming is used\"; \"best_of "
-            "cannot be used in streaming mode\"",
-            **_when(
-                "stream",
-                {"const": True},
-                {"properties": {"include_stop_str_in_output": {"enum": [True, None]}, "best_of": {"type": "null"}}},
-            ),
+            "description": "\"best_of cannot be used in streaming mode\"",
+            **_when("stream", {"const": True}, {"properties": {"best_of": {"type": "null"}}}),
         },
         {
             "description": "\"n value cannot be greater than best_of\" (JSON Schema cannot compare two fields: "

@@ -181,10 +181,6 @@ def generation(values: dict[str, Any], table: tuple[F.Field, ...]) -> tuple[dict
     """(EdgeOptions' keyword arguments, the sampling values) from the fields read, once the rules across fields
     hold (the endpoint-specific ones are checked by callers)."""
     stream = bool(values["stream"])
-    if values["include_stop_str_in_output"] is False and stream:
-        raise invalid(
-            "include_stop_str_in_output cannot be set to false if streaming is used", "include_stop_str_in_output"
-        )
     best_of, beams = values["best_of"], "best_of"
     if values.get("num_beams") is not None:  # Friendli's name of best_of
         if best_of is not None:
