@@ -189,16 +189,13 @@ def test_nested_pydantic_model_as_a_forced_tool(client, model_name, choice):
     tool = openai.pydantic_function_tool(Booking)
     assert "$defs" in tool["function"]["parameters"]
     tool_choice = "required" if choice == "required" else {"type": "function", "function": {"name": "Booking"}}
-    r = client.chat.completions.parse(
-        model=model_name, messages=BOOK, tools=[tool], tool_choice=tool_choice, max_tokens=160
-    )
+    kw = dict(model=model_name, messages=BOOK, tools=[tool], tool_choice=tool_choice, max_tokens=256, temperature=0)
+    r = client.chat.completions.parse(**kw, parallel_tool_calls=False)  # required may otherwise call it again
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "Booking" and isinstance(call.function.parsed_arguments, Booking)
     assert Booking.model_validate_json(call.function.arguments) == call.function.parsed_arguments
-    with client.chat.completions.stream(
-        model=model_name, messages=BOOK, tools=[tool], tool_choice=tool_choice, max_tokens=160
-    ) as stream:
+    with client.chat.completions.stream(**kw, parallel_tool_calls=False) as stream:
         final = stream.get_final_completion()
     [call] = final.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, Booking)
@@ -212,7 +209,9 @@ def test_recursive_pydantic_model_as_a_forced_tool(client, model_name):
         messages=[{"role": "user", "content": "A family tree: Ann has two kids, Bob and Cy."}],
         tools=[tool],
         tool_choice="required",
+        parallel_tool_calls=False,
         max_tokens=200,
+        temperature=0,
     )
     choice = r.choices[0]
     [call] = choice.message.tool_calls
