@@ -96,7 +96,7 @@ def _rules(request: str, limits: Limits) -> list[dict]:
                 {
                     "properties": {
                         "best_of": {"type": "null"},
-                        "include_stop_str_in_output": {"type": ["boolean", "null"]},
+                        "include_stop_str_in_output": {"enum": [True, False, None]},
                     }
                 },
             ),
