@@ -288,6 +288,14 @@ def wait_idle(server: Server) -> None:
     )
 
 
+@pytest.fixture(scope="module")
+def client(server):
+    """The `openai` client on the shared server (a module with its own server or timeout defines its own)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
+
+
 # The tool the tool-call tests of every client API offer: small enough for the 135M default model to fill in.
 WEATHER_PARAMETERS = {
     "type": "object",

@@ -247,11 +247,6 @@ def test_grammar_size_is_bounded():
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
-
-
 @pytest.fixture(autouse=True)
 def alone(request) -> None:
     if "server" in request.fixturenames or "client" in request.fixturenames:

@@ -9,23 +9,12 @@ stream only when both generated the same tokens.
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 pytestmark = pytest.mark.slow
 
 COUNT = [{"role": "user", "content": "Count from 1 to 20 separated by commas."}]
 MAX_TOKENS = 48
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
 
 
 def tokens_text(tokens: list[bytes], finish: str | None, stop: str | None) -> str:

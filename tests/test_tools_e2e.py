@@ -31,16 +31,6 @@ TOOLS = [
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model_name(client) -> str:
-    return client.models.list().data[0].id
-
-
 def check_weather_call(name: str, arguments: str) -> None:
     assert name == "get_weather"
     jsonschema.validate(json.loads(arguments), PARAMETERS)
