@@ -20,7 +20,7 @@ from typing import NoReturn, cast
 from flask import Flask, Response, g, request
 from flask.json.provider import DefaultJSONProvider
 
-from appliance import __version__, auth
+from appliance import __version__, auth, web
 from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
 from appliance.http.client import EngineClient
 from appliance.ollama_api.routes import blueprint as ollama_blueprint
@@ -59,6 +59,8 @@ class Api:
             return
         if not auth.host_allowed(request.headers.get("Host"), self.settings.allowed_hosts):
             raise ApiError(400, "Invalid Host header: this server does not answer for that name", code="invalid_host")
+        if web.is_public(request.path):  # the web page's static files: no data in them (appliance/web/)
+            return
         try:  # read once per worker, at its first keyed request: the files may have changed since start-up
             keys = auth.api_keys(self.settings.api_key_file)
             admin_keys = auth.api_keys(self.settings.admin_key_file)
@@ -265,6 +267,7 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     app.add_url_rule("/v1/config/reload", view_func=api.reload, methods=["POST"])
     app.add_url_rule("/metrics", view_func=api.metrics, methods=["GET"])
     app.register_blueprint(ollama_blueprint(api))  # Ollama's API (appliance/ollama_api/)
+    app.register_blueprint(web.blueprint(api))  # the web page at / and /v1/status (appliance/web/)
 
     @app.before_request
     def _start():
