@@ -21,7 +21,7 @@ export APPLIANCE_DATA_DIR := $(abspath $(DATA_DIR))
 # tests/test_install.py checks this venv (no torch, and it serves).
 export APPLIANCE_SERVING_VENV := $(abspath $(VENV))
 
-.PHONY: venv dev-venv model serve test test-fast lint bench install uninstall image-test clean-venv
+.PHONY: venv dev-venv model browser serve test test-fast lint bench install uninstall image-test clean-venv
 
 venv: $(VENV)/.installed
 dev-venv: $(DEV_VENV)/.installed
@@ -55,8 +55,22 @@ model: dev-venv
 serve: venv model
 	$(BIN)/appliance serve $(SERVE_FLAGS)
 
-test: venv model
+test: venv model browser
 	$(DEV)/python -m pytest -q $(PYTEST_ARGS)
+
+# The web page's browser tests (tests/test_web_page.py) drive Debian's chromium through its chromedriver: installed
+# here when missing and possible (root or passwordless sudo, apt-get), else those tests skip saying why. Nothing to
+# do (and nothing printed) when both are there.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else \
+	  echo "browser tests will skip: chromium is missing and installing it needs root or passwordless sudo"; exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then echo "browser tests will skip: chromium is missing and there is no apt-get"; \
+	  exit 0; fi; \
+	echo "installing chromium and chromium-driver for the browser tests (apt-get)"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	$$sudo apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || { $$sudo apt-get update -qq >/dev/null \
+	  && $$sudo apt-get install -y -qq chromium chromium-driver >/dev/null; } || echo "apt-get failed: browser tests will skip"
 
 # Unit tests and tiny random models only: never builds the default model (markers in setup.cfg, set by
 # tests/conftest.py from the fixtures a test uses).

@@ -8,8 +8,8 @@ modules at the package root are what more than one of them share.
 - `runtime/` (engine, scheduler, KV, sampling, backends, ...) runs in the engine process: itself and the root;
 - `server/` (supervisor, engine service, jobs, slots, metrics) is the engine process's serving code: itself,
   `runtime/` and the root; of `http/` only the gunicorn config it launches, by name;
-- `http/` (gunicorn config, edge worker, engine client) and the client APIs (`openai_api/`) run in the gunicorn
-  workers: themselves and the root;
+- `http/` (gunicorn config, edge worker, engine client), the client APIs (`openai_api/`) and the web page (`web/`)
+  run in the gunicorn workers: themselves and the root;
 - `cli` is the entry point (anything but the test harness); `testing/` serves tests and bench (anything).
 
 A gunicorn worker stays light (about 32 MB, docs/serving.md): the last test imports what a worker imports in a
@@ -35,6 +35,7 @@ PACKAGE = ROOT / "appliance"
 RUNTIME, SERVER, HTTP, TESTING = "appliance.runtime", "appliance.server", "appliance.http", "appliance.testing"
 # the client API adapters: they run in the gunicorn workers
 CLIENT_APIS = ("appliance.openai_api", "appliance.anthropic_api", "appliance.ollama_api")
+WORKER_PACKAGES = ("appliance.web",)  # the web page (static files and /v1/status): also served by the workers
 SHARED, ENTRY_POINT = "shared", "appliance.cli"  # the package root's modules; glue: flags -> settings -> server
 # The one edge from the engine process into the workers' package: the supervisor starts gunicorn with this config.
 LAUNCHES = {("appliance.server.supervisor", "appliance.http.gunicorn_conf")}
@@ -65,7 +66,7 @@ def role(name: str) -> str:
     for package in (RUNTIME, SERVER, HTTP, TESTING):
         if within(name, package):
             return package
-    if any(within(name, api) for api in CLIENT_APIS):
+    if any(within(name, api) for api in CLIENT_APIS + WORKER_PACKAGES):
         return HTTP
     return ENTRY_POINT if name == ENTRY_POINT else SHARED
 

@@ -2,11 +2,12 @@
 the HTTP workers as static files from this package (no build step, nothing fetched from anywhere but the box).
 
 What is served and why:
-* `/` (index.html) and `/ui/<file>` (app.js, style.css, favicon.svg) are static and public: they carry no data
-  (no model name, no key, no metric), so they need no API key; the Host allow-list still applies. Everything the
-  page shows comes from the API it calls with the user's key: `/metrics` (Prometheus text, parsed in the browser),
-  `/v1/status` (below), `/v1/models`, and `/v3/chat/completions` for the playground. A key is asked for once, when
-  a call answers 401, kept in the tab's `sessionStorage` and sent as `Authorization: Bearer` (never in a URL).
+* `/` (index.html), `/ui/<file>` (app.js, style.css, favicon.svg) and `/favicon.ico` are static and public:
+  they carry no data (no model name, no key, no metric), so they need no API key; the Host allow-list still
+  applies. Everything the page shows comes from the API it calls with the user's key: `/metrics` (Prometheus
+  text, parsed in the browser), `/v1/status` (below), and `/v3/chat/completions` for the playground. A key is
+  asked for once, when a call answers 401, kept in the tab's `sessionStorage` and sent as `Authorization: Bearer`
+  (never in a URL); a refused key is said so in the dialog.
 * Every page response carries a Content-Security-Policy that allows only this origin (`default-src 'self'`, no
   inline script or style, no framing, no form posts elsewhere), plus nosniff and no-referrer. URLs in the page
   are relative, so it works under TLS and behind a proxy's path prefix alike.
@@ -42,7 +43,8 @@ ASSETS = {
     "favicon.svg": "image/svg+xml",
 }
 INDEX = "index.html"
-PUBLIC_PATHS = frozenset({"/", *(f"/ui/{name}" for name in ASSETS)})  # no key needed (no data in them)
+# no key needed (no data in them); /favicon.ico: what a browser asks for on its own (else a 401 in its console)
+PUBLIC_PATHS = frozenset({"/", "/favicon.ico", *(f"/ui/{name}" for name in ASSETS)})
 
 CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
@@ -85,17 +87,21 @@ def blueprint(api: AppApi) -> Blueprint:
         started = None
 
     @bp.get("/")
-    def index():
+    def index() -> Response:
         return _page(asset(INDEX), "text/html")
 
+    @bp.get("/favicon.ico")
+    def favicon() -> Response:
+        return _page(asset("favicon.svg"), ASSETS["favicon.svg"])
+
     @bp.get("/ui/<name>")
-    def ui(name: str):
+    def ui(name: str) -> Response:
         if name not in ASSETS:
             raise ApiError(404, f"Route GET /ui/{name} does not exist")
         return _page(asset(name), ASSETS[name])
 
     @bp.get("/v1/status")
-    def status():
+    def status() -> dict:
         models = []
         for info in api.client.models():
             entry: dict = {"name": info.name, "state": info.state}

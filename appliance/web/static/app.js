@@ -209,6 +209,12 @@ class Plot {
         pen = true;
       });
       g.stroke();
+      g.fillStyle = COLORS[i % COLORS.length];
+      s.forEach((v, j) => {
+        if (v != null && s[j - 1] == null && s[j + 1] == null) {
+          g.fillRect(x(this.times[j]) - 2, y(v) - 2, 4, 4); // a lone sample: a dot, not an invisible line
+        }
+      });
     });
     let lx = left + 4;
     this.names.forEach((name, i) => {
@@ -364,6 +370,7 @@ const DEFAULT_SCHEMA = {
   type: "object",
   properties: { name: { type: "string" }, age: { type: "integer" } },
   required: ["name", "age"],
+  additionalProperties: false,
 };
 const DEFAULT_TOOLS = [
   {
