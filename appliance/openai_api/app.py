@@ -267,7 +267,8 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     app.add_url_rule("/v1/config/reload", view_func=api.reload, methods=["POST"])
     app.add_url_rule("/metrics", view_func=api.metrics, methods=["GET"])
     app.register_blueprint(ollama_blueprint(api))  # Ollama's API (appliance/ollama_api/)
-    app.register_blueprint(web.blueprint(api))  # the web page at / and /v1/status (appliance/web/)
+    for blueprint in web.blueprints(api):  # the web page at / and its /v1/status (appliance/web/)
+        app.register_blueprint(blueprint)
 
     @app.before_request
     def _start():

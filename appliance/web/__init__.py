@@ -78,9 +78,11 @@ def _page(body: bytes, mimetype: str) -> Response:
     return Response(body, mimetype=mimetype, headers=PAGE_HEADERS)
 
 
-def blueprint(api: AppApi) -> Blueprint:
-    """The page's routes on the app's `Api` (its auth runs before each: the public paths above skip the key)."""
+def blueprints(api: AppApi) -> tuple[Blueprint, Blueprint]:
+    """The page's files ("web") and /v1/status ("status", an API route: docs/openapi.json documents it), on the
+    app's `Api` (its auth runs before each: the public paths above skip the key)."""
     bp = Blueprint("web", __name__)
+    api_bp = Blueprint("status", __name__)
     try:
         started = os.stat(Path(api.settings.runtime_dir) / SETTINGS_FILE).st_mtime
     except (OSError, TypeError):
@@ -100,7 +102,7 @@ def blueprint(api: AppApi) -> Blueprint:
             raise ApiError(404, f"Route GET /ui/{name} does not exist")
         return _page(asset(name), ASSETS[name])
 
-    @bp.get("/v1/status")
+    @api_bp.get("/v1/status")
     def status() -> dict:
         models = []
         for info in api.client.models():
@@ -120,4 +122,4 @@ def blueprint(api: AppApi) -> Blueprint:
             models.append(entry)
         return {"version": __version__, "started": started, "cpu_isa": isa(), "models": models}
 
-    return bp
+    return bp, api_bp
