@@ -68,6 +68,10 @@ ROUTES = frozenset(
         "/metrics",
         "/v1/messages",  # Anthropic's Messages API (appliance/anthropic_api)
         "/v1/messages/count_tokens",
+        "/",  # the web page (appliance/web/): its files and its status route
+        "/ui/<name>",
+        "/favicon.ico",
+        "/v1/status",
     }
 )
 UNMATCHED = "unmatched"

@@ -186,9 +186,11 @@ class Plot {
       g.stroke();
       g.fillText(short((max * i) / 4), 2, y + 4);
     }
-    const span = 2 * HISTORY; // seconds shown, nominally
+    // seconds shown: what has been sampled (at least a minute), up to the history's 10 minutes
     const newest = this.times.length ? this.times[this.times.length - 1] : 0;
-    g.fillText("-" + Math.round(span / 60) + " min", left, h - 4);
+    const oldest = this.times.length ? this.times[0] : 0;
+    const span = Math.min((POLL_MS / 1000) * HISTORY, Math.max(60, newest - oldest));
+    g.fillText(span >= 120 ? "-" + Math.round(span / 60) + " min" : "-" + Math.round(span) + " s", left, h - 4);
     g.fillText("now", w - 24, h - 4);
     const x = (t) => left + ((w - left) * (span - (newest - t))) / span;
     const y = (v) => bottom - ((bottom - top) * v) / max;
@@ -257,7 +259,7 @@ const plots = {
 let previous = null; // {time, tokens, requests, ttft, itl}
 let polls = 0;
 let started = null;
-let stopped = false;
+let down = false; // the last poll failed (its banner is hidden again when one succeeds)
 
 function setText(id, text) {
   $(id).textContent = text;
@@ -340,14 +342,16 @@ async function pollMetrics() {
 }
 
 async function poll() {
-  if (stopped) return;
   try {
     if (!document.hidden) {
       if (polls % STATUS_EVERY === 0 || !started) await pollStatus();
       await pollMetrics();
       polls++;
+      if (down) hideBanner();
+      down = false;
     }
   } catch (e) {
+    down = true;
     showBanner("The server is not answering (" + e.message + "); retrying.");
   }
   setTimeout(poll, POLL_MS);
