@@ -12,10 +12,11 @@ What is served and why:
   inline script or style, no framing, no form posts elsewhere), plus nosniff and no-referrer. URLs in the page
   are relative, so it works under TLS and behind a proxy's path prefix alike.
 * `/v1/status` (keyed, like every API route): what /v1/config and /v1/models do not say, from what the worker
-  already holds: the version, the server's start time (the settings file `appliance serve` writes once at
-  start), the CPU's vector ISA (appliance/cpu_isa.py, read once per worker), and each model's state, backend
-  (export), weight format (precision), device and context. It costs one MODELS call to the engine process, the
-  status of a ready model being the worker's kept one (EngineClient.serving_status): no round trip per model.
+  already holds: the version, the server's start time (the engine socket's key file, which `appliance serve`
+  writes once at start), the CPU's vector ISA (appliance/cpu_isa.py, read once per worker), and each model's
+  state, backend (export), weight format (precision), device and context. It costs one MODELS call to the engine
+  process, the status of a ready model being the worker's kept one (EngineClient.serving_status): no round trip
+  per model.
 * The plots are drawn on a canvas by app.js (about 100 lines): a plotting library would be a vendored file of
   tens of KB to pin and audit for five line charts.
 * Polling cost: the page asks for /metrics every 2 s and /v1/status every 10 s, only while the tab is visible;
@@ -34,7 +35,7 @@ from flask import Blueprint, Response
 from appliance import __version__, cpu_isa
 from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.errors import ApiError
-from appliance.settings import SETTINGS_FILE
+from appliance.settings import AUTHKEY_FILE
 
 # The files of the page: name -> mimetype. A fixed table, so no request path ever reaches the file system.
 ASSETS = {
@@ -83,10 +84,12 @@ def blueprints(api: AppApi) -> tuple[Blueprint, Blueprint]:
     app's `Api` (its auth runs before each: the public paths above skip the key)."""
     bp = Blueprint("web", __name__)
     api_bp = Blueprint("status", __name__)
-    try:
-        started = os.stat(Path(api.settings.runtime_dir) / SETTINGS_FILE).st_mtime
-    except (OSError, TypeError):
-        started = None
+    started = None  # when `appliance serve` started: it writes the socket's key once, first (a reload rewrites
+    if api.settings.runtime_dir:  # the settings file, never the key)
+        try:
+            started = os.stat(Path(api.settings.runtime_dir) / AUTHKEY_FILE).st_mtime
+        except OSError:
+            pass
 
     @bp.get("/")
     def index() -> Response:
