@@ -118,6 +118,24 @@ def test_status_plots_and_a_streamed_chat(keyed, chromium, artifacts, model_name
     assert "ready" in text(driver, "health")
     driver.save_screenshot(str(artifacts / "web-status.png"))
 
+    # the plots' p50/p99: Prometheus' histogram_quantile over the buckets' difference between two polls
+    q = (  # "inf" for +Inf (JSON has no infinity)
+        "const b = (x) => x.map(([le, c]) => [le === 'inf' ? Infinity : le, c]);"
+        "return quantile(arguments[0], b(arguments[1]), b(arguments[2]))"
+    )
+    inf = "inf"
+    then = [[0.1, 5], [0.2, 5], [0.5, 5], [inf, 5]]
+    now = [[0.1, 5], [0.2, 15], [0.5, 15], [inf, 15]]  # ten more, all in (0.1, 0.2]
+    assert driver.execute_script(q, 0.5, now, then) == pytest.approx(0.15)
+    assert driver.execute_script(q, 0.99, now, then) == pytest.approx(0.199)
+    assert driver.execute_script(q, 0.5, then, then) is None  # nothing new: no point
+    assert driver.execute_script(q, 0.5, [[0.1, 0], [inf, 4]], []) == pytest.approx(0.1)  # +Inf: its lower bound
+    parsed = driver.execute_script(
+        "return parseMetrics(arguments[0])",
+        '# HELP x y\nappliance_queue_depth 2.0\nappliance_queue_depth{model="a \\"b\\""} 1.0\n',
+    )
+    assert parsed["appliance_queue_depth"][1] == {"labels": {"model": 'a \\"b\\"'}, "value": 1.0}
+
     # plots: samples accumulate every 2 s; nothing generated yet in this page's window
     driver.get(keyed.base + "/#plots")
     wait_for(driver, "Number(document.getElementById('plot-tps').dataset.points || 0) >= 2", "two samples")
