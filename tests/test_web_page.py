@@ -1,6 +1,8 @@
 """The web page at `/` (appliance/web/) in a real browser: headless Chromium (Debian's chromium and chromium-driver,
-which `make test` installs) driven by selenium against a real `appliance serve` started with an API key file, so
-the page runs as it does on a keyed box.
+which `make test` installs) driven by selenium against a real `appliance serve` started with an API key file and
+TLS (a self-signed certificate the browser is told to accept), so the page runs as it does on a guarded box: a
+URL that named another scheme or origin would be blocked there (mixed content, the CSP) and show as a console
+error. Plain HTTP adds no case: on 127.0.0.1 it is a secure context too, and the page uses nothing else.
 
 What is shown: the page loads with no console error; the status shows the model (state, export, precision, device)
 and the CPU's ISA; a chat reply streams in (the answer's text grows several times before the reply ends) and ends
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import Server
+from test_exposure import TlsServer, make_cert
 
 from appliance.testing import browser
 
@@ -30,12 +32,14 @@ WAIT = 120  # seconds: a loaded 2-core box may take long for the first reply
 
 @pytest.fixture(scope="module")
 def keyed(model_dir, tmp_path_factory):
-    """One server with an API key for the module (1 worker: the browser's requests are few)."""
+    """One server with an API key and TLS for the module (1 worker: the browser's requests are few)."""
     folder = tmp_path_factory.mktemp("web")
     keys = folder / "keys"
     keys.write_text(KEY + "\n")
     keys.chmod(0o600)
-    with Server(model_dir, folder / "serve.log", "--workers", "1", "--api-key-file", str(keys)) as srv:
+    cert, key = make_cert(folder)
+    tls = ["--tls-certfile", str(cert), "--tls-keyfile", str(key)]
+    with TlsServer(model_dir, folder / "serve.log", cert, "--workers", "1", "--api-key-file", str(keys), *tls) as srv:
         yield srv
 
 
@@ -54,7 +58,7 @@ def chromium():
     why = browser.missing()
     if why:
         pytest.skip(why)
-    with browser.Browser() as driver:
+    with browser.Browser(flags=("--ignore-certificate-errors",)) as driver:
         yield driver
 
 
@@ -82,20 +86,21 @@ def text(driver, element_id: str) -> str:
 
 
 def test_the_page_is_public_and_forbids_other_origins(keyed):
-    page = requests.get(keyed.base + "/", timeout=30)
+    page = requests.get(keyed.base + "/", verify=keyed.cert, timeout=30)
     assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
     csp = page.headers["Content-Security-Policy"]
     assert "default-src 'self'" in csp and "unsafe-inline" not in csp and "frame-ancestors 'none'" in csp
     assert "<script>" not in page.text and "style=" not in page.text  # nothing inline: the CSP would block it
     for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css"), ("favicon.svg", "image/svg+xml")):
-        asset = requests.get(f"{keyed.base}/ui/{name}", timeout=30)
+        asset = requests.get(f"{keyed.base}/ui/{name}", verify=keyed.cert, timeout=30)
         assert asset.status_code == 200 and asset.headers["Content-Type"].startswith(kind), name
         assert "Content-Security-Policy" in asset.headers
         assert not re.search(r"https?://(?!www\.w3\.org/2000/svg)", asset.text), f"{name} names another origin"
     # the data behind it needs the key
-    assert requests.get(keyed.base + "/v1/status", timeout=30).status_code == 401
-    assert requests.get(keyed.base + "/ui/other.js", timeout=30).status_code in (401, 404)
-    status = requests.get(keyed.base + "/v1/status", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert requests.get(keyed.base + "/v1/status", verify=keyed.cert, timeout=30).status_code == 401
+    assert requests.get(keyed.base + "/ui/other.js", verify=keyed.cert, timeout=30).status_code in (401, 404)
+    authorized = {"Authorization": f"Bearer {KEY}"}
+    status = requests.get(keyed.base + "/v1/status", headers=authorized, verify=keyed.cert, timeout=30).json()
     (model,) = status["models"]
     assert model["state"] == "ready" and model["device"] == "CPU" and model["backend"] == "openvino"
     assert model["weight_format"] and status["version"] and status["cpu_isa"]["name"]
@@ -230,5 +235,6 @@ def test_a_wrong_key_shows_a_clear_message_and_a_right_one_works(keyed, chromium
     assert not driver.execute_script("return document.getElementById('key-dialog').open")
     urls = driver.execute_script("return performance.getEntriesByType('resource').map((e) => e.name)")
     assert urls and not [u for u in urls if KEY in u or "not-the-key" in u]
+    assert keyed.base.startswith("https://") and all(u.startswith(keyed.base + "/") for u in urls), urls
     # the only errors are the refused requests themselves
     assert console_errors(driver, re.compile(r"status of 401")) == []

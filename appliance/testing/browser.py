@@ -41,10 +41,12 @@ def missing() -> str | None:
 
 class Browser:
     """`with Browser() as driver:` a headless Chromium (selenium WebDriver) with its own temporary profile, quit
-    and deleted at the end."""
+    and deleted at the end; `flags`: more command-line flags (a test's `--ignore-certificate-errors` for a
+    self-signed certificate)."""
 
-    def __init__(self, width: int = 1280, height: int = 900):
+    def __init__(self, width: int = 1280, height: int = 900, flags: tuple[str, ...] = ()):
         self.size = (width, height)
+        self.flags = flags
         self.profile = Path(tempfile.mkdtemp(prefix="appliance-chromium-"))
         self.driver: Any = None
 
@@ -54,7 +56,7 @@ class Browser:
 
         options = webdriver.ChromeOptions()
         options.binary_location = next(p for p in map(shutil.which, CHROMIUM) if p)
-        for flag in FLAGS:
+        for flag in (*FLAGS, *self.flags):
             options.add_argument(flag)
         options.add_argument(f"--user-data-dir={self.profile}")
         options.add_argument(f"--window-size={self.size[0]},{self.size[1]}")
