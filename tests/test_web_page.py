@@ -20,6 +20,7 @@ import re
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import requests
 from test_exposure import TlsServer, make_cert
@@ -27,6 +28,7 @@ from test_exposure import TlsServer, make_cert
 from appliance.testing import browser
 
 KEY = "web-page-test-key-0123456789"
+OPENAPI = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
 WAIT = 120  # seconds: a loaded 2-core box may take long for the first reply
 
 
@@ -101,6 +103,7 @@ def test_the_page_is_public_and_forbids_other_origins(keyed):
     assert requests.get(keyed.base + "/ui/other.js", verify=keyed.cert, timeout=30).status_code in (401, 404)
     authorized = {"Authorization": f"Bearer {KEY}"}
     status = requests.get(keyed.base + "/v1/status", headers=authorized, verify=keyed.cert, timeout=30).json()
+    jsonschema.validate(status, json.loads(OPENAPI.read_text())["components"]["schemas"]["Status"])
     (model,) = status["models"]
     assert model["state"] == "ready" and model["device"] == "CPU" and model["backend"] == "openvino"
     assert model["weight_format"] and status["version"] and status["cpu_isa"]["name"]
