@@ -28,20 +28,23 @@ from test_exposure import TlsServer, make_cert
 from appliance.testing import browser
 
 KEY = "web-page-test-key-0123456789"
+THOUGHT = r"<think>[a-z ]{1,24}</think>[A-Za-z ]{1,24}"  # as tests/test_tools_e2e.py's: a thought, then an answer
 OPENAPI = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
 WAIT = 120  # seconds: a loaded 2-core box may take long for the first reply
 
 
 @pytest.fixture(scope="module")
 def keyed(model_dir, tmp_path_factory):
-    """One server with an API key and TLS for the module (1 worker: the browser's requests are few)."""
+    """One server with an API key and TLS for the module (1 worker: the browser's requests are few); it parses
+    `<think>` thoughts (only an output that starts with one has any, so the other replies are plain answers)."""
     folder = tmp_path_factory.mktemp("web")
     keys = folder / "keys"
     keys.write_text(KEY + "\n")
     keys.chmod(0o600)
     cert, key = make_cert(folder)
     tls = ["--tls-certfile", str(cert), "--tls-keyfile", str(key)]
-    with TlsServer(model_dir, folder / "serve.log", cert, "--workers", "1", "--api-key-file", str(keys), *tls) as srv:
+    args = ["--workers", "1", "--api-key-file", str(keys), "--reasoning-parser", "think", *tls]
+    with TlsServer(model_dir, folder / "serve.log", cert, *args) as srv:
         yield srv
 
 
@@ -190,6 +193,40 @@ def test_status_plots_and_a_streamed_chat(keyed, chromium, artifacts, model_name
     )
     person = json.loads(answer)
     assert isinstance(person["name"], str) and isinstance(person["age"], int), answer
+
+    # reasoning apart from the answer: the server parses <think> (--reasoning-parser think) and a regex format,
+    # which the page has no control for, is put into its request here so that this small model writes a thought
+    driver.find_element("id", "c-json").click()  # off
+    driver.execute_script(
+        '''
+        const format = {type: 'regex', schema: arguments[0]};
+        const original = window.fetch;
+        window.fetch = (url, options) => {
+          if (String(url).endsWith('chat/completions')) {
+            const body = {...JSON.parse(options.body), response_format: format};
+            options = Object.assign({}, options, {body: JSON.stringify(body)});
+          }
+          return original(url, options);
+        };
+        document.getElementById('c-max').value = '40';
+        ''',
+        THOUGHT,
+    )
+    driver.find_element("id", "c-input").send_keys("Say hello.")
+    driver.find_element("id", "c-send").click()
+    wait_for(
+        driver, "document.querySelectorAll('#transcript .msg.assistant .stats.done').length === 3", "the 3rd reply"
+    )
+    reasoning, hidden, answer = driver.execute_script(
+        "const last = [...document.querySelectorAll('#transcript .msg.assistant')][2];"
+        "return [last.querySelector('.reasoning').textContent, last.querySelector('details').hidden,"
+        " last.querySelector('.text').textContent]"
+    )
+    assert reasoning.strip() and not hidden and "<think>" not in answer and "</think>" not in answer, (
+        reasoning,
+        answer,
+    )
+    driver.execute_script("[...document.querySelectorAll('#transcript details')].forEach((d) => (d.open = true))")
     driver.save_screenshot(str(artifacts / "web-chat.png"))
 
     # the plots saw the generation
