@@ -20,7 +20,7 @@ from dataclasses import Field
 from pathlib import Path
 from typing import Any, NamedTuple, get_args, get_type_hints
 
-from appliance import host, limits
+from appliance import host, limits, tracing
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import compile_cache_dir, resolve_model
@@ -101,7 +101,7 @@ def options_table() -> str:
 
 def check_server(args: argparse.Namespace) -> None:
     """The ranges of the server's own settings (argparse checks only their types): worker and thread counts,
-    per-client caps, timeouts, the Responses API's store."""
+    per-client caps, timeouts, the Responses API's store, the trace exporter's settings."""
     if args.responses_retention <= 0 or args.responses_max_bytes < 0:
         raise ConfigError("--responses-retention must be positive, --responses-max-bytes at least 0")
     if args.workers < 1 or args.threads < 1:
@@ -110,6 +110,7 @@ def check_server(args: argparse.Namespace) -> None:
         raise ConfigError("--client-max-connections and --client-max-generations must be at least 0")
     if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
         raise ConfigError("--request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0")
+    tracing.endpoint(args.otlp_endpoint)  # OpenTelemetry: a URL or OTEL_* setting it cannot export with
 
 
 def limits_from(args: argparse.Namespace) -> limits.Limits:

@@ -148,6 +148,9 @@ class Job:
     # which API key sent it: a non-secret id (the key's place in the key file), never the key; "": no key file.
     # The engine keeps the prefix cache apart per tenant (jobs.py)
     tenant: str = ""
+    # OpenTelemetry, when tracing is on and the request is sampled: the W3C trace context (traceparent, tracestate)
+    # of the worker's request span, whose children the engine's spans of the job are (appliance/tracing.py)
+    trace: dict[str, str] | None = None
 
 
 @dataclass

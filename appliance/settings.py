@@ -164,6 +164,12 @@ class ServeSettings:
     )
     log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
     access_log: bool = setting(False, "log every HTTP request", flag="access-log")
+    otlp_endpoint: str | None = setting(
+        None,
+        "OpenTelemetry collector's OTLP/HTTP URL (http://host:4318; /v1/traces is appended) to send each request's "
+        "trace to; none: off, unless the OTEL_EXPORTER_OTLP_* variables name one (docs/serving.md, Tracing)",
+        flag="otlp-endpoint",
+    )
     # the served models (ModelSpec above); a plain `serve` has one: model_dir / served_model_name / model_created
     # and the engine flags
     models: list[ModelSpec] = field(default_factory=list)

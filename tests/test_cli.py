@@ -283,6 +283,7 @@ FLAGS = {
     "responses-max-bytes": (int, 268435456),
     "log-level": (str, "info"),
     "access-log": (bool, False),
+    "otlp-endpoint": (str, None),
     "device": (str, "CPU"),
     "precision": (str, "default"),
     "kv-cache-precision": (str, "auto"),

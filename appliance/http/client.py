@@ -17,8 +17,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
+from typing import ClassVar
 
 from appliance import protocol as p
 
@@ -34,6 +36,10 @@ class EngineUnavailable(Exception):
 
 
 class EngineClient:
+    # Tracing on (appliance/http/tracing.py): called with each job before it is sent, to give it the trace
+    # context of its request's span. None when tracing is off: one attribute read per job.
+    on_job: ClassVar[Callable[[p.Job], None] | None] = None
+
     def __init__(self, socket_path: str, authkey: bytes, max_idle: int = POOL_SIZE):
         self._address, self._authkey = socket_path, authkey
         self._idle: list[Connection] = []
@@ -171,6 +177,9 @@ class EngineClient:
                 pass
 
     def open_job(self, job: p.Job) -> JobStream:
+        hook = EngineClient.on_job  # from the class: a function stored there is not bound to self
+        if hook is not None:
+            hook(job)
         conn = self._take()
         try:
             conn.send((p.JOB, job))

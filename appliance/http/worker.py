@@ -82,7 +82,7 @@ from gunicorn import sock as gsock
 from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
-from appliance.http import edge, edge_policy
+from appliance.http import edge, edge_policy, tracing
 from appliance.http.client import EngineClient, EngineUnavailable
 from appliance.protocol import DROPPED_ROUTE, RECORD_HTTP, HttpRecord
 from appliance.settings import ServeSettings
@@ -167,6 +167,7 @@ class EdgeWorker(ThreadWorker):
         self.connections = edge_policy.PeerCounts(0)  # open connections per client address
         self.drops = edge_policy.Drops()
         self.engine: EngineClient | None = None
+        self.tracing: tracing.HttpTracing | None = None  # OpenTelemetry, when configured (http/tracing.py)
 
     def init_process(self):
         """In the forked worker (gunicorn builds the worker object in the arbiter)."""
@@ -185,14 +186,20 @@ class EdgeWorker(ThreadWorker):
         self.probe_pool = futures.ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="probe")
         self.tls_context = gsock.ssl_context(self.cfg) if self.cfg.is_ssl else None
         self.engine = EngineClient(settings.socket_path, settings.authkey(), max_idle=0)  # no idle connection
+        self.tracing = tracing.setup(settings)  # after the fork: its export thread is this process's own
         threading.Thread(target=self._report_drops, name="edge-report", daemon=True).start()
         super().init_process()
 
     def load_wsgi(self):
-        """The app, its response bodies paced (edge_policy.PacedBody: a response's total wait on its reader)."""
+        """The app, its response bodies paced (edge_policy.PacedBody: a response's total wait on its reader);
+        with tracing on, a span per request around it all (http/tracing.py)."""
         # gunicorn 27.0.1: loads the app as is; here it is wrapped so each response's writes are bounded in total.
         super().load_wsgi()
+        if self.tracing is not None:  # the route and error type from the app; the span around everything
+            self.wsgi.after_request(self.tracing.after_request)
         self.wsgi = edge_policy.paced(self.wsgi, self.send_timeout)
+        if self.tracing is not None:
+            self.wsgi = self.tracing.wrap(self.wsgi)
 
     def _report_drops(self) -> None:
         """Drop counts to the engine process (appliance_http_dropped_total), in batches: never from the loop."""

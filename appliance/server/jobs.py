@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from appliance import protocol as p
 from appliance.limits import Limits
@@ -24,7 +24,7 @@ from appliance.runtime.engine import EngineDead, PromptTooLong, QueueFull
 from appliance.runtime.engine.admission import ParamInvalid
 from appliance.runtime.grammar import GrammarError
 from appliance.runtime.tokenizer import TextTooLong
-from appliance.server import tool_prompt
+from appliance.server import tool_prompt, tracing
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready
 
@@ -44,12 +44,19 @@ class JobRunner:
 
     def run(self, conn: Connection, job: p.Job) -> bool:
         """Streams the job's events. False when the worker closed the connection (the job was cancelled)."""
-        with self.models.in_flight(job.model) as slot:
-            if slot is None:
-                conn.send(model_not_found(job.model))
-                conn.send(p.End())
-                return True
-            return self._run_on(conn, job, slot)
+        trace = tracing.job_trace(job) if job.trace is not None else None  # OpenTelemetry on, request sampled
+        if trace is not None:
+            conn = cast(Connection, trace.watch(conn))
+        try:
+            with self.models.in_flight(job.model) as slot:
+                if slot is None:
+                    conn.send(model_not_found(job.model))
+                    conn.send(p.End())
+                    return True
+                return self._run_on(conn, job, slot)
+        finally:
+            if trace is not None:
+                trace.end()  # the job's spans, written after its End went out
 
     def _run_on(self, conn: Connection, job: p.Job, slot: Slot) -> bool:
         if problem := slot.problem():

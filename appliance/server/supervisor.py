@@ -39,7 +39,7 @@ from appliance import auth, logs
 from appliance import protocol as p
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import config_file, sdnotify, startup
+from appliance.server import config_file, sdnotify, startup, tracing
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import single_spec
@@ -83,6 +83,7 @@ class Supervisor:
             key.chmod(0o600)
             self.settings.runtime_dir, self.settings.supervisor_pid = str(runtime), os.getpid()
             self.settings.save()
+            tracing.setup(self.settings)  # OpenTelemetry, when configured: this process's provider
             raise_fd_limit()
             self.service.start()
             sdnotify.start_watchdog(self.healthy)
