@@ -89,6 +89,7 @@ class JobTrace:
     received: int = field(default_factory=time.time_ns)
     prompt_tokens: list[int] = field(default_factory=list)
     failed: p.Failed | None = None
+    ended: int = 0  # time.time_ns() of its End to the worker (0: the worker went away before it)
     choices: dict[int, ChoiceTrace] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the job's pump threads send at once
 
@@ -110,6 +111,8 @@ class JobTrace:
             self.prompt_tokens = list(event.prompt_tokens)
         elif isinstance(event, p.Failed):
             self.failed = event
+        elif isinstance(event, p.End):
+            self.ended = time.time_ns()
 
     def end(self) -> None:
         """The job is over (its End sent, or its worker gone): its spans, with the times recorded. A failure here is
@@ -146,7 +149,7 @@ class JobTrace:
         inside = trace.set_span_in_context(job_span, parent)
         for index, c in choices:
             self._choice_spans(tracer, inside, index, c, len(choices) > 1)
-        job_span.end(end_time=time.time_ns())
+        job_span.end(end_time=self.ended or time.time_ns())
 
     def _choice_spans(self, tracer: Any, inside: Any, index: int, c: ChoiceTrace, several: bool) -> None:
         Status, StatusCode = self.tracing.trace.Status, self.tracing.trace.StatusCode
