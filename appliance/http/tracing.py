@@ -87,12 +87,13 @@ class HttpTracing:
 
         span = self._trace.get_current_span()
         if span.is_recording():
-            route = request.url_rule.rule if request.url_rule is not None else "unmatched"
-            span.update_name(f"{request.method} {route}")
-            span.set_attribute("http.route", route)
-            api = api_of(route)
-            if api:
-                span.set_attribute("appliance.api", api)
+            if request.url_rule is not None:  # no route (a 404): the span keeps its name "HTTP {method}"
+                route = request.url_rule.rule
+                span.update_name(f"{request.method} {route}")
+                span.set_attribute("http.route", route)
+                api = api_of(route)
+                if api:
+                    span.set_attribute("appliance.api", api)
             error_type = g.get("error_type")
             if error_type:
                 span.set_attribute("error.type", str(error_type))

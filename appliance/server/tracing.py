@@ -27,7 +27,6 @@ worker already say everything (Accepted, Failed, each ChoiceChunk with its Timin
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,22 +90,21 @@ class JobTrace:
     failed: p.Failed | None = None
     ended: int = 0  # time.time_ns() of its End to the worker (0: the worker went away before it)
     choices: dict[int, ChoiceTrace] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # the job's pump threads send at once
 
     def watch(self, conn: Any) -> TracedConnection:
         return TracedConnection(conn, self)
 
     def sent(self, event: object) -> None:
         """An event went to the worker."""
-        if isinstance(event, p.ChoiceChunk):
+        if type(event) is p.ChoiceChunk:  # per token: a few assignments (a choice is one pump thread's)
             now = time.time_ns()
-            with self.lock:
-                c = self.choices.setdefault(event.index, ChoiceTrace())
-                c.first_sent = c.first_sent or now
-                c.last_sent = now
-                c.chunks += 1
-                if event.chunk.finish_reason:
-                    c.last, c.timing = event.chunk, event.timing
+            c = self.choices.get(event.index)
+            if c is None:
+                c = self.choices.setdefault(event.index, ChoiceTrace(now))
+            c.last_sent = now
+            c.chunks += 1
+            if event.chunk.finish_reason:
+                c.last, c.timing = event.chunk, event.timing
         elif isinstance(event, p.Accepted):
             self.prompt_tokens = list(event.prompt_tokens)
         elif isinstance(event, p.Failed):
@@ -126,8 +124,7 @@ class JobTrace:
         trace, tracer = self.tracing.trace, self.tracing.tracer
         Status, StatusCode = trace.Status, trace.StatusCode
         parent = self.tracing.w3c.extract(self.job.trace or {})
-        with self.lock:
-            choices = sorted(self.choices.items())
+        choices = sorted(self.choices.items())  # the pumps are done: nothing adds to it any more
         ended = [(i, c) for i, c in choices if c.last is not None]
         attributes: dict[str, Any] = {"appliance.choices": len(self.job.prompts) * self.job.n}
         if self.job.model:
