@@ -426,3 +426,26 @@ def test_off_exports_nothing_and_loads_no_exporter(model_dir, tmp_path):
             (worker,) = srv.workers()
             assert UPB not in maps(worker) and UPB not in maps(srv.pid)
         assert receiver.raw == []
+
+
+def test_a_stream_the_client_leaves_is_marked(traced, receiver, model):
+    """A client that reads a few events and hangs up: the engine's job says it was cancelled, and what was streamed
+    until then is there. (The worker notices the client gone and ends the stream itself: its span ends then.)"""
+    trace_id, span_id, headers = caller()
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count to one thousand"}],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with requests.post(traced.base + "/v3/chat/completions", json=body, headers=headers, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        assert sum(1 for line in (next(lines), next(lines), next(lines)) if line.startswith(b"data: ")) >= 1
+    spans = spans_of(receiver, trace_id, ("POST /v3/chat/completions", "engine job", "stream"))
+    worker, job, stream = (one(spans, n) for n in ("POST /v3/chat/completions", "engine job", "stream"))
+    assert worker.parent_span_id == span_id and job.parent_span_id == worker.span_id
+    assert job.attributes["appliance.cancelled"] is True and job.status_code != ERROR
+    assert 1 <= stream.attributes["appliance.chunks"] < 400
+    # the engine's job ends once its sequences are cancelled, which may be after the worker's request ended
+    assert worker.start <= job.start <= stream.start <= stream.end <= job.end
