@@ -7,8 +7,8 @@ Attributes: `http.request.method` / `http.method`, `http.route` (the Flask rule,
 `http.response.status_code` / `http.status_code`, `gen_ai.request.model` (a job's model), `appliance.api`
 (openai, anthropic, ollama, responses), `error.type` (the error's OpenAI type); status Error for a 4xx or 5xx
 answer and for a response whose writing failed half-way (a send timeout, a reset). A client the app sees leave
-(streaming.ClientGone) ends its stream early but normally: the engine's job span says it was cancelled. Never a header, the body or a
-prompt. Health probes and /metrics get no span (edge.is_probe): they are polled, not served.
+(streaming.ClientGone) ends its stream early but normally: the engine's job span says it was cancelled. Never a
+header, the body or a prompt. Health probes and /metrics get no span (edge.is_probe): they are polled, not served.
 
 Installed in `EdgeWorker.init_process` (after the fork) and `load_wsgi` only when tracing is on; off, the worker
 runs without this module's code on a request's path (the engine client's `on_job` stays None).
