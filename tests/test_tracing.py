@@ -80,6 +80,34 @@ def test_serve_refuses_a_bad_endpoint_in_one_line(model_dir):
     assert "--otlp-endpoint" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("sampler", ["parentbased_always_on", "always_off"])
+def test_the_provider_takes_the_standard_variables(monkeypatch, sampler):
+    """Tracing on through OTEL_EXPORTER_OTLP_TRACES_ENDPOINT alone: the exporter posts there, the service name is
+    OTEL_SERVICE_NAME's, OTEL_RESOURCE_ATTRIBUTES are kept, and OTEL_TRACES_SAMPLER decides what is recorded."""
+    with OtlpReceiver() as receiver:
+        for name, value in {
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.base + "/v1/traces",
+            "OTEL_SERVICE_NAME": "edge-7",
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=lab",
+            "OTEL_TRACES_SAMPLER": sampler,
+        }.items():
+            monkeypatch.setenv(name, value)
+        url = tracing.endpoint(None)
+        assert url == ""
+        provider = tracing.provider("engine", url)
+        provider.get_tracer("t").start_span("probe").end()
+        assert provider.force_flush(10_000)
+        provider.shutdown()
+        spans = receiver.spans()
+    if sampler == "always_off":
+        assert spans == []
+        return
+    (span,) = spans
+    assert span.name == "probe"
+    assert span.resource["service.name"] == "edge-7" and span.resource["deployment.environment"] == "lab"
+    assert span.resource["appliance.process"] == "engine"
+
+
 SETUP = """
 import json, sys
 from appliance.settings import ServeSettings
