@@ -125,23 +125,23 @@ class JobTrace:
         Status, StatusCode = trace.Status, trace.StatusCode
         parent = self.tracing.w3c.extract(self.job.trace or {})
         choices = sorted(self.choices.items())  # the pumps are done: nothing adds to it any more
-        ended = [(i, c) for i, c in choices if c.last is not None]
+        done = [(i, c) for i, c in choices if c.last is not None]  # the choices whose last chunk was sent
         attributes: dict[str, Any] = {"appliance.choices": len(self.job.prompts) * self.job.n}
         if self.job.model:
             attributes["gen_ai.request.model"] = self.job.model
         if self.prompt_tokens:
             attributes["gen_ai.usage.input_tokens"] = sum(self.prompt_tokens)
-        if ended:
-            attributes["gen_ai.usage.output_tokens"] = sum(c.last.completion_tokens for _, c in ended if c.last)
-            attributes["gen_ai.usage.cache_read.input_tokens"] = sum(c.last.cached_tokens for _, c in ended if c.last)
-            attributes["gen_ai.response.finish_reasons"] = [c.last.finish_reason or "" for _, c in ended if c.last]
+        if done:
+            attributes["gen_ai.usage.output_tokens"] = sum(c.last.completion_tokens for _, c in done if c.last)
+            attributes["gen_ai.usage.cache_read.input_tokens"] = sum(c.last.cached_tokens for _, c in done if c.last)
+            attributes["gen_ai.response.finish_reasons"] = [c.last.finish_reason or "" for _, c in done if c.last]
         job_span = tracer.start_span(
             "engine job", context=parent, kind=trace.SpanKind.INTERNAL, start_time=self.received, attributes=attributes
         )
         if self.failed is not None:
             job_span.set_attribute("error.type", self.failed.code or str(self.failed.status))
             job_span.set_status(Status(StatusCode.ERROR, f"{self.failed.status} {self.failed.code or ''}".strip()))
-        elif len(ended) < len(choices) or (not choices and self.prompt_tokens and self.job.params.max_tokens != 0):
+        elif len(done) < len(choices) or (not choices and self.prompt_tokens and self.job.params.max_tokens != 0):
             job_span.set_attribute("appliance.cancelled", True)  # the worker closed the job before its end
         inside = trace.set_span_in_context(job_span, parent)
         for index, c in choices:
