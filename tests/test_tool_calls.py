@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pytest
 
+from appliance.limits import Limits
 from appliance.openai_api import tool_calls
 from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job
 from appliance.openai_api.errors import ApiError
+from appliance.openai_api.parsers import inline_one_of_refs, response_format
 from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
 from appliance.openai_api.streaming import Choice
 from appliance.openai_api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
@@ -179,6 +181,23 @@ KEYWORDS = {
     "required": ["note", "unit", "kind", "day", "code"],
 }
 KW_OK = '{"note": null, "unit": "celsius", "kind": "booking", "day": "2026-11-26", "code": "CDG"}'
+ADOPTION = {  # a discriminated union as pydantic-ai sends it: oneOf of two $refs, the discriminator stripped
+    "type": "object",
+    "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}]}},
+    "required": ["pet"],
+    "$defs": {
+        "Cat": {
+            "type": "object",
+            "properties": {"kind": {"const": "cat", "type": "string"}, "lives": {"type": "integer"}},
+            "required": ["kind", "lives"],
+        },
+        "Dog": {
+            "type": "object",
+            "properties": {"kind": {"const": "dog", "type": "string"}, "good": {"type": "boolean"}},
+            "required": ["kind", "good"],
+        },
+    },
+}
 SCHEMA_CASES = [
     (
         BOOKING,
@@ -209,6 +228,11 @@ SCHEMA_CASES = [
             KW_OK.replace("CDG", "cdg"),
         ],
     ),
+    (
+        ADOPTION,
+        ['{"pet": {"kind": "cat", "lives": 3}}', '{"pet": {"kind": "dog", "good": true}}'],
+        ['{"pet": {"kind": "cat", "good": true}}', '{"pet": {"kind": "bird", "lives": 1}}', '{"pet": {}}'],
+    ),
 ]
 WRAP = {
     "hermes": '<tool_call>\n{{"name": "f", "arguments": {}}}\n</tool_call>',
@@ -226,8 +250,9 @@ def test_tool_arguments_are_constrained_as_the_same_response_format_is(lark_matc
     tool = {"type": "function", "function": {"name": "f", "strict": True, "parameters": schema}}
     grammar = tool_grammar([tool, TIME], fmt, parallel=True)
     assert (grammar.kind, grammar.param, grammar.parts[0]) == ("lark", "tools", "the parameters of function 'f'")
-    # the same schema as a response_format (closed as a tool's parameters are)
-    as_format = Grammar("json_schema", json.dumps(tool_calls.closed_objects(schema)))
+    # the same schema as a response_format (closed as a tool's parameters are), through the request's parser
+    closed = tool_calls.closed_objects(schema)
+    as_format = response_format({"type": "json_schema", "json_schema": {"name": "f", "schema": closed}}, Limits(), {})
     for args in good + bad:
         expected = args in good
         assert lark_matcher(as_format, args) is expected, args
@@ -242,6 +267,14 @@ def test_tool_arguments_are_constrained_as_the_same_response_format_is(lark_matc
     [
         ({"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}}, "Pointer '/$defs/Nope' does not exist"),
         ({"type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}}, "Unknown format: bogus"),
+        (  # branches that may both match: refused, not approximated (inlining a $ref changes no meaning)
+            {
+                "type": "object",
+                "properties": {"a": {"oneOf": [{"type": "string"}, {"$ref": "#/$defs/S"}]}},
+                "$defs": {"S": {"type": "string", "maxLength": 3}},
+            },
+            "oneOf constraints are not supported. Enable 'coerce_one_of' option to approximate oneOf with anyOf",
+        ),
     ],
 )
 def test_a_tool_schema_that_does_not_compile_names_its_tool(model_dir, schema, message):
@@ -260,6 +293,34 @@ def test_a_tool_schema_that_does_not_compile_names_its_tool(model_dir, schema, m
         assert str(err.value) == f"invalid JSON schema in the parameters of function 'bad_one': {message}"
         assert grammar.param == "tools"
     compiler.check(tool_grammar([WEATHER, bad], "hermes", parallel=True, name="get_weather"))  # not chosen: fine
+
+
+def test_one_of_refs_are_inlined_within_the_grammar_bound():
+    """A oneOf branch that is a bare local $ref becomes the subschema it names, unless that would take the schema
+    past what is left of grammar_chars (then it stays a ref: the bound the client's schema met still holds, for a
+    response_format and for the tools of one request together); other refs and data stay as they are."""
+    inlined = inline_one_of_refs(ADOPTION, 10_000)
+    assert inlined["properties"]["pet"]["oneOf"] == [ADOPTION["$defs"]["Cat"], ADOPTION["$defs"]["Dog"]]
+    assert inlined["$defs"] == ADOPTION["$defs"] and ADOPTION["properties"]["pet"]["oneOf"][0] == {
+        "$ref": "#/$defs/Cat"
+    }
+    cat = len(json.dumps(ADOPTION["$defs"]["Cat"], separators=(",", ":"))) - len('{"$ref":"#/$defs/Cat"}')
+    assert inline_one_of_refs(ADOPTION, cat)["properties"]["pet"]["oneOf"][1] == {"$ref": "#/$defs/Dog"}
+    assert inline_one_of_refs(ADOPTION, 0) == ADOPTION
+    data = {"const": {"oneOf": [{"$ref": "#/x"}]}, "x": {"type": "null"}, "oneOf": [{"$ref": "#/nowhere"}]}
+    assert inline_one_of_refs(data, 10_000) == data
+    size = len(json.dumps(ADOPTION, separators=(",", ":")))
+    for limit in (size, size + cat):  # the client's schema fits, its inlined copy does not (or only half of it)
+        grammar = response_format(
+            {"type": "json_schema", "json_schema": {"name": "a", "schema": ADOPTION}}, Limits(grammar_chars=limit), {}
+        )
+        assert len(grammar.text) <= limit
+    tool = {"type": "function", "function": {"name": "f", "parameters": ADOPTION}}
+    closed_cat = tool_calls.closed_objects(ADOPTION)["$defs"]["Cat"]  # a tool's objects are closed first
+    one = len(json.dumps(closed_cat, separators=(",", ":"))) - len('{"$ref":"#/$defs/Cat"}')
+    for tools in ([tool], [tool, tool]):  # room for one branch: one is inlined, in all the tools together
+        grammar = tool_grammar(tools, "hermes", parallel=True, max_chars=size * len(tools) + one)
+        assert grammar.text.count('"$ref":"#/$defs/') == 2 * len(tools) - 1
 
 
 # ---------------------------------------------------------------- chat job and shape

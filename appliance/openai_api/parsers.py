@@ -63,6 +63,75 @@ def canonical_schema(schema: dict) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
 
+# keywords whose values are data, not schemas: a `oneOf` key inside a const or an enum is left as it is
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _pointer(root: Any, ref: Any) -> Any:
+    """The subschema a local `$ref` ("#", "#/$defs/Cat") names in `root`; None when it names nothing here."""
+    if not isinstance(ref, str) or not ref.startswith("#") or (ref != "#" and not ref.startswith("#/")):
+        return None
+    node = root
+    for part in ref[2:].split("/") if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def inline_one_of_refs(schema: dict, budget: int) -> dict:
+    """A copy of `schema` in which each `oneOf` branch that is a bare local `{"$ref": ...}` is the subschema it
+    names. Why: llguidance compiles a oneOf only where it can prove
+    the branches disjoint (else a 400, "oneOf constraints are not supported"), and it proves it from the branches'
+    own keywords (a `const` discriminator, distinct types) without following a `$ref`. Pydantic writes a
+    discriminated union as a oneOf of `$ref`s into `$defs` (pydantic-ai sends it so, without OpenAPI's
+    `discriminator`): the same schema with its branches inlined compiles, and means the same (a branch's own refs
+    stay pointers from the root, which keeps its `$defs`). Branches stay refs once the growth would pass `budget`
+    (the request's remaining `grammar_chars`), so the copy stays within the bound the original met; a schema nested
+    past Python's recursion limit is returned as it is (the engine then judges it)."""
+    left = budget
+
+    def branch(item: Any) -> Any:
+        nonlocal left
+        if not isinstance(item, dict) or set(item) != {"$ref"}:
+            return item
+        target = _pointer(schema, item["$ref"])
+        if not isinstance(target, dict) or "$ref" in target:
+            return item
+        cost = len(canonical_schema(target)) - len(canonical_schema(item))
+        if cost > left:
+            return item
+        left -= cost
+        return target
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: v if k in _DATA_KEYWORDS else walk(v) for k, v in node.items()}
+        if isinstance(out.get("oneOf"), list):
+            out["oneOf"] = [branch(v) for v in out["oneOf"]]
+        return out
+
+    try:
+        return walk(schema)
+    except RecursionError:
+        return schema
+
+
+def _json_schema(schema: dict, limits: Limits) -> Grammar:
+    """A response_format's JSON schema, its oneOf branches inlined (inline_one_of_refs) within grammar_chars."""
+    text = canonical_schema(schema)
+    if len(text) <= limits.grammar_chars:
+        text = canonical_schema(inline_one_of_refs(schema, limits.grammar_chars - len(text)))
+    return _grammar("json_schema", text, limits)
+
+
 def _grammar(kind: str, text: str, limits: Limits, param: str = "response_format") -> Grammar:
     if len(text) > limits.grammar_chars:
         raise invalid(f"{param}: the {kind} is longer than {limits.grammar_chars} characters", param)
@@ -94,7 +163,7 @@ def response_format(value: Any, limits: Limits, read: dict) -> Grammar | None:
                 raise invalid(f"response_format.schema is not valid JSON: {exc}", "response_format") from None
         if not isinstance(schema, dict):
             raise invalid("response_format.schema must be a JSON schema (an object)", "response_format")
-        return _grammar("json_schema", canonical_schema(schema), limits)
+        return _json_schema(schema, limits)
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
@@ -104,7 +173,7 @@ def response_format(value: Any, limits: Limits, read: dict) -> Grammar | None:
                 raise invalid(f"response_format.json_schema.{name} has the wrong type", "response_format")
         if not isinstance(spec.get("schema"), dict):
             raise invalid("response_format.json_schema.schema must be a JSON schema (an object)", "response_format")
-        return _grammar("json_schema", canonical_schema(spec["schema"]), limits)
+        return _json_schema(spec["schema"], limits)
     if kind == "regex":
         return _grammar("regex", _text(value.get("schema"), "schema"), limits)
     if kind == "grammar":

@@ -27,6 +27,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.openai_api.parsers import canonical_schema, inline_one_of_refs
 from appliance.params import TOOL_CALL_FORMATS, Grammar
 
 FORMATS = TOOL_CALL_FORMATS  # the parser names (`--tool-parser`, EngineStatus.tool_parser)
@@ -290,21 +291,27 @@ def closed_objects(schema: Any) -> Any:
     return out
 
 
-def _arguments_schema(tool: dict) -> dict:
-    """The schema a call's arguments follow: the tool's parameters (closed_objects), compiled as a JSON document of
-    its own, as a response_format's schema is, so that its `$ref`s ("#/$defs/Address", "#" for a recursive model)
-    resolve against the parameters, where the client wrote them. Its layout is the appliance's (no free
-    whitespace, json.dumps' separators) unless the schema's own "x-guidance" says otherwise."""
-    params = closed_objects(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+def _arguments_schema(tool: dict, budget: int) -> tuple[dict, int]:
+    """The schema a call's arguments follow, and the characters the oneOf inlining added to it (at most `budget`):
+    the tool's parameters (closed_objects, and oneOf branches inlined as a response_format's are:
+    parsers.inline_one_of_refs), compiled as a JSON document of its own, as a response_format's schema is, so that
+    its `$ref`s ("#/$defs/Address", "#" for a recursive model) resolve against the parameters, where the client
+    wrote them. Its layout is the appliance's (no free whitespace, json.dumps' separators) unless the schema's own
+    "x-guidance" says otherwise."""
+    closed = closed_objects(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+    params = inline_one_of_refs(closed, budget)
+    added = len(canonical_schema(params)) - len(canonical_schema(closed))
     own = params.get("x-guidance")
-    return {**params, "x-guidance": {**_JSON_LAYOUT, **own} if isinstance(own, dict) else _JSON_LAYOUT}
+    return {**params, "x-guidance": {**_JSON_LAYOUT, **own} if isinstance(own, dict) else _JSON_LAYOUT}, added
 
 
-def _call_rules(i: int, tool: dict, fmt: str) -> list[str]:
-    """tool{i}: the call's fixed head (its name, then the arguments key) as a literal, then the arguments."""
+def _call_rules(i: int, tool: dict, fmt: str, budget: int) -> tuple[list[str], int]:
+    """tool{i}: the call's fixed head (its name, then the arguments key) as a literal, then the arguments; and the
+    characters the arguments' oneOf inlining added (out of `budget`)."""
     head = f'{{"name": {json.dumps(tool["function"]["name"])}, "{_ARGS[fmt]}": '
-    schema = json.dumps(_arguments_schema(tool), separators=(",", ":"))  # one line (Grammar.parts counts lines)
-    return [f'tool{i}: {_lark_string(head)} args{i} "}}"', f"args{i}: %json {schema}"]
+    arguments, added = _arguments_schema(tool, budget)
+    schema = json.dumps(arguments, separators=(",", ":"))  # one line (Grammar.parts counts lines)
+    return [f'tool{i}: {_lark_string(head)} args{i} "}}"', f"args{i}: %json {schema}"], added
 
 
 def _label(tool: dict) -> str:
@@ -327,7 +334,9 @@ def tool_grammar(
     tool_choice "required" or a named tool meets the same bound as a response_format (without it the body size
     was the only bound: 128 tools of any size). The grammar adds 260 to 320 characters of its own per tool (the
     call's head and layout; 33,000 for 128 tools with 64-character names), and `"additionalProperties":false` to
-    each object closed_objects closes: bounded by the schemas' own size, not the client's to grow.
+    each object closed_objects closes: bounded by the schemas' own size, not the client's to grow. The oneOf
+    branches parsers.inline_one_of_refs inlines add at most what is left of `max_chars` (all tools together;
+    without `max_chars`, at most the schemas' own size).
 
     Each call is its head as a literal (`{"name": "f", "arguments": `) and then the arguments as a `%json` block
     of their own: a JSON schema's `$ref`s are pointers from its document's root, so the parameters must be that
@@ -339,15 +348,20 @@ def tool_grammar(
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
     if not chosen:
         raise ValueError(f"no tool named {name!r}")
+    size = sum(len(json.dumps(t["function"].get("parameters") or {}, separators=(",", ":"))) for t in chosen)
     if max_chars is not None:
-        size = sum(len(json.dumps(t["function"].get("parameters") or {}, separators=(",", ":"))) for t in chosen)
         if size > max_chars:
             which = f"tool {name!r}" if name is not None else f"the {len(chosen)} tools"
             raise GrammarTooLong(
                 f"tools: the parameters schemas tool_choice constrains the output to ({which}) are {size} "
                 f"characters of JSON, longer than {max_chars}"
             )
-    rules = [rule for i, t in enumerate(chosen) for rule in _call_rules(i, t, fmt)]
+    budget = max_chars - size if max_chars is not None else size  # what oneOf inlining may add, all tools together
+    rules: list[str] = []
+    for i, t in enumerate(chosen):
+        tool_rules, added = _call_rules(i, t, fmt, budget)
+        rules += tool_rules
+        budget -= max(added, 0)
     body = " | ".join(f"tool{i}" for i in range(len(chosen)))
     many = parallel and name is None
     if fmt == "hermes":
