@@ -135,6 +135,39 @@ def test_speculation_fields_map_onto_sampling_params(parse):
     assert to_sampling_params(parse(prediction={"type": "content", "content": ""}).sampling, {}).prediction == ""
 
 
+def test_optional_numbers_convert_to_their_type():
+    """An Optional float given as an integer reaches SamplingParams as a float (assistant_confidence_threshold,
+    `float | None`), an Optional int as an int, None as None: the annotations are resolved as types, not matched as
+    strings (an unknown spelling once passed the value on unconverted)."""
+    p = params(chat(max_tokens=5, seed=7))
+    assert (p.max_tokens, p.seed) == (5, 7) and type(p.max_tokens) is int and type(p.seed) is int
+    p = to_sampling_params({"assistant_confidence_threshold": 1, "max_ngram_size": 3.0, "prediction_ids": (1, 2)}, {})
+    assert type(p.assistant_confidence_threshold) is float and type(p.max_ngram_size) is int
+    assert p.prediction_ids == [1, 2]
+    p = to_sampling_params({"assistant_confidence_threshold": None, "max_tokens": None}, {})
+    assert p.assistant_confidence_threshold is None and p.max_tokens is None
+
+
+def test_sampling_conversions_follow_the_annotation_not_its_spelling():
+    from typing import Literal, Optional
+
+    from appliance.openai_api.sampling import _converter
+
+    for hint in (float | None, Optional[float], typing_union_float_none()):  # noqa: UP045 (the spelling is the point)
+        assert _converter(hint)(2) == 2.0 and type(_converter(hint)(2)) is float and _converter(hint)(None) is None
+    assert _converter(list[list[int]])(((1,), (2, 3))) == [[1], [2, 3]]
+    assert _converter(dict[int, float])([(1, 0.5)]) == {1: 0.5}
+    assert _converter(Literal["a", "b"])("a") == "a"
+    with pytest.raises(TypeError, match="no conversion"):  # a new kind of field fails at import, not silently
+        _converter(set[int])
+
+
+def typing_union_float_none():
+    from typing import Union
+
+    return Union[float, None]  # noqa: UP007
+
+
 def test_tools_map_onto_chat_request():
     req = chat(tools=[TOOL, {"type": "function", "function": {"name": "b", "extra": 1}}])
     assert (req.tool_choice, req.tool_name, req.parallel_tool_calls) == ("auto", None, True)
