@@ -59,6 +59,14 @@ def load_keys(path: str, what: str = "API key file") -> list[str]:
     return keys
 
 
+def token_digest(authorization: str) -> bytes:
+    """The SHA-256 of the token in an Authorization header value ('Bearer <token>': the part after the scheme,
+    stripped). The one hashing of a presented key: the key checks compare it, and the Responses store keeps it as
+    a stored response's owner (so the database never holds a key)."""
+    _, _, token = authorization.strip().partition(" ")
+    return hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+
+
 class ApiKeys:
     """The accepted keys, as digests: a token is hashed once and compared with every one."""
 
@@ -67,8 +75,8 @@ class ApiKeys:
 
     def accepts(self, authorization: str) -> bool:
         """True for 'Bearer <one of the keys>' (the scheme case-insensitive, RFC 9110)."""
-        scheme, _, token = authorization.strip().partition(" ")
-        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        scheme = authorization.strip().partition(" ")[0]
+        digest = token_digest(authorization)
         matched = False
         for key in self.digests:  # no early exit: every key is compared
             matched |= hmac.compare_digest(digest, key)
@@ -77,8 +85,7 @@ class ApiKeys:
     def key_id(self, authorization: str) -> str:
         """A non-secret id of the key a request carries: its place in the key file ("0", "1", ...), "" for none.
         It keeps tenants apart in the prefix cache (jobs.py). Every key is compared, as in `accepts`."""
-        _, _, token = authorization.strip().partition(" ")
-        digest = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        digest = token_digest(authorization)
         matches = [hmac.compare_digest(digest, key) for key in self.digests]
         return str(matches.index(True)) if True in matches else ""
 

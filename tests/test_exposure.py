@@ -244,6 +244,38 @@ def test_host_part_and_patterns():
     assert auth.host_allowed("localhost:8000", "x")  # loopback names: a rebinding page cannot send them
 
 
+def test_one_token_digest_for_key_checks_and_the_response_store_owner(monkeypatch):
+    """`token_digest` is the one hashing of a presented key: the key checks use it (a patched digest changes what
+    `accepts` and `key_id` say) and the Responses store's owner is its hex (an x-api-key header the same key)."""
+    import hashlib
+
+    import flask
+
+    from appliance.openai_api.responses_routes import ResponsesApi
+
+    keys = auth.ApiKeys(["k0", "k1"])
+    assert auth.token_digest("Bearer  k1 ") == hashlib.sha256(b"k1").digest() == auth.token_digest("bearer k1")
+    assert keys.accepts("Bearer k1") and keys.key_id("Bearer k1") == "1" and not keys.accepts("Basic k1")
+    real = auth.token_digest
+    monkeypatch.setattr(auth, "token_digest", lambda header: real(header.replace("k9", "k0")))
+    assert keys.accepts("Bearer k9") and keys.key_id("Bearer k9") == "0"  # both go through token_digest
+    monkeypatch.setattr(auth, "token_digest", real)
+
+    class Api:
+        settings = settings(api_key_file="keys")
+
+    responses = ResponsesApi.__new__(ResponsesApi)
+    responses.api = Api()  # type: ignore[assignment]
+    with flask.Flask(__name__).test_request_context(headers={"Authorization": "Bearer k1"}):
+        by_bearer = responses.owner()
+    with flask.Flask(__name__).test_request_context(headers={"x-api-key": "k1"}):
+        by_x_api_key = responses.owner()
+    assert by_bearer == by_x_api_key == real("Bearer k1").hex()
+    Api.settings = settings()
+    with flask.Flask(__name__).test_request_context(headers={"Authorization": "Bearer k1"}):
+        assert responses.owner() == ""  # a server without keys: one owner
+
+
 def settings(**fields) -> ServeSettings:
     return ServeSettings(model_dir="m", served_model_name="m", model_created=0, **fields)
 

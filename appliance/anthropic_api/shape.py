@@ -43,10 +43,14 @@ class Blocks:
 
     content: list[dict] = field(default_factory=list)
     open_kind: str | None = None  # the kind of content[-1] while it is open
+    parts: list[str] = field(default_factory=list)  # the open text / thinking block's pieces, joined at its close
 
     def _close(self) -> list[dict]:
         if self.open_kind is None:
             return []
+        if self.open_kind in ("text", "thinking"):
+            self.content[-1][self.open_kind] = "".join(self.parts)
+        self.parts.clear()
         self.open_kind = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
 
@@ -66,7 +70,7 @@ class Blocks:
             events = []
         else:  # a thinking block's signature: there is none to give (nothing signs a local model's thought)
             events = self._start({"type": "text", "text": ""} if kind == "text" else THINKING)
-        self.content[-1][kind] += text
+        self.parts.append(text)
         delta = {"type": "text_delta", "text": text} if kind == "text" else {"type": "thinking_delta", "thinking": text}
         events.append({"type": "content_block_delta", "index": len(self.content) - 1, "delta": delta})
         return events

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,15 +304,30 @@ def parse_responses(
 # ---------------------------------------------------------------- output: chat deltas -> Responses items / events
 
 
+# the text items of the output: a new one of each kind, and the delta event of its text
+REASONING_TEXT: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+OUTPUT_TEXT: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+TEXT_ITEMS: dict[str, Callable[[], dict]] = {
+    "reasoning": (lambda: {"type": "reasoning", "id": new_id("rs"), "summary": [], "content": [REASONING_TEXT]}),
+    "message": (lambda: {"type": "message", "id": new_id("msg"), "role": "assistant", "content": [OUTPUT_TEXT]}),
+}
+TEXT_DELTAS: dict[str, tuple[str, dict[str, Any]]] = {
+    "reasoning": ("response.reasoning_text.delta", {}),
+    "message": ("response.output_text.delta", {"logprobs": []}),
+}
+
+
 @dataclass
 class ResponseEvents:
     """Folds chat deltas (ChatShape.delta's: content, reasoning_content, tool_calls) into Responses output items,
-    yielding the streaming events in OpenAI's order; `sequence_number` counts every event."""
+    yielding the streaming events in OpenAI's order; `sequence_number` counts every event. The open item's text
+    (or a call's arguments) is kept as its pieces and joined once, when the item closes."""
 
     base: dict  # the response object so far (status in_progress, output [])
     seq: int = 0
     output: list[dict] = field(default_factory=list)
     _open: dict | None = None  # the item being written
+    _parts: list[str] = field(default_factory=list)  # its text / arguments so far
 
     def event(self, kind: str, **fields: Any) -> dict:
         e = {"type": kind, "sequence_number": self.seq, **fields}
@@ -336,75 +351,52 @@ class ResponseEvents:
             added["content"] = []
         yield self.event("response.output_item.added", output_index=index, item=added)
         if item["type"] == "message":
-            part = {"type": "output_text", "text": "", "annotations": []}
             yield self.event(
-                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
+                "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=OUTPUT_TEXT
             )
 
     def close(self, status: str = "completed") -> Iterator[dict]:
         item, self._open = self._open, None
         if item is None:
             return
+        written = "".join(self._parts)
+        self._parts.clear()
         index = self.output.index(item)
         item["status"] = status
-        if item["type"] == "message":
-            text = item["content"][0]["text"]
+        if item["type"] in TEXT_ITEMS:
+            item["content"] = [{**item["content"][0], "text": written}]
             ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            yield self.event("response.output_text.done", **ids, text=text, logprobs=[])
-            yield self.event("response.content_part.done", **ids, part=item["content"][0])
-        elif item["type"] == "reasoning":
-            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            yield self.event("response.reasoning_text.done", **ids, text=item["content"][0]["text"])
+            if item["type"] == "message":
+                yield self.event("response.output_text.done", **ids, text=written, logprobs=[])
+                yield self.event("response.content_part.done", **ids, part=item["content"][0])
+            else:
+                yield self.event("response.reasoning_text.done", **ids, text=written)
         else:
+            item["arguments"] = written
             yield self.event(
                 "response.function_call_arguments.done",
                 item_id=item["id"],
                 output_index=index,
                 name=item["name"],
-                arguments=item["arguments"],
+                arguments=written,
             )
         yield self.event("response.output_item.done", output_index=index, item=item)
 
+    def _text(self, kind: str, text: str) -> Iterator[dict]:
+        """More text of a `reasoning` or `message` item: the open one if it is of that kind, else a new one."""
+        if self._open is None or self._open["type"] != kind:
+            yield from self._start(TEXT_ITEMS[kind]())
+        assert self._open is not None
+        self._parts.append(text)
+        name, more = TEXT_DELTAS[kind]
+        ids = {"item_id": self._open["id"], "output_index": len(self.output) - 1, "content_index": 0}
+        yield self.event(name, **ids, delta=text, **more)
+
     def feed(self, delta: dict) -> Iterator[dict]:
-        thought = delta.get("reasoning_content")
-        if thought:
-            if self._open is None or self._open["type"] != "reasoning":
-                item = {
-                    "type": "reasoning",
-                    "id": new_id("rs"),
-                    "summary": [],
-                    "content": [{"type": "reasoning_text", "text": ""}],
-                }
-                yield from self._start(item)
-            assert self._open is not None
-            self._open["content"][0]["text"] += thought
-            yield self.event(
-                "response.reasoning_text.delta",
-                item_id=self._open["id"],
-                output_index=len(self.output) - 1,
-                content_index=0,
-                delta=thought,
-            )
-        text = delta.get("content")
-        if text:
-            if self._open is None or self._open["type"] != "message":
-                item = {
-                    "type": "message",
-                    "id": new_id("msg"),
-                    "role": "assistant",
-                    "content": [{"type": "output_text", "text": "", "annotations": []}],
-                }
-                yield from self._start(item)
-            assert self._open is not None
-            self._open["content"][0]["text"] += text
-            yield self.event(
-                "response.output_text.delta",
-                item_id=self._open["id"],
-                output_index=len(self.output) - 1,
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
+        if delta.get("reasoning_content"):
+            yield from self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            yield from self._text("message", delta["content"])
         for call in delta.get("tool_calls") or ():
             fn = call.get("function", {})
             if "id" in call:  # a new call: its name (its arguments follow in the next delta)
@@ -418,7 +410,7 @@ class ResponseEvents:
                 yield from self._start(item)
             arguments = fn.get("arguments")
             if arguments and self._open is not None and self._open["type"] == "function_call":
-                self._open["arguments"] += arguments
+                self._parts.append(arguments)
                 yield self.event(
                     "response.function_call_arguments.delta",
                     item_id=self._open["id"],

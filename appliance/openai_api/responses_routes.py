@@ -9,7 +9,6 @@ answer's last byte (the unary body, or the stream's `response.completed`): an ac
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 import uuid
@@ -18,7 +17,7 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
-from appliance import __version__, paths
+from appliance import __version__, auth, paths
 from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.errors import ApiError, invalid
@@ -49,8 +48,8 @@ class ResponsesApi:
         s = self.api.settings
         if not (s.api_key_file or s.admin_key_file):
             return ""
-        _, _, token = request.headers.get("Authorization", "").strip().partition(" ")
-        return hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).hexdigest()
+        header = auth.authorization(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        return auth.token_digest(header).hex()
 
     # ---- POST /v3/responses
     def create(self):
