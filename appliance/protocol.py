@@ -134,6 +134,7 @@ class PromptSpec:
     tools: list[dict] | None = (
         None  # chat: the request's tools, passed to the template (appliance/server/tool_prompt.py)
     )
+    thinking: bool | None = None  # chat: the template's `enable_thinking` (Qwen3's switch); None: its default
 
 
 @dataclass

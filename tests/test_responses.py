@@ -107,6 +107,73 @@ def test_reasoning_is_accepted_with_a_reasoning_parser():
     assert req.reasoning == {"effort": "low"}
 
 
+@pytest.mark.parametrize(
+    ("reasoning", "thinking"),
+    [
+        (None, None),  # the template's default
+        ({"effort": "none"}, False),
+        ({"effort": "minimal"}, False),
+        ({"effort": "low"}, True),
+        ({"effort": "high", "summary": "auto"}, True),
+        ({"summary": "concise"}, None),
+    ],
+)
+def test_reasoning_effort_is_the_thinking_switch(reasoning, thinking):
+    body = {"model": M, "input": "x", **({"reasoning": reasoning} if reasoning else {})}
+    assert parse_responses(body, Limits(), reasoning_parser="think").thinking is thinking
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "param"),
+    [
+        ({"effort": "low"}, "reasoning"),  # no reasoning parser: nothing can think
+        ({"summary": "auto"}, "reasoning"),
+        ({"effort": "extreme"}, "reasoning.effort"),
+        ({"summary": "long"}, "reasoning.summary"),
+        ({"budget": 3}, "reasoning"),
+    ],
+)
+def test_reasoning_a_model_cannot_honour_is_a_400(reasoning, param):
+    with pytest.raises(ApiError) as info:
+        parse_responses({"model": M, "input": "x", "reasoning": reasoning}, Limits())
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    none = parse_responses({"model": M, "input": "x", "reasoning": {"effort": "none"}}, Limits())
+    assert none.thinking is None  # `none` on a model without thoughts: nothing to switch off, accepted
+
+
+def test_a_thought_comes_out_as_a_reasoning_item():
+    """The chat shape with the `think` reasoning parser, fed as the engine streams (tags split across chunks):
+    the thought is a reasoning item before the message, in the stream and in the final output alike."""
+    from appliance.openai_api.chat import ChatShape
+    from appliance.openai_api.streaming import Choice
+
+    req = parse_responses(
+        {"model": M, "input": "x", "reasoning": {"effort": "high"}}, Limits(), reasoning_parser="think"
+    )
+    shape = ChatShape.for_request(req.chat, "", "think")
+    choice = Choice(0)
+    ev = ResponseEvents({"id": "resp_1", "object": "response"})
+    events = list(ev.opening())
+    pieces = ["<thi", "nk>Six times", " seven.</th", "ink>\n\n", "It is ", "42."]
+    for i, text in enumerate(pieces):
+        for chunk in shape.delta(choice, text, None, "stop" if i == len(pieces) - 1 else None):
+            events += ev.feed(chunk["delta"])
+    events += ev.close()
+    assert [i["type"] for i in ev.output] == ["reasoning", "message"]
+    assert ev.output[0]["content"] == [{"type": "reasoning_text", "text": "Six times seven."}]
+    assert ev.output[1]["content"][0]["text"] == "It is 42."
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == "Six times seven." and ev.assistant_messages() == [{"role": "assistant", "content": "It is 42."}]
+
+
+def test_penalties_map_onto_chat_and_keep_its_bounds():
+    req = parse_responses({"model": M, "input": "x", "frequency_penalty": 0.5, "presence_penalty": -1}, Limits())
+    assert req.chat.sampling["frequency_penalty"] == 0.5 and req.chat.sampling["presence_penalty"] == -1
+    with pytest.raises(ApiError) as info:
+        parse_responses({"model": M, "input": "x", "presence_penalty": 1.5}, Limits(penalty=1.0))
+    assert info.value.status == 400 and info.value.param == "presence_penalty"
+
+
 def test_events_order_and_sequence_numbers():
     ev = ResponseEvents({"id": "resp_1", "object": "response"})
     events = list(ev.opening())

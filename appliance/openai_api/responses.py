@@ -41,6 +41,8 @@ FIELDS = (
     "max_output_tokens",
     "temperature",
     "top_p",
+    "frequency_penalty",
+    "presence_penalty",
     "text",
     "tools",
     "tool_choice",
@@ -58,6 +60,9 @@ ACCEPTED_IGNORED = ("metadata", "user", "include", "service_tier", "prompt_cache
 METADATA_ENTRIES, METADATA_CHARS = 16, 512  # OpenAI's metadata bounds (keys 64 characters, values 512)
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning.effort values
+THINKING_OFF = ("none", "minimal")  # the efforts that turn the model's thinking off
+SUMMARIES = ("auto", "concise", "detailed", "none")
 CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 
 
@@ -74,6 +79,7 @@ class ResponsesRequest:
     store: bool
     previous_response_id: str | None
     reasoning: dict | None
+    thinking: bool | None = None  # the template's thinking switch (reasoning.effort); None: the template's default
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -214,6 +220,28 @@ def _text_format(value: Any) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
+def _reasoning(value: Any, reasoning_parser: str) -> tuple[dict | None, bool | None]:
+    """`reasoning` -> (itself, the thinking switch). `effort` none / minimal: thinking off; low and up: on; omitted:
+    the template's default. Without a reasoning parser nothing can think: anything but `none` is a 400, as
+    OpenAI answers a reasoning field sent to a model that does not reason."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
+        raise invalid("reasoning must be an object with effort and summary", "reasoning")
+    effort = value.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise invalid(f"reasoning.effort must be one of {', '.join(EFFORTS)}", "reasoning.effort")
+    for key in ("summary", "generate_summary"):
+        if value.get(key) is not None and value[key] not in SUMMARIES:
+            raise invalid(f"reasoning.{key} must be one of {', '.join(SUMMARIES)}", f"reasoning.{key}")
+    wants = any(value.get(k) not in (None, "none") for k in ("effort", "summary", "generate_summary"))
+    if wants and reasoning_parser != "think":
+        raise invalid(
+            "reasoning is not supported by this model: it has no reasoning parser (--reasoning-parser)", "reasoning"
+        )
+    return value, None if effort is None or reasoning_parser != "think" else effort not in THINKING_OFF
+
+
 def parse_responses(
     body: Any, limits: Limits, previous: list[dict] | None = None, reasoning_parser: str = "none"
 ) -> ResponsesRequest:
@@ -242,16 +270,7 @@ def parse_responses(
             f"metadata must be at most {METADATA_ENTRIES} string pairs (keys 64, values {METADATA_CHARS} characters)",
             "metadata",
         )
-    reasoning = body.get("reasoning")
-    if reasoning is not None:
-        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"}:
-            raise invalid("reasoning must be an object with effort and summary", "reasoning")
-        wants = any(reasoning.get(k) not in (None, "none") for k in ("effort", "summary", "generate_summary"))
-        if wants and reasoning_parser != "think":
-            raise invalid(
-                "reasoning is not supported by this model: it has no reasoning parser (--reasoning-parser)",
-                "reasoning",
-            )
+    reasoning, thinking = _reasoning(body.get("reasoning"), reasoning_parser)
     raw_input = body.get("input")
     if raw_input is None and previous is None:
         raise invalid("input missing in request", "input")
@@ -274,6 +293,8 @@ def parse_responses(
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("presence_penalty", "presence_penalty"),
         ("parallel_tool_calls", "parallel_tool_calls"),
         ("stream", "stream"),
     ):
@@ -298,7 +319,7 @@ def parse_responses(
     except ApiError as exc:  # chat's names of fields, said in this API's
         exc.param = CHAT_NAMES.get(exc.param or "", exc.param)
         raise
-    return ResponsesRequest(req, body, stored, conversation, store is not False, previous_id, reasoning)
+    return ResponsesRequest(req, body, stored, conversation, store is not False, previous_id, reasoning, thinking)
 
 
 # ---------------------------------------------------------------- output: chat deltas -> Responses items / events

@@ -81,6 +81,7 @@ class ResponsesApi:
         params = to_sampling_params(req.chat.sampling, status.generation_defaults)
         job = chat_job(req.chat, params, "resp-" + uuid.uuid4().hex, status.tool_parser, api.limits)
         job.model, job.tenant = req.chat.edge.model, g.get("tenant", "")
+        job.prompts[0].thinking = req.thinking  # reasoning.effort: the template's thinking switch
         sock = request.environ.get("gunicorn.socket")
         meta = Meta(
             response_id,

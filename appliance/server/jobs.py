@@ -321,6 +321,8 @@ def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) ->
             # the template spells out BOS and friends; special-token text in content stays text. Tools go to
             # the template, or into the prompt when it has no use for them (appliance/server/tool_prompt.py)
             messages, kwargs = tool_prompt.chat_inputs(spec.messages, spec.tools, tok.chat_template, slot.parsers()[0])
+            if spec.thinking is not None:  # a template without the switch ignores it
+                kwargs["enable_thinking"] = spec.thinking
             ids = tok.encode_chat(messages, add_generation_prompt=True, max_tokens=limit, **kwargs)
         except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)
             raise Rejected(p.Failed(400, str(exc), "messages")) from None
