@@ -229,3 +229,33 @@ def test_store_owner_bounds_and_mode(tmp_path):
     time.sleep(0.1)
     assert short.get("k1", "resp_c") is None  # past the retention: not answered (and dropped at the next write)
     assert store.delete("k1", "resp_c") and store.get("k1", "resp_c") is None
+
+
+THINKING_TEMPLATE = (  # Qwen3's switch, reduced: enable_thinking false writes an empty thought into the prompt
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+@pytest.mark.parametrize(("effort", "empty_thought"), [("minimal", True), ("high", False), (None, False)])
+def test_the_effort_reaches_the_chat_template(model_dir, effort, empty_thought):
+    """The Job the route builds carries the switch (PromptSpec.thinking) and the engine's prompt rendering passes
+    it to the template as `enable_thinking`: a Qwen3-style template then writes an empty thought into the prompt."""
+    from types import SimpleNamespace
+
+    from appliance.openai_api.chat import chat_job
+    from appliance.params import SamplingParams
+    from appliance.runtime.tokenizer import Tokenizer
+    from appliance.server.jobs import prompt_ids
+
+    body = {"model": M, "input": "hi", **({"reasoning": {"effort": effort}} if effort else {})}
+    req = parse_responses(body, Limits(), reasoning_parser="think")
+    job = chat_job(req.chat, SamplingParams(), "r")
+    job.prompts[0].thinking = req.thinking  # as responses_routes.create does
+    tok = Tokenizer.from_dir(model_dir)
+    tok.chat_template = THINKING_TEMPLATE
+    engine = SimpleNamespace(tokenizer=tok, max_context=4096)
+    slot = SimpleNamespace(engine=engine, parsers=lambda: ("", "think"))
+    rendered = tok.decode(prompt_ids(job.prompts[0], slot))  # type: ignore[arg-type]  (special tokens left out)
+    assert rendered.endswith("assistant\n" + ("<think>\n\n</think>\n\n" if empty_thought else ""))
