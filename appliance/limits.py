@@ -109,6 +109,19 @@ class Limits:
         "(1 + logprobs), checked after tokenization, else 400 (~150 bytes each in the HTTP worker)",
         flag="max-generated-logprobs",
     )
+    # the Responses and Anthropic Messages adapters' own fields (what they map onto chat keeps the bounds above)
+    content_parts: int = setting(
+        1024, "content parts of one message: Responses input parts, Anthropic content and `system` blocks"
+    )
+    id_chars: int = setting(
+        256,
+        "characters of an id or identifier a request carries: `previous_response_id`, input item ids, call ids, "
+        "`user`, `safety_identifier`, `prompt_cache_key` (Responses); `tool_use` ids (Anthropic)",
+    )
+    metadata: int = setting(16, "`metadata` entries (Responses, as OpenAI)")
+    metadata_key_chars: int = setting(64, "characters of a `metadata` key (Responses, as OpenAI)")
+    metadata_chars: int = setting(512, "characters of a `metadata` value (Responses, as OpenAI)")
+    input_items_page: int = setting(100, "`limit` of GET /v3/responses/{id}/input_items in [1, this] (as OpenAI)")
     # float ranges
     temperature: float = setting(2.0, "`temperature` in [0, this]")
     penalty: float = setting(2.0, "`frequency_penalty`, `presence_penalty` in [-this, this]")

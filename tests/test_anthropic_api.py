@@ -16,6 +16,8 @@ import pytest
 import requests
 from conftest import WEATHER_PARAMETERS, Server
 
+from appliance.limits import Limits
+
 pytestmark = pytest.mark.slow
 
 KEY = "sk-anthropic-test-key"
@@ -183,6 +185,10 @@ def test_errors_in_anthropic_shape(keyed, client, model):
         )
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
+    blocks = [{"type": "text", "text": "a"}] * (Limits().content_parts + 1)  # a bound of the limits table
+    with pytest.raises(anthropic.BadRequestError, match="no more than") as info:
+        client.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": blocks}])
+    assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "invalid_request_error"
 
 
 def test_output_config_json_schema(client, model):

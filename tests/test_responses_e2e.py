@@ -22,6 +22,8 @@ import pytest
 from conftest import WEATHER_PARAMETERS, Server
 from pydantic import BaseModel, Field
 
+from appliance.limits import Limits
+
 pytestmark = pytest.mark.default_model
 
 KEYS = ("key-one-0123456789", "key-two-0123456789")
@@ -232,6 +234,18 @@ def test_refusals(client, model_name):
         assert info.value.body["type"] == "invalid_request_error" and info.value.body["param"]
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=model_name, input="Hi", previous_response_id="resp_nope")
+    too_long = "resp_" + "0" * Limits().id_chars  # bounds of the limits table, in OpenAI's error shape
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=model_name, input="Hi", previous_response_id=too_long)
+    assert info.value.body["param"] == "previous_response_id" and info.value.body["type"] == "invalid_request_error"
+    r = client.responses.create(model=model_name, input="Hi", max_output_tokens=2)
+    for limit in (Limits().input_items_page + 1, 0):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.input_items.list(r.id, limit=limit)
+        assert info.value.body["param"] == "limit"
+    with pytest.raises(openai.BadRequestError):  # Unicode digits, or more than 9: a 400, not a 500
+        client.responses.input_items.list(r.id, extra_query={"limit": "²"})
+    assert len(client.responses.input_items.list(r.id, limit=Limits().input_items_page).data) == 1
 
 
 def test_survives_a_restart(setup, client, model_name):

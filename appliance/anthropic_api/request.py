@@ -48,12 +48,14 @@ class MessagesRequest:
     one_call: bool = False  # disable_parallel_tool_use
 
 
-def _text_blocks(value: Any, where: str) -> str:
+def _text_blocks(value: Any, where: str, limits: Limits) -> str:
     """A string, or text blocks joined (what `system` and a tool_result's content may be)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
         raise invalid(f"{where} must be a string or an array of text blocks", where)
+    if len(value) > limits.content_parts:
+        raise invalid(f"{where} must have no more than {limits.content_parts} blocks", where)
     texts = []
     for block in value:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
@@ -67,10 +69,18 @@ def _text_blocks(value: Any, where: str) -> str:
 
 
 def system(value: Any, limits: Limits, read: dict) -> str:
-    return _text_blocks(value, "system")
+    return _text_blocks(value, "system", limits)
 
 
-def _user(content: list, out: list[dict]) -> None:
+def _id(value: Any, what: str, limits: Limits) -> str:
+    if not isinstance(value, str) or not value:
+        raise invalid(f"messages: a {what} (a string)", "messages")
+    if len(value) > limits.id_chars:
+        raise invalid(f"messages: a tool id must be at most {limits.id_chars} characters", "messages")
+    return value
+
+
+def _user(content: list, out: list[dict], limits: Limits) -> None:
     texts: list[str] = []
     for block in content:
         kind = block["type"]
@@ -80,10 +90,8 @@ def _user(content: list, out: list[dict]) -> None:
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
                 texts = []
-            tool_use_id = block.get("tool_use_id")
-            if not isinstance(tool_use_id, str) or not tool_use_id:
-                raise invalid("messages: a tool_result block needs its tool_use_id (a string)", "messages")
-            result = _text_blocks(block.get("content") or "", "messages")
+            tool_use_id = _id(block.get("tool_use_id"), "tool_result block needs its tool_use_id", limits)
+            result = _text_blocks(block.get("content") or "", "messages", limits)
             is_error = block.get("is_error")
             if is_error is not None and not isinstance(is_error, bool):
                 raise invalid("messages: a tool_result's is_error must be a boolean", "messages")
@@ -96,7 +104,7 @@ def _user(content: list, out: list[dict]) -> None:
         out.append({"role": "user", "content": "\n".join(texts)})
 
 
-def _assistant(content: list, out: list[dict]) -> None:
+def _assistant(content: list, out: list[dict], limits: Limits) -> None:
     texts: list[str] = []
     calls: list[dict] = []
     for block in content:
@@ -109,6 +117,7 @@ def _assistant(content: list, out: list[dict]) -> None:
                 raise invalid(
                     "messages: a tool_use block needs id and name (strings) and input (an object)", "messages"
                 )
+            _id(call_id, "tool_use block needs its id", limits)
             function = {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}
             calls.append({"id": call_id, "type": "function", "function": function})
         elif kind in ("thinking", "redacted_thinking"):
@@ -142,6 +151,8 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list):
             raise invalid("messages: content must be a string or an array of content blocks", "messages")
+        if len(content) > limits.content_parts:
+            raise invalid(f"messages: content must have no more than {limits.content_parts} blocks", "messages")
         for block in content:
             if not isinstance(block, dict) or not isinstance(block.get("type"), str):
                 raise invalid("messages: each content block must be an object with a type", "messages")
@@ -153,7 +164,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
                 )
             if block["type"] == "text" and not isinstance(block.get("text"), str):
                 raise invalid("messages: a text block needs a string text", "messages")
-        (_user if message["role"] == "user" else _assistant)(content, out)
+        (_user if message["role"] == "user" else _assistant)(content, out, limits)
     if value[-1]["role"] == "assistant":
         raise invalid(
             "messages: the last message is the assistant's (a prefill), which this server cannot continue: end "

@@ -57,7 +57,7 @@ FIELDS = (
     "max_tool_calls",
 )
 ACCEPTED_IGNORED = ("metadata", "user", "include", "service_tier", "prompt_cache_key", "safety_identifier")
-METADATA_ENTRIES, METADATA_CHARS = 16, 512  # OpenAI's metadata bounds (keys 64 characters, values 512)
+IDENTIFIERS = ("user", "safety_identifier", "prompt_cache_key")  # accepted, ignored strings: bounded by id_chars
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning.effort values
@@ -82,12 +82,14 @@ class ResponsesRequest:
     thinking: bool | None = None  # the template's thinking switch (reasoning.effort); None: the template's default
 
 
-def _text_of(content: Any, where: str) -> str:
+def _text_of(content: Any, where: str, limits: Limits) -> str:
     """A message's content: a string, or parts of text (input_text / output_text / refusal), joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(f"{where}: content must be a string or an array of input_text parts", "input")
+    if len(content) > limits.content_parts:
+        raise invalid(f"{where}: content must have no more than {limits.content_parts} parts", "input")
     texts = []
     for part in content:
         if not isinstance(part, dict):
@@ -116,12 +118,15 @@ def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise invalid(f"{where} is not an object", "input")
+        for key in ("id", "call_id"):
+            if isinstance(item.get(key), str) and len(item[key]) > limits.id_chars:
+                raise invalid(f"{where}: {key} must be at most {limits.id_chars} characters", "input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise invalid(f"{where}: role must be user, system, developer or assistant", "input")
-            text = _text_of(item.get("content"), where)
+            text = _text_of(item.get("content"), where, limits)
             messages.append({"role": role, "content": text})
             part = "output_text" if role == "assistant" else "input_text"
             content = [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]
@@ -158,7 +163,7 @@ def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise invalid(f"{where}: a function_call_output needs a string call_id", "input")
-            text = _text_of(output, where)
+            text = _text_of(output, where, limits)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
             stored.append(
                 {
@@ -220,6 +225,31 @@ def _text_format(value: Any) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
+def check_id(value: Any, param: str, limits: Limits) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"{param} must be a string", param)
+    if len(value) > limits.id_chars:
+        raise invalid(f"{param} must be at most {limits.id_chars} characters", param)
+    return value
+
+
+def _metadata(value: Any, limits: Limits) -> None:
+    """OpenAI's metadata: string pairs, bounded in number and length (the limits table has OpenAI's)."""
+    if value is None:
+        return
+    if (
+        not isinstance(value, dict)
+        or len(value) > limits.metadata
+        or not all(isinstance(k, str) and len(k) <= limits.metadata_key_chars for k in value)
+        or not all(isinstance(v, str) and len(v) <= limits.metadata_chars for v in value.values())
+    ):
+        raise invalid(
+            f"metadata must be at most {limits.metadata} string pairs (keys {limits.metadata_key_chars}, values "
+            f"{limits.metadata_chars} characters)",
+            "metadata",
+        )
+
+
 def _reasoning(value: Any, reasoning_parser: str) -> tuple[dict | None, bool | None]:
     """`reasoning` -> (itself, the thinking switch). `effort` none / minimal: thinking off; low and up: on; omitted:
     the template's default. Without a reasoning parser nothing can think: anything but `none` is a 400, as
@@ -259,17 +289,10 @@ def parse_responses(
         raise invalid("top_logprobs is not supported by the Responses endpoint here", "top_logprobs")
     if body.get("max_tool_calls") is not None:
         raise invalid("max_tool_calls is not supported (parallel_tool_calls false allows one call)", "max_tool_calls")
-    metadata = body.get("metadata")
-    if metadata is not None and (
-        not isinstance(metadata, dict)
-        or len(metadata) > METADATA_ENTRIES
-        or not all(isinstance(k, str) and len(k) <= 64 for k in metadata)
-        or not all(isinstance(v, str) and len(v) <= METADATA_CHARS for v in metadata.values())
-    ):
-        raise invalid(
-            f"metadata must be at most {METADATA_ENTRIES} string pairs (keys 64, values {METADATA_CHARS} characters)",
-            "metadata",
-        )
+    _metadata(body.get("metadata"), limits)
+    for key in (*IDENTIFIERS, "previous_response_id"):
+        if body.get(key) is not None:
+            check_id(body[key], key, limits)
     reasoning, thinking = _reasoning(body.get("reasoning"), reasoning_parser)
     raw_input = body.get("input")
     if raw_input is None and previous is None:

@@ -25,6 +25,7 @@ from appliance.openai_api.response_store import ResponseStore
 from appliance.openai_api.responses import (
     ResponseEvents,
     ResponsesRequest,
+    check_id,
     new_id,
     parse_responses,
     response_base,
@@ -34,7 +35,7 @@ from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
 
 STORE_FILE = "responses.sqlite3"  # in the data dir (APPLIANCE_DATA_DIR, which the workers inherit)
-INPUT_ITEMS_PAGE = (1, 100, 20)  # input_items `limit`: min, max, default (OpenAI's)
+INPUT_ITEMS_PAGE = 20  # input_items `limit` by default (OpenAI's); at most Limits.input_items_page
 
 
 class ResponsesApi:
@@ -58,9 +59,7 @@ class ResponsesApi:
         owner = self.owner()
         previous = None
         if isinstance(body, dict) and body.get("previous_response_id") is not None:
-            pid = body["previous_response_id"]
-            if not isinstance(pid, str):
-                raise invalid("previous_response_id must be a string", "previous_response_id")
+            pid = check_id(body["previous_response_id"], "previous_response_id", api.limits)
             stored = self.store.get(owner, pid)
             if stored is None:
                 raise ApiError(
@@ -139,6 +138,7 @@ class ResponsesApi:
 
     # ---- GET / DELETE /v3/responses/{id}, GET .../input_items
     def _stored(self, response_id: str):
+        check_id(response_id, "response_id", self.api.limits)
         stored = self.store.get(self.owner(), response_id)
         if stored is None:
             raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
@@ -150,17 +150,21 @@ class ResponsesApi:
         return self._stored(response_id).response
 
     def delete(self, response_id: str):
+        check_id(response_id, "response_id", self.api.limits)
         if not self.store.delete(self.owner(), response_id):
             raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id")
         return {"id": response_id, "object": "response", "deleted": True}
 
     def input_items(self, response_id: str):
         items = list(self._stored(response_id).input_items)
-        low, high, default = INPUT_ITEMS_PAGE
+        high = self.api.limits.input_items_page
         raw = request.args.get("limit")
-        limit = int(raw) if raw is not None and raw.isdigit() else (default if raw is None else -1)
-        if not low <= limit <= high:
-            raise invalid(f"limit must be an integer in [{low}, {high}]", "limit")
+        if raw is None:
+            limit = min(INPUT_ITEMS_PAGE, high)
+        else:  # ASCII digits, few enough for int() (a Unicode digit or 5,000 of them are not a limit)
+            limit = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 9 else -1
+        if not 1 <= limit <= high:
+            raise invalid(f"limit must be an integer in [1, {high}]", "limit")
         order = request.args.get("order", "desc")
         if order not in ("asc", "desc"):
             raise invalid("order must be asc or desc", "order")
@@ -168,6 +172,7 @@ class ResponsesApi:
             items.reverse()
         after = request.args.get("after")
         if after is not None:
+            check_id(after, "after", self.api.limits)
             ids = [i.get("id") for i in items]
             if after not in ids:
                 raise invalid(f"after: no input item with id '{after}'", "after")
