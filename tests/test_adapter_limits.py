@@ -4,10 +4,12 @@ table (appliance/limits.py): for each bound, a body just past it (with a small l
 against `Limits`: every field of the adapters' own group must have a row for each API that reads it, so a new
 bound without its check here fails. The HTTP error shapes (OpenAI's for Responses, Anthropic's for Messages) are
 the routes' and are checked end to end in tests/test_responses_e2e.py and tests/test_anthropic_api.py; the Ollama
-adapter maps everything onto chat's fields and so onto chat's checks (tests/test_ollama_api.py)."""
+adapter maps everything onto chat's fields and so onto chat's checks (tests/test_ollama_api.py). docs/openapi.json's
+request schemas, generated from the same limits, state the same bounds (the last test)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 
 import pytest
@@ -15,6 +17,7 @@ import pytest
 from appliance.anthropic_api.request import parse_messages
 from appliance.limits import Limits
 from appliance.openai_api.errors import ApiError
+from appliance.openai_api.openapi import DOC_PATH, document
 from appliance.openai_api.responses import parse_responses
 
 # the adapters' own group in Limits (the fields from the first to the last of these, in declaration order)
@@ -155,3 +158,24 @@ def test_every_bound_of_the_adapters_group_is_checked_for_each_api():
         if name in ("content_parts", "id_chars"):  # the two the Messages adapter reads too
             assert (name, "messages") in checked, f"Limits.{name}: no 400 checked for the Messages adapter"
     assert set(ROUTE_ONLY) <= set(own)
+
+
+SCHEMA_OF = {"responses": "ResponsesRequest", "messages": "MessagesRequest"}
+BASE = json.loads(DOC_PATH.read_text())
+
+
+@pytest.mark.parametrize(
+    ("name", "small", "api", "body", "param"), CASES, ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_the_openapi_schemas_state_the_same_bounds(name, small, api, body, param):
+    """docs/openapi.json's request schemas are generated with the same limits: the body the parser accepts is
+    valid by the schema of the default limits, and where the schema can say the bound (a count, a length, a
+    range; not the depth or the grammar's size), the schema of the small limits refuses it as the parser does."""
+    from jsonschema import Draft202012Validator
+
+    def valid(limits: Limits) -> bool:
+        return Draft202012Validator(document(BASE, limits)["components"]["schemas"][SCHEMA_OF[api]]).is_valid(body)
+
+    assert valid(Limits()), "the schema refuses a body the parser accepts"
+    if name not in ("depth", "grammar_chars", "messages"):  # not in JSON Schema's terms (messages: items + previous)
+        assert not valid(Limits(**{name: small})), f"the schema does not state Limits.{name}"

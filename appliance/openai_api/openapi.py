@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import appliance
+from appliance.anthropic_api.request import COUNT_TOKENS, MESSAGES
 from appliance.limits import Limits
-from appliance.openai_api.fields import REQUESTS, Field
+from appliance.openai_api.fields import CHAT, REQUESTS, Field
+from appliance.openai_api.responses import ACCEPTED_IGNORED, EFFORTS, FIELDS, IDENTIFIERS, SUMMARIES
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 
@@ -266,6 +268,138 @@ def limits_schema() -> dict:
     return {"type": "object", "additionalProperties": False, "required": list(props), "properties": props}
 
 
+def table_schema(table: tuple[Field, ...], description: str, limits: Limits) -> dict:
+    """The schema of another API's body from its field table (the Anthropic adapter's): unknown fields accepted."""
+    ordered = sorted(table, key=lambda f: not f.required)
+    return {
+        "type": "object",
+        "required": [f.name for f in ordered if f.required],
+        "description": description,
+        "properties": {f.name: field_schema(f, limits) for f in ordered},
+        "additionalProperties": True,
+    }
+
+
+def responses_request_schema(limits: Limits) -> dict:
+    """ResponsesRequest: what appliance/openai_api/responses.py reads (other fields are a 400); the fields it hands
+    to chat unchanged have chat's schemas (chat's field table), its own ones their bounds from the limits table."""
+    chat = {f.name: f for f in CHAT}
+
+    def like_chat(name: str) -> dict:
+        return field_schema(chat[name], limits)
+
+    identifier = {"type": ["string", "null"], "maxLength": limits.id_chars}
+    choice = {"enum": ["none", "auto", "required"]}
+    named = {"type": "object", "required": ["type"], "properties": {"type": {"const": "function"}}}
+    reasoning = {
+        "type": ["object", "null"],
+        "additionalProperties": False,
+        "properties": {
+            "effort": {"enum": [*EFFORTS, None]},
+            "summary": {"enum": [*SUMMARIES, None]},
+            "generate_summary": {"enum": [*SUMMARIES, None]},
+        },
+        "description": "effort none / minimal: the model's thinking off (the chat template's enable_thinking), "
+        "low and up: on. On a model without a reasoning parser anything but none is a 400.",
+    }
+    props: dict[str, Any] = {
+        "model": {"type": "string"},
+        "input": {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "maxItems": limits.messages,
+                    "items": _input_item(limits),
+                },
+            ],
+            "description": "A string (one user message) or items: messages (role + content string or input_text "
+            "parts), function_call, function_call_output, reasoning (skipped). Required unless "
+            "previous_response_id.",
+        },
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": like_chat("max_tokens"),
+        "temperature": like_chat("temperature"),
+        "top_p": like_chat("top_p"),
+        "frequency_penalty": like_chat("frequency_penalty"),
+        "presence_penalty": like_chat("presence_penalty"),
+        "text": {
+            "type": ["object", "null"],
+            "additionalProperties": False,
+            "properties": {"format": {"type": ["object", "null"]}, "verbosity": {}},
+            "description": "format: text, json_object or json_schema (name, schema, strict).",
+        },
+        "tools": {
+            "type": ["array", "null"],
+            "maxItems": limits.tools,
+            "items": {"type": "object", "required": ["type"], "properties": {"type": {"const": "function"}}},
+            "description": "Function tools only: {type: function, name, description, parameters, strict}.",
+        },
+        "tool_choice": {
+            "anyOf": [choice, named, {"type": "null"}],
+            "description": "none, auto, required or {type: function, name}.",
+        },
+        "parallel_tool_calls": like_chat("parallel_tool_calls"),
+        "reasoning": reasoning,
+        "stream": {"type": ["boolean", "null"]},
+        "store": {"type": ["boolean", "null"], "description": "Default true."},
+        "previous_response_id": identifier,
+        "truncation": {"enum": ["disabled", None]},
+        "background": {"enum": [False, None]},
+        "top_logprobs": {"enum": [0, None]},
+        "max_tool_calls": {"type": "null"},
+        "metadata": {
+            "type": ["object", "null"],
+            "maxProperties": limits.metadata,
+            "propertyNames": {"maxLength": limits.metadata_key_chars},
+            "additionalProperties": {"type": "string", "maxLength": limits.metadata_chars},
+        },
+        **{name: identifier for name in IDENTIFIERS},
+        "include": {},
+        "service_tier": {},
+    }
+    assert set(props) == set(FIELDS) | set(ACCEPTED_IGNORED), "every field responses.py reads, and no other"
+    return {
+        "type": "object",
+        "required": ["model"],
+        "additionalProperties": False,
+        "description": "OpenAI's Responses API (docs/responses.md): translated to one chat request, so chat's "
+        "bounds hold. Fields not listed are a 400.",
+        "properties": props,
+    }
+
+
+def _input_item(limits: Limits) -> dict:
+    """A Responses input item, as far as its bounds go (ids, content parts); responses.py checks the rest."""
+    parts = {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": limits.content_parts}]}
+    message = {
+        "anyOf": [{"required": ["type"], "properties": {"type": {"const": "message"}}}, {"not": {"required": ["type"]}}]
+    }
+    output = {"required": ["type"], "properties": {"type": {"const": "function_call_output"}}}
+    return {
+        "type": "object",
+        "properties": {"id": {"maxLength": limits.id_chars}, "call_id": {"maxLength": limits.id_chars}},
+        "allOf": [
+            {"if": message, "then": {"properties": {"content": parts}}},
+            {"if": output, "then": {"properties": {"output": parts}}},
+        ],
+        "additionalProperties": True,
+    }
+
+
+def _response_paths(doc: dict, limits: Limits) -> None:
+    """The Responses routes' path and query parameters: ids and the input_items page, bounded by the limits."""
+    for path, item in doc["paths"].items():
+        if "/responses/" not in path:
+            continue
+        for op in item.values():
+            for param in op.get("parameters", []):
+                if param["name"] in ("response_id", "after"):
+                    param["schema"] = {"type": "string", "maxLength": limits.id_chars}
+                elif param["name"] == "limit":
+                    param["schema"] = {"type": "integer", "minimum": 1, "maximum": limits.input_items_page}
+
+
 def document(base: dict, limits: Limits = Limits()) -> dict:
     """`base` (the hand-written document) with its generated parts replaced."""
     doc = copy.deepcopy(base)
@@ -273,6 +407,11 @@ def document(base: dict, limits: Limits = Limits()) -> dict:
     schemas = doc["components"]["schemas"]
     for request in REQUESTS:
         schemas[request] = request_schema(request, limits)
+    schemas["ResponsesRequest"] = responses_request_schema(limits)
+    _response_paths(doc, limits)
+    messages = "Anthropic's Messages API (docs/anthropic.md): translated to one chat request, so chat's bounds hold."
+    schemas["MessagesRequest"] = table_schema(MESSAGES, messages, limits)
+    schemas["CountTokensRequest"] = table_schema(COUNT_TOKENS, messages + " max_tokens is not needed.", limits)
     schemas["Config"]["additionalProperties"]["properties"]["limits"] = limits_schema()
     return doc
 
