@@ -73,6 +73,7 @@ def test_blocks_become_chat_messages():
     ("fields", "words"),
     [
         ({"max_tokens": None}, "max_tokens: Field required"),
+        ({"tool_choice": {"type": {}}}, "tool_choice must be"),  # an unhashable type: a 400, not a 500 (fuzz)
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' are not supported"),
         ({"messages": [*USER, {"role": "assistant", "content": "Sure"}]}, "prefill"),
         ({"messages": [{"role": "system", "content": "x"}]}, 'role is "user" or "assistant"'),

@@ -202,7 +202,7 @@ def tools(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
 def tool_choice(value: Any, limits: Limits, read: dict) -> tuple[ToolChoice, str | None, bool]:
     """(the chat tool_choice, the tool's name, disable_parallel_tool_use)."""
     kinds: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
-    if not isinstance(value, dict) or value.get("type") not in kinds:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str) or value["type"] not in kinds:
         raise invalid('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
     one = value.get("disable_parallel_tool_use")
     if one is not None and not isinstance(one, bool):
