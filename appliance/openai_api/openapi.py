@@ -3,9 +3,13 @@
 The request schemas (CompletionRequest, ChatCompletionRequest, TokenizeRequest) come from the field tables in
 appliance/openai_api/fields.py, the same tables validation.py walks, with bounds from `Limits()` defaults; the
 rules across fields are written here in JSON-schema form (the code that enforces them is in validation.py and the
-adapters completions.py and chat.py). The `limits` object of the Config schema comes from
-`appliance.limits.Limits`. The rest of the document (paths, responses, response schemas) is written by hand in
-docs/openapi.json itself: edit it there, then regenerate.
+adapters completions.py and chat.py). ResponsesRequest is written here from responses.py's field list (chat's
+schemas for the fields it hands on unchanged); MessagesRequest and CountTokensRequest (Anthropic's) come from the
+Messages adapter's field table (appliance/anthropic_api/request.py). Each is no stricter than its parser (the
+negative fuzz run of tests/test_fuzz.py checks the converse on the running server) and every bound comes from
+`Limits` (tests/test_adapter_limits.py). The Responses routes' path and query parameters get their bounds here too.
+The `limits` object of the Config schema comes from `appliance.limits.Limits`. The rest of the document (paths,
+responses, response schemas) is written by hand in docs/openapi.json itself: edit it there, then regenerate.
 
     python -m appliance.openai_api.openapi           # rewrite docs/openapi.json in place
     python -m appliance.openai_api.openapi --check   # exit 1 if it is not current (tests/test_openapi_current.py)

@@ -9,10 +9,14 @@ change the output (`background`, non-function tools, images and files, `top_logp
 `service_tier`, `prompt_cache_key`, `safety_identifier`, `text.verbosity`); any other field is a 400, so a client
 never silently gets an output its request did not ask for.
 
-`reasoning`: with the model's reasoning parser on (`think`), its leading thought comes out as a `reasoning` item and
-`reasoning.effort` is accepted as is (the chat template decides whether the model thinks: the engine has no
-per-request thinking switch to map the effort onto). On a model without a reasoning parser, `reasoning` with an
-effort or summary is a 400: nothing could honour it.
+`reasoning`: `effort` is the model's thinking switch (none / minimal off, low and up on, absent: the template's
+default), passed with the prompt (PromptSpec.thinking) to the chat template as `enable_thinking`, Qwen3's variable;
+with the model's reasoning parser on (`think`), its leading thought comes out as a `reasoning` item. `summary` is
+accepted and has no effect (nothing summarizes a thought). On a model without a reasoning parser, `reasoning`
+asking for anything is a 400, as OpenAI answers a reasoning field for a model that does not reason.
+`frequency_penalty` / `presence_penalty` (not OpenAI's Responses fields, but vLLM's and OVMS's chat ones) go to
+chat as they are. Every count and length of the fields read here is a field of the limits table (`content_parts`,
+`id_chars`, `metadata*`), the rest chat's.
 
 Output: the engine's chunks go through chat's `ChatShape` parsers (reasoning, tool calls), whose deltas
 `ResponseEvents` turns into Responses items and streaming events (one path for unary and streaming, so the stream's
