@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import auth, devices, limits, logs
+from appliance import auth, devices, limits, logs, pull
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.options import (
     GROUPS,
@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The OpenVINO devices present (CPU, GPU.0, NPU): name, optimization capabilities, details.",
     )
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pull.add_arguments(sub)  # `pull` and `rm`: appliance/pull.py
     return parser
 
 
@@ -260,6 +261,8 @@ def _main(argv: list[str] | None) -> int:
         return serve(settings, engine)
     if args.command == "devices":
         return devices.main(args.json)
+    if args.command in ("pull", "rm"):
+        return pull.main(args)
     return 2
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from appliance import cpu_isa
+from appliance import cpu_isa, hub_names
+from appliance.manifest import MANIFEST_NAME
 
 DEFAULT_MODEL_SLUG = "smollm2-135m-instruct"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -47,6 +48,35 @@ def default_export_dir(backend: str = "openvino", weight_format: str | None = No
     return default_model_root() / f"{backend}-{weight_format or served_weight_format()}"
 
 
+def pulled_models_dir() -> Path:
+    """`appliance pull`'s models (appliance/pull.py): one folder per repository and revision, `NS--NAME/REVISION`
+    (appliance/hub_names.py), each a complete export with its manifest; `.staging/` holds pulls under way."""
+    return data_dir() / "models" / "hub"
+
+
+def pulled_model_dir(ref: hub_names.HubRef) -> Path:
+    return pulled_models_dir() / ref.folder
+
+
+def pulled_model(name: str) -> Path | None:
+    """The folder of the pulled model `name` (`repo[:revision]`), if that model has been pulled; else None."""
+    try:
+        folder = pulled_model_dir(hub_names.parse(name))
+    except ValueError:
+        return None
+    return folder if (folder / MANIFEST_NAME).is_file() else None
+
+
+def is_pulled(path: str | Path) -> bool:
+    """Whether `path` is a folder `appliance pull` made (and so `/api/delete` may remove)."""
+    root = pulled_models_dir().resolve()
+    return Path(path).resolve().parent.parent == root
+
+
 def resolve_model(model: str) -> Path:
-    """`default` -> the default model's served export; anything else is a path."""
-    return default_export_dir() if model == "default" else Path(model).expanduser()
+    """`default` -> the default model's served export; a path that exists -> itself; a pulled model's name
+    (`repo[:revision]`) -> its folder; anything else is a path (the caller says it holds no model)."""
+    if model == "default":
+        return default_export_dir()
+    path = Path(model).expanduser()
+    return path if path.exists() else pulled_model(model) or path

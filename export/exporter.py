@@ -19,7 +19,6 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,7 +27,7 @@ import numpy as np
 from appliance.manifest import Manifest
 from export.graph import ExportBackend, WeightOptions
 from export.metadata import write_metadata
-from export.source import ExportError, Source, check_destination, check_disk, inspect_source
+from export.source import Dims, ExportError, Source, check_destination, check_disk, inspect_source
 
 __all__ = ["BACKENDS", "WEIGHT_FORMATS", "ExportError", "export_model"]
 
@@ -48,19 +47,6 @@ TOLERANCE: dict[str, float | None] = {"fp32": 1e-3, "fp16": 0.1, "int8": None, "
 PROBE_LENGTH = 8
 # "": the root logger. CRITICAL, not ERROR: OpenVINO's PyTorch frontend logs harmless fallbacks as errors.
 QUIET_LOGGERS = ("transformers", "optimum", "nncf", "openvino", "onnxruntime", "torch", "")
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The model geometry the runtime sizes its KV cache from, read from the transformers config."""
-
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_context: int
 
 
 def export_model(
@@ -163,11 +149,7 @@ def _export(
             _truncate_config(staging / "config.json", num_layers)
         progress.stage("verify")
         graph = backend_module.describe(staging)
-        if (graph.kv_heads, graph.head_dim) not in ((dims.num_kv_heads, dims.head_dim), (None, None)):
-            raise ExportError(
-                f"the graph's KV cache has {graph.kv_heads} heads x {graph.head_dim} dims but the "
-                f"config says {dims.num_kv_heads} x {dims.head_dim}; the runtime would mis-size it"
-            )
+        graph.check_geometry(dims)
         backend_module.check(staging)
         _compare(backend_module.first_step(staging, probe), reference, weight_format)
     manifest = Manifest(

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from export.source import Dims, ExportError
+
 TASK = "text-generation-with-past"
 
 
@@ -20,6 +22,14 @@ class GraphInfo:
     kv_dtype: str  # f32 | f16: what the KV state / present.* tensors hold
     kv_heads: int | None  # as the graph declares them (None: dynamic), checked against config.json
     head_dim: int | None
+
+    def check_geometry(self, dims: Dims) -> None:
+        """The graph's KV state must be what config.json says, or the runtime would mis-size its cache."""
+        if (self.kv_heads, self.head_dim) not in ((dims.num_kv_heads, dims.head_dim), (None, None)):
+            raise ExportError(
+                f"the graph's KV cache has {self.kv_heads} heads x {self.head_dim} dims but the "
+                f"config says {dims.num_kv_heads} x {dims.head_dim}; the runtime would mis-size it"
+            )
 
 
 @dataclass(frozen=True)

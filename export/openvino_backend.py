@@ -9,17 +9,17 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
-from openvino._offline_transformations import paged_attention_transformation
 from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
 from optimum.exporters.openvino import export_from_model
 from optimum.intel import OVConfig, OVWeightQuantizationConfig
 from optimum.intel.openvino.quantization import _weight_only_quantization
 
 from export import grid
-from export.graph import TASK, GraphInfo, WeightOptions, first_step_feed
-from export.source import ExportError
+from export.graph import TASK, WeightOptions, first_step_feed
 
-MODEL_FILE = "openvino_model.xml"
+# describe and check read an IR without the export tools (a pulled IR is checked with them too): export/ir.py
+from export.ir import MODEL_FILE, check, describe  # noqa: F401 - this backend's ExportBackend functions
+
 DEFAULT_GROUP_SIZE = 128
 # Verification only: the CPU plugin defaults to bf16 compute on hosts that have it.
 F32_COMPUTE = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -93,36 +93,6 @@ def _quantization_config(weight_format: str, options: WeightOptions) -> tuple[An
         "ratio": options.ratio,
         "backup_mode": f"{'int4' if all_layers else 'int8_asym'} for the embeddings and lm_head",
     }
-
-
-def describe(dest: Path) -> GraphInfo:
-    model = ov.Core().read_model(dest / MODEL_FILE)
-    variables = [v.get_info() for v in model.get_variables()]
-    if not variables:
-        raise ExportError("the exported IR holds no KV-cache state; the runtime needs a stateful model")
-    kv = variables[0]
-    return GraphInfo(
-        inputs=[i.get_any_name() for i in model.inputs],
-        outputs=[o.get_any_name() for o in model.outputs],
-        stateful=True,
-        kv_dtype=kv.data_type.get_type_name(),
-        kv_heads=_static(kv.data_shape, 1),
-        head_dim=_static(kv.data_shape, 3),
-    )
-
-
-def _static(shape: Any, axis: int) -> int | None:
-    return shape[axis].get_length() if shape[axis].is_static else None
-
-
-def check(dest: Path) -> None:
-    """The runtime rewrites the IR for paged attention on load; do it here on a read copy so a family that
-    cannot be rewritten fails at export time, not when serving."""
-    model = ov.Core().read_model(dest / MODEL_FILE)
-    try:
-        paged_attention_transformation(model)
-    except Exception as exc:  # noqa: BLE001 - OpenVINO raises plain RuntimeError with the pass's message
-        raise ExportError(f"the exported IR does not survive paged_attention_transformation: {exc}") from None
 
 
 def first_step(dest: Path, input_ids: np.ndarray) -> np.ndarray:

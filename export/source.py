@@ -46,6 +46,44 @@ class ExportError(Exception):
 
 
 @dataclass(frozen=True)
+class Dims:
+    """The model geometry the runtime sizes its KV cache from: the exporter reads it from the transformers config
+    it loads, a pulled OpenVINO IR (export/ir.py) from config.json (`from_config`)."""
+
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Dims:
+        """config.json's geometry, by its families' key names (gpt2's n_layer, n_head, n_embd, n_positions)."""
+
+        def first(*keys: str) -> Any:
+            return next((config[k] for k in keys if config.get(k) is not None), None)
+
+        values = {
+            "num_layers": first("num_hidden_layers", "n_layer", "num_layers"),
+            "num_attention_heads": first("num_attention_heads", "n_head"),
+            "hidden_size": first("hidden_size", "n_embd", "d_model"),
+            "vocab_size": first("vocab_size"),
+            "max_context": first("max_position_embeddings", "n_positions", "max_sequence_length"),
+        }
+        missing = [k for k, v in values.items() if not isinstance(v, int)]
+        if missing:
+            raise ExportError(f"config.json does not give the model's {', '.join(missing)}")
+        heads = values["num_attention_heads"]
+        return cls(
+            **values,
+            num_kv_heads=first("num_key_value_heads", "num_kv_heads") or heads,
+            head_dim=first("head_dim") or values["hidden_size"] // heads,
+        )
+
+
+@dataclass(frozen=True)
 class Source:
     folder: Path
     config: dict[str, Any]
