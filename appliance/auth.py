@@ -105,19 +105,22 @@ def api_keys(path: str | None) -> ApiKeys | None:
     return ApiKeys(load_keys(path)) if path else None
 
 
-def reload_refusal(settings: ServeSettings, admin: bool, origin: str | None) -> tuple[int, str] | None:
+def reload_refusal(
+    settings: ServeSettings, admin: bool, origin: str | None, what: str = "Reloading the config"
+) -> tuple[int, str] | None:
     """Why POST /v1/config/reload is refused to this request, as (status, message); None: allowed. `admin`: it
-    carries an admin key. The rule is the module docstring's."""
+    carries an admin key. The rule is the module docstring's; Ollama's /api/pull and /api/delete (which download,
+    load and delete models) follow it too, named by `what`."""
     if settings.admin_key_file:
         if admin:
             return None
         if settings.api_key_file:  # it passed the key check: a client key
-            return 403, "Reloading the config needs an admin key (--admin-key-file); this is a client key"
-        return 401, "Reloading the config needs an admin key: send 'Authorization: Bearer <admin key>'"
+            return 403, f"{what} needs an admin key (--admin-key-file); this is a client key"
+        return 401, f"{what} needs an admin key: send 'Authorization: Bearer <admin key>'"
     if settings.api_key_file or not is_loopback(settings.host):
-        return 403, "Reloading the config needs an admin key: start the server with --admin-key-file"
+        return 403, f"{what} needs an admin key: start the server with --admin-key-file"
     if origin is not None:
-        return 403, "Reloading the config is refused to a web page (the request has an Origin header)"
+        return 403, f"{what} is refused to a web page (the request has an Origin header)"
     return None
 
 

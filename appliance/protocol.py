@@ -48,6 +48,9 @@ RECORD_HTTP = "http"  # (HttpRecord, ...): one, or a batch -> Reply()
 JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
 RELOAD = "reload"  # () -> (changed: bool, list[ModelInfo]) once the loads end; Failed 400 for a broken config
 FAULT = "fault"  # (kind, model="") -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
+# Ollama's /api/pull and /api/delete (appliance/server/pulled_models.py), answered once done (RELOAD_SECONDS):
+SERVE_PULLED = "serve_pulled"  # (name) -> list[ModelInfo] once the pulled model serves; Failed 404 / 400 / 500
+DELETE_PULLED = "delete_pulled"  # (name) -> Reply() once it stopped serving and its folder is gone; Failed 404 / 400
 
 FAULT_INJECTION_ENV = "APPLIANCE_FAULT_INJECTION"
 

@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -57,6 +59,7 @@ from appliance.hub_names import HubRef
 from appliance.manifest import MANIFEST_NAME
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+PR_SET_PDEATHSIG = 1
 RECORD = "appliance_pull.json"  # in a pulled model's folder: where it came from, and each file's checksum
 RETRIES = 5  # a dropped connection resumes the file this many times before the pull fails
 RETRY_SECONDS = 1.0
@@ -124,14 +127,14 @@ def pull(ref: HubRef, emit: Emit, weight_format: str | None = None) -> Path:
     """Pulls `ref` into its folder (paths.pulled_model_dir) and returns it; PullError on anything that stops it."""
     staging = paths.pulled_models_dir() / ".staging"
     staging.mkdir(parents=True, exist_ok=True)
-    key = ref.folder.replace("/", "@")
-    with _locked(staging / f"{key}.lock", ref, emit):
+    final = paths.pulled_model_dir(ref)
+    key = _key(final)
+    with _locked(staging / f"{key}.lock", ref.name, emit):
         for stale in staging.glob(f"{glob_escape(key)}.build-*"):  # a killed pull's half-built folder
             shutil.rmtree(stale, ignore_errors=True)
         emit({"status": "pulling manifest"})
         hub = _hub()
         commit, files = _manifest(hub, ref)
-        final = paths.pulled_model_dir(ref)
         if _current(final, commit):
             for f in _plan(ref, files)[1]:
                 emit({**_status(f), "completed": f.size}, f.name)
@@ -178,12 +181,12 @@ def glob_escape(text: str) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, ref: HubRef, emit: Emit) -> Iterator[None]:
+def _locked(path: Path, name: str, emit: Emit) -> Iterator[None]:
     with path.open("a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            emit({"status": f"waiting for another pull of {ref.name}"})
+            emit({"status": f"waiting for another pull of {name}"})
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -360,20 +363,25 @@ def _current(final: Path, commit: str) -> bool:
     return record.get("commit") == commit and (final / MANIFEST_NAME).is_file()
 
 
-def remove(ref: HubRef) -> bool:
-    """Deletes the pulled model `ref` (False: there is none). Waits for a pull of it under way to end first."""
-    final = paths.pulled_model_dir(ref)
+def remove(folder: Path) -> bool:
+    """Deletes the pulled model in `folder` (paths.pulled_model_dir; False: there is none). Waits for a pull of it
+    under way to end first."""
     staging = paths.pulled_models_dir() / ".staging"
     staging.mkdir(parents=True, exist_ok=True)
-    with _locked(staging / f"{ref.folder.replace('/', '@')}.lock", ref, lambda *a, **k: None):
-        if not final.is_dir():
+    with _locked(staging / f"{_key(folder)}.lock", folder.name, lambda *a, **k: None):
+        if not folder.is_dir():
             return False
         trash = Path(tempfile.mkdtemp(prefix="deleted-", dir=staging))
-        final.rename(trash / "model")  # gone from the models folder at once; deleted below
+        folder.rename(trash / "model")  # gone from the models folder at once; deleted below
         shutil.rmtree(trash, ignore_errors=True)
         with contextlib.suppress(OSError):
-            final.parent.rmdir()  # the repository's folder, once its last revision is gone
+            folder.parent.rmdir()  # the repository's folder, once its last revision is gone
     return True
+
+
+def _key(folder: Path) -> str:
+    """A pulled model's one-level name under the staging folder: its lock, download and build share it."""
+    return f"{folder.parent.name}@{folder.name}"
 
 
 # ---------------------------------------------------------------- the command line
@@ -445,7 +453,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(args, str(exc), 400)
     if args.command == "rm":
-        if not remove(ref):
+        if not remove(paths.pulled_model_dir(ref)):
             return _fail(args, f"no pulled model {ref.name} in {paths.pulled_models_dir()}", 404)
         print(f"deleted {ref.name}", file=sys.stderr)
         return 0
@@ -466,7 +474,17 @@ def _fail(args: argparse.Namespace, message: str, status: int) -> int:
     return 1
 
 
+def _stop_with_parent() -> None:
+    """The child of a server's /api/pull (appliance/ollama_api/pull.py) ends with the worker that relays it."""
+    parent = os.environ.get("APPLIANCE_PULL_PARENT")
+    if parent and sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != int(parent):  # gone before the line above
+            sys.exit(1)
+
+
 if __name__ == "__main__":  # `python -m appliance.pull --json NAME`: the server's /api/pull runs this
+    _stop_with_parent()
     parser = argparse.ArgumentParser(prog="python -m appliance.pull")
     add_arguments(parser.add_subparsers(dest="command", required=True))
     sys.exit(main(parser.parse_args(["pull", *sys.argv[1:]])))

@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from appliance.manifest import MANIFEST_NAME, Manifest
+from appliance.paths import pulled_model
 from appliance.protocol import EngineStatus, ModelInfo
 from appliance.settings import ServeSettings
 
@@ -39,7 +40,7 @@ def model_dir(settings: ServeSettings, name: str) -> Path | None:
             return Path(spec.model_dir)
     if name == settings.served_model_name and settings.model_dir:
         return Path(settings.model_dir)
-    return None
+    return pulled_model(name)  # added by /api/pull since this worker read the settings
 
 
 def _manifest(directory: Path | None) -> Manifest | None:

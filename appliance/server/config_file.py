@@ -28,7 +28,7 @@ from typing import Any
 from appliance import options
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
-from appliance.paths import resolve_model
+from appliance.paths import pulled_model, resolve_model
 from appliance.server import tool_prompt
 from appliance.settings import ConfigError, ModelSpec, ServeSettings
 
@@ -104,7 +104,10 @@ def _model_entry(path: str, index: int, entry: Any, base: Path) -> dict[str, Any
         if key not in model:
             raise ConfigError(f"{where}: no {key!r}")
     base_path = model["base_path"]
-    model["base_path"] = "default" if base_path == "default" else str((base / Path(base_path).expanduser()).resolve())
+    path = (base / Path(base_path).expanduser()).resolve()
+    # "default", a folder (relative to the file), or a pulled model's name (appliance/paths.py resolve_model)
+    keep = base_path == "default" or (not path.exists() and pulled_model(base_path) is not None)
+    model["base_path"] = base_path if keep else str(path)
     return model
 
 

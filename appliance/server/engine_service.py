@@ -43,6 +43,8 @@ class EngineService:
         self.jobs = JobRunner(self.registry, metrics, settings.limits)
         # the supervisor's reload (POST /v1/config/reload): a Reply with (changed, [ModelInfo]) or a Failed
         self.reloader: Callable[[], p.Reply] | None = None
+        # more calls by op name, each (*args) -> Reply: the supervisor's pulled models (SERVE_PULLED, DELETE_PULLED)
+        self.calls: dict[str, Callable[..., p.Reply]] = {}
         self._listener: Listener | None = None
         self._authkey = b""
         self._faults = os.environ.get(p.FAULT_INJECTION_ENV) == "1"
@@ -171,6 +173,8 @@ class EngineService:
             if self.reloader is None:
                 return p.Reply(error=p.Failed(400, "no config file: start the server with --config to reload it"))
             return self.reloader()
+        if op in self.calls:
+            return self.calls[op](*args)
         return p.Reply(error=p.Failed(500, f"unknown engine call {op!r}"))
 
     def status(self, name: str = "") -> p.EngineStatus:

@@ -201,6 +201,11 @@ class Models:
         slot.engine.shutdown()
         log.info("model unloaded", extra={"model": slot.spec.name, "jobs_cut": slot.jobs})
 
+    def retiring(self, name: str) -> bool:
+        """Whether a removed or replaced model `name` still drains its jobs (its engine not shut down yet)."""
+        with self._lock:
+            return any(slot.spec.name == name for slot in self._retiring)
+
     def stop(self) -> list[Engine]:
         """No more jobs; the engines the caller shuts down (every model's, retiring ones too)."""
         self.stopping = True

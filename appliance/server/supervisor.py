@@ -42,6 +42,7 @@ from appliance.params import SamplingParams
 from appliance.server import config_file, sdnotify, startup, tracing
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
+from appliance.server.pulled_models import PulledModels
 from appliance.server.slots import single_spec
 from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ModelSpec, ServeSettings
 
@@ -63,6 +64,8 @@ class Supervisor:
             settings.models = [single_spec(settings, engine_config)]
         self.service = EngineService(settings, ServerMetrics())
         self.service.reloader = self.reload_config
+        self.pulled = PulledModels(self)  # what /api/pull added and /api/delete removes (pulled_models.py)
+        self.service.calls.update(self.pulled.calls())
         self._reloading = threading.Lock()  # one reload at a time
         # name -> the spec it last failed to load with on a reload: not tried again until its entry (or its
         # export's manifest, ModelSpec.created) changes, so repeated reloads do not reload a broken model each time
@@ -160,7 +163,7 @@ class Supervisor:
             specs = config_file.reload_models(self.settings)
         except ValueError as exc:  # ConfigError, or a malformed export's manifest
             return p.Reply(error=p.Failed(400, str(exc), code="invalid_config"))
-        return p.Reply(self.reload(specs))
+        return p.Reply(self.reload(self.pulled.keep(specs)))
 
     def reload(self, specs: list[ModelSpec]) -> tuple[bool, list[p.ModelInfo]]:
         """Serve exactly `specs` from now on; (anything changed, every model's state) once the loads end."""

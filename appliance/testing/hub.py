@@ -13,7 +13,8 @@ Routes, as the hub answers them:
 Faults a test asks for on a `Repo`: `drop_once` (file -> byte offset: the first GET of it sends its headers and that
 many bytes, then closes the connection), `corrupt` (files served with one byte flipped while the model info keeps
 the true checksum), `claimed_sizes` (file -> the size the model info reports: a huge one for a disk-space refusal),
-`token` (requests without `Authorization: Bearer <token>` get 401). Every request is recorded in `requests`
+`throttle` (file -> seconds slept after each MiB: a download slow enough to interrupt), `token` (requests without
+`Authorization: Bearer <token>` get 401). Every request is recorded in `requests`
 (method, path, Range header, Authorization header).
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -40,6 +42,7 @@ class Repo:
     drop_once: dict[str, int] = field(default_factory=dict)
     corrupt: set[str] = field(default_factory=set)
     claimed_sizes: dict[str, int] = field(default_factory=dict)
+    throttle: dict[str, float] = field(default_factory=dict)  # file -> seconds of sleep after each 1 MiB sent
     token: str | None = None
     _digests: dict[str, tuple[int, str, str]] = field(default_factory=dict)  # name -> (size, sha256, blob id)
 
@@ -197,6 +200,8 @@ class StubHub:
                     return
                 h.wfile.write(chunk)
                 position += len(chunk)
+                if name in repo.throttle:
+                    time.sleep(repo.throttle[name])
 
     def _error(self, h: BaseHTTPRequestHandler, status: int, code: str | None) -> None:
         headers = {"Content-Type": "application/json"}

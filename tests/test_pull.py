@@ -1,0 +1,256 @@
+"""`appliance pull` and Ollama's /api/pull and /api/delete against a stand-in hub on loopback
+(appliance/testing/hub.py): a repository as OpenVINO's own `*-int4-ov` ones are, made from the default model's int4
+export, served by huggingface_hub's file API. Real parts: the CLI and `appliance serve` as subprocesses,
+huggingface_hub doing the downloads, the `ollama` client against the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import ollama
+import pytest
+import requests
+from conftest import Server, wait_until
+
+from appliance import hub_names, paths
+from appliance.manifest import Manifest
+from appliance.testing.hub import StubHub, ir_repo
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO = "test/smol-int4-ov"
+EXPORT_TOOLS = ("torch", "transformers", "optimum", "nncf")
+BIN = "openvino_model.bin"
+
+
+@pytest.fixture(scope="module")
+def int4_export() -> Path:
+    """The default model's int4 OpenVINO export: the stand-in repository's files (built once, cached)."""
+    from export.default_model import ensure_export
+
+    return ensure_export("openvino", "int4")
+
+
+def pull_env(hub: StubHub, data_dir: Path) -> dict[str, str]:
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "APPLIANCE_DATA_DIR": str(data_dir)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env.pop("HF_HUB_OFFLINE", None)  # the exporter sets it in its own process (and so in this one's children)
+    return env
+
+
+# `python -m appliance.cli pull ...` and then the modules the process had loaded, as JSON on the last stdout line
+PULL_AND_LIST_MODULES = (
+    "import json, sys\nfrom appliance.cli import main\ncode = main(sys.argv[1:])\n"
+    "print(json.dumps(sorted(sys.modules)))\nsys.exit(code)"
+)
+
+
+def cli_pull(python: str, env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    result = subprocess.run(
+        [python, "-c", PULL_AND_LIST_MODULES, "pull", *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = result.stdout.strip().splitlines()
+    return result, json.loads(lines[-1]) if lines else []
+
+
+def test_names():
+    assert hub_names.parse("OpenVINO/Qwen3-0.6B-int4-ov") == hub_names.HubRef("OpenVINO/Qwen3-0.6B-int4-ov", "main")
+    assert hub_names.parse("org/m:latest").name == "org/m" and hub_names.parse("org/m:v1.0").name == "org/m:v1.0"
+    assert hub_names.parse("org/m:refs/pr/1").folder == "org--m/refs%2Fpr%2F1"
+    for bad in ("", "a/b/c", "org--x/m", "org/m:", "../m", "org/m:a..b", "org/m name", 7):
+        with pytest.raises(ValueError):
+            hub_names.parse(bad)
+
+
+def test_cli_pull_resumes_a_dropped_download_imports_no_export_tool_and_serves(int4_export, tmp_path, monkeypatch):
+    """The hub drops the connection 30 MB into the weights once: the pull resumes the file (a ranged GET from where
+    it stopped), checks every checksum and writes a model folder that `appliance serve --model NAME` serves; the
+    process never imported torch or transformers."""
+    repo = ir_repo(int4_export, tmp_path, drop_once={BIN: 30_000_000})
+    data = tmp_path / "data"
+    with StubHub({REPO: repo}) as hub:
+        result, modules = cli_pull(sys.executable, pull_env(hub, data), REPO)
+        assert result.returncode == 0, result.stderr
+        gets = hub.gets(BIN)
+        assert [g.range for g in gets][0] is None and len(gets) == 2, gets
+        assert gets[1].range is not None and int(gets[1].range[len("bytes=") : -1]) >= 10 << 20, gets  # resumed
+        skipped = [r.path for r in hub.requests if r.path.endswith(("README.md", "openvino_tokenizer.xml"))]
+        assert skipped == []  # only the files the runtime reads
+    assert not [m for m in modules if m.split(".")[0] in EXPORT_TOOLS]
+    assert "huggingface_hub" in modules and "openvino" in modules  # it did download and validate
+    for status in ("pulling manifest", "verifying sha256 digest", "writing manifest", "success"):
+        assert status in result.stderr.splitlines(), result.stderr
+    folder = data / "models" / "hub" / "test--smol-int4-ov" / "main"
+    manifest = Manifest.load(folder)
+    assert (manifest.name, manifest.weight_format, manifest.backend) == (REPO, "int4", "openvino")
+    assert manifest.source.endswith(f"/{REPO}@{repo.commit}")
+    assert json.loads((folder / "appliance_pull.json").read_text())["commit"] == repo.commit
+    staging = data / "models" / "hub" / ".staging"
+    assert sorted(p.suffix for p in staging.iterdir()) == [".lock"]  # the download went into the model
+
+    monkeypatch.setenv("APPLIANCE_DATA_DIR", str(data))
+    with Server(REPO, tmp_path / "serve.log", "--workers", "1") as srv:  # found by its name
+        body = {"model": REPO, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
+        r = requests.post(srv.base + "/v3/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        tags = requests.get(srv.base + "/api/tags", timeout=30).json()["models"]
+        assert [(t["name"], t["details"]["quantization_level"]) for t in tags] == [(f"{REPO}:latest", "Q4_0")]
+
+
+def test_a_checksum_mismatch_is_refused_and_nothing_is_served(int4_export, tmp_path):
+    """The weights arrive with one byte flipped (the right size): the pull fails naming the digests, the bad file
+    is deleted (the next pull downloads it again), and no model folder exists."""
+    repo = ir_repo(int4_export, tmp_path, corrupt={BIN})
+    data = tmp_path / "data"
+    with StubHub({REPO: repo}) as hub:
+        result, _ = cli_pull(sys.executable, pull_env(hub, data), REPO)
+    assert result.returncode == 1
+    assert "digest mismatch, file must be downloaded again: openvino_model.bin want sha256:" in result.stderr
+    hub_dir = data / "models" / "hub"
+    assert sorted(p.name for p in hub_dir.iterdir()) == [".staging"]  # no model folder
+    staged = hub_dir / ".staging" / "test--smol-int4-ov@main"
+    assert not (staged / BIN).exists() and (staged / "openvino_model.xml").is_file()
+
+
+def test_not_enough_disk_space_is_refused_before_any_download(int4_export, tmp_path):
+    repo = ir_repo(int4_export, tmp_path, claimed_sizes={BIN: 1 << 60})
+    with StubHub({REPO: repo}) as hub:
+        result, _ = cli_pull(sys.executable, pull_env(hub, tmp_path / "data"), REPO)
+        assert result.returncode == 1 and "not enough free disk space" in result.stderr, result.stderr
+        assert [r for r in hub.requests if "/resolve/" in r.path] == []
+
+
+def test_unknown_repository_and_revision(int4_export, tmp_path):
+    with StubHub({REPO: ir_repo(int4_export, tmp_path)}) as hub:
+        env = pull_env(hub, tmp_path / "data")
+        result, _ = cli_pull(sys.executable, env, "test/nothing-here")
+        assert result.returncode == 1 and "pull model manifest: test/nothing-here not found" in result.stderr
+        result, _ = cli_pull(sys.executable, env, f"{REPO}:v9")
+        assert result.returncode == 1 and "has no revision 'v9'" in result.stderr
+
+
+def test_the_serving_venv_pulls_an_ir_repository(int4_export, tmp_path):
+    """The serving venv (no torch, no transformers: tests/test_install.py) pulls an OpenVINO IR repository."""
+    venv = Path(os.environ.get("APPLIANCE_SERVING_VENV", ROOT / ".venv"))
+    if not (venv / ".installed").is_file():
+        pytest.skip(f"no serving venv at {venv}: `make test` builds it (make venv)")
+    with StubHub({REPO: ir_repo(int4_export, tmp_path)}) as hub:
+        result, modules = cli_pull(str(venv / "bin" / "python"), pull_env(hub, tmp_path / "data"), REPO)
+    assert result.returncode == 0, result.stderr
+    assert not [m for m in modules if m.split(".")[0] in EXPORT_TOOLS]
+    assert paths.is_pulled(tmp_path / "data" / "models" / "hub" / "test--smol-int4-ov" / "main")
+
+
+# ---------------------------------------------------------------- /api/pull and /api/delete on a running server
+
+
+@pytest.fixture(scope="module")
+def pull_server(int4_export, model_dir, tmp_path_factory):
+    """A server (the default model) whose HF_ENDPOINT is a stand-in hub holding three copies of the repository:
+    one to pull and delete, and one whose weights download slowly (to leave in the middle)."""
+    root = tmp_path_factory.mktemp("pull-server")
+    repos = {
+        REPO: ir_repo(int4_export, root),
+        "test/slow-int4-ov": ir_repo(int4_export, root, throttle={BIN: 0.05}),
+    }
+    with StubHub(repos) as hub, pytest.MonkeyPatch.context() as mp:
+        for key, value in pull_env(hub, root / "data").items():
+            mp.setenv(key, value)
+        mp.delenv("HF_HUB_OFFLINE", raising=False)
+        with Server(model_dir, root / "serve.log", "--workers", "1") as srv:
+            srv.hub, srv.data = hub, root / "data"
+            yield srv
+
+
+def test_api_pull_streams_progress_then_serves_and_delete_waits_for_the_jobs(pull_server):
+    srv, client = pull_server, ollama.Client(host=pull_server.base)
+    progress = list(client.pull(REPO, stream=True))
+    statuses = [p.status for p in progress]
+    assert statuses[0] == "pulling manifest" and statuses[-3:] == [
+        "verifying sha256 digest",
+        "writing manifest",
+        "success",
+    ], statuses
+    weights = [p for p in progress if p.digest and p.total and p.total > 90_000_000]
+    assert (
+        weights
+        and weights[-1].completed == weights[-1].total
+        and weights[0].status == f"pulling {weights[0].digest[7:19]}"
+    )
+    assert weights[0].digest.startswith("sha256:")
+
+    answer = client.chat(
+        REPO, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 8, "temperature": 0}
+    )
+    assert answer.message.content and answer.done
+    assert f"{REPO}:latest" in [m.model for m in client.list().models]
+
+    # a stream in flight on the model: the delete waits for it, and the stream ends whole
+    lines: list[dict] = []
+    body = {
+        "model": REPO,
+        "messages": [{"role": "user", "content": "Tell a long story."}],
+        "options": {"num_predict": 200},
+    }
+
+    def stream() -> None:
+        with requests.post(srv.base + "/api/chat", json=body, stream=True, timeout=300) as r:
+            for line in r.iter_lines():
+                lines.append(json.loads(line))
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_until(lambda: len(lines) >= 2, "the stream to start")
+    assert client.delete(f"{REPO}:latest").status == "success"
+    reader.join(300)
+    assert lines and lines[-1]["done"] is True and "error" not in lines[-1], lines[-1:]
+    assert not (srv.data / "models" / "hub" / "test--smol-int4-ov").exists()
+    with pytest.raises(ollama.ResponseError) as gone:
+        client.chat(REPO, messages=[{"role": "user", "content": "Hi"}])
+    assert gone.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as again:
+        client.delete(REPO)
+    assert again.value.status_code == 404
+
+
+def test_api_refusals(pull_server):
+    srv, client = pull_server, ollama.Client(host=pull_server.base)
+    served = srv.model_id()
+    with pytest.raises(ollama.ResponseError) as not_pulled:
+        client.delete(served)
+    assert not_pulled.value.status_code == 400 and "did not make" in str(not_pulled.value)
+    with pytest.raises(ollama.ResponseError) as unknown:
+        client.pull("test/nothing-here")
+    assert unknown.value.status_code == 404 and "not found" in str(unknown.value)
+    r = requests.post(srv.base + "/api/pull", json={"model": "a/b/c"}, timeout=30)
+    assert r.status_code == 400 and "not a hub repository id" in r.json()["error"]
+    r = requests.post(
+        srv.base + "/api/pull", json={"model": REPO}, headers={"Origin": "http://evil.example"}, timeout=30
+    )
+    assert r.status_code == 403 and r.json() == {
+        "error": "Pulling models is refused to a web page (the request has an Origin header)"
+    }
+
+
+def test_a_client_that_leaves_a_pull_leaves_no_model_and_the_next_pull_resumes(pull_server):
+    srv, name = pull_server, "test/slow-int4-ov"
+    workers_before = {pid for pid in srv.process_tree()}
+    with requests.post(srv.base + "/api/pull", json={"model": name}, stream=True, timeout=60) as r:
+        for line in r.iter_lines():
+            event = json.loads(line)
+            if event.get("total", 0) > 90_000_000 and event.get("completed", 0) > 10_000_000:
+                break  # leave in the middle of the weights
+    wait_until(lambda: set(srv.process_tree()) <= workers_before, "the pull's child process to end")
+    assert paths.pulled_model(name) is None
+    assert not (srv.data / "models" / "hub" / "test--slow-int4-ov").exists()
+    started = len(srv.hub.gets(BIN))
+    progress = list(ollama.Client(host=srv.base).pull(name, stream=True))
+    assert progress[-1].status == "success"
+    resumed = [g for g in srv.hub.gets(BIN)[started:] if "slow" in g.path]
+    assert resumed and resumed[0].range is not None and int(resumed[0].range[6:-1]) > 0, resumed
