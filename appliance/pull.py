@@ -247,14 +247,16 @@ def _plan(ref: HubRef, files: list[HubFile]) -> tuple[str, list[HubFile]]:
 
 
 def _have(download: Path, f: HubFile) -> int:
-    """Bytes of `f` already downloaded: the whole file, or its resumable `.incomplete` part."""
+    """Bytes of `f` already downloaded: the whole file, or its resumable part (huggingface_hub names it
+    `<hash of the name>.<etag>.incomplete`, beside the file's `.metadata`; the etag is the checksum)."""
     done = download / f.name
     if done.is_file():
         return done.stat().st_size
     parts = (download / ".cache" / "huggingface" / "download" / f.name).parent
-    stem = Path(f.name).name
-    sizes = [p.stat().st_size for p in parts.glob(f"{glob_escape(stem)}.*.incomplete")] if parts.is_dir() else []
-    return max(sizes, default=0)
+    etag = f.sha256 or f.blob_id
+    if not etag or not parts.is_dir():
+        return 0
+    return max((p.stat().st_size for p in parts.glob(f"*.{glob_escape(etag)}.incomplete")), default=0)
 
 
 def _check_space(files: list[HubFile], download: Path, staging: Path) -> None:

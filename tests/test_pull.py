@@ -239,8 +239,11 @@ def test_api_refusals(pull_server):
 
 
 def test_a_client_that_leaves_a_pull_leaves_no_model_and_the_next_pull_resumes(pull_server):
+    """A client that leaves in the middle of the weights stops the pull's child process (no model folder appears);
+    the next pull resumes the weights from where the first stopped (a ranged GET: had the child gone on, the file
+    would be complete and not fetched again)."""
     srv, name = pull_server, "test/slow-int4-ov"
-    workers_before = {pid for pid in srv.process_tree()}
+    workers_before = set(srv.process_tree())
     with requests.post(srv.base + "/api/pull", json={"model": name}, stream=True, timeout=60) as r:
         for line in r.iter_lines():
             event = json.loads(line)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from appliance import protocol as p
 from appliance.http.client import EngineUnavailable
 from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.errors import ApiError
+from appliance.openai_api.streaming import socket_closed
 
 PARENT_ENV = "APPLIANCE_PULL_PARENT"  # the worker's pid: the child stops when its parent is gone (appliance/pull.py)
 STOP_SECONDS = 10.0  # a child asked to stop (SIGTERM) that is still running after this is killed
@@ -65,7 +67,7 @@ class PullRoutes:
             ref = hub_names.parse(body.get("model") or body.get("name"))
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        events = self._pull(ref)
+        events = self._pull(ref, request.environ.get("gunicorn.socket"))
         if stream:  # Ollama's lines: the status `code` is for the unary answer only
             lines = (_line({k: v for k, v in event.items() if k != "code"}) for event in events)
             return Response(lines, mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache"})
@@ -74,8 +76,10 @@ class PullRoutes:
             raise ApiError(int(last.get("code") or 500), last["error"])
         return {"status": "success"}
 
-    def _pull(self, ref: hub_names.HubRef) -> Iterator[dict]:
-        """The child's status objects, its `success` held until the engine serves the model; an error is the last."""
+    def _pull(self, ref: hub_names.HubRef, sock: socket.socket | None) -> Iterator[dict]:
+        """The child's status objects, its `success` held until the engine serves the model; an error is the last.
+        The client's socket is looked at after each line (a download reports 4 a second): a write to a peer that
+        has gone may still succeed for a while, and the download would go on for nobody."""
         env = {**os.environ, PARENT_ENV: str(os.getpid())}
         child = subprocess.Popen(
             [sys.executable, "-m", "appliance.pull", "--json", ref.name],
@@ -94,6 +98,8 @@ class PullRoutes:
                     continue  # not ours (a library printing to stdout)
                 if not isinstance(last, dict) or last.get("status") == "success" or "error" in last:
                     break
+                if socket_closed(sock):
+                    return  # the finally below stops the child
                 yield last
             child.wait()
             if isinstance(last, dict) and "error" in last:

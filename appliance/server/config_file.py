@@ -104,10 +104,10 @@ def _model_entry(path: str, index: int, entry: Any, base: Path) -> dict[str, Any
         if key not in model:
             raise ConfigError(f"{where}: no {key!r}")
     base_path = model["base_path"]
-    path = (base / Path(base_path).expanduser()).resolve()
+    folder = (base / Path(base_path).expanduser()).resolve()
     # "default", a folder (relative to the file), or a pulled model's name (appliance/paths.py resolve_model)
-    keep = base_path == "default" or (not path.exists() and pulled_model(base_path) is not None)
-    model["base_path"] = base_path if keep else str(path)
+    keep = base_path == "default" or (not folder.exists() and pulled_model(base_path) is not None)
+    model["base_path"] = base_path if keep else str(folder)
     return model
 
 

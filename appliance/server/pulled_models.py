@@ -27,16 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from appliance import hub_names, options, paths, pull
 from appliance import protocol as p
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.server import config_file
-from appliance.settings import ConfigError, ModelSpec
-
-if TYPE_CHECKING:
-    from appliance.server.supervisor import Supervisor
+from appliance.server.engine_service import EngineService
+from appliance.settings import ConfigError, ModelSpec, ServeSettings
 
 log = logging.getLogger("appliance.serve")
 
@@ -47,8 +45,17 @@ def _not_found(name: str) -> p.Reply:
     return p.Reply(error=p.Failed(404, f"model '{name}' not found"))
 
 
+class Reloader(Protocol):
+    """What this needs of the supervisor (supervisor.py): its settings, its engine service, its reload."""
+
+    settings: ServeSettings
+    service: EngineService
+
+    def reload(self, specs: list[ModelSpec]) -> tuple[bool, list[p.ModelInfo]]: ...
+
+
 class PulledModels:
-    def __init__(self, supervisor: Supervisor):
+    def __init__(self, supervisor: Reloader):
         self.supervisor = supervisor
         self.added: dict[str, ModelSpec] = {}  # served because a pull added them, not the config or command line
 
