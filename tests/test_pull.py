@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import ollama
@@ -21,6 +22,7 @@ from conftest import Server, wait_until
 from appliance import hub_names, paths
 from appliance.manifest import Manifest
 from appliance.testing.hub import StubHub, ir_repo
+from appliance.testing.loopback import LoopbackServer
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "test/smol-int4-ov"
@@ -135,16 +137,30 @@ def test_unknown_repository_and_revision(int4_export, tmp_path):
         assert result.returncode == 1 and "has no revision 'v9'" in result.stderr
 
 
-def test_the_serving_venv_pulls_an_ir_repository(int4_export, tmp_path):
-    """The serving venv (no torch, no transformers: tests/test_install.py) pulls an OpenVINO IR repository."""
+def test_the_serving_venv_pulls_an_ir_repository_and_serves_it(int4_export, tmp_path):
+    """The serving venv (no torch, no transformers: tests/test_install.py) pulls an OpenVINO IR repository and
+    serves it: the issue's "serves without torch installed"."""
     venv = Path(os.environ.get("APPLIANCE_SERVING_VENV", ROOT / ".venv"))
     if not (venv / ".installed").is_file():
         pytest.skip(f"no serving venv at {venv}: `make test` builds it (make venv)")
+    python, data = str(venv / "bin" / "python"), tmp_path / "data"
     with StubHub({REPO: ir_repo(int4_export, tmp_path)}) as hub:
-        result, modules = cli_pull(str(venv / "bin" / "python"), pull_env(hub, tmp_path / "data"), REPO)
+        env = pull_env(hub, data)
+        result, modules = cli_pull(python, env, REPO)
     assert result.returncode == 0, result.stderr
     assert not [m for m in modules if m.split(".")[0] in EXPORT_TOOLS]
-    assert paths.is_pulled(tmp_path / "data" / "models" / "hub" / "test--smol-int4-ov" / "main")
+    assert Manifest.load(data / "models" / "hub" / "test--smol-int4-ov" / "main").name == REPO
+
+    def command(port: int) -> list[str]:
+        return [python, "-m", "appliance.cli", "serve", "--model", REPO, "--port", str(port), "--workers", "1"]
+
+    server = LoopbackServer(command, tmp_path / "serve.log", env=env)
+    server.ready_path = "/v2/health/ready"
+    with server:
+        reply = ollama.Client(host=server.base).chat(
+            REPO, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 4}
+        )
+        assert reply.message.content and reply.eval_count >= 1
 
 
 # ---------------------------------------------------------------- /api/pull and /api/delete on a running server
@@ -191,25 +207,31 @@ def test_api_pull_streams_progress_then_serves_and_delete_waits_for_the_jobs(pul
     assert answer.message.content and answer.done
     assert f"{REPO}:latest" in [m.model for m in client.list().models]
 
-    # a stream in flight on the model: the delete waits for it, and the stream ends whole
-    lines: list[dict] = []
-    body = {
-        "model": REPO,
-        "messages": [{"role": "user", "content": "Tell a long story."}],
-        "options": {"num_predict": 200},
-    }
+    # a stream in flight on the model (64 tokens, whatever the model says): the delete returns only once it has
+    # ended, and it ends whole
+    body = {"model": REPO, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64, "ignore_eos": True}
+    events: list = []
+    ended: list[float] = []
 
     def stream() -> None:
-        with requests.post(srv.base + "/api/chat", json=body, stream=True, timeout=300) as r:
+        with requests.post(
+            srv.base + "/v3/chat/completions", json={**body, "stream": True}, stream=True, timeout=300
+        ) as r:
             for line in r.iter_lines():
-                lines.append(json.loads(line))
+                if line.startswith(b"data: {"):
+                    events.append(json.loads(line[6:]))
+        ended.append(time.monotonic())
 
     reader = threading.Thread(target=stream)
     reader.start()
-    wait_until(lambda: len(lines) >= 2, "the stream to start")
+    wait_until(lambda: len(events) >= 3, "the stream to start")
+    asked = time.monotonic()
     assert client.delete(f"{REPO}:latest").status == "success"
+    deleted = time.monotonic()
     reader.join(300)
-    assert lines and lines[-1]["done"] is True and "error" not in lines[-1], lines[-1:]
+    assert ended and asked < ended[0] <= deleted  # the stream was running when asked, and ended before the answer
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert sum(1 for e in events if e["choices"] and e["choices"][0]["delta"].get("content") is not None) >= 48
     assert not (srv.data / "models" / "hub" / "test--smol-int4-ov").exists()
     with pytest.raises(ollama.ResponseError) as gone:
         client.chat(REPO, messages=[{"role": "user", "content": "Hi"}])
