@@ -21,7 +21,7 @@ from conftest import Server, wait_until
 
 from appliance import hub_names, paths
 from appliance.manifest import Manifest
-from appliance.testing.hub import StubHub, ir_repo
+from appliance.testing.hub import Repo, StubHub, ir_repo
 from appliance.testing.loopback import LoopbackServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +83,9 @@ def test_cli_pull_resumes_a_dropped_download_imports_no_export_tool_and_serves(i
         assert gets[1].range is not None and int(gets[1].range[len("bytes=") : -1]) >= 10 << 20, gets  # resumed
         skipped = [r.path for r in hub.requests if r.path.endswith(("README.md", "openvino_tokenizer.xml"))]
         assert skipped == []  # only the files the runtime reads
+        seen = len(hub.requests)
+        again, _ = cli_pull(sys.executable, pull_env(hub, data), f"{REPO}:latest")  # the same model, up to date
+        assert again.returncode == 0 and [r.path for r in hub.requests[seen:]] == [f"/api/models/{REPO}/revision/main"]
     assert not [m for m in modules if m.split(".")[0] in EXPORT_TOOLS]
     assert "huggingface_hub" in modules and "openvino" in modules  # it did download and validate
     for status in ("pulling manifest", "verifying sha256 digest", "writing manifest", "success"):
@@ -137,15 +140,46 @@ def test_unknown_repository_and_revision(int4_export, tmp_path):
         assert result.returncode == 1 and "has no revision 'v9'" in result.stderr
 
 
-def test_the_serving_venv_pulls_an_ir_repository_and_serves_it(int4_export, tmp_path):
+def tiny_repo(folder: Path) -> Repo:
+    """A safetensors repository (config.json, model.safetensors, tokenizer) from a tiny random model's folder."""
+    return Repo({p.name: p for p in folder.iterdir() if p.is_file()})
+
+
+def test_a_safetensors_repository_is_exported_where_the_export_tools_are(tiny, tmp_path):
+    data = tmp_path / "data"
+    with StubHub({"test/tiny-llama": tiny_repo(tiny("llama"))}) as hub:
+        result, _ = cli_pull(sys.executable, pull_env(hub, data), "test/tiny-llama", "--weight-format", "fp16")
+    assert result.returncode == 0, result.stderr
+    manifest = Manifest.load(data / "models" / "hub" / "test--tiny-llama" / "main")
+    assert (manifest.name, manifest.backend, manifest.weight_format) == ("test/tiny-llama", "openvino", "fp16")
+    assert manifest.source.endswith("/test/tiny-llama@" + Repo({}).commit)
+
+
+def test_a_private_repository_needs_the_token(int4_export, tmp_path):
+    repo = ir_repo(int4_export, tmp_path, token="hf_secret")
+    with StubHub({REPO: repo}) as hub:
+        env = pull_env(hub, tmp_path / "data")
+        env.pop("HF_TOKEN", None)
+        refused, _ = cli_pull(sys.executable, {**env, "HF_HOME": str(tmp_path / "hf")}, REPO)  # no stored login
+        assert refused.returncode == 1 and "a private one needs HF_TOKEN" in refused.stderr
+        result, _ = cli_pull(sys.executable, {**env, "HF_TOKEN": "hf_secret"}, REPO)
+        assert result.returncode == 0, result.stderr
+        assert {r.authorization for r in hub.requests[-3:]} == {"Bearer hf_secret"}
+
+
+def test_the_serving_venv_pulls_an_ir_repository_and_serves_it(int4_export, tiny, tmp_path):
     """The serving venv (no torch, no transformers: tests/test_install.py) pulls an OpenVINO IR repository and
-    serves it: the issue's "serves without torch installed"."""
+    serves it: the issue's "serves without torch installed". A safetensors repository is refused there before
+    anything downloads, saying what to install."""
     venv = Path(os.environ.get("APPLIANCE_SERVING_VENV", ROOT / ".venv"))
     if not (venv / ".installed").is_file():
         pytest.skip(f"no serving venv at {venv}: `make test` builds it (make venv)")
     python, data = str(venv / "bin" / "python"), tmp_path / "data"
-    with StubHub({REPO: ir_repo(int4_export, tmp_path)}) as hub:
+    with StubHub({REPO: ir_repo(int4_export, tmp_path), "test/tiny-llama": tiny_repo(tiny("llama"))}) as hub:
         env = pull_env(hub, data)
+        refused, _ = cli_pull(python, env, "test/tiny-llama")
+        assert refused.returncode == 1 and "converting them needs the export tools" in refused.stderr
+        assert [r for r in hub.requests if "/resolve/" in r.path] == []
         result, modules = cli_pull(python, env, REPO)
     assert result.returncode == 0, result.stderr
     assert not [m for m in modules if m.split(".")[0] in EXPORT_TOOLS]

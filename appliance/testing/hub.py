@@ -14,8 +14,8 @@ Faults a test asks for on a `Repo`: `drop_once` (file -> byte offset: the first 
 many bytes, then closes the connection), `corrupt` (files served with one byte flipped while the model info keeps
 the true checksum), `claimed_sizes` (file -> the size the model info reports: a huge one for a disk-space refusal),
 `throttle` (file -> seconds slept after each MiB: a download slow enough to interrupt), `token` (requests without
-`Authorization: Bearer <token>` get 401). Every request is recorded in `requests`
-(method, path, Range header, Authorization header).
+`Authorization: Bearer <token>` get 401 with RepoNotFound, as the hub answers for a private repository). Every
+request is recorded in `requests` (method, path, Range header, Authorization header).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class StubHub:
             self._error(h, 404, "RepoNotFound")
             return None
         if repo.token and h.headers.get("Authorization") != f"Bearer {repo.token}":
-            self._error(h, 401, None)
+            self._error(h, 401, "RepoNotFound")  # the hub says "not found" to a caller without access
             return None
         if revision not in (*repo.revisions, repo.commit):
             self._error(h, 404, "RevisionNotFound")
