@@ -69,6 +69,7 @@ def test_names():
             hub_names.parse(bad)
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_cli_pull_resumes_a_dropped_download_imports_no_export_tool_and_serves(int4_export, tmp_path, monkeypatch):
     """The hub drops the connection 30 MB into the weights once: the pull resumes the file (a ranged GET from where
     it stopped), checks every checksum and writes a model folder that `appliance serve --model NAME` serves; the
@@ -108,6 +109,7 @@ def test_cli_pull_resumes_a_dropped_download_imports_no_export_tool_and_serves(i
         assert [(t["name"], t["details"]["quantization_level"]) for t in tags] == [(f"{REPO}:latest", "Q4_0")]
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_a_checksum_mismatch_is_refused_and_nothing_is_served(int4_export, tmp_path):
     """The weights arrive with one byte flipped (the right size): the pull fails naming the digests, the bad file
     is deleted (the next pull downloads it again), and no model folder exists."""
@@ -123,6 +125,7 @@ def test_a_checksum_mismatch_is_refused_and_nothing_is_served(int4_export, tmp_p
     assert not (staged / BIN).exists() and (staged / "openvino_model.xml").is_file()
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_not_enough_disk_space_is_refused_before_any_download(int4_export, tmp_path):
     repo = ir_repo(int4_export, tmp_path, claimed_sizes={BIN: 1 << 60})
     with StubHub({REPO: repo}) as hub:
@@ -131,6 +134,7 @@ def test_not_enough_disk_space_is_refused_before_any_download(int4_export, tmp_p
         assert [r for r in hub.requests if "/resolve/" in r.path] == []
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_unknown_repository_and_revision(int4_export, tmp_path):
     with StubHub({REPO: ir_repo(int4_export, tmp_path)}) as hub:
         env = pull_env(hub, tmp_path / "data")
@@ -155,6 +159,7 @@ def test_a_safetensors_repository_is_exported_where_the_export_tools_are(tiny, t
     assert manifest.source.endswith("/test/tiny-llama@" + Repo({}).commit)
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_a_private_repository_needs_the_token(int4_export, tmp_path):
     repo = ir_repo(int4_export, tmp_path, token="hf_secret")
     with StubHub({REPO: repo}) as hub:
@@ -167,6 +172,7 @@ def test_a_private_repository_needs_the_token(int4_export, tmp_path):
         assert {r.authorization for r in hub.requests[-3:]} == {"Bearer hf_secret"}
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_the_serving_venv_pulls_an_ir_repository_and_serves_it(int4_export, tiny, tmp_path):
     """The serving venv (no torch, no transformers: tests/test_install.py) pulls an OpenVINO IR repository and
     serves it: the issue's "serves without torch installed". A safetensors repository is refused there before
@@ -218,6 +224,7 @@ def pull_server(int4_export, model_dir, tmp_path_factory):
             yield srv
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_api_pull_streams_progress_then_serves_and_delete_waits_for_the_jobs(pull_server):
     srv, client = pull_server, ollama.Client(host=pull_server.base)
     progress = list(client.pull(REPO, stream=True))
@@ -275,6 +282,7 @@ def test_api_pull_streams_progress_then_serves_and_delete_waits_for_the_jobs(pul
     assert again.value.status_code == 404
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_api_refusals(pull_server):
     srv, client = pull_server, ollama.Client(host=pull_server.base)
     served = srv.model_id()
@@ -294,6 +302,7 @@ def test_api_refusals(pull_server):
     }
 
 
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_a_client_that_leaves_a_pull_leaves_no_model_and_the_next_pull_resumes(pull_server):
     """A client that leaves in the middle of the weights stops the pull's child process (no model folder appears);
     the next pull resumes the weights from where the first stopped (a ranged GET: had the child gone on, the file
