@@ -69,6 +69,24 @@ def test_names():
             hub_names.parse(bad)
 
 
+def test_a_pulled_model_is_found_by_its_name(tmp_path, monkeypatch):
+    """`serve --model NAME` (paths.resolve_model) and a config file's base_path find a pulled model by its name; an
+    existing folder of the same relative name still wins, and a name never pulled stays a (missing) path."""
+    from appliance.server import config_file
+
+    monkeypatch.setenv("APPLIANCE_DATA_DIR", str(tmp_path / "data"))
+    folder = paths.pulled_model_dir(hub_names.parse("org/model:v2"))
+    folder.mkdir(parents=True)
+    (folder / "appliance_manifest.json").write_text("{}")
+    assert paths.resolve_model("org/model:v2") == folder and paths.is_pulled(folder)
+    assert paths.resolve_model("org/model") == Path("org/model")  # main was never pulled
+    config = tmp_path / "config.json"
+    entries = [{"config": {"name": "a", "base_path": "org/model:v2"}}, {"config": {"name": "b", "base_path": "m"}}]
+    config.write_text(json.dumps({"model_config_list": entries}))
+    models = config_file.read(config).models
+    assert models is not None and [m["base_path"] for m in models] == ["org/model:v2", str(tmp_path / "m")]
+
+
 @pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_cli_pull_resumes_a_dropped_download_imports_no_export_tool_and_serves(int4_export, tmp_path, monkeypatch):
     """The hub drops the connection 30 MB into the weights once: the pull resumes the file (a ranged GET from where
@@ -107,6 +125,9 @@ def test_cli_pull_resumes_a_dropped_download_imports_no_export_tool_and_serves(i
         assert r.json()["choices"][0]["message"]["content"]
         tags = requests.get(srv.base + "/api/tags", timeout=30).json()["models"]
         assert [(t["name"], t["details"]["quantization_level"]) for t in tags] == [(f"{REPO}:latest", "Q4_0")]
+        r = requests.delete(srv.base + "/api/delete", json={"model": REPO}, timeout=60)  # the command line names it
+        assert r.status_code == 400 and "the config file or the command line names it" in r.json()["error"], r.text
+    assert Manifest.load(folder).name == REPO
 
 
 @pytest.mark.default_model  # the stand-in repository is the default model's int4 export
