@@ -147,6 +147,7 @@ def pull(ref: HubRef, emit: Emit, weight_format: str | None = None) -> Path:
         kind, wanted = _plan(ref, files)
         download = staging / key
         _check_space(wanted, download, staging)
+        _drop_others(download, wanted)
         for f in wanted:
             _download(hub, ref, commit, f, download, emit)
         emit({"status": "verifying sha256 digest"})
@@ -260,6 +261,17 @@ def _have(download: Path, f: HubFile) -> int:
     if not etag or not parts.is_dir():
         return 0
     return max((p.stat().st_size for p in parts.glob(f"*.{glob_escape(etag)}.incomplete")), default=0)
+
+
+def _drop_others(download: Path, wanted: list[HubFile]) -> None:
+    """Files an earlier pull of another commit left that this one does not have (a shard since removed): the
+    exporter reads every *.safetensors of the folder."""
+    if download.is_dir():
+        names = {f.name for f in wanted}
+        for path in download.rglob("*"):
+            relative = path.relative_to(download).as_posix()
+            if path.is_file() and not relative.startswith(".cache/") and relative not in names:
+                path.unlink()
 
 
 def _check_space(files: list[HubFile], download: Path, staging: Path) -> None:
