@@ -78,8 +78,11 @@ class PulledModels:
             return p.Reply(error=p.Failed(500, f"the pulled model's manifest cannot be read: {exc}"))
         created = int((folder / MANIFEST_NAME).stat().st_mtime)
         current = {n: spec for n, (spec, _) in self.supervisor.service.specs().items()}
+        if name in current and Path(current[name].model_dir).resolve() != folder.resolve():
+            message = f"model '{name}' is served from {current[name].model_dir}: pulled into {folder}, not served"
+            return p.Reply(error=p.Failed(409, message))
         if name in current:
-            spec = replace(current[name], model_dir=str(folder), created=created)
+            spec = replace(current[name], created=created)
         else:
             try:
                 spec = self._spec(name, folder, manifest, created)
@@ -91,7 +94,7 @@ class PulledModels:
         specs = [spec if n == name else s for n, s in current.items()] + ([] if name in current else [spec])
         _, infos = self.supervisor.reload(specs)
         info = next((i for i in infos if i.name == name), None)
-        if info is None or info.state != "ready":
+        if info is None or info.state != "ready" or info.error:  # an error: the previous files still serve
             error = info.error if info is not None else "it is not served"
             return p.Reply(error=p.Failed(500, f"the model was pulled but failed to load: {error}"))
         return p.Reply(infos)
