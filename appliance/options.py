@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, get_args, get_type_hints
 
 from appliance import host, limits, tracing
 from appliance.config import EngineConfig
+from appliance.keep_alive import parse_keep_alive
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import compile_cache_dir, resolve_model
 from appliance.settings import ConfigError, ServeSettings
@@ -38,6 +39,7 @@ __all__ = [
     "limits_from",
     "options_table",
     "parse_kv_cache_size",
+    "parse_memory_budget",
     "shown_default",
 ]
 
@@ -111,6 +113,13 @@ def check_server(args: argparse.Namespace) -> None:
     if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
         raise ConfigError("--request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0")
     tracing.endpoint(args.otlp_endpoint)  # OpenTelemetry: a URL or OTEL_* setting it cannot export with
+    try:
+        parse_keep_alive(args.keep_alive)
+    except ValueError as exc:
+        raise ConfigError(f"--keep-alive: {exc}") from None
+    parse_memory_budget(args.models_memory_budget)
+    if args.models_load_wait <= 0:
+        raise ConfigError("--models-load-wait must be positive")
 
 
 def limits_from(args: argparse.Namespace) -> limits.Limits:
@@ -143,6 +152,28 @@ def parse_kv_cache_size(text: str) -> tuple[str, int] | None:
     raise ConfigError(
         f"--kv-cache-size {text!r}: use GB as a bare number (2, 1.5), a size with a unit "
         "(512MB, 2GiB), a token count (16384tokens) or auto"
+    )
+
+
+AUTO_BUDGET_FRACTION = 0.75  # of MemAvailable at start-up: the rest for the OS, the HTTP workers and page cache
+
+
+def parse_memory_budget(text: str) -> int | None:
+    """--models-memory-budget -> bytes, or None for none. A size with a unit (binary: 8GiB, 512MB, 1.5g) or bytes as
+    a bare number; auto: AUTO_BUDGET_FRACTION of MemAvailable now (None when the kernel does not say)."""
+    word = str(text).strip().lower()
+    if word == "none":
+        return None
+    if word == "auto":
+        available = host.meminfo_bytes("MemAvailable")
+        return int(available * AUTO_BUDGET_FRACTION) if available else None
+    m = _SIZE.fullmatch(word)
+    if m and not m[2]:
+        value = int(float(m[1]) * (_UNITS[m[3]] if m[3] else 1))
+        if value > 0:
+            return value
+    raise ConfigError(
+        f"--models-memory-budget {text!r}: use a size with a unit (8GiB, 512MB), bytes as a number, auto or none"
     )
 
 

@@ -47,6 +47,9 @@ TOKENIZE = "tokenize"  # (model, list[str]) -> list[list[int]]
 RECORD_HTTP = "http"  # (HttpRecord, ...): one, or a batch -> Reply()
 JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
 RELOAD = "reload"  # () -> (changed: bool, list[ModelInfo]) once the loads end; Failed 400 for a broken config
+# (model, keep_alive seconds | None) -> ModelInfo: load the model now (Ollama's empty request), then keep it for
+# keep_alive; keep_alive 0 unloads it (once its requests end) instead. Answers once loaded (a job's load is the same)
+LOAD = "load"
 FAULT = "fault"  # (kind, model="") -> Reply(): Engine.inject_fault, only with FAULT_INJECTION_ENV=1 (tests)
 # Ollama's /api/pull and /api/delete (appliance/server/pulled_models.py), answered once done (RELOAD_SECONDS):
 SERVE_PULLED = "serve_pulled"  # (name) -> list[ModelInfo] once the pulled model serves; Failed 404 / 400 / 500
@@ -59,6 +62,7 @@ FAULT_INJECTION_ENV = "APPLIANCE_FAULT_INJECTION"
 # engine steps (the engine process's GIL): seconds mean the engine is wedged, and a worker must not wait forever.
 HANDSHAKE_SECONDS = 5.0
 CALL_SECONDS = 10.0
+LOAD_SECONDS = 900.0  # LOAD answers once the model has loaded and warmed up (as a reload's models)
 RELOAD_SECONDS = 900.0  # a reload answers once its models have loaded and warmed up (a large one on a GPU: minutes)
 
 
@@ -125,6 +129,11 @@ class ModelInfo:
     created: int
     state: str  # as EngineStatus.state
     error: str | None = None
+    # a ready model is loaded (in memory) or unloaded by the keep_alive / memory budget policy, and then loads on its
+    # next request (appliance/server/residency.py)
+    loaded: bool = True
+    size: int = 0  # bytes in memory, estimated (residency.estimate)
+    expires_at: float | None = None  # unix time it unloads if it stays idle; None: not planned (forever, or busy)
 
 
 @dataclass
@@ -155,6 +164,11 @@ class Job:
     # OpenTelemetry, when tracing is on and the request is sampled: the W3C trace context (traceparent, tracestate)
     # of the worker's request span, whose children the engine's spans of the job are (appliance/tracing.py)
     trace: dict[str, str] | None = None
+    # Ollama's keep_alive (seconds; math.inf: forever; None: the model's default): how long the model stays loaded
+    # once this job and the others on it end
+    keep_alive: float | None = None
+    # Ollama's num_ctx: the tokens this request's prompt + output may use (None: the model's context)
+    context_window: int | None = None
 
 
 @dataclass
@@ -172,6 +186,7 @@ class Accepted:
     prompt_tokens: list[int]  # per prompt
     echo_texts: list[str] | None = None  # per prompt, when echo was asked
     serial: int = 0  # the model's EngineStatus.serial
+    load_seconds: float = 0.0  # the job waited this long for its model to load (Ollama's load_duration)
 
 
 @dataclass

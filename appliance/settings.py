@@ -43,6 +43,8 @@ class ModelSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     tool_parser: str = "auto"
     reasoning_parser: str = "auto"
+    # how long the model stays loaded when idle (appliance/keep_alive.py's spellings); None: --keep-alive's
+    keep_alive: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> ModelSpec:
@@ -161,6 +163,26 @@ class ServeSettings:
         256 * 1024 * 1024,
         "bytes of stored Responses API responses at most; the oldest go first",
         flag="responses-max-bytes",
+    )
+    keep_alive: str = setting(
+        "-1",
+        "how long an idle model stays loaded (Ollama's keep_alive): a duration (5m, 30s, 1h30m) or seconds; 0: "
+        "unloaded after each request; negative: forever. Unloaded models stay listed and load again on their next "
+        "request; a config file's model may set its own `keep_alive`, an Ollama request its own",
+        flag="keep-alive",
+        show="-1 (forever)",
+    )
+    models_memory_budget: str = setting(
+        "none",
+        "bytes all loaded models may take together (a size with a unit: 8GiB, 512MB), auto (three quarters of the "
+        "memory available at start-up) or none; a model that would not fit unloads the least recently used idle "
+        "ones first (appliance/server/residency.py)",
+        flag="models-memory-budget",
+    )
+    models_load_wait: float = setting(
+        60.0,
+        "seconds a load waits for busy models to go idle when the memory budget is full; then its requests get a 503",
+        flag="models-load-wait",
     )
     log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
     access_log: bool = setting(False, "log every HTTP request", flag="access-log")

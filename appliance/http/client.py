@@ -135,6 +135,10 @@ class EngineClient:
     def tokenize(self, model: str, texts: list[str]) -> p.Reply:
         return self.call(p.TOKENIZE, model, texts)
 
+    def load(self, model: str, keep_alive: float | None) -> p.Reply:
+        """Load the model now (keep_alive 0: unload it); answers once done, with its ModelInfo."""
+        return self.call(p.LOAD, model, keep_alive, timeout=p.LOAD_SECONDS)
+
     def reload(self) -> p.Reply:
         """The engine re-reads the config file and loads / unloads models; answers when done."""
         return self.call(p.RELOAD, timeout=p.RELOAD_SECONDS)

@@ -19,6 +19,7 @@ from appliance.paths import pulled_model
 from appliance.protocol import EngineStatus, ModelInfo
 from appliance.settings import ServeSettings
 
+FOREVER = "9999-12-31T23:59:59Z"  # expires_at of a model kept loaded (keep_alive negative)
 QUANTIZATION = {"int4": "Q4_0", "int8": "Q8_0", "fp16": "F16", "fp32": "F32", "bf16": "BF16"}
 
 
@@ -111,12 +112,15 @@ def tag_entry(settings: ServeSettings, info: ModelInfo) -> dict:
 
 
 def ps_entry(settings: ServeSettings, info: ModelInfo, status: EngineStatus) -> dict:
+    """A loaded model: `size` the memory it takes (residency.estimate: weights + KV pool), `expires_at` when its
+    keep_alive unloads it if it stays idle (far away: kept loaded)."""
     entry = tag_entry(settings, info)
     del entry["modified_at"]
     return {
         **entry,
-        "expires_at": "9999-12-31T23:59:59Z",  # no idle unload yet: loaded until the server stops
-        "size_vram": 0,  # CPU
+        "size": info.size or entry["size"],
+        "expires_at": _rfc3339(info.expires_at) if info.expires_at is not None else FOREVER,
+        "size_vram": 0,  # CPU: nothing in a GPU's memory (a GPU device's share is not measured)
         "context_length": status.max_context,
     }
 

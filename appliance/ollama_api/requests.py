@@ -8,9 +8,13 @@ appliance/limits.py are checked exactly as on the OpenAI side. What Ollama has a
   max_tokens); load-time and resource options (RESOURCE_OPTIONS) change no output and are accepted and ignored;
   any other option (mirostat, tfs_z, ...) would change the output in a way we cannot, so it is a 400, never
   silently dropped.
-- `num_ctx`: Ollama clamps a num_ctx above the model's training context (a warning in its log) and uses a smaller
-  one as the window; here the served context always applies (the KV cache is shared, not per request), so num_ctx
-  is checked as a positive integer and otherwise has no effect (docs/ollama.md).
+- `num_ctx`: the request's context window (Job.context_window): the prompt and the output together stay within it,
+  at most the model's context (Ollama clamps a larger one the same way). The engine caps max_tokens to what the
+  prompt leaves of it and drops a chat's oldest messages that do not fit, as Ollama does; a prompt that still does
+  not fit is a 400 (appliance/server/jobs.py says why no tokens are cut off its start).
+- `keep_alive` (top level): how long the model stays loaded after this request (appliance/keep_alive.py: Ollama's
+  spellings); a request with nothing to say (no messages, an empty prompt) only loads the model, or with
+  keep_alive 0 unloads it.
 - `num_predict`: a positive value is max_tokens (the same limit: 400 above `--max-tokens-limit`); -1 (until the
   context ends), -2 (fill the context) and 0 (Ollama's runner: no limit) all mean "not set": until a stop condition
   or the end of the context, as OpenAI's unset max_tokens.
@@ -26,6 +30,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.keep_alive import parse_keep_alive
 from appliance.limits import Limits
 from appliance.openai_api.chat import ChatRequest, parse_chat
 from appliance.openai_api.completions import CompletionRequest, parse_completion
@@ -78,6 +83,8 @@ class OllamaRequest:
     chat: ChatRequest | None = None  # /api/chat and templated /api/generate
     completion: CompletionRequest | None = None  # /api/generate with raw: the prompt as it is
     load_only: bool = False  # no messages / empty prompt: Ollama loads the model and answers done_reason "load"
+    keep_alive: float | None = None  # seconds (math.inf: forever); None: the model's default
+    num_ctx: int | None = None  # the request's context window (prompt + output)
 
 
 def _object(body: Any) -> dict:
@@ -106,6 +113,26 @@ def _think(body: dict) -> bool | None:
     raise invalid('think must be a boolean or one of "low", "medium", "high"', "think")
 
 
+def keep_alive(body: dict) -> float | None:
+    value = body.get("keep_alive")
+    if value is None:
+        return None
+    try:
+        return parse_keep_alive(value)
+    except ValueError as exc:
+        raise invalid(str(exc), "keep_alive") from None
+
+
+def num_ctx(body: dict) -> int | None:
+    opts = body.get("options")
+    value = opts.get("num_ctx") if isinstance(opts, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise invalid("num_ctx must be a positive integer", "num_ctx")
+    return value
+
+
 def options(body: dict, limits: Limits) -> dict[str, Any]:
     """`options` -> OpenAI fields (their checks are validation's, on the translated body)."""
     opts = body.get("options")
@@ -127,8 +154,7 @@ def options(body: dict, limits: Limits) -> dict[str, Any]:
             elif value not in (0, -1, -2):
                 raise invalid("num_predict must be positive, or -1 (until the context ends) or -2 (fill it)", name)
         elif name == "num_ctx":
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise invalid("num_ctx must be a positive integer", "num_ctx")
+            num_ctx(body)  # checked; it is the job's context window (OllamaRequest.num_ctx), not an OpenAI field
         elif name in NEUTRAL:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value != NEUTRAL[name]:
                 raise invalid(f"option {name} is not supported (only its neutral value {NEUTRAL[name]})", name)
@@ -191,7 +217,16 @@ def _common(body: dict, limits: Limits) -> dict:
 
 
 def parse_ollama_chat(body: Any, limits: Limits) -> OllamaRequest:
-    body = _object(body)
+    req = _chat(_object(body), limits)
+    return dataclasses.replace(req, keep_alive=keep_alive(body), num_ctx=num_ctx(body))
+
+
+def parse_ollama_generate(body: Any, limits: Limits) -> OllamaRequest:
+    req = _generate(_object(body), limits)
+    return dataclasses.replace(req, keep_alive=keep_alive(body), num_ctx=num_ctx(body))
+
+
+def _chat(body: dict, limits: Limits) -> OllamaRequest:
     stream, think = _bool(body, "stream", True), _think(body)
     openai = _common(body, limits)
     messages = body.get("messages")
@@ -203,8 +238,7 @@ def parse_ollama_chat(body: Any, limits: Limits) -> OllamaRequest:
     return OllamaRequest(body["model"], stream, think, chat=parse_chat(openai, limits))
 
 
-def parse_ollama_generate(body: Any, limits: Limits) -> OllamaRequest:
-    body = _object(body)
+def _generate(body: dict, limits: Limits) -> OllamaRequest:
     stream, think = _bool(body, "stream", True), _think(body)
     raw = _bool(body, "raw", False)
     _no_images(body, "images")

@@ -14,7 +14,7 @@ from appliance import __version__
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull
 from appliance.ollama_api.requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate, with_model
-from appliance.ollama_api.wire import OllamaGeneration, Render
+from appliance.ollama_api.wire import NS, OllamaGeneration, Render
 from appliance.openai_api.adapter import AppApi, error_handlers
 from appliance.openai_api.chat import ChatShape, chat_job
 from appliance.openai_api.completions import CompletionShape, completion_job
@@ -58,8 +58,8 @@ class OllamaRoutes:
         if req.think and not thinks:
             raise ApiError(400, f'"{req.model}" does not support thinking')
         render = Render(req.model, chat, keep_thinking=req.think is not False)
-        if req.load_only:  # Ollama: a request with nothing to say loads the model (here: always loaded)
-            return {**render.body(""), "done": True, "done_reason": "load"}
+        if req.load_only:  # Ollama: a request with nothing to say loads the model (keep_alive 0: unloads it)
+            return self._load(req, served, render)
         request_id = ("chatcmpl-" if req.chat is not None else "cmpl-") + uuid.uuid4().hex
         g.request_id = request_id
         if req.chat is not None:
@@ -78,6 +78,7 @@ class OllamaRoutes:
             timeout = req.completion.edge.timeout
         job.model = served
         job.tenant = g.get("tenant", "")
+        job.keep_alive, job.context_window = req.keep_alive, req.num_ctx
         sock = request.environ.get("gunicorn.socket")
         meta = Meta(request_id, int(time.time()), served, f"appliance-{__version__}".lower())
         generation = OllamaGeneration(
@@ -91,6 +92,21 @@ class OllamaRoutes:
             generation.ndjson(render), mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache"}
         )
 
+    def _load(self, req: OllamaRequest, served: str, render: Render) -> dict:
+        """Load (or, keep_alive 0, unload) the model and say so, as Ollama: done_reason "load" / "unload"."""
+        start = time.monotonic()
+        reply = self.api.client.load(served, req.keep_alive)
+        if reply.error is not None:
+            raise ApiError(reply.error.status, reply.error.message, code=reply.error.code)
+        unload = req.keep_alive == 0
+        seconds = 0.0 if unload else time.monotonic() - start
+        return {
+            **render.body(""),
+            "done": True,
+            "done_reason": "unload" if unload else "load",
+            **({} if unload else {"total_duration": int(seconds * NS), "load_duration": int(seconds * NS)}),
+        }
+
     def tags(self):
         settings = self.api.settings
         return {"models": [M.tag_entry(settings, info) for info in self.api.client.models()]}
@@ -98,7 +114,7 @@ class OllamaRoutes:
     def ps(self):
         out = []
         for info in self.api.client.models():
-            if info.state == "ready":
+            if info.state == "ready" and info.loaded:  # unloaded (keep_alive, memory budget): not running
                 out.append(M.ps_entry(self.api.settings, info, self.api.client.serving_status(info.name)))
         return {"models": out}
 

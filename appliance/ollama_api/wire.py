@@ -99,7 +99,8 @@ class Render:
             "done": True,
             "done_reason": DONE_REASONS.get(reason, reason),
             "total_duration": int(timing["total_time"] * NS),
-            "load_duration": 0,  # the model is loaded at start-up, never per request
+            # the wait for an unloaded model's load (part of total_duration, as Ollama counts it)
+            "load_duration": int(gen.accepted.load_seconds * NS) if gen.accepted else 0,
             "prompt_eval_count": usage["prompt_tokens"],
             "prompt_eval_duration": int(timing["prompt_time"] * NS),
             "eval_count": usage["completion_tokens"],

@@ -194,6 +194,8 @@ class Api:
                     {"version": "1", "state": state, "status": {"error_code": code, "error_message": message}}
                 ],
                 "limits": asdict(self.limits),
+                # load on demand: an AVAILABLE model may be unloaded (idle past keep_alive, or the memory budget)
+                "loaded": info.loaded,
             }  # beside OVMS's key: clients reading model_version_status are unaffected
         return body
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from appliance import options
 from appliance.config import EngineConfig
+from appliance.keep_alive import parse_keep_alive
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import pulled_model, resolve_model
 from appliance.server import tool_prompt
@@ -36,7 +37,7 @@ MODEL_LIST = "model_config_list"  # OVMS's key: [{"config": {"name": ..., "base_
 # What one model may set for itself: every engine flag (OVMS spells --device `target_device` and --draft-model its
 # graph option `draft_models_path`; `draft_device` is both's) and the output parsers.
 ENGINE_FLAGS = tuple(flag for flag, (cls, _) in options.FIELDS.items() if cls is EngineConfig)
-MODEL_FLAGS = (*ENGINE_FLAGS, "tool-parser", "reasoning-parser")
+MODEL_FLAGS = (*ENGINE_FLAGS, "tool-parser", "reasoning-parser", "keep-alive")
 MODEL_ALIASES = {"target_device": "device", "draft_models_path": "draft-model"}
 # Flags naming a file or directory, and their words that are not paths: in the file, a path is relative to the
 # file's directory (as OVMS's base_path).
@@ -69,8 +70,8 @@ def _typed(where: str, key: str, flag: str, raw: Any, base: Path) -> Any:
     if raw is None and default is None:
         return None  # "not set", as the flag's own default
     number = isinstance(raw, (int, float)) and not isinstance(raw, bool)
-    if kind is str and number and flag == "kv-cache-size":
-        raw = str(raw)  # a bare number is GB, as OVMS's cache_size
+    if kind is str and number and flag in ("kv-cache-size", "keep-alive"):
+        raw = str(raw)  # a bare number is GB, as OVMS's cache_size; keep_alive: seconds, as Ollama
     elif kind is float and number:
         raw = float(raw)
     if not isinstance(raw, kind) or (kind is int and isinstance(raw, bool)):
@@ -95,7 +96,7 @@ def _model_entry(path: str, index: int, entry: Any, base: Path) -> dict[str, Any
         if flag not in MODEL_FLAGS:
             raise ConfigError(
                 f"{where}: unknown key {key!r} (a model takes name, base_path, target_device, draft_models_path, "
-                "the engine flags and tool_parser / reasoning_parser)"
+                "the engine flags, tool_parser / reasoning_parser and keep_alive)"
             )
         if flag in model:
             raise ConfigError(f"{where}: {key!r} is given twice (as {flag!r} and an alias)")
@@ -203,9 +204,21 @@ def model_specs(file: ConfigFile, pinned: dict[str, Any]) -> list[ModelSpec]:
             tool_prompt.choose_reasoning_parser(None, merged["reasoning-parser"])
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+        try:
+            parse_keep_alive(merged["keep-alive"])
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
         created = int((model_dir / MANIFEST_NAME).stat().st_mtime)
         specs.append(
-            ModelSpec(model["name"], str(model_dir), created, engine, merged["tool-parser"], merged["reasoning-parser"])
+            ModelSpec(
+                model["name"],
+                str(model_dir),
+                created,
+                engine,
+                merged["tool-parser"],
+                merged["reasoning-parser"],
+                str(merged["keep-alive"]),
+            )
         )
     return specs
 

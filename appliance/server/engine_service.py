@@ -6,6 +6,10 @@ Liveness: the accept loop only accepts; the HMAC handshake runs in the connectio
 a worker killed mid-handshake, a stalled peer or a wrong key costs that connection alone and never ends or
 blocks accepting. `status()` is computed on every call from the engine loop's heartbeat: a dead engine thread or
 one stuck in a step for ENGINE_STALL_SECONDS (slots.py) reads as not ready (the supervisor exits on a dead one).
+
+Load on demand: a job (every client API's) for a model the residency policy unloaded asks `loader` (the
+supervisor's, which loads on its own thread) and waits on its connection's thread, so the engine loops never wait
+on a load; LOAD (Ollama's empty request) does the same, or with keep_alive 0 unloads.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 from typing import TYPE_CHECKING
@@ -23,7 +28,7 @@ from appliance import protocol as p
 from appliance.runtime.tokenizer import TextTooLong
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
-from appliance.server.slots import Models, Rejected, model_not_found, not_ready, single_spec
+from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready, single_spec
 from appliance.settings import ModelSpec, ServeSettings
 
 if TYPE_CHECKING:
@@ -39,12 +44,16 @@ class EngineService:
     def __init__(self, settings: ServeSettings, metrics: ServerMetrics):
         self.settings = settings
         self.metrics = metrics
-        self.registry = Models(settings.models or [single_spec(settings)], settings.graceful_timeout)
+        self.registry = Models(
+            settings.models or [single_spec(settings)], settings.graceful_timeout, settings.keep_alive
+        )
         self.jobs = JobRunner(self.registry, metrics, settings.limits)
         # the supervisor's reload (POST /v1/config/reload): a Reply with (changed, [ModelInfo]) or a Failed
         self.reloader: Callable[[], p.Reply] | None = None
         # more calls by op name, each (*args) -> Reply: the supervisor's pulled models (SERVE_PULLED, DELETE_PULLED)
         self.calls: dict[str, Callable[..., p.Reply]] = {}
+        # the supervisor's LOAD (model, keep_alive | None, gone) -> Reply(ModelInfo) or a Failed
+        self.load_call: Callable[[str, float | None, Callable[[], bool]], p.Reply] | None = None
         self._listener: Listener | None = None
         self._authkey = b""
         self._faults = os.environ.get(p.FAULT_INJECTION_ENV) == "1"
@@ -75,6 +84,9 @@ class EngineService:
     # the supervisor's view of the models (Models in slots.py does the work)
     def attach(self, engine: Engine, device: str, name: str = "", spec: ModelSpec | None = None) -> None:
         self.registry.attach(engine, device, name, spec)
+        slot = self.registry.find(spec.name if spec is not None else name)
+        if slot is not None and slot.engine is engine:  # what an unloaded slot answers status with
+            slot.facts = self._engine_status(slot, "ready", None)
 
     def add(self, spec: ModelSpec) -> None:
         self.registry.add(spec)
@@ -162,13 +174,18 @@ class EngineService:
                 s.spec.name: (s.live_state()[0] == "ready", s.engine.stats() if s.engine else None) for s in slots
             }
             return p.Reply(self.metrics.render(per_model))
-        if op == p.TOKENIZE:
+        if op == p.TOKENIZE:  # an unloaded model tokenizes with the tokenizer it kept: no load for this
             name, texts = args
             slot = self.registry.slot(name)
-            if slot.engine is None or slot.state != "ready":
+            if slot.tokenizer is None or slot.facts is None or slot.state != "ready":
                 return p.Reply(error=not_ready(slot.state))
-            ids = tokenize(slot.engine, texts)
+            ids = tokenize(slot.tokenizer, slot.facts.max_context, texts)
             return p.Reply(error=ids) if isinstance(ids, p.Failed) else p.Reply(ids)
+        if op == p.LOAD:
+            if self.load_call is None:
+                return p.Reply(error=p.Failed(500, "this server cannot load models on demand"))
+            name, keep_alive = args
+            return self.load_call(self.registry.slot(name).spec.name, keep_alive, lambda: False)
         if op == p.RELOAD:
             if self.reloader is None:
                 return p.Reply(error=p.Failed(400, "no config file: start the server with --config to reload it"))
@@ -184,9 +201,16 @@ class EngineService:
         state, error = slot.live_state()
         if self.stopping:
             state = "stopping"
-        e = slot.engine
-        if e is None:
+        if slot.engine is None:
+            if slot.facts is not None and state == "ready":  # unloaded: its next job loads it
+                return replace(slot.facts, error=error)
             return p.EngineStatus(state, error, serial=slot.serial)
+        return self._engine_status(slot, state, error)
+
+    @staticmethod
+    def _engine_status(slot: Slot, state: str, error: str | None) -> p.EngineStatus:
+        e = slot.engine
+        assert e is not None, "a loaded slot"
         return p.EngineStatus(
             state,
             error,
@@ -201,12 +225,11 @@ class EngineService:
         )
 
 
-def tokenize(engine: Engine, texts: list[str]) -> list[list[int]] | p.Failed:
+def tokenize(tok, limit: int, texts: list[str]) -> list[list[int]] | p.Failed:
     """/tokenize's ids, as a prompt is tokenized (BOS included): without holding the GIL, and refused (400) before
     anything is encoded when the texts together cannot fit the model's context (a text that could not be a prompt;
     and a list is bounded as one prompt is, since an encoding costs ~150 bytes a token while it is built: 7 texts
     of 600,000 digits took 9 s and 857 MB, one 120 MB)."""
-    tok, limit = engine.tokenizer, engine.max_context
     try:
         tok.check_length(texts[0] if len(texts) == 1 else "".join(texts), limit)  # together, as one prompt
     except TextTooLong as exc:

@@ -5,6 +5,18 @@ A job's sequences are each drained by a pump thread that forwards chunks as the 
 connection's thread meanwhile watches the socket, and when the worker closes it (its client went away, or the
 request timed out) every sequence of the job is cancelled at once. A refused job is one `Failed` then `End`: the
 request's fault is a 400, a full queue a 429, a model that cannot serve a 503, before anything is queued.
+
+A job for a model the residency policy unloaded waits here, on its connection's thread, for `ensure` (the
+supervisor's load on its loader thread); its in-flight count is held meanwhile, so once loaded the model cannot be
+unloaded under it. The wait is part of the job: queue_time, total_time, time to first token (metrics) and
+Accepted.load_seconds (Ollama's load_duration) include it. A worker that closes the connection meanwhile ends the
+wait (the load itself goes on, for the next request).
+
+Ollama's num_ctx (Job.context_window, at most the model's context) bounds the prompt and the output together:
+max_tokens is capped to what is left of the window; a chat prompt over the window loses its oldest messages (never
+a system message, never the last one), as Ollama's chat does; a prompt still over it (a raw prompt, or a last
+message alone too long) is a 400: cutting tokens off its start, as Ollama's runner does, would cut the chat
+template's own start.
 """
 
 from __future__ import annotations
@@ -13,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, cast
@@ -41,6 +54,8 @@ class JobRunner:
         self.models = models
         self.metrics = metrics
         self.limits = limits
+        # the supervisor's load of an unloaded model (name, worker gone?) -> None once loaded, or why it failed
+        self.ensure: Callable[[str, Callable[[], bool]], p.Failed | None] | None = None
 
     def run(self, conn: Connection, job: p.Job) -> bool:
         """Streams the job's events. False when the worker closed the connection (the job was cancelled)."""
@@ -48,17 +63,30 @@ class JobRunner:
         if trace is not None:
             conn = cast(Connection, trace.watch(conn))
         try:
-            with self.models.in_flight(job.model) as slot:
+            arrived = time.monotonic()
+            with self.models.in_flight(job.model, job.keep_alive) as slot:
                 if slot is None:
                     conn.send(model_not_found(job.model))
                     conn.send(p.End())
                     return True
-                return self._run_on(conn, job, slot)
+                load_seconds = 0.0
+                if slot.unloaded and self.ensure is not None:
+                    failed = self.ensure(slot.spec.name, lambda: closed(conn))
+                    load_seconds = time.monotonic() - arrived
+                    if failed is not None:
+                        if closed(conn):
+                            return False
+                        conn.send(failed)
+                        conn.send(p.End())
+                        return True
+                return self._run_on(conn, job, slot, arrived if load_seconds else None, load_seconds)
         finally:
             if trace is not None:
                 trace.end()  # the job's spans, written after its End went out
 
-    def _run_on(self, conn: Connection, job: p.Job, slot: Slot) -> bool:
+    def _run_on(
+        self, conn: Connection, job: p.Job, slot: Slot, arrived: float | None = None, load_seconds: float = 0.0
+    ) -> bool:
         if problem := slot.problem():
             conn.send(p.Failed(503, f"The engine cannot serve: {problem}", code="engine_failed"))
             conn.send(p.End())
@@ -69,6 +97,9 @@ class JobRunner:
             conn.send(exc.failed)
             conn.send(p.End())
             return True
+        if load_seconds:  # the load was part of this job's wait: its timings and TTFT count it
+            accepted = replace(accepted, load_seconds=load_seconds)
+            handles = [(i, h, arrived) for i, h, _ in handles]
         try:
             conn.send(accepted)
         except BaseException:  # the worker is gone: nobody would read the sequences, which would run on
@@ -84,7 +115,7 @@ class JobRunner:
                 )
             conn.send(p.End())
             return True
-        return self._stream(conn, handles)
+        return self._stream(conn, handles, load_seconds)
 
     def submit(self, job: p.Job, slot: Slot | None = None) -> tuple[list, p.Accepted]:
         """Tokenize and queue the job on its model's engine: ([(choice index, handle, submitted)], Accepted), or
@@ -99,8 +130,9 @@ class JobRunner:
             raise Rejected(
                 p.Failed(400, f"stop token id {bad} is out of the vocabulary range [0, {vocab})", "stop_token_ids")
             )
+        window = min(job.context_window, engine.max_context) if job.context_window else None
         try:
-            prompts = [prompt_ids(spec, slot, job.params.max_tokens) for spec in job.prompts]
+            prompts = [prompt_ids(spec, slot, job.params.max_tokens, window) for spec in job.prompts]
             echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
         except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
             raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
@@ -111,6 +143,10 @@ class JobRunner:
             raise Rejected(p.Failed(400, str(exc), param)) from None
         if job.tenant and engine.config.prefix_cache_sharing == "keys":  # API keys apart in the prefix cache
             prepared = replace(prepared, cache_scope=job.tenant)
+        if window is not None:  # num_ctx: the prompt and the output within the window
+            room = window - max(map(len, prompts))
+            if prepared.max_tokens is None or prepared.max_tokens > room:
+                prepared = replace(prepared, max_tokens=room)
         job = replace(job, params=prepared)
         check_setup(job, prompts, engine, limits)
         check_generated_logprobs(job, prompts, engine.max_context, limits)
@@ -175,7 +211,7 @@ class JobRunner:
             raise Rejected(p.Failed(400, str(exc))) from None
         return handles, accepted
 
-    def _stream(self, conn: Connection, handles: list) -> bool:
+    def _stream(self, conn: Connection, handles: list, load_seconds: float = 0.0) -> bool:
         send_lock = threading.Lock()
         wake_r, wake_w = os.pipe()
         state = {"open": True}
@@ -187,7 +223,14 @@ class JobRunner:
                     last = self._observe(chunk, submitted, last)
                     if not state["open"]:
                         continue
-                    event = p.ChoiceChunk(index + offset, chunk, handle.timing if chunk.finish_reason else None)
+                    timing = handle.timing if chunk.finish_reason else None
+                    if timing is not None and load_seconds:
+                        timing = replace(
+                            timing,
+                            queue_time=timing.queue_time + load_seconds,
+                            total_time=timing.total_time + load_seconds,
+                        )
+                    event = p.ChoiceChunk(index + offset, chunk, timing)
                     try:
                         with send_lock:
                             conn.send(event)
@@ -303,7 +346,62 @@ def check_generated_logprobs(job: p.Job, prompts: list[list[int]], context: int,
         )
 
 
-def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) -> list[int]:
+def closed(conn: Connection) -> bool:
+    """The worker closed the connection (it sends nothing else during a job: readable means EOF)."""
+    try:
+        return conn.poll(0)
+    except (OSError, EOFError):
+        return True
+
+
+def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None, window: int | None = None) -> list[int]:
+    """The prompt's token ids (chat: templated). `window` (num_ctx): a chat prompt loses its oldest messages until
+    it leaves room for one token; a prompt still too long is a 400."""
+    ids = _prompt_ids(spec, slot, max_tokens)
+    if window is None or len(ids) < window:
+        return ids
+    if spec.messages is not None:
+        ids = _fit_messages(spec, slot, max_tokens, window)
+    if len(ids) >= window:
+        raise Rejected(
+            p.Failed(
+                400,
+                f"the prompt is {len(ids)} tokens, which does not fit num_ctx {window} (with room for one token "
+                "to generate); raise num_ctx or shorten the prompt",
+                "num_ctx",
+            )
+        )
+    return ids
+
+
+def _fit_messages(spec: p.PromptSpec, slot: Slot, max_tokens: int | None, window: int) -> list[int]:
+    """The prompt with the fewest oldest droppable messages (not system, not the last) left out that fits the
+    window; binary search (the prompt shrinks as more are left out), each probe one templating."""
+    messages = spec.messages or []
+    droppable = [i for i, m in enumerate(messages[:-1]) if not (isinstance(m, dict) and m.get("role") == "system")]
+
+    def without(k: int) -> list[int]:
+        gone = set(droppable[:k])
+        kept = [m for i, m in enumerate(messages) if i not in gone]
+        return _prompt_ids(replace(spec, messages=kept), slot, max_tokens)
+
+    if not droppable:
+        return _prompt_ids(spec, slot, max_tokens)
+    lo, hi = 1, len(droppable)  # without(hi) fits once checked; the least k in [lo, hi] that fits is wanted
+    best = without(hi)
+    if len(best) >= window:
+        return best
+    while lo < hi:
+        mid = (lo + hi) // 2
+        ids = without(mid)
+        if len(ids) < window:
+            hi, best = mid, ids
+        else:
+            lo = mid + 1
+    return best
+
+
+def _prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) -> list[int]:
     engine = slot.engine
     assert engine is not None, "submit checked it"
     tok = engine.tokenizer

@@ -39,6 +39,7 @@ from appliance.protocol import DROP_REASONS, DROPPED_ROUTE
 disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+LOAD_BUCKETS = (0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 PREFIX = "appliance_"
 
 # Label values of the HTTP series come from fixed sets, so clients cannot add series (every response is recorded,
@@ -209,6 +210,13 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
         self.e2e = histogram(
             "request_duration_seconds", "Sequence arrival to its last token.", LATENCY_BUCKETS + (60.0, 120.0, 300.0)
+        )
+        # load on demand (appliance/server/residency.py): loads by why (start-up, on demand, reload) and outcome,
+        # unloads by why (idle past keep_alive, room for another model under the budget, keep_alive 0 asked)
+        self.model_loads = counter("model_loads_total", "Model loads, by reason and result.", ("reason", "result"))
+        self.model_unloads = counter("model_unloads_total", "Model unloads, by reason.", ("reason",))
+        self.model_load_seconds = histogram(
+            "model_load_seconds", "Seconds a model load (compile and warm-up) took.", LOAD_BUCKETS
         )
 
     def record_http(self, route: str, method: str, status: int, error_type: str | None) -> None:

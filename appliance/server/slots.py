@@ -4,8 +4,15 @@ and output parsers) and `Models`, the registry that owns the slots and their loc
 A plain `serve` has one slot; a config file's model_config_list one per model, in config order. A job, a status or a
 tokenize call names its model (`""`: the first one, for single-model callers); an unknown name is a 404. A reload
 (the supervisor's `reloader`) swaps slots in and out: a removed or replaced slot stops taking jobs at once and its
-engine is shut down once its in-flight `jobs` end (or after graceful_timeout). Each slot has a serial, new per load,
-that workers compare to drop a status they kept for a replaced model (client.py).
+engine is shut down once its in-flight `jobs` end (or after graceful_timeout). Each slot has a serial, new per
+settings of the model, that workers compare to drop a status they kept for a replaced model (client.py).
+
+Load on demand (appliance/server/residency.py decides, the supervisor acts): a ready slot may have no engine, being
+unloaded by its keep_alive or the memory budget. It stays listed and ready (readiness holds: its next job loads
+it), answers status from `facts` (what its last load reported: a new load of the same settings reports the same),
+tokenizes with the tokenizer it kept, and keeps its serial. `unload` detaches the engine only when no job is in
+flight, under the lock `in_flight` counts jobs under, so a job either holds the engine or finds none and waits
+for a load.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance import protocol as p
 from appliance.config import EngineConfig
+from appliance.keep_alive import FOREVER, parse_keep_alive
 from appliance.server import tool_prompt
+from appliance.server.residency import Resident
 from appliance.settings import ModelSpec, ServeSettings
 
 if TYPE_CHECKING:
@@ -79,6 +88,18 @@ class Slot:
     device: str = ""
     jobs: int = 0
     _parsers: tuple[str, str] | None = None
+    # load on demand: what the last load reported (status of an unloaded slot), its tokenizer, its memory estimate
+    facts: p.EngineStatus | None = None
+    tokenizer: Any = None
+    size: int = 0
+    last_used: float = 0.0  # monotonic: its last job's end, or its load
+    default_keep_alive: float = FOREVER
+    keep_alive: float = FOREVER  # the last job's keep_alive, else the default
+
+    @property
+    def unloaded(self) -> bool:
+        """Ready to serve, but not in memory: its next job loads it."""
+        return self.state == "ready" and self.engine is None
 
     def parsers(self) -> tuple[str, str]:
         """(tool parser, reasoning parser): the spec's, `auto` resolved from the chat template once."""
@@ -112,15 +133,24 @@ class Slot:
 
     def info(self) -> p.ModelInfo:
         state, error = self.live_state()
-        return p.ModelInfo(self.spec.name, self.spec.created, state, error)
+        expires = None
+        if self.engine is not None and self.keep_alive != FOREVER:
+            idle_since = time.monotonic() if self.jobs else self.last_used
+            expires = time.time() + (idle_since + self.keep_alive - time.monotonic())
+        return p.ModelInfo(self.spec.name, self.spec.created, state, error, self.engine is not None, self.size, expires)
+
+    def resident(self) -> Resident:
+        return Resident(self.spec.name, self.size, self.last_used, self.jobs > 0, self.keep_alive)
 
 
 class Models:
     """The served models: name -> Slot in config order, plus the retiring ones draining their jobs, under one lock.
     `stopping` is set once by stop() and read without the lock."""
 
-    def __init__(self, specs: list[ModelSpec], graceful_timeout: float):
+    def __init__(self, specs: list[ModelSpec], graceful_timeout: float, keep_alive: str = "-1"):
         self.graceful_timeout = graceful_timeout
+        self.keep_alive = keep_alive  # --keep-alive: a model's default when its spec has none
+        self.idle = threading.Event()  # set when a model's last job ends: the supervisor's reaper looks then
         self.stopping = False
         self._serials = itertools.count(1)
         self._slots: dict[str, Slot] = {}  # the served models, in config order; guarded by _lock
@@ -130,7 +160,8 @@ class Models:
             self._slots[spec.name] = self._new_slot(spec)
 
     def _new_slot(self, spec: ModelSpec) -> Slot:
-        return Slot(spec, next(self._serials))
+        keep = parse_keep_alive(spec.keep_alive if spec.keep_alive is not None else self.keep_alive)
+        return Slot(spec, next(self._serials), default_keep_alive=keep, keep_alive=keep)
 
     # ---- lifecycle (supervisor thread)
     def attach(self, engine: Engine, device: str, name: str = "", spec: ModelSpec | None = None) -> None:
@@ -145,6 +176,7 @@ class Models:
                 slot = self._new_slot(spec)
                 self._slots[spec.name] = slot
             slot.engine, slot.device, slot.state, slot.error = engine, device, "ready", None
+            slot.tokenizer, slot.last_used = getattr(engine, "tokenizer", None), time.monotonic()
         if old is not None and old is not slot:
             self._retire(old)
 
@@ -180,6 +212,21 @@ class Models:
         """name -> (spec, state) of every configured model."""
         with self._lock:
             return {n: (s.spec, s.state) for n, s in self._slots.items()}
+
+    def unload(self, name: str) -> Engine | None:
+        """Detach model `name`'s engine if it has no job in flight (the caller shuts it down); None otherwise. The
+        slot stays ready: its next job loads it again."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is None or slot.engine is None or slot.jobs or slot.state != "ready":
+                return None
+            engine, slot.engine = slot.engine, None
+            return engine
+
+    def residents(self) -> list[Resident]:
+        """The loaded, ready models, as the residency policy sees them."""
+        with self._lock:
+            return [s.resident() for s in self._slots.values() if s.engine is not None and s.state == "ready"]
 
     def _retire(self, slot: Slot) -> None:
         slot.state = "stopping"
@@ -240,19 +287,25 @@ class Models:
             return list(self._slots.values())
 
     @contextlib.contextmanager
-    def in_flight(self, name: str) -> Iterator[Slot | None]:
+    def in_flight(self, name: str, keep_alive: float | None = None) -> Iterator[Slot | None]:
         """Model `name`'s slot (None: no such model) with its `jobs` count held up for the block: a retiring slot
-        waits for it before its engine shuts down."""
+        waits for it before its engine shuts down, and the residency policy never unloads it. At the end the
+        model's keep_alive is the job's (`keep_alive`, Ollama's: the last request's applies), else its default; its
+        idle time counts from the end of its last job."""
         with self._lock:
             slot = self._find(name)
             if slot is not None:
                 slot.jobs += 1
+                slot.keep_alive = slot.default_keep_alive if keep_alive is None else keep_alive
         try:
             yield slot
         finally:
             if slot is not None:
                 with self._lock:
                     slot.jobs -= 1
+                    if not slot.jobs:
+                        slot.last_used = time.monotonic()
+                        self.idle.set()
 
     def healthy(self) -> bool:
         """For the watchdog: not stopping, nothing failed that should serve, and every engine alive and
@@ -260,7 +313,7 @@ class Models:
         slots = self.all()
         return not self.stopping and all(
             s.state != "failed" and s.problem() is None for s in slots if s.engine is not None
-        )
+        )  # an unloaded model has no engine to fail: the policy's choice, not a fault
 
     def engine_problem(self, name: str = "") -> str | None:
         slot = self.find(name)

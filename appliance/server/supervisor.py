@@ -19,12 +19,27 @@ jobs at once and are shut down after theirs. A model that fails to load on reloa
 others are untouched (a changed one keeps serving with its previous settings); a broken config changes nothing.
 A model that failed is not loaded again by the next reloads until its entry or its export changes: a reload is
 the admin's call (appliance/auth.py), and each load of a broken export costs the engine process seconds.
+
+Load on demand, unload when idle: appliance/server/residency.py decides (keep_alive, the memory budget, least
+recently used first), this class acts. Every configured model loads once at start-up, as before (a broken one still
+stops the server, and its load records what its status says while it is unloaded); with a budget they load last to
+first, making room as they go, so the first (the default) is the one left loaded. Then a reaper thread unloads
+models idle past their keep_alive, and a job for an unloaded model asks `ensure_loaded`, which queues the load for
+one loader thread (concurrent requests for a model share its load; a load waits for room under the budget, bounded
+by --models-load-wait, then fails its requests with a 503) and waits. Loads never run on an engine thread, and
+they, start-up and reloads take turns (`_reloading`). A failed load on demand fails the requests that waited for
+it (500, with the reason) and leaves the model listed, unloaded, with the error in /v1/config; the next request
+tries again. Engines are shut down on the loader or reaper thread, then memory is given back to the OS (gc,
+malloc_trim).
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import os
+import queue
 import resource
 import shutil
 import signal
@@ -32,10 +47,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import appliance
-from appliance import auth, logs
+from appliance import auth, logs, options
 from appliance import protocol as p
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
@@ -43,12 +60,24 @@ from appliance.server import config_file, sdnotify, startup, tracing
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
 from appliance.server.pulled_models import PulledModels
-from appliance.server.slots import single_spec
+from appliance.server.residency import Residency, estimate
+from appliance.server.slots import model_not_found, not_ready, single_spec
 from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ModelSpec, ServeSettings
 
 log = logging.getLogger("appliance.serve")
 
 WARMUP_PROMPT = "Hello"
+REAP_SECONDS = 0.5  # the keep_alive reaper's longest sleep (a model's last job ending wakes it at once)
+ROOM_POLL_SECONDS = 0.05  # a load waiting for room under the budget looks again this often
+LOAD_POLL_SECONDS = 0.1  # a job waiting for its model's load checks its worker is still there this often
+
+
+@dataclass
+class _Pending:
+    """A load on demand queued for the loader thread; the jobs for the model wait on `done`."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    failed: p.Failed | None = None
 
 
 def _default_engine(model_dir: str, config: EngineConfig):
@@ -66,6 +95,12 @@ class Supervisor:
         self.service.reloader = self.reload_config
         self.pulled = PulledModels(self)  # what /api/pull added and /api/delete removes (pulled_models.py)
         self.service.calls.update(self.pulled.calls())
+        self.service.load_call = self.load_call
+        self.service.jobs.ensure = self.ensure_loaded
+        self.residency = Residency(options.parse_memory_budget(settings.models_memory_budget))
+        self._pending: dict[str, _Pending] = {}  # name -> its queued load; guarded by _pending_lock
+        self._pending_lock = threading.Lock()
+        self._loads: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._reloading = threading.Lock()  # one reload at a time
         # name -> the spec it last failed to load with on a reload: not tried again until its entry (or its
         # export's manifest, ModelSpec.created) changes, so repeated reloads do not reload a broken model each time
@@ -94,6 +129,8 @@ class Supervisor:
             if self.stopping.is_set():  # a signal before this point found no gunicorn to stop
                 self._signal_gunicorn(signal.SIGTERM)
             threading.Thread(target=self._load, name="engine-load", daemon=True).start()
+            threading.Thread(target=self._loader, name="engine-ondemand", daemon=True).start()
+            threading.Thread(target=self._reaper, name="engine-reaper", daemon=True).start()
             code = self.gunicorn.wait()
             return self._finish(code)
         finally:
@@ -110,9 +147,14 @@ class Supervisor:
 
     def _load(self) -> None:
         with self._reloading:  # a reload asked for meanwhile waits for these
-            for spec in list(self.settings.models):
+            specs = list(self.settings.models)
+            if self.residency.budget is not None:  # last to first: the first model is the one left loaded
+                specs.reverse()
+                log.info("models memory budget", extra={"bytes": self.residency.budget})
+            for spec in specs:
                 try:
-                    engine = self._start_engine(spec)
+                    self._make_room(spec, None)
+                    engine = self._start_engine(spec, "startup")
                 except Exception as exc:
                     log.exception("model failed to load", extra={"model": spec.name})
                     self.service.fail(f"{type(exc).__name__}: {exc}", spec.name)
@@ -132,14 +174,24 @@ class Supervisor:
         )
         sdnotify.ready()
 
-    def _start_engine(self, spec: ModelSpec):
+    def _start_engine(self, spec: ModelSpec, reason: str = "reload"):
+        """A loaded, warmed-up engine for `spec` (raises if it cannot load); counted in the metrics by `reason`."""
         log.info("loading model", extra={"model": spec.name, "model_dir": spec.model_dir, "device": spec.engine.device})
-        engine = self.engine_factory(spec.model_dir, spec.engine)
+        metrics, start = self.service.metrics, time.monotonic()
         try:
-            engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))  # compile / first-inference costs
+            engine = self.engine_factory(spec.model_dir, spec.engine)
+            try:
+                engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))  # compile / first-inference costs
+            except BaseException:
+                engine.shutdown()
+                raise
         except BaseException:
-            engine.shutdown()
+            metrics.model_loads.labels(reason, "failed").inc()
             raise
+        seconds = time.monotonic() - start
+        metrics.model_loads.labels(reason, "ok").inc()
+        metrics.model_load_seconds.observe(seconds)
+        log.info("model loaded", extra={"model": spec.name, "seconds": round(seconds, 3), "reason": reason})
         return engine
 
     def _attach(self, engine, spec: ModelSpec, replace: bool) -> bool:
@@ -150,6 +202,10 @@ class Supervisor:
                 return False
             engine.on_death = self._engine_died
             self.service.attach(engine, spec.engine.device, spec.name, spec if replace else None)
+            slot = self.service.registry.find(spec.name)
+            if slot is not None and slot.engine is engine:  # the budget counts what it really holds from now on
+                kv_bytes = getattr(getattr(engine, "backend", None), "cache_bytes", None)
+                slot.size = estimate(spec.model_dir, spec.engine, kv_bytes)
             if not engine.alive:  # died before on_death was set
                 self._engine_died(engine.dead or RuntimeError("engine loop exited"))
         log.info("model ready", extra={"model": spec.name})
@@ -185,6 +241,9 @@ class Supervisor:
             self.service.order(names)
             for spec in to_load:
                 try:
+                    failed = self._make_room(spec, time.monotonic() + self.settings.models_load_wait)
+                    if failed is not None:
+                        raise RuntimeError(failed.message)
                     engine = self._start_engine(spec)
                 except Exception as exc:
                     log.exception("model failed to load on reload", extra={"model": spec.name})
@@ -197,6 +256,144 @@ class Supervisor:
             self.settings.models = specs
             self.settings.save()
             return bool(removed or to_load), self.service.models()
+
+    # ---- load on demand, unload when idle (appliance/server/residency.py decides)
+    def ensure_loaded(self, name: str, gone) -> p.Failed | None:
+        """Model `name` loaded (None), or why not. Called on a job's connection thread (which holds the model's
+        in-flight count): the load runs on the loader thread, shared with every request waiting for it; `gone()`
+        (the worker closed the connection) ends this wait, not the load."""
+        with self._pending_lock:
+            pending = self._pending.get(name)
+            if pending is None:
+                pending = self._pending[name] = _Pending()
+                self._loads.put(name)
+        while not pending.done.wait(LOAD_POLL_SECONDS):
+            if gone():
+                return p.Failed(499, "the client went away while its model loaded")
+        return pending.failed
+
+    def load_call(self, name: str, keep_alive: float | None, gone) -> p.Reply:
+        """LOAD (Ollama's request without a prompt): the model loaded and kept for `keep_alive` (None: its default);
+        keep_alive 0 unloads it instead (at once when idle, else when its requests end). The model's state after."""
+        registry = self.service.registry
+        if keep_alive == 0:
+            slot = registry.find(name)
+            if slot is None:
+                return p.Reply(error=model_not_found(name))
+            slot.keep_alive, slot.last_used = 0.0, time.monotonic()
+            self._unload(name, "keep_alive")
+            return p.Reply(slot.info())
+        with registry.in_flight(name, keep_alive) as slot:  # held: not unloaded between its load and this answer
+            if slot is None:
+                return p.Reply(error=model_not_found(name))
+            if slot.unloaded:
+                failed = self.ensure_loaded(name, gone)
+                if failed is not None:
+                    return p.Reply(error=failed)
+            if slot.engine is None:
+                return p.Reply(error=not_ready(slot.state))
+            info = slot.info()
+        return p.Reply(info)
+
+    def _loader(self) -> None:
+        """The loader thread: the queued loads on demand, one at a time."""
+        while True:
+            name = self._loads.get()
+            if name is None:
+                return
+            try:
+                failed = self._load_on_demand(name)
+            except Exception as exc:  # a bug here must fail the waiting requests, not leave them waiting
+                log.exception("load on demand failed", extra={"model": name})
+                failed = p.Failed(500, f"The model `{name}` could not be loaded: {type(exc).__name__}")
+            with self._pending_lock:
+                pending = self._pending.pop(name, None)
+            if pending is not None:
+                pending.failed = failed
+                pending.done.set()
+
+    def _load_on_demand(self, name: str) -> p.Failed | None:
+        with self._reloading:  # start-up and reloads load too: one at a time
+            registry = self.service.registry
+            slot = registry.find(name)
+            if slot is None:
+                return model_not_found(name)
+            if not slot.unloaded:
+                return None if slot.engine is not None else not_ready(slot.state)
+            spec = slot.spec
+            failed = self._make_room(spec, time.monotonic() + self.settings.models_load_wait)
+            if failed is not None:
+                return failed
+            try:
+                engine = self._start_engine(spec, "demand")
+            except Exception as exc:
+                log.exception("model failed to load on demand", extra={"model": name})
+                message = f"{type(exc).__name__}: {exc}"
+                slot.error = f"the last load on demand failed: {message}"
+                return p.Failed(500, f"The model `{name}` failed to load: {message}", code="model_load_failed")
+            if not self._attach(engine, spec, replace=False):
+                return not_ready("stopping")
+            return None
+
+    def _make_room(self, spec: ModelSpec, deadline: float | None) -> p.Failed | None:
+        """Unload what the budget needs unloaded before `spec` loads (idle models, least recently used first);
+        wait while only busy models hold the room, until `deadline` (None: no bound, start-up)."""
+        registry, budget = self.service.registry, self.residency.budget
+        if budget is None:
+            return None
+        slot = registry.find(spec.name)
+        size = slot.size if slot is not None and slot.size else estimate(spec.model_dir, spec.engine)
+        warned = False
+        while True:
+            residents = registry.residents()
+            plan = self.residency.plan(spec.name, size, residents)
+            if plan.alone and not warned:
+                log.warning(
+                    "a model is larger than the models memory budget: it loads with nothing beside it",
+                    extra={"model": spec.name, "bytes": size, "budget": budget},
+                )
+                warned = True
+            if not plan.wait:
+                if all([self._unload(name, "budget") for name in plan.unload]):
+                    return None
+                continue  # one went busy (or away) meanwhile: plan again
+            if self.stopping.is_set():
+                return not_ready("stopping")
+            if deadline is not None and time.monotonic() >= deadline:
+                busy = ", ".join(r.name for r in residents if r.busy)
+                return p.Failed(
+                    503,
+                    f"The model `{spec.name}` cannot be loaded now: the models memory budget ({budget} bytes) is "
+                    f"held by models with requests in flight ({busy}) for more than "
+                    f"{self.settings.models_load_wait:g} s; retry later",
+                    code="models_memory_busy",
+                )
+            time.sleep(ROOM_POLL_SECONDS)
+
+    def _unload(self, name: str, reason: str) -> bool:
+        """Shut model `name`'s engine down if it is idle (it stays listed; its next job loads it)."""
+        engine = self.service.registry.unload(name)
+        if engine is None:
+            return False
+        engine.on_death = None  # an unloaded engine's end is no death
+        engine.shutdown()
+        del engine
+        gc.collect()
+        _malloc_trim()
+        self.service.metrics.model_unloads.labels(reason).inc()
+        log.info("model unloaded", extra={"model": name, "reason": reason})
+        return True
+
+    def _reaper(self) -> None:
+        """Unloads the models idle past their keep_alive; woken when a model's last job ends."""
+        registry = self.service.registry
+        while not self.stopping.is_set():
+            registry.idle.wait(REAP_SECONDS)
+            registry.idle.clear()
+            for name in self.residency.expired(registry.residents(), time.monotonic()):
+                if self.stopping.is_set():
+                    return
+                self._unload(name, "keep_alive")
 
     def healthy(self) -> bool:
         """The watchdog's question (sdnotify): can this process still serve? False once an engine died or wedged."""
@@ -248,6 +445,14 @@ class Supervisor:
             return gunicorn_code if gunicorn_code > 0 else 1
         log.info("stopped")
         return 0
+
+
+def _malloc_trim() -> None:
+    """Give freed heap back to the OS (glibc keeps it otherwise, and an unloaded model would still look resident)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def raise_fd_limit() -> None:

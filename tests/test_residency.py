@@ -1,0 +1,111 @@
+"""The load-on-demand policy as a pure object (appliance/server/residency.py): who is unloaded to make room under
+the memory budget (idle ones, least recently used first; never a busy one), when a load must wait, which idle models
+outlived their keep_alive; Ollama's keep_alive spellings (appliance/keep_alive.py); the memory estimate and the
+--models-memory-budget parser."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from appliance.config import EngineConfig
+from appliance.keep_alive import FOREVER, parse_keep_alive
+from appliance.options import ConfigError, parse_memory_budget
+from appliance.server.residency import Plan, Residency, Resident, estimate
+
+MB = 1 << 20
+
+
+def resident(name: str, size: int = 100 * MB, last_used: float = 0.0, busy: bool = False, keep: float = FOREVER):
+    return Resident(name, size, last_used, busy, keep)
+
+
+def test_no_budget_never_unloads():
+    assert Residency(None).plan("c", 10**12, [resident("a"), resident("b")]) == Plan()
+
+
+def test_fits_without_unloading():
+    assert Residency(300 * MB).plan("c", 100 * MB, [resident("a"), resident("b")]) == Plan()
+
+
+def test_least_recently_used_idle_goes_first_and_only_as_many_as_needed():
+    policy = Residency(250 * MB)
+    residents = [resident("a", last_used=5.0), resident("b", last_used=1.0), resident("c", last_used=3.0)]
+    assert policy.plan("d", 100 * MB, residents) == Plan(("b", "c"))
+    assert Residency(300 * MB).plan("d", 100 * MB, residents) == Plan(("b",))
+
+
+def test_a_busy_model_is_never_unloaded_and_the_load_waits():
+    policy = Residency(200 * MB)
+    residents = [resident("a", last_used=0.0, busy=True), resident("b", last_used=9.0)]
+    assert policy.plan("c", 100 * MB, residents) == Plan(("b",))  # the idle one, though more recently used
+    assert policy.plan("c", 150 * MB, residents) == Plan(wait=True)  # only the busy one's room would do: wait
+    assert policy.plan("c", 150 * MB, [resident("a", busy=True)]) == Plan(wait=True)
+
+
+def test_the_model_itself_is_not_counted_and_a_larger_than_budget_model_loads_alone():
+    policy = Residency(100 * MB)
+    assert policy.plan("a", 100 * MB, [resident("a")]) == Plan()
+    assert policy.plan("c", 500 * MB, [resident("a"), resident("b", last_used=-1)]) == Plan(("b", "a"), alone=True)
+    assert policy.plan("c", 500 * MB, []) == Plan(alone=True)
+    assert policy.plan("c", 500 * MB, [resident("a", busy=True)]) == Plan(wait=True, alone=True)
+
+
+def test_expired_keep_alive():
+    residents = [
+        resident("forever", last_used=0.0),
+        resident("zero", last_used=10.0, keep=0.0),
+        resident("short", last_used=5.0, keep=3.0),
+        resident("long", last_used=5.0, keep=300.0),
+        resident("busy", last_used=0.0, busy=True, keep=0.0),
+    ]
+    assert Residency.expired(residents, now=10.0) == ["short", "zero"]  # oldest first; busy and forever stay
+    assert Residency.expired(residents, now=7.0) == []  # zero's last use is later than now: not yet idle
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("5m", 300.0),
+        ("30s", 30.0),
+        ("1h30m", 5400.0),
+        ("1.5h", 5400.0),
+        ("300ms", 0.3),
+        ("0", 0.0),
+        (0, 0.0),
+        (90, 90.0),
+        (2.5, 2.5),
+        ("120", 120.0),
+        (-1, FOREVER),
+        ("-1", FOREVER),
+        ("-5m", FOREVER),
+    ],
+)
+def test_keep_alive_spellings(value, seconds):
+    assert parse_keep_alive(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["5 minutes", "m", "", "1x", True, None, [], math.nan, "5m3"])
+def test_keep_alive_refused(value):
+    with pytest.raises(ValueError):
+        parse_keep_alive(value)
+
+
+def test_memory_budget_parser():
+    assert parse_memory_budget("none") is None
+    assert parse_memory_budget("8GiB") == 8 << 30
+    assert parse_memory_budget("512MB") == 512 << 20
+    assert parse_memory_budget("1000") == 1000
+    auto = parse_memory_budget("auto")
+    assert auto is None or auto > 0
+    for bad in ("lots", "0", "-1GB"):
+        with pytest.raises(ConfigError):
+            parse_memory_budget(bad)
+
+
+def test_estimate_is_files_plus_kv(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x" * 1000)
+    assert estimate(tmp_path, EngineConfig(kv_cache_bytes=500)) == 1500
+    assert estimate(tmp_path, EngineConfig(), kv_bytes=24) == 1024  # measured after a load: wins
+    assert estimate(tmp_path, EngineConfig(kv_cache_tokens=10)) == 1000  # no manifest: the files alone
