@@ -175,3 +175,18 @@ def test_an_error_mid_stream_is_the_last_line(monkeypatch):
     lines = [json.loads(x) for x in gen.ndjson(Render("m", chat=True))]
     assert lines[0]["message"]["content"] == "Hel" and lines[0]["done"] is False
     assert lines[-1] == {"error": "generation failed: boom"} and len(lines) == 2
+
+
+def test_keep_alive_and_num_ctx_reach_the_request():
+    from appliance.keep_alive import FOREVER
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = parse_ollama_chat({**base, "keep_alive": "5m", "options": {"num_ctx": 256}}, Limits())
+    assert (req.keep_alive, req.num_ctx) == (300.0, 256)
+    assert parse_ollama_chat({**base, "keep_alive": -1}, Limits()).keep_alive == FOREVER
+    assert parse_ollama_chat(base, Limits()).keep_alive is None
+    load = parse_ollama_generate({"model": "m", "keep_alive": 0}, Limits())
+    assert load.load_only and load.keep_alive == 0
+    for bad in ({"keep_alive": "soon"}, {"keep_alive": True}, {"options": {"num_ctx": -3}}):
+        with pytest.raises(ApiError):
+            parse_ollama_chat({**base, **bad}, Limits())
