@@ -35,6 +35,9 @@ FAMILIES = {
     "appliance_time_to_first_token_seconds": ("histogram", set()),
     "appliance_inter_token_latency_seconds": ("histogram", set()),
     "appliance_request_duration_seconds": ("histogram", set()),
+    "appliance_model_loads_total": ("counter", {"reason", "result"}),
+    "appliance_model_unloads_total": ("counter", {"reason"}),
+    "appliance_model_load_seconds": ("histogram", set()),
 }
 STATS = {"queued": 2, "running": 3, "kv_blocks_used": 10, "kv_blocks_total": 40, "preemptions": 1}
 
@@ -52,6 +55,9 @@ def filled() -> ServerMetrics:
     m.generated_tokens.inc(3)
     for histogram in (m.ttft, m.itl, m.e2e):
         histogram.observe(0.02)
+    m.model_loads.labels("demand", "ok").inc()
+    m.model_unloads.labels("keep_alive").inc()
+    m.model_load_seconds.observe(3.0)
     return m
 
 
