@@ -418,3 +418,32 @@ def test_the_documented_config_file_parses(tmp_path):
     assert (smol.engine.max_num_seqs, smol.engine.kv_cache_bytes) == (8, GiB)
     assert (qwen.engine.max_num_seqs, qwen.engine.kv_cache_tokens, qwen.engine.kv_cache_bytes) == (4, 16384, None)
     assert "<!-- multi-model helper -->" in section
+
+
+def test_keep_alive_and_the_models_memory_budget(tmp_path):
+    """--keep-alive is every model's default, a config entry's `keep_alive` (a number is seconds) its own; the
+    budget and both durations are checked before anything loads."""
+    conf = write(
+        tmp_path / "k.json",
+        {
+            "keep_alive": "5m",
+            "models_memory_budget": "2GiB",
+            "model_config_list": [
+                {"config": {"name": "a", "base_path": "default"}},
+                {"config": {"name": "b", "base_path": "default", "keep_alive": 30}},
+            ],
+        },
+    )
+    s = settings("--config", str(conf))
+    assert (s.keep_alive, s.models_memory_budget) == ("5m", "2GiB")
+    assert [m.keep_alive for m in s.models] == ["5m", "30"]
+    assert settings("--config", str(conf), "--keep-alive", "-1").models[0].keep_alive == "-1"  # the flag wins
+    assert settings().keep_alive == "-1" and settings().models[0].keep_alive is None  # forever, as before
+    assert "--keep-alive" in refused("--keep-alive", "soon")
+    assert "--models-memory-budget" in refused("--models-memory-budget", "lots")
+    assert "--models-load-wait" in refused("--models-load-wait", "0")
+    bad = write(
+        tmp_path / "bad.json",
+        {"model_config_list": [{"config": {"name": "a", "base_path": "default", "keep_alive": "5 minutes"}}]},
+    )
+    assert "'a'" in refused("--config", str(bad)) and "keep_alive" in refused("--config", str(bad))

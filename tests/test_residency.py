@@ -109,3 +109,24 @@ def test_estimate_is_files_plus_kv(tmp_path):
     assert estimate(tmp_path, EngineConfig(kv_cache_bytes=500)) == 1500
     assert estimate(tmp_path, EngineConfig(), kv_bytes=24) == 1024  # measured after a load: wins
     assert estimate(tmp_path, EngineConfig(kv_cache_tokens=10)) == 1000  # no manifest: the files alone
+
+
+def test_a_model_with_a_job_in_flight_is_never_detached():
+    """Models.unload (slots.py) checks the in-flight count under the lock in_flight counts under."""
+    from types import SimpleNamespace
+
+    from appliance.server.slots import Models
+    from appliance.settings import ModelSpec
+
+    models = Models([ModelSpec("a", "/nowhere", keep_alive="0")], graceful_timeout=1)
+    engine = SimpleNamespace(tokenizer="tok")
+    models.attach(engine, "CPU", "a")
+    slot = models.slot("a")
+    assert slot.keep_alive == 0 and not slot.unloaded
+    with models.in_flight("a", keep_alive=FOREVER):
+        assert models.unload("a") is None and slot.engine is engine
+        assert models.residents()[0].busy and slot.keep_alive == FOREVER  # the request's keep_alive applies
+    assert models.idle.is_set() and not models.residents()[0].busy
+    assert models.unload("a") is engine and slot.unloaded and slot.tokenizer == "tok"  # kept for /tokenize
+    assert models.residents() == [] and models.infos()[0].state == "ready" and not models.infos()[0].loaded
+    assert models.unload("a") is None
