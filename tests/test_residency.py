@@ -130,3 +130,33 @@ def test_a_model_with_a_job_in_flight_is_never_detached():
     assert models.unload("a") is engine and slot.unloaded and slot.tokenizer == "tok"  # kept for /tokenize
     assert models.residents() == [] and models.infos()[0].state == "ready" and not models.infos()[0].loaded
     assert models.unload("a") is None
+
+
+def test_the_supervisor_waits_for_a_busy_model_then_refuses_and_unloads_it_once_idle():
+    """Supervisor._make_room with the policy: a busy model holds the budget (503 after --models-load-wait), an
+    idle one is unloaded (its engine shut down) to make room."""
+    import time
+    from types import SimpleNamespace
+
+    from appliance.server.supervisor import Supervisor
+    from appliance.settings import ModelSpec, ServeSettings
+
+    specs = [ModelSpec("a", "/nowhere-a"), ModelSpec("b", "/nowhere-b")]
+    sup = Supervisor(
+        ServeSettings("/nowhere-a", "a", 0, models=specs, models_memory_budget="100", models_load_wait=0.3),
+        EngineConfig(),
+    )
+    registry = sup.service.registry
+    down: list[str] = []
+    engine = SimpleNamespace(tokenizer=None, on_death=None, shutdown=lambda: down.append("a"))
+    registry.attach(engine, "CPU", "a")
+    registry.slot("a").size = registry.slot("b").size = 80
+    with registry.in_flight("a"):
+        began = time.monotonic()
+        failed = sup._make_room(specs[1], time.monotonic() + 0.3)
+        assert failed is not None and failed.status == 503 and failed.code == "models_memory_busy"
+        assert "`a`" not in failed.message and "(a)" in failed.message and time.monotonic() - began >= 0.3
+        assert down == [] and registry.slot("a").engine is engine
+    assert sup._make_room(specs[1], time.monotonic() + 0.3) is None
+    assert down == ["a"] and registry.slot("a").unloaded
+    assert sup.service.metrics.model_unloads.labels("budget")._value.get() == 1
