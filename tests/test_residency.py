@@ -138,6 +138,7 @@ def test_the_supervisor_waits_for_a_busy_model_then_refuses_and_unloads_it_once_
     import time
     from types import SimpleNamespace
 
+    from appliance.protocol import EngineStatus
     from appliance.server.supervisor import Supervisor
     from appliance.settings import ModelSpec, ServeSettings
 
@@ -151,6 +152,7 @@ def test_the_supervisor_waits_for_a_busy_model_then_refuses_and_unloads_it_once_
     engine = SimpleNamespace(tokenizer=None, on_death=None, shutdown=lambda: down.append("a"))
     registry.attach(engine, "CPU", "a")
     registry.slot("a").size = registry.slot("b").size = 80
+    registry.slot("a").facts = EngineStatus("ready")  # what a real engine's status would have been
     with registry.in_flight("a"):
         began = time.monotonic()
         failed = sup._make_room(specs[1], time.monotonic() + 0.3)

@@ -84,9 +84,17 @@ class EngineService:
     # the supervisor's view of the models (Models in slots.py does the work)
     def attach(self, engine: Engine, device: str, name: str = "", spec: ModelSpec | None = None) -> None:
         self.registry.attach(engine, device, name, spec)
-        slot = self.registry.find(spec.name if spec is not None else name)
-        if slot is not None and slot.engine is engine:  # what an unloaded slot answers status with
+
+    def unload(self, name: str) -> Engine | None:
+        """Detach model `name`'s engine if it is idle (Models.unload; the caller shuts it down), first keeping what
+        its status says (its facts: what the slot answers status with while unloaded; the same for every load of
+        these settings)."""
+        slot = self.registry.find(name)
+        if slot is None or slot.engine is None:
+            return None
+        if slot.facts is None:
             slot.facts = self._engine_status(slot, "ready", None)
+        return self.registry.unload(name)
 
     def add(self, spec: ModelSpec) -> None:
         self.registry.add(spec)

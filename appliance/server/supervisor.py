@@ -372,7 +372,7 @@ class Supervisor:
 
     def _unload(self, name: str, reason: str) -> bool:
         """Shut model `name`'s engine down if it is idle (it stays listed; its next job loads it)."""
-        engine = self.service.registry.unload(name)
+        engine = self.service.unload(name)
         if engine is None:
             return False
         engine.on_death = None  # an unloaded engine's end is no death
