@@ -10,10 +10,9 @@ settings of the model, that workers compare to drop a status they kept for a rep
 Load on demand (appliance/server/residency.py decides, the supervisor acts): a ready slot may have no engine, being
 unloaded by its keep_alive or the memory budget. It stays listed and ready (readiness holds: its next job loads
 it), answers status from `facts` (what its engine's status said, kept as it unloaded: a new load of the same
-settings says the same),
-tokenizes with the tokenizer it kept, and keeps its serial. `unload` detaches the engine only when no job is in
-flight, under the lock `in_flight` counts jobs under, so a job either holds the engine or finds none and waits
-for a load.
+settings says the same), tokenizes with the tokenizer it kept, and keeps its serial. `unload` detaches the engine
+only when no job is in flight, under the lock `in_flight` counts jobs under, so a job either holds the engine or
+finds none and waits for a load.
 """
 
 from __future__ import annotations
