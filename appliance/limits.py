@@ -109,6 +109,18 @@ class Limits:
         "(1 + logprobs), checked after tokenization, else 400 (~150 bytes each in the HTTP worker)",
         flag="max-generated-logprobs",
     )
+    # embeddings and rerank (appliance/server/embeddings.py): each input is also at most the model's max length in
+    # tokens (its manifest's max_length), else 400 unless the request asks to `truncate`
+    embedding_inputs: int = setting(
+        2048, "inputs per embeddings request (an `input` list; OpenAI's bound)", flag="max-embedding-inputs"
+    )
+    embedding_tokens: int = setting(
+        131072,
+        "tokens of one embeddings or rerank request, its inputs (or query + document pairs) together after "
+        "truncation, else 400 (about 20 s of all-MiniLM-L6-v2 on one core of the 2-core dev box)",
+        flag="max-embedding-tokens",
+    )
+    rerank_documents: int = setting(1000, "documents per rerank request (Cohere's bound)", flag="max-rerank-documents")
     # float ranges
     temperature: float = setting(2.0, "`temperature` in [0, this]")
     penalty: float = setting(2.0, "`frequency_penalty`, `presence_penalty` in [-this, this]")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from appliance import protocol as p
 from appliance.runtime.tokenizer import TextTooLong
+from appliance.server.embeddings import EncoderService, run_encode
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import Models, Rejected, model_not_found, not_ready, single_spec
@@ -128,6 +129,9 @@ class EngineService:
                     if op == p.JOB:
                         if not self.jobs.run(conn, args[0]):
                             return
+                    elif op == p.ENCODE:  # embeddings / rerank: appliance/server/embeddings.py
+                        if not run_encode(self.registry, conn, args[0], self.settings.limits, self.metrics):
+                            return
                     else:
                         try:
                             reply = self._call(op, args)
@@ -165,6 +169,8 @@ class EngineService:
             slot = self.registry.slot(name)
             if slot.engine is None or slot.state != "ready":
                 return p.Reply(error=not_ready(slot.state))
+            if isinstance(slot.engine, EncoderService):  # an encoder's own ids ([CLS] ... [SEP])
+                return p.Reply([list(ids) for ids in slot.engine.encoder.tokenize(list(texts))])
             ids = tokenize(slot.engine, texts)
             return p.Reply(error=ids) if isinstance(ids, p.Failed) else p.Reply(ids)
         if op == p.RELOAD:
@@ -194,6 +200,9 @@ class EngineService:
             slot.device,
             *slot.parsers(),
             serial=slot.serial,
+            task=getattr(e, "task", "generate"),
+            dimensions=getattr(e, "dimensions", 0),
+            normalized=getattr(e, "normalized", False),
         )
 
 

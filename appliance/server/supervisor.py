@@ -39,7 +39,7 @@ from appliance import auth, logs
 from appliance import protocol as p
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import config_file, sdnotify, startup
+from appliance.server import config_file, embeddings, sdnotify, startup
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import single_spec
@@ -130,6 +130,9 @@ class Supervisor:
 
     def _start_engine(self, spec: ModelSpec):
         log.info("loading model", extra={"model": spec.name, "model_dir": spec.model_dir, "device": spec.engine.device})
+        if embeddings.model_task(spec.model_dir) != "generate":  # an embedding or rerank model: its own service
+            threads, metrics = spec.engine.num_threads, self.service.metrics
+            return embeddings.load_encoder_service(spec.model_dir, spec.engine.device, threads, metrics)
         engine = self.engine_factory(spec.model_dir, spec.engine)
         try:
             engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))  # compile / first-inference costs
