@@ -190,7 +190,7 @@ def test_rerank_scores_in_document_order():
     svc = EncoderService(FakeEncoder("rerank"), batch_tokens=64, max_batch=2, nice=0)
     try:
         answer = svc.encode(p.EncodeJob("r", "m", "rerank", query="1", documents=["5", "9 9 3", "7"]), Limits())
-        assert answer.scores == [5.0, 3.0, 7.0]
+        assert answer.scores == pytest.approx([1 / (1 + np.exp(-x)) for x in (5.0, 3.0, 7.0)])
         assert answer.tokens == [5, 7, 5]
     finally:
         svc.shutdown()

@@ -238,10 +238,10 @@ class EncoderService:
                 raise req.error
             raise EncodeFailed(p.Failed(500, f"the model failed on this input: {type(req.error).__name__}"))
         seconds = time.monotonic() - req.queued
-        if job.task == "rerank":
-            return p.Encoded(
-                [len(ids) for ids, _ in req.items], scores=[float(s) for s in req.results], seconds=seconds
-            )
+        if job.task == "rerank":  # relevance in (0, 1): the logit's sigmoid, as sentence-transformers' CrossEncoder
+            logits = np.asarray(req.results, np.float64)
+            scores = (1.0 / (1.0 + np.exp(-logits))).tolist()
+            return p.Encoded([len(ids) for ids, _ in req.items], scores=scores, seconds=seconds)
         vectors = np.stack(req.results).astype(np.float32, copy=False) if req.results else np.zeros((0, 0), np.float32)
         if job.dimensions is not None and job.dimensions != vectors.shape[1]:
             vectors = vectors[:, : job.dimensions]
@@ -386,7 +386,8 @@ def run_encode(models: Models, conn: Connection, job: p.EncodeJob, limits: Limit
             conn.send(
                 p.Failed(
                     400,
-                    f"The model `{slot.spec.name}` generates text: it does not serve {job.task} requests "
+                    f"The model `{slot.spec.name}` generates text: it does not serve "
+                    f"{'embeddings' if job.task == 'embed' else 'rerank'} requests "
                     "(ask an embedding or rerank model; GET /v3/models lists them)",
                     "model",
                 )
