@@ -47,18 +47,6 @@ def default_export_dir(backend: str = "openvino", weight_format: str | None = No
     return default_model_root() / f"{backend}-{weight_format or served_weight_format()}"
 
 
-DEFAULT_EMBEDDING_SLUG = "all-minilm-l6-v2"  # sentence-transformers' all-MiniLM-L6-v2, built by `make model`
-DEFAULT_EMBEDDING_FORMATS = ("int8", "fp32")  # the first one built is served (int8: ~2x the sentences/s)
-
-
-def default_embedding_dir() -> Path:
-    """The default embedding model's served export (the first of DEFAULT_EMBEDDING_FORMATS built; the first's
-    path when none is)."""
-    root = data_dir() / "models" / DEFAULT_EMBEDDING_SLUG
-    dirs = [root / f"openvino-{fmt}" for fmt in DEFAULT_EMBEDDING_FORMATS]
-    return next((d for d in dirs if d.is_dir()), dirs[0])
-
-
 def resolve_model(model: str) -> Path:
     """`default` -> the default model's served export; anything else is a path."""
     return default_export_dir() if model == "default" else Path(model).expanduser()
