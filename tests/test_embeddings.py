@@ -50,8 +50,7 @@ class ConfigServer(Server):
         LoopbackServer.__init__(self, command, log_path, env=env, start_timeout=START_TIMEOUT)
 
 
-@pytest.fixture(scope="module")
-def embedding_dir() -> Path:
+def default_embedding_export() -> Path:
     """The default embedding model's int8 export, built by `make model`'s own builder when missing."""
     try:
         from export.default_model import ensure_embedding_export
@@ -62,37 +61,40 @@ def embedding_dir() -> Path:
     return ensure_embedding_export("openvino", "int8")
 
 
-@pytest.fixture(scope="module")
-def rerank_dir(tmp_path_factory) -> Path:
-    """A tiny random cross-encoder (tests/tiny_encoders.py), exported fp32."""
+def tiny_rerank_export(root: Path, name: str = RERANK) -> Path:
+    """A tiny random cross-encoder (tests/tiny_encoders.py), exported fp32 to root/export."""
     import tiny_encoders
 
     from export.encoder import export_encoder
 
-    root = tmp_path_factory.mktemp("rerank")
     src = tiny_encoders.build("rerank", root / "src")
-    export_encoder(src, root / "export", "openvino", "fp32", name=RERANK)
+    export_encoder(src, root / "export", "openvino", "fp32", name=name)
     return root / "export"
+
+
+def config_server(root: Path, models: dict[str, Path], **settings) -> ConfigServer:
+    """A server of `models` (name -> export) from one config file with these top-level settings."""
+    config = root / "config.json"
+    entries = [{"config": {"name": name, "base_path": str(path)}} for name, path in models.items()]
+    config.write_text(json.dumps({**settings, "model_config_list": entries}))
+    return ConfigServer(config, root / "serve.log")
+
+
+@pytest.fixture(scope="module")
+def embedding_dir() -> Path:
+    return default_embedding_export()
+
+
+@pytest.fixture(scope="module")
+def rerank_dir(tmp_path_factory) -> Path:
+    return tiny_rerank_export(tmp_path_factory.mktemp("rerank"))
 
 
 @pytest.fixture(scope="module")
 def srv(model_dir, embedding_dir, rerank_dir, tmp_path_factory):
+    models = {CHAT: model_dir, EMBED: embedding_dir, RERANK: rerank_dir}
     root = tmp_path_factory.mktemp("embed-server")
-    config = root / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "workers": 1,
-                "max_embedding_inputs": MAX_INPUTS,
-                "model_config_list": [
-                    {"config": {"name": CHAT, "base_path": str(model_dir)}},
-                    {"config": {"name": EMBED, "base_path": str(embedding_dir)}},
-                    {"config": {"name": RERANK, "base_path": str(rerank_dir)}},
-                ],
-            }
-        )
-    )
-    with ConfigServer(config, root / "serve.log") as server:
+    with config_server(root, models, workers=1, max_embedding_inputs=MAX_INPUTS) as server:
         yield server
 
 

@@ -105,8 +105,8 @@ def test_batches_are_length_buckets_shared_by_requests(service):
     def run(name, texts):
         results[name] = vectors(service.encode(job(texts), limits))
 
-    a = threading.Thread(target=run, args=("a", ["1"] * 4 + ["1 " * 12] * 4))
-    b = threading.Thread(target=run, args=("b", ["2"] * 4 + ["2 " * 12] * 4))
+    a = threading.Thread(target=run, args=("a", ["1", "1 " * 12] * 4))  # short and long inputs interleaved
+    b = threading.Thread(target=run, args=("b", ["2 " * 12, "2"] * 4))
     a.start()
     time.sleep(0.05)
     b.start()
@@ -131,7 +131,8 @@ def test_a_failing_request_fails_alone(service):
         except EncodeFailed as exc:
             outcome[name] = exc.failed
 
-    threads = [
+    threads = [  # the first holds the loop (gate closed) so the other two queue and share the next forward
+        threading.Thread(target=run, args=("first", ["9"])),
         threading.Thread(target=run, args=("bad", ["1 2", "666 3"])),
         threading.Thread(target=run, args=("good", ["4 5", "6 7"])),
     ]
@@ -143,6 +144,7 @@ def test_a_failing_request_fails_alone(service):
         t.join(5)
     assert isinstance(outcome["bad"], p.Failed) and outcome["bad"].status == 500
     assert isinstance(outcome["good"], p.Encoded) and len(outcome["good"].vectors or []) == 2
+    assert [4, 4, 4, 4] in service.encoder.batches  # they did share a forward (which failed)
     assert service.alive
 
 
