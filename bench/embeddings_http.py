@@ -201,7 +201,7 @@ def mixed(chat: Path, embed: Path, threads_list: list[int], reps: int, new_token
             m = statistics.median(r["itl_p99_s"] for r in loaded)
             rows.append(
                 {
-                    "encoder_threads": threads,
+                    "encoder_threads": str(threads),
                     "itl_p99_alone_ms": f"{a * 1e3:.1f}",
                     "itl_p99_mixed_ms": f"{m * 1e3:.1f}",
                     "growth": f"{(m / a - 1) * 100:+.0f}%",
@@ -241,14 +241,15 @@ def main(argv=None) -> int:
     if args.only in (None, "throughput"):
         rows = throughput(chat, embed, args.encoder_threads[0], args.reps, args.seconds)
         cols = [("side", "side", "s"), ("sent_s", "sentences/s", "s"), ("lat_ms", "latency ms", "s"), ("vs", "", "s")]
-        print_table(rows, cols, "Embeddings over HTTP")
         out["throughput"] = rows
+        write_json(RESULTS_DIR / "embeddings_http.json", out)
+        print_table(rows, cols, "Embeddings over HTTP")
     if args.only in (None, "mixed"):
         rows = mixed(chat, embed, args.encoder_threads, args.reps, args.new_tokens)
+        out["mixed"] = rows
+        write_json(RESULTS_DIR / "embeddings_http.json", out)
         cols = [(k, k, "s") for k in rows[0]]
         print_table(rows, cols, "Chat ITL, 4 streams, alone vs beside 8 embedding clients")
-        out["mixed"] = rows
-    write_json(RESULTS_DIR / "embeddings_http.json", out)
     return 0
 
 
