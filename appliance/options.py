@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, get_args, get_type_hints
 from appliance import host, limits
 from appliance.config import EngineConfig
 from appliance.manifest import MANIFEST_NAME, Manifest
-from appliance.paths import compile_cache_dir, data_dir, resolve_model
+from appliance.paths import compile_cache_dir, default_embedding_dir, resolve_model
 from appliance.settings import ConfigError, ModelSpec, ServeSettings
 
 __all__ = [
@@ -124,7 +124,7 @@ def embedding_spec(args: argparse.Namespace, chat_model: str) -> ModelSpec | Non
     if word.lower() == "default":
         if args.model != "default":
             return None
-        directory = data_dir() / "models" / "all-minilm-l6-v2" / "openvino-int8"  # what `make model` builds
+        directory = default_embedding_dir()  # what `make model` builds
         if not (directory / MANIFEST_NAME).is_file():
             logging.getLogger("appliance.serve").info(
                 "the default embedding model is not built (make model): serving without it",

@@ -228,14 +228,9 @@ def main(argv=None) -> int:
     if args.embedding_model:
         embed = Path(args.embedding_model)
     else:
-        try:
-            from export.default_model import ensure_embedding_export
-        except ImportError:  # before the builder landed: the data dir's export
-            from appliance.paths import data_dir
+        from export.default_model import ensure_embedding_export
 
-            embed = data_dir() / "models" / "all-minilm-l6-v2" / "openvino-int8"
-        else:
-            embed = ensure_embedding_export("openvino", "int8")
+        embed = ensure_embedding_export("openvino", "int8")
     before = machine()
     out: dict = {"machine": before}
     if args.only in (None, "throughput"):

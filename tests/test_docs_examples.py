@@ -166,15 +166,15 @@ def test_python_predicted_outputs(examples, server, model_name):
 
 
 @pytest.fixture(scope="module")
-def rag(model_dir, model_name, tmp_path_factory) -> str:
+def rag(model_dir, model_name, embedding_export, tmp_path_factory) -> str:
     """The retrieval example's output, run against a server of the chat model, the default embedding model and a
     tiny random cross-encoder named `reranker` (the shared server serves the chat model alone)."""
-    from test_embeddings import EMBED, config_server, default_embedding_export, tiny_rerank_export
+    from test_embeddings import EMBED, config_server, tiny_rerank_export
 
     root = tmp_path_factory.mktemp("rag")
     models = {
         model_name: model_dir,
-        EMBED: default_embedding_export(),
+        EMBED: embedding_export("int8"),
         "reranker": tiny_rerank_export(root, "reranker"),
     }
     code = blocks()[len(KINDS)][1]

@@ -50,17 +50,6 @@ class ConfigServer(Server):
         LoopbackServer.__init__(self, command, log_path, env=env, start_timeout=START_TIMEOUT)
 
 
-def default_embedding_export() -> Path:
-    """The default embedding model's int8 export, built by `make model`'s own builder when missing."""
-    try:
-        from export.default_model import ensure_embedding_export
-    except ImportError:  # the builder lands with the encoder export; meanwhile the data dir's
-        from appliance.paths import data_dir
-
-        return data_dir() / "models" / "all-minilm-l6-v2" / "openvino-int8"
-    return ensure_embedding_export("openvino", "int8")
-
-
 def tiny_rerank_export(root: Path, name: str = RERANK) -> Path:
     """A tiny random cross-encoder (tests/tiny_encoders.py), exported fp32 to root/export."""
     import tiny_encoders
@@ -81,8 +70,8 @@ def config_server(root: Path, models: dict[str, Path], **settings) -> ConfigServ
 
 
 @pytest.fixture(scope="module")
-def embedding_dir() -> Path:
-    return default_embedding_export()
+def embedding_dir(embedding_export) -> Path:
+    return embedding_export("int8")  # conftest's: marks the tests default_model
 
 
 @pytest.fixture(scope="module")
