@@ -115,9 +115,10 @@ class Limits:
         2048, "inputs per embeddings request (an `input` list; OpenAI's bound)", flag="max-embedding-inputs"
     )
     embedding_tokens: int = setting(
-        131072,
+        65536,
         "tokens of one embeddings or rerank request, its inputs (or query + document pairs) together after "
-        "truncation, else 400 (about 20 s of all-MiniLM-L6-v2 on one core of the 2-core dev box)",
+        "truncation, else 400 (256 inputs of all-MiniLM-L6-v2's 256 tokens; about a minute of its int8 export on "
+        "one core of the loaded 2-core dev box, other requests' inputs batched in between)",
         flag="max-embedding-tokens",
     )
     rerank_documents: int = setting(1000, "documents per rerank request (Cohere's bound)", flag="max-rerank-documents")

@@ -310,7 +310,7 @@ FLAGS = {
     "max-tokens-limit": (int, None),
     "max-prompts": (int, 256),
     "max-embedding-inputs": (int, 2048),
-    "max-embedding-tokens": (int, 131072),
+    "max-embedding-tokens": (int, 65536),
     "max-rerank-documents": (int, 1000),
     "max-n": (int, 20),
     "max-best-of": (int, 20),
