@@ -35,6 +35,13 @@ FAMILIES = {
     "appliance_time_to_first_token_seconds": ("histogram", set()),
     "appliance_inter_token_latency_seconds": ("histogram", set()),
     "appliance_request_duration_seconds": ("histogram", set()),
+    # embeddings and rerank (appliance/server/embeddings.py)
+    "appliance_encoder_requests_total": ("counter", {"task", "outcome"}),
+    "appliance_encoder_tokens_total": ("counter", {"task"}),
+    "appliance_encoder_request_duration_seconds": ("histogram", set()),
+    "appliance_encoder_batch_inputs": ("histogram", set()),
+    "appliance_encoder_batch_tokens": ("histogram", set()),
+    "appliance_encoder_forward_seconds": ("histogram", set()),
 }
 STATS = {"queued": 2, "running": 3, "kv_blocks_used": 10, "kv_blocks_total": 40, "preemptions": 1}
 
@@ -52,6 +59,10 @@ def filled() -> ServerMetrics:
     m.generated_tokens.inc(3)
     for histogram in (m.ttft, m.itl, m.e2e):
         histogram.observe(0.02)
+    m.encode_requests.labels("embed", "ok").inc()
+    m.encode_tokens.labels("embed").inc(12)
+    m.encode_duration.observe(0.05)
+    m.observe_encoder_batch(4, 128, 0.04)
     return m
 
 
