@@ -316,3 +316,15 @@ def test_minilm_onnx_matches_openvino(embedding_hf, embedding_export, tmp_path):
     openvino_encoder = Encoder(embedding_export("fp32"), precision="f32")
     batch = [onnx_encoder.truncate(ids) for ids in onnx_encoder.tokenize(SENTENCES)]
     assert cosines(onnx_encoder.embed(batch), openvino_encoder.embed(batch)).min() >= 0.9999
+
+
+def test_export_cli_routes_encoders(tmp_path, capsys):
+    """`python -m export SRC OUT` sends an encoder folder to the encoder exporter, by its model_type."""
+    from export.__main__ import main
+
+    src = tiny_encoders.build("embed-cls", tmp_path / "src")
+    assert main([str(src), str(tmp_path / "out"), "--backend", "onnx", "--weight-format", "fp32"]) == 0
+    assert "embed, onnx fp32" in capsys.readouterr().err
+    manifest = Manifest.load(tmp_path / "out")
+    assert (manifest.task, manifest.pooling, manifest.backend) == ("embed", "cls", "onnx")
+    assert main([str(src), str(tmp_path / "out2"), "--task", "rerank"]) == 2  # not a cross-encoder
