@@ -28,7 +28,7 @@ class FakeEncoder:
     max_length = 16
     dimensions = DIM
 
-    def __init__(self, task: str = "embed", delay: float = 0.0):
+    def __init__(self, task: str = "embed", delay: float = 0.01):
         self.task = task
         self.manifest = SimpleNamespace(normalize=True, vocab_size=1000)
         self.batches: list[list[int]] = []  # lengths per forward
@@ -119,6 +119,18 @@ def test_batches_are_length_buckets_shared_by_requests(service):
     # after the first held forward, the short inputs of both requests share a forward, and so do the long ones
     spreads = [max(b) - min(b) for b in service.encoder.batches]
     assert max(spreads) == 0, service.encoder.batches
+
+
+def test_requests_take_turns(service):
+    """A small request that comes after a large one is answered before the large one ends (round robin)."""
+    service.encoder.gate.clear()
+    big = service.submit(service.prepare(job(["7"] * 40), Limits()))  # 5 forwards of 8
+    time.sleep(0.05)  # the loop holds big's first forward
+    small = service.submit(service.prepare(job([" ".join(["1"] * 10)]), Limits()))
+    service.encoder.gate.set()
+    assert small.done.wait(5)
+    assert big.remaining > 0, service.encoder.batches
+    assert big.done.wait(5)
 
 
 def test_a_failing_request_fails_alone(service):

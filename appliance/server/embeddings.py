@@ -11,8 +11,9 @@ decoding keeps the lead: the measurement is in docs/performance.md (bench/embedd
 
 Batching: requests from every client queue here; their inputs (texts, token ids, rerank pairs) are items. Each
 forward takes one batch of items of similar length (a length bucket: the window of waiting items sorted by
-length, cut where the padded size, longest x count, would pass `batch_tokens`), always the batch that holds the
-oldest waiting item, so no request waits behind later ones for long. A request's inputs may span several batches
+length, cut where the padded size, longest x count, would pass `batch_tokens`): the bucket that holds the first
+waiting item of the request whose turn it is, the requests taking turns (round robin), so a small request is not
+stuck behind a large one that came first, and none waits behind later ones for long. A request's inputs may span several batches
 (and share them with other requests); each result goes to its input's place. A request whose client went away
 (the worker closed the connection) is dropped from the queue at once; a forward that fails is run again one
 request at a time, so only the request whose inputs fail gets the error.
@@ -282,13 +283,14 @@ class EncoderService:
                 self.on_death(exc)
 
     def _next_batch(self) -> list[tuple[_Request, int]]:
-        """Under the lock: the length bucket holding the oldest waiting item (module docstring)."""
+        """Under the lock: the length bucket holding the first waiting item of the request at the head of the queue
+        (whose turn it is), then that request goes to the back (module docstring)."""
         window: list[tuple[_Request, int]] = []
         for req in self._queue:
             window += [(req, i) for i in req.waiting[: WINDOW - len(window)]]
             if len(window) >= WINDOW:
                 break
-        oldest = window[0]
+        first = window[0]
         window.sort(key=lambda it: _length(it[0].items[it[1]]))
         batches: list[list[tuple[_Request, int]]] = [[]]
         longest = 0
@@ -301,7 +303,7 @@ class EncoderService:
                 longest = 0
             batches[-1].append(it)
             longest = max(longest, n)
-        batch = next(b for b in batches if oldest in b)
+        batch = next(b for b in batches if first in b)
         taken: dict[_Request, set[int]] = {}
         for req, i in batch:
             taken.setdefault(req, set()).add(i)
@@ -309,6 +311,8 @@ class EncoderService:
             req.waiting = [i for i in req.waiting if i not in indexes]
             if not req.waiting:
                 self._queue.remove(req)
+        if self._queue and self._queue[0] is first[0]:  # round robin: the next batch starts from the next request
+            self._queue.rotate(-1)
         return batch
 
     def _run(self, batch: list[tuple[_Request, int]]) -> None:
