@@ -13,10 +13,10 @@ Batching: requests from every client queue here; their inputs (texts, token ids,
 forward takes one batch of items of similar length (a length bucket: the window of waiting items sorted by
 length, cut where the padded size, longest x count, would pass `batch_tokens`): the bucket that holds the first
 waiting item of the request whose turn it is, the requests taking turns (round robin), so a small request is not
-stuck behind a large one that came first, and none waits behind later ones for long. A request's inputs may span several batches
-(and share them with other requests); each result goes to its input's place. A request whose client went away
-(the worker closed the connection) is dropped from the queue at once; a forward that fails is run again one
-request at a time, so only the request whose inputs fail gets the error.
+stuck behind a large one that came first, and none waits behind later ones for long. A request's inputs may span
+several batches (and share them with other requests); each result goes to its input's place. A request whose
+client went away (the worker closed the connection) is dropped from the queue at once; a forward that fails is
+run again one request at a time, so only the request whose inputs fail gets the error.
 """
 
 from __future__ import annotations
