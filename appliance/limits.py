@@ -117,8 +117,8 @@ class Limits:
     embedding_tokens: int = setting(
         65536,
         "tokens of one embeddings or rerank request, its inputs (or query + document pairs) together after "
-        "truncation, else 400 (256 inputs of all-MiniLM-L6-v2's 256 tokens; about a minute of its int8 export on "
-        "one core of the loaded 2-core dev box, other requests' inputs batched in between)",
+        "truncation, else 400 (256 inputs of all-MiniLM-L6-v2's 256 tokens: ~80 s of its int8 export on one core "
+        "of the 2-core dev box under load, other requests taking turns in between)",
         flag="max-embedding-tokens",
     )
     rerank_documents: int = setting(1000, "documents per rerank request (Cohere's bound)", flag="max-rerank-documents")

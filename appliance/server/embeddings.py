@@ -41,10 +41,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Padded tokens per forward (longest item x items). all-MiniLM-L6-v2 on the 2-core dev box: 32 x 128 tokens run
-# at the same tokens/s as 64 x 128 or 16 x 256 and a forward stays ~0.15 s on one core, so a chat step never waits
-# on more than that for the cores; past 4096 the throughput no longer grows.
-BATCH_TOKENS = 4096
+# Padded tokens per forward (longest item x items). all-MiniLM-L6-v2 int8 on one thread of the 2-core dev box (under
+# other agents' load, average 13) ran ~800 tokens/s whether the batch was 8 x 128, 32 x 128, 64 x 128 or 256 x 16:
+# past a few inputs a bigger batch buys nothing, it only holds the encoder longer (4096 tokens: ~5 s there). 2048
+# keeps a forward, the longest a new request waits for its turn, at ~2.5 s loaded (well under a second idle).
+BATCH_TOKENS = 2048
 MAX_BATCH = 64  # items per forward
 WINDOW = 1024  # waiting items sorted into length buckets per batch
 ENCODER_THREADS = max(1, (os.cpu_count() or 2) // 2)  # inference threads; the rest of the cores stay the LLM's
