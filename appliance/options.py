@@ -137,22 +137,12 @@ def embedding_spec(args: argparse.Namespace, chat_model: str) -> ModelSpec | Non
         manifest = Manifest.load(directory)
     except (FileNotFoundError, ValueError, TypeError) as exc:
         raise ConfigError(f"--embedding-model {word}: {exc}") from None
-    task = getattr(manifest, "task", None) or _manifest_task(directory)
-    if task not in ("embed", "rerank"):
-        raise ConfigError(f"--embedding-model {word} is not an embedding or rerank model (its task: {task})")
+    if not manifest.is_encoder:
+        raise ConfigError(f"--embedding-model {word} is not an embedding or rerank model (its task: {manifest.task})")
     if manifest.name == chat_model:
         raise ConfigError(f"--embedding-model {word} has the chat model's name {chat_model!r}")
     created = int((directory / MANIFEST_NAME).stat().st_mtime)
     return ModelSpec(manifest.name, str(directory), created, EngineConfig(device=args.device))
-
-
-def _manifest_task(directory: Path) -> str:
-    import json
-
-    try:
-        return str(json.loads((directory / MANIFEST_NAME).read_text()).get("task") or "generate")
-    except (OSError, ValueError, AttributeError):
-        return "generate"
 
 
 def limits_from(args: argparse.Namespace) -> limits.Limits:

@@ -208,3 +208,43 @@ def test_rerank_scores_in_document_order():
         assert answer.tokens == [5, 7, 5]
     finally:
         svc.shutdown()
+
+
+def test_embedding_model_flag(tmp_path, monkeypatch):
+    """--embedding-model: 'none' and 'default' beside another chat model serve nothing; a directory must hold an
+    encoder export; 'default' beside `--model default` serves the built default export, or nothing (an info line)
+    when it is not built."""
+    import argparse
+    import json
+
+    from appliance.manifest import MANIFEST_NAME
+    from appliance.options import ConfigError, embedding_spec
+
+    def args(word: str, model: str = "default") -> argparse.Namespace:
+        return argparse.Namespace(embedding_model=word, model=model, device="CPU")
+
+    def export(path, task: str):
+        path.mkdir(parents=True)
+        fields = dict(
+            name=f"m-{task}", backend="openvino", weight_format="int8", model_file="openvino_model.xml",
+            architecture="BertModel", model_type="bert", num_layers=1, num_attention_heads=1, num_kv_heads=1,
+            head_dim=8, hidden_size=8, vocab_size=10, max_context=16, kv_dtype="", stateful=False, task=task,
+        )  # fmt: skip
+        (path / MANIFEST_NAME).write_text(json.dumps(fields))
+        return path
+
+    monkeypatch.setenv("APPLIANCE_DATA_DIR", str(tmp_path / "data"))
+    assert embedding_spec(args("none"), "chat") is None
+    assert embedding_spec(args("default", model="/some/chat"), "chat") is None
+    assert embedding_spec(args("default"), "chat") is None  # not built in this data dir
+    built = export(tmp_path / "data" / "models" / "all-minilm-l6-v2" / "openvino-int8", "embed")
+    spec = embedding_spec(args("default"), "chat")
+    assert spec is not None and spec.name == "m-embed" and spec.model_dir == str(built)
+    rerank = export(tmp_path / "rerank", "rerank")
+    assert embedding_spec(args(str(rerank), model="/some/chat"), "chat").name == "m-rerank"
+    with pytest.raises(ConfigError, match="not an embedding or rerank model"):
+        embedding_spec(args(str(export(tmp_path / "llm", "generate"))), "chat")
+    with pytest.raises(ConfigError, match="chat model's name"):
+        embedding_spec(args(str(rerank)), "m-rerank")
+    with pytest.raises(ConfigError, match="no appliance_manifest.json"):
+        embedding_spec(args(str(tmp_path / "nothing")), "chat")

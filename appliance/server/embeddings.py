@@ -445,14 +445,9 @@ def load_encoder_service(model_dir: str, device: str, threads: int | None, metri
 
 def model_task(model_dir: str) -> str:
     """The export's task from its manifest: generate (an LLM), embed or rerank."""
-    import json
-    from pathlib import Path
-
-    from appliance.manifest import MANIFEST_NAME
+    from appliance.manifest import Manifest
 
     try:
-        data = json.loads((Path(model_dir) / MANIFEST_NAME).read_text())
-    except (OSError, ValueError):
-        return "generate"
-    task = data.get("task") if isinstance(data, dict) else None
-    return task if task in ("embed", "rerank") else "generate"
+        return Manifest.load(model_dir).task
+    except (OSError, ValueError, TypeError):
+        return "generate"  # the LLM loader reports what is wrong with it
