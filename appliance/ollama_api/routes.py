@@ -132,7 +132,7 @@ def blueprint(api: AppApi) -> Blueprint:
     bp.add_url_rule("/show", view_func=routes.show, methods=["POST"])
     bp.add_url_rule("/version", view_func=OllamaRoutes.version, methods=["GET"])
     E.register(bp, api)  # /api/embed, /api/embeddings
-    # everything else under /api (pull, delete, embed, a wrong method, ...): Ollama's 404, in its error shape
+    # everything else under /api (pull, delete, a wrong method, ...): Ollama's 404, in its error shape
     bp.add_url_rule("/<path:rest>", view_func=_not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 
     error_handlers(bp, lambda exc: _error(exc.status, exc.message), api.settings.max_body_bytes)
