@@ -141,6 +141,29 @@ def in_process(embed: Path, threads: int, seconds: float) -> dict:
     }
 
 
+def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dict:
+    """One sentence at a time, an in-process forward and an HTTP request alternating (same sentence, same moment
+    of the box's load): the medians and their ratio."""
+    from appliance.runtime.encoder import Encoder
+
+    enc = Encoder(embed, threads=threads)
+    ids = enc.tokenize(SENTENCES)
+    enc.embed(ids[:1])
+    s = requests.Session()
+    local, http = [], []
+    for i in range(requests_n):
+        t0 = time.perf_counter()
+        enc.embed([ids[i % len(ids)]])
+        local.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        s.post(
+            srv.base + "/v3/embeddings", json={"model": "embed", "input": SENTENCES[i % len(SENTENCES)]}
+        ).raise_for_status()
+        http.append(time.perf_counter() - t0)
+    a, b = statistics.median(local), statistics.median(http)
+    return {"in_process_ms": round(a * 1e3, 1), "http_ms": round(b * 1e3, 1), "ratio": round(b / a, 3)}
+
+
 def throughput(chat: Path, embed: Path, threads: int, reps: int, seconds: float) -> list[dict]:
     rows = []
     srv = start(chat, embed, threads, "throughput")
@@ -229,7 +252,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--encoder-threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--only", choices=("throughput", "mixed"), default=None)
+    ap.add_argument("--only", choices=("throughput", "mixed", "latency"), default=None)
     ap.add_argument("--encoder-nice", type=int, default=None, help="the encoder thread's niceness (default: 5)")
     args = ap.parse_args(argv)
     global NICE
@@ -243,6 +266,15 @@ def main(argv=None) -> int:
         embed = ensure_embedding_export("openvino", "int8")
     before = machine()
     out: dict = {"machine": before, "encoder_nice": args.encoder_nice}
+    if args.only == "latency":  # paired 1-client latency only
+        srv = start(chat, embed, args.encoder_threads[0], "latency")
+        try:
+            out["latency"] = paired_latency(srv, embed, args.encoder_threads[0])
+        finally:
+            srv.stop()
+        print(out["latency"])
+        write_json(RESULTS_DIR / "embeddings_http.json", out)
+        return 0
     if args.only in (None, "throughput"):
         rows = throughput(chat, embed, args.encoder_threads[0], args.reps, args.seconds)
         cols = [("side", "side", "s"), ("sent_s", "sentences/s", "s"), ("lat_ms", "latency ms", "s"), ("vs", "", "s")]
