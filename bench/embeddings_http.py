@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--encoder-threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--only", choices=("throughput", "mixed", "latency"), default=None)
-    ap.add_argument("--encoder-nice", type=int, default=None, help="the encoder thread's niceness (default: 5)")
+    ap.add_argument("--encoder-nice", type=int, default=None, help="the encoder thread's niceness (default: 19)")
     args = ap.parse_args(argv)
     global NICE
     NICE = args.encoder_nice

@@ -6,8 +6,8 @@ Why a worker thread of its own, not the LLM engine's step loop: an encoder forwa
 to hundreds of milliseconds, and the engine's loop decodes a token for every stream per step; run inside it, one
 big embeddings request would stall every chat stream by that much. Here the encoder thread runs beside the engine
 thread (both release the GIL inside OpenVINO), so the two only share the cores. On a small box the encoder then
-gets fewer inference threads than the cores (`ENCODER_THREADS`) and a lower scheduling priority (`NICE`), so chat
-decoding keeps the lead: the measurement is in docs/performance.md (bench/embeddings_http.py `mixed`).
+gets fewer inference threads than the cores (`ENCODER_THREADS`) and the lowest scheduling priority (`NICE`), so
+chat decoding keeps the lead: the measurements are in docs/performance.md (bench/embeddings_http.py `mixed`).
 
 Batching: requests from every client queue here; their inputs (texts, token ids, rerank pairs) are items. Each
 forward takes one batch of items of similar length (a length bucket: the window of waiting items sorted by
@@ -49,10 +49,13 @@ BATCH_TOKENS = 2048
 MAX_BATCH = 64  # items per forward
 WINDOW = 1024  # waiting items sorted into length buckets per batch
 ENCODER_THREADS = max(1, (os.cpu_count() or 2) // 2)  # inference threads; the rest of the cores stay the LLM's
-# The encoder thread's niceness above the process's: chat decoding first when both want the cores. The cost, measured
-# on the loaded dev box (other agents' work, load 12): a one-sentence forward at nice +5 took 94 ms against 48 ms at
-# nice 0, interleaved; APPLIANCE_ENCODER_NICE=0 trades chat's lead for embedding latency.
-NICE = int(os.environ.get("APPLIANCE_ENCODER_NICE", "5"))
+# The encoder thread's niceness above the process's (Linux: a thread's own; the inference thread it runs is itself
+# with 1 thread): chat decoding first whenever both want the cores. Measured with bench/embeddings_http.py `mixed`
+# (4 chat streams, 8 clients embedding, 1 encoder thread) on the dev box under other agents' load: chat ITL p99
+# +59% at nice 5 (6 pairs), +24% at nice 19 (4 pairs; p50 unchanged). The cost: under contention a niced encoder
+# gets little CPU (a one-sentence forward took 94 ms at nice 5 against 48 ms at nice 0 with the box loaded); on a
+# box whose only other work is the chat engine it only yields to chat. APPLIANCE_ENCODER_NICE sets it (0: none).
+NICE = int(os.environ.get("APPLIANCE_ENCODER_NICE", "19"))
 IDLE_WAIT = 0.5  # seconds between heartbeats while idle
 CANCEL_POLL = 0.05  # seconds between checks that the worker is still there while a request waits
 
