@@ -32,6 +32,7 @@ from bench.common import arg_parser, machine, median, print_table, rotate, save_
 from bench.quality import PASSAGES
 
 SIDES = ("appliance", "genai", "torch")
+SETTLE_S = 1.0  # idle before each timed side: the previous side's worker threads stop spinning
 SUBJECTS = (
     "The service technician",
     "Our night-shift operator",
@@ -181,23 +182,43 @@ class _Torch:
             return torch.nn.functional.normalize(vectors, p=2, dim=1).numpy()
 
 
-def throughput(path: Path, hf_dir: Path, texts: list[str], batches: list[int], reps: int, scratch: Path) -> list[dict]:
+def order(sides: list[str], k: int) -> list[str]:
+    """Run k's order: rotated by k, and reversed every other round of rotations, so each side goes first in turn
+    AND follows each other side equally often (plain rotation keeps the cycle: one side would always run right
+    after torch, whose OpenMP threads may still spin into the next side's time)."""
+    rotated = rotate(sides, k)
+    return rotated[::-1] if (k // len(sides)) % 2 else rotated
+
+
+def agreement(sides: dict[str, Any], texts: list[str], when: str) -> dict[str, float]:
+    """Each side's vectors against the torch side's on the same texts (min cosine): the sides compute the same
+    thing, or their speeds mean nothing."""
+    reference = sides["torch"](texts)
+    found = {f"{name}_{when}": float(np.sum(side(texts) * reference, 1).min()) for name, side in sides.items()}
+    print(f"min cosine to torch, {when}: " + ", ".join(f"{k}={v:.6f}" for k, v in found.items()), flush=True)
+    return found
+
+
+def throughput(
+    path: Path, hf_dir: Path, texts: list[str], batches: list[int], reps: int, scratch: Path
+) -> tuple[list[dict], dict[str, float]]:
     sides = {"appliance": _Appliance(path), "genai": _Genai(path, scratch), "torch": _Torch(path, hf_dir)}
     for side in sides.values():  # warm-up: compile caches, first-call allocations
         side(texts[:8])
-    same = np.sum(sides["appliance"](texts[:32]) * sides["genai"](texts[:32]), 1).min()
-    print(f"appliance vs genai on the same IR: min cosine {same:.6f}", flush=True)
+    checks = agreement(sides, texts[:32], "before")
     runs = []
     for rep in range(reps):
-        for size in batches:
-            for name in rotate(list(sides), rep):
+        for b, size in enumerate(batches):
+            for name in order(list(sides), rep * len(batches) + b):
+                time.sleep(SETTLE_S)
                 start = time.perf_counter()
                 for i in range(0, len(texts), size):
                     sides[name](texts[i : i + size])
                 elapsed = time.perf_counter() - start
                 runs.append({"rep": rep, "batch": size, "impl": name, "sentences_s": len(texts) / elapsed})
         print(f"rep {rep + 1}/{reps} done", flush=True)
-    return runs
+    checks.update(agreement(sides, texts[:32], "after"))
+    return runs, checks
 
 
 def summary(runs: list[dict], batches: list[int]) -> list[dict]:
@@ -257,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-genai-") as scratch:
         timed = texts[: args.throughput_sentences]
-        runs = throughput(dirs[args.throughput_model], hf_dir, timed, args.batches, args.reps, Path(scratch))
+        runs, checks = throughput(dirs[args.throughput_model], hf_dir, timed, args.batches, args.reps, Path(scratch))
     rows = summary(runs, args.batches)
     print_table(
         rows,
@@ -271,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
         title=f"sentences/s, {args.throughput_model} IR, {len(timed)} sentences, median of {args.reps} (paired ratios)",
     )
-    save_results(args, "embeddings", before, fidelity=fid, runs=runs, summary=rows)
+    save_results(args, "embeddings", before, fidelity=fid, agreement=checks, runs=runs, summary=rows)
     return 0
 
 

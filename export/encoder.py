@@ -28,7 +28,7 @@ from appliance.manifest import POOLINGS, Manifest
 from export.exporter import _quiet, _replace, _staging_dir  # the LLM exporter's staging and quieting, shared
 from export.graph import WeightOptions
 from export.metadata import write_metadata
-from export.source import ExportError, check_destination
+from export.source import WEIGHT_SUFFIXES, ExportError, check_destination
 
 __all__ = ["ENCODER_TYPES", "EncoderSource", "export_encoder", "inspect_encoder", "torch_reference"]
 
@@ -72,6 +72,8 @@ def inspect_encoder(src: Path, task: str | None = None, pooling: str | None = No
         raise ExportError(
             f"unsupported encoder model_type {model_type or '?'}; supported: {', '.join(sorted(ENCODER_TYPES))}"
         )
+    if not any(p.suffix in WEIGHT_SUFFIXES for p in src.iterdir() if p.is_file()):
+        raise ExportError(f"no weights in {src} ({', '.join('*' + s for s in WEIGHT_SUFFIXES)})")
     architectures = [str(a) for a in config.get("architectures") or []]
     classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
     task = task or ("rerank" if classifier else "embed")
