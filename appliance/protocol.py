@@ -46,6 +46,7 @@ METRICS = "metrics"  # () -> str (Prometheus text)
 TOKENIZE = "tokenize"  # (model, list[str]) -> list[list[int]]
 RECORD_HTTP = "http"  # (HttpRecord, ...): one, or a batch -> Reply()
 JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
+ENCODE = "encode"  # (EncodeJob) -> one event: Encoded | Failed (embeddings, rerank: appliance/server/embeddings.py)
 RELOAD = "reload"  # () -> (changed: bool, list[ModelInfo]) once the loads end; Failed 400 for a broken config
 # (model, keep_alive seconds | None) -> ModelInfo: load the model now (Ollama's empty request), then keep it for
 # keep_alive; keep_alive 0 unloads it (once its requests end) instead. Answers once loaded (a job's load is the same)
@@ -115,6 +116,11 @@ class EngineStatus:
     tool_parser: str = ""
     reasoning_parser: str = ""
     serial: int = 0  # new per load of the model: a worker drops a kept status whose serial a job no longer sees
+    # what the model does: generate (an LLM: chat, completions), embed or rerank (an encoder: /v3/embeddings,
+    # /v3/rerank); for an encoder max_context is its max input length (tokens) and dimensions its vector size
+    task: str = "generate"
+    dimensions: int = 0
+    normalized: bool = False  # an embed model's vectors have unit length (so `dimensions` may truncate them)
 
     @property
     def ready(self) -> bool:
@@ -169,6 +175,35 @@ class Job:
     keep_alive: float | None = None
     # Ollama's num_ctx: the tokens this request's prompt + output may use (None: the model's context)
     context_window: int | None = None
+
+
+@dataclass
+class EncodeJob:
+    """An embeddings or rerank request, one for every client API (OpenAI's, Ollama's). Embed: `texts` or
+    `token_ids` (one entry per input); rerank: `query` and `documents`. `truncate`: inputs longer than the model's
+    maximum are cut to it (else a 400); `dimensions`: the vectors cut to their first n and renormalized."""
+
+    request_id: str
+    model: str
+    task: str  # "embed" | "rerank"
+    texts: list[str] | None = None
+    token_ids: list[list[int]] | None = None
+    query: str | None = None
+    documents: list[str] | None = None
+    truncate: bool = False
+    dimensions: int | None = None
+
+
+@dataclass
+class Encoded:
+    """An EncodeJob's answer. Embed: `vectors`, one per input, each float32 little-endian bytes (workers have no
+    numpy: array('f') or base64 reads them); rerank: `scores`, one per document, in input order. `tokens`: per
+    input (rerank: per query + document pair), what usage counts."""
+
+    tokens: list[int]
+    vectors: list[bytes] | None = None
+    scores: list[float] | None = None
+    seconds: float = 0.0  # from queueing to the last batch
 
 
 @dataclass

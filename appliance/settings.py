@@ -77,6 +77,13 @@ class ServeSettings:
     port: int = setting(8000, "TCP port", flag="port")
     workers: int = setting(1, "HTTP worker processes (they share one engine: one copy of the weights)", flag="workers")
     threads: int = setting(32, "threads per HTTP worker; each streaming client holds one", flag="threads")
+    embedding_model: str = setting(
+        "default",
+        "embedding or rerank model served beside the chat model, under its export's name: 'default' serves "
+        "all-MiniLM-L6-v2 beside `--model default` once `make model` has built it; 'none'; or an exported "
+        "embedding / rerank model's directory (a config file's model_config_list names its models itself)",
+        flag="embedding-model",
+    )
     config_file: str | None = setting(
         None,
         "JSON config file: serve flags by name, and OVMS's `model_config_list` to serve several models "

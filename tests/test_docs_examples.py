@@ -40,7 +40,7 @@ def examples(server, model_name, tmp_path_factory) -> dict[str, str]:
     """Each example's output, by name, run with the server's address in place of the documented one. curl reads
     a .curlrc (from $CURL_HOME) that appends the HTTP status as a last line, so its command runs as written."""
     found = blocks()
-    assert [kind for kind, _ in found] == KINDS, found
+    assert [kind for kind, _ in found] == [*KINDS, "python"], found  # the last one, retrieval: `rag` below
     curl_home = tmp_path_factory.mktemp("curl")
     (curl_home / ".curlrc").write_text('write-out = "\\nHTTP %{http_code}\\n"\n')
     env = {**os.environ, "CURL_HOME": str(curl_home)}
@@ -72,8 +72,9 @@ def status_and_body(output: str) -> tuple[str, str]:
 
 def test_the_examples_are_the_documented_ones():
     kinds = [kind for kind, _ in blocks()]
-    assert kinds == KINDS
-    unary, stream, chat, parse, tool, prediction = (code for _, code in blocks())
+    assert kinds == [*KINDS, "python"]
+    unary, stream, chat, parse, tool, prediction, rag = (code for _, code in blocks())
+    assert "embeddings.create" in rag and "/v3/rerank" in rag and "chat.completions.create" in rag
     assert "/v3/completions" in unary and '"stream"' not in unary
     assert '"stream": true' in stream and '"include_usage": true' in stream
     assert "chat.completions.create" in chat
@@ -162,3 +163,35 @@ def test_python_predicted_outputs(examples, server, model_name):
         top_logprobs=5,
     )
     text_divergence(reference.choices[0].logprobs.content, text.removesuffix("\n"), NEAR_TIE_DEFAULT)
+
+
+@pytest.fixture(scope="module")
+def rag(model_dir, model_name, embedding_export, tmp_path_factory) -> str:
+    """The retrieval example's output, run against a server of the chat model, the default embedding model and a
+    tiny random cross-encoder named `reranker` (the shared server serves the chat model alone)."""
+    from test_embeddings import EMBED, config_server, tiny_rerank_export
+
+    root = tmp_path_factory.mktemp("rag")
+    models = {
+        model_name: model_dir,
+        EMBED: embedding_export("int8"),
+        "reranker": tiny_rerank_export(root, "reranker"),
+    }
+    code = blocks()[len(KINDS)][1]
+    assert DOC_BASE in code and f'"{model_name}"' in code and f'"{EMBED}"' in code, code
+    with config_server(root, models, workers=1) as srv:
+        proc = subprocess.run(
+            [sys.executable, "-c", code.replace(DOC_BASE, srv.base)], capture_output=True, text=True, timeout=300
+        )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    return proc.stdout
+
+
+def test_python_retrieval_embed_rerank_answer(rag):
+    """The embedding model found the passage that answers (all-MiniLM-L6-v2 is a real model), the reranker's top
+    two of the three candidates made the context (a random one: any two), and the chat model answered."""
+    nearest, context, answer = rag.split("\n", 2)
+    assert nearest == "nearest: The server listens on port 8000 and answers the OpenAI API under /v3."
+    passages = context.removeprefix("context: ").split(" | ")
+    assert len(passages) == 2 and len(set(passages)) == 2
+    assert answer.startswith("answer: ") and answer.removeprefix("answer: ").strip()

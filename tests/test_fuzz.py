@@ -386,10 +386,12 @@ def test_fuzz_valid_requests(server, model_dir, model_name, health, tmp_path):
         str(EXAMPLES),
         "--exclude-deprecated",  # /v3/v1/...: the same handlers again
         "--exclude-path-regex",
-        "^/v1/((chat/)?completions|config/reload)$|/responses|^/v1/messages",  # ditto, and the costly ones (the
-        # negative run has them); a reload is refused (400) on a server without --config: tests/test_multi_model.py
-        # runs it; the Responses and Messages routes are proved by tests/test_responses*.py and
-        # tests/test_anthropic*.py (a random id is a 404, items have rules, max_tokens is unbounded by the schema)
+        "^/v1/((chat/)?completions|config/reload)$|/responses|^/v1/messages|/embeddings$|/rerank$",  # ditto, and the
+        # costly ones (the negative run has them); a reload is refused (400) on a server without --config:
+        # tests/test_multi_model.py runs it; the Responses and Messages routes are proved by tests/test_responses*.py
+        # and tests/test_anthropic*.py (a random id is a 404, items have rules, max_tokens is unbounded by the
+        # schema); the shared server serves no encoder, so every valid embeddings / rerank request is a 400 there:
+        # tests/test_embeddings.py proves them on a server that does
         "--checks",
         ",".join([*CHECKS_COMMON, "response_headers_conformance", "positive_data_acceptance"]),
     )
@@ -412,6 +414,8 @@ def test_fuzz_invalid_requests(server, model_name, health, tmp_path):
         "--max-examples",
         str(EXAMPLES),
         "--exclude-deprecated",
+        "--exclude-path-regex",
+        "/embeddings$|/rerank$",  # no encoder on the shared server (the positive run says why)
         "--checks",
         ",".join([*CHECKS_COMMON, "negative_data_rejection", "unsupported_method", "allow_header_conformance"]),
     )

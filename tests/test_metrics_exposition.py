@@ -38,6 +38,13 @@ FAMILIES = {
     "appliance_model_loads_total": ("counter", {"reason", "result"}),
     "appliance_model_unloads_total": ("counter", {"reason"}),
     "appliance_model_load_seconds": ("histogram", set()),
+    # embeddings and rerank (appliance/server/embeddings.py)
+    "appliance_encoder_requests_total": ("counter", {"task", "outcome"}),
+    "appliance_encoder_tokens_total": ("counter", {"task"}),
+    "appliance_encoder_request_duration_seconds": ("histogram", set()),
+    "appliance_encoder_batch_inputs": ("histogram", set()),
+    "appliance_encoder_batch_tokens": ("histogram", set()),
+    "appliance_encoder_forward_seconds": ("histogram", set()),
 }
 STATS = {"queued": 2, "running": 3, "kv_blocks_used": 10, "kv_blocks_total": 40, "preemptions": 1}
 
@@ -58,6 +65,10 @@ def filled() -> ServerMetrics:
     m.model_loads.labels("demand", "ok").inc()
     m.model_unloads.labels("keep_alive").inc()
     m.model_load_seconds.observe(3.0)
+    m.encode_requests.labels("embed", "ok").inc()
+    m.encode_tokens.labels("embed").inc(12)
+    m.encode_duration.observe(0.05)
+    m.observe_encoder_batch(4, 128, 0.04)
     return m
 
 

@@ -28,6 +28,7 @@ POOL_SIZE = 8  # idle engine connections a worker keeps; the engine has one thre
 # HTTP records sent in batches, not one round trip each: the probes (and every 401, whatever its route)
 DEFERRED_ROUTES = frozenset({"/v2/health/live", "/v2/health/ready", "/v2/models/<path:name>/ready"})
 DEFER_SECONDS = 0.5
+ENCODE_POLL_SECONDS = 0.1  # how often a waiting embeddings request checks its client is still there
 DEFERRED_KINDS = 1024  # distinct (route, method, status, type) kept between two batches
 
 
@@ -179,6 +180,37 @@ class EngineClient:
                 self.call(p.RECORD_HTTP, *records)
             except EngineUnavailable:
                 pass
+
+    def encode(
+        self, job: p.EncodeJob, timeout: float | None, client_gone: Callable[[], bool] = lambda: False
+    ) -> p.Encoded | p.Failed | None:
+        """An embeddings / rerank request (one answer). None when `client_gone()` turned true or `timeout` seconds
+        passed first: the connection is closed, which drops the request's waiting inputs engine-side."""
+        conn = self._take()
+        try:
+            conn.send((p.ENCODE, job))
+        except OSError:
+            conn.close()
+            conn = self._take()  # a stale pooled connection: one retry on a fresh one
+            try:
+                conn.send((p.ENCODE, job))
+            except OSError as exc:
+                conn.close()
+                raise EngineUnavailable(f"engine connection lost: {exc}") from None
+        deadline = time.monotonic() + timeout if timeout else None
+        try:
+            while not conn.poll(ENCODE_POLL_SECONDS):
+                if client_gone() or (deadline is not None and time.monotonic() > deadline):
+                    conn.close()
+                    return None
+            reply = conn.recv()
+        except (OSError, EOFError):
+            conn.close()
+            raise EngineUnavailable("engine connection lost during a request") from None
+        self._give_back(conn)
+        if isinstance(reply, p.Failed) and reply.code == "model_not_found":
+            self.forget(job.model)
+        return reply
 
     def open_job(self, job: p.Job) -> JobStream:
         hook = EngineClient.on_job  # from the class: a function stored there is not bound to self

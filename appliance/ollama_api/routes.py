@@ -11,6 +11,7 @@ import uuid
 from flask import Blueprint, Response, g, request
 
 from appliance import __version__
+from appliance.ollama_api import embed as E
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull
 from appliance.ollama_api.requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate, with_model
@@ -148,7 +149,8 @@ def blueprint(api: AppApi) -> Blueprint:
     bp.add_url_rule("/show", view_func=routes.show, methods=["POST"])
     bp.add_url_rule("/version", view_func=OllamaRoutes.version, methods=["GET"])
     pull.register(bp, api)  # /api/pull, /api/delete
-    # everything else under /api (pull, delete, embed, a wrong method, ...): Ollama's 404, in its error shape
+    E.register(bp, api)  # /api/embed, /api/embeddings
+    # everything else under /api (push, create, a wrong method, ...): Ollama's 404, in its error shape
     bp.add_url_rule("/<path:rest>", view_func=_not_served, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
 
     error_handlers(bp, lambda exc: _error(exc.status, exc.message), api.settings.max_body_bytes)

@@ -27,6 +27,7 @@ from appliance.ollama_api.routes import blueprint as ollama_blueprint
 from appliance.openai_api.adapter import error_handlers
 from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
 from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
+from appliance.openai_api.embeddings import register as register_embeddings
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.responses_routes import register as register_responses
 from appliance.openai_api.sampling import to_sampling_params
@@ -262,6 +263,7 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
         )
     app.register_blueprint(anthropic_blueprint(api))  # Anthropic's Messages API: /v1/messages
     register_responses(app, api, PREFIXES)
+    register_embeddings(app, api, PREFIXES)  # /v3/embeddings, /v3/rerank
     app.add_url_rule("/v2/health/live", view_func=api.live, methods=["GET"])
     app.add_url_rule("/v2/health/ready", view_func=api.ready, methods=["GET"])
     app.add_url_rule("/v2/models/<path:name>/ready", view_func=api.model_ready, methods=["GET"])

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from appliance import protocol as p
 from appliance.runtime.tokenizer import TextTooLong
+from appliance.server.embeddings import EncoderService, run_encode
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready, single_spec
@@ -150,6 +151,11 @@ class EngineService:
                     if op == p.JOB:
                         if not self.jobs.run(conn, args[0]):
                             return
+                    elif op == p.ENCODE:  # embeddings / rerank: appliance/server/embeddings.py
+                        if not run_encode(
+                            self.registry, conn, args[0], self.settings.limits, self.metrics, self.jobs.ensure
+                        ):
+                            return
                     else:
                         try:
                             reply = self._call(op, args)
@@ -187,6 +193,10 @@ class EngineService:
             slot = self.registry.slot(name)
             if slot.tokenizer is None or slot.facts is None or slot.state != "ready":
                 return p.Reply(error=not_ready(slot.state))
+            if isinstance(slot.engine, EncoderService):  # an encoder's own ids ([CLS] ... [SEP])
+                return p.Reply([list(ids) for ids in slot.engine.encoder.tokenize(list(texts))])
+            if slot.facts.task != "generate":  # an unloaded encoder: its tokenizer went with it
+                return p.Reply(error=not_ready("unloaded"))
             ids = tokenize(slot.tokenizer, slot.facts.max_context, texts)
             return p.Reply(error=ids) if isinstance(ids, p.Failed) else p.Reply(ids)
         if op == p.LOAD:
@@ -230,6 +240,9 @@ class EngineService:
             slot.device,
             *slot.parsers(),
             serial=slot.serial,
+            task=getattr(e, "task", "generate"),
+            dimensions=getattr(e, "dimensions", 0),
+            normalized=getattr(e, "normalized", False),
         )
 
 

@@ -124,6 +124,16 @@ class JobRunner:
         engine = slot.engine
         if engine is None or slot.state != "ready":
             raise Rejected(not_ready("stopping" if self.models.stopping else slot.state))
+        task = getattr(engine, "task", "generate")
+        if task != "generate":  # an embedding / rerank model (server/embeddings.py)
+            raise Rejected(
+                p.Failed(
+                    400,
+                    f"The model `{slot.spec.name}` is {'an embedding' if task == 'embed' else 'a rerank'} "
+                    "model: it does not generate text (send it to /v3/embeddings or /v3/rerank, or ask a chat model)",
+                    "model",
+                )
+            )
         vocab, limits = engine.manifest.vocab_size, self.limits
         bad = next((t for t in job.params.stop_token_ids if t >= vocab), None)
         if bad is not None:

@@ -54,9 +54,21 @@ _API_ROUTES = (
     "/responses",
     "/responses/<response_id>",
     "/responses/<response_id>/input_items",
+    "/embeddings",
+    "/rerank",
 )
 # Ollama's API (appliance/ollama_api/routes.py)
-_OLLAMA_ROUTES = ("/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/<path:rest>")
+_OLLAMA_ROUTES = (
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/<path:rest>",
+)
 ROUTES = frozenset(
     {f"{prefix}{route}" for prefix in ("/v3", "/v1", "/v3/v1") for route in _API_ROUTES}
     | set(_OLLAMA_ROUTES)
@@ -218,6 +230,34 @@ class ServerMetrics:
         self.model_load_seconds = histogram(
             "model_load_seconds", "Seconds a model load (compile and warm-up) took.", LOAD_BUCKETS
         )
+
+        # embeddings and rerank (appliance/server/embeddings.py): requests by task and outcome, their tokens, and
+        # per forward of an encoder its batch (inputs, padded tokens) and duration
+        self.encode_requests = counter(
+            "encoder_requests_total",
+            "Embeddings and rerank requests by task (embed, rerank) and outcome (ok, invalid, failed, cancelled).",
+            ("task", "outcome"),
+        )
+        self.encode_tokens = counter(
+            "encoder_tokens_total", "Tokens of answered embeddings / rerank requests.", ("task",)
+        )
+        self.encode_duration = histogram(
+            "encoder_request_duration_seconds", "An embeddings / rerank request's queueing to its last forward."
+        )
+        self.encoder_batch_inputs = histogram(
+            "encoder_batch_inputs", "Inputs per encoder forward.", (1, 2, 4, 8, 16, 32, 64, 128, 256)
+        )
+        self.encoder_batch_tokens = histogram(
+            "encoder_batch_tokens",
+            "Padded tokens (longest input x inputs) per encoder forward.",
+            (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+        )
+        self.encoder_forward = histogram("encoder_forward_seconds", "Duration of one encoder forward (a batch).")
+
+    def observe_encoder_batch(self, inputs: int, padded_tokens: int, seconds: float) -> None:
+        self.encoder_batch_inputs.observe(inputs)
+        self.encoder_batch_tokens.observe(padded_tokens)
+        self.encoder_forward.observe(seconds)
 
     def record_http(self, route: str, method: str, status: int, error_type: str | None) -> None:
         if route == DROPPED_ROUTE:

@@ -56,7 +56,7 @@ from appliance import auth, logs, options
 from appliance import protocol as p
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import config_file, sdnotify, startup, tracing
+from appliance.server import config_file, embeddings, sdnotify, startup, tracing
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
 from appliance.server.pulled_models import PulledModels
@@ -179,12 +179,16 @@ class Supervisor:
         log.info("loading model", extra={"model": spec.name, "model_dir": spec.model_dir, "device": spec.engine.device})
         metrics, start = self.service.metrics, time.monotonic()
         try:
-            engine = self.engine_factory(spec.model_dir, spec.engine)
-            try:
-                engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))  # compile / first-inference costs
-            except BaseException:
-                engine.shutdown()
-                raise
+            if embeddings.model_task(spec.model_dir) != "generate":  # an embedding or rerank model: its own service
+                threads = spec.engine.num_threads
+                engine = embeddings.load_encoder_service(spec.model_dir, spec.engine.device, threads, metrics)
+            else:
+                engine = self.engine_factory(spec.model_dir, spec.engine)
+                try:
+                    engine.generate(WARMUP_PROMPT, SamplingParams(max_tokens=2))  # compile / first-inference costs
+                except BaseException:
+                    engine.shutdown()
+                    raise
         except BaseException:
             metrics.model_loads.labels(reason, "failed").inc()
             raise
