@@ -191,13 +191,15 @@ class EngineService:
         if op == p.TOKENIZE:  # an unloaded model tokenizes with the tokenizer it kept: no load for this
             name, texts = args
             slot = self.registry.slot(name)
-            if slot.tokenizer is None or slot.facts is None or slot.state != "ready":
+            engine, facts = slot.engine, slot.facts  # a loaded model answers from its engine, an unloaded from facts
+            if slot.tokenizer is None or (engine is None and facts is None) or slot.state != "ready":
                 return p.Reply(error=not_ready(slot.state))
-            if isinstance(slot.engine, EncoderService):  # an encoder's own ids ([CLS] ... [SEP])
-                return p.Reply([list(ids) for ids in slot.engine.encoder.tokenize(list(texts))])
-            if slot.facts.task != "generate":  # an unloaded encoder: its tokenizer went with it
+            if isinstance(engine, EncoderService):  # an encoder's own ids ([CLS] ... [SEP])
+                return p.Reply([list(ids) for ids in engine.encoder.tokenize(list(texts))])
+            if engine is None and facts is not None and facts.task != "generate":  # an unloaded encoder
                 return p.Reply(error=not_ready("unloaded"))
-            ids = tokenize(slot.tokenizer, slot.facts.max_context, texts)
+            limit = engine.max_context if engine is not None else facts.max_context if facts is not None else 0
+            ids = tokenize(slot.tokenizer, limit, texts)
             return p.Reply(error=ids) if isinstance(ids, p.Failed) else p.Reply(ids)
         if op == p.LOAD:
             if self.load_call is None:

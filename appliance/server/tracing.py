@@ -186,8 +186,10 @@ class TracedConnection:
         self._conn, self._trace = conn, trace
 
     def send(self, event: object) -> None:
-        self._conn.send(event)
+        # noted first: once sent, the worker may end its own span before this thread runs again, and a child span
+        # must not end after its parent (a send that fails ends the job anyway)
         self._trace.sent(event)
+        self._conn.send(event)
 
     def __getattr__(self, name: str) -> Any:  # recv, poll, fileno (multiprocessing.connection.wait): the socket's
         return getattr(self._conn, name)
