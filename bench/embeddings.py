@@ -65,7 +65,7 @@ ENDINGS = (
 
 
 def held_out(n: int) -> list[str]:
-    """`n` deterministic sentences (5-90 tokens): the quality bench's passages, their sentences, then templated
+    """`n` deterministic sentences (4-157 tokens): the quality bench's passages, their sentences, then templated
     support-desk sentences, in a fixed shuffled order."""
     texts = list(PASSAGES) + [s for p in PASSAGES for s in re.split(r"(?<=[.!?])\s+", p)]
     generated = [f"{s} {a}{e}" for s, a, e in itertools.product(SUBJECTS, ACTIONS, ENDINGS)]

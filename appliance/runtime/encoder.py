@@ -23,7 +23,8 @@ buckets, a token budget) from `tokenize`/`tokenize_pairs` lengths and calls `emb
   plugin's default (all cores). How many the encoder gets beside a decoding chat model is the serving side's call
   (not measured here: on this shared 2-core box the load of other work dominates any thread count).
 
-One Encoder serves one thread at a time (one infer request); calls from several threads are serialised by a lock.
+Tokenizing is safe from any thread; `embed`/`score` hold one infer request, so calls from several threads are
+serialised by a lock (the serving side runs one batch at a time anyway).
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class Encoder:
         self._lead = next(i for i, special in enumerate(mask) if not special)
         self._trail = len(mask) - 1 - max(i for i, special in enumerate(mask) if not special)
         self._lock = threading.Lock()
+        self._tokenizers_lock = threading.Lock()
+        self._truncating_tokenizers: dict[str, Tokenizer] = {}
         self._inputs = list(self.manifest.inputs)
         self.static = device.upper().startswith("NPU") if static is None else static
         if self.manifest.backend == "openvino":
@@ -100,15 +103,22 @@ class Encoder:
         """(ids, token_type_ids) per document, as the model's pair template writes them ([CLS] q [SEP] d [SEP]
         for BERT). Not truncated unless `truncate`: then each document is cut so the pair fits max_length (the
         query is kept whole unless it alone is too long)."""
+        tokenizer = self._tokenizer
         if truncate:
             query_alone = len(self._tokenizer.encode(query).ids)
-            strategy = "only_second" if query_alone < self.max_length - 1 else "longest_first"
-            self._tokenizer.enable_truncation(self.max_length, strategy=strategy)
-        try:
-            encodings = self._tokenizer.encode_batch([(query, d) for d in documents])
-        finally:
-            self._tokenizer.no_truncation()
+            tokenizer = self._truncating("only_second" if query_alone < self.max_length - 1 else "longest_first")
+        encodings = tokenizer.encode_batch([(query, d) for d in documents])
         return [(e.ids, e.type_ids) for e in encodings]
+
+    def _truncating(self, strategy: str) -> Tokenizer:
+        """A copy of the tokenizer that truncates pairs with `strategy`, made once: the shared one is never
+        reconfigured, so tokenizing from several threads at once is safe."""
+        with self._tokenizers_lock:
+            if strategy not in self._truncating_tokenizers:
+                tokenizer = Tokenizer.from_str(self._tokenizer.to_str())
+                tokenizer.enable_truncation(self.max_length, strategy=strategy)
+                self._truncating_tokenizers[strategy] = tokenizer
+            return self._truncating_tokenizers[strategy]
 
     def truncate(self, ids: list[int]) -> list[int]:
         """`ids` (from `tokenize`) cut to max_length, keeping the leading and trailing special tokens: the ids the
