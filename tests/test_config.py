@@ -283,11 +283,13 @@ def test_the_model_list_wins_over_a_model_from_the_environment(tmp_path, monkeyp
     handler.emit = records.append  # type: ignore[method-assign]
     logger = logging.getLogger("appliance.serve")
     logger.addHandler(handler)
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the logger's cached isEnabledFor answers
     try:
         served = settings("--config", str(conf))
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     assert [m.name for m in served.models] == ["a", "b"]
     line = next(r for r in records if "model_config_list" in r.getMessage())
     assert line.levelname == "INFO" and line.ignored == ["APPLIANCE_MODEL", "APPLIANCE_SERVED_MODEL_NAME"]
