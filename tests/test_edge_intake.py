@@ -121,7 +121,7 @@ def test_a_full_budget_sheds_the_largest_unfinished_requests_never_a_small_newco
     assert intake.buffered == 880
     intake.start("probe", "10.0.0.9")
     shed = intake.received("probe", b"GET /v2/health/live HTTP/1.1\r\n" + b"h" * 100 + b"\r\n\r\n")
-    assert shed == [("big0", "budget_shed", 240)]  # the largest, the oldest among equals
+    assert shed == [("big0", "budget_shed", 240, "openai")]  # the largest, the oldest among equals
     assert intake.advance("probe") is edge.Step.READY
     assert intake.buffered == 880 - 240 + len(intake.requests["probe"].buf)
     assert "big0" not in intake.requests
@@ -133,7 +133,7 @@ def test_a_request_that_is_itself_the_largest_is_the_one_shed(intake):
     intake.start("grows", "10.0.0.1")
     intake.received("grows", b"x" * 200)
     shed = intake.received("grows", b"x" * 100)  # 310 of the address's 250
-    assert shed == [("grows", "client_bytes", 300)]
+    assert shed == [("grows", "client_bytes", 300, "openai")]
     assert intake.buffered == 10 and intake.held["10.0.0.1"] == 10 and list(intake.requests) == ["small"]
 
 
@@ -144,7 +144,7 @@ def test_one_address_is_shed_within_its_own_share_before_others_are_touched(inta
     intake.received("mine-old", b"x" * 150)
     intake.start("mine-new", "10.0.0.1")
     shed = intake.received("mine-new", b"x" * 120)  # 270 of the address's 250: its own largest goes
-    assert shed == [("mine-old", "client_bytes", 150)]
+    assert shed == [("mine-old", "client_bytes", 150, "openai")]
     assert set(intake.requests) == {"other", "mine-new"}
 
 
@@ -209,3 +209,123 @@ def test_a_lingering_close_ends_after_enough_bytes_or_its_time(clock):
     lingering.remove("a")
     clock.now += 1
     assert lingering.expired() == ["b"]
+
+
+# ---- the edge's refusals, in each API's error shape
+
+
+def test_refusals_on_openai_routes_keep_their_exact_bytes():
+    too_many = (
+        b'{"error": {"message": "Too many generation requests at once from this API key or address: retry when one '
+        b'ends", "type": "rate_limit_error", "param": null, "code": "rate_limit_exceeded"}}'
+    )
+    assert edge.answer(edge.Refusal.GENERATION_CAP) == (
+        b"HTTP/1.1 429 Too Many Requests\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(too_many), too_many)
+    )
+    assert (
+        edge.answer(edge.Refusal.BUSY)
+        == edge.BUSY
+        == (b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+    )
+    assert edge.answer(edge.Refusal.HEAD_TOO_LARGE) == (
+        b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+    )
+
+
+def test_a_refused_request_is_answered_in_its_paths_api_shape(clock):
+    """The path comes from the parsed head, or from the request line alone (a head too large, a body shed half
+    read): Anthropic's and Ollama's routes get their shape, the rest OpenAI's."""
+    intake = edge.Intake(10.0, MAX_BODY, PeerCounts(1), budget=8 * edge.HEAD_LIMIT, clock=clock)
+    for key, path, api in (
+        ("a", "/v1/messages", "anthropic"),
+        ("o", "/api/chat", "ollama"),
+        ("v", "/v3/chat/completions", "openai"),
+    ):
+        intake.start(key, key)
+        intake.received(key, b"\r\nPOST " + path.encode() + b"?beta=true HTTP/1.1\r\nX: " + b"y" * edge.HEAD_LIMIT)
+        assert intake.advance(key) is edge.Step.HEAD_TOO_LARGE
+        assert edge.api_of(intake.requests[key]) == api
+    for path, api in (
+        ("/v1/messages/count_tokens", "anthropic"),
+        ("/api/generate", "ollama"),
+        ("/v1/models", "openai"),
+    ):
+        intake.start(path, "p")
+        intake.received(path, post(b"{}", path))
+        assert intake.requests[path].head is None and edge.api_of(intake.requests[path]) == api
+        intake.advance(path)
+        assert intake.requests[path].head is not None and edge.api_of(intake.requests[path]) == api
+    intake.start("nothing", "p")
+    assert edge.api_of(intake.requests["nothing"]) == "openai"
+
+
+def test_every_apis_generations_count_against_the_cap(intake):
+    for i, path in enumerate(("/v1/messages", "/api/chat", "/api/generate", "/v1/chat/completions")):
+        intake.start(f"{i}a", f"10.0.0.{i}")
+        intake.received(f"{i}a", post(b"{}", path))
+        assert intake.advance(f"{i}a") is edge.Step.READY
+        intake.start(f"{i}b", f"10.0.0.{i}")
+        intake.received(f"{i}b", post(b"{}", path))
+        assert intake.advance(f"{i}b") is edge.Step.GENERATION_CAP, path
+    intake.start("count", "10.0.0.0")
+    intake.received("count", post(b"{}", "/v1/messages/count_tokens"))
+    assert intake.advance("count") is edge.Step.READY
+
+
+@pytest.fixture
+def replay():
+    """A loopback server answering every connection with the bytes in `replay.answer` (as the edge writes them),
+    so the real client libraries read the edge's answers."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    state = {"answer": b""}
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(65536)
+                    conn.sendall(state["answer"])
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1], state
+    listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+    listener.close()
+    thread.join(5)
+
+
+@pytest.mark.parametrize("refusal", list(edge.Refusal))
+def test_the_real_anthropic_and_ollama_clients_read_the_edges_refusals(replay, refusal):
+    import anthropic
+    import ollama
+
+    port, state = replay
+    _, message, _, _, _, _ = refusal.value
+    status = int(refusal.value[0][:3])
+    kind = {429: "rate_limit_error", 503: "overloaded_error", 431: "invalid_request_error"}[status]
+    state["answer"] = edge.answer(refusal, "anthropic")
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="k", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        client.messages.create(model="m", max_tokens=1, messages=[{"role": "user", "content": "hi"}])
+    error = caught.value
+    assert error.status_code == status and error.body == {"type": "error", "error": {"type": kind, "message": message}}
+    assert message in error.message
+    if status == 429:
+        assert isinstance(error, anthropic.RateLimitError)
+    if status == 503:
+        assert isinstance(error, anthropic.InternalServerError)
+    state["answer"] = edge.answer(refusal, "ollama")
+    with pytest.raises(ollama.ResponseError) as reply:
+        ollama.Client(host=f"http://127.0.0.1:{port}").chat(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert reply.value.status_code == status and reply.value.error == message

@@ -310,6 +310,56 @@ def test_concurrent_generations_per_key_and_address_are_capped(srv, model_name):
         again.close()
 
 
+TOO_LARGE = "The request head is over 64 KiB"
+
+
+def test_anthropic_and_ollama_clients_read_the_edges_refusals_in_their_apis_shape(srv, model_name):
+    """The edge answers a key past its cap (429) and a head too large (431) before Flask sees the request, in the
+    API's error shape: the real Anthropic and Ollama clients read the type their SDK classifies by and the message
+    their users read. (Their generations counting against the cap, and every refusal read by both clients:
+    test_edge_intake.py.)"""
+    import anthropic
+    import ollama
+
+    def hold(source: str) -> socket.socket:
+        data = generation_body(model_name, max_tokens=4000, ignore_eos=True, stream=True)
+        s = connect(srv, source)
+        s.sendall(post_head(len(data), "Authorization: Bearer key-z") + data)
+        s.settimeout(30)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        return s
+
+    chat = [{"role": "user", "content": "Tell me a long story"}]
+    holders = [hold(f"127.0.6.{i + 1}") for i in range(MAX_GENERATIONS)]
+    url = f"http://127.0.0.1:{srv.port}"
+    try:
+        messages = anthropic.Anthropic(base_url=url, api_key="key-z", max_retries=0).messages
+        with pytest.raises(anthropic.RateLimitError) as limited:
+            messages.create(model=model_name, max_tokens=4, messages=chat)
+        assert limited.value.body["type"] == "error"
+        assert limited.value.body["error"]["type"] == "rate_limit_error"
+        assert "Too many generation requests" in limited.value.message
+        with pytest.raises(ollama.ResponseError) as refused:
+            ollama.Client(host=url, headers={"Authorization": "Bearer key-z"}).chat(model=model_name, messages=chat)
+        assert refused.value.status_code == 429 and refused.value.error.startswith("Too many generation requests")
+    finally:
+        for s in holders:
+            s.close()
+    for path, error in (
+        ("/v1/messages", {"type": "error", "error": {"type": "invalid_request_error", "message": TOO_LARGE}}),
+        ("/api/chat", {"error": TOO_LARGE}),
+    ):  # a head still unfinished past 64 KiB (a finished one goes to gunicorn's parser, which has lower limits)
+        s = connect(srv, "127.0.6.9")
+        s.settimeout(30)
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode() + b"y" * (65 * 1024))
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+        s.close()
+        assert reply.startswith(b"HTTP/1.1 431"), reply[:200]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1]) == error
+
+
 def test_invented_methods_add_no_metric_series(srv):
     """Unauthenticated requests with made-up methods are all counted under method "other": no new series."""
     for i in range(10):

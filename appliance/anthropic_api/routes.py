@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from flask import Blueprint, Response, g, request
 
+from appliance import error_shapes
 from appliance import protocol as p
 from appliance.anthropic_api.request import MessagesRequest, parse_messages
 from appliance.anthropic_api.shape import MessageShape, new_message_id
@@ -35,23 +36,9 @@ from appliance.params import SamplingParams
 
 log = logging.getLogger("appliance.http")
 
-# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-    529: "overloaded_error",
-}
-
 
 def error_body(exc: ApiError) -> dict:
-    kind = ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    return error_shapes.anthropic(exc.status, exc.message)
 
 
 def error_response(exc: ApiError) -> Response:

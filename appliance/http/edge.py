@@ -23,25 +23,69 @@ from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from appliance import error_shapes
 from appliance.http import edge_policy
 
 HEAD_LIMIT = 64 * 1024  # request line + headers; larger heads get 431 (gunicorn's own limits are lower)
+# the generation routes (counted per key and address, --client-max-generations): OpenAI's/OVMS's completions and
+# chat, Anthropic's messages, Ollama's generate and chat
+GENERATION_PATHS = ("/completions", "/chat/completions", "/v1/messages", "/api/generate", "/api/chat")
 PROBE_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 LINGER_SECONDS = 2.0  # graceful close: how long (and how much) we read after our FIN, as gunicorn
 LINGER_BYTES = 64 * 1024
 
-# The edge's own answers, written on the raw socket before the connection is closed.
-BUSY = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
-HEAD_TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+# The edge's own answers, written on the raw socket before the connection is closed. A refusal is rendered in the
+# error shape of the API its request path belongs to (appliance/error_shapes.py): OpenAI's routes keep OVMS's
+# bodies (empty for 503 and 431), Anthropic's and Ollama's get their own JSON, with a message their users read.
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_TOO_MANY = (
-    b'{"error": {"message": "Too many generation requests at once from this API key or address: retry when one '
-    b'ends", "type": "rate_limit_error", "param": null, "code": "rate_limit_exceeded"}}'
-)
-GENERATION_CAP = (
-    b"HTTP/1.1 429 Too Many Requests\r\nConnection: close\r\nContent-Type: application/json\r\n"
-    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s" % (len(_TOO_MANY), _TOO_MANY)
-)
+
+
+class Refusal(enum.Enum):
+    """(status line, message, OpenAI's type and code, whether OpenAI's routes get a body, extra headers)"""
+
+    BUSY = (
+        b"503 Service Unavailable",
+        "The server is busy: too many unfinished requests; retry",
+        "server_error",
+        "service_unavailable",
+        False,
+        b"",
+    )
+    HEAD_TOO_LARGE = (
+        b"431 Request Header Fields Too Large",
+        f"The request head is over {HEAD_LIMIT // 1024} KiB",
+        "invalid_request_error",
+        "request_header_fields_too_large",
+        False,
+        b"",
+    )
+    GENERATION_CAP = (
+        b"429 Too Many Requests",
+        "Too many generation requests at once from this API key or address: retry when one ends",
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        True,
+        b"Retry-After: 1\r\n",
+    )
+
+
+def answer(refusal: Refusal, api: str = error_shapes.OPENAI) -> bytes:
+    """The raw response refusing a request of `api` (error_shapes.api_of its path)."""
+    status, message, kind, code, openai_body, headers = refusal.value
+    body = b""
+    if api != error_shapes.OPENAI or openai_body:
+        body = error_shapes.body(api, int(status[:3]), message, kind, code)
+    content_type = b"Content-Type: application/json\r\n" if body else b""
+    return b"HTTP/1.1 %s\r\nConnection: close\r\n%s%sContent-Length: %d\r\n\r\n%s" % (
+        status,
+        content_type,
+        headers,
+        len(body),
+        body,
+    )
+
+
+BUSY = answer(Refusal.BUSY)  # before any request: a connection over its address's share
 _HTTPS_ONLY = (
     b'{"error": {"message": "This port speaks HTTPS: use https://", "type": "invalid_request_error", '
     b'"param": null, "code": "https_required"}}'
@@ -134,7 +178,21 @@ def without_expect(buf: bytearray, head: Head) -> int:
 
 
 def is_generation(head: Head) -> bool:
-    return head.method == "POST" and head.path.endswith(("/completions", "/chat/completions"))
+    return head.method == "POST" and head.path.endswith(GENERATION_PATHS)
+
+
+def api_of(request: Request) -> str:
+    """The API (error shape) of a request being read: from its parsed head, else from its request line if that
+    arrived (a head too large, a request shed half-read); OpenAI's before that."""
+    if request.head is not None:
+        return error_shapes.api_of(request.head.path)
+    start = 0
+    while request.buf.startswith(b"\r\n", start):
+        start += 2
+    eol = request.buf.find(b"\r\n", start, start + HEAD_LIMIT)
+    parts = bytes(request.buf[start:eol]).split(b" ") if eol >= 0 else []
+    path = parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
+    return error_shapes.api_of(path)
 
 
 def chunked_end(buf: bytes | bytearray, pos: int) -> tuple[int, bool]:
@@ -230,13 +288,14 @@ class Intake(Generic[K]):
     def oldest(self) -> tuple[K, Request] | None:
         return next(iter(self.requests.items()), None)
 
-    def received(self, key: K, data: bytes) -> list[tuple[K, str, int]]:
+    def received(self, key: K, data: bytes) -> list[tuple[K, str, int, str]]:
         """Adds `data` to `key`'s request, first making room for it: within its address's share, then within the
         worker's budget. Over either, the largest unfinished requests (of that address, or of anyone) are stopped
-        until it fits. Returns them, for the worker to answer 503 and close, each with the reason and the bytes it
-        held; `key` is among them (last, its `data` not added) only when it was the largest."""
+        until it fits. Returns them, for the worker to answer 503 and close, each with the reason, the bytes it
+        held and its API (api_of: the answer's error shape); `key` is among them (last, its `data` not added) only
+        when it was the largest."""
         request = self.requests[key]
-        victims: list[tuple[K, str, int]] = []
+        victims: list[tuple[K, str, int, str]] = []
         for reason, same_peer in (("client_bytes", True), ("budget_shed", False)):
             if same_peer:
                 need = self.held[request.peer] + len(data) - self.client_budget
@@ -247,7 +306,7 @@ class Intake(Generic[K]):
             sizes = {k: len(r.buf) for k, r in self.requests.items() if not same_peer or r.peer == request.peer}
             sizes[key] = len(request.buf) + len(data)
             for victim in edge_policy.pick_victims(sizes, need):
-                victims.append((victim, reason, sizes[victim]))
+                victims.append((victim, reason, sizes[victim], api_of(self.requests[victim])))
                 self.stop(victim)
                 if victim is key:
                     return victims

@@ -270,7 +270,7 @@ class EdgeWorker(ThreadWorker):
         oldest = self.intake.oldest()
         if oldest is not None:
             self._dropped(oldest[0], "connections_full", held=len(oldest[1].buf))
-            self._drop(oldest[0], edge.BUSY)
+            self._drop(oldest[0], edge.answer(edge.Refusal.BUSY, edge.api_of(oldest[1])))
 
     def _on_conn_closed(self, conn: EdgeConn) -> None:
         self.connections.release(conn.peer)
@@ -334,9 +334,9 @@ class EdgeWorker(ThreadWorker):
                 return self._drop(conn)
             if not data:
                 return self._drop(conn)
-            for victim, reason, held in self.intake.received(conn, data):  # over a budget: the largest go
+            for victim, reason, held, api in self.intake.received(conn, data):  # over a budget: the largest go
                 self._dropped(victim, reason, held=held)
-                self._drop(victim, edge.BUSY)
+                self._drop(victim, edge.answer(edge.Refusal.BUSY, api))
                 if victim is conn:
                     return
             if len(data) < READ_CHUNK and not conn.tls:  # TLS: read on until the SSL object is empty too
@@ -357,10 +357,10 @@ class EdgeWorker(ThreadWorker):
             return
         if step is edge.Step.HEAD_TOO_LARGE:
             self._dropped(conn, "head_too_large")
-            return self._drop(conn, edge.HEAD_TOO_LARGE)
+            return self._drop(conn, edge.answer(edge.Refusal.HEAD_TOO_LARGE, edge.api_of(self.intake.requests[conn])))
         if step is edge.Step.GENERATION_CAP:
             self._dropped(conn, "generation_cap", cap=self.intake.generations.cap)
-            return self._drop(conn, edge.GENERATION_CAP)
+            return self._drop(conn, edge.answer(edge.Refusal.GENERATION_CAP, edge.api_of(self.intake.requests[conn])))
         request = self._stop_reading(conn)
         assert request is not None and request.head is not None
         conn.pending, conn.deadline, conn.generation = request.buf, request.deadline, request.generation

@@ -10,7 +10,7 @@ import uuid
 
 from flask import Blueprint, Response, g, request
 
-from appliance import __version__
+from appliance import __version__, error_shapes
 from appliance.ollama_api import embed as E
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull
@@ -29,7 +29,7 @@ OLLAMA_VERSION = "0.13.0"  # the Ollama API this adapter follows (clients gate f
 
 def _error(status: int, message: str) -> Response:
     g.error_type = "ollama_error"
-    return Response(json.dumps({"error": message}), status=status, mimetype="application/json")
+    return Response(json.dumps(error_shapes.ollama(message)), status=status, mimetype="application/json")
 
 
 class OllamaRoutes:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from appliance import error_shapes
+
 # status -> (type, default code). Types follow the OpenAI API so client libraries classify errors right.
 _KINDS = {
     400: ("invalid_request_error", None),
@@ -39,7 +41,7 @@ class ApiError(Exception):
         self.code = self.code or code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_shapes.openai(self.message, self.type, self.param, self.code)
 
 
 def invalid(message: str, param: str | None = None) -> ApiError:
