@@ -635,6 +635,30 @@ def test_limits_table_in_docs_is_the_declared_one():
     assert set(rows) == {f.name for f in fields(Limits)}
 
 
+def test_the_docs_prose_names_limits_and_restates_no_value():
+    """The Limits table is the one place docs/serving.md states a bound's value: prose that names a bounded field
+    (from its row's `bounds`) together with that limit's default (on the line or the one before: a bullet wraps)
+    restates it, and would go stale when the default moves. Prose says "the `name` limit" instead."""
+    import re
+    from pathlib import Path
+
+    from appliance.limits import field_default, limits_table, show
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    lines = [line for line in doc.replace(limits_table(), "").splitlines() if not line.startswith("| `--")]
+    stale = []
+    for f in fields(Limits):
+        value = show(field_default(f))
+        if not value.isdigit():
+            continue
+        names = {f.name, *re.findall(r"`([a-z_]+)`", f.metadata["help"])}
+        number = re.compile(rf"(?<![\d])(?<!\d\.){value}(?![\d])(?!\.\d)")
+        for before, line in zip(["", *lines], lines):
+            if number.search(line) and any(f"`{name}`" in before + line for name in names):
+                stale.append(f"{f.name} = {value}: {line.strip()}")
+    assert not stale, "\n".join(stale)
+
+
 def test_limit_flags_derive_from_the_fields(monkeypatch):
     from appliance import cli, limits, options
     from appliance.settings import ConfigError
