@@ -6,6 +6,8 @@ from __future__ import annotations
 # Used by test_server_e2e.py, test_fuzz.py and test_docs_examples.py: `server` is one session-wide server
 # (2 workers, no API key) on a free port; `Server` starts others (test_server_e2e.py's `guarded` one).
 import contextlib
+import functools
+import inspect
 import json
 import os
 import signal
@@ -330,12 +332,28 @@ WEATHER_PARAMETERS = {
 # A test needs the default model when it uses one of these fixtures (directly or through another fixture); a test
 # module that calls export.default_model.ensure_export itself says so with `pytestmark = pytest.mark.default_model`.
 
+# A module's own fixture that builds the default model's export (`ensure_export(...)`, `ensure_hf_folder(...)` in
+# its body) counts too: such fixtures once let two ~15 s tests into `make test-fast` unmarked.
 DEFAULT_MODEL_FIXTURES = frozenset({"model_dir", "default_hf", "server", "embedding_export", "embedding_hf"})
+DEFAULT_MODEL_CALLS = ("ensure_export(", "ensure_hf_folder(")
+
+
+@functools.cache
+def _builds_default_model(func) -> bool:
+    try:
+        source = inspect.getsource(func)
+    except (OSError, TypeError):
+        return False
+    return any(call in source for call in DEFAULT_MODEL_CALLS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if DEFAULT_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in info.name2fixturedefs.values() for d in ds] if info is not None else []
+        if DEFAULT_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())) or any(
+            _builds_default_model(d.func) for d in defs
+        ):
             item.add_marker(pytest.mark.default_model)
 
 

@@ -335,6 +335,7 @@ def test_cli_errors(tiny, tmp_path: Path) -> None:
     assert not out.exists()
 
 
+@pytest.mark.slow  # a subprocess export (~15 s); the export itself is tested in-process above
 def test_cli_exports(tiny, tmp_path: Path) -> None:
     """The console entry point end to end: progress on stderr, nothing from the libraries anywhere."""
     out = tmp_path / "cli-export"
