@@ -16,6 +16,7 @@ from __future__ import annotations
 import fcntl
 import json
 import resource
+import select
 import socket
 import threading
 import time
@@ -279,6 +280,28 @@ def test_socket_closed_on_a_high_fd():
     finally:
         high.close()
         peer.close()
+
+
+def test_socket_closed_sees_a_close_behind_unread_bytes():
+    """A TLS client that closes properly sends a close_notify alert before its FIN (an OpenSSL client, curl, ...):
+    bytes the request's thread never reads. The FIN behind them still means gone; bytes alone mean alive."""
+    for family in (socket.AF_INET, socket.AF_UNIX):
+        if family == socket.AF_INET:
+            listener = socket.create_server(("127.0.0.1", 0))
+            peer = socket.create_connection(listener.getsockname())
+            ours, _ = listener.accept()
+            listener.close()
+        else:
+            ours, peer = socket.socketpair()
+        try:
+            peer.sendall(b"\x15\x03\x03\x00\x1a" + b"x" * 26)  # the size of a TLS 1.3 close_notify record
+            wait_until(lambda s=ours: select.select([s], [], [], 0)[0], "the bytes to arrive", timeout=5)
+            assert not socket_closed(ours)
+            peer.shutdown(socket.SHUT_WR)
+            wait_until(lambda s=ours: socket_closed(s), "the close behind the bytes to be seen", timeout=5)
+        finally:
+            ours.close()
+            peer.close()
 
 
 def test_parse_head_and_chunked_framing():

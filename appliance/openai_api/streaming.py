@@ -72,13 +72,19 @@ class Shape(Protocol):
     ) -> dict | list[dict]: ...  # a list: chat's parsers may make several deltas of one chunk, or none yet
 
 
+POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # Linux: the peer shut down its writing side
+
+
 def socket_closed(sock: socket.socket | None) -> bool:
-    """True when the peer closed (readable with nothing to read, or reset). Pipelined request bytes mean it is alive.
+    """True when the peer closed (its FIN, or a reset). Pipelined request bytes mean it is alive, unless it closed
+    behind them.
 
     `poll`, not `select` (which cannot take an fd >= 1024), and only then a peek at the raw socket (TLS too): on a
     socket with a timeout (`--send-timeout`) Python waits for readability before a `recv`, even with MSG_DONTWAIT.
-    An error we do not expect means "alive": cancelling a live client's generation is worse than noticing a gone
-    one late."""
+    The peer's FIN is also seen behind bytes it sent before it (POLLRDHUP): a TLS client's close_notify alert, or
+    anything unread, would otherwise hide it from the peek for as long as the request runs (a client that closes
+    this way left its generation running to the end). An error we do not expect means "alive": cancelling a live
+    client's generation is worse than noticing a gone one late."""
     if sock is None:
         return False
     try:
@@ -86,9 +92,12 @@ def socket_closed(sock: socket.socket | None) -> bool:
         if fd < 0:
             return True
         poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(0):
+        poller.register(fd, select.POLLIN | POLLRDHUP)
+        events = poller.poll(0)
+        if not events:
             return False
+        if events[0][1] & (POLLRDHUP | select.POLLHUP):
+            return True
         # the kernel's bytes, not the TLS layer's (an SSLSocket refuses MSG_PEEK): FIN reads as b"" either way
         return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except (BlockingIOError, InterruptedError, TimeoutError):
