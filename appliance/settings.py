@@ -145,9 +145,9 @@ class ServeSettings:
     )
     client_max_generations: int = setting(
         0,
-        "generation requests (completions, chat, messages, Ollama's generate / chat) one API key, and one client "
-        "address, may run at once in a worker; past it 429 (0: no cap; behind a proxy every client has the proxy's "
-        "address)",
+        "generation requests (completions, chat, responses, messages, Ollama's generate / chat) one API key, and "
+        "one client address, may run at once in a worker; past it 429 (0: no cap; behind a proxy every client has "
+        "the proxy's address)",
         flag="client-max-generations",
     )
     tool_parser: str = setting(

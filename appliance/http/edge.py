@@ -27,9 +27,9 @@ from appliance import error_shapes
 from appliance.http import edge_policy
 
 HEAD_LIMIT = 64 * 1024  # request line + headers; larger heads get 431 (gunicorn's own limits are lower)
-# the generation routes (counted per key and address, --client-max-generations): OpenAI's/OVMS's completions and
-# chat, Anthropic's messages, Ollama's generate and chat
-GENERATION_PATHS = ("/completions", "/chat/completions", "/v1/messages", "/api/generate", "/api/chat")
+# the generation routes (counted per key and address, --client-max-generations): OpenAI's/OVMS's completions, chat
+# and Responses (POST .../responses creates one), Anthropic's messages, Ollama's generate and chat
+GENERATION_PATHS = ("/completions", "/chat/completions", "/responses", "/v1/messages", "/api/generate", "/api/chat")
 PROBE_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 LINGER_SECONDS = 2.0  # graceful close: how long (and how much) we read after our FIN, as gunicorn
 LINGER_BYTES = 64 * 1024
