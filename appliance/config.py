@@ -79,6 +79,20 @@ class EngineConfig:
         "key what another sent); `shared`: all keys reuse each other's prefixes (one tenant)",
         flag="prefix-cache-sharing",
     )
+    # The prefix cache's disk tier (runtime/kv_disk.py, docs/kv-cache.md): off unless given a directory. Off by
+    # default because it writes every full prompt block (a 2,000-token prompt of the default model: 11 MB) to the
+    # disk, wear and bandwidth an edge box's flash should not pay for a deployment that does not reuse prefixes
+    # across restarts; the operator turns it on where it pays (long shared system prompts, RAG contexts).
+    kv_disk_dir: str | None = setting(
+        None,
+        "directory of the prefix cache's disk tier (KV blocks kept across restarts and past the RAM pool; "
+        "paged attention only)",
+        flag="kv-disk-dir",
+        show="off",
+    )
+    kv_disk_bytes: int = setting(
+        2 << 30, "the disk tier's size budget in bytes (least recently used blocks evicted)", flag="kv-disk-bytes"
+    )
     # The --static-* flags default to "not given" (cli=None): the CLI refuses them where static shapes are off.
     static: bool = setting(
         False,

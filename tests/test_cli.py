@@ -292,6 +292,8 @@ FLAGS = {
     "precision": (str, "default"),
     "kv-cache-precision": (str, "auto"),
     "kv-cache-size": (str, None),
+    "kv-disk-dir": (str, None),
+    "kv-disk-bytes": (int, 2 << 30),
     "kv-cache-tokens": (int, None),
     "max-num-seqs": (int, 32),
     "max-num-batched-tokens": (int, 512),

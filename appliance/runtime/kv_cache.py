@@ -22,6 +22,11 @@ its 104 tokens "cached"). So a request carries a namespace (`SamplingParams.cach
 unless the operator chose `--prefix-cache-sharing shared`), and the chain of its blocks starts from that
 namespace's root, a keyed hash of the scope instead of the all-zero parent: two scopes never name a block alike,
 so a prompt finds only its own scope's blocks. The shared namespace ("") keeps the all-zero root.
+
+Disk tier (kv_disk.py, optional): every block `register` names is also handed to the tier (its bytes copied out
+of the backend now, written by the tier's thread), and a match that misses RAM asks the tier, which fills a free
+RAM block with the stored bytes (the block is then named and taken like a RAM hit). The salt then comes from the
+tier's directory, so names match across restarts of the same export.
 """
 
 from __future__ import annotations
@@ -30,6 +35,11 @@ import hashlib
 import os
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from appliance.runtime.kv_disk import DiskTier
 
 DIGEST_SIZE = 16  # bytes of a block name
 _ROOT = bytes(DIGEST_SIZE)  # the parent of a prompt's first block
@@ -42,7 +52,7 @@ def chain_hash(salt: bytes, parent: bytes | None, tokens: tuple[int, ...]) -> by
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, salt: bytes | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
@@ -50,9 +60,20 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._key: list[tuple[bytes, tuple[int, ...]] | None] = [None] * num_blocks  # (name, tokens) of a full block
         self._by_hash: dict[bytes, int] = {}
-        self.salt = os.urandom(DIGEST_SIZE)  # per process and pool: names cannot be precomputed elsewhere
+        # per process and pool (or the disk tier's, kept secret on disk): names cannot be precomputed elsewhere
+        self.salt = salt or os.urandom(DIGEST_SIZE)
+        self.disk: DiskTier | None = None
+        self._read_block: Callable[[int], bytes] | None = None
+        self._write_block: Callable[[int, bytes], None] | None = None
         self.hits = 0  # prompt tokens served from the cache
         self.queries = 0  # prompt tokens looked up
+
+    def attach_disk(
+        self, disk: DiskTier, read_block: Callable[[int], bytes], write_block: Callable[[int, bytes], None]
+    ) -> None:
+        """Spill named blocks to `disk` and load misses from it; read_block / write_block move one block's KV
+        bytes out of / into the backend."""
+        self.disk, self._read_block, self._write_block = disk, read_block, write_block
 
     @property
     def num_free(self) -> int:
@@ -111,10 +132,13 @@ class BlockPool:
             h = chain_hash(self.salt, parent, key)
             block = self._by_hash.get(h)
             if block is None or self._key[block] != (h, key):
-                break
-            if self._refs[block] == 0:
-                del self._free[block]
-            self._refs[block] += 1
+                block = self._from_disk(h, key)
+                if block is None:
+                    break
+            else:
+                if self._refs[block] == 0:
+                    del self._free[block]
+                self._refs[block] += 1
             blocks.append(block)
             hashes.append(h)
             parent = h
@@ -132,7 +156,27 @@ class BlockPool:
             self._forget(block)
             self._key[block] = (h, tokens)
             self._by_hash[h] = block
+            if self.disk is not None and self._read_block is not None and not self.disk.has(h):
+                self.disk.save(h, tokens, self._read_block(block))
         return h
+
+    def _from_disk(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
+        """A block missing from RAM loaded from the disk tier into a free block, named and taken (ref 1); None
+        if the tier does not have it (or its file was corrupt) or no block is free."""
+        if self.disk is None or self._write_block is None or not self._free or not self.disk.has(name):
+            return None
+        payload = self.disk.load(name, tokens)
+        if payload is None:
+            return None
+        block = self.allocate(1)[0]
+        try:
+            self._write_block(block, payload)
+        except (ValueError, OSError):  # a payload of another length: recompute instead
+            self.free([block])
+            return None
+        self._key[block] = (name, tokens)
+        self._by_hash[name] = block
+        return block
 
     def _forget(self, block: int) -> None:
         key = self._key[block]

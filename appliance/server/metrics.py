@@ -92,6 +92,20 @@ UNMATCHED = "unmatched"
 Models = Mapping[str, tuple[bool, dict | None]]  # name -> (ready, Engine.stats() or None while it loads)
 
 
+KV_DISK_COUNTERS = (
+    ("kv_disk_hit_tokens_total", "Prompt tokens whose KV was loaded from the disk tier.", "kv_disk_hit_tokens"),
+    ("kv_disk_read_bytes_total", "Bytes of KV blocks read from the disk tier.", "kv_disk_read_bytes"),
+    ("kv_disk_written_bytes_total", "Bytes of KV blocks written to the disk tier.", "kv_disk_written_bytes"),
+    ("kv_disk_load_seconds_total", "Time spent loading KV blocks from the disk tier.", "kv_disk_load_seconds"),
+    (
+        "kv_disk_corrupt_blocks_total",
+        "Disk tier block files found torn or corrupt (deleted).",
+        "kv_disk_corrupt_blocks",
+    ),
+    ("kv_disk_dropped_writes_total", "Disk tier writes dropped (writer queue full).", "kv_disk_dropped_writes"),
+)
+
+
 def _family(name: str, help: str, total: float, per_model: Mapping[str, float], counter: bool = False) -> Metric:
     """The server-wide series, then one per model (label `model`)."""
     family = (CounterMetricFamily if counter else GaugeMetricFamily)(PREFIX + name, help, labels=("model",))
@@ -179,6 +193,11 @@ class EngineGauges:
             counter=True,
         )
         yield from _speculation(each("draft_tokens"), each("accepted_draft_tokens"))
+        for name, help, key in KV_DISK_COUNTERS:  # the prefix cache's disk tier (runtime/kv_disk.py), when on
+            values = each(key)
+            yield _family(name, help, sum(values.values()), values, counter=True)
+        disk = each("kv_disk_bytes")
+        yield _family("kv_disk_bytes", "Bytes of KV blocks in the disk tier.", sum(disk.values()), disk)
 
 
 class ServerMetrics:

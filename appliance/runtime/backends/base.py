@@ -49,6 +49,18 @@ class Backend(ABC):
         last block). `num_tokens[i]`: positions of pair i that hold KV (the rest need not be copied)."""
         raise NotImplementedError(f"{type(self).__name__} cannot copy KV blocks")
 
+    # The KV layout a stored block's bytes depend on (element types, per-block shapes), or None: this backend's
+    # blocks cannot be saved and restored (static shapes: NPU, ONNX Runtime), and the disk tier is off for it.
+    kv_layout: str | None = None
+
+    def read_block(self, block: int) -> bytes:
+        """A copy of block `block`'s KV bytes, every layer (the disk tier, runtime/kv_disk.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot save KV blocks: not supported")
+
+    def write_block(self, block: int, data: bytes) -> None:
+        """Fill block `block` with bytes read_block returned (same kv_layout); ValueError on a wrong length."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restore KV blocks: not supported")
+
     def close(self) -> None:  # noqa: B027 (optional: a backend with nothing to release keeps this no-op)
         """Release device memory; the backend is unusable afterwards."""
 

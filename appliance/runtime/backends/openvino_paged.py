@@ -101,6 +101,10 @@ class OpenVINOPagedBackend(Backend):
             self._blocks.append(blocks)
         self.cache_bytes = self.num_blocks * self.bytes_per_block
         self.kv_precision = cache_inputs[0].get_element_type().get_type_name()  # "u8", not "<Type: 'uint8_t'>"
+        self.kv_layout = ";".join(
+            f"{port.get_any_name()}:{port.get_element_type().get_type_name()}:{dims}"
+            for port, dims in zip(cache_inputs, block_dims)
+        )
         log.info(
             "paged KV: %d blocks x %d tokens, %s, %.1f MB",
             self.num_blocks,
@@ -173,6 +177,20 @@ class OpenVINOPagedBackend(Backend):
         dst = np.fromiter((d for _, d in pairs), np.int64, len(pairs))
         for blocks in self._blocks:
             blocks[dst] = blocks[src]
+
+    def read_block(self, block: int) -> bytes:
+        """Every cache tensor's row of the block, concatenated (~10 us for the default model's 184 KB u8 block)."""
+        return b"".join(blocks[block].tobytes() for blocks in self._blocks)
+
+    def write_block(self, block: int, data: bytes) -> None:
+        if len(data) != self.bytes_per_block:
+            raise ValueError(f"a KV block is {self.bytes_per_block} bytes, got {len(data)}")
+        src = np.frombuffer(data, np.uint8)
+        at = 0
+        for blocks in self._blocks:
+            n = blocks.shape[1]
+            blocks[block] = src[at : at + n]
+            at += n
 
     def close(self) -> None:
         self._blocks.clear()

@@ -36,6 +36,7 @@ from appliance.runtime.engine.speculation import Speculation, Verify, load_propo
 from appliance.runtime.engine.text import text_step
 from appliance.runtime.grammar import GrammarCompiler
 from appliance.runtime.kv_cache import BlockPool
+from appliance.runtime.kv_disk import DiskTier, fingerprint
 from appliance.runtime.sampling import SampleOutput, sample_batch
 from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sequence import Sequence
@@ -65,11 +66,16 @@ class Engine(Admission, Liveness):
         )
         self.backend = load_backend(self.model_dir, self.manifest, self.config)
         self.max_context = min(self.manifest.max_context, self.backend.max_context)
+        prefix_caching = self.config.prefix_caching and self.backend.max_batch is None
+        disk = self._disk_tier() if prefix_caching else None
         self.pool = BlockPool(
             self.backend.num_blocks,
             self.backend.block_size,
-            prefix_caching=self.config.prefix_caching and self.backend.max_batch is None,
+            prefix_caching=prefix_caching,
+            salt=disk.salt if disk else None,
         )
+        if disk is not None:
+            self.pool.attach_disk(disk, self.backend.read_block, self.backend.write_block)
         max_seqs = min(self.config.max_num_seqs, self.backend.max_batch or self.config.max_num_seqs)
         self.scheduler = Scheduler(self.pool, max_seqs, self.config.max_num_batched_tokens)
         self.choices = FollowerForks(self.scheduler, self.pool, self._copy_tails)  # n > 1: forks of a prompt's KV
@@ -98,6 +104,28 @@ class Engine(Admission, Liveness):
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
+    def _disk_tier(self) -> DiskTier | None:
+        """The prefix cache's disk tier (kv_disk.py) if configured and the backend can save blocks; a directory
+        that cannot be used turns it off with a warning (the server still serves)."""
+        layout = self.backend.kv_layout
+        if not self.config.kv_disk_dir or layout is None:
+            if self.config.kv_disk_dir:
+                log.warning("kv disk tier: %s cannot save KV blocks, the tier is off", type(self.backend).__name__)
+            return None
+        fp = fingerprint(
+            self.model_dir,
+            layout,
+            self.backend.block_size,
+            self.config.device,
+            self.config.precision,
+            self.config.kv_precision(),
+        )
+        try:
+            return DiskTier(self.config.kv_disk_dir, fp, self.config.kv_disk_bytes)
+        except OSError as exc:
+            log.warning("kv disk tier off: %s", exc)
+            return None
+
     def stats(self) -> dict:
         return {
             "queued": self._queued(),
@@ -109,6 +137,7 @@ class Engine(Admission, Liveness):
             "prefix_cache_query_tokens": self.pool.queries,
             "preemptions": self.scheduler.preemptions,
             **self.counters,
+            **(self.pool.disk.stats() if self.pool.disk is not None else {}),
         }
 
     def token_text(self, token: int) -> str:

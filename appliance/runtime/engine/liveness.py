@@ -63,6 +63,8 @@ class Liveness(EngineState):
         self._thread.join(timeout=10)
         for proposer in self.proposers.values():
             proposer.close()
+        if self.pool.disk is not None:
+            self.pool.disk.close()  # the queued writes land first
         self.backend.close()
 
     # ---- engine thread ----

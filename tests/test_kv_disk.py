@@ -1,0 +1,242 @@
+"""The prefix cache's disk tier (appliance/runtime/kv_disk.py): the tier alone (round trip, corrupt and torn
+files ignored, the budget, the fingerprint, the salt), the pool's hooks with a fake backend (restart, tenants),
+and the engine in f32 on the fp32 export: a prefix loaded back from disk yields the same greedy tokens as
+recomputing it."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from appliance.runtime.kv_cache import BlockPool
+from appliance.runtime.kv_disk import SALT_FILE, DiskTier, fingerprint, load_salt
+
+BS = 4
+PAYLOAD = 1000  # bytes of a fake block
+
+
+def payload(i: int) -> bytes:
+    return bytes([i % 251]) * PAYLOAD
+
+
+def stored(tier: DiskTier) -> list[Path]:
+    return sorted(tier.dir.glob("*.kv"))
+
+
+def test_round_trip(tmp_path):
+    tier = DiskTier(tmp_path, "fp", 1 << 20)
+    name, tokens = b"n" * 16, (1, 2, 3, 4)
+    tier.save(name, tokens, payload(7))
+    tier.flush()
+    assert tier.load(name, tokens) == payload(7)
+    assert tier.load(name, (1, 2, 3, 5)) is None  # another block's tokens under that name: never handed out
+    assert tier.load(b"m" * 16, tokens) is None
+    s = tier.stats()
+    assert s["kv_disk_hit_blocks"] == 1 and s["kv_disk_hit_tokens"] == 4 and s["kv_disk_written_blocks"] == 1
+    assert stat.S_IMODE(stored(tier)[0].stat().st_mode) == 0o600
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_corrupt_or_torn_block_is_ignored_and_deleted(tmp_path, damage):
+    tier = DiskTier(tmp_path, "fp", 1 << 20)
+    name, tokens = b"n" * 16, (1, 2, 3, 4)
+    tier.save(name, tokens, payload(7))
+    tier.flush()
+    tier.close()
+    path = stored(tier)[0]
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-10] ^= 0xFF
+    path.write_bytes(bytes(data[: len(data) // 2] if damage == "truncate" else b"" if damage == "empty" else data))
+    again = DiskTier(tmp_path, "fp", 1 << 20)
+    assert again.has(name)
+    assert again.load(name, tokens) is None
+    assert not path.exists() and not again.has(name)
+    assert again.stats()["kv_disk_corrupt_blocks"] == 1
+    again.close()
+
+
+def test_dead_writers_temp_files_are_cleaned(tmp_path):
+    tier = DiskTier(tmp_path, "fp", 1 << 20)
+    tier.close()
+    dead = tier.dir / ("ab" * 16 + ".kv.tmp.999999999.1")  # no such pid
+    dead.write_bytes(b"half a block")
+    DiskTier(tmp_path, "fp", 1 << 20).close()
+    assert not dead.exists()
+
+
+def test_budget_is_never_exceeded(tmp_path):
+    budget = 5 * PAYLOAD
+    tier = DiskTier(tmp_path, "fp", budget)
+    for i in range(20):
+        tier.save(bytes([i]) * 16, (i,), payload(i))
+    tier.flush()
+    on_disk = sum(p.stat().st_size for p in stored(tier))
+    assert 0 < on_disk <= budget and tier.stats()["kv_disk_bytes"] == on_disk
+    assert tier.stats()["kv_disk_evicted_blocks"] > 0
+    assert tier.load(bytes([19]) * 16, (19,)) == payload(19)  # the newest stayed, the oldest went
+    assert not tier.has(bytes([0]) * 16)
+    tier.close()
+    # another fingerprint's start trims the old one's blocks (oldest first) to fit the whole directory's budget
+    other = DiskTier(tmp_path, "other", budget)
+    for i in range(3):
+        other.save(bytes([100 + i]) * 16, (i,), payload(i))
+    other.flush()
+    total = sum(p.stat().st_size for p in tmp_path.glob("*/*.kv"))
+    assert total <= budget
+    other.close()
+    assert DiskTier(tmp_path, "fp", budget).stats()["kv_disk_bytes"] + other.stats()["kv_disk_bytes"] <= budget
+
+
+def test_fingerprint_mismatch_never_matches(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "manifest.json").write_text('{"a": 1}')
+    (model / "openvino_model.bin").write_bytes(b"w" * 10)
+    fp = fingerprint(model, "layout", 32, "u8")
+    assert fp == fingerprint(model, "layout", 32, "u8")
+    assert fp != fingerprint(model, "layout", 16, "u8") != fingerprint(model, "layout", 32, "f16")
+    (model / "openvino_model.bin").write_bytes(b"w" * 11)  # another export's weights
+    assert fingerprint(model, "layout", 32, "u8") != fp
+    a = DiskTier(tmp_path / "kv", fp, 1 << 20)
+    a.save(b"n" * 16, (1,), payload(1))
+    a.close()
+    b = DiskTier(tmp_path / "kv", fingerprint(model, "layout", 32, "u8"), 1 << 20)
+    assert not b.has(b"n" * 16) and b.load(b"n" * 16, (1,)) is None
+    b.close()
+
+
+def test_salt_is_persisted_private(tmp_path):
+    salt = load_salt(tmp_path)
+    path = tmp_path / SALT_FILE
+    assert len(salt) == 16 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_salt(tmp_path) == salt  # the same names after a restart
+    assert load_salt(tmp_path / "elsewhere") != salt
+    os.chmod(path, 0o644)  # readable by others: names could be precomputed
+    with pytest.raises(PermissionError):
+        load_salt(tmp_path)
+
+
+class FakeKV:
+    """A backend's block memory: block id -> bytes."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, bytes] = {}
+
+    def read(self, block: int) -> bytes:
+        return self.blocks.get(block, b"\0" * PAYLOAD)
+
+    def write(self, block: int, data: bytes) -> None:
+        self.blocks[block] = data
+
+
+def pool_with_disk(tmp_path: Path, num_blocks: int = 4) -> tuple[BlockPool, FakeKV, DiskTier]:
+    tier = DiskTier(tmp_path, "fp", 1 << 20)
+    pool = BlockPool(num_blocks, BS, prefix_caching=True, salt=tier.salt)
+    kv = FakeKV()
+    pool.attach_disk(tier, kv.read, kv.write)
+    return pool, kv, tier
+
+
+def compute(pool: BlockPool, kv: FakeKV, tokens: list[int], scope: str = "") -> list[int]:
+    """What the scheduler and a forward do for a prompt: allocate, 'compute' each block (its bytes derive from
+    its tokens), name the full blocks, and free them."""
+    blocks = pool.allocate(pool.blocks_for(len(tokens)))
+    parent = pool.root(scope)
+    for j, b in enumerate(blocks):
+        chunk = tuple(tokens[j * BS : (j + 1) * BS])
+        kv.write(b, bytes([sum(chunk) % 251]) * PAYLOAD)
+        if len(chunk) == BS:
+            parent = pool.register(b, parent, chunk)
+    pool.free(blocks)
+    return blocks
+
+
+def test_pool_loads_a_prefix_from_disk_after_a_restart_within_its_namespace(tmp_path):
+    prompt = list(range(1, 14))  # 3 full blocks + 1
+    pool, kv, tier = pool_with_disk(tmp_path)
+    compute(pool, kv, prompt, scope="key-a")
+    tier.close()
+    # a new process: a new pool (empty RAM), the same directory
+    pool, kv, tier = pool_with_disk(tmp_path)
+    assert pool.match_prefix(prompt, scope="key-b") == ([], [])  # another tenant's blocks are not found
+    blocks, hashes = pool.match_prefix(prompt, scope="key-a")
+    assert len(blocks) == 3 and tier.stats()["kv_disk_hit_blocks"] == 3
+    for j, b in enumerate(blocks):  # the stored bytes are back in the blocks the pool picked
+        assert kv.blocks[b] == bytes([sum(prompt[j * BS : (j + 1) * BS]) % 251]) * PAYLOAD
+    pool.free(blocks)
+    again, _ = pool.match_prefix(prompt, scope="key-a")  # now RAM hits: no second load
+    assert again == blocks and tier.stats()["kv_disk_hit_blocks"] == 3
+    tier.close()
+
+
+def test_pool_without_free_blocks_recomputes(tmp_path):
+    prompt = list(range(1, 14))
+    pool, kv, tier = pool_with_disk(tmp_path, num_blocks=4)
+    compute(pool, kv, prompt)
+    tier.flush()
+    pool2 = BlockPool(4, BS, prefix_caching=True, salt=tier.salt)
+    pool2.attach_disk(tier, kv.read, kv.write)
+    held = pool2.allocate(4)
+    assert pool2.match_prefix(prompt) == ([], [])  # nowhere to load into: a miss, nothing breaks
+    pool2.free(held)
+    tier.close()
+
+
+# ---------------------------------------------------------------- the engine, f32 on the fp32 export
+
+
+def engine_greedy(engine, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], list[int]]:
+    from appliance.params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    tokens, cached = [], []
+    for p in prompts:  # one after another; cached: the prompt tokens served from the cache (RAM or disk)
+        hits = engine.stats()["prefix_cache_hit_tokens"]
+        tokens.append(engine.submit(p, params).results()[0].token_ids)
+        cached.append(engine.stats()["prefix_cache_hit_tokens"] - hits)
+    return tokens, cached
+
+
+@pytest.fixture(scope="module")
+def fp32_export() -> Path:
+    from export.default_model import ensure_export
+
+    return ensure_export("openvino", "fp32")
+
+
+def test_engine_prefix_loaded_from_disk_keeps_greedy_tokens(fp32_export, tmp_path):
+    """f32: a prefix evicted from a tiny RAM pool and loaded back from disk, and after a restart, yields exactly
+    the tokens of recomputing it (an engine without the tier); the cached-token count shows the disk hit."""
+    from appliance.config import EngineConfig
+    from appliance.runtime.engine import Engine
+
+    cfg = dict(precision="f32", max_num_batched_tokens=64, kv_cache_tokens=32 * 8)
+    shared = list(range(1000, 1130))  # 4 full 32-token blocks
+    prompt, other = shared + [5, 6, 7], list(range(3000, 3200))  # `other` fills the pool: evicts the prefix
+    cold = Engine(fp32_export, EngineConfig(**cfg))
+    try:
+        want, cached = engine_greedy(cold, [prompt], 16)
+    finally:
+        cold.shutdown()
+    assert cached == [0]
+    engine = Engine(fp32_export, EngineConfig(**cfg, kv_disk_dir=str(tmp_path)))
+    try:
+        first, _ = engine_greedy(engine, [prompt, other], 16)
+        got, cached = engine_greedy(engine, [prompt], 16)
+        stats = engine.stats()
+    finally:
+        engine.shutdown()
+    assert got == want and first[0] == want[0]
+    assert stats["kv_disk_hit_blocks"] >= 3 and cached == [128], stats  # most of it came back from disk
+    restarted = Engine(fp32_export, EngineConfig(**cfg, kv_disk_dir=str(tmp_path)))
+    try:
+        got, cached = engine_greedy(restarted, [prompt], 16)
+        stats = restarted.stats()
+    finally:
+        restarted.shutdown()
+    assert got == want and cached == [128] and stats["kv_disk_hit_blocks"] == 4, stats
