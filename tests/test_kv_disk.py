@@ -6,6 +6,7 @@ recomputing it."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
 from pathlib import Path
 
@@ -38,6 +39,18 @@ def test_round_trip(tmp_path):
     assert s["kv_disk_hit_blocks"] == 1 and s["kv_disk_hit_tokens"] == 4 and s["kv_disk_written_blocks"] == 1
     assert stat.S_IMODE(stored(tier)[0].stat().st_mode) == 0o600
     tier.close()
+
+
+def test_a_block_another_process_wrote_is_found(tmp_path):
+    """Two processes of one export on one directory (a reload overlapping the old engine): the reader's index
+    predates the file, the file is still found."""
+    reader = DiskTier(tmp_path, "fp", 1 << 20)
+    writer = DiskTier(tmp_path, "fp", 1 << 20)
+    writer.save(b"n" * 16, (1,), payload(3))
+    writer.close()
+    assert not reader.has(b"n" * 16)
+    assert reader.load(b"n" * 16, (1,)) == payload(3) and reader.has(b"n" * 16)
+    reader.close()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
@@ -240,3 +253,61 @@ def test_engine_prefix_loaded_from_disk_keeps_greedy_tokens(fp32_export, tmp_pat
     finally:
         restarted.shutdown()
     assert got == want and cached == [128] and stats["kv_disk_hit_blocks"] == 4, stats
+
+
+# ---------------------------------------------------------------- a real `appliance serve`, restarted
+
+SHARED = "You are a careful assistant for a hardware store. " + " ".join(
+    f"Rule {i}: answer about aisle {i % 17} and item number {i * 37}." for i in range(40)
+)  # ~600 tokens: many full blocks
+
+
+def completion(srv, prompt: str) -> tuple[str, int]:
+    import requests
+
+    r = requests.post(
+        srv.base + "/v3/completions",
+        json={"model": srv.model_id(), "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_restarted_server_finds_the_prefix_on_disk_and_never_uses_a_corrupt_block(model_dir, tmp_path):
+    """Two real servers with one --kv-disk-dir: the second's first request is served from disk (cached_tokens);
+    then a kill -9 (queued writes may be lost or half written), every stored block corrupted and a torn temp file
+    left: the third server uses none of them (cached_tokens 0, the cold answer) and counts them corrupt."""
+    from conftest import Server, wait_until
+
+    from appliance.testing.procinfo import is_zombie
+
+    disk = tmp_path / "kv"
+    flags = ("--workers", "1", "--kv-disk-dir", str(disk))
+    with Server(model_dir, tmp_path / "a.log", *flags) as srv:
+        cold, cached = completion(srv, SHARED + " Question: where are the hammers?")
+        assert cached == 0
+    with Server(model_dir, tmp_path / "b.log", *flags) as srv:
+        warm, cached = completion(srv, SHARED + " Question: where are the hammers?")
+        assert cached >= 512, cached  # the prefix came from disk after the restart
+        assert srv.metrics()["appliance_kv_disk_hit_tokens_total"] == cached
+        completion(srv, SHARED + " Question: do you sell paint?")  # more writes, then no clean stop
+        tree = srv.process_tree()
+        os.kill(srv.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=60)
+        wait_until(lambda: all(is_zombie(q) for q in tree[1:]), "gunicorn to exit after the engine process")
+    assert warm == cold
+    files = sorted(disk.glob("*/*.kv"))
+    assert files
+    for f in files:  # a flipped payload byte: the checksum must catch every one
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x5A
+        f.write_bytes(bytes(data))
+    (files[0].parent / (files[0].name + ".tmp.999999999.1")).write_bytes(b"torn")
+    with Server(model_dir, tmp_path / "c.log", *flags) as srv:
+        again, cached = completion(srv, SHARED + " Question: where are the hammers?")
+        metrics = srv.metrics()
+    assert cached == 0 and again == cold
+    assert metrics["appliance_kv_disk_corrupt_blocks_total"] >= 1
+    assert not list(disk.glob("*/*.tmp.*"))

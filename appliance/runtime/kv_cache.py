@@ -163,7 +163,7 @@ class BlockPool:
     def _from_disk(self, name: bytes, tokens: tuple[int, ...]) -> int | None:
         """A block missing from RAM loaded from the disk tier into a free block, named and taken (ref 1); None
         if the tier does not have it (or its file was corrupt) or no block is free."""
-        if self.disk is None or self._write_block is None or not self._free or not self.disk.has(name):
+        if self.disk is None or self._write_block is None or not self._free:
             return None
         payload = self.disk.load(name, tokens)
         if payload is None:

@@ -209,15 +209,14 @@ class DiskTier:
 
     # ---- engine thread ----
     def has(self, name: bytes) -> bool:
+        """Indexed by this process (written here, or found at start)."""
         return name in self._index
 
     def load(self, name: bytes, tokens: tuple[int, ...]) -> bytes | None:
         """The block's payload, or None (absent, or torn / corrupt: then deleted)."""
-        if name not in self._index:
-            return None
         t0 = time.perf_counter()
         path = self._path(name)
-        try:
+        try:  # not only the indexed names: another process of the same export (a reload) may have written it
             with open(path, "rb") as f:
                 data = f.read()
         except OSError:
@@ -236,6 +235,9 @@ class DiskTier:
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
+            else:
+                self._index[name] = len(data)
+                self._bytes += len(data)
         with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart
         c = self.counters
