@@ -80,7 +80,7 @@ class EngineConfig:
         flag="prefix-cache-sharing",
     )
     # The prefix cache's disk tier (runtime/kv_disk.py, docs/kv-cache.md): off unless given a directory. Off by
-    # default because it writes every full prompt block (a 2,000-token prompt of the default model: 11 MB) to the
+    # default because it writes every full prompt block (a 2,000-token prompt of the default model: 27 MB) to the
     # disk, wear and bandwidth an edge box's flash should not pay for a deployment that does not reuse prefixes
     # across restarts; the operator turns it on where it pays (long shared system prompts, RAG contexts).
     kv_disk_dir: str | None = setting(

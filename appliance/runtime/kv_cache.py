@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
@@ -157,7 +158,9 @@ class BlockPool:
             self._key[block] = (h, tokens)
             self._by_hash[h] = block
             if self.disk is not None and self._read_block is not None and not self.disk.has(h):
+                t0 = time.perf_counter()
                 self.disk.save(h, tokens, self._read_block(block))
+                self.disk.counters["kv_disk_copy_seconds"] += time.perf_counter() - t0
         return h
 
     def _from_disk(self, name: bytes, tokens: tuple[int, ...]) -> int | None:

@@ -19,13 +19,15 @@ read_block). A read checks the length, the checksum, the name and the tokens; a 
 deleted and counted (`corrupt`), never handed to the model. Writes go to a temp file (O_EXCL, 0600, the
 writer's pid in its name) and are renamed into place, so a reader sees a whole file or none. No fsync: a kill -9
 leaves the page cache intact, and a power cut that tears a renamed file is caught by the checksum (an fsync per
-block cost ~4 ms on the dev box's disk, more than the block's prefill at 135M).
+block would put the disk's flush latency on the writer for every block, for a crash the checksum already covers).
 
-Writes never stall the step loop: the step copies the block's bytes out (read_block, measured ~10 us for the
-default model's 32-token u8 block of 184 KB on the loaded 2-core dev box) and a writer thread writes them; a
-full queue (QUEUE_BYTES) drops the write (counted). Loads happen at admission, on the engine thread: reading and
-checking a 184 KB block from the page cache took ~0.15 ms (~0.5 ms cold), and a 2,000-token prefix (63 blocks)
-~10-30 ms against ~1.5-3 s of prefill on the same box, so a load thread would buy little for its complexity.
+Writes never stall the step loop: the step copies the block's bytes out (read_block) and a writer thread
+checksums and writes them; a full queue (QUEUE_BYTES) drops the write (counted). Measured by bench.kv_disk on
+the default model (fp16 export, default KV precision: 32-token blocks of 438 KB), on the 2-core dev box loaded
+by other work: the step's copy ~140 us per block and the writer's CPU ~430 us per block, together 0.5% of a run
+of unique prompts (every block written). Loads happen at admission, on the engine thread: ~0.3 ms per block
+read, checked and copied in, so a 2,000-token prefix (62 blocks) loads in ~15-20 ms where its prefill took
+4-12 s on the same box; a load thread would buy little for its complexity.
 
 Bounded: the directory holds at most `max_bytes` (--kv-disk-bytes): the writer evicts the least recently used
 blocks (an in-memory index, ordered at start by mtime; a hit touches the file so the order survives a restart).
@@ -169,6 +171,8 @@ class DiskTier:
             "kv_disk_corrupt_blocks": 0,
             "kv_disk_evicted_blocks": 0,
             "kv_disk_load_seconds": 0.0,
+            "kv_disk_copy_seconds": 0.0,  # the step's share of writes: copying blocks out (BlockPool.register)
+            "kv_disk_writer_cpu_seconds": 0.0,  # the writer thread's CPU time (checksum, write, rename, evict)
         }
         self._other = self._clean()
         self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
@@ -287,6 +291,7 @@ class DiskTier:
                 item.set()
                 continue
             name, tokens, payload = item
+            t0 = time.thread_time()
             try:
                 self._write(name, tokens, payload)
             except OSError as exc:  # a full or read-only disk: the cache just misses
@@ -294,6 +299,7 @@ class DiskTier:
             finally:
                 with self._lock:
                     self._queued -= len(payload)
+                self.counters["kv_disk_writer_cpu_seconds"] += time.thread_time() - t0
 
     def _write(self, name: bytes, tokens: tuple[int, ...], payload: bytes) -> None:
         if name in self._index:
