@@ -26,7 +26,7 @@ import numpy as np
 
 from appliance.manifest import Manifest
 from export.graph import ExportBackend, WeightOptions
-from export.metadata import write_metadata
+from export.metadata import llm_manifest, write_metadata
 from export.source import Dims, ExportError, Source, check_destination, check_disk, inspect_source
 
 __all__ = ["BACKENDS", "WEIGHT_FORMATS", "ExportError", "export_model"]
@@ -152,22 +152,16 @@ def _export(
         graph.check_geometry(dims)
         backend_module.check(staging)
         _compare(backend_module.first_step(staging, probe), reference, weight_format)
-    manifest = Manifest(
+    manifest = llm_manifest(
+        graph,
+        dims,
+        metadata,
         name=name,
         backend=backend,
         weight_format=weight_format,
         model_file=backend_module.MODEL_FILE,
         architecture=source.architecture,
         model_type=source.model_type,
-        **vars(dims),
-        kv_dtype=graph.kv_dtype,
-        stateful=graph.stateful,
-        inputs=graph.inputs,
-        outputs=graph.outputs,
-        eos_token_ids=metadata.eos_token_ids,
-        bos_token_id=metadata.bos_token_id,
-        pad_token_id=metadata.pad_token_id,
-        chat_template_file=metadata.chat_template_file,
         source=str(source.folder),
         weight_compression=compression,
     )

@@ -22,7 +22,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from appliance.manifest import Manifest
 from export.graph import GraphInfo
-from export.metadata import TOKENIZER_FILE, write_metadata
+from export.metadata import TOKENIZER_FILE, llm_manifest, write_metadata
 from export.source import Dims, ExportError, inspect_source
 
 MODEL_FILE = "openvino_model.xml"
@@ -109,22 +109,16 @@ def serve_ir(src: Path, dst: Path, name: str, source: str) -> Manifest:
     graph.check_geometry(dims)
     _check(model)
     metadata = write_metadata(src, dst, info.config)
-    manifest = Manifest(
+    manifest = llm_manifest(
+        graph,
+        dims,
+        metadata,
         name=name,
         backend="openvino",
         weight_format=fmt,
         model_file=MODEL_FILE,
         architecture=info.architecture,
         model_type=info.model_type,
-        **vars(dims),
-        kv_dtype=graph.kv_dtype,
-        stateful=graph.stateful,
-        inputs=graph.inputs,
-        outputs=graph.outputs,
-        eos_token_ids=metadata.eos_token_ids,
-        bos_token_id=metadata.bos_token_id,
-        pad_token_id=metadata.pad_token_id,
-        chat_template_file=metadata.chat_template_file,
         source=source,
         weight_compression={"method": "as published: an OpenVINO IR pulled from the hub, not re-quantized"},
     )

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from export.source import ExportError
+from appliance.manifest import Manifest
+from export.graph import GraphInfo
+from export.source import Dims, ExportError
 
 COPIED = ("tokenizer_config.json", "special_tokens_map.json", "config.json")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -82,3 +84,21 @@ def _generation_config(src: Path, config: dict[str, Any]) -> dict[str, Any]:
     if (src / GENERATION_CONFIG_FILE).is_file():
         return json.loads((src / GENERATION_CONFIG_FILE).read_text())
     return {k: config[k] for k in TOKEN_KEYS if config.get(k) is not None}
+
+
+def llm_manifest(graph: GraphInfo, dims: Dims, metadata: Metadata, **fields: Any) -> Manifest:
+    """The manifest of an exported causal LM (the exporter's and a pulled IR's): what its graph, its config's
+    dimensions and its side files say, plus `fields` (name, backend, weight format and file, architecture, model
+    type, source, weight compression)."""
+    return Manifest(
+        **fields,
+        **vars(dims),
+        kv_dtype=graph.kv_dtype,
+        stateful=graph.stateful,
+        inputs=graph.inputs,
+        outputs=graph.outputs,
+        eos_token_ids=metadata.eos_token_ids,
+        bos_token_id=metadata.bos_token_id,
+        pad_token_id=metadata.pad_token_id,
+        chat_template_file=metadata.chat_template_file,
+    )

@@ -186,17 +186,7 @@ class EngineClient:
     ) -> p.Encoded | p.Failed | None:
         """An embeddings / rerank request (one answer). None when `client_gone()` turned true or `timeout` seconds
         passed first: the connection is closed, which drops the request's waiting inputs engine-side."""
-        conn = self._take()
-        try:
-            conn.send((p.ENCODE, job))
-        except OSError:
-            conn.close()
-            conn = self._take()  # a stale pooled connection: one retry on a fresh one
-            try:
-                conn.send((p.ENCODE, job))
-            except OSError as exc:
-                conn.close()
-                raise EngineUnavailable(f"engine connection lost: {exc}") from None
+        conn = self._send((p.ENCODE, job))
         deadline = time.monotonic() + timeout if timeout else None
         try:
             while not conn.poll(ENCODE_POLL_SECONDS):
@@ -216,18 +206,22 @@ class EngineClient:
         hook = EngineClient.on_job  # from the class: a function stored there is not bound to self
         if hook is not None:
             hook(job)
+        return JobStream(self, self._send((p.JOB, job)), job.model)
+
+    def _send(self, message: tuple) -> Connection:
+        """A pooled connection with `message` sent on it, for a request whose answer comes later on it."""
         conn = self._take()
         try:
-            conn.send((p.JOB, job))
+            conn.send(message)
         except OSError:
             conn.close()
             conn = self._take()  # a stale pooled connection: one retry on a fresh one
             try:
-                conn.send((p.JOB, job))
+                conn.send(message)
             except OSError as exc:
                 conn.close()
                 raise EngineUnavailable(f"engine connection lost: {exc}") from None
-        return JobStream(self, conn, job.model)
+        return conn
 
 
 class JobStream:
