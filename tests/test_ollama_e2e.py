@@ -231,12 +231,12 @@ def test_refusals(client, tag, srv):
 
 def test_version_and_routes_not_served(srv, client, tag):
     assert requests.get(srv.base + "/api/version", timeout=30).json()["version"]
-    for method, path in (("POST", "/api/pull"), ("POST", "/api/push"), ("GET", "/api/chat")):
+    for method, path in (("POST", "/api/create"), ("POST", "/api/push"), ("GET", "/api/chat")):
         r = requests.request(method, srv.base + path, json={"model": tag}, timeout=30)
         assert r.status_code == 404 and isinstance(r.json()["error"], str), (method, path)
     with pytest.raises(ollama.ResponseError) as err:
-        client.delete(tag)
-    assert err.value.status_code == 404
+        client.delete(tag)  # served from a folder no pull made: refused, never deleted (tests/test_pull.py)
+    assert err.value.status_code == 400
 
 
 def test_langchain(srv, tag):

@@ -67,6 +67,8 @@ _OLLAMA_ROUTES = (
     "/api/version",
     "/api/embed",
     "/api/embeddings",
+    "/api/pull",
+    "/api/delete",
     "/api/<path:rest>",
 )
 ROUTES = frozenset(
