@@ -192,6 +192,12 @@ class ServeSettings:
         "seconds a load waits for busy models to go idle when the memory budget is full; then its requests get a 503",
         flag="models-load-wait",
     )
+    serve_pulled: bool = setting(
+        True,
+        "serve every model `appliance pull` put in the data dir (models/hub/) beside the ones named here, each "
+        "listed at start-up and loaded by its first request (as Ollama's); --no-serve-pulled: only the named ones",
+        flag="serve-pulled",
+    )
     log_level: str = setting("info", "debug, info, warning or error (JSON lines on stderr)", flag="log-level")
     access_log: bool = setting(False, "log every HTTP request", flag="access-log")
     otlp_endpoint: str | None = setting(

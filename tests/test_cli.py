@@ -285,6 +285,7 @@ FLAGS = {
     "keep-alive": (str, "-1"),
     "models-memory-budget": (str, "none"),
     "models-load-wait": (float, 60.0),
+    "serve-pulled": (bool, True),
     "log-level": (str, "info"),
     "access-log": (bool, False),
     "otlp-endpoint": (str, None),

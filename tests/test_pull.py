@@ -343,3 +343,28 @@ def test_a_client_that_leaves_a_pull_leaves_no_model_and_the_next_pull_resumes(p
     assert progress[-1].status == "success"
     resumed = [g for g in srv.hub.gets(BIN)[started:] if "slow" in g.path]
     assert resumed and resumed[0].range is not None and int(resumed[0].range[6:-1]) > 0, resumed
+
+
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
+def test_a_pulled_model_is_served_on_demand_after_a_restart(int4_export, model_dir, tmp_path, monkeypatch):
+    """A model pulled before the server started (as after a restart) is served without being named: /api/tags lists
+    it at once, unloaded (/api/ps does not), and a chat loads it; --no-serve-pulled serves only the named model."""
+    data = tmp_path / "data"
+    with StubHub({REPO: ir_repo(int4_export, tmp_path)}) as hub:
+        env = pull_env(hub, data)
+        result, _ = cli_pull(sys.executable, env, REPO)
+    assert result.returncode == 0, result.stderr
+    for key in ("HF_ENDPOINT", "APPLIANCE_DATA_DIR"):
+        monkeypatch.setenv(key, env[key])
+    with Server(model_dir, tmp_path / "serve.log", "--workers", "1") as srv:
+        client = ollama.Client(host=srv.base)
+        assert f"{REPO}:latest" in [m.model for m in client.list().models]
+        assert f"{REPO}:latest" not in [m.model for m in client.ps().models]  # listed, not loaded
+        answer = client.chat(
+            REPO, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 8, "temperature": 0}
+        )
+        assert answer.message.content and answer.done
+        assert f"{REPO}:latest" in [m.model for m in client.ps().models]
+        assert REPO in [m["id"] for m in requests.get(srv.base + "/v3/models", timeout=30).json()["data"]]
+    with Server(model_dir, tmp_path / "serve-named-only.log", "--workers", "1", "--no-serve-pulled") as srv:
+        assert f"{REPO}:latest" not in [m.model for m in ollama.Client(host=srv.base).list().models]

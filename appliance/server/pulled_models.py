@@ -11,8 +11,15 @@ means the engine socket carries no progress stream and the supervisor only gains
 A model added by a pull has the server's global engine settings (the command line and APPLIANCE_* variables over
 the config file's top level over the defaults, as a config file's model without keys of its own), never the served
 model's draft model (a draft belongs to its model's tokenizer). A config reload keeps it (`keep`): a reload applies
-the file, and the file does not name it. After a restart it is served when the command line or the config file
-names it (`--model REPO[:REVISION]`, base_path likewise).
+the file, and the file does not name it.
+
+After a restart every pulled model in the data dir is served again, on demand as Ollama's are (`restore`, unless
+--no-serve-pulled): listed ready but not loaded, so /api/tags and /v3/models show it at once and start-up loads
+nothing more, and its first request loads it (the supervisor's load on demand). Until then its status is read from
+its files (`prepare`: the manifest, the tokenizer and its chat template, generation_config.json: a tokenizer read,
+not a model load), with the manifest's context as the bound; the load gives the slot the engine's own status under
+a new serial (slots.py Models.dormant). One the command line or the config file names (`--model
+REPO[:REVISION]`, base_path likewise) is served as named, with its own settings, and not twice.
 
 Delete removes only what a pull made (the folder under appliance/paths.py `pulled_models_dir`): a model served from
 any other folder is refused (400), and so is a pulled one that the config file or command line names (the next
@@ -22,6 +29,7 @@ waits until its in-flight jobs end (as a reload's removal: up to graceful_timeou
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +40,7 @@ from typing import Protocol
 from appliance import hub_names, options, paths, pull
 from appliance import protocol as p
 from appliance.manifest import MANIFEST_NAME, Manifest
-from appliance.server import config_file
+from appliance.server import config_file, tool_prompt
 from appliance.server.engine_service import EngineService
 from appliance.settings import ConfigError, ModelSpec, ServeSettings
 
@@ -66,6 +74,60 @@ class PulledModels:
         """A config reload's models, and the pulled ones it does not name."""
         names = {spec.name for spec in specs}
         return [*specs, *(spec for name, spec in self.added.items() if name not in names)]
+
+    def restore(self, named: list[ModelSpec]) -> list[ModelSpec]:
+        """At start-up: the pulled models in the data dir that `named` (the command line's or config file's) does
+        not serve, as specs to serve on demand (the module docstring). One that cannot be read is left out, said in
+        the log: a pulled folder must not stop the server the operator configured."""
+        names = {spec.name for spec in named}
+        folders = {Path(spec.model_dir).resolve() for spec in named}
+        specs = []
+        for name, folder in pulled_folders():
+            if name in names or folder.resolve() in folders:
+                continue
+            try:
+                manifest = Manifest.load(folder)
+                if manifest.task != "generate":
+                    raise ValueError(f"a {manifest.task} model")  # a pull makes LLMs only
+                spec = self._spec(name, folder, manifest, int((folder / MANIFEST_NAME).stat().st_mtime))
+            except (OSError, ValueError, TypeError) as exc:  # ConfigError is a ValueError
+                log.warning("a pulled model is not served", extra={"model": name, "error": str(exc)})
+                continue
+            self.added[name] = spec
+            specs.append(spec)
+        if specs:
+            log.info("pulled models served on demand", extra={"models": [s.name for s in specs]})
+        return specs
+
+    def prepare(self, spec: ModelSpec) -> None:
+        """A restored model's slot ready and unloaded, its status read from its files (the module docstring); one
+        whose files cannot be read is failed (listed with the reason), the others serve."""
+        from appliance.runtime.tokenizer import Tokenizer  # the engine process's: the tokenizers library
+
+        folder = Path(spec.model_dir)
+        try:
+            manifest = Manifest.load(folder)
+            tokenizer = Tokenizer.from_dir(folder)
+            generation = folder / manifest.generation_config_file
+            defaults = json.loads(generation.read_text()) if generation.is_file() else {}
+            template = tokenizer.chat_template
+            facts = p.EngineStatus(
+                "ready",
+                None,
+                manifest.max_context,
+                manifest.vocab_size,
+                defaults,
+                manifest.backend,
+                manifest.weight_format,
+                spec.engine.device,
+                tool_prompt.choose_tool_parser(template, spec.tool_parser),
+                tool_prompt.choose_reasoning_parser(template, spec.reasoning_parser),
+            )
+        except Exception as exc:  # a damaged folder: this model is failed, the server serves the rest
+            log.warning("a pulled model cannot be served", extra={"model": spec.name, "error": repr(exc)})
+            self.supervisor.service.fail(f"the pulled model's files cannot be read: {exc}", spec.name)
+            return
+        self.supervisor.service.registry.dormant(spec.name, facts, tokenizer)
 
     def serve(self, name: str) -> p.Reply:
         """Serve the pulled model `name` (a served one is reloaded from its new files); its state once loaded."""
@@ -161,3 +223,20 @@ class PulledModels:
         pull.remove(folder)
         log.info("deleted a pulled model", extra={"model": served or name, "model_dir": str(folder)})
         return p.Reply()
+
+
+def pulled_folders() -> list[tuple[str, Path]]:
+    """(served name, folder) of every model `appliance pull` finished in the data dir: a folder with its manifest
+    and the pull's record (appliance/pull.py RECORD: the repository and revision, so the name)."""
+    found = []
+    root = paths.pulled_models_dir()
+    for record in sorted(root.glob(f"*/*/{pull.RECORD}")):
+        try:
+            data = json.loads(record.read_text())
+            name = hub_names.HubRef(str(data["repo"]), str(data["revision"])).name
+            hub_names.parse(name)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if paths.pulled_model(name) == record.parent:  # laid out as a pull lays it (and its manifest written)
+            found.append((name, record.parent))
+    return found

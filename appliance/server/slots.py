@@ -90,6 +90,7 @@ class Slot:
     _parsers: tuple[str, str] | None = None
     # load on demand: what the last load reported (status of an unloaded slot), its tokenizer, its memory estimate
     facts: p.EngineStatus | None = None
+    provisional: bool = False  # facts read from the export's files, not from a load (Models.dormant)
     tokenizer: Any = None
     size: int = 0
     last_used: float = 0.0  # monotonic: its last job's end, or its load
@@ -175,6 +176,8 @@ class Models:
             else:
                 slot = self._new_slot(spec)
                 self._slots[spec.name] = slot
+            if slot.provisional:  # its first load: the engine's own status from now on, under a new serial
+                slot.facts, slot.provisional, slot.serial = None, False, next(self._serials)
             slot.engine, slot.device, slot.state, slot.error = engine, device, "ready", None
             slot.tokenizer, slot.last_used = getattr(engine, "tokenizer", None), time.monotonic()
         if old is not None and old is not slot:
@@ -185,6 +188,17 @@ class Models:
         with self._lock:
             if spec.name not in self._slots:
                 self._slots[spec.name] = self._new_slot(spec)
+
+    def dormant(self, name: str, facts: p.EngineStatus, tokenizer: Any) -> None:
+        """Model `name` ready but not loaded before its first job (a pulled model restored at start-up): its
+        status says `facts` (read from its files) until that load, which gives the slot a new serial so the
+        workers ask its status again (the KV cache may bound its context below the manifest's)."""
+        with self._lock:
+            slot = self._slots.get(name)
+            if slot is None or slot.engine is not None:
+                return
+            slot.state, slot.error, slot.tokenizer = "ready", None, tokenizer
+            slot.facts, slot.provisional = replace(facts, serial=slot.serial), True
 
     def fail(self, message: str, name: str | None = None) -> None:
         """Model `name` (every model when None) cannot serve; a model serving an older spec keeps serving."""

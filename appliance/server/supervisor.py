@@ -24,7 +24,8 @@ Load on demand, unload when idle: appliance/server/residency.py decides (keep_al
 recently used first), this class acts. Every configured model loads once at start-up, as before (a broken one still
 stops the server, and its load records what its status says while it is unloaded); with a budget they load last to
 first, making room as they go, so the first (the default) is the one left loaded. Then a reaper thread unloads
-models idle past their keep_alive, and a job for an unloaded model asks `ensure_loaded`, which queues the load for
+models idle past their keep_alive, and a job for an unloaded model (or a pulled one restored at start-up, which
+start-up lists without loading: pulled_models.py) asks `ensure_loaded`, which queues the load for
 one loader thread (concurrent requests for a model share its load; a load waits for room under the budget, bounded
 by --models-load-wait, then fails its requests with a 503) and waits. Loads never run on an engine thread, and
 they, start-up and reloads take turns (`_reloading`). A failed load on demand fails the requests that waited for
@@ -95,6 +96,10 @@ class Supervisor:
         self.service.reloader = self.reload_config
         self.pulled = PulledModels(self)  # what /api/pull added and /api/delete removes (pulled_models.py)
         self.service.calls.update(self.pulled.calls())
+        if settings.serve_pulled:  # the pulled models the command line and config file do not name, on demand
+            for spec in self.pulled.restore(settings.models):
+                settings.models.append(spec)
+                self.service.add(spec)
         self.service.load_call = self.load_call
         self.service.jobs.ensure = self.ensure_loaded
         self.residency = Residency(options.parse_memory_budget(settings.models_memory_budget))
@@ -147,7 +152,10 @@ class Supervisor:
 
     def _load(self) -> None:
         with self._reloading:  # a reload asked for meanwhile waits for these
-            specs = list(self.settings.models)
+            specs = [spec for spec in self.settings.models if spec.name not in self.pulled.added]
+            for spec in self.settings.models:
+                if spec.name in self.pulled.added:  # restored pulled models: ready, loaded by their first request
+                    self.pulled.prepare(spec)
             if self.residency.budget is not None:  # last to first: the first model is the one left loaded
                 specs.reverse()
                 log.info("models memory budget", extra={"bytes": self.residency.budget})
