@@ -100,6 +100,64 @@ def test_refusals(fields, words):
     refused(body(**fields), words)
 
 
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"max_tokenz": 8}, "max_tokenz: Extra inputs are not permitted"),
+        ({"frequency_penalty": 1.0}, "frequency_penalty: Extra inputs are not permitted"),
+        ({"messages": [{"role": "user", "content": "hi", "name": "x"}]}, "messages.0.name: Extra inputs"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "lang": "fr"}]}]},
+            "messages.0.content.0.lang: Extra inputs",
+        ),
+        ({"system": [{"type": "text", "text": "x", "priority": 1}]}, "system.0.priority: Extra inputs"),
+        ({"tools": [{**TOOL, "input_schemas": {}}]}, "tools.0.input_schemas: Extra inputs"),
+        ({"tools": [TOOL], "tool_choice": {"type": "auto", "max_calls": 1}}, "tool_choice.max_calls: Extra inputs"),
+        ({"thinking": {"type": "disabled", "budget": 5}}, "thinking.budget: Extra inputs"),
+        ({"thinking": {"type": "disabled", "display": "omitted"}}, '"omitted" is not supported'),
+        ({"mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}, "runs none"),
+        ({"tools": [{**TOOL, "strict": True}]}, "strict is honoured"),
+    ],
+)
+def test_unknown_fields_are_refused(fields, words):
+    """Anthropic answers 400 for a field it does not know: one that constrains the output must not be dropped."""
+    refused(body(**fields), words)
+
+
+def test_sdk_fields_that_do_not_constrain_the_output_are_accepted():
+    """Every field of the SDK's params that does not change the output is accepted (and ignored), at each level."""
+    cached = {"cache_control": {"type": "ephemeral", "ttl": "5m"}}
+    req = parse_messages(
+        body(
+            metadata={"user_id": "u"},
+            service_tier="auto",
+            speed="standard",
+            inference_geo="us",
+            container="c",
+            diagnostics={"previous_message_id": "msg_1"},
+            user_profile_id="p",
+            workspace_id="w",
+            context_management={"edits": []},
+            system=[{"type": "text", "text": "Be brief.", **cached}],
+            thinking={"type": "disabled", "display": "summarized"},
+            messages=[
+                {"role": "user", "content": [{"type": "text", "text": "weather?", "citations": None, **cached}]},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}, "caller": None},
+                    ],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "toolset_name": None}]},
+            ],
+            tools=[{**TOOL, **cached, "strict": True, "input_examples": [{"city": "Paris"}], "defer_loading": False}],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            **cached,
+        )
+    )
+    assert req.chat.tool_choice == "required" and req.chat.tools[0]["function"]["strict"] is True
+
+
 def test_bounds_are_the_chat_ones():
     limits = Limits(messages=3, tools=1)
     refused(body(messages=USER * 4), "no more than 3 messages", limits)

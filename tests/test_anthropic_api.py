@@ -26,6 +26,7 @@ SCHEMA = WEATHER_PARAMETERS
 TOOLS = [{"name": "get_weather", "description": "Current weather of a city", "input_schema": SCHEMA}]
 GREEDY = {"temperature": 0}  # the SDK dropped temperature; older clients send it, and the server takes it
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+CACHED: dict = {"type": "ephemeral"}
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +186,21 @@ def test_errors_in_anthropic_shape(keyed, client, model):
         )
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=8, messages=ASK)
+    # a field Anthropic does not know is its 400 (never silently dropped); the SDK's own fields are accepted
+    with pytest.raises(anthropic.BadRequestError, match="top_n: Extra inputs are not permitted") as info:
+        client.messages.create(model=model, max_tokens=8, messages=ASK, extra_body={"top_n": 3})
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    ok = client.messages.create(
+        model=model,
+        max_tokens=2,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}
+        ],
+        metadata={"user_id": "u"},
+        service_tier="auto",
+        extra_body={"speed": "standard"},
+    )
+    assert ok.type == "message"
     blocks = [{"type": "text", "text": "a"}] * (Limits().content_parts + 1)  # a bound of the limits table
     with pytest.raises(anthropic.BadRequestError, match="no more than") as info:
         client.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": blocks}])

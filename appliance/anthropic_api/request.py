@@ -8,12 +8,20 @@ a string or blocks: `text`, `tool_use`, `tool_result` with string or text-block 
 assistant's `thinking` blocks are dropped, as Anthropic drops earlier turns' thoughts), `stop_sequences`,
 `temperature` / `top_p` / `top_k` (the SDK no longer sends them; older clients do), `tools` (custom tools with
 `input_schema`), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`), `thinking`, `output_config`
-(`format` json_schema: constrained as chat's response_format; `effort` ignored), `stream`, `metadata` (ignored: it
-does not change the output). Other fields (service_tier, cache_control, ...) are accepted and ignored, as the chat
-adapter ignores unknown fields: none of them constrains the output.
-Refused (400): images, documents and other non-text blocks (the served models read text), server tools (web
-search, code execution, ...), and a last message from the assistant (a prefill: the chat template starts a new
-assistant turn, so the answer would not continue it).
+(`format` json_schema: constrained as chat's response_format; `effort` ignored), `stream`.
+Accepted and ignored, since none of them constrains the output (`IGNORED`): the SDK's `metadata`, `service_tier`,
+`cache_control` (this server's prefix cache needs no marker), `container`, `diagnostics`, `inference_geo`, `speed`,
+`user_profile_id`, `workspace_id`, and the beta `context_management`; in blocks and tools the SDK's `cache_control`,
+`citations`, `caller`, `toolset_name`, and a tool's `allowed_callers`, `defer_loading`, `eager_input_streaming`,
+`input_examples`.
+Refused (400) as Anthropic refuses them, "<path>: Extra inputs are not permitted": any other field, at the top
+level, in a message, a content block, a tool, tool_choice or thinking (a field this server does not know may
+constrain the output, and ignoring it would answer something the client did not ask for).
+Refused (400) with the reason: images, documents and other non-text blocks (the served models read text), server
+tools (web search, code execution, ...) and `mcp_servers`, a last message from the assistant (a prefill: the chat
+template starts a new assistant turn, so the answer would not continue it), a tool's `strict: true` unless
+tool_choice is any or tool (which constrain the calls to the tools' schemas: auto does not), and thinking's
+`display: "omitted"` (the thought is returned as the model writes it).
 
 Mapping: content blocks become chat messages (a user turn's `tool_result` blocks each a `tool` message with its
 `tool_call_id`, its text a user message, in their order; an assistant's `tool_use` blocks its `tool_calls`);
@@ -38,6 +46,57 @@ from appliance.openai_api.validation import EdgeOptions, read_body
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
 TEXT_ONLY = "the served models read text only"
+# top-level fields of the SDK's MessageCreateParams (and the beta context_management) that do not constrain the
+# output: accepted and ignored (the module docstring)
+IGNORED = (
+    "metadata",
+    "service_tier",
+    "cache_control",
+    "container",
+    "diagnostics",
+    "inference_geo",
+    "speed",
+    "user_profile_id",
+    "workspace_id",
+    "context_management",
+)
+# known fields this server cannot honour: refused with the reason rather than Anthropic's "Extra inputs"
+UNSUPPORTED = {
+    "mcp_servers": "mcp_servers: MCP servers are connected by Anthropic's API, which runs their tools; this server "
+    "runs none (send custom tools and run them yourself)",
+}
+# each object's fields, by the SDK's params (a response's blocks, sent back as an assistant turn, are a subset)
+_MESSAGE_KEYS = frozenset({"role", "content"})
+_BLOCK_KEYS = {
+    "text": frozenset({"type", "text", "cache_control", "citations"}),
+    "tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller", "toolset_name"}),
+    "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"}),
+    "thinking": frozenset({"type", "thinking", "signature"}),
+    "redacted_thinking": frozenset({"type", "data"}),
+}
+_TOOL_KEYS = frozenset(
+    {
+        "type",
+        "name",
+        "description",
+        "input_schema",
+        "strict",
+        "cache_control",
+        "allowed_callers",
+        "defer_loading",
+        "eager_input_streaming",
+        "input_examples",
+    }
+)
+_TOOL_CHOICE_KEYS = frozenset({"type", "name", "disable_parallel_tool_use"})
+_THINKING_KEYS = frozenset({"type", "budget_tokens", "display"})
+
+
+def _extra(value: dict, allowed: frozenset[str], where: str) -> None:
+    """Anthropic's 400 for a field it does not know (pydantic's "Extra inputs are not permitted"), with its path."""
+    extra = next((key for key in value if key not in allowed), None)
+    if extra is not None:
+        raise invalid(f"{where}.{extra}: Extra inputs are not permitted", where.split(".")[0])
 
 
 @dataclass(frozen=True)
@@ -57,11 +116,12 @@ def _text_blocks(value: Any, where: str, limits: Limits) -> str:
     if len(value) > limits.content_parts:
         raise invalid(f"{where} must have no more than {limits.content_parts} blocks", where)
     texts = []
-    for block in value:
+    for i, block in enumerate(value):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise invalid(f"{where}: each block must be an object with a type", where)
         if block["type"] != "text":
             raise invalid(f"{where}: blocks of type {block['type']!r} are not supported ({TEXT_ONLY})", where)
+        _extra(block, _BLOCK_KEYS["text"], f"{where}.{i}")
         if not isinstance(block.get("text"), str):
             raise invalid(f"{where}: a text block needs a string text", where)
         texts.append(block["text"])
@@ -131,7 +191,7 @@ def _assistant(content: list, out: list[dict], limits: Limits) -> None:
     out.append(message)
 
 
-_BLOCKS = {"text", "tool_use", "tool_result", "thinking", "redacted_thinking"}
+_BLOCKS = set(_BLOCK_KEYS)
 
 
 def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
@@ -144,9 +204,10 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if len(value) > limits.messages:
         raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out: list[dict] = []
-    for message in value:
+    for m, message in enumerate(value):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise invalid('messages: each message is an object whose role is "user" or "assistant"', "messages")
+        _extra(message, _MESSAGE_KEYS, f"messages.{m}")
         content = message.get("content")
         if isinstance(content, str):
             content = [{"type": "text", "text": content}]
@@ -154,7 +215,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
             raise invalid("messages: content must be a string or an array of content blocks", "messages")
         if len(content) > limits.content_parts:
             raise invalid(f"messages: content must have no more than {limits.content_parts} blocks", "messages")
-        for block in content:
+        for b, block in enumerate(content):
             if not isinstance(block, dict) or not isinstance(block.get("type"), str):
                 raise invalid("messages: each content block must be an object with a type", "messages")
             if block["type"] not in _BLOCKS:
@@ -163,6 +224,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
                     "text, tool_use, tool_result, thinking)",
                     "messages",
                 )
+            _extra(block, _BLOCK_KEYS[block["type"]], f"messages.{m}.content.{b}")
             if block["type"] == "text" and not isinstance(block.get("text"), str):
                 raise invalid("messages: a text block needs a string text", "messages")
         (_user if message["role"] == "user" else _assistant)(content, out, limits)
@@ -180,7 +242,7 @@ def tools(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if not isinstance(value, list):
         raise invalid("tools: Input should be a valid list", "tools")
     converted = []
-    for tool in value[: limits.tools + 1]:  # one past the bound: parsers.tools names the bound
+    for t, tool in enumerate(value[: limits.tools + 1]):  # one past the bound: parsers.tools names the bound
         if not isinstance(tool, dict):
             raise invalid("tools: each tool must be an object", "tools")
         if tool.get("type") not in (None, "custom"):
@@ -189,12 +251,15 @@ def tools(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
                 "tools with an input_schema",
                 "tools",
             )
+        _extra(tool, _TOOL_KEYS, f"tools.{t}")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
             raise invalid("tools: each tool needs an input_schema (a JSON schema object)", "tools")
         function = {"name": tool.get("name"), "parameters": schema}
         if tool.get("description") is not None:
             function["description"] = tool["description"]
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]  # checked by parsers.tools; parse_messages says where it holds
         converted.append({"type": "function", "function": function})
     return P.tools(converted, limits, read)
 
@@ -204,6 +269,7 @@ def tool_choice(value: Any, limits: Limits, read: dict) -> tuple[ToolChoice, str
     kinds: dict[str, ToolChoice] = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
     if not isinstance(value, dict) or not isinstance(value.get("type"), str) or value["type"] not in kinds:
         raise invalid('tool_choice must be {"type": "auto" | "any" | "tool" | "none"}', "tool_choice")
+    _extra(value, _TOOL_CHOICE_KEYS, "tool_choice")
     one = value.get("disable_parallel_tool_use")
     if one is not None and not isinstance(one, bool):
         raise invalid("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
@@ -216,6 +282,15 @@ def tool_choice(value: Any, limits: Limits, read: dict) -> tuple[ToolChoice, str
 def thinking(value: Any, limits: Limits, read: dict) -> tuple[str, int | None]:
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled", "adaptive"):
         raise invalid('thinking must be {"type": "enabled", "budget_tokens": N}, or type "disabled"', "thinking")
+    _extra(value, _THINKING_KEYS, "thinking")
+    if value.get("display") not in (None, "summarized", "omitted"):
+        raise invalid('thinking.display must be "summarized" or "omitted"', "thinking")
+    if value.get("display") == "omitted":
+        raise invalid(
+            'thinking.display "omitted" is not supported: this server returns the thought as the model writes it '
+            '(leave display out, or send "summarized")',
+            "thinking",
+        )
     budget = value.get("budget_tokens")
     if value["type"] == "enabled":
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET:
@@ -386,13 +461,15 @@ MESSAGES = (
     F.custom("tool_choice", _tool_choice_schema, parse=tool_choice, param=None),
     F.custom("thinking", _thinking_schema, parse=thinking, param=None),
     F.custom("output_config", _output_config_schema, parse=output_config, param=None),
-    F.ignored("metadata"),
+    *(F.ignored(name) for name in IGNORED),
 )
 COUNT_TOKENS = tuple(replace(f, required=None) if f is MAX_TOKENS else f for f in MESSAGES)
 
 
 def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = False) -> MessagesRequest:
     values, unknown = read_body(body, COUNT_TOKENS if count_only else MESSAGES, limits)
+    if unknown:
+        raise invalid(UNSUPPORTED.get(unknown[0], f"{unknown[0]}: Extra inputs are not permitted"), unknown[0])
     chat_messages = values["messages"]
     if values["system"] is not None:
         chat_messages = ({"role": "system", "content": values["system"]}, *chat_messages)
@@ -404,6 +481,12 @@ def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = F
         raise invalid('tool_choice "any" or "tool" needs tools', "tool_choice")
     if name is not None and name not in {t["function"]["name"] for t in found}:
         raise invalid(f"tool_choice names tool {name!r}, which is not one of tools", "tool_choice")
+    if choice not in ("required", "named") and any(t["function"].get("strict") for t in found):
+        raise invalid(
+            'tools: strict is honoured with tool_choice "any" or "tool" here (their calls are constrained to the '
+            'tools\' input_schema); with "auto" or "none" the output is not: send one of those, or leave strict out',
+            "tools",
+        )
     grammar = values["output_config"]
     if grammar is not None and choice in ("required", "named"):
         raise invalid(
@@ -421,7 +504,7 @@ def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = F
         sampling["stop"], sampling["include_stop_str_in_output"] = stops, True
     stream = bool(values["stream"]) and not count_only
     chat = ChatRequest(
-        EdgeOptions(values["model"], stream=stream, unknown=unknown),
+        EdgeOptions(values["model"], stream=stream),
         sampling,
         tuple(chat_messages),
         tools=found,

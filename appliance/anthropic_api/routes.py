@@ -69,8 +69,6 @@ class Messages:
         req = parse_messages(self.api.json_body(), self.api.limits)
         status = self._status(req)
         chat = req.chat
-        if chat.edge.unknown:
-            log.debug("ignored unknown request fields", extra={"fields": list(chat.edge.unknown)})
         parse_tools = bool(chat.tools) and chat.tool_choice != "none"
         shape = MessageShape(
             (status.tool_parser or DEFAULT_TOOL_PARSER) if parse_tools else None,

@@ -273,14 +273,14 @@ def limits_schema() -> dict:
 
 
 def table_schema(table: tuple[Field, ...], description: str, limits: Limits) -> dict:
-    """The schema of another API's body from its field table (the Anthropic adapter's): unknown fields accepted."""
+    """The schema of another API's body from its field table (the Anthropic adapter's): unknown fields refused."""
     ordered = sorted(table, key=lambda f: not f.required)
     return {
         "type": "object",
         "required": [f.name for f in ordered if f.required],
         "description": description,
         "properties": {f.name: field_schema(f, limits) for f in ordered},
-        "additionalProperties": True,
+        "additionalProperties": False,
     }
 
 
