@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import auth, devices, limits, logs, pull
+from appliance import auth, devices, limits, logs
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.options import (
     GROUPS,
@@ -33,6 +33,7 @@ from appliance.options import (
     shown_default,
 )
 from appliance.paths import resolve_model
+from appliance.pull import command as pull_command
 from appliance.server import config_file, tool_prompt
 from appliance.server.config_file import ALIASES, MODEL_FLAGS
 from appliance.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="The OpenVINO devices present (CPU, GPU.0, NPU): name, optimization capabilities, details.",
     )
     listing.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    pull.add_arguments(sub)  # `pull` and `rm`: appliance/pull.py
+    pull_command.add_arguments(sub)  # `pull` and `rm`: appliance/pull/command.py
     return parser
 
 
@@ -266,7 +267,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "devices":
         return devices.main(args.json)
     if args.command in ("pull", "rm"):
-        return pull.main(args)
+        return pull_command.main(args)
     return 2
 
 

@@ -1,7 +1,7 @@
 """Ollama's `POST /api/pull` and `DELETE /api/delete`, on the Ollama Blueprint (routes.py registers them).
 
 /api/pull `{"model": "REPO[:REVISION]", "stream": true}`: the download runs in a child process of this worker,
-`python -m appliance.pull --json NAME` (appliance/pull.py says why there, and how a partial download is never
+`python -m appliance.pull --json NAME` (appliance/pull/__init__.py says why there, and how a partial download is never
 served), whose stdout is Ollama's status objects one a line (`pulling manifest`, `pulling <digest>` with
 `digest`/`total`/`completed`, `verifying sha256 digest`, `writing manifest`, `success`, or `{"error"}`). They are
 relayed as they come (NDJSON), except the child's `success`: the worker first asks the engine process to serve the
@@ -37,7 +37,8 @@ from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.streaming import socket_closed
 
-PARENT_ENV = "APPLIANCE_PULL_PARENT"  # the worker's pid: the child stops when its parent is gone (appliance/pull.py)
+# the worker's pid: the child stops when its parent is gone (appliance/pull/command.py)
+PARENT_ENV = "APPLIANCE_PULL_PARENT"
 STOP_SECONDS = 10.0  # a child asked to stop (SIGTERM) that is still running after this is killed
 
 

@@ -3,7 +3,7 @@ serving and delete a pulled one, through the supervisor's reload path (Superviso
 beside the serving ones; a removed one stops taking jobs at once and its engine shuts down once its jobs end).
 
 The download itself is not done here: the HTTP worker that answers /api/pull runs it in a child process
-(appliance/pull.py says why: neither the engine's GIL and memory nor a worker's OpenVINO-free import set should
+(appliance/pull/__init__.py says why: neither the engine's GIL and memory nor a worker's OpenVINO-free import set should
 carry it) and relays its progress; once the child has put the model in place, the worker makes one SERVE_PULLED
 call and this loads it. Keeping the engine's part to "serve this folder" and "stop serving and delete that one"
 means the engine socket carries no progress stream and the supervisor only gains this small hook.
@@ -37,9 +37,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from appliance import hub_names, options, paths, pull
+from appliance import hub_names, options, paths
 from appliance import protocol as p
 from appliance.manifest import MANIFEST_NAME, Manifest
+from appliance.pull import store
 from appliance.server import config_file, tool_prompt
 from appliance.server.engine_service import EngineService
 from appliance.settings import ConfigError, ModelSpec, ServeSettings
@@ -220,17 +221,17 @@ class PulledModels:
             registry = self.supervisor.service.registry
             while any(registry.retiring(n) for n in users) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        pull.remove(folder)
+        store.remove(folder)
         log.info("deleted a pulled model", extra={"model": served or name, "model_dir": str(folder)})
         return p.Reply()
 
 
 def pulled_folders() -> list[tuple[str, Path]]:
     """(served name, folder) of every model `appliance pull` finished in the data dir: a folder with its manifest
-    and the pull's record (appliance/pull.py RECORD: the repository and revision, so the name)."""
+    and the pull's record (appliance/pull/store.py RECORD: the repository and revision, so the name)."""
     found = []
     root = paths.pulled_models_dir()
-    for record in sorted(root.glob(f"*/*/{pull.RECORD}")):
+    for record in sorted(root.glob(f"*/*/{store.RECORD}")):
         try:
             data = json.loads(record.read_text())
             name = hub_names.HubRef(str(data["repo"]), str(data["revision"])).name
