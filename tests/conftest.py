@@ -315,6 +315,33 @@ def client(server):
     return openai.OpenAI(base_url=server.base + "/v3", api_key="unused", max_retries=0, timeout=120)
 
 
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# what third-party clients (langchain, litellm, ...) would send off the machine unless told not to
+TELEMETRY_OFF = {"LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # litellm fetches its cost map at import otherwise
+TRACING_VARIABLES = ("LANGCHAIN_TRACING_V2", "LANGCHAIN_TRACING", "LANGSMITH_TRACING", "LANGSMITH_TRACING_V2")
+
+
+@pytest.fixture
+def loopback_only(monkeypatch):
+    """Fails the test if anything connects anywhere but loopback (a client library's telemetry, tracing or model
+    list fetched from the internet), with LangSmith tracing off and litellm's cost map local. A module of
+    third-party client tests uses it with `pytestmark = pytest.mark.usefixtures("loopback_only")`."""
+    import socket
+
+    for var in TRACING_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in TELEMETRY_OFF.items():
+        monkeypatch.setenv(var, value)
+    connect = socket.socket.connect
+
+    def guarded(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            assert address[0] in LOOPBACK, f"a connection off the machine: {address}"
+        return connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
 # The tool the tool-call tests of every client API offer: small enough for the 135M default model to fill in.
 WEATHER_PARAMETERS = {
     "type": "object",

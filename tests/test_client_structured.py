@@ -18,23 +18,22 @@ pydantic-ai's with the discriminator stripped, LangChain's with the refs inlined
 the model: the default model is tiny, its values may be nonsense, but the grammar guarantees the shape.
 
 Nothing may reach the internet (litellm fetches its cost map at import unless told to use its local copy, LangChain
-traces only when told to): a guard on `socket.connect` fails the test if anything connects anywhere but loopback.
+traces only when told to): conftest.py's `loopback_only` guard on `socket.connect` fails the test if anything
+connects anywhere but loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from typing import Annotated, Literal
 
 import pytest
 from pydantic import BaseModel, Field
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("loopback_only")]  # conftest.py
 
 MAX_TOKENS = 256
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 ASK = "Book a table at Chez Paul for me, I live at 1 rue de Rivoli, Paris."
 
 
@@ -66,21 +65,6 @@ class Adoption(BaseModel):
 
     owner: Address
     pet: Annotated[Cat | Dog, Field(discriminator="kind")]  # oneOf of two $refs
-
-
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch):
-    for var in ("LANGCHAIN_TRACING_V2", "LANGCHAIN_TRACING", "LANGSMITH_TRACING", "LANGSMITH_TRACING_V2"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # read at litellm's import
-    connect = socket.socket.connect
-
-    def guarded(sock, address):
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            assert address[0] in LOOPBACK, f"a connection off the machine: {address}"
-        return connect(sock, address)
-
-    monkeypatch.setattr(socket.socket, "connect", guarded)
 
 
 @pytest.fixture(scope="module")

@@ -3,22 +3,20 @@ an agent framework uses it: `bind_tools(..., tool_choice=...)` (unary and stream
 json_schema and function_calling methods). The proof that a real agent-style client works.
 
 Nothing may reach the internet: LangChain only needs tiktoken for token counting (never called here) and traces
-to LangSmith only when told to (the environment variables are cleared); a guard on `socket.connect` fails the test
-if anything connects anywhere but loopback.
+to LangSmith only when told to (the environment variables are cleared); conftest.py's `loopback_only` guard on
+`socket.connect` fails the test if anything connects anywhere but loopback.
 """
 
 from __future__ import annotations
 
-import socket
 from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("loopback_only")]  # conftest.py
 
 MAX_TOKENS = 96
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class GetWeather(BaseModel):
@@ -34,20 +32,6 @@ class Pet(BaseModel):
     name: str = Field(max_length=12)
     species: Literal["cat", "dog", "bird"]
     age: int = Field(ge=0, le=30)
-
-
-@pytest.fixture(autouse=True)
-def loopback_only(monkeypatch):
-    for var in ("LANGCHAIN_TRACING_V2", "LANGCHAIN_TRACING", "LANGSMITH_TRACING", "LANGSMITH_TRACING_V2"):
-        monkeypatch.delenv(var, raising=False)
-    connect = socket.socket.connect
-
-    def guarded(sock, address):
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            assert address[0] in LOOPBACK, f"a connection off the machine: {address}"
-        return connect(sock, address)
-
-    monkeypatch.setattr(socket.socket, "connect", guarded)
 
 
 @pytest.fixture(scope="module")

@@ -328,10 +328,17 @@ def test_the_installed_env_file_with_a_config_file_serves_its_model_list(tmp_pat
 # ---------------------------------------------------------------- a model removed under its streams
 
 REMOVED_STREAMS = 2  # on beta (1024 KV tokens: two 400-token streams fit)
-# The overlap this test needs (the reload returns while beta's streams still run) is a race it cannot force: the tiny
-# model's context bounds a stream to ~500 tokens, and on a loaded 2-core box a reload has been seen to take longer
-# than two 400-token streams. So the scenario runs up to this many times until one shows the overlap; a reload that
-# waits for the streams never shows it, and fails every time.
+# Why this retries instead of being made deterministic: the overlap it needs (the reload returns while beta's streams
+# still run) is a race between two clocks no test can hold still. The streams are bounded in tokens (the tiny model's
+# context, ~500 tokens, and beta's 1024-token KV budget for two of them), and the tiny model makes 400 tokens in a few
+# seconds; a reload that only removes a model does milliseconds of work, but its HTTP round trip and engine call run
+# beside the engine thread, the worker's two stream threads and the other processes of a loaded 2-core box, and a
+# scheduling stall of a few seconds lets the streams end first (measured: the reload returned after 61 and 70 of the
+# streams' 403 events on one run; on a busier box it has come after all of them). Nothing holds a stream open without
+# changing what is tested: a client that stops reading does not (the engine keeps generating into the engine
+# socket's buffer, which holds all 400 tokens' events), and a slower model or more tokens do not fit the budget. So
+# the scenario runs up to this many times until one shows the overlap; a reload that waits for the streams never
+# shows it, and fails every time.
 OVERLAP_ATTEMPTS = 3
 
 
