@@ -63,25 +63,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show library warnings and logs")
     args = parser.parse_args(argv)
     start = time.monotonic()
-    if args.task or args.pooling or _is_encoder(args.src):
-        return _export_encoder(args, start)
+    weights = WeightOptions(args.group_size, args.sym, args.ratio, args.lm_head, args.requantize)
+    common = {"name": args.name, "force": args.force, "verbose": args.verbose}
     try:
-        manifest = export_model(
-            args.src,
-            args.out,
-            args.backend,
-            args.weight_format,
-            name=args.name,
-            weights=WeightOptions(args.group_size, args.sym, args.ratio, args.lm_head, args.requantize),
-            num_layers=args.num_layers,
-            force=args.force,
-            verbose=args.verbose,
-        )
+        if args.task or args.pooling or _is_encoder(args.src):
+            from export.encoder import export_encoder
+
+            encoder = {"task": args.task, "pooling": args.pooling}
+            manifest = export_encoder(args.src, args.out, args.backend, args.weight_format, **common, **encoder)
+        else:
+            llm = {"weights": weights, "num_layers": args.num_layers}
+            manifest = export_model(args.src, args.out, args.backend, args.weight_format, **common, **llm)
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    task = "" if manifest.task == "generate" else f"{manifest.task}, "
     print(
-        f"exported {manifest.name} ({manifest.architecture}, {manifest.backend} {manifest.weight_format}) "
+        f"exported {manifest.name} ({manifest.architecture}, {task}{manifest.backend} {manifest.weight_format}) "
         f"to {args.out} in {time.monotonic() - start:.1f}s",
         file=sys.stderr,
     )
@@ -95,32 +93,6 @@ def _is_encoder(src: Path) -> bool:
         return json.loads((src / "config.json").read_text()).get("model_type") in ENCODER_TYPES
     except (OSError, ValueError):
         return False  # export_model says what is wrong with the folder
-
-
-def _export_encoder(args: argparse.Namespace, start: float) -> int:
-    from export.encoder import export_encoder
-
-    try:
-        manifest = export_encoder(
-            args.src,
-            args.out,
-            args.backend,
-            args.weight_format,
-            name=args.name,
-            task=args.task,
-            pooling=args.pooling,
-            force=args.force,
-            verbose=args.verbose,
-        )
-    except ExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(
-        f"exported {manifest.name} ({manifest.architecture}, {manifest.task}, {manifest.backend} "
-        f"{manifest.weight_format}) to {args.out} in {time.monotonic() - start:.1f}s",
-        file=sys.stderr,
-    )
-    return 0
 
 
 if __name__ == "__main__":

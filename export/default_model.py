@@ -29,7 +29,7 @@ import tempfile
 import time
 import warnings
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -410,22 +410,35 @@ def ensure_hf_folder(force: bool = False) -> Path:
 
 def ensure_export(backend: str, weight_format: str, *, force: bool = False) -> Path:
     """The default model exported for `backend`/`weight_format`; builds the HF folder first if needed."""
-    out = default_export_dir(backend, weight_format)
-    version = EXPORT_VERSIONS.get(weight_format, 1)
-    if not force and _export_is_current(out, version):
-        _log(f"{backend}-{weight_format} export cached: {out}")
-        return out
-    hf_dir = ensure_hf_folder()
-    from export.exporter import export_model
 
+    def build(hf_dir: Path, tmp: Path) -> None:
+        from export.exporter import export_model
+
+        with _quiet():
+            export_model(hf_dir, tmp, backend, weight_format, name=DEFAULT_MODEL_NAME)
+
+    out, version = default_export_dir(backend, weight_format), EXPORT_VERSIONS.get(weight_format, 1)
+    return _cached_export(out, version, f"{backend}-{weight_format}", force, ensure_hf_folder, build)
+
+
+def _cached_export(
+    out: Path, version: int, what: str, force: bool, source: Callable[[], Path], build: Callable[[Path, Path], None]
+) -> Path:
+    """`out` when it holds a current export (its marker's export_version is `version`); else `build(source(),
+    staging)` under `out`'s lock, checked (a manifest), marked and moved into place. The default model's exports
+    and the embedding model's share it."""
+    if not force and _export_is_current(out, version):
+        _log(f"{what} export cached: {out}")
+        return out
+    hf_dir = source()
     with _locked(out):
         if not force and _export_is_current(out, version):
-            _log(f"{backend}-{weight_format} export cached: {out}")
+            _log(f"{what} export cached: {out}")
             return out
-        with _step(f"exporting {backend} {weight_format} to {out}"), _quiet(), _staging(out) as tmp:
-            export_model(hf_dir, tmp, backend, weight_format, name=DEFAULT_MODEL_NAME)
+        with _step(f"exporting {what} to {out}"), _staging(out) as tmp:
+            build(hf_dir, tmp)
             if not (tmp / MANIFEST_NAME).is_file():
-                raise RuntimeError(f"export_model wrote no {MANIFEST_NAME} in {tmp}")
+                raise RuntimeError(f"the export wrote no {MANIFEST_NAME} in {tmp}")
             (tmp / MARKER).write_text(json.dumps({"export_version": version}) + "\n")
     return out
 
@@ -488,21 +501,14 @@ def ensure_embedding_hf_folder(force: bool = False) -> Path:
 
 def ensure_embedding_export(backend: str = "openvino", weight_format: str = "int8", *, force: bool = False) -> Path:
     """The default embedding model exported for `backend`/`weight_format` (export/encoder.py), cached."""
-    out = default_embedding_dir(backend, weight_format)
-    if not force and _export_is_current(out, EMBEDDING_EXPORT_VERSION):
-        _log(f"embedding {backend}-{weight_format} export cached: {out}")
-        return out
-    hf_dir = ensure_embedding_hf_folder()
-    from export.encoder import export_encoder
 
-    with _locked(out):
-        if not force and _export_is_current(out, EMBEDDING_EXPORT_VERSION):
-            _log(f"embedding {backend}-{weight_format} export cached: {out}")
-            return out
-        with _step(f"exporting {DEFAULT_EMBEDDING_NAME} {backend} {weight_format} to {out}"), _staging(out) as tmp:
-            export_encoder(hf_dir, tmp, backend, weight_format, name=DEFAULT_EMBEDDING_NAME)
-            (tmp / MARKER).write_text(json.dumps({"export_version": EMBEDDING_EXPORT_VERSION}) + "\n")
-    return out
+    def build(hf_dir: Path, tmp: Path) -> None:
+        from export.encoder import export_encoder
+
+        export_encoder(hf_dir, tmp, backend, weight_format, name=DEFAULT_EMBEDDING_NAME)
+
+    out, what = default_embedding_dir(backend, weight_format), f"embedding {backend}-{weight_format}"
+    return _cached_export(out, EMBEDDING_EXPORT_VERSION, what, force, ensure_embedding_hf_folder, build)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

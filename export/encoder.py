@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from appliance.manifest import POOLINGS, Manifest
-from export.exporter import _quiet, _replace, _staging_dir  # the LLM exporter's staging and quieting, shared
+from export.exporter import _quiet, staged  # the LLM exporter's staging and quieting, shared
 from export.graph import WeightOptions
 from export.metadata import write_metadata
 from export.source import WEIGHT_SUFFIXES, ExportError, check_destination
@@ -154,13 +154,8 @@ def export_encoder(
     source = inspect_encoder(src, task, pooling)
     check_destination(src, out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = _staging_dir(out)
-    try:
-        manifest = _export(source, staging, backend, weight_format, name or src.name, verbose)
-        _replace(out, staging)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return manifest
+    with staged(out) as staging:
+        return _export(source, staging, backend, weight_format, name or src.name, verbose)
 
 
 def _export(source: EncoderSource, staging: Path, backend: str, weight_format: str, name: str, verbose: bool):

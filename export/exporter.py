@@ -81,24 +81,10 @@ def export_model(
     check_destination(src, out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_disk(source, out)
-    staging = _staging_dir(out)
-    try:
-        with _Progress(f"export {backend} {weight_format}") as progress:
-            manifest = _export(
-                source,
-                staging,
-                backend,
-                weight_format,
-                name or src.resolve().name,
-                weights,
-                num_layers,
-                progress,
-                verbose,
-            )
-        _replace(out, staging)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return manifest
+    with staged(out) as staging, _Progress(f"export {backend} {weight_format}") as progress:
+        return _export(
+            source, staging, backend, weight_format, name or src.resolve().name, weights, num_layers, progress, verbose
+        )
 
 
 def _check_weight_options(backend: str, weight_format: str, weights: WeightOptions) -> None:
@@ -242,6 +228,19 @@ def _compare(logits: np.ndarray, reference: np.ndarray, weight_format: str) -> N
             f"the exported {weight_format} logits differ from transformers by {diff:.3g} "
             f"(allowed {tolerance * scale:.3g})"
         )
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A hidden staging folder beside `out` for an export (the LLM's here, an encoder's in export/encoder.py): renamed
+    into place when the block ends without an exception, deleted in any case, so a killed or failed export never
+    leaves a half-written `out`."""
+    staging = _staging_dir(out)
+    try:
+        yield staging
+        _replace(out, staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _staging_dir(out: Path) -> Path:
