@@ -20,7 +20,8 @@ import requests
 from conftest import Server, wait_until
 
 from appliance import hub_names, paths
-from appliance.manifest import Manifest
+from appliance.manifest import MANIFEST_NAME, Manifest
+from appliance.pull.store import RECORD
 from appliance.testing.hub import Repo, StubHub, ir_repo
 from appliance.testing.loopback import LoopbackServer
 
@@ -356,9 +357,16 @@ def test_a_pulled_model_is_served_on_demand_after_a_restart(int4_export, model_d
     assert result.returncode == 0, result.stderr
     for key in ("HF_ENDPOINT", "APPLIANCE_DATA_DIR"):
         monkeypatch.setenv(key, env[key])
-    with Server(model_dir, tmp_path / "serve.log", "--workers", "1") as srv:
+    pulled = paths.pulled_model_dir(hub_names.parse(REPO))
+    broken = paths.pulled_model_dir(hub_names.parse(f"{REPO}:broken"))  # a damaged pull: no tokenizer, no weights
+    broken.mkdir()
+    (broken / MANIFEST_NAME).write_text((pulled / MANIFEST_NAME).read_text())
+    record = json.loads((pulled / RECORD).read_text())
+    (broken / RECORD).write_text(json.dumps({**record, "revision": "broken"}))
+    with Server(model_dir, tmp_path / "serve.log", "--workers", "1") as srv:  # ready: the damaged one is left out
         client = ollama.Client(host=srv.base)
         assert f"{REPO}:latest" in [m.model for m in client.list().models]
+        assert f"{REPO}:broken" not in [m.model for m in client.list().models]
         assert f"{REPO}:latest" not in [m.model for m in client.ps().models]  # listed, not loaded
         answer = client.chat(
             REPO, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 8, "temperature": 0}

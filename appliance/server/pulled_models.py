@@ -102,7 +102,7 @@ class PulledModels:
 
     def prepare(self, spec: ModelSpec) -> None:
         """A restored model's slot ready and unloaded, its status read from its files (the module docstring); one
-        whose files cannot be read is failed (listed with the reason), the others serve."""
+        whose files cannot be read is taken out of serving, the others serve."""
         from appliance.runtime.tokenizer import Tokenizer  # the engine process's: the tokenizers library
 
         folder = Path(spec.model_dir)
@@ -124,9 +124,13 @@ class PulledModels:
                 tool_prompt.choose_tool_parser(template, spec.tool_parser),
                 tool_prompt.choose_reasoning_parser(template, spec.reasoning_parser),
             )
-        except Exception as exc:  # a damaged folder: this model is failed, the server serves the rest
-            log.warning("a pulled model cannot be served", extra={"model": spec.name, "error": repr(exc)})
-            self.supervisor.service.fail(f"the pulled model's files cannot be read: {exc}", spec.name)
+        except Exception as exc:  # a damaged folder: not served (failed, it would keep readiness 503), said in the log
+            log.warning("a pulled model is not served", extra={"model": spec.name, "error": repr(exc)})
+            settings = self.supervisor.settings
+            self.added.pop(spec.name, None)
+            self.supervisor.service.remove([spec.name])
+            settings.models = [s for s in settings.models if s.name != spec.name]
+            settings.save()
             return
         self.supervisor.service.registry.dormant(spec.name, facts, tokenizer)
 
