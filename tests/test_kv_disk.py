@@ -105,6 +105,30 @@ def test_budget_is_never_exceeded(tmp_path):
     assert DiskTier(tmp_path, "fp", budget).stats()["kv_disk_bytes"] + other.stats()["kv_disk_bytes"] <= budget
 
 
+def test_directory_never_exceeds_its_budget_even_while_writing(tmp_path, monkeypatch):
+    """Measured at the moment each block file lands (the rename), with the temp file counted: eviction must make
+    room before a write, not trim after it."""
+    import appliance.runtime.kv_disk as kv_disk
+
+    budget = 5 * (PAYLOAD + 100)
+    peak = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        peak.append(sum(p.stat().st_size for p in Path(dst).parent.iterdir()))  # the temp file, whole
+        real_replace(src, dst)
+        peak.append(sum(p.stat().st_size for p in Path(dst).parent.iterdir()))
+
+    monkeypatch.setattr(kv_disk.os, "replace", replace)
+    tier = DiskTier(tmp_path, "fp", budget)
+    for i in range(12):
+        tier.save(bytes([i]) * 16, (i,), payload(i))
+    tier.flush()
+    tier.close()
+    assert len(peak) == 24 and max(peak) <= budget, (max(peak), budget)
+    assert tier.stats()["kv_disk_evicted_blocks"] >= 7
+
+
 def test_fingerprint_mismatch_never_matches(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -311,3 +335,32 @@ def test_a_restarted_server_finds_the_prefix_on_disk_and_never_uses_a_corrupt_bl
     assert cached == 0 and again == cold
     assert metrics["appliance_kv_disk_corrupt_blocks_total"] >= 1
     assert not list(disk.glob("*/*.tmp.*"))
+
+
+def test_a_responses_continuation_finds_its_kv_on_disk_after_a_restart(model_dir, tmp_path):
+    """The Responses API: turn 1 on one server, `previous_response_id` on a restarted one (the stored response
+    and the KV blocks both outlive the process): turn 2's prompt repeats turn 1's, and those blocks come from
+    disk (cached_tokens, the disk-hit metric), with the answer a server without the tier gives."""
+    import requests
+    from conftest import Server
+
+    disk = tmp_path / "kv"
+    flags = ("--workers", "1", "--kv-disk-dir", str(disk))
+
+    def respond(srv, **body) -> dict:
+        r = requests.post(
+            srv.base + "/v3/responses",
+            json={"model": srv.model_id(), "max_output_tokens": 8, "temperature": 0, **body},
+            timeout=300,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    with Server(model_dir, tmp_path / "a.log", *flags) as srv:
+        first = respond(srv, input=SHARED + " Question: where are the hammers?")
+    assert first["usage"]["input_tokens"] >= 512
+    with Server(model_dir, tmp_path / "b.log", *flags) as srv:
+        second = respond(srv, previous_response_id=first["id"], input="And the paint?")
+        hits = srv.metrics()["appliance_kv_disk_hit_tokens_total"]
+    cached = second["usage"]["input_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["input_tokens"] - 32 and hits == cached, (second["usage"], hits)

@@ -29,10 +29,12 @@ of unique prompts (every block written). Loads happen at admission, on the engin
 read, checked and copied in, so a 2,000-token prefix (62 blocks) loads in ~15-20 ms where its prefill took
 4-12 s on the same box; a load thread would buy little for its complexity.
 
-Bounded: the directory holds at most `max_bytes` (--kv-disk-bytes): the writer evicts the least recently used
-blocks (an in-memory index, ordered at start by mtime; a hit touches the file so the order survives a restart).
-At start: temp files of dead writers are deleted, and other fingerprints' blocks, oldest first, while the whole
-directory is over budget.
+Bounded: the directory holds at most `max_bytes` (--kv-disk-bytes): before each write the writer evicts the least
+recently used blocks until the new file fits, so the directory (its temp file included) never holds more (an
+in-memory index, ordered at start by mtime; a hit touches the file so the order survives a restart). At start:
+temp files of dead writers are deleted, and other fingerprints' blocks, oldest first, while the whole directory is
+over budget. One process per directory keeps the bound exact; a reload that overlaps the old engine counts the
+other's files only as it meets them (at start, or when it loads one).
 
 Static-shape backends (NPU, ONNX Runtime) have no block pool and no prefix cache: the tier is off for them (their
 read_block says "not supported"). An NPU's analogue would be saving and restoring a whole slot's KV per
@@ -100,13 +102,14 @@ def load_salt(directory: Path) -> bytes:
 
 
 def fingerprint(model_dir: Path, *parts: object) -> str:
-    """What a block's bytes depend on: the export's files (names, sizes, mtimes; the manifest's content) and the
-    caller's parts (KV precision, block size, layout, device, inference precision)."""
+    """What a block's bytes depend on: the export's files (names, sizes, mtimes; the JSON files' content: the
+    manifest, the model's config) and the caller's parts (KV precision, block size, layout, device, inference
+    precision)."""
     h = hashlib.blake2b(digest_size=12)
     for f in sorted(p for p in model_dir.iterdir() if p.is_file()):
         st = f.stat()
         h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
-        if f.name == "manifest.json":
+        if f.suffix == ".json" and st.st_size <= 1 << 20:  # the manifest and configs: their content too
             h.update(f.read_bytes())
     for part in parts:
         h.update(repr(part).encode() + b"\0")
@@ -241,12 +244,16 @@ class DiskTier:
         stored, payload = block
         if stored != tuple(tokens):  # a whole file of other tokens under this name (a collision): a miss
             return None
+        new = False
         with self._lock:
             if name in self._index:
                 self._index.move_to_end(name)
             else:
                 self._index[name] = len(data)
                 self._bytes += len(data)
+                new = True
+        if new:  # another process's file now counted here: keep the budget
+            self._evict(self._other)
         with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart
         c = self.counters
@@ -305,6 +312,10 @@ class DiskTier:
         if name in self._index:
             return
         head = encode_head(name, tokens, payload)
+        size = len(head) + len(payload)
+        if size + self._other > self.max_bytes:
+            return
+        self._evict(self._other, room=size)  # first: the directory stays within budget while the file is written
         self._seq += 1
         path = self._path(name)
         tmp = path.with_name(f"{path.name}{TMP}{os.getpid()}.{self._seq}")
@@ -320,16 +331,15 @@ class DiskTier:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        size = len(head) + len(payload)
         with self._lock:
             self._index[name] = size
             self._bytes += size
         self.counters["kv_disk_written_bytes"] += size
         self.counters["kv_disk_written_blocks"] += 1
-        self._evict(self._other)
 
-    def _evict(self, other: int) -> None:
-        while self._index and self._bytes + other > self.max_bytes:
+    def _evict(self, other: int, room: int = 0) -> None:
+        """Delete least recently used blocks until ours + `other` + `room` fit the budget."""
+        while self._index and self._bytes + other + room > self.max_bytes:
             with self._lock:
                 name, size = self._index.popitem(last=False)
                 self._bytes -= size
