@@ -211,6 +211,37 @@ def test_pool_loads_a_prefix_from_disk_after_a_restart_within_its_namespace(tmp_
     tier.close()
 
 
+def test_a_prompt_s_blocks_are_read_ahead_off_the_engine_thread(tmp_path):
+    """prefetch (at submission, the requester's thread) reads and checks the blocks RAM lacks on the reader
+    thread; the admission's match then takes them without touching a file (here: the files are gone by then),
+    and another tenant's prompt reads nothing ahead."""
+    import time
+
+    prompt = list(range(1, 14))  # 3 full blocks + 1
+    pool, kv, tier = pool_with_disk(tmp_path)
+    compute(pool, kv, prompt, scope="key-a")
+    tier.close()
+    pool, kv, tier = pool_with_disk(tmp_path)
+
+    def read_ahead(scope: str) -> int:
+        pool.prefetch(prompt, scope=scope)
+        deadline = time.monotonic() + 10
+        while not tier.idle() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return tier.stats()["kv_disk_prefetched_blocks"]
+
+    assert read_ahead("key-b") == 0
+    assert read_ahead("key-a") == 3
+    for f in stored(tier):
+        f.unlink()
+    blocks, _ = pool.match_prefix(prompt, scope="key-a")
+    assert len(blocks) == 3 and tier.stats()["kv_disk_hit_blocks"] == 3
+    for j, b in enumerate(blocks):
+        assert kv.blocks[b] == bytes([sum(prompt[j * BS : (j + 1) * BS]) % 251]) * PAYLOAD
+    pool.free(blocks)
+    tier.close()
+
+
 def test_pool_without_free_blocks_recomputes(tmp_path):
     prompt = list(range(1, 14))
     pool, kv, tier = pool_with_disk(tmp_path, num_blocks=4)

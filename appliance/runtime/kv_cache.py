@@ -25,8 +25,9 @@ so a prompt finds only its own scope's blocks. The shared namespace ("") keeps t
 
 Disk tier (kv_disk.py, optional): every block `register` names is also handed to the tier (its bytes copied out
 of the backend now, written by the tier's thread), and a match that misses RAM asks the tier, which fills a free
-RAM block with the stored bytes (the block is then named and taken like a RAM hit). The salt then comes from the
-tier's directory, so names match across restarts of the same export.
+RAM block with the stored bytes (the block is then named and taken like a RAM hit); `prefetch`, at submission,
+has the tier read those blocks on its own thread first, so the engine thread only copies them in. The salt then
+comes from the tier's directory, so names match across restarts of the same export.
 """
 
 from __future__ import annotations
@@ -145,6 +146,22 @@ class BlockPool:
             parent = h
         self.hits += len(blocks) * bs
         return blocks, hashes
+
+    def prefetch(self, tokens: list[int], scope: str = "") -> None:
+        """Any thread, at submission: have the disk tier read ahead the blocks match_prefix will want from it
+        (the full blocks after the run RAM holds now), so the engine thread only copies them in at admission.
+        A hint: RAM's index is read without the engine thread's cooperation, and a miss still loads."""
+        if self.disk is None or not self.prefix_caching:
+            return
+        bs, parent = self.block_size, self.root(scope)
+        wanted: list[tuple[bytes, tuple[int, ...]]] = []
+        for start in range(0, len(tokens) - 1 - bs + 1, bs):
+            key = tuple(tokens[start : start + bs])
+            h = chain_hash(self.salt, parent, key)
+            if wanted or self._by_hash.get(h) is None:
+                wanted.append((h, key))
+            parent = h
+        self.disk.prefetch(wanted)
 
     def register(self, block: int, parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
         """Name a block that just became full; returns its name (the parent of the next block; a prompt's first

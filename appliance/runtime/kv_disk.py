@@ -25,9 +25,14 @@ Writes never stall the step loop: the step copies the block's bytes out (read_bl
 checksums and writes them; a full queue (QUEUE_BYTES) drops the write (counted). Measured by bench.kv_disk on
 the default model (fp16 export, default KV precision: 32-token blocks of 438 KB), on the 2-core dev box loaded
 by other work: the step's copy ~140 us per block and the writer's CPU ~430 us per block, together 0.5% of a run
-of unique prompts (every block written). Loads happen at admission, on the engine thread: ~0.3 ms per block
-read, checked and copied in, so a 2,000-token prefix (62 blocks) loads in ~15-20 ms where its prefill took
-4-12 s on the same box; a load thread would buy little for its complexity.
+of unique prompts (every block written).
+
+Loads never stall the step loop for others: at submission (the requester's thread) the pool names the prompt's
+blocks that RAM lacks and `prefetch` hands them to a reader thread, which reads and checks them (file read + CRC:
+~0.3 ms per block on the quiet box, 3 ms at a load average of 15) while the request waits for admission; the
+admission then takes the checked bytes (`load`) and only copies them into the cache tensors. A block not read
+ahead in time (an idle engine admits at once: then nobody else waits) is read at admission as before. Read-ahead
+blocks are held up to READY_BYTES (a cancelled request's are forgotten, oldest first).
 
 Bounded: the directory holds at most `max_bytes` (--kv-disk-bytes): before each write the writer evicts the least
 recently used blocks until the new file fits, so the directory (its temp file included) never holds more (an
@@ -66,6 +71,8 @@ MAGIC = b"AKV1"
 _HEADER = struct.Struct("<4sQII")  # magic, payload length, token count, CRC-32 of name + tokens + payload
 NAME_BYTES = 16
 QUEUE_BYTES = 64 << 20  # block bytes waiting for the writer; past it, writes are dropped
+READY_BYTES = 64 << 20  # blocks read ahead and not yet taken; past it, the oldest are forgotten
+PREFETCH_PENDING = 64  # prompts waiting for the reader; past it, read-ahead is skipped (loads stay synchronous)
 
 
 def load_salt(directory: Path) -> bytes:
@@ -164,6 +171,10 @@ class DiskTier:
         self._queued = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
+        self._ready: OrderedDict[bytes, tuple[tuple[int, ...], bytes]] = OrderedDict()  # read ahead, checked
+        self._ready_bytes = 0
+        self._prefetch_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._prefetch_pending = 0
         self.counters = {
             "kv_disk_hit_blocks": 0,
             "kv_disk_hit_tokens": 0,
@@ -173,13 +184,16 @@ class DiskTier:
             "kv_disk_dropped_writes": 0,
             "kv_disk_corrupt_blocks": 0,
             "kv_disk_evicted_blocks": 0,
-            "kv_disk_load_seconds": 0.0,
+            "kv_disk_load_seconds": 0.0,  # the engine thread's time in load (reading, when not read ahead)
+            "kv_disk_prefetched_blocks": 0,  # blocks the reader thread read ahead of their request's admission
             "kv_disk_copy_seconds": 0.0,  # the step's share of writes: copying blocks out (BlockPool.register)
             "kv_disk_writer_cpu_seconds": 0.0,  # the writer thread's CPU time (checksum, write, rename, evict)
         }
         self._other = self._clean()
         self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
         self._thread.start()
+        self._reader = threading.Thread(target=self._read_ahead, name="kv-disk-reader", daemon=True)
+        self._reader.start()
 
     # ---- start-up ----
     def _clean(self) -> int:
@@ -228,6 +242,18 @@ class DiskTier:
         """The block's payload, or None (absent, or torn / corrupt: then deleted)."""
         t0 = time.perf_counter()
         path = self._path(name)
+        with self._lock:
+            ready = self._ready.pop(name, None)
+            if ready is not None:
+                self._ready_bytes -= len(ready[1])
+        if ready is not None and ready[0] == tuple(tokens):  # read and checked ahead by the reader thread
+            with self._lock:
+                if name in self._index:
+                    self._index.move_to_end(name)
+            with contextlib.suppress(OSError):
+                os.utime(path)
+            self._count_hit(tokens, len(ready[1]), t0)
+            return ready[1]
         try:  # not only the indexed names: another process of the same export (a reload) may have written it
             with open(path, "rb") as f:
                 data = f.read()
@@ -256,12 +282,57 @@ class DiskTier:
             self._evict(self._other)
         with contextlib.suppress(OSError):
             os.utime(path)  # the LRU order survives a restart
+        self._count_hit(tokens, len(data), t0)
+        return payload
+
+    def _count_hit(self, tokens: tuple[int, ...], size: int, t0: float) -> None:
         c = self.counters
         c["kv_disk_hit_blocks"] += 1
         c["kv_disk_hit_tokens"] += len(tokens)
-        c["kv_disk_read_bytes"] += len(data)
+        c["kv_disk_read_bytes"] += size
         c["kv_disk_load_seconds"] += time.perf_counter() - t0
-        return payload
+
+    # ---- requester threads ----
+    def prefetch(self, blocks: list[tuple[bytes, tuple[int, ...]]]) -> None:
+        """Read a prompt's blocks (name, tokens; in chain order, the ones RAM lacks) ahead of its admission, on
+        the reader thread: load() then only hands over the checked bytes. Never blocks; skipped when the reader
+        is behind."""
+        if not blocks or self._prefetch_pending >= PREFETCH_PENDING:
+            return
+        with self._lock:
+            self._prefetch_pending += 1
+        self._prefetch_queue.put(blocks)
+
+    # ---- reader thread ----
+    def _read_ahead(self) -> None:
+        while True:
+            blocks = self._prefetch_queue.get()
+            if blocks is None:
+                return
+            try:
+                for name, tokens in blocks:
+                    if name in self._ready:
+                        continue
+                    try:
+                        with open(self._path(name), "rb") as f:
+                            data = f.read()
+                    except OSError:
+                        break  # the chain stops here: later blocks cannot match without this one
+                    block = decode(data, name)
+                    if block is None or block[0] != tuple(tokens):
+                        break  # load() finds it again, deletes and counts it
+                    with self._lock:
+                        self._ready[name] = block
+                        self._ready_bytes += len(block[1])
+                        while self._ready_bytes > READY_BYTES:  # never taken (a RAM hit, a cancel): forget
+                            _, (_, old) = self._ready.popitem(last=False)
+                            self._ready_bytes -= len(old)
+                    self.counters["kv_disk_prefetched_blocks"] += 1
+            except Exception:  # a read-ahead is only a hint: the load still reads the file itself
+                log.exception("kv disk: read-ahead failed")
+            finally:
+                with self._lock:
+                    self._prefetch_pending -= 1
 
     def save(self, name: bytes, tokens: tuple[int, ...], payload: bytes) -> None:
         """Queue a block for the writer; dropped if the queue is full or the block is already stored."""
@@ -277,6 +348,10 @@ class DiskTier:
     def stats(self) -> dict:
         return {**self.counters, "kv_disk_bytes": self._bytes, "kv_disk_blocks": len(self._index)}
 
+    def idle(self) -> bool:
+        """No read-ahead pending (tests, benchmarks)."""
+        return self._prefetch_pending == 0
+
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until the queued writes are on disk (tests, benchmarks, shutdown)."""
         done = threading.Event()
@@ -286,7 +361,9 @@ class DiskTier:
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
+        self._prefetch_queue.put(None)
         self._thread.join(timeout=10)
+        self._reader.join(timeout=10)
 
     # ---- writer thread ----
     def _writer(self) -> None:
@@ -339,8 +416,10 @@ class DiskTier:
 
     def _evict(self, other: int, room: int = 0) -> None:
         """Delete least recently used blocks until ours + `other` + `room` fit the budget."""
-        while self._index and self._bytes + other + room > self.max_bytes:
-            with self._lock:
+        while True:
+            with self._lock:  # the engine thread (a load) and the writer both evict
+                if not self._index or self._bytes + other + room <= self.max_bytes:
+                    return
                 name, size = self._index.popitem(last=False)
                 self._bytes -= size
             self._path(name).unlink(missing_ok=True)

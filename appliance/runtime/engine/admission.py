@@ -147,6 +147,9 @@ class Admission(EngineState):
         """Hands a submission to the engine thread, or refuses all of it (429) if its sequences would take the
         queue past max_queued. Counted in sequences, not submissions: a prompt list or n > 1 is several."""
         count = sum(map(len, groups))
+        for seqs in groups:  # the disk tier reads the prompt's blocks while it waits for admission
+            if seqs[0].params.prompt_logprobs is None:  # those compute every position (Scheduler)
+                self.pool.prefetch(seqs[0].token_ids, seqs[0].params.cache_scope)
         with self._admit:
             if self.dead is not None:  # checked under the lock _die takes: nothing is queued after its drain
                 raise EngineDead(f"the engine stopped: internal error: {type(self.dead).__name__}")
