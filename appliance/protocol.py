@@ -10,6 +10,9 @@ frees its KV at once.
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
+import select
 import socket
 import struct
 from collections.abc import Iterator
@@ -93,6 +96,67 @@ def handshake(conn: Connection, authkey: bytes, *, server: bool) -> None:
         else:
             answer_challenge(conn, authkey)
             deliver_challenge(conn, authkey)
+
+
+def send_event(conn: Connection, event: object) -> None:
+    """`conn.send(event)` in the same framing (a 4-byte big-endian length, then the pickle), built with plain
+    `pickle.dumps` and written in one `os.write`: Connection.send builds a ForkingPickler and a BytesIO per message,
+    which on the per-token path costs more than the write (measured: 19 vs 8 us per ChoiceChunk). A wrapped
+    connection (tracing's) is sent through its own send()."""
+    if type(conn) is not Connection:
+        conn.send(event)
+        return
+    data = pickle.dumps(event, pickle.HIGHEST_PROTOCOL)
+    n = len(data)
+    view = memoryview((struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)) + data)
+    fd = conn.fileno()
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+class EventReader:
+    """Reads a Connection's messages (Connection.send's framing) through its own buffer: one `os.read` takes
+    whatever the engine wrote (several events when they came together), where `Connection.recv` reads the header
+    and the payload apart, and `Connection.poll` builds a selector per call (measured: 20 us of the 140 us a
+    token's receive cost on the loaded 2-vCPU box); here one poll object serves the whole job."""
+
+    def __init__(self, conn: Connection):
+        self.fd = conn.fileno()
+        self.buffer = bytearray()
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+
+    def _whole(self) -> tuple[int, int] | None:
+        """(header size, payload size) of the first buffered message if it is all here."""
+        buf = self.buffer
+        if len(buf) < 4:
+            return None
+        (n,) = struct.unpack_from("!i", buf)
+        head = 4
+        if n == -1:
+            if len(buf) < 12:
+                return None
+            (n,) = struct.unpack_from("!Q", buf, 4)
+            head = 12
+        return (head, n) if len(buf) >= head + n else None
+
+    def poll(self, timeout: float | None) -> bool:
+        """A message (or the end) can be read now, or arrived within `timeout` seconds (None: wait)."""
+        if self._whole() is not None:
+            return True
+        return bool(self._poll.poll(None if timeout is None else max(timeout, 0.0) * 1e3))
+
+    def recv(self) -> object:
+        """The next message; EOFError when the peer closed, OSError on a broken connection."""
+        while (frame := self._whole()) is None:
+            data = os.read(self.fd, 65536)
+            if not data:
+                raise EOFError("the engine closed the connection")
+            self.buffer += data
+        head, n = frame
+        event = pickle.loads(memoryview(self.buffer)[head : head + n])
+        del self.buffer[: head + n]
+        return event
 
 
 @dataclass

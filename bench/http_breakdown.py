@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,11 @@ def ended(where: Path | None, seen: set[str]) -> dict[tuple[int, int], dict[str,
 
 
 def per_token(
-    before: Snapshot, after: Snapshot, gone: dict[tuple[int, int], dict[str, float]], groups_of: dict, tokens: int
+    before: Snapshot,
+    after: Snapshot,
+    gone: dict[tuple[int, int], dict[str, float]],
+    groups_of: Callable[[tuple[int, int]], str],
+    tokens: int,
 ) -> dict[str, dict[str, float]]:
     """Counter deltas per thread group, per token: live threads' growth, plus threads that started and/or ended
     in between (a job's pump threads) from their final counters."""

@@ -243,7 +243,7 @@ class JobRunner:
                     event = p.ChoiceChunk(index + offset, chunk, timing)
                     try:
                         with send_lock:
-                            conn.send(event)
+                            p.send_event(conn, event)
                     except OSError:
                         state["open"] = False
                         cancel(handles)

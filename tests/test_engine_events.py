@@ -1,0 +1,117 @@
+"""The per-token path of the engine socket (protocol.send_event, protocol.EventReader, http/client.JobStream):
+the same framing as multiprocessing's Connection both ways, whole messages out of partial reads and several out of
+one, a closed peer as EOF, and a job's connection pooled at End only when nothing was buffered past it."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from multiprocessing.connection import Connection
+
+import pytest
+
+from appliance import protocol as p
+from appliance.http.client import EngineClient, JobStream
+from appliance.outputs import Chunk, Timing
+
+
+def _pair() -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    return Connection(a.detach()), Connection(b.detach())
+
+
+def _event(i: int, text: str = " tok") -> p.ChoiceChunk:
+    return p.ChoiceChunk(i, Chunk(text=text, token_ids=[i], completion_tokens=i), Timing(created=1.0))
+
+
+def test_send_event_is_read_by_connection_recv_and_reader_reads_connection_send():
+    engine, worker = _pair()
+    with engine, worker:
+        p.send_event(engine, _event(1))
+        assert worker.recv() == _event(1)
+        big = _event(2, "x" * 300_000)  # more than a socket buffer: written in several writes
+        sender = threading.Thread(target=p.send_event, args=(engine, big))
+        sender.start()
+        assert worker.recv() == big
+        sender.join()
+        reader = p.EventReader(worker)
+        engine.send(_event(3))
+        assert reader.poll(1.0) and reader.recv() == _event(3)
+        sender = threading.Thread(target=engine.send, args=(big,))
+        sender.start()
+        assert reader.recv() == big
+        sender.join()
+        assert not reader.buffer
+
+
+def test_reader_splits_coalesced_events_and_waits_for_partial_ones():
+    engine, worker = _pair()
+    with engine, worker:
+        reader = p.EventReader(worker)
+        assert not reader.poll(0.01)  # nothing sent: the timeout passes
+        for i in range(5):
+            p.send_event(engine, _event(i))
+        assert [reader.recv() for _ in range(5)] == [_event(i) for i in range(5)]
+        frame = bytearray()
+        a, b = _pair()
+        with a, b:  # a frame's bytes as Connection writes them
+            a.send(_event(9))
+            frame += b._recv(4).getvalue()
+            frame += b._recv(int.from_bytes(frame, "big")).getvalue()
+        fd = engine.fileno()
+        import os
+
+        os.write(fd, bytes(frame[:7]))  # half a message: not readable as an event yet
+        reader.poll(0.5)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(reader.recv()))
+        t.start()
+        t.join(0.2)
+        assert t.is_alive() and not got  # waits for the rest
+        os.write(fd, bytes(frame[7:]))
+        t.join(5)
+        assert got == [_event(9)]
+        engine.close()
+        with pytest.raises(EOFError):
+            reader.recv()
+
+
+class _Pool(EngineClient):
+    def __init__(self):
+        super().__init__("unused", b"")
+        self.returned: list = []
+
+    def _give_back(self, conn):
+        self.returned.append(conn)
+
+
+def test_job_stream_pools_its_connection_at_end_only_with_nothing_past_it():
+    for extra in (False, True):
+        engine, worker = _pair()
+        pool = _Pool()
+        stream = JobStream(pool, worker)
+        p.send_event(engine, p.Accepted([3], None, 1))
+        p.send_event(engine, _event(1))
+        p.send_event(engine, p.End())
+        if extra:
+            p.send_event(engine, _event(2))  # a protocol slip: the connection must not serve another request
+        events = [stream.next(5.0) for _ in range(3)]
+        assert isinstance(events[0], p.Accepted) and events[1] == _event(1) and isinstance(events[2], p.End)
+        assert stream.ended
+        if extra:
+            assert pool.returned == [] and worker.closed
+        else:
+            assert pool.returned == [worker] and not worker.closed
+        engine.close()
+        worker.close()
+
+
+def test_job_stream_times_out_then_reports_a_lost_engine():
+    engine, worker = _pair()
+    stream = JobStream(_Pool(), worker)
+    assert stream.next(0.05) is None
+    engine.close()
+    from appliance.http.client import EngineUnavailable
+
+    with pytest.raises(EngineUnavailable):
+        stream.next(1.0)
