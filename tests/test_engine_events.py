@@ -115,3 +115,36 @@ def test_job_stream_times_out_then_reports_a_lost_engine():
 
     with pytest.raises(EngineUnavailable):
         stream.next(1.0)
+
+
+def _switches(tid: int) -> int:
+    status = open(f"/proc/self/task/{tid}/status").read()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_deferred_records_flusher_sleeps_while_nothing_waits(monkeypatch):
+    """The flusher of probe / 401 records wakes only when one waits: a periodic timer would wake beside the
+    engine's threads on a busy core all the time. Later records still go out."""
+    import time
+
+    from appliance.http import client as c
+
+    monkeypatch.setattr(c, "DEFER_SECONDS", 0.02)
+    engine = c.EngineClient("/nonexistent", b"k")
+    calls: list = []
+    monkeypatch.setattr(engine, "call", lambda op, *args, **kw: calls.append(args))
+    engine.record_http(p.HttpRecord("/v2/health/live", "GET", 200, 0.001))
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 1
+    time.sleep(0.1)  # it went back to sleep after the flush
+    flusher = engine._flusher
+    assert flusher is not None and flusher.native_id is not None
+    before = _switches(flusher.native_id)
+    time.sleep(0.5)  # 25 periods of DEFER_SECONDS
+    assert _switches(flusher.native_id) - before <= 1
+    engine.record_http(p.HttpRecord("/v2/health/ready", "GET", 200, 0.001))
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 2 and calls[1][0].route == "/v2/health/ready"
