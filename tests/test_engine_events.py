@@ -148,3 +148,15 @@ def test_deferred_records_flusher_sleeps_while_nothing_waits(monkeypatch):
     while len(calls) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(calls) == 2 and calls[1][0].route == "/v2/health/ready"
+
+
+def test_drop_reporter_is_woken_by_a_drop_only():
+    """The worker's drop reporter waits on Drops.waiting: set by a counted drop, cleared when the counts are taken."""
+    from appliance.http.edge_policy import Drops
+
+    drops = Drops()
+    assert not drops.waiting.is_set()
+    drops.note("head_too_large", "127.0.0.1")
+    assert drops.waiting.is_set()
+    assert drops.take() == {"head_too_large": 1}
+    assert not drops.waiting.is_set() and drops.take() == {}

@@ -117,11 +117,13 @@ class Drops:
         self._pending: Counter = Counter()  # not yet reported to /metrics
         self._quiet: Counter = Counter()  # not logged since the last warning
         self._last: dict[str, float] = {}
+        self.waiting = threading.Event()  # set while counts wait to be taken: the reporter sleeps otherwise
 
     def note(self, reason: str, client: str, **detail: Any) -> None:
         now = self._clock()
         with self._lock:
             self._pending[reason] += 1
+            self.waiting.set()
             if now - self._last.get(reason, -WARN_EVERY_SECONDS) < WARN_EVERY_SECONDS:
                 self._quiet[reason] += 1
                 return
@@ -136,6 +138,7 @@ class Drops:
     def take(self) -> dict[str, int]:
         with self._lock:
             counts, self._pending = dict(self._pending), Counter()
+            self.waiting.clear()
         return counts
 
 
