@@ -1,10 +1,12 @@
-"""The encoder service alone (appliance/server/embeddings.py) over a fake Encoder: batching across requests by
-length under the padded-token budget, a request split over batches and put back in order, a vanished client's
-inputs dropped, one request's failure kept to it, the bounds and `dimensions`. The real model and server:
-tests/test_embeddings.py."""
+"""The encoder service alone (appliance/server/encoder_service.py and its parts) over a fake Encoder: batching
+across requests by length under the padded-token budget, a request split over batches and put back in order, a
+vanished client's inputs dropped, one request's failure kept to it, the bounds and `dimensions`, a long rerank
+pair cut by the encoder's own truncation, and which thread (priority) runs a forward while chat runs and while it
+does not. The real model and server: tests/test_embeddings.py."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -35,22 +37,30 @@ class FakeEncoder:
         self.delay = delay
         self.gate = threading.Event()
         self.gate.set()
+        self.threads: list[tuple[str, int]] = []  # (thread name, its niceness) per forward
 
     def tokenize(self, texts):
         return [[101, *(int(w) for w in t.split()), 102] for t in texts]
 
-    def tokenize_pairs(self, query, documents):
+    def tokenize_pairs(self, query, documents, *, truncate=False):
         q = [101, *(int(w) for w in query.split()), 102]
         out = []
         for d in documents:
-            ids = q + [int(w) for w in d.split()] + [102]
+            words = [int(w) for w in d.split()]
+            if truncate:  # the document cut so the pair fits, as the real tokenizer's only_second
+                words = words[: max(0, self.max_length - len(q) - 1)]
+            ids = q + words + [102]
             out.append((ids, [0] * len(q) + [1] * (len(ids) - len(q))))
+        self.pairs_truncated = truncate
         return out
 
     def truncate(self, ids):
         return ids[: self.max_length - 1] + ids[-1:]
 
     def _check(self, batch):
+        self.threads.append(
+            (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        )
         self.gate.wait()
         time.sleep(self.delay)
         self.batches.append([len(x[0] if isinstance(x, tuple) else x) for x in batch])
@@ -208,6 +218,37 @@ def test_rerank_scores_in_document_order():
         assert answer.tokens == [5, 7, 5]
     finally:
         svc.shutdown()
+
+
+def test_rerank_pairs_are_cut_to_fit_by_the_encoders_truncation():
+    """A query + document longer than the model's maximum is cut by `tokenize_pairs(truncate=True)` (the query
+    kept, the document's end cut), not refused."""
+    svc = EncoderService(FakeEncoder("rerank"), batch_tokens=64, max_batch=2, nice=0)
+    try:
+        answer = svc.encode(p.EncodeJob("r", "m", "rerank", query="1 2", documents=["5 " * 30, "7"]), Limits())
+        assert answer.tokens == [16, 6] and svc.encoder.pairs_truncated
+        assert max(svc.encoder.batches[0] + svc.encoder.batches[-1]) <= 16
+    finally:
+        svc.shutdown()
+
+
+def test_forwards_yield_to_chat_only_while_it_runs():
+    """While `contended` (chat running), forwards run on the niced thread; otherwise on the one at the process's
+    priority, so an embedding with no chat beside it is not slowed."""
+    chat = threading.Event()
+    svc = EncoderService(FakeEncoder(), batch_tokens=64, max_batch=8, nice=7, contended=chat.is_set)
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        svc.encode(job(["1 2"]), Limits())
+        chat.set()
+        svc.encode(job(["3 4"]), Limits())
+        chat.clear()
+        svc.encode(job(["5 6"]), Limits())
+        assert svc.encoder.threads == [("encoder", base), ("encoder-bg", base + 7), ("encoder", base)]
+        assert svc.background_batches == 1
+    finally:
+        svc.shutdown()
+    assert not svc.alive
 
 
 def test_embedding_model_flag(tmp_path, monkeypatch):

@@ -194,8 +194,35 @@ def test_tiny_padding_invariance(tiny_encoder):
     long = encoder.truncate(long)
     assert len(long) == encoder.max_length > 4 * len(short)
     alone = encoder.embed([short])[0]
+    encoder.forward_tokens = 10**9  # one forward, the short one padded to the long ones
     batched = encoder.embed([long, short, long])[1]
     np.testing.assert_allclose(batched, alone, atol=1e-5)
+
+
+def test_groups_cut_batches_by_length():
+    """The cheapest split into forwards: equal lengths stay together, a long one apart from short ones, every
+    index once; a huge forward cost keeps the batch whole."""
+    from appliance.runtime.encoder import groups
+
+    assert groups([10] * 5) == [[0, 1, 2, 3, 4]]
+    split = groups([5, 120, 6, 5, 118])
+    assert sorted(map(sorted, split)) == [[0, 2, 3], [1, 4]]
+    assert groups([5, 120, 6], forward=10**9) == [[0, 2, 1]]
+    lengths = list(np.random.default_rng(0).integers(1, 200, 300))
+    found = groups(lengths)
+    assert sorted(i for g in found for i in g) == list(range(300))
+    padded = sum(max(lengths[i] for i in g) * len(g) for g in found)
+    assert padded < 1.2 * sum(lengths)  # nearly no padding, against 300 x 199 for one forward
+
+
+def test_grouped_batches_give_one_forwards_results(tiny_encoder):
+    """A batch of mixed lengths split into forwards gives each input's vector in the caller's order."""
+    _, out = tiny_encoder("embed-mean")
+    encoder = Encoder(out, precision="f32")
+    batch = [encoder.truncate(ids) for ids in encoder.tokenize(SENTENCES[:24])]
+    grouped = encoder.embed(batch)
+    encoder.forward_tokens = 10**9
+    np.testing.assert_allclose(grouped, encoder.embed(batch), atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["openvino", "onnx"])
@@ -231,6 +258,25 @@ def test_tokenize_ignores_the_files_truncation_and_truncate_keeps_specials(tiny_
     cut = encoder.tokenize_pairs("a short query", [SENTENCES[24]], truncate=True)[0][0]
     whole = encoder.tokenize_pairs("a short query", [SENTENCES[24]])[0][0]
     assert len(cut) == encoder.max_length < len(whole) and cut[:5] == whole[:5] and cut[-1] == whole[-1]
+
+
+def test_pair_truncation_is_per_call_and_thread_safe(tiny_encoder):
+    """Truncating and untruncating pair tokenizations at once on many threads each get their own answer (as one
+    thread alone gets it), and the shared tokenizer is never reconfigured: its truncation stays off."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, out = tiny_encoder("rerank")
+    encoder = Encoder(out, precision="f32")
+    long_query = SENTENCES[24]
+    calls = [("a short query", True), ("a short query", False), (long_query, True), (long_query, False)] * 50
+    want = {call: encoder.tokenize_pairs(call[0], SENTENCES[20:26], truncate=call[1]) for call in calls[:4]}
+    assert all(len(ids) <= encoder.max_length for ids, _ in want[("a short query", True)])
+    assert all(len(ids) <= encoder.max_length for ids, _ in want[(long_query, True)])
+    assert any(len(ids) > encoder.max_length for ids, _ in want[("a short query", False)])
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda call: encoder.tokenize_pairs(call[0], SENTENCES[20:26], truncate=call[1]), calls))
+    assert all(g == want[call] for g, call in zip(got, calls, strict=True))
+    assert encoder._tokenizer.truncation is None and encoder._tokenizer.padding is None
 
 
 def test_static_buckets_give_the_dynamic_results(tiny_encoder):
