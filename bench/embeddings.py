@@ -211,11 +211,19 @@ def throughput(
         for b, size in enumerate(batches):
             for name in order(list(sides), rep * len(batches) + b):
                 time.sleep(SETTLE_S)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 for i in range(0, len(texts), size):
                     sides[name](texts[i : i + size])
-                elapsed = time.perf_counter() - start
-                runs.append({"rep": rep, "batch": size, "impl": name, "sentences_s": len(texts) / elapsed})
+                elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+                runs.append(
+                    {
+                        "rep": rep,
+                        "batch": size,
+                        "impl": name,
+                        "sentences_s": len(texts) / elapsed,
+                        "cpu_ms_per_sentence": cpu / len(texts) * 1e3,
+                    }
+                )
         print(f"rep {rep + 1}/{reps} done", flush=True)
     checks.update(agreement(sides, texts[:32], "after"))
     return runs, checks
@@ -233,6 +241,13 @@ def summary(runs: list[dict], batches: list[int]) -> list[dict]:
                 by_rep.setdefault(r["rep"], {})[r["impl"]] = r["sentences_s"]
         row["vs_genai"] = median(p["appliance"] / p["genai"] for p in by_rep.values())
         row["vs_torch"] = median(p["appliance"] / p["torch"] for p in by_rep.values())
+        cpu: dict[int, dict[str, float]] = {}
+        for r in runs:
+            if r["batch"] == size:
+                cpu.setdefault(r["rep"], {})[r["impl"]] = r["cpu_ms_per_sentence"]
+        for side in SIDES:
+            row[f"{side}_cpu_ms"] = median(c[side] for c in cpu.values())
+        row["vs_genai_cpu"] = median(c["genai"] / c["appliance"] for c in cpu.values())  # > 1: we use less CPU
         rows.append(row)
     return rows
 
@@ -289,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
             ("torch", "torch s/s", ".1f"),
             ("vs_genai", "x genai", ".2f"),
             ("vs_torch", "x torch", ".2f"),
+            ("appliance_cpu_ms", "appliance CPU ms/sent", ".1f"),
+            ("genai_cpu_ms", "genai CPU ms/sent", ".1f"),
+            ("vs_genai_cpu", "x genai (CPU)", ".2f"),
         ],
         title=f"sentences/s, {args.throughput_model} IR, {len(timed)} sentences, median of {args.reps} (paired ratios)",
     )

@@ -3,6 +3,9 @@
 - `throughput`: sentences/s with 1, 8 and 32 concurrent clients, each sending one sentence per request in a loop,
   against the in-process Encoder with the same inference threads, and the 1-client request latency against the
   in-process one-sentence forward (the target: within 10%).
+- `latency` (`--only latency`): the 1-client latency paired request by request with the in-process forward, and
+  where the HTTP request's time goes: the engine's queue-to-answer and forward means (/metrics) and the server's
+  CPU per thread per request (/proc: the HTTP worker's, the engine connection's, the encoder's threads).
 - `mixed`: chat inter-token latency p99 of 4 streaming clients alone, and while 8 clients embed in a loop (the
   target: at most +20%), per encoder setting (its inference threads: `num_threads` of its config entry).
   Alone and mixed alternate, medians over the repetitions.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import threading
 import time
@@ -141,27 +145,80 @@ def in_process(embed: Path, threads: int, seconds: float) -> dict:
     }
 
 
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants (the serve process, its engine, the gunicorn arbiter and workers)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
+    return out
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per (process name, thread name) over the server's process tree, from /proc (user + system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for proc in _tree(pid):
+        try:
+            pname = Path(f"/proc/{proc}/comm").read_text().strip()
+            for task in Path(f"/proc/{proc}/task").iterdir():
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                name = f"{pname}/{(task / 'comm').read_text().strip()}"
+                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _mean_delta(after: dict, before: dict, name: str) -> float:
+    n = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / n if n else float("nan")
+
+
 def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dict:
     """One sentence at a time, an in-process forward and an HTTP request alternating (same sentence, same moment
-    of the box's load): the medians and their ratio."""
+    of the box's load): the medians and their ratio; and where an HTTP request's time went: the engine's
+    queue-to-answer and forward means (its /metrics) and the server's CPU per thread per request (/proc)."""
     from appliance.runtime.encoder import Encoder
 
     enc = Encoder(embed, threads=threads)
     ids = enc.tokenize(SENTENCES)
     enc.embed(ids[:1])
     s = requests.Session()
+    body = {"model": "embed", "input": SENTENCES[0]}
+    s.post(srv.base + "/v3/embeddings", json=body).raise_for_status()  # a pooled engine connection, warm
     local, http = [], []
+    metrics_before, cpu_before = srv.metrics(), thread_cpu(srv.pid)
     for i in range(requests_n):
         t0 = time.perf_counter()
         enc.embed([ids[i % len(ids)]])
         local.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        s.post(
-            srv.base + "/v3/embeddings", json={"model": "embed", "input": SENTENCES[i % len(SENTENCES)]}
-        ).raise_for_status()
+        body = {"model": "embed", "input": SENTENCES[i % len(SENTENCES)]}
+        s.post(srv.base + "/v3/embeddings", json=body).raise_for_status()
         http.append(time.perf_counter() - t0)
+    cpu_after, metrics_after = thread_cpu(srv.pid), srv.metrics()
     a, b = statistics.median(local), statistics.median(http)
-    return {"in_process_ms": round(a * 1e3, 1), "http_ms": round(b * 1e3, 1), "ratio": round(b / a, 3)}
+    cpu = {k: round((v - cpu_before.get(k, 0.0)) / requests_n * 1e3, 2) for k, v in cpu_after.items()}
+    return {
+        "in_process_ms": round(a * 1e3, 1),
+        "http_ms": round(b * 1e3, 1),
+        "ratio": round(b / a, 3),
+        "in_process_mean_ms": round(statistics.mean(local) * 1e3, 1),
+        "http_mean_ms": round(statistics.mean(http) * 1e3, 1),
+        "engine_queue_to_answer_mean_ms": round(
+            _mean_delta(metrics_after, metrics_before, "encoder_request_duration_seconds") * 1e3, 1
+        ),
+        "engine_forward_mean_ms": round(_mean_delta(metrics_after, metrics_before, "encoder_forward_seconds") * 1e3, 1),
+        "server_cpu_ms_per_request": {k: v for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0.05},
+    }
 
 
 def throughput(chat: Path, embed: Path, threads: int, reps: int, seconds: float) -> list[dict]:

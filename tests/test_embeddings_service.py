@@ -251,6 +251,30 @@ def test_forwards_yield_to_chat_only_while_it_runs():
     assert not svc.alive
 
 
+def test_an_idle_encoder_runs_a_request_on_its_own_thread():
+    """`submit(inline=True)` with nothing queued and no chat: the first batch runs on the caller's thread (no
+    handoff), the rest of a large request on the encoder thread, every result in its place; with chat running it
+    queues for the niced thread."""
+    chat = threading.Event()
+    svc = EncoderService(FakeEncoder(), batch_tokens=64, max_batch=8, nice=7, contended=chat.is_set)
+    try:
+        texts = [" ".join(["7"] * (i % 9 + 1)) for i in range(40)]
+        req = svc.submit(svc.prepare(job(texts), Limits()), inline=True)
+        req.done.wait(10)
+        got = vectors(svc.answer(job(texts), req))
+        raw = np.array([[i % 9 + 3, 7, 1] for i in range(40)], np.float32)
+        np.testing.assert_allclose(got[:, :3], raw / np.linalg.norm(raw, axis=1, keepdims=True), rtol=1e-6)
+        names = [name for name, _ in svc.encoder.threads]
+        assert names[0] == threading.current_thread().name and set(names[1:]) == {"encoder"}
+        assert svc.inline_batches == 1
+        chat.set()
+        svc.encode(job(["3 4"]), Limits())  # encode() queues; inline too while chat runs:
+        req = svc.submit(svc.prepare(job(["5 6"]), Limits()), inline=True)
+        assert req.done.wait(10) and svc.encoder.threads[-1][0] == "encoder-bg" and svc.inline_batches == 1
+    finally:
+        svc.shutdown()
+
+
 def test_embedding_model_flag(tmp_path, monkeypatch):
     """--embedding-model: 'none' and 'default' beside another chat model serve nothing; a directory must hold an
     encoder export; 'default' beside `--model default` serves the built default export, or nothing (an info line)

@@ -6,8 +6,9 @@ appliance/server/encoder_batches.py (the queue and how a forward's batch is chos
 appliance/server/encoder_service.py (`EncoderService`: the encoder's threads, their priority beside chat).
 
 The HTTP path of one request: the worker sends the `EncodeJob` on its pooled engine connection; this connection's
-thread tokenizes and checks it (`prepare`), queues it and waits on its event (the worker's closing the connection
-cancels it); an encoder thread runs the forward; this thread answers `Encoded`, the vectors as float32 bytes (a
+thread tokenizes and checks it (`prepare`) and, when the encoder is idle and chat is not running, runs its forward
+itself; otherwise it queues it and waits on its event (the worker's closing the connection cancels it) while an
+encoder thread runs the forward; this thread answers `Encoded`, the vectors as float32 bytes (a
 384-dimension vector is 1.5 KB pickled; the worker turns it into JSON floats or base64).
 """
 
@@ -83,7 +84,7 @@ def run_encode(
             return True
         service.contended = lambda: chat_running(models)
         try:
-            req = service.submit(service.prepare(job, limits))
+            req = service.submit(service.prepare(job, limits), inline=True)
         except EncodeFailed as exc:
             metrics.encode_requests.labels(job.task, "invalid" if exc.failed.status < 500 else "failed").inc()
             conn.send(exc.failed)

@@ -18,6 +18,11 @@ whose nice changes: an unprivileged thread cannot lower its nice again. Measured
 p99 +59% with the encoder at nice 5 (6 pairs), +24% at nice 19 (4 pairs; p50 unchanged); the numbers are in
 docs/performance.md. APPLIANCE_ENCODER_NICE sets the nice (0: one thread, no priority change).
 
+The path of a request when nothing else is queued and chat is not running: its connection thread runs the forward
+itself (`submit(inline=True)`) instead of waking an encoder thread and being woken by it; on the loaded 2-core dev
+box each wake-up waits for a core among many runnable threads, which is where HTTP latency over the in-process
+forward went (docs/performance.md).
+
 A request whose client went away (the worker closed the connection) is dropped from the queue at once; a forward
 that fails is run again one request at a time, so only the request whose inputs fail gets the error.
 """
@@ -96,6 +101,7 @@ class EncoderService:
         self._running = False  # a batch is being run (one at a time)
         self._batches = 0
         self.background_batches = 0  # forwards run on the niced thread
+        self.inline_batches = 0  # forwards run on a request's own thread (`submit(inline=True)`)
         self._threads = [threading.Thread(target=self._loop, args=(False,), name="encoder", daemon=True)]
         if nice:
             self._threads.append(threading.Thread(target=self._loop, args=(True,), name="encoder-bg", daemon=True))
@@ -129,12 +135,31 @@ class EncoderService:
         items = prepare_items(self.encoder, job, limits, vocab_size=self.vocab_size, normalized=self.normalized)
         return EncodeRequest(items, job.task)
 
-    def submit(self, req: EncodeRequest) -> EncodeRequest:
+    def submit(self, req: EncodeRequest, *, inline: bool = False) -> EncodeRequest:
+        """Queues the request for the encoder threads. `inline` (the engine socket's connection thread): when the
+        encoder is idle and chat is not running, the request's first batch runs on the caller's thread instead,
+        at once (module docstring: two thread wake-ups fewer); the rest, if any, queues."""
+        quiet = inline and not (len(self._threads) > 1 and self.contended())
         with self._cv:
             if self._stopping or self.dead is not None:
                 raise EncodeFailed(p.Failed(503, "The model cannot serve now", code="engine_failed"))
-            if req.items:
+            if not req.items:
+                return req
+            if not quiet or self._running or self._queue:
                 self._queue.append(req)
+                self._cv.notify_all()
+                return req
+            self._running = True
+            mine = deque([req])
+            batch = next_batch(mine, self.batch_tokens, self.max_batch)
+            if mine:  # more than one batch: the rest waits its turn
+                self._queue.append(req)
+        try:
+            self.inline_batches += 1
+            self._run(batch)
+        finally:
+            with self._cv:
+                self._running = False
                 self._cv.notify_all()
         return req
 
