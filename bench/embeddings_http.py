@@ -162,16 +162,27 @@ def _tree(pid: int) -> list[int]:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds per (process name, thread name) over the server's process tree, from /proc (user + system)."""
+    """CPU seconds (user + system, /proc) of the server's processes (`engine` = the serve process, `worker-N` =
+    the gunicorn ones; dead threads included) and of each engine thread by its name (`encoder`, `encoder-bg` name
+    themselves; the rest are `python/<tid>`: the step loop and the connections' threads)."""
     tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
     out: dict[str, float] = {}
-    for proc in _tree(pid):
+    for n, proc in enumerate(_tree(pid)):
         try:
-            pname = Path(f"/proc/{proc}/comm").read_text().strip()
-            for task in Path(f"/proc/{proc}/task").iterdir():
-                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-                name = f"{pname}/{(task / 'comm').read_text().strip()}"
-                out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            role = "engine" if proc == pid else f"other-{n}"
+            if proc != pid and b"gunicorn" in Path(f"/proc/{proc}/cmdline").read_bytes():
+                role = f"worker-{n}"
+            out[role] = cpu(Path(f"/proc/{proc}/stat"))
+            if proc == pid:
+                for task in Path(f"/proc/{proc}/task").iterdir():
+                    name = (task / "comm").read_text().strip()
+                    key = f"engine/{name}" if name.startswith("encoder") else f"engine/{name}/{task.name}"
+                    out[key] = out.get(key, 0.0) + cpu(task / "stat")
         except (OSError, ValueError, IndexError):
             pass
     return out
@@ -214,9 +225,11 @@ def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dic
         "in_process_mean_ms": round(statistics.mean(local) * 1e3, 1),
         "http_mean_ms": round(statistics.mean(http) * 1e3, 1),
         "engine_queue_to_answer_mean_ms": round(
-            _mean_delta(metrics_after, metrics_before, "encoder_request_duration_seconds") * 1e3, 1
+            _mean_delta(metrics_after, metrics_before, "appliance_encoder_request_duration_seconds") * 1e3, 1
         ),
-        "engine_forward_mean_ms": round(_mean_delta(metrics_after, metrics_before, "encoder_forward_seconds") * 1e3, 1),
+        "engine_forward_mean_ms": round(
+            _mean_delta(metrics_after, metrics_before, "appliance_encoder_forward_seconds") * 1e3, 1
+        ),
         "server_cpu_ms_per_request": {k: v for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0.05},
     }
 

@@ -196,6 +196,7 @@ class EncoderService:
 
     # ---- the encoder threads
     def _loop(self, background: bool) -> None:
+        _name_os_thread(threading.current_thread().name)
         if background:
             try:  # Linux: a thread's own niceness (the forward it runs on one inference thread runs on it)
                 os.setpriority(
@@ -286,3 +287,13 @@ class EncoderService:
             if req in self._queue:
                 self._queue.remove(req)
         req.done.set()
+
+
+def _name_os_thread(name: str) -> None:
+    """The OS thread's name (Linux: /proc/<pid>/task/<tid>/comm, what top -H and per-thread CPU accounting show)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
