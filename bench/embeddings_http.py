@@ -39,6 +39,7 @@ SENTENCES = [
 
 
 NICE: int | None = None  # --encoder-nice: the served encoder thread's niceness (APPLIANCE_ENCODER_NICE)
+SCHED: str | None = None  # --encoder-sched: its policy while chat runs (APPLIANCE_ENCODER_SCHED)
 
 
 class ConfigServer(ApplianceServer):
@@ -56,6 +57,8 @@ class ConfigServer(ApplianceServer):
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         if NICE is not None:
             env["APPLIANCE_ENCODER_NICE"] = str(NICE)
+        if SCHED is not None:
+            env["APPLIANCE_ENCODER_SCHED"] = SCHED
         LoopbackServer.__init__(self, command, log_path, env=env, start_timeout=600)
 
 
@@ -108,14 +111,16 @@ def clients_loop(base: str, clients: int, seconds: float, batch: int = 1) -> dic
     return {"sent_s": sum(done) / wall, "lat_p50_s": percentile(lat, 50), "requests": len(lat)}
 
 
-def embed_loop(base: str, k: int, stop: threading.Event) -> None:
-    """One embedding client: 16 sentences per request until `stop`."""
+def embed_loop(base: str, k: int, stop: threading.Event, done: list[int] | None = None) -> None:
+    """One embedding client: 16 sentences per request until `stop` (`done[k]`: the sentences answered)."""
     s = requests.Session()
-    i = k
+    i = k * 37
     while not stop.is_set():
         body = {"model": "embed", "input": SENTENCES[i % 480 : i % 480 + 16]}
         s.post(base + "/v3/embeddings", json=body, timeout=120).raise_for_status()
         i += 16
+        if done is not None:
+            done[k] += 16
     s.close()
 
 
@@ -283,14 +288,17 @@ def mixed(chat: Path, embed: Path, threads_list: list[int], reps: int, new_token
                 for side in order:
                     stop = threading.Event()
                     embedders = []
+                    done = [0] * 8
                     if side == "mixed":
                         embedders = [
-                            threading.Thread(target=embed_loop, args=(srv.base, k * 37, stop)) for k in range(8)
+                            threading.Thread(target=embed_loop, args=(srv.base, k, stop, done)) for k in range(8)
                         ]
                         for t in embedders:
                             t.start()
                         time.sleep(1.0)  # the embedders are running
+                    t0, before = time.perf_counter(), sum(done)
                     run = http_run(srv.base, "chat", batch, new_tokens)
+                    run["embedded_sent_s"] = (sum(done) - before) / (time.perf_counter() - t0)
                     stop.set()
                     for t in embedders:
                         t.join()
@@ -305,6 +313,7 @@ def mixed(chat: Path, embed: Path, threads_list: list[int], reps: int, new_token
                     "growth": f"{(m / a - 1) * 100:+.0f}%",
                     "itl_p50_alone_ms": f"{statistics.median(r['itl_p50_s'] for r in alone) * 1e3:.1f}",
                     "itl_p50_mixed_ms": f"{statistics.median(r['itl_p50_s'] for r in loaded) * 1e3:.1f}",
+                    "embedded_sent_s_during_chat": f"{statistics.median(r['embedded_sent_s'] for r in loaded):.1f}",
                     "reps_p99_alone_ms": [round(r["itl_p99_s"] * 1e3, 1) for r in alone],
                     "reps_p99_mixed_ms": [round(r["itl_p99_s"] * 1e3, 1) for r in loaded],
                 }
@@ -324,9 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--encoder-threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--only", choices=("throughput", "mixed", "latency"), default=None)
     ap.add_argument("--encoder-nice", type=int, default=None, help="the encoder thread's niceness (default: 19)")
+    ap.add_argument("--encoder-sched", choices=("normal", "idle"), default=None, help="APPLIANCE_ENCODER_SCHED")
     args = ap.parse_args(argv)
-    global NICE
-    NICE = args.encoder_nice
+    global NICE, SCHED
+    NICE, SCHED = args.encoder_nice, args.encoder_sched
     chat = model_dir(args.chat_model)
     if args.embedding_model:
         embed = Path(args.embedding_model)
@@ -335,7 +345,7 @@ def main(argv=None) -> int:
 
         embed = ensure_embedding_export("openvino", "int8")
     before = machine()
-    out: dict = {"machine": before, "encoder_nice": args.encoder_nice}
+    out: dict = {"machine": before, "encoder_nice": args.encoder_nice, "encoder_sched": args.encoder_sched}
     if args.only == "latency":  # paired 1-client latency only
         srv = start(chat, embed, args.encoder_threads[0], "latency")
         try:

@@ -17,6 +17,7 @@ import pytest
 from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.openai_api.embeddings import floats
+from appliance.server import encoder_service
 from appliance.server.embeddings import EncodeFailed, EncoderService
 
 DIM = 8
@@ -38,6 +39,7 @@ class FakeEncoder:
         self.gate = threading.Event()
         self.gate.set()
         self.threads: list[tuple[str, int]] = []  # (thread name, its niceness) per forward
+        self.policies: list[int] = []  # the thread's scheduling policy per forward
 
     def tokenize(self, texts):
         return [[101, *(int(w) for w in t.split()), 102] for t in texts]
@@ -58,9 +60,9 @@ class FakeEncoder:
         return ids[: self.max_length - 1] + ids[-1:]
 
     def _check(self, batch):
-        self.threads.append(
-            (threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        )
+        tid = threading.get_native_id()
+        self.threads.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, tid)))
+        self.policies.append(os.sched_getscheduler(tid))
         self.gate.wait()
         time.sleep(self.delay)
         self.batches.append([len(x[0] if isinstance(x, tuple) else x) for x in batch])
@@ -245,6 +247,8 @@ def test_forwards_yield_to_chat_only_while_it_runs():
         chat.clear()
         svc.encode(job(["5 6"]), Limits())
         assert svc.encoder.threads == [("encoder", base), ("encoder-bg", base + 7), ("encoder", base)]
+        idle = os.SCHED_IDLE if encoder_service.SCHED == "idle" else os.SCHED_OTHER
+        assert svc.encoder.policies == [os.SCHED_OTHER, idle, os.SCHED_OTHER]
         assert svc.background_batches == 1
     finally:
         svc.shutdown()

@@ -10,13 +10,15 @@ inference threads than the cores (`ENCODER_THREADS`; with one, OpenVINO runs the
 
 Priority follows the chat engine: two encoder threads take turns at the one queue, one forward at a time. While a
 generation model in the process has sequences running or waiting (`contended`), forwards run on the thread at
-`NICE` (+19: chat decoding first whenever both want the cores); otherwise on the thread at the process's own
-priority, so an embedding request on a box with no chat running is not slowed by a nice it does not need (a
-one-sentence forward took 94 ms at nice +5 against 48 ms at nice 0 on the loaded dev box). Two threads, not one
-whose nice changes: an unprivileged thread cannot lower its nice again. Measured with bench/embeddings_http.py
-`mixed` (4 chat streams, 8 clients embedding, 1 encoder thread) on the dev box under other agents' load: chat ITL
-p99 +59% with the encoder at nice 5 (6 pairs), +24% at nice 19 (4 pairs; p50 unchanged); the numbers are in
-docs/performance.md. APPLIANCE_ENCODER_NICE sets the nice (0: one thread, no priority change).
+`NICE` (+19) and Linux's SCHED_IDLE policy (`SCHED`): chat decoding first whenever both want the cores. Otherwise
+they run on the thread at the process's own priority, so an embedding request on a box with no chat running is not
+slowed by a nice it does not need (a one-sentence forward took 94 ms at nice +5 against 48 ms at nice 0 on the
+loaded dev box). Two threads, not one whose priority changes: an unprivileged thread can neither lower its nice
+again nor leave SCHED_IDLE. Measured with bench/embeddings_http.py `mixed` (4 chat streams, 8 clients embedding,
+1 encoder thread) on the dev box under other agents' load: chat ITL p99 +59% with the encoder at nice 5 (6 pairs),
++24% at nice 19 (4 pairs; p50 unchanged), +11% at nice 19 with the priority following chat, -1% with SCHED_IDLE
+too (6 pairs each; docs/performance.md). APPLIANCE_ENCODER_NICE sets the nice (0: one thread, no priority
+change), APPLIANCE_ENCODER_SCHED the policy (idle | normal).
 
 The path of a request when nothing else is queued and chat is not running: its connection thread runs the forward
 itself (`submit(inline=True)`) instead of waking an encoder thread and being woken by it; on the loaded 2-core dev
@@ -49,14 +51,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Padded tokens per forward (longest item x items). all-MiniLM-L6-v2 int8 on one thread of the 2-core dev box (under
-# other agents' load, average 13) ran ~800 tokens/s whether the batch was 8 x 128, 32 x 128, 64 x 128 or 256 x 16:
-# past a few inputs a bigger batch buys nothing, it only holds the encoder longer (4096 tokens: ~5 s there). 2048
-# keeps a forward, the longest a new request waits for its turn, at ~2.5 s loaded (well under a second idle).
-BATCH_TOKENS = 2048
+# Padded tokens per batch (longest item x items). all-MiniLM-L6-v2 int8 on one thread of the 2-core dev box (under
+# other agents' load, average 13) ran ~800 tokens/s whether the batch was 8 x 128, 32 x 128, 64 x 128 or 256 x 16,
+# and a forward's own cost is ~6 tokens' worth (appliance/runtime/encoder.py): past a few inputs a bigger batch buys
+# nothing, it only holds the encoder longer. 512 keeps a batch, the longest a new request waits for its turn and
+# the longest a batch started at full priority runs once chat starts (the turn is decided per batch), at ~0.6 s
+# loaded (~0.15 s idle); 2048 measured the same sentences/s and held chat's first tokens up to 4x longer.
+BATCH_TOKENS = 512
 MAX_BATCH = 64  # items per forward
 ENCODER_THREADS = max(1, (os.cpu_count() or 2) // 2)  # inference threads; the rest of the cores stay the LLM's
 NICE = int(os.environ.get("APPLIANCE_ENCODER_NICE", "19"))  # the background thread's, over the process's
+# The background thread's scheduling policy: "idle" (Linux SCHED_IDLE, besides NICE: it runs only on a core no
+# normal thread wants, and a waking one preempts it at once) or "normal" (CFS at NICE); measured in the docstring.
+SCHED = os.environ.get("APPLIANCE_ENCODER_SCHED", "idle")
 IDLE_WAIT = 0.5  # seconds between heartbeats while idle
 HANDOFF_WAIT = 0.05  # seconds a thread whose turn it is not waits before it looks again
 
@@ -204,6 +211,11 @@ class EncoderService:
                 )
             except (OSError, AttributeError):
                 pass
+            if SCHED == "idle":
+                try:
+                    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+                except (OSError, AttributeError):
+                    pass
         try:
             while True:
                 batch = self._take(background)
