@@ -17,7 +17,7 @@ import pytest
 from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.openai_api.embeddings import floats
-from appliance.server import encoder_service
+from appliance.server import encoder_priority
 from appliance.server.embeddings import EncodeFailed, EncoderService
 
 DIM = 8
@@ -247,7 +247,7 @@ def test_forwards_yield_to_chat_only_while_it_runs():
         chat.clear()
         svc.encode(job(["5 6"]), Limits())
         assert svc.encoder.threads == [("encoder", base), ("encoder-bg", base + 7), ("encoder", base)]
-        idle = os.SCHED_IDLE if encoder_service.SCHED == "idle" else os.SCHED_OTHER
+        idle = os.SCHED_IDLE if encoder_priority.SCHED == "idle" else os.SCHED_OTHER
         assert svc.encoder.policies == [os.SCHED_OTHER, idle, os.SCHED_OTHER]
         assert svc.background_batches == 1
     finally:

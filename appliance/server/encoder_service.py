@@ -9,21 +9,14 @@ embeddings request would stall every chat stream by that much. Here the encoder 
 inference threads than the cores (`ENCODER_THREADS`; with one, OpenVINO runs the forward on the calling thread).
 
 Priority follows the chat engine: two encoder threads take turns at the one queue, one forward at a time. While a
-generation model in the process has sequences running or waiting (`contended`), forwards run on the thread at
-`NICE` (+19) and Linux's SCHED_IDLE policy (`SCHED`): chat decoding first whenever both want the cores. Otherwise
-they run on the thread at the process's own priority, so an embedding request on a box with no chat running is not
-slowed by a nice it does not need (a one-sentence forward took 94 ms at nice +5 against 48 ms at nice 0 on the
-loaded dev box). Two threads, not one whose priority changes: an unprivileged thread can neither lower its nice
-again nor leave SCHED_IDLE. Measured with bench/embeddings_http.py `mixed` (4 chat streams, 8 clients embedding,
-1 encoder thread) on the dev box under other agents' load: chat ITL p99 +59% with the encoder at nice 5 (6 pairs),
-+24% at nice 19 (4 pairs; p50 unchanged), +11% at nice 19 with the priority following chat, -1% with SCHED_IDLE
-too (6 pairs each; docs/performance.md). APPLIANCE_ENCODER_NICE sets the nice (0: one thread, no priority
-change), APPLIANCE_ENCODER_SCHED the policy (idle | normal).
+generation model in the process has sequences running or waiting (`contended`), forwards run on the background
+thread, at the lowest priority (appliance/server/encoder_priority.py: why and what it measured); otherwise on the
+one at the process's own priority.
 
 The path of a request when nothing else is queued and chat is not running: its connection thread runs the forward
-itself (`submit(inline=True)`) instead of waking an encoder thread and being woken by it; on the loaded 2-core dev
-box each wake-up waits for a core among many runnable threads, which is where HTTP latency over the in-process
-forward went (docs/performance.md).
+itself (`submit(inline=True)`) instead of waking an encoder thread and being woken by it: on a loaded box each
+wake-up may wait for a core. Measured on the loaded 2-core dev box: the engine's queue-to-answer is the forward
++ 0.6 ms (docs/performance.md).
 
 A request whose client went away (the worker closed the connection) is dropped from the queue at once; a forward
 that fails is run again one request at a time, so only the request whose inputs fail gets the error.
@@ -45,6 +38,7 @@ from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.server.encoder_batches import Batch, EncodeRequest, deliver, item_length, next_batch
 from appliance.server.encoder_inputs import EncodeFailed, prepare_items
+from appliance.server.encoder_priority import NICE, lower_priority, name_os_thread
 
 if TYPE_CHECKING:
     from appliance.server.metrics import ServerMetrics
@@ -60,10 +54,6 @@ log = logging.getLogger(__name__)
 BATCH_TOKENS = 512
 MAX_BATCH = 64  # items per forward
 ENCODER_THREADS = max(1, (os.cpu_count() or 2) // 2)  # inference threads; the rest of the cores stay the LLM's
-NICE = int(os.environ.get("APPLIANCE_ENCODER_NICE", "19"))  # the background thread's, over the process's
-# The background thread's scheduling policy: "idle" (Linux SCHED_IDLE, besides NICE: it runs only on a core no
-# normal thread wants, and a waking one preempts it at once) or "normal" (CFS at NICE); measured in the docstring.
-SCHED = os.environ.get("APPLIANCE_ENCODER_SCHED", "idle")
 IDLE_WAIT = 0.5  # seconds between heartbeats while idle
 HANDOFF_WAIT = 0.05  # seconds a thread whose turn it is not waits before it looks again
 
@@ -83,7 +73,7 @@ class EncoderService:
         *,
         batch_tokens: int = BATCH_TOKENS,
         max_batch: int = MAX_BATCH,
-        nice: int = NICE,
+        nice: int = NICE,  # the background thread's (0: no background thread)
         metrics: ServerMetrics | None = None,
         contended: Callable[[], bool] | None = None,
     ):
@@ -203,19 +193,9 @@ class EncoderService:
 
     # ---- the encoder threads
     def _loop(self, background: bool) -> None:
-        _name_os_thread(threading.current_thread().name)
+        name_os_thread(threading.current_thread().name)
         if background:
-            try:  # Linux: a thread's own niceness (the forward it runs on one inference thread runs on it)
-                os.setpriority(
-                    os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + self.nice
-                )
-            except (OSError, AttributeError):
-                pass
-            if SCHED == "idle":
-                try:
-                    os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-                except (OSError, AttributeError):
-                    pass
+            lower_priority(self.nice)
         try:
             while True:
                 batch = self._take(background)
@@ -299,13 +279,3 @@ class EncoderService:
             if req in self._queue:
                 self._queue.remove(req)
         req.done.set()
-
-
-def _name_os_thread(name: str) -> None:
-    """The OS thread's name (Linux: /proc/<pid>/task/<tid>/comm, what top -H and per-thread CPU accounting show)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
