@@ -14,7 +14,7 @@ encoder inference thread; with one, OpenVINO runs the forward on the calling thr
 forward's) on the 2-core dev box under other agents' load (average 12-23), chat ITL p99 growth over chat alone,
 median of the pairs: +59% with the encoder always at nice 5 (6 pairs), +24% always at nice 19 (4 pairs), +11% at
 nice 19 following chat (6 pairs), -1% and +7% with SCHED_IDLE too (6 pairs each; docs/performance.md). The cost:
-while chat streams, embeddings get what chat leaves (1.8 sentences/s there, against ~25 alone).
+while chat streams, embeddings get what chat leaves (1.8 sentences/s there, against 24-47 with no chat).
 APPLIANCE_ENCODER_NICE sets the nice (0: no background thread, no priority change), APPLIANCE_ENCODER_SCHED the
 policy (idle | normal).
 """
