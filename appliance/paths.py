@@ -66,7 +66,7 @@ def default_export_dir(backend: str = "openvino", weight_format: str | None = No
 
 
 def pulled_models_dir() -> Path:
-    """`appliance pull`'s models (appliance/pull.py): one folder per repository and revision, `NS--NAME/REVISION`
+    """`appliance pull`'s models (appliance/pull/): one folder per repository and revision, `NS--NAME/REVISION`
     (appliance/hub_names.py), each a complete export with its manifest; `.staging/` holds pulls under way."""
     return data_dir() / "models" / "hub"
 
