@@ -49,6 +49,7 @@ from bench.common import (
     prompts,
     rotate,
     save_results,
+    write_json,
 )
 
 COLUMNS = [
@@ -221,6 +222,8 @@ def main(argv=None) -> int:
                         )
                         seed += 1
                         bar.update()
+                        # every cell as it ends, so a cut-short run keeps what it measured
+                        write_json(args.out.with_suffix(".partial.json"), {"probes": probes, "runs": runs})
         llama_info = (
             {"version": llama.version, "settings": llama.settings, "system_info": llama.system_info} if llama else None
         )
