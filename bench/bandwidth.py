@@ -3,10 +3,11 @@ per token at batch 1, and so the fastest batch-1 decode any engine could reach o
 
 - Bandwidth: a streaming read of a buffer far larger than the caches (512 MiB), split over `threads` Python threads
   (numpy releases the GIL), each reducing its part (`bitwise_or` over uint64 and `max` over uint64: AVX2 loops, no
-  stores); the best of a few passes of the faster. On the 2-vCPU AVX2 EPYC box, loaded: 1 thread 11-16 GB/s,
-  2 threads 17-19 GB/s. An OpenVINO ReduceMax over the same bytes reached only 4.4 GB/s (its reduce kernels are not
-  tuned for this), so numpy it is. It is a lower bound of what the box delivers: llama.cpp's Q4_K_M decode of the
-  1.5B shape implies ~25 GB/s (bytes per token x its tok/s), so its share can pass 1.0 on a noisy box.
+  stores); the best of a few passes of the faster. On the 2-vCPU AVX2 EPYC box with 2 threads: 32 GB/s at load
+  average 3.4, 15-20 GB/s at 5-13, 3.7 GB/s at 13+ (1 thread: 11-16 GB/s). An OpenVINO ReduceMax over the same
+  bytes reached only 4.4 GB/s (its reduce kernels are not tuned for this), so numpy it is. It is a lower bound of
+  what the box delivers: llama.cpp's one uncontended Q4_K_M decode of the 1.5B shape read 20.5 GB/s (980 MB x
+  20.9 tok/s) beside a 20.2 GB/s probe, so a share can pass 1.0 on a noisy box.
 - Bytes per token of an OpenVINO export: every Constant that reaches a MatMul through decompression ops
   (Convert / Subtract / Multiply / Reshape / Transpose: the int4/int8 weights, their scales and zero points) is read
   once per step; a constant that only feeds a Gather (an untied embedding table) is not, only one row of it. Plus
