@@ -41,8 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--requantize",
         action="store_true",
-        help="OpenVINO int4: quantize with NNCF even when the source weights are already on a 4-bit grid (a model "
-        "dequantized from a Q4_1 GGUF, like the default model), which is otherwise kept exactly",
+        help="OpenVINO int4/int8: quantize with NNCF even when the source weights are already on a 4-bit grid (a "
+        "model dequantized from a Q4_1 GGUF, like the default model), which is otherwise kept on that grid",
     )
     parser.add_argument(
         "--num-layers",

@@ -98,8 +98,8 @@ def _check_weight_options(backend: str, weight_format: str, weights: WeightOptio
     nncf_only = weights.sym or weights.ratio != 1 or weights.lm_head != "int8" or weights.requantize
     if nncf_only and not (backend == "openvino" and weight_format in ("int4", "int8")):
         raise ExportError("--sym, --ratio, --lm-head and --requantize apply to OpenVINO int8/int4 exports only")
-    if weight_format == "int8" and (weights.ratio != 1 or weights.lm_head != "int8" or weights.requantize):
-        raise ExportError("--ratio, --lm-head and --requantize apply to int4 exports only")
+    if weight_format == "int8" and (weights.ratio != 1 or weights.lm_head != "int8"):
+        raise ExportError("--ratio and --lm-head apply to int4 exports only")
 
 
 def _export(

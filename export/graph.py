@@ -42,10 +42,10 @@ class WeightOptions:
     sym: bool = False  # symmetric int4/int8 (no zero point); ONNX is always symmetric
     ratio: float = 1.0  # OpenVINO int4: the share of layers in int4, the rest int8
     lm_head: str = "int8"  # OpenVINO int4: the embeddings and LM head in int8 (NNCF's backup) or "int4" as well
-    requantize: bool = False  # OpenVINO int4: NNCF even when the source is already on a 4-bit grid (export/grid.py)
+    requantize: bool = False  # OpenVINO int4/int8: NNCF even when the source is on a 4-bit grid (export/grid.py)
 
     def nncf(self) -> bool:
-        """Whether an NNCF knob was asked for: then int4 always goes through NNCF."""
+        """Whether an NNCF knob was asked for: then int4 and int8 always go through NNCF."""
         return self != WeightOptions()
 
 

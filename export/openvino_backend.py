@@ -43,10 +43,12 @@ def _decline_telemetry() -> None:
 
 
 def compress(scratch: Path, dest: Path, weight_format: str, options: WeightOptions) -> dict[str, Any]:
-    """Writes dest/openvino_model.xml; returns what was done to the weights, for the manifest. int4 keeps a source
-    that is already on a 4-bit grid exactly (export/grid.py) unless an NNCF option was given."""
+    """Writes dest/openvino_model.xml; returns what was done to the weights, for the manifest. int4 and int8 keep
+    a source that is already on a 4-bit grid on that grid (export/grid.py: int4 exactly, int8 with integer zero
+    points) unless an NNCF option was given."""
     model = ov.Core().read_model(scratch / MODEL_FILE)
-    exact = grid.compress(model) if weight_format == "int4" and not options.nncf() else None
+    bits = {"int4": 4, "int8": 8}.get(weight_format)
+    exact = grid.compress(model, bits) if bits and not options.nncf() else None
     if exact is not None:
         info = exact
     elif weight_format in ("int8", "int4"):
