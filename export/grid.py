@@ -24,10 +24,14 @@ serving precision (f32 + u8 KV), over the 0.02 tolerance; the per-group k averag
 where a zero point far outside its group's range leaves little choice): TVD 0.0083 median / 0.021 max, against
 0.033 / 0.078 for NNCF's per-channel int8 of the same weights and 0.0043 / 0.012 for the exact int4 (default
 model, 24 held-out prompts, `bench.quality`; docs/performance.md, "The served default under load"). The
-per-channel int8 LM head alone (exact Q4_1 layers) already measured 0.020. On a real AVX2 box (no VNNI) it runs at
-NNCF int8's speed where the exact int4 is slower (table there); appliance/paths.py serves it there. Integer zero
-points are also what the CPU plugin's dynamic quantization needs on VNNI CPUs, so this export leaves that to the
-plugin (no runtime option in the IR); whether it then keeps TVD <= 0.02 in bf16 was not measured (no VNNI box).
+per-channel int8 LM head alone (exact Q4_1 layers) already measured 0.020. On a real 2-vCPU AVX2 EPYC (no VNNI:
+FullyConnected runs brgemm_avx2_f32 for every export, and DYNAMIC_QUANTIZATION_GROUP_SIZE=32 changes neither the
+kernels nor the speed) it costs 8-11% more CPU per generated token than NNCF's per-channel int8 at 1, 8 and 16
+clients, about as much as the exact int4 (2-8%): group-wise decompression, not the bit width, sets the AVX2 pace, so
+AVX2 serves the smaller, exact int4 (appliance/paths.py). Integer zero points are what the CPU plugin's dynamic
+quantization needs on VNNI CPUs, so this export leaves that to the plugin (no runtime option in the IR): the
+candidate for the 8-client gap there; its speed and its TVD in bf16 with dynamic quantization were not measured
+(no VNNI box).
 
 Detection is per weight and exact up to float rounding (1e-5 of the weight's largest magnitude): a weight on
 neither grid makes the whole model fall back to NNCF (`None`), so a model is never half requantized. Q4_0 and the
