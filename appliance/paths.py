@@ -10,19 +10,18 @@ from appliance.manifest import MANIFEST_NAME
 
 DEFAULT_MODEL_SLUG = "smollm2-135m-instruct"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# The default model's exports that `make model` builds; `--model default` serves int4 on every CPU (measured in
+# The default model's exports that `make model` builds and `--model default` picks from, by the CPU (measured in
 # docs/performance.md, "Run I" and "The served default under load", against the quality tolerance: next-token TVD
 # from transformers <= 0.02 at the precision that serves, `bench.quality`):
 # - int4, the GGUF's own Q4_1 grid kept exactly (export/grid.py): TVD at fp16's level (0.0015 median in f32, 0.018
-#   in bf16, 0.0043 in f32 + u8 KV on AVX2), a third of fp16's size, 1.25x fp16's decode on an AVX-512-VNNI-bf16
-#   box. Its f16 zero points keep dynamic quantization off: at 8 clients there it did 149 tok/s against NNCF int8's
-#   305 (not measured since: no VNNI box here).
-# - int8: the same Q4_1 grid in 8 bits with integer zero points (export/grid.py `_affine8`), TVD 0.0083 median /
-#   0.021 max on AVX2. On AVX2 (a real 2-vCPU EPYC, 1/8/16 clients, CPU time per token) it costs 8-11% more than
-#   NNCF's per-channel int8 and about as much as the exact int4 (2-8%), which is smaller and more exact: so
-#   AVX2 serves int4 too, no longer NNCF's per-channel int8 (TVD 0.033 median / 0.078 max, outside the tolerance;
-#   it was served there for its 1.04-1.35x batch-1 decode). Its integer zero points are what the CPU plugin's
-#   dynamic quantization needs on VNNI CPUs: the candidate for the 8-client gap there, not measured (no VNNI box).
+#   in bf16), a third of fp16's size, 1.25x fp16's decode on an AVX-512-VNNI-bf16 box (where NNCF int8's 0.052 TVD
+#   in bf16 was outside the tolerance). Its f16 zero points keep dynamic quantization off: at 8 clients there it
+#   did 149 tok/s against NNCF int8's 305 (not re-measured: no VNNI box here);
+# - int8 on CPUs with neither VNNI nor bf16 (AVX2 boxes): the same Q4_1 grid in 8 bits without zero points
+#   (export/grid.py `_symmetric8_grid`), TVD 0.0104 median in f32 + u8 KV (NNCF's per-channel int8, served here
+#   before: 0.033, outside the tolerance). On a real 2-vCPU AVX2 EPYC at 1/8/16 clients it runs at NNCF int8's level
+#   (CPU time per token 0.94-0.97x, wall tok/s 1.1-1.3x, heavily loaded box) and ahead of the exact int4 there
+#   (group-wise zero points are what AVX2's decompression pays for).
 # fp32 stays available for transformers parity (`--precision f32`).
 SERVED_FORMATS = ("int4", "int8")
 # The default embedding model, all-MiniLM-L6-v2 (BERT, 22M parameters, 384 dimensions, mean pooling + normalize),
@@ -58,19 +57,15 @@ def default_embedding_dir(backend: str = "openvino", weight_format: str | None =
     return default_embedding_root() / f"{backend}-{weight_format or EMBEDDING_SERVED_FORMAT}"
 
 
-def served_weight_format(isa: cpu_isa.CpuIsa | None = None, *, on_grid: bool = False) -> str:
-    """The export served on this CPU. `on_grid`: a source already on a GGUF 4-bit grid (the default model;
-    SERVED_FORMATS says why int4 on every CPU); otherwise (a pulled model, quantized by NNCF): group-wise int4 where
-    VNNI or bf16 make it fast, per-channel int8 on AVX2, where group-wise NNCF int4 decodes at fp16's speed."""
-    if on_grid:
-        return "int4"
+def served_weight_format(isa: cpu_isa.CpuIsa | None = None) -> str:
+    """The default model's export served on this CPU (SERVED_FORMATS says why)."""
     isa = isa or cpu_isa.detect()
     return "int4" if isa.vnni or isa.bf16 else "int8"
 
 
 def default_export_dir(backend: str = "openvino", weight_format: str | None = None) -> Path:
     """The default model's export folder; `weight_format` None: the one served on this CPU."""
-    return default_model_root() / f"{backend}-{weight_format or served_weight_format(on_grid=True)}"
+    return default_model_root() / f"{backend}-{weight_format or served_weight_format()}"
 
 
 def pulled_models_dir() -> Path:

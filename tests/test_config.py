@@ -18,12 +18,12 @@ import pytest
 
 from appliance import cli, options
 from appliance.manifest import Manifest
-from appliance.paths import default_export_dir
+from appliance.paths import served_weight_format
 from appliance.server import config_file
 from appliance.settings import ConfigError, ServeSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVED = default_export_dir().name  # the default model's served export folder on this CPU
+SERVED = f"openvino-{served_weight_format()}"  # the default model's served export folder on this CPU
 GiB = 1 << 30
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from appliance import cpu_isa
-from appliance.paths import default_export_dir, served_weight_format
+from appliance.paths import served_weight_format
 
 EPYC = "avx2 fma f16c avx512f avx512dq avx512_vnni avx512_bf16"  # this project's CI box
 SKYLAKE = "avx2 fma f16c"  # an AVX2 edge box: no VNNI, no bf16
@@ -52,12 +52,7 @@ def test_plugin_properties(tmp_path: Path, flags: str, cap: str | None, precisio
 
 
 def test_served_default_export_by_cpu(tmp_path: Path) -> None:
-    """The default model (on a GGUF grid): the exact int4 on every CPU, the only export measured within the quality
-    tolerance at the serving precision and at most as slow as its int8 on AVX2. Other models: NNCF's per-channel
-    int8 where group-wise int4 is slow (no VNNI, no bf16); int4 elsewhere."""
-    for flags, cap in ((EPYC, None), (ALDER_LAKE_N, None), (SKYLAKE, None), (EPYC, "AVX2")):
-        assert served_weight_format(isa(tmp_path, flags, cap), on_grid=True) == "int4"
-    assert default_export_dir().name == "openvino-int4"
+    """int8 only where it was measured faster within the quality tolerance (no VNNI, no bf16); int4 elsewhere."""
     assert served_weight_format(isa(tmp_path, EPYC)) == "int4"
     assert served_weight_format(isa(tmp_path, ALDER_LAKE_N)) == "int4"
     assert served_weight_format(isa(tmp_path, SKYLAKE)) == "int8"
