@@ -310,6 +310,21 @@ def genai_dir(path: Path) -> Path:
     return out
 
 
+def _policy_info(engine) -> dict:
+    """The step costs the engine's speculation policy measured at load (ms by batch and tokens fed)."""
+    policy = engine.speculation.policy
+    if policy is None:
+        return {}
+    c = policy.costs
+    return {
+        "step_costs_ms": {
+            f"b={b}": dict(zip(c.fed, (round(1e3 * t, 2) for t in row))) for b, row in zip(c.batches, c.seconds)
+        },
+        "shape_switch_ms": round(1e3 * c.switch, 2),
+        "measured_s": round(c.measured_s, 3),
+    }
+
+
 class Sides:
     """The batch-1 sides on one model: ours (no speculation), ours_pl (prompt lookup), ours_draft (with a draft),
     genai, genai_pl, genai_draft (unless no_genai). `calls`: [(side, call(ids) -> result)]."""
@@ -325,20 +340,30 @@ class Sides:
             "ours": EngineConfig(**common),
             "ours_pl": EngineConfig(prompt_lookup=True, num_assistant_tokens=k, max_ngram_size=ngram, **common),
         }
+        # prompt lookup as it was before the step-cost policy: every sequence drafts k on every step
+        configs["ours_pl_fixed"] = configs["ours_pl"]
         if draft is not None:
             configs["ours_draft"] = EngineConfig(draft_model=str(draft), num_assistant_tokens=k, **common)
         self.engines = {}
+        self.load_s: dict[str, float] = {}
         try:
             for name, config in configs.items():
                 if name == "ours" or name in args.sides:
+                    t0 = time.perf_counter()
                     self.engines[name] = load_engine(path, config)
+                    self.load_s[name] = time.perf_counter() - t0
+                    if name == "ours_pl_fixed":
+                        self.engines[name].speculation.costs = self.engines[name].speculation.policy = None
             base = self.engines["ours"]
             self.tokenizer, self.eos = base.tokenizer, set(base.eos_token_ids)
             params = SamplingParams(max_tokens=args.new_tokens)
             self.calls: list[tuple[str, Callable[[list[int]], dict]]] = [
                 (n, partial(ours_call, e, params=params)) for n, e in self.engines.items()
             ]
-            self.settings: dict = {n: {**engine_settings(e), "config": repr(e.config)} for n, e in self.engines.items()}
+            self.settings: dict = {
+                n: {**engine_settings(e), "config": repr(e.config), "load_s": self.load_s[n], **_policy_info(e)}
+                for n, e in self.engines.items()
+            }
             if not args.no_genai:
                 self._genai(path, draft, args, base)
         except BaseException:
@@ -424,7 +449,7 @@ def bench_batch1(sides: Sides, prompt_list: list[dict], reps: int, bar) -> list[
     return runs
 
 
-SIDES = ("ours", "ours_pl", "ours_draft", "genai", "genai_pl", "genai_draft")
+SIDES = ("ours", "ours_pl", "ours_pl_fixed", "ours_draft", "genai", "genai_pl", "genai_draft")
 
 
 def batch1_rows(runs: list[dict]) -> list[dict]:
@@ -478,71 +503,106 @@ def task_rows(runs: list[dict]) -> list[dict]:
 
 
 def ours_batch(engine, batch: list[list[int]], params) -> dict:
-    """All of `batch` submitted at once (bench.concurrency.stream_all); aggregate tok/s to the last token."""
+    """All of `batch` submitted at once (bench.concurrency.stream_all); aggregate tok/s to the last token, and per
+    CPU-second of this process (one engine runs at a time: its threads' CPU, less sensitive to other processes)."""
+    import os
+
     from bench.concurrency import stream_all
 
     stats0 = engine.stats()
+    cpu0 = time.process_time()
     t0, events, outputs, _ = stream_all(engine, batch, params)
+    cpu = time.process_time() - cpu0
     end = max(e[-1] for e in events)
     stats1 = engine.stats()
     drafted = stats1.get("draft_tokens", 0) - stats0.get("draft_tokens", 0)
     accepted = stats1.get("accepted_draft_tokens", 0) - stats0.get("accepted_draft_tokens", 0)
+    n = sum(map(len, outputs))
     return {
-        "tok_s": sum(map(len, outputs)) / (end - t0),
+        "tok_s": n / (end - t0),
+        "cpu_tok_s": n / cpu if cpu > 0 else float("nan"),
         "ttft_s": median(e[0] - t0 for e in events),
-        "n_tokens": sum(map(len, outputs)),
+        "n_tokens": n,
         "acceptance": accepted / drafted if drafted else None,
         "drafted": drafted,
+        "load1": os.getloadavg()[0],
         "outputs": outputs,
     }
 
 
+CONC_SIDES = ("ours", "ours_pl", "ours_pl_fixed")
+
+
 def bench_concurrency(
-    sides: Sides, grounded: list[dict], levels: list[int], reps: int, new_tokens: int, bar
+    sides: Sides, prompt_list: list[dict], levels: list[int], reps: int, new_tokens: int, bar
 ) -> list[dict]:
-    """c grounded prompts at once (the prompt list cycled, every request its own nonce) on ours and ours_pl."""
+    """c prompts of each kind at once (the kind's prompts cycled, every request its own nonce) on ours and the
+    prompt-lookup sides, the side order rotating per (rep, level, kind)."""
     from appliance.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens)
-    pair = [(n, sides.engines[n]) for n in ("ours", "ours_pl")]
+    pair = [(n, sides.engines[n]) for n in CONC_SIDES if n in sides.engines]
+    kinds = {kind: [p for p in prompt_list if p["kind"] == kind] for kind in ("grounded", "chat")}
     runs = []
     for rep in range(reps):
         for j, c in enumerate(levels):
-            batch = [
-                render(sides.tokenizer, grounded[i % len(grounded)], 100000 + 1000 * rep + 100 * j + i)
-                for i in range(c)
-            ]
-            results = {}
-            for side, engine in rotate(pair, rep + j):
-                bar.set_postfix_str(f"c={c} rep {rep + 1} {side}")
-                results[side] = {"impl": side, "rep": rep, "concurrency": c, **ours_batch(engine, batch, params)}
-                bar.update()
-            base = [_strip(o, sides.eos) for o in results["ours"]["outputs"]]
-            for r in results.values():
-                r["differ"] = sum(_strip(o, sides.eos) != b for o, b in zip(r.pop("outputs"), base))
-                runs.append(r)
+            for q, (kind, chosen) in enumerate(kinds.items()):
+                if not chosen:
+                    continue
+                batch = [
+                    render(
+                        sides.tokenizer, chosen[(rep * c + i) % len(chosen)], 100000 + 1000 * rep + 100 * j + 10 * q + i
+                    )
+                    for i in range(c)
+                ]
+                results = {}
+                for side, engine in rotate(pair, rep + j + q):
+                    bar.set_postfix_str(f"{kind} c={c} rep {rep + 1} {side}")
+                    results[side] = {
+                        "impl": side,
+                        "rep": rep,
+                        "kind": kind,
+                        "concurrency": c,
+                        **ours_batch(engine, batch, params),
+                    }
+                    bar.update()
+                base = [_strip(o, sides.eos) for o in results["ours"]["outputs"]]
+                for r in results.values():
+                    r["differ"] = sum(_strip(o, sides.eos) != b for o, b in zip(r.pop("outputs"), base))
+                    runs.append(r)
     return runs
 
 
 def concurrency_rows(runs: list[dict]) -> list[dict]:
     rows = []
-    for c in dict.fromkeys(r["concurrency"] for r in runs):
-        mine = {s: [r for r in runs if r["concurrency"] == c and r["impl"] == s] for s in ("ours", "ours_pl")}
-        drafted = sum(r["drafted"] for r in mine["ours_pl"])
-        rows.append(
-            {
-                "concurrency": c,
-                "ours_tok_s": median(r["tok_s"] for r in mine["ours"]),
-                "ours_pl_tok_s": median(r["tok_s"] for r in mine["ours_pl"]),
-                "ratio": paired_ratio(runs, "tok_s", "ours_pl", "ours", concurrency=c),
-                "ttft_ratio": paired_ratio(runs, "ttft_s", "ours_pl", "ours", concurrency=c),
-                "acceptance": sum((r["acceptance"] or 0) * r["drafted"] for r in mine["ours_pl"]) / drafted
-                if drafted
-                else None,
-                "drafted": drafted,
-                "differ": f"{sum(r['differ'] for r in mine['ours_pl'])}/{sum(c for _ in mine['ours_pl'])}",
+    for kind in dict.fromkeys(r["kind"] for r in runs):
+        for c in dict.fromkeys(r["concurrency"] for r in runs):
+            mine = {
+                s: [r for r in runs if (r["kind"], r["concurrency"], r["impl"]) == (kind, c, s)] for s in CONC_SIDES
             }
-        )
+            if not mine["ours"]:
+                continue
+            row: dict = {
+                "kind": kind,
+                "concurrency": c,
+                "reps": len(mine["ours"]),
+                "load1": median(r["load1"] for rs in mine.values() for r in rs),
+                "ours_tok_s": median(r["tok_s"] for r in mine["ours"]),
+            }
+            for side in CONC_SIDES[1:]:
+                if not mine[side]:
+                    continue
+                drafted = sum(r["drafted"] for r in mine[side])
+                row[f"{side}_tok_s"] = median(r["tok_s"] for r in mine[side])
+                row[f"{side}_ratio"] = paired_ratio(runs, "tok_s", side, "ours", concurrency=c, kind=kind)
+                row[f"{side}_cpu_ratio"] = paired_ratio(runs, "cpu_tok_s", side, "ours", concurrency=c, kind=kind)
+                row[f"{side}_ttft_ratio"] = paired_ratio(runs, "ttft_s", side, "ours", concurrency=c, kind=kind)
+                row[f"{side}_acceptance"] = (
+                    sum((r["acceptance"] or 0) * r["drafted"] for r in mine[side]) / drafted if drafted else None
+                )
+                row[f"{side}_drafted"] = drafted
+                row[f"{side}_differ"] = f"{sum(r['differ'] for r in mine[side])}/{c * len(mine[side])}"
+            rows.append(row)
     return rows
 
 
@@ -825,12 +885,13 @@ def targets(batch1: list[dict], conc: list[dict]) -> list[dict]:
         paired_ratio(batch1, "decode_tok_s", "ours_pl", "ours", kind="chat"),
         0.95,
     )
-    for c in dict.fromkeys(r["concurrency"] for r in conc):
-        add(
-            f"grounded c={c}: lookup vs none (aggregate tok/s)",
-            paired_ratio(conc, "tok_s", "ours_pl", "ours", concurrency=c),
-            0.95,
-        )
+    for kind in dict.fromkeys(r["kind"] for r in conc):
+        for c in dict.fromkeys(r["concurrency"] for r in conc):
+            add(
+                f"{kind} c={c}: prompt lookup (policy) vs none (aggregate tok/s)",
+                paired_ratio(conc, "tok_s", "ours_pl", "ours", concurrency=c, kind=kind),
+                1.5 if kind == "grounded" and c <= 4 else 1.0,
+            )
     return rows
 
 
@@ -859,13 +920,20 @@ TASK_COLUMNS = [
     ("ours_draft/ours", "ours_draft/ours", ".2f"),
 ]
 CONC_COLUMNS = [
+    ("kind", "prompts", ""),
     ("concurrency", "conc", "d"),
-    ("ours_tok_s", "ours tok/s", ".1f"),
-    ("ours_pl_tok_s", "lookup tok/s", ".1f"),
-    ("ratio", "ratio", ".2f"),
-    ("ttft_ratio", "TTFT ratio", ".2f"),
-    ("acceptance", "accept", ".2f"),
-    ("differ", "outputs differ", ""),
+    ("reps", "reps", "d"),
+    ("load1", "load", ".1f"),
+    ("ours_tok_s", "plain tok/s", ".1f"),
+    ("ours_pl_tok_s", "policy tok/s", ".1f"),
+    ("ours_pl_ratio", "policy ratio", ".2f"),
+    ("ours_pl_cpu_ratio", "policy CPU ratio", ".2f"),
+    ("ours_pl_ttft_ratio", "policy TTFT", ".2f"),
+    ("ours_pl_acceptance", "policy accept", ".2f"),
+    ("ours_pl_fixed_ratio", "fixed k ratio", ".2f"),
+    ("ours_pl_fixed_cpu_ratio", "fixed CPU ratio", ".2f"),
+    ("ours_pl_fixed_acceptance", "fixed accept", ".2f"),
+    ("ours_pl_differ", "policy differ", ""),
 ]
 SWEEP_COLUMNS = [
     ("model", "model", ""),
@@ -903,7 +971,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=12)
     ap.add_argument("--num-assistant-tokens", type=int, default=5, help="k on every speculative side")
     ap.add_argument("--max-ngram-size", type=int, default=3, help="prompt lookup's n on ours and genai")
-    ap.add_argument("--concurrency", nargs="+", type=int, default=[4, 8])
+    ap.add_argument("--concurrency", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--corruption", nargs="+", type=float, default=[0.0, 0.1, 0.3, 0.6, 1.0])
     ap.add_argument("--sweep-models", nargs="+", help="default: the built int8/int4 exports of bench/models.py")
     ap.add_argument("--sweep-reps", type=int, default=3)
@@ -945,11 +1013,14 @@ def main(argv=None) -> int:
                 with tqdm(total=total, desc="batch 1", file=sys.stderr, leave=False) as bar:
                     batch1 = bench_batch1(sides, out["prompts"], args.reps, bar)
             if "concurrency" in args.only:
-                grounded = [p for p in out["prompts"] if p["kind"] == "grounded"]
+                n_sides = sum(n in sides.engines for n in CONC_SIDES)
                 with tqdm(
-                    total=args.reps * len(args.concurrency) * 2, desc="concurrency", file=sys.stderr, leave=False
+                    total=args.reps * len(args.concurrency) * 2 * n_sides,
+                    desc="concurrency",
+                    file=sys.stderr,
+                    leave=False,
                 ) as bar:
-                    conc = bench_concurrency(sides, grounded, args.concurrency, args.reps, args.new_tokens, bar)
+                    conc = bench_concurrency(sides, out["prompts"], args.concurrency, args.reps, args.new_tokens, bar)
             if "profile" in args.only:
                 grounded = [p for p in out["prompts"] if p["kind"] == "grounded"]
                 with tqdm(
@@ -984,7 +1055,8 @@ def main(argv=None) -> int:
                 print_table(
                     out["concurrency"]["summary"],
                     CONC_COLUMNS,
-                    title="concurrent grounded requests: prompt lookup vs none",
+                    title="concurrent requests: prompt lookup with the step-cost policy / with a fixed k vs none "
+                    "(ratios: medians of paired runs)",
                 )
             )
     if "shapes" in args.only:

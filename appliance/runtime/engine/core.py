@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from appliance.runtime.engine.beams import BeamSearches
 from appliance.runtime.engine.choices import FollowerForks
 from appliance.runtime.engine.liveness import Liveness
 from appliance.runtime.engine.logprobs import record_prompt_logprobs, sampled_logprobs, token_text, wants_prompt_logits
-from appliance.runtime.engine.speculation import Speculation, Verify, load_proposers
+from appliance.runtime.engine.speculation import Speculation, Verify, load_proposers, measure
 from appliance.runtime.engine.text import text_step
 from appliance.runtime.grammar import GrammarCompiler
 from appliance.runtime.kv_cache import BlockPool
@@ -95,7 +96,15 @@ class Engine(Admission, Liveness):
         self._ids = itertools.count()
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
         self.counters |= {"draft_tokens": 0, "accepted_draft_tokens": 0}  # speculative decoding (speculation.py)
-        self.speculation = Speculation(self.proposers, self.scheduler, self.config, self.counters)
+        self.speculation = Speculation(
+            self.proposers,
+            self.scheduler,
+            self.config,
+            self.counters,
+            partial(measure, self.backend, self.pool, self.config.speculation_max_batch),
+        )
+        if self.config.speculative():  # the step costs its policy decides from, timed before any request
+            self.speculation.load_policy()
         self.beams = BeamSearches(self.scheduler, self.pool, self.tokenizer, self._copy_tails, self.counters)
         self.heartbeat = time.monotonic()
         self.dead: BaseException | None = None

@@ -20,7 +20,15 @@ as one.
 Rollback costs nothing: KV written for rejected positions lies past num_computed and is overwritten by the next
 step; blocks allocated only for them go back to the pool (Scheduler.rollback), and only blocks full of accepted
 tokens are named for the prefix cache. Where it is off: static shapes (one-token decode graphs), beam search, and
-steps with more than speculation_max_batch decoding sequences (compute-bound already).
+steps with more than speculation_max_batch decoding sequences.
+
+Whether a step speculates, which sequences and with how many drafts, is the SpeculationPolicy's decision
+(speculative/policy.py): the step costs by batch and tokens fed, timed on the engine's own backend (`measure`, at
+load when the model speculates, else at the first request that asks for it), against each sequence's running
+acceptance (SpecState.rate). The sequences it leaves out still get a one-token prompt-lookup draft that is not fed
+(a "shadow", free to make): the token the step produces tells whether it would have been kept, so their rate keeps
+up with the text and they speculate again when a copy starts. A draft model's drafts cost its own steps: the time of
+its propose calls per drafted token is part of the cost (`draft_cost`).
 
 Speculation is an object of the engine's (Engine.speculation), built with what it uses: the proposers, the
 scheduler (its running sequences, rollback), the config (modes, k, speculation_max_batch) and the counters. The
@@ -31,6 +39,7 @@ sequence's verification fails that sequence alone, as everywhere in the step).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -39,11 +48,14 @@ import numpy as np
 
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
+from appliance.runtime.backends.base import Backend, StepBatch
+from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.sampling import SampleOutput
 from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sequence import Sequence, Status
 from appliance.runtime.speculative.base import Proposer
 from appliance.runtime.speculative.ngram import PromptLookup
+from appliance.runtime.speculative.policy import BATCHES, CONTEXT, FED, SpeculationPolicy, StepCosts, measure_step_costs
 from appliance.runtime.speculative.state import SpecState
 from appliance.runtime.tokenizer import Tokenizer
 
@@ -78,14 +90,60 @@ def load_proposers(
     return proposers
 
 
+def measure(backend: Backend, pool: BlockPool, max_batch: int) -> StepCosts | None:
+    """The step costs of `backend` (policy.measure_step_costs) up to batch `max_batch` (speculation_max_batch:
+    larger batches never speculate): b sequences sharing one block table at a CONTEXT-token past, feeding n random
+    tokens each (n > 1 with every position's logits, as a verification does). None when the pool has no room for
+    it (then the next request that speculates tries again)."""
+    context = max(1, min(CONTEXT, backend.max_context - max(FED)))
+    need = pool.blocks_for(context + max(FED))
+    if not pool.can_allocate(need):
+        return None
+    blocks = pool.allocate(need)
+    rng = np.random.default_rng(0)
+    try:
+
+        def forward(b: int, n: int) -> None:
+            ids = rng.integers(100, 1000, (b, n)).tolist()
+            backend.forward(StepBatch(ids, [context] * b, [blocks] * b, all_logits=[True] * b if n > 1 else None))
+
+        costs = measure_step_costs(forward, [b for b in BATCHES if b <= max_batch] or [1])
+    finally:
+        pool.free(blocks)
+    log.info(
+        "speculation: step costs measured in %.2f s: %s",
+        costs.measured_s,
+        {f"b{b}": [round(1e3 * t, 1) for t in row] for b, row in zip(costs.batches, costs.seconds)},
+    )
+    return costs
+
+
 class Speculation:
     """Speculative decoding for the engine: `check` a request's parameters (any thread), `start` and `release` a
-    sequence's SpecState, `propose` drafts before the schedule, `verify` them after the forward."""
+    sequence's SpecState, `propose` drafts before the schedule, `verify` them after the forward. `costs`: measures
+    the step costs for the policy (`measure` on the engine's backend); None: every speculating sequence drafts its
+    own k on every step (no policy)."""
 
     def __init__(
-        self, proposers: dict[str, Proposer], scheduler: Scheduler, config: EngineConfig, counters: dict[str, int]
+        self,
+        proposers: dict[str, Proposer],
+        scheduler: Scheduler,
+        config: EngineConfig,
+        counters: dict[str, int],
+        costs: Callable[[], StepCosts | None] | None = None,
     ):
         self.proposers, self.scheduler, self.config, self.counters = proposers, scheduler, config, counters
+        self.costs = costs
+        self.policy: SpeculationPolicy | None = None
+        self.draft_cost: dict[str, float] = {}  # proposer -> seconds per drafted token (adaptive proposers)
+
+    def load_policy(self) -> SpeculationPolicy | None:
+        """The policy, its step costs measured on first use (at most once; None without `costs`)."""
+        if self.policy is None and self.costs is not None and self.proposers:
+            costs = self.costs()
+            if costs is not None:
+                self.policy = SpeculationPolicy(costs)
+        return self.policy
 
     def check(self, p: SamplingParams) -> None:
         """A request's speculation parameters, on the caller's thread (ValueError: 400). `prediction` is a hint:
@@ -144,28 +202,71 @@ class Speculation:
             if seq.num_computed == len(seq.token_ids) - 1:
                 decoding.append(seq)
         if not decoding or len(decoding) > self.config.speculation_max_batch:
+            if self.policy is not None:
+                self.policy.fed(len(decoding))
             return
-        asks: dict[str, list[tuple[Sequence, int]]] = {}
+        candidates: list[tuple[Sequence, int]] = []
         for seq in decoding:
             spec = seq.spec
             if spec is None or seq.status is not Status.RUNNING:
                 continue
+            if spec.shadow is not None:  # last step's draft that was not fed: would its first token have been kept?
+                position, token = spec.shadow
+                spec.shadow = None
+                if position < len(seq.token_ids):
+                    spec.observe(int(seq.token_ids[position] == token), 1)
             k = min(spec.k, seq.max_len - len(seq.token_ids) - 1)  # past max_len nothing would be kept
             if k > 0 and spec.ready():
-                asks.setdefault(spec.proposer, []).append((seq, k))
+                candidates.append((seq, k))
+        if not candidates:
+            if self.policy is not None:
+                self.policy.fed(len(decoding))
+            return
+        policy = self.load_policy()
+        fed, shadows = len(decoding), []
+        if policy is not None:
+            ranked = sorted(candidates, key=lambda c: -c[0].spec.rate if c[0].spec else 0.0)
+            names = {seq.spec.proposer for seq, _ in ranked if seq.spec}
+            plan = policy.plan(
+                len(decoding),
+                [seq.spec.rate for seq, _ in ranked if seq.spec],
+                max(k for _, k in ranked),
+                self.config.max_num_batched_tokens,
+                max(self.draft_cost.get(name, 0.0) for name in names),
+            )
+            candidates = [(seq, min(k, plan.k)) for seq, k in ranked[: plan.m]]
+            shadows = [(seq, 1) for seq, _ in ranked[plan.m :] if seq.spec and not self._adaptive(seq)]
+        asks: dict[str, list[tuple[Sequence, int]]] = {}
+        for seq, k in candidates + shadows:
+            assert seq.spec is not None
+            asks.setdefault(seq.spec.proposer, []).append((seq, k))
+        shadowed = {id(seq) for seq, _ in shadows}
         for name, batch in asks.items():
             proposer = self.proposers[name]
+            t0 = time.perf_counter()
             try:
                 drafts = proposer.propose(batch)
             except Exception:  # no drafts this step: the sequences decode as usual, their output is unchanged
                 log.exception("speculation: %s failed to propose; decoding without drafts", name)
                 continue
+            if proposer.adaptive:  # a draft model: what its drafts cost per token, for the policy
+                per_token = (time.perf_counter() - t0) / max(1, sum(k for _, k in batch))
+                self.draft_cost[name] = 0.8 * self.draft_cost.get(name, per_token) + 0.2 * per_token
             for (seq, k), draft in zip(batch, drafts):
-                seq.draft = [int(t) for t in draft[:k]]
                 assert seq.spec is not None
+                if id(seq) in shadowed:
+                    seq.spec.shadow = (len(seq.token_ids), int(draft[0]) if draft else seq.token_ids[-1])
+                    continue
+                seq.draft = [int(t) for t in draft[:k]]
                 seq.spec.real = len(seq.draft)
                 if seq.draft or not proposer.adaptive:  # the same fed shape every step (module docstring)
                     seq.draft += [seq.draft[-1] if seq.draft else seq.token_ids[-1]] * (k - len(seq.draft))
+                fed += len(seq.draft)
+        if policy is not None:
+            policy.fed(fed)
+
+    def _adaptive(self, seq: Sequence) -> bool:
+        return seq.spec is not None and self.proposers[seq.spec.proposer].adaptive
 
     def verify(self, verifying: Verify, sample: Sample, append: Append, isolate: Isolate) -> None:
         """Keep each sequence's drafts up to the first one its sampler does not draw (module docstring): each
@@ -206,6 +307,7 @@ class Speculation:
         proposer = self.proposers[spec.proposer]
         if proposer.adaptive and spec.real:
             spec.adapt(spec.real, min(accepted, spec.real))
+        spec.observe(accepted, len(seq.draft))
         seq.draft = []
         if seq.status is Status.FINISHED:
             return

@@ -9,6 +9,10 @@ back-off for sequences whose drafts keep failing: after m proposals in a row wit
 (`Proposer.adaptive` False): what its drafts cost is the verification, and that cost is set by the shape the step
 feeds, not by how many of the fed tokens are drafts (the engine pads drafts to a constant length:
 appliance/runtime/engine/speculation.py says why, with the measurement).
+
+Whether a step speculates at all, and with which k, is the engine's SpeculationPolicy (speculative/policy.py): it
+weighs each sequence's running acceptance (`rate`: decayed counts of the draft positions kept and of the first one
+rejected, padding included, as that is what a step feeds) against the step costs measured at load.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_PAUSE = 64  # steps a failing sequence waits at most before it drafts again
+DECAY = 0.7  # weight of the older observations at each new one: the rate follows the last ~3 steps
+PRIOR = 0.5  # the rate of a sequence that has not been observed yet (one kept and one rejected position)
 
 
 @dataclass(eq=False)
@@ -34,6 +40,9 @@ class SpecState:
     misses: int = 0  # proposals in a row with nothing accepted
     pause: int = 0  # steps left before drafting again
     data: Any = None  # the proposer's own per-sequence state (an n-gram index, a draft KV table)
+    kept: float = PRIOR  # decayed count of draft positions kept (padding included), for `rate`
+    stopped: float = 1 - PRIOR  # decayed count of verifications that rejected a position
+    shadow: tuple[int, int] | None = None  # (position, token) drafted but not fed: checked against the output
 
     def __post_init__(self) -> None:
         self.k = self.k or self.max_k
@@ -41,6 +50,17 @@ class SpecState:
     @property
     def rejected(self) -> int:
         return self.proposed - self.accepted
+
+    @property
+    def rate(self) -> float:
+        """The running probability that a draft position is kept, given the ones before it were."""
+        return self.kept / (self.kept + self.stopped)
+
+    def observe(self, kept: int, offered: int) -> None:
+        """A verification kept `kept` of `offered` fed draft positions (or a shadow draft of one position was
+        checked against the token the step produced)."""
+        self.kept = DECAY * self.kept + kept
+        self.stopped = DECAY * self.stopped + (kept < offered)
 
     def ready(self) -> bool:
         """Draft this step? (counts a paused step down)"""

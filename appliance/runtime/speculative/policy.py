@@ -1,0 +1,162 @@
+"""When to speculate and how many tokens to draft: a cost model of the step measured when the model loads.
+
+A verification step feeds 1 + k tokens per speculating sequence; what that costs against a plain one-token step
+depends on the model, the export and the box, and on the batch. Measured here (2-vCPU AVX2 box under load, the
+default model's int8 export, `python -m bench.speculative --only shapes`): at batch 1 a forward feeding 1 / 3 / 6
+tokens at a steady count took 62 / 91 / 133 ms, so k = 5 costs 2.1x a plain step and pays only above ~60%
+acceptance, while on the AVX-512 box (bf16) 1 to 6 tokens cost the same. With 8 sequences decoding the extra
+positions cost more still (the step is no longer bound by reading the weights). A fixed k and a fixed batch cut-off
+(the old `--speculation-max-batch` 4) were right on one box and wrong on the other: grounded prompts reached 2.37x
+at batch 1 and 0.97x at 8 concurrent.
+
+So `measure_step_costs` times backend.forward once at load on a small grid, (batch b, tokens fed per sequence n)
+for b in 1, 2, 4, 8 and n in 1, 3, 6 (n > 1 with the logits of every position, as verification asks), each point
+after one call that takes the new shape (the CPU plugin re-plans when the fed shape changes: that call is the
+`switch` cost, 15-30 ms on both boxes) and the fastest of two timed calls. The KV contents do not matter for timing,
+so the sequences share one block table at a 256-token past and nothing is prefilled. About 36 forwards: 0.3 s on
+the default model (the engine logs it), several seconds at 1.5B, against a compile of 2-20 s.
+
+`SpeculationPolicy.plan` then decides per step, from that table, the current batch and each sequence's running
+acceptance a_i (SpecState.rate: decayed counts of accepted / rejected draft positions): with a draft accepted
+position by position at rate a, a sequence keeps a (1 - a^k) / (1 - a) drafts per step on top of its own token, so
+with the m most accepting of b decoding sequences drafting k each the step makes b + sum_i<m g(a_i, k) tokens in
+cost(b, 1 + m k / b) (+ the proposer's own time per drafted token, for a draft model). The plan is the (k, m) with
+the most tokens per second, or none when plain decoding (b tokens in cost(b, 1)) is at least as fast; k is capped
+by the requests' num_assistant_tokens and the engine's token budget. A change of the fed shape costs `switch` once,
+so a plan that changes the step's shape must beat keeping the last one by that cost spread over the next
+`horizon` steps: the plan does not flicker between two near-equal shapes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+BATCHES = (1, 2, 4, 8)  # batch sizes timed at load (up to speculation_max_batch)
+FED = (1, 3)  # tokens fed per sequence timed at load (plain, k = 2); more drafts: extrapolated linearly
+CONTEXT = 256  # past tokens of every timed sequence
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of one forward by (batch, tokens fed per sequence), measured on a grid; `cost` interpolates.
+    `switch`: the extra seconds of the first call after the fed shape changes."""
+
+    batches: tuple[int, ...]
+    fed: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [batch index][fed index]
+    switch: float = 0.0
+    measured_s: float = 0.0  # how long the measurement took
+
+    def cost(self, b: int, n: float) -> float:
+        """Seconds of a step of b sequences feeding n tokens each on average: linear in n between the measured
+        counts, linear in b between the measured batches and proportional to b past the largest (beyond it the
+        step is bound by compute)."""
+        by_batch = [_interp(self.fed, list(times), n) for times in self.seconds]
+        if b > self.batches[-1]:
+            return by_batch[-1] * b / self.batches[-1]
+        return _interp(self.batches, by_batch, b)
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extrapolated along the nearest segment."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def expected_drafts(a: float, k: int) -> float:
+    """Drafts kept per step when each is accepted with probability a while the previous ones were: sum a^j."""
+    if k <= 0 or a <= 0:
+        return 0.0
+    if a >= 1:
+        return float(k)
+    return a * (1 - a**k) / (1 - a)
+
+
+def measure_step_costs(
+    forward: Callable[[int, int], None],
+    batches: Sequence[int] = BATCHES,
+    fed: Sequence[int] = FED,
+    reps: int = 1,
+) -> StepCosts:
+    """Time `forward(b, n)` (one backend call of b sequences feeding n tokens each) on the grid: per point a call
+    that takes the shape, then the fastest of `reps` timed calls."""
+    t_start = time.perf_counter()
+    seconds, switches = [], []
+    for b in batches:
+        row = []
+        for n in fed:
+            t0 = time.perf_counter()
+            forward(b, n)
+            first = time.perf_counter() - t0
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                forward(b, n)
+                times.append(time.perf_counter() - t0)
+            steady = min(times)  # other processes only ever add time
+            row.append(steady)
+            switches.append(max(0.0, first - steady))
+        seconds.append(tuple(row))
+    return StepCosts(
+        tuple(batches),
+        tuple(fed),
+        tuple(seconds),
+        switch=statistics.median(switches),
+        measured_s=time.perf_counter() - t_start,
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """This step's speculation: the `m` most accepting sequences draft `k` tokens each (k = 0: none does)."""
+
+    k: int = 0
+    m: int = 0
+    rate: float = 0.0  # predicted tokens per second
+    plain: float = 0.0  # predicted tokens per second without speculation
+
+
+class SpeculationPolicy:
+    """Per step: speculate or not, how many sequences and how many draft tokens each, from the measured step costs
+    (module docstring). `horizon`: steps a changed shape is expected to last (the switch cost is spread over them).
+    """
+
+    def __init__(self, costs: StepCosts, horizon: int = 8):
+        self.costs, self.horizon = costs, horizon
+        self.last_fed = 0  # tokens the last step fed for its decoding sequences
+
+    def plan(self, b: int, rates: Sequence[float], max_k: int, budget: int, draft_cost: float = 0.0) -> Plan:
+        """b: sequences decoding this step; rates: the running acceptance of those that may speculate, highest
+        first (len(rates) <= b); max_k: the most drafts any of them allows; budget: the step's token budget (at
+        most b + m k fed); draft_cost: the proposer's seconds per drafted token."""
+        cost = self.costs.cost
+        switch = self.costs.switch / max(1, self.horizon)
+
+        def penalty(fed: int) -> float:
+            return switch if self.last_fed and fed != self.last_fed else 0.0
+
+        plain_rate = b / (cost(b, 1) + penalty(b))
+        best = Plan(0, 0, plain_rate, plain_rate)
+        gains = [0.0] * (len(rates) + 1)
+        for k in range(1, max_k + 1):
+            for m in range(1, len(rates) + 1):
+                gains[m] = gains[m - 1] + expected_drafts(rates[m - 1], k)
+                fed = b + m * k
+                if fed > budget:
+                    break
+                rate = (b + gains[m]) / (cost(b, fed / b) + draft_cost * m * k + penalty(fed))
+                if rate > best.rate:
+                    best = Plan(k, m, rate, plain_rate)
+        return best
+
+    def fed(self, tokens: int) -> None:
+        """The step fed `tokens` for its decoding sequences (what the next plan's shape is compared with)."""
+        self.last_fed = tokens
