@@ -86,6 +86,13 @@ def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
     return results
 
 
+def _every_step(engine: Engine) -> Engine:
+    """Without the step-cost policy: every speculating sequence drafts k on every step, so the verification runs
+    whatever the box's step costs (the policy's own decisions: test_speculative_policy.py)."""
+    engine.speculation.costs = engine.speculation.policy = None
+    return engine
+
+
 def _drafts(engine: Engine) -> tuple[int, int]:
     return engine.counters["draft_tokens"], engine.counters["accepted_draft_tokens"]
 
@@ -113,7 +120,10 @@ def test_default_model_greedy_is_unchanged(default_f32):
         prompts = [base.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in GROUNDED]
         params = [SamplingParams(max_tokens=48)] * len(prompts)
         want = _run(base, prompts, params)
-        got = _run(spec, prompts, params)
+        assert spec.speculation.policy is not None  # measured at load: the model speculates
+        got = _run(spec, prompts, params)  # as the policy decides
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        got = _run(_every_step(spec), prompts, params)
         assert [r.token_ids for r in got] == [r.token_ids for r in want]
         assert [r.text for r in got] == [r.text for r in want]
         drafted, accepted = _drafts(spec)
@@ -129,7 +139,7 @@ def test_default_model_greedy_is_unchanged(default_f32):
 def test_tiny_families_greedy_is_unchanged(family, exported):
     out, _ = exported(family, "openvino", "fp32")
     base = Engine(out, EngineConfig(**F32, max_num_batched_tokens=64))
-    spec = Engine(out, EngineConfig(**F32, max_num_batched_tokens=64, speculation_max_batch=8))
+    spec = _every_step(Engine(out, EngineConfig(**F32, max_num_batched_tokens=64, speculation_max_batch=8)))
     try:
         prompts = [base.tokenizer.encode(t) for t in tiny_models.CORPUS[:4]]
         plain = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -161,7 +171,7 @@ def test_tiny_families_greedy_is_unchanged(family, exported):
 def tiny_llama(exported):
     out, _ = exported("llama", "openvino", "fp32")
     base = Engine(out, EngineConfig(**F32))
-    spec = Engine(out, EngineConfig(**F32, speculation_max_batch=64))
+    spec = _every_step(Engine(out, EngineConfig(**F32, speculation_max_batch=64)))
     yield base, spec
     base.shutdown()
     spec.shutdown()

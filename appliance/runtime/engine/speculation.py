@@ -181,6 +181,8 @@ class Speculation:
             max_ngram=p.max_ngram_size or config.max_ngram_size,
             confidence=p.assistant_confidence_threshold,
         )
+        if p.prediction or p.prediction_ids:  # the answer is expected to start as the prediction: draft at once
+            seq.spec.kept, seq.spec.stopped = 0.9, 0.1
         self.proposers[name].start(seq)
 
     def release(self, seq: Sequence) -> None:
@@ -236,6 +238,9 @@ class Speculation:
             )
             candidates = [(seq, min(k, plan.k)) for seq, k in ranked[: plan.m]]
             shadows = [(seq, 1) for seq, _ in ranked[plan.m :] if seq.spec and not self._adaptive(seq)]
+            for seq, _ in ranked[plan.m :]:
+                if seq.spec is not None and self._adaptive(seq):  # a draft model's drafts cost: no shadow
+                    seq.spec.forget()
         asks: dict[str, list[tuple[Sequence, int]]] = {}
         for seq, k in candidates + shadows:
             assert seq.spec is not None

@@ -62,6 +62,12 @@ class SpecState:
         self.kept = DECAY * self.kept + kept
         self.stopped = DECAY * self.stopped + (kept < offered)
 
+    def forget(self) -> None:
+        """A step without an observation (the policy left this sequence out and nothing checked a draft of it):
+        the rate drifts back toward PRIOR, so a sequence left out for a low rate is tried again later."""
+        self.kept = DECAY * self.kept + (1 - DECAY) * PRIOR
+        self.stopped = DECAY * self.stopped + (1 - DECAY) * (1 - PRIOR)
+
     def ready(self) -> bool:
         """Draft this step? (counts a paused step down)"""
         if self.pause:
