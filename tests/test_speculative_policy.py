@@ -22,8 +22,9 @@ from appliance.runtime.speculative.policy import (
     StepCosts,
     expected_drafts,
     measure_step_costs,
+    monotone,
 )
-from appliance.runtime.speculative.state import SpecState
+from appliance.runtime.speculative.state import PRIOR, SpecState
 
 # the default model's int8 export on the 2-vCPU AVX2 box under load (ms, batch x tokens fed per sequence)
 AVX2 = StepCosts((1, 2, 4), (1, 3), ((0.103, 0.148), (0.128, 0.291), (0.194, 0.364)), switch=0.03)
@@ -64,7 +65,7 @@ def test_measurement_times_each_point_after_a_shape_call():
     assert costs.measured_s >= 0 and costs.switch >= 0
 
 
-@pytest.mark.parametrize("rate", [0.05, 0.5, 0.95])
+@pytest.mark.parametrize("rate", [0.2, 0.5, 0.95])
 @pytest.mark.parametrize("b", [1, 2, 4])
 def test_memory_bound_steps_draft_the_most(rate, b):
     plan = SpeculationPolicy(flat()).plan(b, [rate] * b, max_k=5, budget=256)
@@ -83,7 +84,7 @@ def test_measured_table_drafts_more_as_acceptance_rises_and_less_as_the_batch_gr
     ks = [policy.plan(1, [a], max_k=5, budget=256).k for a in (0.1, 0.5, 0.8, 0.95)]
     assert ks[0] == 0 and ks == sorted(ks) and ks[-1] == 5
     # extra positions cost more at batch 4: fewer drafts at the same acceptance, none where batch 1 still drafts
-    assert 0 < policy.plan(4, [0.6] * 4, max_k=5, budget=256).k < policy.plan(1, [0.6], max_k=5, budget=256).k
+    assert 0 < policy.plan(4, [0.7] * 4, max_k=5, budget=256).k < policy.plan(1, [0.7], max_k=5, budget=256).k
     assert policy.plan(1, [0.4], max_k=5, budget=256).k > 0 and policy.plan(4, [0.4] * 4, max_k=5, budget=256).k == 0
     # of mixed sequences, only the accepting ones draft
     plan = policy.plan(4, [0.99, 0.99, 0.1, 0.1], max_k=5, budget=256)
@@ -97,10 +98,17 @@ def test_request_k_and_token_budget_cap_the_plan():
     assert 4 + plan.m * plan.k <= 12 and plan.k > 0
 
 
+def test_a_small_predicted_gain_is_not_taken():
+    # k = 1 at acceptance 0.5: 1.5 tokens in 0.140 s against 1 in 0.100 s, 7% more: inside the margin
+    costs = StepCosts((1,), (1, 2), ((0.100, 0.140),))
+    assert SpeculationPolicy(costs).plan(1, [0.5], max_k=1, budget=256).k == 0
+    assert SpeculationPolicy(costs, margin=1.0).plan(1, [0.5], max_k=1, budget=256).k == 1
+
+
 def test_a_near_tie_keeps_the_last_shape():
     # k = 1 at acceptance 0.5: 1.5 tokens in 0.147 s against 1 in 0.100 s, within the switch cost (0.08 s spread over
     # 8 steps): the last step's shape wins
-    policy = SpeculationPolicy(StepCosts((1,), (1, 2), ((0.100, 0.147),), switch=0.08), horizon=8)
+    policy = SpeculationPolicy(StepCosts((1,), (1, 2), ((0.100, 0.147),), switch=0.08), horizon=8, margin=1.0)
     assert policy.plan(1, [0.5], max_k=1, budget=256).k == 1  # no last shape: the faster one
     policy.fed(1)  # the last step decoded plainly
     assert policy.plan(1, [0.5], max_k=1, budget=256).k == 0
@@ -109,9 +117,14 @@ def test_a_near_tie_keeps_the_last_shape():
     assert policy.plan(1, [0.9], max_k=1, budget=256).k == 1  # a clear gain switches whatever the last shape
 
 
+def test_measured_costs_are_made_monotone():
+    # a larger step timed faster than a smaller one (other work paused meanwhile) counts as the smaller one
+    assert monotone([[0.1, 0.2], [0.09, 0.15], [0.3, 0.25]]) == ((0.1, 0.2), (0.1, 0.2), (0.3, 0.3))
+
+
 def test_rate_follows_recent_verifications():
     spec = SpecState("prompt_lookup", max_k=5)
-    assert spec.rate == pytest.approx(0.5)
+    assert spec.rate == pytest.approx(PRIOR)
     for _ in range(6):
         spec.observe(5, 5)
     assert spec.rate > 0.95

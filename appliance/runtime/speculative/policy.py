@@ -37,6 +37,7 @@ from dataclasses import dataclass
 BATCHES = (1, 2, 4, 8)  # batch sizes timed at load (up to speculation_max_batch)
 FED = (1, 3)  # tokens fed per sequence timed at load (plain, k = 2); more drafts: extrapolated linearly
 CONTEXT = 256  # past tokens of every timed sequence
+MARGIN = 1.1  # speculate only for a predicted gain above 10%: the costs are timed once, on a box with other work
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def measure_step_costs(
     """Time `forward(b, n)` (one backend call of b sequences feeding n tokens each) on the grid: per point a call
     that takes the shape, then the fastest of `reps` timed calls."""
     t_start = time.perf_counter()
-    seconds, switches = [], []
+    seconds: list[tuple[float, ...]] = []
+    switches: list[float] = []
     for b in batches:
         row = []
         for n in fed:
@@ -108,10 +110,19 @@ def measure_step_costs(
     return StepCosts(
         tuple(batches),
         tuple(fed),
-        tuple(seconds),
+        monotone(seconds),
         switch=statistics.median(switches),
         measured_s=time.perf_counter() - t_start,
     )
+
+
+def monotone(seconds: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+    """The grid with every point at least its smaller neighbours (more sequences or more tokens never cost less:
+    a point below them was timed while other work paused)."""
+    out: list[tuple[float, ...]] = []
+    for row in seconds:
+        out.append(tuple(max([t, *row[:j], *(r[j] for r in out)]) for j, t in enumerate(row)))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -129,8 +140,8 @@ class SpeculationPolicy:
     (module docstring). `horizon`: steps a changed shape is expected to last (the switch cost is spread over them).
     """
 
-    def __init__(self, costs: StepCosts, horizon: int = 8):
-        self.costs, self.horizon = costs, horizon
+    def __init__(self, costs: StepCosts, horizon: int = 8, margin: float = MARGIN):
+        self.costs, self.horizon, self.margin = costs, horizon, margin
         self.last_fed = 0  # tokens the last step fed for its decoding sequences
 
     def plan(self, b: int, rates: Sequence[float], max_k: int, budget: int, draft_cost: float = 0.0) -> Plan:
@@ -153,7 +164,7 @@ class SpeculationPolicy:
                 if fed > budget:
                     break
                 rate = (b + gains[m]) / (cost(b, fed / b) + draft_cost * m * k + penalty(fed))
-                if rate > best.rate:
+                if rate > best.rate and rate > self.margin * plain_rate:
                     best = Plan(k, m, rate, plain_rate)
         return best
 

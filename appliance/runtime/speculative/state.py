@@ -22,7 +22,8 @@ from typing import Any
 
 MAX_PAUSE = 64  # steps a failing sequence waits at most before it drafts again
 DECAY = 0.7  # weight of the older observations at each new one: the rate follows the last ~3 steps
-PRIOR = 0.5  # the rate of a sequence that has not been observed yet (one kept and one rejected position)
+PRIOR = 0.3  # the rate of a sequence not observed yet: it starts plain unless steps are nearly free, and two
+# shadow drafts kept in a row (engine/speculation.py) take it past 0.8
 
 
 @dataclass(eq=False)
