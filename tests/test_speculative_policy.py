@@ -56,10 +56,10 @@ def test_costs_interpolate_and_extrapolate():
     assert c.cost(8, 1) == pytest.approx(2 * 0.194)  # past the largest batch: proportional
 
 
-def test_measurement_times_each_point_after_a_shape_call():
+def test_measurement_times_each_point_after_a_shape_call_round_by_round():
     calls: list[tuple[int, int]] = []
-    costs = measure_step_costs(lambda b, n: calls.append((b, n)), batches=(1, 2), fed=(1, 3), reps=2)
-    assert calls == [(1, 1)] * 3 + [(1, 3)] * 3 + [(2, 1)] * 3 + [(2, 3)] * 3
+    costs = measure_step_costs(lambda b, n: calls.append((b, n)), batches=(1, 2), fed=(1, 3), rounds=2)
+    assert calls == 2 * [(1, 1), (1, 1), (1, 3), (1, 3), (2, 1), (2, 1), (2, 3), (2, 3)]
     assert (costs.batches, costs.fed) == ((1, 2), (1, 3))
     assert len(costs.seconds) == 2 and all(len(row) == 2 for row in costs.seconds)
     assert costs.measured_s >= 0 and costs.switch >= 0

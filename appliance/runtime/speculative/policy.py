@@ -1,27 +1,29 @@
 """When to speculate and how many tokens to draft: a cost model of the step measured when the model loads.
 
 A verification step feeds 1 + k tokens per speculating sequence; what that costs against a plain one-token step
-depends on the model, the export and the box, and on the batch. Measured here (2-vCPU AVX2 box under load, the
-default model's int8 export, `python -m bench.speculative --only shapes`): at batch 1 a forward feeding 1 / 3 / 6
-tokens at a steady count took 62 / 91 / 133 ms, so k = 5 costs 2.1x a plain step and pays only above ~60%
-acceptance, while on the AVX-512 box (bf16) 1 to 6 tokens cost the same. With 8 sequences decoding the extra
-positions cost more still (the step is no longer bound by reading the weights). A fixed k and a fixed batch cut-off
-(the old `--speculation-max-batch` 4) were right on one box and wrong on the other: grounded prompts reached 2.37x
-at batch 1 and 0.97x at 8 concurrent.
+depends on the model, the export and the box, and on the batch. On the AVX-512 box (bf16, fp16 export) 1 to 6
+tokens fed cost the same, and prompt lookup with a fixed k = 5 reached 2.37x on grounded prompts at batch 1. On the
+2-vCPU AVX2 box with the default model's int8 export, shared with other work (`python -m bench.speculative --only
+shapes`, load average 8): a batch-1 forward feeding 1 / 3 / 6 tokens took 62 / 91 / 133 ms, so k = 5 costs 2.1x a
+plain step and pays only above ~60% acceptance; the same fixed k there ran at 0.34-0.73x plain decoding (chat and
+grounded prompts, 1-4 concurrent: docs/performance.md, "Speculation that never costs").
 
-So `measure_step_costs` times backend.forward once at load on a small grid, (batch b, tokens fed per sequence n)
-for b in 1, 2, 4, 8 and n in 1, 3, 6 (n > 1 with the logits of every position, as verification asks), each point
-after one call that takes the new shape (the CPU plugin re-plans when the fed shape changes: that call is the
-`switch` cost, 15-30 ms on both boxes) and the fastest of two timed calls. The KV contents do not matter for timing,
-so the sequences share one block table at a 256-token past and nothing is prefilled. About 36 forwards: 0.3 s on
-the default model (the engine logs it), several seconds at 1.5B, against a compile of 2-20 s.
+So `measure_step_costs` times backend.forward once, at load, on a small grid: batch b in 1, 2, 4, 8 (up to
+speculation_max_batch, 4 by default) by tokens fed per sequence n in 1, 3 and 6 (n > 1 with the logits of every
+position, as verification asks; more tokens are extrapolated linearly), each point after one call that takes the
+new shape (the CPU plugin re-plans when the fed shape changes: that call minus the steady one is the `switch`
+cost, 15-30 ms on a quiet box) and then one timed call, in two rounds over the grid (the median per point: one
+timed call per point was not enough on the shared box, it once timed 3 tokens at batch 1 as cheap as 1 where the
+bench shows +47%); the grid is made monotone (more never costs less). The KV contents do not matter for timing, so
+the sequences share one block table at a 256-token past and nothing is prefilled. That is 36 forwards of at most
+24 tokens; the engine logs the time and the table (docs/performance.md has the measured load times).
 
 `SpeculationPolicy.plan` then decides per step, from that table, the current batch and each sequence's running
 acceptance a_i (SpecState.rate: decayed counts of accepted / rejected draft positions): with a draft accepted
 position by position at rate a, a sequence keeps a (1 - a^k) / (1 - a) drafts per step on top of its own token, so
 with the m most accepting of b decoding sequences drafting k each the step makes b + sum_i<m g(a_i, k) tokens in
 cost(b, 1 + m k / b) (+ the proposer's own time per drafted token, for a draft model). The plan is the (k, m) with
-the most tokens per second, or none when plain decoding (b tokens in cost(b, 1)) is at least as fast; k is capped
+the most tokens per second, or none unless it beats plain decoding (b tokens in cost(b, 1)) by MARGIN; k is capped
 by the requests' num_assistant_tokens and the engine's token budget. A change of the fed shape costs `switch` once,
 so a plan that changes the step's shape must beat keeping the last one by that cost spread over the next
 `horizon` steps: the plan does not flicker between two near-equal shapes.
@@ -35,7 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 BATCHES = (1, 2, 4, 8)  # batch sizes timed at load (up to speculation_max_batch)
-FED = (1, 3)  # tokens fed per sequence timed at load (plain, k = 2); more drafts: extrapolated linearly
+FED = (1, 3, 6)  # tokens fed per sequence timed at load: plain, k = 2, k = 5 (more: extrapolated linearly)
+ROUNDS = 2  # passes over the grid (the median per point)
 CONTEXT = 256  # past tokens of every timed sequence
 MARGIN = 1.1  # speculate only for a predicted gain above 10%: the costs are timed once, on a box with other work
 
@@ -85,28 +88,25 @@ def measure_step_costs(
     forward: Callable[[int, int], None],
     batches: Sequence[int] = BATCHES,
     fed: Sequence[int] = FED,
-    reps: int = 1,
+    rounds: int = ROUNDS,
 ) -> StepCosts:
-    """Time `forward(b, n)` (one backend call of b sequences feeding n tokens each) on the grid: per point a call
-    that takes the shape, then the fastest of `reps` timed calls."""
+    """Time `forward(b, n)` (one backend call of b sequences feeding n tokens each) on the grid, round by round
+    (a drift of the box's load then touches every point alike): per point and round a call that takes the shape,
+    then a timed one; per point the median over the rounds."""
     t_start = time.perf_counter()
-    seconds: list[tuple[float, ...]] = []
+    points = [(b, n) for b in batches for n in fed]
+    steady: dict[tuple[int, int], list[float]] = {p: [] for p in points}
     switches: list[float] = []
-    for b in batches:
-        row = []
-        for n in fed:
+    for _ in range(rounds):
+        for b, n in points:
             t0 = time.perf_counter()
             forward(b, n)
-            first = time.perf_counter() - t0
-            times = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                forward(b, n)
-                times.append(time.perf_counter() - t0)
-            steady = min(times)  # other processes only ever add time
-            row.append(steady)
-            switches.append(max(0.0, first - steady))
-        seconds.append(tuple(row))
+            t1 = time.perf_counter()
+            forward(b, n)
+            t2 = time.perf_counter()
+            steady[(b, n)].append(t2 - t1)
+            switches.append(max(0.0, (t1 - t0) - (t2 - t1)))
+    seconds = [[statistics.median(steady[(b, n)]) for n in fed] for b in batches]
     return StepCosts(
         tuple(batches),
         tuple(fed),
