@@ -1,7 +1,9 @@
 """Speculative decoding, interleaved: our engine without speculation, with prompt lookup and with a draft
 model vs openvino_genai.LLMPipeline without and with its own prompt lookup / draft model, at batch 1, greedy, on
 input-grounded prompts (summarize / rewrite / extract from a given text, code edits of a given function) and on
-free-form chat prompts; then 4 / 8 concurrent grounded requests with and without lookup; then decode speed-up
+free-form chat prompts; then 1 / 2 / 4 / 8 concurrent grounded and chat requests: plain, prompt lookup as the
+engine's step-cost policy decides (ours_pl) and prompt lookup drafting k on every step as it did before the policy
+(ours_pl_fixed), with aggregate tok/s, tokens per CPU-second and the load average per run; then decode speed-up
 against acceptance rate on the large random-weight shapes.
 
 Prompts come from text every box has offline (Python's stdlib sources and docstrings, /usr/share/common-licenses),
@@ -38,7 +40,7 @@ verification) and by tokens fed; `--only shapes` times backend.forward alone by 
 shape changing every call (the CPU plugin's cost of a shape change, which adaptive draft lengths pay).
 
     python -m bench.speculative [--model default-fp16] [--draft DIR] [--reps 2] [--prompts 8] [--new-tokens 128]
-        [--concurrency 4 8] [--sweep-models random250m-int8 DIR ...] [--corruption 0 0.1 0.3 0.6 1]
+        [--concurrency 1 2 4 8] [--sweep-models random250m-int8 DIR ...] [--corruption 0 0.1 0.3 0.6 1]
         [--only batch1 concurrency sweep profile shapes] [--sides ours ours_pl ...] [--precision f32]
         [--no-genai] [--quick]
 """

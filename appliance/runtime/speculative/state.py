@@ -5,10 +5,9 @@ runtime/sequence.py holds, imports nothing (a proposer's interface names Sequenc
 draft model pays for every token it drafts, so its k adapts: transformers'
 "heuristic" schedule (all accepted: k + 2, else k - 1, between 1 and the request's num_assistant_tokens), and a
 back-off for sequences whose drafts keep failing: after m proposals in a row with nothing accepted, skip 2**m steps
-(at most MAX_PAUSE) before drafting again. Prompt lookup costs nothing to draft, so it always drafts max_k
-(`Proposer.adaptive` False): what its drafts cost is the verification, and that cost is set by the shape the step
-feeds, not by how many of the fed tokens are drafts (the engine pads drafts to a constant length:
-appliance/runtime/engine/speculation.py says why, with the measurement).
+(at most MAX_PAUSE) before drafting again. Prompt lookup costs nothing to draft (`Proposer.adaptive` False): what
+its drafts cost is the verification, set by the shape the step feeds (the engine pads drafts to a constant length:
+appliance/runtime/engine/speculation.py says why, with the measurement), so its k is the policy's alone.
 
 Whether a step speculates at all, and with which k, is the engine's SpeculationPolicy (speculative/policy.py): it
 weighs each sequence's running acceptance (`rate`: decayed counts of the draft positions kept and of the first one
