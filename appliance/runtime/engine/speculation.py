@@ -24,7 +24,7 @@ steps with more than speculation_max_batch decoding sequences.
 
 Whether a step speculates, which sequences and with how many drafts, is the SpeculationPolicy's decision
 (speculative/policy.py): the step costs by batch and tokens fed, timed on the engine's own backend (`measure`, at
-load when the model speculates, else at the first request that asks for it), against each sequence's running
+load, only when the model speculates: timed later it would stall every running stream), against each sequence's running
 acceptance (SpecState.rate). The sequences it leaves out still get a one-token prompt-lookup draft that is not fed
 (a "shadow", free to make): the token the step produces tells whether it would have been kept, so their rate keeps
 up with the text and they speculate again when a copy starts. A draft model's drafts cost its own steps: the time of
@@ -94,7 +94,7 @@ def measure(backend: Backend, pool: BlockPool, max_batch: int) -> StepCosts | No
     """The step costs of `backend` (policy.measure_step_costs) up to batch `max_batch` (speculation_max_batch:
     larger batches never speculate): b sequences sharing one block table at a CONTEXT-token past, feeding n random
     tokens each (n > 1 with every position's logits, as a verification does). None when the pool has no room for
-    it (then the next request that speculates tries again)."""
+    it: then, as for a model that does not speculate by flag, a sequence that asks drafts its k on every step."""
     context = max(1, min(CONTEXT, backend.max_context - max(FED)))
     need = pool.blocks_for(context + max(FED))
     if not pool.can_allocate(need):
