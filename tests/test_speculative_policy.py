@@ -157,3 +157,17 @@ def test_left_out_sequences_keep_a_shadow_and_come_back():
     seq.token_ids.append(52)
     spec.propose()
     assert seq.draft == [51, 52, 53, 53, 53]
+
+
+def test_rejected_never_counts_positions_a_verification_has_not_reached():
+    """A chunk emitted in the middle of a verification reports what is settled: the usage folds chunks with max(),
+    so a transient overcount (every fed position counted before it was checked) would stick."""
+    spec = SpecState("prompt_lookup", max_k=3)
+    spec.proposed, spec.pending = 3, 3  # a verification of 3 drafts starts
+    seen = [spec.rejected]
+    for _ in range(2):  # positions 1 and 2 kept, a chunk after each
+        spec.accepted, spec.pending = spec.accepted + 1, spec.pending - 1
+        seen.append(spec.rejected)
+    spec.pending = 0  # position 3 missed: the verification is over
+    seen.append(spec.rejected)
+    assert seen == [0, 0, 0, 1]

@@ -283,6 +283,7 @@ class Speculation:
             assert seq.spec is not None
             seq.spec.real = min(seq.spec.real, len(seq.draft))  # the schedule may have cut the draft short
             seq.spec.proposed += seq.spec.real
+            seq.spec.pending = seq.spec.real
             self.counters["draft_tokens"] += seq.spec.real
         active, j = [seq for seq, _ in verifying], 0
         while active:
@@ -296,6 +297,7 @@ class Speculation:
                     assert seq.spec is not None
                     if hit and j < seq.spec.real:  # a padding token the model also drew is kept, not counted
                         seq.spec.accepted += 1
+                        seq.spec.pending -= 1
                         self.counters["accepted_draft_tokens"] += 1
                     append(seq, token, out, r)
                     if hit and seq.status is not Status.FINISHED:
@@ -313,6 +315,7 @@ class Speculation:
         if proposer.adaptive and spec.real:
             spec.adapt(spec.real, min(accepted, spec.real))
         spec.observe(accepted, len(seq.draft))
+        spec.pending = 0  # the positions past the first miss: rejected
         seq.draft = []
         if seq.status is Status.FINISHED:
             return

@@ -37,6 +37,7 @@ class SpecState:
     real: int = 0  # of this step's draft, the proposer's tokens (the rest is padding: not counted as drafts)
     proposed: int = 0  # draft tokens verified so far
     accepted: int = 0  # of which the model accepted
+    pending: int = 0  # of the verification under way, the draft positions not yet kept or rejected
     misses: int = 0  # proposals in a row with nothing accepted
     pause: int = 0  # steps left before drafting again
     data: Any = None  # the proposer's own per-sequence state (an n-gram index, a draft KV table)
@@ -49,7 +50,9 @@ class SpecState:
 
     @property
     def rejected(self) -> int:
-        return self.proposed - self.accepted
+        """Draft tokens verified and not kept. The positions a verification has not reached yet are left out, so a
+        chunk emitted in the middle of one never counts a draft as rejected that the next position keeps."""
+        return self.proposed - self.accepted - self.pending
 
     @property
     def rate(self) -> float:
