@@ -242,6 +242,48 @@ def test_a_prompt_s_blocks_are_read_ahead_off_the_engine_thread(tmp_path):
     tier.close()
 
 
+def test_admission_reuses_the_names_prefetch_hashed(tmp_path, monkeypatch):
+    """A prompt's chain is hashed once: prefetch (submission) returns its names and match_prefix (admission)
+    takes them without hashing again; a chain of another namespace or pool is not taken (hashed afresh, so
+    the answer is what it would be without one), and tokens past the chain's end (a preempted sequence's
+    generated ones) are hashed as before."""
+    import time
+
+    from appliance.runtime import kv_cache
+
+    prompt = list(range(1, 14))  # 3 full blocks + 1
+    pool, kv, tier = pool_with_disk(tmp_path, num_blocks=8)
+    compute(pool, kv, prompt + [14, 15, 16, 17], scope="key-a")  # 4 full blocks stored
+    tier.close()
+    pool, kv, tier = pool_with_disk(tmp_path, num_blocks=8)
+    real, calls = kv_cache.chain_hash, [0]
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(kv_cache, "chain_hash", counted)
+    chain = pool.prefetch(prompt, scope="key-a")
+    assert chain is not None and len(chain.names) == 3 and calls[0] == 3
+    deadline = time.monotonic() + 10
+    while not tier.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    blocks, names = pool.match_prefix(prompt, "key-a", chain)
+    assert len(blocks) == 3 and names == chain.names and calls[0] == 3  # nothing hashed at admission
+    pool.free(blocks)
+    assert pool.match_prefix(prompt, "key-b", chain) == ([], []) and calls[0] == 4  # its own root: a miss
+    stranger = BlockPool(8, BS, prefix_caching=True).prefetch(prompt, "key-a")
+    assert stranger is None  # no disk tier: prefetch computes nothing and admission hashes
+    foreign = kv_cache.BlockChain(b"x" * 16, "key-a", [b"y" * 16] * 3)  # another pool's names
+    again, again_names = pool.match_prefix(prompt, "key-a", foreign)
+    assert again == blocks and again_names == chain.names and calls[0] == 7
+    pool.free(again)
+    longer, longer_names = pool.match_prefix(prompt + [14, 15, 16, 17, 18], "key-a", chain)
+    assert len(longer) == 4 and longer_names[:3] == chain.names and calls[0] == 8  # only the 4th block hashed
+    pool.free(longer)
+    tier.close()
+
+
 def test_pool_without_free_blocks_recomputes(tmp_path):
     prompt = list(range(1, 14))
     pool, kv, tier = pool_with_disk(tmp_path, num_blocks=4)
@@ -277,10 +319,14 @@ def fp32_export() -> Path:
     return ensure_export("openvino", "fp32")
 
 
-def test_engine_prefix_loaded_from_disk_keeps_greedy_tokens(fp32_export, tmp_path):
+def test_engine_prefix_loaded_from_disk_keeps_greedy_tokens(fp32_export, tmp_path, monkeypatch):
     """f32: a prefix evicted from a tiny RAM pool and loaded back from disk, and after a restart, yields exactly
-    the tokens of recomputing it (an engine without the tier); the cached-token count shows the disk hit."""
+    the tokens of recomputing it (an engine without the tier); the cached-token count shows the disk hit, and
+    the prompt's blocks are named once, by the submitter's prefetch (the admission reuses the names)."""
+    import threading
+
     from appliance.config import EngineConfig
+    from appliance.runtime import kv_cache
     from appliance.runtime.engine import Engine
 
     cfg = dict(precision="f32", max_num_batched_tokens=64, kv_cache_tokens=32 * 8)
@@ -302,12 +348,18 @@ def test_engine_prefix_loaded_from_disk_keeps_greedy_tokens(fp32_export, tmp_pat
     assert got == want and first[0] == want[0]
     assert stats["kv_disk_hit_blocks"] >= 3 and cached == [128], stats  # most of it came back from disk
     restarted = Engine(fp32_export, EngineConfig(**cfg, kv_disk_dir=str(tmp_path)))
+    hashed_on: list[str] = []  # the threads that name blocks: the submitter only (its prefetch), never again
+    real = kv_cache.chain_hash
+    monkeypatch.setattr(
+        kv_cache, "chain_hash", lambda *a: hashed_on.append(threading.current_thread().name) or real(*a)
+    )
     try:
         got, cached = engine_greedy(restarted, [prompt], 16)
         stats = restarted.stats()
     finally:
         restarted.shutdown()
     assert got == want and cached == [128] and stats["kv_disk_hit_blocks"] == 4, stats
+    assert hashed_on == [threading.current_thread().name] * 4, hashed_on
 
 
 # ---------------------------------------------------------------- a real `appliance serve`, restarted

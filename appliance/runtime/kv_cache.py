@@ -28,6 +28,12 @@ of the backend now, written by the tier's thread), and a match that misses RAM a
 RAM block with the stored bytes (the block is then named and taken like a RAM hit); `prefetch`, at submission,
 has the tier read those blocks on its own thread first, so the engine thread only copies them in. The salt then
 comes from the tier's directory, so names match across restarts of the same export.
+
+A prompt's chain is hashed once: `prefetch` returns the names it computed (a `BlockChain`, carried on the
+Sequence), and `match_prefix` at admission takes them instead of hashing the blocks again (1.5 us a block, on the
+engine thread). A chain is reused only in the pool and namespace it was computed in; past its end (a preempted
+sequence's generated tokens) or without one (no disk tier: prefetch did nothing) the match hashes as it goes,
+and stops hashing at its first miss.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,6 +58,17 @@ def chain_hash(salt: bytes, parent: bytes | None, tokens: tuple[int, ...]) -> by
     """The name of a full block: keyed BLAKE2b over the parent block's name (fixed length) and the tokens as int64."""
     data = (parent or _ROOT) + array("q", tokens).tobytes()
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE, key=salt).digest()
+
+
+@dataclass(frozen=True)
+class BlockChain:
+    """The names of the first full blocks of one prompt, in the namespace `scope` of the pool salted `salt`: what
+    `prefetch` computed at submission, for `match_prefix` at admission. Valid for that prompt only (a Sequence
+    carries its own; its prompt tokens never change)."""
+
+    salt: bytes
+    scope: str
+    names: list[bytes]
 
 
 class BlockPool:
@@ -121,17 +139,21 @@ class BlockPool:
             return None
         return hashlib.blake2b(b"scope\0" + scope.encode(), digest_size=DIGEST_SIZE, key=self.salt).digest()
 
-    def match_prefix(self, tokens: list[int], scope: str = "") -> tuple[list[int], list[bytes]]:
+    def match_prefix(
+        self, tokens: list[int], scope: str = "", chain: BlockChain | None = None
+    ) -> tuple[list[int], list[bytes]]:
         """Cached blocks for the longest run of full blocks at the start of `tokens` in namespace `scope`, taken
         (ref + 1), and their chained hashes. At least one token is left to compute: its logits give the first
-        sample."""
+        sample. `chain`: the names `prefetch` computed for these tokens, reused when they are this pool's and
+        namespace's (the rest are hashed here)."""
         if not self.prefix_caching:
             return [], []
         bs, blocks, hashes, parent = self.block_size, [], [], self.root(scope)
+        known = chain.names if chain is not None and chain.salt == self.salt and chain.scope == scope else []
         self.queries += len(tokens)
-        for start in range(0, len(tokens) - 1 - bs + 1, bs):
+        for j, start in enumerate(range(0, len(tokens) - 1 - bs + 1, bs)):
             key = tuple(tokens[start : start + bs])
-            h = chain_hash(self.salt, parent, key)
+            h = known[j] if j < len(known) else chain_hash(self.salt, parent, key)
             block = self._by_hash.get(h)
             if block is None or self._key[block] != (h, key):
                 block = self._from_disk(h, key)
@@ -147,21 +169,25 @@ class BlockPool:
         self.hits += len(blocks) * bs
         return blocks, hashes
 
-    def prefetch(self, tokens: list[int], scope: str = "") -> None:
+    def prefetch(self, tokens: list[int], scope: str = "") -> BlockChain | None:
         """Any thread, at submission: have the disk tier read ahead the blocks match_prefix will want from it
         (the full blocks after the run RAM holds now), so the engine thread only copies them in at admission.
-        A hint: RAM's index is read without the engine thread's cooperation, and a miss still loads."""
+        A hint: RAM's index is read without the engine thread's cooperation, and a miss still loads. Returns the
+        names it computed, for the admission's match_prefix (None: no disk tier, nothing computed)."""
         if self.disk is None or not self.prefix_caching:
-            return
+            return None
         bs, parent = self.block_size, self.root(scope)
+        names: list[bytes] = []
         wanted: list[tuple[bytes, tuple[int, ...]]] = []
         for start in range(0, len(tokens) - 1 - bs + 1, bs):
             key = tuple(tokens[start : start + bs])
             h = chain_hash(self.salt, parent, key)
             if wanted or self._by_hash.get(h) is None:
                 wanted.append((h, key))
+            names.append(h)
             parent = h
         self.disk.prefetch(wanted)
+        return BlockChain(self.salt, scope, names)
 
     def register(self, block: int, parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
         """Name a block that just became full; returns its name (the parent of the next block; a prompt's first

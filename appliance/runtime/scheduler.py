@@ -67,7 +67,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt position
-                seq.block_table, seq.block_hashes = self.pool.match_prefix(seq.token_ids, seq.params.cache_scope)
+                seq.block_table, seq.block_hashes = self.pool.match_prefix(
+                    seq.token_ids, seq.params.cache_scope, seq.prompt_chain
+                )
                 seq.num_computed = len(seq.block_table) * self.pool.block_size
                 if seq.first_scheduled is None:  # its first admission: a preempted one's own blocks are no hit
                     seq.num_cached = min(seq.num_computed, seq.prompt_len)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from appliance.runtime.detokenizer import IncrementalDetokenizer
+    from appliance.runtime.kv_cache import BlockChain
     from appliance.runtime.sampling import SequenceSampler
     from appliance.runtime.speculative.state import SpecState
     from appliance.runtime.stopping import StopStringMatcher
@@ -52,6 +53,8 @@ class Sequence:
     first_scheduled: float | None = None
     first_token: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache names of the full blocks, in order
+    # the prompt's block names, hashed once at submission (BlockPool.prefetch) for the admission's match_prefix
+    prompt_chain: BlockChain | None = None
     # prompt logprobs (params.prompt_logprobs): TokenLogprobs of the prompt tokens so far (the first: logprob None)
     prompt_logprobs: list[TokenLogprob] | None = None
     # beam search (params.best_of > 1): the request's BeamGroup, this beam's running sum of log-probabilities
