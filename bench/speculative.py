@@ -355,7 +355,7 @@ class Sides:
                     self.engines[name] = load_engine(path, config)
                     self.load_s[name] = time.perf_counter() - t0
                     if name == "ours_pl_fixed":
-                        self.engines[name].speculation.costs = self.engines[name].speculation.policy = None
+                        self.engines[name].speculation.policy = None
             base = self.engines["ours"]
             self.tokenizer, self.eos = base.tokenizer, set(base.eos_token_ids)
             params = SamplingParams(max_tokens=args.new_tokens)

@@ -89,7 +89,7 @@ def _run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
 def _every_step(engine: Engine) -> Engine:
     """Without the step-cost policy: every speculating sequence drafts k on every step, so the verification runs
     whatever the box's step costs (the policy's own decisions: test_speculative_policy.py)."""
-    engine.speculation.costs = engine.speculation.policy = None
+    engine.speculation.policy = None
     return engine
 
 
@@ -130,6 +130,8 @@ def test_default_model_greedy_is_unchanged(default_f32):
         assert accepted >= 20 and drafted >= accepted  # grounded prompts: many drafts, most of them kept
         assert _drafts(base) == (0, 0)
         assert spec.pool.num_used == 0
+        _run(base, prompts[:1], [SamplingParams(max_tokens=8, max_ngram_size=3)])  # a request asks for lookup
+        assert base.speculation.policy is None  # step costs are never timed after load (it would stall streams)
     finally:
         base.shutdown()
         spec.shutdown()

@@ -142,7 +142,7 @@ def test_left_out_sequences_keep_a_shadow_and_come_back():
         sched,
         EngineConfig(),
         {"draft_tokens": 0, "accepted_draft_tokens": 0},
-        costs=lambda: per_token(),
+        costs=per_token(),
     )
     (seq,) = decoding(sched, "s")
     spec.propose()

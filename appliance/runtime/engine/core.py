@@ -19,7 +19,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -96,15 +95,12 @@ class Engine(Admission, Liveness):
         self._ids = itertools.count()
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
         self.counters |= {"draft_tokens": 0, "accepted_draft_tokens": 0}  # speculative decoding (speculation.py)
-        self.speculation = Speculation(
-            self.proposers,
-            self.scheduler,
-            self.config,
-            self.counters,
-            partial(measure, self.backend, self.pool, self.config.speculation_max_batch),
+        # the step costs its policy decides from: timed here, before any request, and only when the model
+        # speculates (timed later, it would stall every running stream)
+        costs = (
+            measure(self.backend, self.pool, self.config.speculation_max_batch) if self.config.speculative() else None
         )
-        if self.config.speculative():  # the step costs its policy decides from, timed before any request
-            self.speculation.load_policy()
+        self.speculation = Speculation(self.proposers, self.scheduler, self.config, self.counters, costs)
         self.beams = BeamSearches(self.scheduler, self.pool, self.tokenizer, self._copy_tails, self.counters)
         self.heartbeat = time.monotonic()
         self.dead: BaseException | None = None

@@ -31,9 +31,10 @@ up with the text and they speculate again when a copy starts. A draft model's dr
 its propose calls per drafted token is part of the cost (`draft_cost`).
 
 Speculation is an object of the engine's (Engine.speculation), built with what it uses: the proposers, the
-scheduler (its running sequences, rollback), the config (modes, k, speculation_max_batch) and the counters. The
-engine's own per-token steps reach it as arguments of `verify` (sample, append, and `isolate`: an exception in one
-sequence's verification fails that sequence alone, as everywhere in the step).
+scheduler (its running sequences, rollback), the config (modes, k, speculation_max_batch), the counters and the step
+costs the engine measured at load (None: no policy). The engine's own per-token steps reach it as arguments of
+`verify` (sample, append, and `isolate`: an exception in one sequence's verification fails that sequence alone, as
+everywhere in the step).
 """
 
 from __future__ import annotations
@@ -120,9 +121,9 @@ def measure(backend: Backend, pool: BlockPool, max_batch: int) -> StepCosts | No
 
 class Speculation:
     """Speculative decoding for the engine: `check` a request's parameters (any thread), `start` and `release` a
-    sequence's SpecState, `propose` drafts before the schedule, `verify` them after the forward. `costs`: measures
-    the step costs for the policy (`measure` on the engine's backend); None: every speculating sequence drafts its
-    own k on every step (no policy)."""
+    sequence's SpecState, `propose` drafts before the schedule, `verify` them after the forward. `costs`: the step
+    costs `measure` timed on the engine's backend at load, for the policy; None (the model does not speculate by
+    flag, or the pool had no room to time them): every speculating sequence drafts its own k on every step."""
 
     def __init__(
         self,
@@ -130,20 +131,11 @@ class Speculation:
         scheduler: Scheduler,
         config: EngineConfig,
         counters: dict[str, int],
-        costs: Callable[[], StepCosts | None] | None = None,
+        costs: StepCosts | None = None,
     ):
         self.proposers, self.scheduler, self.config, self.counters = proposers, scheduler, config, counters
-        self.costs = costs
-        self.policy: SpeculationPolicy | None = None
+        self.policy = SpeculationPolicy(costs) if costs is not None and proposers else None
         self.draft_cost: dict[str, float] = {}  # proposer -> seconds per drafted token (adaptive proposers)
-
-    def load_policy(self) -> SpeculationPolicy | None:
-        """The policy, its step costs measured on first use (at most once; None without `costs`)."""
-        if self.policy is None and self.costs is not None and self.proposers:
-            costs = self.costs()
-            if costs is not None:
-                self.policy = SpeculationPolicy(costs)
-        return self.policy
 
     def check(self, p: SamplingParams) -> None:
         """A request's speculation parameters, on the caller's thread (ValueError: 400). `prediction` is a hint:
@@ -224,7 +216,7 @@ class Speculation:
             if self.policy is not None:
                 self.policy.fed(len(decoding))
             return
-        policy = self.load_policy()
+        policy = self.policy
         fed, shadows = len(decoding), []
         if policy is not None:
             ranked = sorted(candidates, key=lambda c: -c[0].spec.rate if c[0].spec else 0.0)
