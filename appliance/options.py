@@ -26,7 +26,7 @@ from appliance.config import EngineConfig
 from appliance.keep_alive import parse_keep_alive
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.paths import compile_cache_dir, default_embedding_dir, resolve_model
-from appliance.settings import ConfigError, ModelSpec, ServeSettings
+from appliance.settings import ENCODER_SCHEDS, ConfigError, ModelSpec, ServeSettings
 
 __all__ = [
     "FIELDS",
@@ -105,7 +105,7 @@ def options_table() -> str:
 
 def check_server(args: argparse.Namespace) -> None:
     """The ranges of the server's own settings (argparse checks only their types): worker and thread counts,
-    per-client caps, timeouts, the Responses API's store, the trace exporter's settings."""
+    per-client caps, timeouts, the Responses API's store, the trace exporter's settings, the encoder's priority."""
     if args.responses_retention <= 0 or args.responses_max_bytes < 0:
         raise ConfigError("--responses-retention must be positive, --responses-max-bytes at least 0")
     if args.workers < 1 or args.threads < 1:
@@ -122,6 +122,10 @@ def check_server(args: argparse.Namespace) -> None:
     parse_memory_budget(args.models_memory_budget)
     if args.models_load_wait <= 0:
         raise ConfigError("--models-load-wait must be positive")
+    if not 0 <= args.encoder_nice <= 19:
+        raise ConfigError("--encoder-nice must be 0 to 19")
+    if args.encoder_sched not in ENCODER_SCHEDS:
+        raise ConfigError(f"--encoder-sched must be one of {', '.join(ENCODER_SCHEDS)}")
 
 
 def embedding_spec(args: argparse.Namespace, chat_model: str) -> ModelSpec | None:

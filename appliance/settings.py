@@ -17,6 +17,7 @@ RUNTIME_DIR_ENV = "APPLIANCE_RUNTIME_DIR"
 SETTINGS_FILE = "settings.json"
 SOCKET_FILE = "engine.sock"
 AUTHKEY_FILE = "authkey"
+ENCODER_SCHEDS = ("idle", "normal")  # --encoder-sched: SCHED_IDLE, or the normal policy at --encoder-nice
 # sysexits.h's EX_CONFIG: `appliance serve`'s exit status for a setting it cannot run with. A crash stays 1, so a
 # service manager can tell them apart: systemd/appliance.service's RestartPreventExitStatus=78 leaves the unit
 # failed after one start (a bad setting fails the same way every time) instead of restarting it every few seconds.
@@ -83,6 +84,19 @@ class ServeSettings:
         "all-MiniLM-L6-v2 beside `--model default` once `make model` has built it; 'none'; or an exported "
         "embedding / rerank model's directory (a config file's model_config_list names its models itself)",
         flag="embedding-model",
+    )
+    encoder_nice: int = setting(
+        19,
+        "nice (0-19, over the engine process's) of the thread embedding and rerank forwards run on while chat "
+        "models have sequences running or waiting, so chat keeps its pace (appliance/server/encoder_priority.py); "
+        "0: one thread at the process's priority",
+        flag="encoder-nice",
+    )
+    encoder_sched: str = setting(
+        "idle",
+        "scheduling policy of that thread: idle (Linux SCHED_IDLE: it runs only on a core nothing else wants) or "
+        "normal (only the nice)",
+        flag="encoder-sched",
     )
     config_file: str | None = setting(
         None,

@@ -265,6 +265,8 @@ FLAGS = {
     "threads": (int, 32),
     "config": (str, None),
     "embedding-model": (str, "default"),
+    "encoder-nice": (int, 19),
+    "encoder-sched": (str, "idle"),
     "api-key-file": (str, None),
     "admin-key-file": (str, None),
     "allow-unauthenticated": (bool, False),

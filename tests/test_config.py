@@ -422,6 +422,19 @@ def test_the_documented_config_file_parses(tmp_path):
     assert "<!-- multi-model helper -->" in section
 
 
+def test_encoder_priority_is_a_serve_option(monkeypatch):
+    """The embedding forwards' thread priority behind chat: --encoder-nice / --encoder-sched, or their variables
+    (what bench.embeddings_http sets on the server it starts), reach the settings the supervisor loads encoder
+    models with; values the thread could not take are refused before anything loads."""
+    assert (settings().encoder_nice, settings().encoder_sched) == (19, "idle")
+    monkeypatch.setenv("APPLIANCE_ENCODER_NICE", "5")
+    monkeypatch.setenv("APPLIANCE_ENCODER_SCHED", "normal")
+    assert (settings().encoder_nice, settings().encoder_sched) == (5, "normal")
+    assert settings("--encoder-nice", "0").encoder_nice == 0
+    assert "--encoder-nice" in refused("--encoder-nice", "20")
+    assert "--encoder-sched" in refused("--encoder-sched", "fifo")
+
+
 def test_keep_alive_and_the_models_memory_budget(tmp_path):
     """--keep-alive is every model's default, a config entry's `keep_alive` (a number is seconds) its own; the
     budget and both durations are checked before anything loads."""

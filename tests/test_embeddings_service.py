@@ -17,7 +17,6 @@ import pytest
 from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.openai_api.embeddings import floats
-from appliance.server import encoder_priority
 from appliance.server.embeddings import EncodeFailed, EncoderService
 
 DIM = 8
@@ -238,7 +237,7 @@ def test_forwards_yield_to_chat_only_while_it_runs():
     """While `contended` (chat running), forwards run on the niced thread; otherwise on the one at the process's
     priority, so an embedding with no chat beside it is not slowed."""
     chat = threading.Event()
-    svc = EncoderService(FakeEncoder(), batch_tokens=64, max_batch=8, nice=7, contended=chat.is_set)
+    svc = EncoderService(FakeEncoder(), batch_tokens=64, max_batch=8, nice=7, sched="idle", contended=chat.is_set)
     base = os.getpriority(os.PRIO_PROCESS, 0)
     try:
         svc.encode(job(["1 2"]), Limits())
@@ -247,8 +246,7 @@ def test_forwards_yield_to_chat_only_while_it_runs():
         chat.clear()
         svc.encode(job(["5 6"]), Limits())
         assert svc.encoder.threads == [("encoder", base), ("encoder-bg", base + 7), ("encoder", base)]
-        idle = os.SCHED_IDLE if encoder_priority.SCHED == "idle" else os.SCHED_OTHER
-        assert svc.encoder.policies == [os.SCHED_OTHER, idle, os.SCHED_OTHER]
+        assert svc.encoder.policies == [os.SCHED_OTHER, os.SCHED_IDLE, os.SCHED_OTHER]
         assert svc.background_batches == 1
     finally:
         svc.shutdown()

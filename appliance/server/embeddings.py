@@ -107,12 +107,15 @@ def run_encode(
         return True
 
 
-def load_encoder_service(model_dir: str, device: str, threads: int | None, metrics: ServerMetrics | None):
-    """The served model of an encoder export, loaded and warmed up (the first forward compiles)."""
+def load_encoder_service(
+    model_dir: str, device: str, threads: int | None, metrics: ServerMetrics | None, nice: int, sched: str
+):
+    """The served model of an encoder export, loaded and warmed up (the first forward compiles); `nice`, `sched`:
+    its background thread's priority (--encoder-nice, --encoder-sched)."""
     from appliance.runtime.encoder import Encoder  # type: ignore[import-not-found,unused-ignore]  # heavy (OpenVINO)
 
     encoder = Encoder(model_dir, device, threads=threads or ENCODER_THREADS)
-    service = EncoderService(encoder, metrics=metrics)
+    service = EncoderService(encoder, metrics=metrics, nice=nice, sched=sched)
     try:
         if service.task == "rerank":
             encoder.score(encoder.tokenize_pairs("Hello", ["Hello"], truncate=True))

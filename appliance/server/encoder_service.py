@@ -38,7 +38,7 @@ from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.server.encoder_batches import Batch, EncodeRequest, deliver, item_length, next_batch
 from appliance.server.encoder_inputs import EncodeFailed, prepare_items
-from appliance.server.encoder_priority import NICE, lower_priority, name_os_thread
+from appliance.server.encoder_priority import lower_priority, name_os_thread
 
 if TYPE_CHECKING:
     from appliance.server.metrics import ServerMetrics
@@ -73,7 +73,8 @@ class EncoderService:
         *,
         batch_tokens: int = BATCH_TOKENS,
         max_batch: int = MAX_BATCH,
-        nice: int = NICE,  # the background thread's (0: no background thread)
+        nice: int = 0,  # the background thread's (0: none); serving passes --encoder-nice
+        sched: str = "normal",  # its policy (encoder_priority.lower_priority); serving passes --encoder-sched
         metrics: ServerMetrics | None = None,
         contended: Callable[[], bool] | None = None,
     ):
@@ -87,7 +88,7 @@ class EncoderService:
         self.generation_defaults: dict = {}
         self.tokenizer = _NoChatTemplate()
         self.metrics = metrics
-        self.batch_tokens, self.max_batch, self.nice = batch_tokens, max_batch, nice
+        self.batch_tokens, self.max_batch, self.nice, self.sched = batch_tokens, max_batch, nice, sched
         self.contended: Callable[[], bool] = contended or (lambda: False)
         self.heartbeat = time.monotonic()
         self.dead: BaseException | None = None
@@ -195,7 +196,7 @@ class EncoderService:
     def _loop(self, background: bool) -> None:
         name_os_thread(threading.current_thread().name)
         if background:
-            lower_priority(self.nice)
+            lower_priority(self.nice, self.sched)
         try:
             while True:
                 batch = self._take(background)

@@ -189,7 +189,10 @@ class Supervisor:
         try:
             if embeddings.model_task(spec.model_dir) != "generate":  # an embedding or rerank model: its own service
                 threads = spec.engine.num_threads
-                engine = embeddings.load_encoder_service(spec.model_dir, spec.engine.device, threads, metrics)
+                nice, sched = self.settings.encoder_nice, self.settings.encoder_sched
+                engine = embeddings.load_encoder_service(
+                    spec.model_dir, spec.engine.device, threads, metrics, nice, sched
+                )
             else:
                 engine = self.engine_factory(spec.model_dir, spec.engine)
                 try:
