@@ -17,7 +17,22 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import arg_parser, machine, median, model_dir, print_table, prompts, save_results
+from bench.common import arg_parser, finish, machine, median, model_dir, prompts
+
+COLUMNS = [
+    ("concurrency", "conc", "d"),
+    ("engine_tok_s", "engine tok/s", ".1f"),
+    ("genai_tok_s", "genai tok/s", ".1f"),
+    ("engine_steps", "steps", ".0f"),
+    ("step_ms", "engine ms/step", ".2f"),
+    ("infer_ms", "infer", ".2f"),
+    ("prep_ms", "fwd prep+copy", ".2f"),
+    ("sample_ms", "sample", ".2f"),
+    ("other_ms", "other python", ".2f"),
+    ("loop_gap_ms", "between steps", ".2f"),
+    ("genai_steps", "genai steps", ".0f"),
+    ("genai_step_ms", "genai ms/step", ".2f"),
+]
 
 
 class _Timed:
@@ -184,26 +199,16 @@ def main(argv=None) -> int:
         row["prep_ms"] = row["forward_ms"] - (row["infer_ms"] or 0)
         row["other_ms"] = row["step_ms"] - row["forward_ms"] - (row["sample_ms"] or 0)
         rows.append(row)
-    print_table(
+    return finish(
+        args,
+        "breakdown",
+        info,
         rows,
-        [
-            ("concurrency", "conc", "d"),
-            ("engine_tok_s", "engine tok/s", ".1f"),
-            ("genai_tok_s", "genai tok/s", ".1f"),
-            ("engine_steps", "steps", ".0f"),
-            ("step_ms", "engine ms/step", ".2f"),
-            ("infer_ms", "infer", ".2f"),
-            ("prep_ms", "fwd prep+copy", ".2f"),
-            ("sample_ms", "sample", ".2f"),
-            ("other_ms", "other python", ".2f"),
-            ("loop_gap_ms", "between steps", ".2f"),
-            ("genai_steps", "genai steps", ".0f"),
-            ("genai_step_ms", "genai ms/step", ".2f"),
-        ],
-        title=f"per-step time, {args.model} (engine step = infer + forward prep/copy + sample + other)",
+        COLUMNS,
+        f"per-step time, {args.model} (engine step = infer + forward prep/copy + sample + other)",
+        model_dir=str(path),
+        runs=runs,
     )
-    save_results(args, "breakdown", info, model_dir=str(path), runs=runs, summary=rows)
-    return 0
 
 
 if __name__ == "__main__":

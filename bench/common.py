@@ -200,6 +200,23 @@ def save_results(args, benchmark: str, machine_before: dict, **payload) -> Path:
     )
 
 
+def finish(
+    args,
+    benchmark: str,
+    machine_before: dict,
+    summary: list[dict],
+    columns: Sequence[tuple[str, str, str]] | None = None,
+    title: str | None = None,
+    **payload,
+) -> int:
+    """The end of a benchmark's main: its summary rows printed as a table (with `columns`; a benchmark that printed
+    its own tables passes none) and saved after the payload (save_results); main's exit status, 0."""
+    if columns is not None:
+        print_table(summary, columns, title=title)
+    save_results(args, benchmark, machine_before, **payload, summary=summary)
+    return 0
+
+
 # ---------------------------------------------------------------- command line
 
 

@@ -42,13 +42,13 @@ from bench.common import (
     LOGS,
     ServerProcess,
     arg_parser,
+    finish,
     machine,
     median,
     paired_ratio,
     print_table,
     prompts,
     rotate,
-    save_results,
     write_json,
 )
 
@@ -260,10 +260,11 @@ def main(argv=None) -> int:
         title=f"batch-1 bandwidth limit: bandwidth probe best of {len(probes)} "
         f"({', '.join(str(p['gbps']) for p in probes)} GB/s, {os.cpu_count()} threads), context {context}",
     )
-    save_results(
+    return finish(
         args,
         "deployed",
         info,
+        rows,
         export=str(args.export),
         gguf=str(args.gguf) if args.gguf else None,
         llamacpp=llama_info,
@@ -274,9 +275,7 @@ def main(argv=None) -> int:
         limits=limits,
         isa_report=isa_lines,
         runs=runs,
-        summary=rows,
     )
-    return 0
 
 
 if __name__ == "__main__":

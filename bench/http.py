@@ -55,6 +55,7 @@ from bench.common import (
     MODEL_CHOICES,
     ServerProcess,
     arg_parser,
+    finish,
     isa_cap_option,
     machine,
     median,
@@ -64,7 +65,6 @@ from bench.common import (
     prompts,
     ratio,
     rotate,
-    save_results,
     side_medians,
 )
 
@@ -307,10 +307,11 @@ def main(argv=None) -> int:
     if llama is not None:
         extra["llamacpp"] = {"version": llama.version, "python": llama_python, "settings": llama.settings}
         extra["llamacpp_system_info"] = llama.system_info
-    save_results(
+    return finish(
         args,
         "http",
         info,
+        rows,
         models=[
             {
                 "model": label,
@@ -326,9 +327,7 @@ def main(argv=None) -> int:
         isa_report=isa_lines,
         **extra,
         runs=runs,
-        summary=rows,
     )
-    return 0
 
 
 if __name__ == "__main__":

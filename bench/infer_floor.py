@@ -17,8 +17,18 @@ import sys
 import time
 from typing import Any
 
-from bench.common import arg_parser, machine, median, model_dir, print_table, prompts, rotate, save_results
+from bench.common import arg_parser, finish, machine, median, model_dir, prompts, rotate
 from bench.profile import load, parse_variant
+
+COLUMNS = [
+    ("model", "model", ""),
+    ("variant", "variant", ""),
+    ("infer_ms", "infer ms", ".2f"),
+    ("nodes_ms", "nodes ms", ".2f"),
+    ("outside_ms", "outside ms", ".2f"),
+    ("nodes_ran", "nodes", ".0f"),
+    ("us_per_node", "us/node outside", ".2f"),
+]
 
 
 def node_total_us(request) -> tuple[float, int]:
@@ -85,23 +95,17 @@ def main(argv=None) -> int:
             row[k] = median(r[k] for r in rs)
         row["us_per_node"] = row["outside_ms"] * 1e3 / row["nodes_ran"] if row["nodes_ran"] else 0.0
         rows.append(row)
-    print_table(
-        rows,
-        [
-            ("model", "model", ""),
-            ("variant", "variant", ""),
-            ("infer_ms", "infer ms", ".2f"),
-            ("nodes_ms", "nodes ms", ".2f"),
-            ("outside_ms", "outside ms", ".2f"),
-            ("nodes_ran", "nodes", ".0f"),
-            ("us_per_node", "us/node outside", ".2f"),
-        ],
-        title=f"a decode step's infer replayed ({args.calls} calls x {args.reps} reps, medians)",
-    )
     for v, props in variants:
         print(f"variant {v}: {props or 'engine defaults'}")
-    save_results(args, "infer_floor", info, summary=rows, runs={f"{m} {v}": results[(m, v)] for m, v in configs})
-    return 0
+    return finish(
+        args,
+        "infer_floor",
+        info,
+        rows,
+        COLUMNS,
+        f"a decode step's infer replayed ({args.calls} calls x {args.reps} reps, medians)",
+        runs={f"{m} {v}": results[(m, v)] for m, v in configs},
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +78,20 @@ def throughput(engine, batch: list[list[int]], new_tokens: int, in_flight: int) 
     for t in threads:
         t.join()
     return (sum(map(len, batch)) + new_tokens * len(batch)) / (time.perf_counter() - t0)
+
+
+@contextmanager
+def scratch_engines(prefix: str) -> Iterator[tuple[str, dict]]:
+    """A fresh disk-tier directory and a dict for the scenario's engines (by side); on the way out, however it
+    ends (a failed load included), every engine in it is shut down and the directory removed."""
+    disk = tempfile.mkdtemp(prefix=prefix)
+    engines: dict = {}
+    try:
+        yield disk, engines
+    finally:
+        for e in engines.values():
+            e.shutdown()
+        shutil.rmtree(disk, ignore_errors=True)
 
 
 def resolve_model(name: str, weight_format: str) -> Path:
@@ -123,15 +139,12 @@ def restart_scenario(args, path: Path, vocab: int) -> tuple[dict, list[dict], di
     from bench.concurrency import load_engine
 
     pool = {"kv_cache_tokens": args.kv_cache_tokens} if args.kv_cache_tokens else {}
-    disk = tempfile.mkdtemp(prefix="kv-disk-bench-")
-    engines = {
-        "writer": load_engine(path, EngineConfig(kv_disk_dir=disk, **pool)),
-        "restarted": load_engine(path, EngineConfig(kv_disk_dir=disk, **pool)),
-    }
-    if not args.cold_from_writer:
-        engines["cold"] = load_engine(path, EngineConfig(**pool))
     runs = []
-    try:
+    with scratch_engines("kv-disk-bench-") as (disk, engines):
+        engines["writer"] = load_engine(path, EngineConfig(kv_disk_dir=disk, **pool))
+        engines["restarted"] = load_engine(path, EngineConfig(kv_disk_dir=disk, **pool))
+        if not args.cold_from_writer:
+            engines["cold"] = load_engine(path, EngineConfig(**pool))
         for rep in range(args.reps):
             rng = np.random.default_rng(900 + rep)
             prefix = rng.integers(100, vocab - 100, size=args.prefix_len).tolist()
@@ -167,10 +180,6 @@ def restart_scenario(args, path: Path, vocab: int) -> tuple[dict, list[dict], di
             runs.append(row)
             print(row, file=sys.stderr)
         disk_stats = engines["restarted"].stats()
-    finally:
-        for e in engines.values():
-            e.shutdown()
-        shutil.rmtree(disk, ignore_errors=True)
 
     summary = {
         "model": args.model,
@@ -217,15 +226,12 @@ def working_set_scenario(args, path: Path, vocab: int) -> tuple[list[dict], list
 
     working_set = args.ws_prefixes * args.ws_prefix_len
     ram_tokens = args.ws_ram_tokens or working_set // 4
-    disk = tempfile.mkdtemp(prefix="kv-disk-ws-")
-    engines = {
-        "ram": load_engine(path, EngineConfig(kv_cache_tokens=ram_tokens)),
-        "disk": load_engine(path, EngineConfig(kv_cache_tokens=ram_tokens, kv_disk_dir=disk)),
-    }
     rng = np.random.default_rng(4242)
     prefixes = [rng.integers(100, vocab - 100, size=args.ws_prefix_len).tolist() for _ in range(args.ws_prefixes)]
     runs = []
-    try:
+    with scratch_engines("kv-disk-ws-") as (disk, engines):
+        engines["ram"] = load_engine(path, EngineConfig(kv_cache_tokens=ram_tokens))
+        engines["disk"] = load_engine(path, EngineConfig(kv_cache_tokens=ram_tokens, kv_disk_dir=disk))
         for cycle in range(args.ws_cycles):
             for i, prefix in enumerate(prefixes):
                 prompt = prefix + rng.integers(100, vocab - 100, size=16).tolist()
@@ -239,10 +245,6 @@ def working_set_scenario(args, path: Path, vocab: int) -> tuple[list[dict], list
                 runs.append(row)
                 print(row, file=sys.stderr)
         disk_stats = engines["disk"].stats()
-    finally:
-        for e in engines.values():
-            e.shutdown()
-        shutil.rmtree(disk, ignore_errors=True)
 
     warm = [r for r in runs if r["cycle"] > 0]
     first = [r for r in runs if r["cycle"] == 0]

@@ -24,10 +24,18 @@ import requests
 from tqdm import tqdm
 
 from appliance.testing.loopback import ApplianceServer
-from bench.common import arg_parser, machine, median, model_dir, print_table, rotate, save_results
+from bench.common import arg_parser, finish, machine, median, model_dir, rotate
 
 ARMS = ("cold", "cached")
 NS = 1e9
+
+
+COLUMNS = [
+    ("shape", "graph", ""),
+    ("cold", "cold load s", ".2f"),
+    ("cached", "compile-cached load s", ".2f"),
+    ("ratio", "cold / cached", ".2f"),
+]
 
 
 def unloaded(srv: ApplianceServer) -> bool:
@@ -96,18 +104,16 @@ def main(argv=None) -> int:
         per_run = {(r["rep"], r["arm"]): r["seconds"] for r in mine}
         row["ratio"] = median(per_run[(k, "cold")] / per_run[(k, "cached")] for k in range(args.runs))
         summary.append(row)
-    print_table(
+    return finish(
+        args,
+        "reload",
+        info,
         summary,
-        [
-            ("shape", "graph", ""),
-            ("cold", "cold load s", ".2f"),
-            ("cached", "compile-cached load s", ".2f"),
-            ("ratio", "cold / cached", ".2f"),
-        ],
-        title=f"reload on demand (load_duration), {args.runs} interleaved runs x {args.loads} loads (medians)",
+        COLUMNS,
+        f"reload on demand (load_duration), {args.runs} interleaved runs x {args.loads} loads (medians)",
+        model_dir=str(path),
+        runs=results,
     )
-    save_results(args, "reload", info, model_dir=str(path), runs=results, summary=summary)
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,9 +20,20 @@ from pathlib import Path
 from tqdm import tqdm
 
 from appliance.testing.loopback import ApplianceServer
-from bench.common import arg_parser, machine, median, model_dir, print_table, rotate, save_results
+from bench.common import arg_parser, finish, machine, median, model_dir, rotate
 
 ARMS = ("off", "cold", "warm")
+
+
+COLUMNS = [
+    ("shape", "graph", ""),
+    ("off", "no cache s", ".2f"),
+    ("cold", "cold cache s", ".2f"),
+    ("warm", "warm cache s", ".2f"),
+    ("warm_vs_off", "off / warm", ".2f"),
+    ("cold_vs_off", "off / cold", ".2f"),
+    ("blob_mb", "blob MB", ".1f"),
+]
 
 
 def start_seconds(path: Path, cache: str, shape: str, log: Path) -> float:
@@ -75,21 +86,16 @@ def main(argv=None) -> int:
         row["cold_vs_off"] = median(per_run[(k, "off")] / per_run[(k, "cold")] for k in range(args.runs))
         row["blob_mb"] = median(r["blob_mb"] for r in mine if "blob_mb" in r)
         summary.append(row)
-    print_table(
+    return finish(
+        args,
+        "startup",
+        info,
         summary,
-        [
-            ("shape", "graph", ""),
-            ("off", "no cache s", ".2f"),
-            ("cold", "cold cache s", ".2f"),
-            ("warm", "warm cache s", ".2f"),
-            ("warm_vs_off", "off / warm", ".2f"),
-            ("cold_vs_off", "off / cold", ".2f"),
-            ("blob_mb", "blob MB", ".1f"),
-        ],
-        title=f"appliance serve start-up to ready, {args.runs} interleaved runs (medians; ratios: medians per run)",
+        COLUMNS,
+        f"appliance serve start-up to ready, {args.runs} interleaved runs (medians; ratios: medians per run)",
+        model_dir=str(path),
+        runs=results,
     )
-    save_results(args, "startup", info, model_dir=str(path), runs=results, summary=summary)
-    return 0
 
 
 if __name__ == "__main__":

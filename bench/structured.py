@@ -21,14 +21,13 @@ from tqdm import tqdm
 
 from bench.common import (
     arg_parser,
+    finish,
     machine,
     median,
     model_dir,
     paired_ratio,
-    print_table,
     prompts,
     rotate,
-    save_results,
 )
 from bench.concurrency import engine_run, engine_settings, load_engine
 
@@ -46,6 +45,21 @@ SCHEMA = {
         "additionalProperties": False,
     },
 }
+
+
+COLUMNS = [
+    ("concurrency", "concurrent", ""),
+    ("free_decode", "free tok/s/req", ".1f"),
+    ("schema_decode", "schema tok/s/req", ".1f"),
+    ("decode_ratio", "ratio", ".3f"),
+    ("mask_cost_pct", "cost %", ".1f"),
+    ("free_tok_s", "free tok/s", ".1f"),
+    ("schema_tok_s", "schema tok/s", ".1f"),
+    ("tok_s_ratio", "ratio", ".3f"),
+    ("free_itl_ms", "free ITL ms", ".1f"),
+    ("schema_itl_ms", "schema ITL ms", ".1f"),
+    ("itl_ratio", "ratio", ".3f"),
+]
 
 
 def run(engine, batch: list[list[int]], params) -> dict:
@@ -106,28 +120,19 @@ def main(argv=None) -> int:
         row["itl_ratio"] = paired_ratio(results, "itl_p50_s", "schema", "free", concurrency=c)
         row["mask_cost_pct"] = 100 * (1 - row["decode_ratio"])
         summary.append(row)
-    print_table(
+    return finish(
+        args,
+        "structured",
+        info,
         summary,
-        [
-            ("concurrency", "concurrent", ""),
-            ("free_decode", "free tok/s/req", ".1f"),
-            ("schema_decode", "schema tok/s/req", ".1f"),
-            ("decode_ratio", "ratio", ".3f"),
-            ("mask_cost_pct", "cost %", ".1f"),
-            ("free_tok_s", "free tok/s", ".1f"),
-            ("schema_tok_s", "schema tok/s", ".1f"),
-            ("tok_s_ratio", "ratio", ".3f"),
-            ("free_itl_ms", "free ITL ms", ".1f"),
-            ("schema_itl_ms", "schema ITL ms", ".1f"),
-            ("itl_ratio", "ratio", ".3f"),
-        ],
-        title=f"JSON-schema mask vs free text, {args.new_tokens} tokens per request, {args.runs} interleaved runs "
+        COLUMNS,
+        f"JSON-schema mask vs free text, {args.new_tokens} tokens per request, {args.runs} interleaved runs "
         "(ratio = median of per-run schema / free)",
+        model_dir=str(path),
+        settings=settings,
+        schema=SCHEMA,
+        runs=results,
     )
-    save_results(
-        args, "structured", info, model_dir=str(path), settings=settings, schema=SCHEMA, runs=results, summary=summary
-    )
-    return 0
 
 
 if __name__ == "__main__":
