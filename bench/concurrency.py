@@ -8,6 +8,14 @@ first at every (c, repetition); each run gets fresh prompts. Medians over repeti
 
     python -m bench.concurrency [--models default-fp16 default-int8 random250m-fp16 random250m-int8]
                                 [--concurrency 1 4 8 16] [--reps 3] [--prompt-len 128] [--new-tokens 128] [--quick]
+
+`--engines-only`: no genai; our engine on each of --models' exports (names or export directories), side by side
+in this process: all loaded at once (every one with the first's KV pool in tokens, so that the later ones are not
+sized from the memory the earlier ones left), and at each (repetition, c) the same fresh prompts go to each engine
+in turn, the one that goes first rotating. Per export and c: medians of aggregate tok/s, TTFT and ITL (p50, p99),
+and its ratios to the first export's, paired per repetition (e.g. an NNCF int8 export against default-int8):
+
+    python -m bench.concurrency --engines-only --models default-int8 /path/to/other-int8 --concurrency 8 16
 """
 
 from __future__ import annotations
@@ -24,16 +32,15 @@ from tqdm import tqdm
 from bench.common import (
     MODEL_CHOICES,
     arg_parser,
+    finish,
     machine,
     median,
     model_dir,
     paired_ratio,
     percentile,
-    print_table,
     prompts,
     ratio,
     rotate,
-    save_results,
     side_medians,
 )
 
@@ -238,6 +245,87 @@ def bench_model(name: str, levels, reps: int, prompt_len: int, new_tokens: int, 
     return {"model": name, "model_dir": str(path), "settings": settings, "runs": runs, "summary": rows}
 
 
+def engine_label(name: str, taken: set[str]) -> str:
+    """A model's name in the engines-only table: a bench name as given, a directory as parent/name (#2, #3 when
+    two are alike)."""
+    path = Path(name).expanduser()
+    label = "/".join(path.resolve().parts[-2:]) if path.is_dir() else name
+    out, k = label, 1
+    while out in taken:
+        k += 1
+        out = f"{label}#{k}"
+    return out
+
+
+def bench_engines(names: list[str], levels, reps: int, prompt_len: int, new_tokens: int, bar, seed: int) -> dict:
+    """--engines-only (module docstring): every export's engine loaded once, the same prompts to each in turn."""
+    from appliance.config import EngineConfig
+    from appliance.manifest import Manifest
+
+    paths: dict[str, Path] = {}
+    for name in names:
+        paths[engine_label(name, set(paths))] = model_dir(name)
+    vocab = min(Manifest.load(p).vocab_size for p in paths.values())  # prompts every export's vocabulary has
+    engines: dict = {}
+    runs = []
+    try:
+        for label, path in paths.items():
+            bar.set_postfix_str(f"{label}: loading")
+            first = next(iter(engines.values()), None)
+            pool = EngineConfig(kv_cache_tokens=first.pool.num_blocks * first.pool.block_size) if first else None
+            engines[label] = load_engine(path, pool)
+        for rep in range(reps):
+            for k, c in enumerate(levels):
+                batch = prompts(vocab, c, prompt_len, seed)
+                seed += 1
+                order = rotate(list(engines), rep + k)
+                for label in order:
+                    bar.set_postfix_str(f"c={c} rep {rep + 1} {label}")
+                    run = engine_run(engines[label], batch, new_tokens)
+                    runs.append({"impl": label, "concurrency": c, "rep": rep, "first": label == order[0], **run})
+                    bar.update()
+        settings = {label: engine_settings(e) for label, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    base = next(iter(paths))
+    rows = []
+    for c in levels:
+        for label in paths:
+            mine = [r for r in runs if r["impl"] == label and r["concurrency"] == c]
+            row: dict = {"concurrency": c, "model": label}
+            for key, name, _, _, scale in ENGINE_METRICS:
+                row[name] = median(r[key] for r in mine) * scale
+            for key, *_ in ENGINE_METRICS[:RATIOS]:
+                row[f"{key}_vs_first"] = paired_ratio(runs, key, label, base, concurrency=c)
+            rows.append(row)
+    return {
+        "models": {label: str(p) for label, p in paths.items()},
+        "settings": settings,
+        "runs": runs,
+        "summary": rows,
+    }
+
+
+# --engines-only: (run key, row key, column, format, scale) of each median; the first RATIOS also as the median of
+# per-repetition ratios to the first export's
+ENGINE_METRICS = (
+    ("tok_s", "tok_s", "tok/s", ".1f", 1.0),
+    ("ttft_s", "ttft_ms", "TTFT ms", ".0f", 1e3),
+    ("itl_p50_s", "itl_p50_ms", "ITL p50 ms", ".1f", 1e3),
+    ("itl_p99_s", "itl_p99_ms", "ITL p99 ms", ".1f", 1e3),
+)
+RATIOS = 3
+ENGINE_COLUMNS = [
+    ("concurrency", "conc", "d"),
+    ("model", "export", ""),
+    *[(name, column, fmt) for _, name, column, fmt, _ in ENGINE_METRICS],
+    *[
+        (f"{key}_vs_first", f"{column.removesuffix(' ms')} vs 1st", ".3f")
+        for key, _, column, _, _ in ENGINE_METRICS[:RATIOS]
+    ],
+]
+
 COLUMNS = [
     ("model", "model", ""),
     ("concurrency", "conc", "d"),
@@ -251,11 +339,32 @@ COLUMNS = [
 
 
 def main(argv=None) -> int:
-    args = arg_parser(
+    ap = arg_parser(
         __doc__, "concurrency", models=MODEL_CHOICES, levels=True, reps=5, quick={"models": ["default-fp16"], "reps": 1}
-    ).parse_args(argv)
+    )
+    ap.add_argument(
+        "--engines-only",
+        action="store_true",
+        help="no genai: our engine on each of --models side by side (the same prompts, interleaved), ratios to the "
+        "first (bench/results/concurrency_engines.json unless --out)",
+    )
+    args = ap.parse_args(argv)
 
     info = machine()
+    if args.engines_only:
+        if args.out == ap.get_default("out"):
+            args.out = args.out.with_name("concurrency_engines.json")
+        total = args.reps * len(args.concurrency) * len(args.models)
+        with tqdm(total=total, desc="concurrency", file=sys.stderr, leave=False) as bar:
+            result = bench_engines(
+                list(args.models), list(args.concurrency), args.reps, args.prompt_len, args.new_tokens, bar, seed=1000
+            )
+        title = (
+            f"our engine on each export, {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+            f"{args.reps} interleaved repetitions (medians; vs 1st = median of per-repetition ratios to "
+            f"{result['summary'][0]['model']}; tok/s > 1 and TTFT / ITL < 1 are better)"
+        )
+        return finish(args, "concurrency_engines", info, result.pop("summary"), ENGINE_COLUMNS, title, **result)
     results = []
     total = len(args.models) * args.reps * len(args.concurrency) * 2
     with tqdm(total=total, desc="concurrency", file=sys.stderr, leave=False) as bar:
@@ -266,15 +375,11 @@ def main(argv=None) -> int:
                 )
             )
     summary = [row for r in results for row in r["summary"]]
-    print_table(
-        summary,
-        COLUMNS,
-        title="engine vs openvino_genai.ContinuousBatchingPipeline (medians over "
-        "repetitions; ratio = median of per-repetition engine / genai; TTFT ratio < 1 "
-        "is better)",
+    title = (
+        "engine vs openvino_genai.ContinuousBatchingPipeline (medians over repetitions; ratio = median of "
+        "per-repetition engine / genai; TTFT ratio < 1 is better)"
     )
-    save_results(args, "concurrency", info, models=results, summary=summary)
-    return 0
+    return finish(args, "concurrency", info, summary, COLUMNS, title, models=results)
 
 
 if __name__ == "__main__":
