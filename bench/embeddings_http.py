@@ -168,8 +168,9 @@ def _tree(pid: int) -> list[int]:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system, /proc) of the server's processes (`engine` = the serve process, `worker-N` =
-    the gunicorn ones; dead threads included) and of each engine thread by its name (`encoder`, `encoder-bg` name
-    themselves; the rest are `python/<tid>`: the step loop and the connections' threads)."""
+    the gunicorn ones; dead threads included) and of each engine and worker thread by its name (`encoder`,
+    `encoder-bg` name themselves; the rest are `python/<tid>`: the engine's step loop and connection threads, a
+    worker's event loop (its main thread: tid = the worker's pid) and request threads)."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def cpu(stat: Path) -> float:
@@ -183,10 +184,10 @@ def thread_cpu(pid: int) -> dict[str, float]:
             if proc != pid and b"gunicorn" in Path(f"/proc/{proc}/cmdline").read_bytes():
                 role = f"worker-{n}"
             out[role] = cpu(Path(f"/proc/{proc}/stat"))
-            if proc == pid:
+            if proc == pid or role.startswith("worker-"):
                 for task in Path(f"/proc/{proc}/task").iterdir():
                     name = (task / "comm").read_text().strip()
-                    key = f"engine/{name}" if name.startswith("encoder") else f"engine/{name}/{task.name}"
+                    key = f"{role}/{name}" if name.startswith("encoder") else f"{role}/{name}/{task.name}"
                     out[key] = out.get(key, 0.0) + cpu(task / "stat")
         except (OSError, ValueError, IndexError):
             pass
@@ -208,9 +209,9 @@ def thread_switches(pid: int) -> dict[str, tuple[int, int]]:
                 fields = dict(line.split(":", 1) for line in status.splitlines() if "ctxt_switches:" in line)
                 k = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
                 keys = [role]
-                if proc == pid:
+                if proc == pid or role.startswith("worker-"):
                     name = (task / "comm").read_text().strip()
-                    keys.append(f"engine/{name}" if name.startswith("encoder") else f"engine/{name}/{task.name}")
+                    keys.append(f"{role}/{name}" if name.startswith("encoder") else f"{role}/{name}/{task.name}")
                 for key in keys:
                     was = out.get(key, (0, 0))
                     out[key] = (was[0] + k[0], was[1] + k[1])
@@ -325,29 +326,74 @@ def _mean_delta(after: dict, before: dict, name: str) -> float:
     return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / n if n else float("nan")
 
 
-def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dict:
+class LeanClient:
+    """One kept-alive `http.client` connection: a client whose own cost per request is small (`requests` builds a
+    prepared request, adapters and urllib3's pool per call), to tell the server's latency from the client's."""
+
+    def __init__(self, base: str):
+        import http.client
+        from urllib.parse import urlsplit
+
+        url = urlsplit(base)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+
+    def post(self, body: dict) -> bytes:
+        self.conn.request("POST", "/v3/embeddings", json.dumps(body), {"Content-Type": "application/json"})
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {data[:200]!r}")
+        json.loads(data)  # as a client would
+        return data
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class RequestsClient:
+    """A `requests` session, as the earlier measurements (and most Python clients) send."""
+
+    def __init__(self, base: str):
+        self.session, self.url = requests.Session(), base + "/v3/embeddings"
+
+    def post(self, body: dict) -> bytes:
+        r = self.session.post(self.url, json=body, timeout=120)
+        r.raise_for_status()
+        r.json()
+        return r.content
+
+    def close(self) -> None:
+        self.session.close()
+
+
+CLIENTS = {"requests": RequestsClient, "http.client": LeanClient}
+
+
+def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200, client: str = "requests") -> dict:
     """One sentence at a time, an in-process forward and an HTTP request alternating (same sentence, same moment
     of the box's load): the medians and their ratio; and where an HTTP request's time went: the engine's
-    queue-to-answer and forward means (its /metrics) and the server's CPU per thread per request (/proc)."""
+    queue-to-answer and forward means (its /metrics), the server's CPU and context switches per thread per
+    request (/proc) and the client's own CPU per request (this thread's)."""
     from appliance.runtime.encoder import Encoder
 
     enc = Encoder(embed, threads=threads)
     ids = enc.tokenize(SENTENCES)
     enc.embed(ids[:1])
-    s = requests.Session()
-    body = {"model": "embed", "input": SENTENCES[0]}
-    s.post(srv.base + "/v3/embeddings", json=body).raise_for_status()  # a pooled engine connection, warm
-    local, http = [], []
+    s = CLIENTS[client](srv.base)
+    s.post({"model": "embed", "input": SENTENCES[0]})  # a pooled engine connection, warm
+    local, http, client_cpu = [], [], 0.0
     metrics_before, cpu_before, switches_before = srv.metrics(), thread_cpu(srv.pid), thread_switches(srv.pid)
     for i in range(requests_n):
         t0 = time.perf_counter()
         enc.embed([ids[i % len(ids)]])
         local.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
         body = {"model": "embed", "input": SENTENCES[i % len(SENTENCES)]}
-        s.post(srv.base + "/v3/embeddings", json=body).raise_for_status()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        s.post(body)
         http.append(time.perf_counter() - t0)
+        client_cpu += time.thread_time() - c0
     switches_after, cpu_after, metrics_after = thread_switches(srv.pid), thread_cpu(srv.pid), srv.metrics()
+    s.close()
     a, b = statistics.median(local), statistics.median(http)
     cpu = {k: round((v - cpu_before.get(k, 0.0)) / requests_n * 1e3, 2) for k, v in cpu_after.items()}
     switches = {
@@ -355,6 +401,8 @@ def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dic
         for k, v in switches_after.items()
     }
     return {
+        "client": client,
+        "client_cpu_ms_per_request": round(client_cpu / requests_n * 1e3, 3),
         "requests": requests_n,
         "pairs_in_process_ms": [round(x * 1e3, 2) for x in local],
         "pairs_http_ms": [round(x * 1e3, 2) for x in http],
@@ -376,11 +424,12 @@ def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dic
     }
 
 
-def latency_runs(chat: Path, embed: Path, threads: int, runs: int, requests_n: int) -> dict:
-    """`runs` paired runs on one server, then the worker's stages (`worker_stages`); the table of both."""
+def latency_runs(chat: Path, embed: Path, threads: int, runs: int, requests_n: int, clients: list[str]) -> dict:
+    """`runs` paired runs per client kind on one server (the kinds alternating), then the worker's stages
+    (`worker_stages`); the table of both."""
     srv = start(chat, embed, threads, "latency")
     try:
-        paired = [paired_latency(srv, embed, threads, requests_n) for _ in range(runs)]
+        paired = [paired_latency(srv, embed, threads, requests_n, c) for _ in range(runs) for c in clients]
         stages = worker_stages(srv, requests_n)
     finally:
         srv.stop()
@@ -394,10 +443,10 @@ def latency_runs(chat: Path, embed: Path, threads: int, runs: int, requests_n: i
     }
     rows = [
         {
-            "what": f"run {i + 1}: paired in-process / HTTP median",
+            "what": f"run {i + 1} ({r['client']}): paired in-process / HTTP median",
             "ms": f"{r['in_process_ms']} / {r['http_ms']}",
-            "cpu_ms": "",
-            "note": f"ratio {r['ratio']}",
+            "cpu_ms": f"{r['client_cpu_ms_per_request']}",
+            "note": f"ratio {r['ratio']} (CPU: the client's)",
         }
         for i, r in enumerate(paired)
     ]
@@ -515,6 +564,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("throughput", "mixed", "latency"), default=None)
     ap.add_argument("--latency-runs", type=int, default=2, help="--only latency: paired runs on one server")
     ap.add_argument("--requests", type=int, default=200, help="--only latency: requests per paired run")
+    ap.add_argument(
+        "--client", nargs="+", choices=sorted(CLIENTS), default=["requests"], help="--only latency: the HTTP client(s)"
+    )
     ap.add_argument("--encoder-nice", type=int, default=None, help="the encoder thread's niceness (default: 19)")
     ap.add_argument("--encoder-sched", choices=("normal", "idle"), default=None, help="APPLIANCE_ENCODER_SCHED")
     args = ap.parse_args(argv)
@@ -530,7 +582,9 @@ def main(argv=None) -> int:
     before = machine()
     out: dict = {"machine": before, "encoder_nice": args.encoder_nice, "encoder_sched": args.encoder_sched}
     if args.only == "latency":  # paired 1-client latency only, and where its time goes
-        out["latency"] = latency_runs(chat, embed, args.encoder_threads[0], args.latency_runs, args.requests)
+        out["latency"] = latency_runs(
+            chat, embed, args.encoder_threads[0], args.latency_runs, args.requests, args.client
+        )
         out["machine_after"] = machine()
         write_json(RESULTS_DIR / "embeddings_http.json", out)
         cols = [("what", "", "s"), ("ms", "wall ms", "s"), ("cpu_ms", "CPU ms", "s"), ("note", "", "s")]
