@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from appliance import protocol as p
 
@@ -200,7 +200,7 @@ class EngineClient:
                 if client_gone() or (deadline is not None and time.monotonic() > deadline):
                     conn.close()
                     return None
-            reply = reader.recv()
+            reply = cast(p.Encoded | p.Failed, reader.recv())
         except (OSError, EOFError):
             conn.close()
             raise EngineUnavailable("engine connection lost during a request") from None
