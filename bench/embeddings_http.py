@@ -381,12 +381,13 @@ def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200, client
     enc.embed(ids[:1])
     s = CLIENTS[client](srv.base)
     s.post({"model": "embed", "input": SENTENCES[0]})  # a pooled engine connection, warm
-    local, http, client_cpu = [], [], 0.0
+    local, http, client_cpu, local_cpu = [], [], 0.0, 0.0
     metrics_before, cpu_before, switches_before = srv.metrics(), thread_cpu(srv.pid), thread_switches(srv.pid)
     for i in range(requests_n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         enc.embed([ids[i % len(ids)]])
         local.append(time.perf_counter() - t0)
+        local_cpu += time.thread_time() - c0
         body = {"model": "embed", "input": SENTENCES[i % len(SENTENCES)]}
         t0, c0 = time.perf_counter(), time.thread_time()
         s.post(body)
@@ -403,6 +404,7 @@ def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200, client
     return {
         "client": client,
         "client_cpu_ms_per_request": round(client_cpu / requests_n * 1e3, 3),
+        "in_process_cpu_ms_per_forward": round(local_cpu / requests_n * 1e3, 3),
         "requests": requests_n,
         "pairs_in_process_ms": [round(x * 1e3, 2) for x in local],
         "pairs_http_ms": [round(x * 1e3, 2) for x in http],
@@ -455,8 +457,8 @@ def latency_runs(chat: Path, embed: Path, threads: int, runs: int, requests_n: i
             {
                 "what": "engine: queue-to-answer / forward (mean)",
                 "ms": f"{r['engine_queue_to_answer_mean_ms']} / {r['engine_forward_mean_ms']}",
-                "cpu_ms": "",
-                "note": "",
+                "cpu_ms": f"{r['in_process_cpu_ms_per_forward']}",
+                "note": "(CPU: the in-process forward's)",
             }
         )
         for k, v in r["server_cpu_ms_per_request"].items():
