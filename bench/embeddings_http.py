@@ -436,7 +436,8 @@ def latency_runs(chat: Path, embed: Path, threads: int, runs: int, requests_n: i
     finally:
         srv.stop()
     worker_cpu = statistics.median(
-        sum(v for k, v in r["server_cpu_ms_per_request"].items() if k.startswith("worker-")) for r in paired
+        sum(v for k, v in r["server_cpu_ms_per_request"].items() if k.startswith("worker-") and "/" not in k)
+        for r in paired
     )
     flask_cpu = stages["total (Flask test client)"]["cpu_ms"]
     stages["gunicorn: HTTP parse + socket I/O (server worker CPU - Flask total)"] = {
