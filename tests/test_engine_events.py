@@ -44,6 +44,29 @@ def test_send_event_is_read_by_connection_recv_and_reader_reads_connection_send(
         assert not reader.buffer
 
 
+def test_a_traced_job_connection_sends_as_an_untraced_one_and_notes_each_event(monkeypatch):
+    """The job runner sends through protocol.EventConnection, or the tracing's subclass of it: both in one write
+    (send_event), never through Connection.send's per-message pickler, and the traced one notes every event."""
+    from types import SimpleNamespace
+
+    from appliance.server.tracing import TracedConnection
+
+    def slow_send(self, obj):
+        raise AssertionError("Connection.send: a ForkingPickler and a BytesIO per message")
+
+    noted: list = []
+    events = [p.Accepted([3]), _event(1), p.End()]
+    engine, worker = _pair()
+    with engine, worker:
+        monkeypatch.setattr(Connection, "send", slow_send)
+        for conn in (p.EventConnection(engine), TracedConnection(engine, SimpleNamespace(sent=noted.append))):
+            for event in events:
+                conn.send(event)
+            assert [worker.recv() for _ in events] == events
+            assert conn.fileno() == engine.fileno() and not conn.poll(0)  # the rest is the Connection's
+        assert noted == events
+
+
 def test_reader_splits_coalesced_events_and_waits_for_partial_ones():
     engine, worker = _pair()
     with engine, worker:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any
 
 from appliance import protocol as p
 from appliance.limits import Limits
@@ -60,8 +60,10 @@ class JobRunner:
     def run(self, conn: Connection, job: p.Job) -> bool:
         """Streams the job's events. False when the worker closed the connection (the job was cancelled)."""
         trace = tracing.job_trace(job) if job.trace is not None else None  # OpenTelemetry on, request sampled
-        if trace is not None:
-            conn = cast(Connection, trace.watch(conn))
+        sender = trace.watch(conn) if trace is not None else p.EventConnection(conn)  # one-write sends either way
+        return self._run(sender, job, trace)
+
+    def _run(self, conn: p.EventConnection, job: p.Job, trace: tracing.JobTrace | None) -> bool:
         try:
             arrived = time.monotonic()
             with self.models.in_flight(job.model, job.keep_alive) as slot:
@@ -85,7 +87,12 @@ class JobRunner:
                 trace.end()  # the job's spans, written after its End went out
 
     def _run_on(
-        self, conn: Connection, job: p.Job, slot: Slot, arrived: float | None = None, load_seconds: float = 0.0
+        self,
+        conn: p.EventConnection,
+        job: p.Job,
+        slot: Slot,
+        arrived: float | None = None,
+        load_seconds: float = 0.0,
     ) -> bool:
         if problem := slot.problem():
             conn.send(p.Failed(503, f"The engine cannot serve: {problem}", code="engine_failed"))
@@ -221,7 +228,7 @@ class JobRunner:
             raise Rejected(p.Failed(400, str(exc))) from None
         return handles, accepted
 
-    def _stream(self, conn: Connection, handles: list, load_seconds: float = 0.0) -> bool:
+    def _stream(self, conn: p.EventConnection, handles: list, load_seconds: float = 0.0) -> bool:
         send_lock = threading.Lock()
         wake_r, wake_w = os.pipe()
         state = {"open": True}
@@ -243,7 +250,7 @@ class JobRunner:
                     event = p.ChoiceChunk(index + offset, chunk, timing)
                     try:
                         with send_lock:
-                            p.send_event(conn, event)
+                            conn.send(event)
                     except OSError:
                         state["open"] = False
                         cancel(handles)
@@ -252,7 +259,7 @@ class JobRunner:
 
         pumps = [threading.Thread(target=pump, args=h, name="engine-pump", daemon=True) for h in handles]
         finished = 0
-        watch: list[Connection | int] = [conn, wake_r]
+        watch: list[Any] = [conn, wake_r]  # wait() takes anything with fileno()
         starting = True
         try:
             for t in pumps:
@@ -356,7 +363,7 @@ def check_generated_logprobs(job: p.Job, prompts: list[list[int]], context: int,
         )
 
 
-def closed(conn: Connection) -> bool:
+def closed(conn: Connection | p.EventConnection) -> bool:
     """The worker closed the connection (it sends nothing else during a job: readable means EOF)."""
     try:
         return conn.poll(0)
