@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# a call no one registered (EngineService.calls): a service without a supervisor (tests, bench)
+NOT_SERVED = {
+    p.LOAD: p.Failed(500, "this server cannot load models on demand"),
+    p.RELOAD: p.Failed(400, "no config file: start the server with --config to reload it"),
+}
 LISTEN_BACKLOG = 128  # workers x their pools reconnecting at once after a restart
 ACCEPT_BACKOFF_SECONDS = 0.05
 
@@ -49,12 +54,9 @@ class EngineService:
             settings.models or [single_spec(settings)], settings.graceful_timeout, settings.keep_alive
         )
         self.jobs = JobRunner(self.registry, metrics, settings.limits)
-        # the supervisor's reload (POST /v1/config/reload): a Reply with (changed, [ModelInfo]) or a Failed
-        self.reloader: Callable[[], p.Reply] | None = None
-        # more calls by op name, each (*args) -> Reply: the supervisor's pulled models (SERVE_PULLED, DELETE_PULLED)
+        # the calls the supervisor answers, by op name, each (*args) -> Reply (or Rejected): RELOAD, LOAD and the
+        # pulled models' SERVE_PULLED and DELETE_PULLED; until it registers them, `NOT_SERVED`'s answers
         self.calls: dict[str, Callable[..., p.Reply]] = {}
-        # the supervisor's LOAD (model, keep_alive | None, gone) -> Reply(ModelInfo) or a Failed
-        self.load_call: Callable[[str, float | None, Callable[[], bool]], p.Reply] | None = None
         self._listener: Listener | None = None
         self._authkey = b""
         self._faults = os.environ.get(p.FAULT_INJECTION_ENV) == "1"
@@ -201,18 +203,10 @@ class EngineService:
             limit = engine.max_context if engine is not None else facts.max_context if facts is not None else 0
             ids = tokenize(slot.tokenizer, limit, texts)
             return p.Reply(error=ids) if isinstance(ids, p.Failed) else p.Reply(ids)
-        if op == p.LOAD:
-            if self.load_call is None:
-                return p.Reply(error=p.Failed(500, "this server cannot load models on demand"))
-            name, keep_alive = args
-            return self.load_call(self.registry.slot(name).spec.name, keep_alive, lambda: False)
-        if op == p.RELOAD:
-            if self.reloader is None:
-                return p.Reply(error=p.Failed(400, "no config file: start the server with --config to reload it"))
-            return self.reloader()
-        if op in self.calls:
-            return self.calls[op](*args)
-        return p.Reply(error=p.Failed(500, f"unknown engine call {op!r}"))
+        call = self.calls.get(op)
+        if call is not None:
+            return call(*args)
+        return p.Reply(error=NOT_SERVED.get(op) or p.Failed(500, f"unknown engine call {op!r}"))
 
     def status(self, name: str = "") -> p.EngineStatus:
         slot = self.registry.find(name)
