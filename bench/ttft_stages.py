@@ -59,7 +59,10 @@ STAGES: dict[str, list[tuple[str, str, str | None, str | None]]] = {
         ("Engine", "_append", "e.sampled", "e.emitted"),
     ],
     "appliance.runtime.engine.handles": [("RequestHandle", "events", "e.pump", "e.pump_got")],
-    "appliance.protocol": [("", "send_event", "send:", "sent:=")],
+    "appliance.protocol": [
+        ("", "send_event", "send:", "sent:="),
+        ("EventConnection", "try_send", "send:", "sent:="),  # the first token, from the engine thread
+    ],
     "multiprocessing.connection": [("Connection", "send", "send:", None)],
 }
 

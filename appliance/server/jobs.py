@@ -232,12 +232,12 @@ class JobRunner:
         send_lock = threading.Lock()
         wake_r, wake_w = os.pipe()
         state = {"open": True}
+        lasts = {index: submitted for index, _, submitted in handles}  # each choice's last token (metrics' ITL)
 
         def pump(index: int, handle, submitted: float) -> None:
             try:
-                last = submitted
                 for offset, chunk in handle.events():
-                    last = self._observe(chunk, submitted, last)
+                    lasts[index] = self._observe(chunk, submitted, lasts[index])
                     if not state["open"]:
                         continue
                     timing = handle.timing if chunk.finish_reason else None
@@ -265,6 +265,13 @@ class JobRunner:
             for t in pumps:
                 t.start()
             starting = False
+            if len(handles) == 1:  # its first token sent by the engine thread itself: no hand-off to the pump
+                index, handle, submitted = handles[0]
+
+                def first(chunk: Chunk) -> bool:
+                    return self._send_first(conn, index, chunk, submitted, send_lock, state, lasts)
+
+                handle.divert_first(first)
             while finished < len(pumps):
                 for ready in wait(watch):
                     if ready is wake_r:
@@ -299,6 +306,30 @@ class JobRunner:
         if state["open"]:
             conn.send(p.End())
         return state["open"]
+
+    def _send_first(
+        self,
+        conn: p.EventConnection,
+        index: int,
+        chunk: Chunk,
+        submitted: float,
+        send_lock: threading.Lock,
+        state: dict,
+        lasts: dict,
+    ) -> bool:
+        """On the engine thread (RequestHandle.divert_first): the job's first token sent now if that cannot block;
+        False leaves it to the pump (which also meets a broken connection and ends the job)."""
+        if not state["open"] or not send_lock.acquire(blocking=False):
+            return False
+        try:
+            if not conn.try_send(p.ChoiceChunk(index, chunk)):
+                return False
+        except OSError:
+            return False
+        finally:
+            send_lock.release()
+        lasts[index] = self._observe(chunk, submitted, lasts[index])
+        return True
 
     def _observe(self, chunk: Chunk, submitted: float, last: float) -> float:
         now = time.monotonic()

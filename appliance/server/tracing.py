@@ -192,3 +192,9 @@ class TracedConnection(p.EventConnection):
         # must not end after its parent (a send that fails ends the job anyway)
         self._trace.sent(event)
         p.send_event(self.conn, event)
+
+    def try_send(self, event: object) -> bool:
+        if not super().try_send(event):  # (a first token only: no span ends on it)
+            return False
+        self._trace.sent(event)
+        return True
