@@ -1,7 +1,9 @@
 """Jobs in the engine process (engine_service.py hands them over): tokenize a job's prompts, submit them to its
 model's Engine, stream the chunks back over the worker's connection, and count them in the metrics.
 
-A job's sequences are each drained by a pump thread that forwards chunks as the engine produces them; the
+A job's sequences are each drained by a pump thread that forwards chunks as the engine produces them (a
+one-sequence job's first token is written by the engine thread itself when the socket takes it without blocking:
+waking the pump while the next step holds the cores cost 0.5-5 ms of TTFT, bench.http_breakdown); the
 connection's thread meanwhile watches the socket, and when the worker closes it (its client went away, or the
 request timed out) every sequence of the job is cancelled at once. A refused job is one `Failed` then `End`: the
 request's fault is a 400, a full queue a 429, a model that cannot serve a 503, before anything is queued.
