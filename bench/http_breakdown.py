@@ -9,6 +9,12 @@ that records each Python thread's name by its OS thread id, so the engine's step
 ("engine-pump", "engine-conn"), gunicorn's request threads and OpenVINO's own threads (any thread Python did not
 start) are told apart, the same way on any checkout.
 
+The first token's path is timed stage by stage (bench/ttft_stages.py, also loaded by that sitecustomize): the worker
+getting the request, the job sent, the engine's connection thread getting it, tokenizing, queueing, the engine
+thread's admission, the prefill forward (and its CPU time), the first token sampled and detokenized, the event sent,
+the worker receiving it, the first byte written, the client's first event; the in-process side the same from its
+submit. One clock for every process (CLOCK_MONOTONIC), so the table's steps line up across them.
+
 `--base PATH` also measures a server running another checkout (e.g. main before a change: `git worktree add
 /tmp/base REV`): its phases alternate with this checkout's, one server at a time, each against the same
 in-process engine (this checkout's runtime). `--busy` adds every cell again with a CPU-bound process running
@@ -31,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import ttft_stages
 from bench.common import LOGS, arg_parser, machine, median, model_dir, print_table, prompts, save_results
 
 # the sitecustomize the measured servers start with: each Python thread writes "<pid> <tid> <name>" once it runs
@@ -63,6 +70,9 @@ def _named(self):
             except OSError:
                 pass
 threading.Thread._bootstrap_inner = _named
+if os.environ.get("BENCH_STAGES"):  # the first-token path's timestamps (bench/ttft_stages.py, copied beside)
+    import bench_ttft_stages
+    bench_ttft_stages.install()
 """
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -196,7 +206,7 @@ def per_token(
 def read_names(where: Path) -> dict[tuple[int, int], str]:
     names = {}
     for f in where.glob("*-*"):
-        if f.suffix == ".end":
+        if f.suffix in (".end", ".tmp") or f.name.startswith("stages-"):
             continue
         pid, tid = f.name.split("-")
         names[int(pid), int(tid)] = f.read_text()
@@ -211,10 +221,12 @@ def server(root: Path, path: Path, workers: int, names_dir: Path, label: str):
     site = names_dir / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(THREAD_NAMES)
-    saved_env = {k: os.environ.get(k) for k in ("PYTHONPATH", "BENCH_THREAD_NAMES")}
+    (site / "bench_ttft_stages.py").write_text(Path(ttft_stages.__file__).read_text())
+    saved_env = {k: os.environ.get(k) for k in ("PYTHONPATH", "BENCH_THREAD_NAMES", ttft_stages.DIR_ENV)}
     saved_root = loopback.ROOT
     os.environ["PYTHONPATH"] = os.pathsep.join([str(root), str(site)])
     os.environ["BENCH_THREAD_NAMES"] = str(names_dir)
+    os.environ[ttft_stages.DIR_ENV] = str(names_dir)
     loopback.ROOT = root  # the server's cwd: `python -m` puts it first on sys.path
     try:
         srv = loopback.ApplianceServer(
@@ -246,32 +258,156 @@ def busy_process(on: bool):
         proc.wait()
 
 
+def server_stages(pids: dict[int, str], where: Path, timeout: float = 10.0) -> list[tuple[float, str]]:
+    """Every server process's stage events since its last dump (ttft_stages: each writes them on DUMP_SIGNAL)."""
+    files = {pid: where / f"stages-{pid}" for pid in pids}
+    for pid, f in files.items():
+        f.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.kill(pid, ttft_stages.DUMP_SIGNAL)
+    deadline = time.monotonic() + timeout
+    events = []
+    for pid, f in files.items():
+        while not f.exists() and time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.01)
+        with contextlib.suppress(OSError):
+            for line in f.read_text().splitlines():
+                t, stage = line.split(" ", 1)
+                events.append((float(t), stage))
+    return events
+
+
+def first_token_stages(events: list[tuple[float, str]], t0: float, first: float) -> dict[str, float]:
+    """Seconds from t0 (the client's start) to each stage's first event in [t0, first] (the client's first token)."""
+    out: dict[str, float] = {}
+    timed = sorted((t, s) for t, s in events if not s.startswith("cpu."))
+    for t, stage in timed:
+        if t0 <= t <= first and stage not in out:
+            out[stage] = t - t0
+    out["c.first"] = first - t0
+    # the prefill forward's CPU seconds (the process's, every thread): the n-th "cpu." pair is the n-th forward
+    starts = [t for t, s in events if s == "cpu.e.forward"]
+    ends = [t for t, s in events if s == "cpu.e.forwarded"]
+    forwards = [t for t, s in sorted(events) if s == "e.forward"]
+    n = next((i for i, t in enumerate(forwards) if t0 <= t <= first), None)
+    if n is not None and len(starts) == len(ends) == len(forwards):
+        out["prefill_cpu"] = ends[n] - starts[n]
+    return out
+
+
 def http_cell(srv, model_id: str, prompt: list[int], new_tokens: int, names_dir: Path) -> dict:
-    from bench.client import http_run
+    from bench.client import http_run, stream_one
 
     pids = roles(srv.pid)
+    server_stages(pids, names_dir)  # forget what came before
     seen = {f.name for f in names_dir.glob("*.end")}
     before = snapshot(pids, read_names(names_dir))
-    r = http_run(srv.base, model_id, [prompt], new_tokens)
+    kept: list[dict] = []
+
+    def stream(p: list[int], session) -> dict:
+        kept.append(stream_one(srv.base, model_id, p, new_tokens, session))
+        return kept[-1]
+
+    r = http_run(srv.base, model_id, [prompt], new_tokens, stream=stream)
     names = read_names(names_dir)
     after = snapshot(pids, names)
     gone = ended(names_dir, seen)
+    first = kept[0]["times"][0]
+    stages = first_token_stages(server_stages(pids, names_dir), first - r["ttft_s"], first)
 
     def group_of(key: tuple[int, int]) -> str:
         return thread_group(pids.get(key[0], "?"), key[0], key[1], names)
 
-    return {**r, "threads": per_token(before, after, gone, group_of, new_tokens)}
+    return {**r, "stages": stages, "threads": per_token(before, after, gone, group_of, new_tokens)}
 
 
 def engine_cell(engine, prompt: list[int], new_tokens: int) -> dict:
-    from bench.concurrency import engine_run
+    from appliance.params import SamplingParams
+    from bench.concurrency import _summary, stream_all
 
     pid = os.getpid()
     names = {(pid, t.native_id): t.name for t in threading.enumerate() if t.native_id is not None}
     before = snapshot({pid: "in-process"}, names)
-    r = engine_run(engine, [prompt], new_tokens)
+    ttft_stages.take()
+    t0, times, _, reasons = stream_all(engine, [prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    stages = first_token_stages(ttft_stages.take(), t0, times[0][0])
+    if any(r != "length" for r in reasons):
+        raise RuntimeError(f"every request must run to max_tokens: finish reasons {reasons}")
+    r = _summary(t0, times, new_tokens)
     after = snapshot({pid: "in-process"}, names)
-    return {**r, "threads": per_token(before, after, {}, lambda key: "in-process: ?", new_tokens)}
+    return {**r, "stages": stages, "threads": per_token(before, after, {}, lambda key: "in-process: ?", new_tokens)}
+
+
+# The first-token path, in order: (stage, what happened). Each is the first event of its kind after the client
+# started (ttft_stages.STAGES names where they are taken); the in-process side has the engine's part only.
+STAGE_ORDER = [
+    ("w.accept", "worker accepts the connection"),
+    ("w.dispatch", "request read, handed to a thread"),
+    ("w.thread", "a request thread runs it"),
+    ("w.open_job", "request parsed, job built"),
+    ("send:tuple", "job written to the engine socket"),
+    ("w.job_sent", "job sent"),
+    ("e.job_recv", "engine connection thread has the job"),
+    ("e.submit", "job checks start"),
+    ("e.tokenize", "prompt tokenize start"),
+    ("e.tokenized", "prompt tokenized"),
+    ("e.submit_prompts", "Engine.submit_prompts called"),
+    ("e.queued", "in the engine inbox"),
+    ("send:Accepted", "Accepted sent"),
+    ("w.recv:Accepted", "worker has Accepted"),
+    ("e.pump", "pump thread reads the handle"),
+    ("e.admit", "engine thread admits it"),
+    ("e.admitted", "admitted (sampler, detokenizer)"),
+    ("e.forward", "prefill forward starts"),
+    ("e.forwarded", "prefill forward ends"),
+    ("e.sampled", "first token sampled"),
+    ("e.emitted", "detokenized, on the handle's queue"),
+    ("e.pump_got", "pump (in-process: consumer) has it"),
+    ("send:ChoiceChunk", "event send starts"),
+    ("sent:ChoiceChunk", "event sent"),
+    ("w.recv:ChoiceChunk", "worker has the first token"),
+    ("w.write", "first response write starts"),
+    ("w.written", "first response bytes written"),
+    ("c.first", "client has the first token"),
+    ("prefill_cpu", "the prefill forward's CPU (process)"),
+]
+
+
+def stage_rows(runs: list[dict]) -> list[dict]:
+    """Per cell and stage: ms from the client's start (medians), HTTP and in-process, and the HTTP step from the
+    stage before it (median of the per-request steps)."""
+    rows = []
+    cells = sorted({(r["server"], r["workers"], r["busy"]) for r in runs if r["side"] == "http"})
+    for server_label, workers, busy in cells:
+        mine = [r for r in runs if (r["server"], r["workers"], r["busy"]) == (server_label, workers, busy)]
+        http = [r["stages"] for r in mine if r["side"] == "http" and r.get("stages")]
+        eng = [r["stages"] for r in mine if r["side"] == "engine" and r.get("stages")]
+        previous: str | None = None
+        for stage, label in STAGE_ORDER:
+            h = [s[stage] for s in http if stage in s]
+            e = [s[stage] for s in eng if stage in s]
+            if not h and not e:
+                continue
+            steps = (
+                [s[stage] - s[previous] for s in http if stage in s and previous in s]
+                if previous and stage != "prefill_cpu"
+                else []
+            )
+            rows.append(
+                {
+                    "server": server_label,
+                    "workers": workers,
+                    "busy": "yes" if busy else "no",
+                    "stage": stage,
+                    "label": label,
+                    "http_ms": median(h) * 1e3 if h else None,
+                    "step_ms": median(steps) * 1e3 if steps else None,
+                    "engine_ms": median(e) * 1e3 if e else None,
+                }
+            )
+            if h and stage != "prefill_cpu":
+                previous = stage
+    return rows
 
 
 COLUMNS = [
@@ -285,8 +421,19 @@ COLUMNS = [
     ("http_itl_ms", "HTTP ITL p50 ms", ".2f"),
     ("engine_itl_ms", "in-proc ITL p50 ms", ".2f"),
     ("ttft_delta_ms", "TTFT HTTP-in-proc ms", ".1f"),
+    ("outside_delta_ms", "TTFT-prefill HTTP-in-proc ms", ".1f"),
     ("http_cpu_ms", "HTTP CPU ms/tok", ".2f"),
     ("engine_cpu_ms", "in-proc CPU ms/tok", ".2f"),
+]
+STAGE_COLUMNS = [
+    ("server", "server", ""),
+    ("workers", "w", "d"),
+    ("busy", "busy", ""),
+    ("stage", "stage", ""),
+    ("label", "what", ""),
+    ("http_ms", "HTTP ms", ".2f"),
+    ("step_ms", "HTTP step ms", ".2f"),
+    ("engine_ms", "in-proc ms", ".2f"),
 ]
 THREAD_COLUMNS = [
     ("server", "server", ""),
@@ -301,6 +448,14 @@ THREAD_COLUMNS = [
     ("syscr", "read sys/tok", ".2f"),
     ("syscw", "write sys/tok", ".2f"),
 ]
+
+
+def outside_prefill(run: dict) -> float:
+    """A run's TTFT less its prefill forward's wall time (nan without the stages)."""
+    s = run.get("stages") or {}
+    if not {"c.first", "e.forward", "e.forwarded"} <= s.keys():
+        return float("nan")
+    return s["c.first"] - (s["e.forwarded"] - s["e.forward"])
 
 
 def summarize(runs: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -330,6 +485,8 @@ def summarize(runs: list[dict]) -> tuple[list[dict], list[dict]]:
                 "http_itl_ms": median(h["itl_p50_s"] for h in http) * 1e3,
                 "engine_itl_ms": median(e["itl_p50_s"] for e in eng) * 1e3,
                 "ttft_delta_ms": median((h["ttft_s"] - e["ttft_s"]) for h, e in pairs) * 1e3,
+                # the same without the prefill forward's wall time, whose noise on a loaded box is 100s of ms
+                "outside_delta_ms": median(outside_prefill(h) - outside_prefill(e) for h, e in pairs) * 1e3,
                 "http_cpu_ms": median(sum(g["cpu_s"] for g in h["threads"].values()) for h in http) * 1e3,
                 "engine_cpu_ms": median(sum(g["cpu_s"] for g in e["threads"].values()) for e in eng) * 1e3,
             }
@@ -360,6 +517,7 @@ def main(argv=None) -> int:
     from appliance.manifest import Manifest
     from bench.concurrency import load_engine
 
+    ttft_stages.install(dump_on_signal=False)  # the in-process engine's stages, read in this process
     info = machine()
     path = model_dir(args.model)
     vocab = Manifest.load(path).vocab_size
@@ -406,6 +564,8 @@ def main(argv=None) -> int:
     print_table(rows, COLUMNS, title="batch 1, HTTP vs in-process (medians of interleaved pairs)")
     print(f"load average: {os.getloadavg()}")
     print_table(thread_rows, THREAD_COLUMNS, title="per thread group, per generated token (medians)")
+    ttft = stage_rows(runs)
+    print_table(ttft, STAGE_COLUMNS, title="the first token's path: ms from the client's start (medians)")
     for r in runs:
         r.pop("times", None)
     save_results(
@@ -416,6 +576,7 @@ def main(argv=None) -> int:
         runs=runs,
         summary=rows,
         threads=thread_rows,
+        ttft_stages=ttft,
         loadavg_after=os.getloadavg(),
     )
     return 0

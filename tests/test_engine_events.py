@@ -44,6 +44,29 @@ def test_send_event_is_read_by_connection_recv_and_reader_reads_connection_send(
         assert not reader.buffer
 
 
+def test_a_traced_job_connection_sends_as_an_untraced_one_and_notes_each_event(monkeypatch):
+    """The job runner sends through protocol.EventConnection, or the tracing's subclass of it: both in one write
+    (send_event), never through Connection.send's per-message pickler, and the traced one notes every event."""
+    from types import SimpleNamespace
+
+    from appliance.server.tracing import TracedConnection
+
+    def slow_send(self, obj):
+        raise AssertionError("Connection.send: a ForkingPickler and a BytesIO per message")
+
+    noted: list = []
+    events = [p.Accepted([3]), _event(1), p.End()]
+    engine, worker = _pair()
+    with engine, worker:
+        monkeypatch.setattr(Connection, "send", slow_send)
+        for conn in (p.EventConnection(engine), TracedConnection(engine, SimpleNamespace(sent=noted.append))):
+            for event in events:
+                conn.send(event)
+            assert [worker.recv() for _ in events] == events
+            assert conn.fileno() == engine.fileno() and not conn.poll(0)  # the rest is the Connection's
+        assert noted == events
+
+
 def test_reader_splits_coalesced_events_and_waits_for_partial_ones():
     engine, worker = _pair()
     with engine, worker:
@@ -160,3 +183,42 @@ def test_drop_reporter_is_woken_by_a_drop_only():
     assert drops.waiting.is_set()
     assert drops.take() == {"head_too_large": 1}
     assert not drops.waiting.is_set() and drops.take() == {}
+
+
+def test_a_posted_http_record_is_counted_by_a_metrics_call_from_any_connection(tmp_path, monkeypatch):
+    """record_http does not wait for the engine's reply (a streamed response's first byte must not): a METRICS
+    call made after it still counts it, from the same client (the same pooled connection, answered in order, its
+    reply read before the next call's) or from another one (the engine settles the records sent before METRICS,
+    here with the record's counting slowed down as a loaded box would)."""
+    import os
+    import time
+
+    from appliance.server.engine_service import EngineService
+    from appliance.server.metrics import ServerMetrics
+    from appliance.settings import AUTHKEY_FILE, ServeSettings
+    from appliance.testing.loopback import parse_metrics
+
+    (tmp_path / AUTHKEY_FILE).write_bytes(os.urandom(32))
+    settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0, runtime_dir=str(tmp_path))
+    service = EngineService(settings, ServerMetrics())
+    counted = service.metrics.record_http
+
+    def slow_count(*args):
+        time.sleep(0.05)
+        counted(*args)
+
+    monkeypatch.setattr(service.metrics, "record_http", slow_count)
+    service.start()
+    key = 'appliance_http_requests_total{method="POST",route="/v3/completions",status="200"}'
+    try:
+        one = EngineClient(settings.socket_path, settings.authkey())
+        other = EngineClient(settings.socket_path, settings.authkey())
+        other.metrics()  # its connection open before the record is sent
+        record = p.HttpRecord("/v3/completions", "POST", 200, 0.1)
+        one.record_http(record)
+        assert parse_metrics(other.metrics()).get(key) == 1
+        one.record_http(record)
+        assert parse_metrics(one.metrics()).get(key) == 2  # a str: the record's own reply was read before
+        assert not one._unread
+    finally:
+        service.stop()

@@ -145,3 +145,34 @@ def test_on_a_real_engine_nothing_runs_on_and_the_kv_is_freed(served, pumps_fail
     assert [(e.status, e.code) for e in events if isinstance(e, p.Failed)] == [(503, "engine_overloaded")]
     # the engine serves the next request
     assert len(engine.submit([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)).results()[0].token_ids) == 3
+
+
+def test_a_first_token_is_offered_to_the_taker_once_and_only_a_first_token():
+    """RequestHandle.divert_first: the engine's next chunk, when it is a first token that does not end the request,
+    goes to the taker (True: taken, not queued); anything else, a refusal, or a taker that raises, is queued."""
+    from types import SimpleNamespace
+
+    from appliance.runtime.engine.handles import RequestHandle
+
+    def handle():
+        seq = SimpleNamespace(request_id="r", prompt_len=1, group=None, out=queue.SimpleQueue(), timing=Timing())
+        return seq, RequestHandle(lambda target: None, seq)  # type: ignore[arg-type]
+
+    first, second = Chunk(token_ids=[5], completion_tokens=1), Chunk(token_ids=[6], completion_tokens=2)
+    taken: list[Chunk] = []
+    seq, h = handle()
+    h.divert_first(lambda c: taken.append(c) is None)
+    seq.out.put(first)  # what Sequence.emit does on the engine thread
+    assert taken == [first] and isinstance(seq.out, queue.SimpleQueue) and seq.out.empty()
+    seq.out.put(second)  # the tap is gone: the pump reads the rest
+    assert seq.out.get_nowait() is second and taken == [first]
+    for chunk, answer in (
+        (second, True),  # a first token made before the tap: the next is not first
+        (Chunk(token_ids=[5], completion_tokens=1, finish_reason="length"), True),  # it ends the request
+        (first, False),  # refused (the socket could not take it now)
+        (first, None),  # raising
+    ):
+        seq, h = handle()
+        h.divert_first(lambda c, a=answer: 1 / 0 if a is None else a)
+        seq.out.put(chunk)
+        assert seq.out.get_nowait() is chunk

@@ -244,6 +244,31 @@ def test_reload_without_a_config_file_is_400():
     assert reply.error is not None and reply.error.status == 400 and "no config file" in reply.error.message
 
 
+def test_the_supervisor_answers_its_engine_calls_through_the_one_calls_table():
+    """RELOAD, LOAD and the pulled models' calls are EngineService.calls entries the supervisor registers; a service
+    without a supervisor answers them as not served."""
+    from appliance import protocol as p
+    from appliance.config import EngineConfig
+    from appliance.server.engine_service import EngineService
+    from appliance.server.metrics import ServerMetrics
+    from appliance.server.slots import Rejected
+    from appliance.server.supervisor import Supervisor
+    from appliance.settings import ServeSettings
+
+    settings = ServeSettings(model_dir="x", served_model_name="m", model_created=0)
+    service = Supervisor(settings, EngineConfig()).service
+    assert {p.RELOAD, p.LOAD, p.SERVE_PULLED, p.DELETE_PULLED} <= set(service.calls)
+    reply = service._call(p.RELOAD, [])
+    assert reply.error is not None and "no config file" in reply.error.message
+    with pytest.raises(Rejected) as refused:  # the engine service answers it as a 404
+        service._call(p.LOAD, ["no-such-model", None])
+    assert refused.value.failed.status == 404
+    bare = EngineService(settings, ServerMetrics())
+    assert bare._call(p.LOAD, ["", None]).error == p.Failed(500, "this server cannot load models on demand")
+    assert bare._call(p.RELOAD, []).error.status == 400  # type: ignore[union-attr]
+    assert bare._call("what", []).error == p.Failed(500, "unknown engine call 'what'")
+
+
 # ---------------------------------------------------------------- the installed env file with a config file
 
 CLIENT_KEY, ADMIN_KEY = "client-" + "c" * 24, "admin-" + "a" * 24

@@ -166,3 +166,61 @@ def test_the_supervisor_waits_for_a_busy_model_then_refuses_and_unloads_it_once_
     assert sup._make_room(specs[1], time.monotonic() + 0.3) is None
     assert down == ["a"] and registry.slot("a").unloaded
     assert sup.service.metrics.model_unloads.labels("budget")._value.get() == 1
+
+
+def test_next_expiry():
+    residents = [
+        resident("forever", last_used=0.0),
+        resident("short", last_used=5.0, keep=3.0),
+        resident("long", last_used=5.0, keep=300.0),
+        resident("busy", last_used=0.0, busy=True, keep=0.0),
+    ]
+    assert Residency.next_expiry(residents, now=6.0) == 2.0  # short's, the first to run out
+    assert Residency.next_expiry(residents, now=9.0) == 0.0  # already out: at once
+    assert Residency.next_expiry([resident("forever"), resident("busy", busy=True, keep=1.0)], now=1.0) is None
+
+
+def test_the_reaper_sleeps_until_a_keep_alive_runs_out_not_on_a_timer():
+    """The keep_alive reaper's waits: without a finite keep_alive it sleeps until woken (no periodic wakeup beside
+    the engine's threads); with one, until it runs out; a model's attach and a last job's end wake it."""
+    import time
+    from types import SimpleNamespace
+
+    from appliance.server.supervisor import Supervisor
+    from appliance.settings import ModelSpec, ServeSettings
+
+    specs = [ModelSpec("a", "/nowhere-a"), ModelSpec("b", "/nowhere-b", keep_alive="5s")]
+    sup = Supervisor(ServeSettings("/nowhere-a", "a", 0, models=specs), EngineConfig())
+    registry = sup.service.registry
+    real_idle, waits = registry.idle, []
+
+    class Recorded:  # the reaper's Event: records each wait's timeout; the third wait stops the reaper
+        def wait(self, timeout=None):
+            waits.append((timeout, real_idle.is_set()))
+            if len(waits) == 3:
+                sup.stopping.set()
+            return True
+
+        def clear(self):
+            real_idle.clear()
+
+        def set(self):
+            real_idle.set()
+
+        def is_set(self):
+            return real_idle.is_set()
+
+    registry.idle = Recorded()
+    registry.attach(SimpleNamespace(tokenizer=None), "CPU", "a")  # keep_alive forever
+    sup._reaper()
+    assert waits[0] == (None, False)  # nothing can expire: asleep until woken, not every half second
+    sup.stopping.clear()
+    waits.clear()
+    registry.attach(SimpleNamespace(tokenizer=None), "CPU", "b")  # 5 s from now
+    began = time.monotonic()
+    sup._reaper()
+    assert waits[0][0] is not None and 5.0 - (time.monotonic() - began) <= waits[0][0] <= 5.0
+    real_idle.clear()
+    with registry.in_flight("b"):
+        assert not real_idle.is_set()
+    assert real_idle.is_set()  # the last job's end wakes the reaper to count the new idle time

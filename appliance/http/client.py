@@ -44,6 +44,7 @@ class EngineClient:
     def __init__(self, socket_path: str, authkey: bytes, max_idle: int = POOL_SIZE):
         self._address, self._authkey = socket_path, authkey
         self._idle: list[Connection] = []
+        self._unread: dict[Connection, int] = {}  # pooled connections with replies still to read (post)
         self._lock = threading.Lock()
         self._max_idle = max_idle
         self._ready: dict[str, p.EngineStatus] = {}  # per model: the last ready status() answer (serving_status)
@@ -53,9 +54,17 @@ class EngineClient:
 
     # ---- connections
     def _take(self) -> Connection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
+        """The last connection given back (LIFO: after a `post`, the connection it went on, so this worker's next
+        call is answered after it), its unread replies read first; or a new one."""
+        while True:
+            with self._lock:
+                if not self._idle:
+                    break
+                conn = self._idle.pop()
+                unread = self._unread.pop(conn, 0)
+            if not unread or _read_replies(conn, unread):
+                return conn
+            conn.close()  # an engine that did not answer a post: this connection cannot be trusted
         return self._connect()
 
     def _connect(self) -> Connection:
@@ -75,10 +84,12 @@ class EngineClient:
             raise EngineUnavailable(f"engine handshake failed: {exc!r}") from None
         return conn
 
-    def _give_back(self, conn: Connection) -> None:
+    def _give_back(self, conn: Connection, unread: int = 0) -> None:
         with self._lock:
             if len(self._idle) < self._max_idle:
                 self._idle.append(conn)
+                if unread:
+                    self._unread[conn] = unread
                 return
         conn.close()
 
@@ -146,15 +157,24 @@ class EngineClient:
         return self.call(p.RELOAD, timeout=p.RELOAD_SECONDS)
 
     def record_http(self, record: p.HttpRecord) -> None:
-        """A round trip, so /metrics read after a response always includes it; never fails the request. Probes
-        and 401s are recorded later, in batches (`_deferred`): they need no key, so anyone can send many, and a
-        liveness probe must not wait on the engine process."""
+        """Written to the engine before the response's first byte, its reply not waited for (`post`): a streamed
+        response's first token waited on that round trip, two thread wake-ups in the engine process while it
+        decodes. /metrics read after a response still includes it: this worker's next call goes on the same
+        connection (answered in order), and the engine answers METRICS once every record already sent to it is
+        counted (EngineService._settle). Never fails the request. Probes and 401s are recorded later, in batches
+        (`_deferred`): they need no key, so anyone can send many, and a liveness probe must not wait on the engine
+        process."""
         if record.status == 401 or record.route in DEFERRED_ROUTES:
             return self._defer(record)
         try:
-            self.call(p.RECORD_HTTP, record)
+            self.post(p.RECORD_HTTP, record)
         except EngineUnavailable:
             pass
+
+    def post(self, op: str, *args) -> None:
+        """A call whose reply nobody waits for: written now, the connection back in the pool at once with its reply
+        left to read by its next use (`_take`)."""
+        self._give_back(self._send((op, *args)), unread=1)
 
     def _defer(self, record: p.HttpRecord) -> None:
         key = (record.route, record.method, record.status, record.error_type)
@@ -232,6 +252,18 @@ class EngineClient:
                 conn.close()
                 raise EngineUnavailable(f"engine connection lost: {exc}") from None
         return conn
+
+
+def _read_replies(conn: Connection, count: int) -> bool:
+    """Reads (and drops) `count` replies to posts; False if the engine did not answer within CALL_SECONDS."""
+    try:
+        for _ in range(count):
+            if not conn.poll(p.CALL_SECONDS):
+                return False
+            conn.recv()
+    except (OSError, EOFError):
+        return False
+    return True
 
 
 class JobStream:

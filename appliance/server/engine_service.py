@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# a call no one registered (EngineService.calls): a service without a supervisor (tests, bench)
+NOT_SERVED = {
+    p.LOAD: p.Failed(500, "this server cannot load models on demand"),
+    p.RELOAD: p.Failed(400, "no config file: start the server with --config to reload it"),
+}
+# METRICS waits at most this long for the HTTP records sent before it (a record is counted microseconds after its
+# thread wakes; a loaded box delays the wake by milliseconds)
+SETTLE_SECONDS = 0.2
+SETTLE_POLL_SECONDS = 0.001
 LISTEN_BACKLOG = 128  # workers x their pools reconnecting at once after a restart
 ACCEPT_BACKOFF_SECONDS = 0.05
 
@@ -49,13 +59,15 @@ class EngineService:
             settings.models or [single_spec(settings)], settings.graceful_timeout, settings.keep_alive
         )
         self.jobs = JobRunner(self.registry, metrics, settings.limits)
-        # the supervisor's reload (POST /v1/config/reload): a Reply with (changed, [ModelInfo]) or a Failed
-        self.reloader: Callable[[], p.Reply] | None = None
-        # more calls by op name, each (*args) -> Reply: the supervisor's pulled models (SERVE_PULLED, DELETE_PULLED)
+        # the calls the supervisor answers, by op name, each (*args) -> Reply (or Rejected): RELOAD, LOAD and the
+        # pulled models' SERVE_PULLED and DELETE_PULLED; until it registers them, `NOT_SERVED`'s answers
         self.calls: dict[str, Callable[..., p.Reply]] = {}
-        # the supervisor's LOAD (model, keep_alive | None, gone) -> Reply(ModelInfo) or a Failed
-        self.load_call: Callable[[str, float | None, Callable[[], bool]], p.Reply] | None = None
         self._listener: Listener | None = None
+        # connection threads waiting for their next message, and HTTP records being counted: what METRICS waits
+        # for (_settle)
+        self._listening: set[Connection] = set()
+        self._recording = 0
+        self._conns_lock = threading.Lock()
         self._authkey = b""
         self._faults = os.environ.get(p.FAULT_INJECTION_ENV) == "1"
 
@@ -143,10 +155,19 @@ class EngineService:
                 log.warning("engine socket: handshake failed", extra={"error": repr(exc)})
                 return
             while True:
+                with self._conns_lock:
+                    self._listening.add(conn)
                 try:
-                    op, *args = conn.recv()
+                    message = conn.recv()
                 except (EOFError, OSError):
+                    message = None
+                with self._conns_lock:  # never neither listening nor counted: _settle sees every record
+                    self._listening.discard(conn)
+                    recording = message is not None and message[0] == p.RECORD_HTTP
+                    self._recording += recording
+                if message is None:
                     return
+                op, *args = message
                 try:
                     if op == p.JOB:
                         if not self.jobs.run(conn, args[0]):
@@ -167,6 +188,29 @@ class EngineService:
                 except Exception:  # a bug here must not take the engine process down; the worker sees EOF
                     log.exception("engine service: %s failed", op)
                     return
+                finally:
+                    if recording:
+                        with self._conns_lock:
+                            self._recording -= 1
+
+    def _settle(self) -> None:
+        """Before METRICS answers: every HTTP record a worker sent before asking is counted. Workers do not wait
+        for a record's reply (http/client.py record_http), so one may still sit unread on another connection, or be
+        in its thread's hands: wait while one does, at most SETTLE_SECONDS."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while True:
+            with self._conns_lock:
+                busy = self._recording > 0
+                fds = [c.fileno() for c in self._listening if not c.closed]
+            if not busy:
+                waiting = select.poll()
+                for fd in fds:
+                    waiting.register(fd, select.POLLIN)
+                if not waiting.poll(0):  # (a closed peer reads as ready too: its thread is about to leave)
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(SETTLE_POLL_SECONDS)
 
     def _call(self, op: str, args: list) -> p.Reply:
         if op == p.STATUS:
@@ -183,6 +227,7 @@ class EngineService:
                 self.metrics.record_http(r.route, r.method, r.status, r.error_type)
             return p.Reply()
         if op == p.METRICS:
+            self._settle()
             slots = self.registry.all()
             per_model = {
                 s.spec.name: (s.live_state()[0] == "ready", s.engine.stats() if s.engine else None) for s in slots
@@ -201,18 +246,10 @@ class EngineService:
             limit = engine.max_context if engine is not None else facts.max_context if facts is not None else 0
             ids = tokenize(slot.tokenizer, limit, texts)
             return p.Reply(error=ids) if isinstance(ids, p.Failed) else p.Reply(ids)
-        if op == p.LOAD:
-            if self.load_call is None:
-                return p.Reply(error=p.Failed(500, "this server cannot load models on demand"))
-            name, keep_alive = args
-            return self.load_call(self.registry.slot(name).spec.name, keep_alive, lambda: False)
-        if op == p.RELOAD:
-            if self.reloader is None:
-                return p.Reply(error=p.Failed(400, "no config file: start the server with --config to reload it"))
-            return self.reloader()
-        if op in self.calls:
-            return self.calls[op](*args)
-        return p.Reply(error=p.Failed(500, f"unknown engine call {op!r}"))
+        call = self.calls.get(op)
+        if call is not None:
+            return call(*args)
+        return p.Reply(error=NOT_SERVED.get(op) or p.Failed(500, f"unknown engine call {op!r}"))
 
     def status(self, name: str = "") -> p.EngineStatus:
         slot = self.registry.find(name)

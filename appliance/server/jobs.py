@@ -1,7 +1,9 @@
 """Jobs in the engine process (engine_service.py hands them over): tokenize a job's prompts, submit them to its
 model's Engine, stream the chunks back over the worker's connection, and count them in the metrics.
 
-A job's sequences are each drained by a pump thread that forwards chunks as the engine produces them; the
+A job's sequences are each drained by a pump thread that forwards chunks as the engine produces them (a
+one-sequence job's first token is written by the engine thread itself when the socket takes it without blocking:
+waking the pump while the next step holds the cores cost 0.5-5 ms of TTFT, bench.http_breakdown); the
 connection's thread meanwhile watches the socket, and when the worker closes it (its client went away, or the
 request timed out) every sequence of the job is cancelled at once. A refused job is one `Failed` then `End`: the
 request's fault is a 400, a full queue a 429, a model that cannot serve a 503, before anything is queued.
@@ -28,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any
 
 from appliance import protocol as p
 from appliance.limits import Limits
@@ -60,8 +62,10 @@ class JobRunner:
     def run(self, conn: Connection, job: p.Job) -> bool:
         """Streams the job's events. False when the worker closed the connection (the job was cancelled)."""
         trace = tracing.job_trace(job) if job.trace is not None else None  # OpenTelemetry on, request sampled
-        if trace is not None:
-            conn = cast(Connection, trace.watch(conn))
+        sender = trace.watch(conn) if trace is not None else p.EventConnection(conn)  # one-write sends either way
+        return self._run(sender, job, trace)
+
+    def _run(self, conn: p.EventConnection, job: p.Job, trace: tracing.JobTrace | None) -> bool:
         try:
             arrived = time.monotonic()
             with self.models.in_flight(job.model, job.keep_alive) as slot:
@@ -85,7 +89,12 @@ class JobRunner:
                 trace.end()  # the job's spans, written after its End went out
 
     def _run_on(
-        self, conn: Connection, job: p.Job, slot: Slot, arrived: float | None = None, load_seconds: float = 0.0
+        self,
+        conn: p.EventConnection,
+        job: p.Job,
+        slot: Slot,
+        arrived: float | None = None,
+        load_seconds: float = 0.0,
     ) -> bool:
         if problem := slot.problem():
             conn.send(p.Failed(503, f"The engine cannot serve: {problem}", code="engine_failed"))
@@ -221,16 +230,16 @@ class JobRunner:
             raise Rejected(p.Failed(400, str(exc))) from None
         return handles, accepted
 
-    def _stream(self, conn: Connection, handles: list, load_seconds: float = 0.0) -> bool:
+    def _stream(self, conn: p.EventConnection, handles: list, load_seconds: float = 0.0) -> bool:
         send_lock = threading.Lock()
         wake_r, wake_w = os.pipe()
         state = {"open": True}
+        lasts = {index: submitted for index, _, submitted in handles}  # each choice's last token (metrics' ITL)
 
         def pump(index: int, handle, submitted: float) -> None:
             try:
-                last = submitted
                 for offset, chunk in handle.events():
-                    last = self._observe(chunk, submitted, last)
+                    lasts[index] = self._observe(chunk, submitted, lasts[index])
                     if not state["open"]:
                         continue
                     timing = handle.timing if chunk.finish_reason else None
@@ -243,7 +252,7 @@ class JobRunner:
                     event = p.ChoiceChunk(index + offset, chunk, timing)
                     try:
                         with send_lock:
-                            p.send_event(conn, event)
+                            conn.send(event)
                     except OSError:
                         state["open"] = False
                         cancel(handles)
@@ -252,12 +261,19 @@ class JobRunner:
 
         pumps = [threading.Thread(target=pump, args=h, name="engine-pump", daemon=True) for h in handles]
         finished = 0
-        watch: list[Connection | int] = [conn, wake_r]
+        watch: list[Any] = [conn, wake_r]  # wait() takes anything with fileno()
         starting = True
         try:
             for t in pumps:
                 t.start()
             starting = False
+            if len(handles) == 1:  # its first token sent by the engine thread itself: no hand-off to the pump
+                index, handle, submitted = handles[0]
+
+                def first(chunk: Chunk) -> bool:
+                    return self._send_first(conn, index, chunk, submitted, send_lock, state, lasts)
+
+                handle.divert_first(first)
             while finished < len(pumps):
                 for ready in wait(watch):
                     if ready is wake_r:
@@ -292,6 +308,30 @@ class JobRunner:
         if state["open"]:
             conn.send(p.End())
         return state["open"]
+
+    def _send_first(
+        self,
+        conn: p.EventConnection,
+        index: int,
+        chunk: Chunk,
+        submitted: float,
+        send_lock: threading.Lock,
+        state: dict,
+        lasts: dict,
+    ) -> bool:
+        """On the engine thread (RequestHandle.divert_first): the job's first token sent now if that cannot block;
+        False leaves it to the pump (which also meets a broken connection and ends the job)."""
+        if not state["open"] or not send_lock.acquire(blocking=False):
+            return False
+        try:
+            if not conn.try_send(p.ChoiceChunk(index, chunk)):
+                return False
+        except OSError:
+            return False
+        finally:
+            send_lock.release()
+        lasts[index] = self._observe(chunk, submitted, lasts[index])
+        return True
 
     def _observe(self, chunk: Chunk, submitted: float, last: float) -> float:
         now = time.monotonic()
@@ -356,7 +396,7 @@ def check_generated_logprobs(job: p.Job, prompts: list[list[int]], context: int,
         )
 
 
-def closed(conn: Connection) -> bool:
+def closed(conn: Connection | p.EventConnection) -> bool:
     """The worker closed the connection (it sends nothing else during a job: readable means EOF)."""
     try:
         return conn.poll(0)

@@ -92,6 +92,13 @@ class Residency:
         idle = [r for r in residents if not r.busy and r.keep_alive != FOREVER and now - r.last_used >= r.keep_alive]
         return [r.name for r in sorted(idle, key=lambda r: r.last_used)]
 
+    @staticmethod
+    def next_expiry(residents: Iterable[Resident], now: float) -> float | None:
+        """Seconds until the first idle model's keep_alive runs out (0: one has), None when no idle model has a
+        finite keep_alive (a busy one's clock starts when its last request ends, which the caller hears of)."""
+        ends = [r.last_used + r.keep_alive for r in residents if not r.busy and r.keep_alive != FOREVER]
+        return max(0.0, min(ends) - now) if ends else None
+
 
 def kv_element_bytes(config: EngineConfig) -> int:
     precision = config.kv_cache_precision or ("u8" if config.device.upper().startswith("CPU") else "f16")

@@ -151,7 +151,9 @@ class Models:
     def __init__(self, specs: list[ModelSpec], graceful_timeout: float, keep_alive: str = "-1"):
         self.graceful_timeout = graceful_timeout
         self.keep_alive = keep_alive  # --keep-alive: a model's default when its spec has none
-        self.idle = threading.Event()  # set when a model's last job ends: the supervisor's reaper looks then
+        # set when what the keep_alive reaper decides from changed (a model's last job ended, a model attached) and
+        # at stop: the supervisor's reaper sleeps on it until the next keep_alive runs out
+        self.idle = threading.Event()
         self.stopping = False
         self._serials = itertools.count(1)
         self._slots: dict[str, Slot] = {}  # the served models, in config order; guarded by _lock
@@ -180,6 +182,7 @@ class Models:
                 slot.facts, slot.provisional, slot.serial = None, False, next(self._serials)
             slot.engine, slot.device, slot.state, slot.error = engine, device, "ready", None
             slot.tokenizer, slot.last_used = getattr(engine, "tokenizer", None), time.monotonic()
+        self.idle.set()  # idle from now on: its keep_alive counts
         if old is not None and old is not slot:
             self._retire(old)
 
@@ -270,6 +273,7 @@ class Models:
     def stop(self) -> list[Engine]:
         """No more jobs; the engines the caller shuts down (every model's, retiring ones too)."""
         self.stopping = True
+        self.idle.set()  # the reaper ends
         with self._lock:
             slots = [*self._slots.values(), *self._retiring]
             self._retiring = []

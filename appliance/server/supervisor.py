@@ -68,7 +68,6 @@ from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, ModelSpec, ServeSe
 log = logging.getLogger("appliance.serve")
 
 WARMUP_PROMPT = "Hello"
-REAP_SECONDS = 0.5  # the keep_alive reaper's longest sleep (a model's last job ending wakes it at once)
 ROOM_POLL_SECONDS = 0.05  # a load waiting for room under the budget looks again this often
 LOAD_POLL_SECONDS = 0.1  # a job waiting for its model's load checks its worker is still there this often
 
@@ -93,14 +92,12 @@ class Supervisor:
         if not settings.models:
             settings.models = [single_spec(settings, engine_config)]
         self.service = EngineService(settings, ServerMetrics())
-        self.service.reloader = self.reload_config
         self.pulled = PulledModels(self)  # what /api/pull added and /api/delete removes (pulled_models.py)
-        self.service.calls.update(self.pulled.calls())
+        self.service.calls.update({p.RELOAD: self.reload_config, p.LOAD: self.load_call, **self.pulled.calls()})
         if settings.serve_pulled:  # the pulled models the command line and config file do not name, on demand
             for spec in self.pulled.restore(settings.models):
                 settings.models.append(spec)
                 self.service.add(spec)
-        self.service.load_call = self.load_call
         self.service.jobs.ensure = self.ensure_loaded
         self.residency = Residency(options.parse_memory_budget(settings.models_memory_budget))
         self._pending: dict[str, _Pending] = {}  # name -> its queued load; guarded by _pending_lock
@@ -287,10 +284,12 @@ class Supervisor:
                 return p.Failed(499, "the client went away while its model loaded")
         return pending.failed
 
-    def load_call(self, name: str, keep_alive: float | None, gone) -> p.Reply:
+    def load_call(self, model: str, keep_alive: float | None) -> p.Reply:
         """LOAD (Ollama's request without a prompt): the model loaded and kept for `keep_alive` (None: its default);
-        keep_alive 0 unloads it instead (at once when idle, else when its requests end). The model's state after."""
+        keep_alive 0 unloads it instead (at once when idle, else when its requests end). The model's state after.
+        Rejected (404) for a model not served; "" is the first one."""
         registry = self.service.registry
+        name = registry.slot(model).spec.name
         if keep_alive == 0:
             slot = registry.find(name)
             if slot is None:
@@ -301,8 +300,8 @@ class Supervisor:
         with registry.in_flight(name, keep_alive) as slot:  # held: not unloaded between its load and this answer
             if slot is None:
                 return p.Reply(error=model_not_found(name))
-            if slot.unloaded:
-                failed = self.ensure_loaded(name, gone)
+            if slot.unloaded:  # the worker waits for the answer (LOAD_SECONDS): nothing to watch
+                failed = self.ensure_loaded(name, lambda: False)
                 if failed is not None:
                     return p.Reply(error=failed)
             if slot.engine is None:
@@ -400,15 +399,19 @@ class Supervisor:
         return True
 
     def _reaper(self) -> None:
-        """Unloads the models idle past their keep_alive; woken when a model's last job ends."""
+        """Unloads the models idle past their keep_alive. Asleep until the first keep_alive runs out, or until the
+        registry says something changed (`Models.idle`: a model's last job ended, a model attached, stopping):
+        no timer, since a periodic wakeup beside the engine's threads costs a busy core (bench.http_breakdown
+        counted the 0.5 s poll it replaces at 0.1-0.3 context switches per token at batch 1)."""
         registry = self.service.registry
         while not self.stopping.is_set():
-            registry.idle.wait(REAP_SECONDS)
-            registry.idle.clear()
+            registry.idle.clear()  # before looking: a change from now on ends the wait below at once
             for name in self.residency.expired(registry.residents(), time.monotonic()):
                 if self.stopping.is_set():
                     return
                 self._unload(name, "keep_alive")
+            wait = self.residency.next_expiry(registry.residents(), time.monotonic())
+            registry.idle.wait(None if wait is None else min(wait, threading.TIMEOUT_MAX))
 
     def healthy(self) -> bool:
         """The watchdog's question (sdnotify): can this process still serve? False once an engine died or wedged."""

@@ -179,17 +179,22 @@ class JobTrace:
             span.end(end_time=c.last_sent)
 
 
-class TracedConnection:
-    """The job's connection as the job runner uses it, telling `trace` what is sent to the worker."""
+class TracedConnection(p.EventConnection):
+    """The job's connection as the job runner uses it (protocol.EventConnection: the same one-write sends),
+    telling `trace` what is sent to the worker."""
 
     def __init__(self, conn: Any, trace: JobTrace):
-        self._conn, self._trace = conn, trace
+        super().__init__(conn)
+        self._trace = trace
 
     def send(self, event: object) -> None:
         # noted first: once sent, the worker may end its own span before this thread runs again, and a child span
         # must not end after its parent (a send that fails ends the job anyway)
         self._trace.sent(event)
-        self._conn.send(event)
+        p.send_event(self.conn, event)
 
-    def __getattr__(self, name: str) -> Any:  # recv, poll, fileno (multiprocessing.connection.wait): the socket's
-        return getattr(self._conn, name)
+    def try_send(self, event: object) -> bool:
+        if not super().try_send(event):  # (a first token only: no span ends on it)
+            return False
+        self._trace.sent(event)
+        return True

@@ -8,10 +8,15 @@ way `events()` gives (choice offset, Chunk) pairs and `results()` a list of Gene
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
+from queue import SimpleQueue
+from typing import cast
 
 from appliance.outputs import Chunk, GenerationResult, Timing
 from appliance.runtime.sequence import BeamGroup, Sequence
+
+log = logging.getLogger("appliance.runtime.engine")
 
 
 class RequestHandle:
@@ -46,6 +51,17 @@ class RequestHandle:
     def __iter__(self) -> Iterator[Chunk]:
         for _, chunk in self.events():
             yield chunk
+
+    def divert_first(self, take: Callable[[Chunk], bool]) -> None:
+        """Offer the request's first token to `take`, on the engine thread as the engine makes it, instead of
+        queueing it for `events()`: True means taken (the caller passed it on itself), False queues it as usual.
+        Only a sampled request's first chunk of tokens that does not end it (a beam search's, a last chunk, or a
+        token made before this call go the usual way); `take` must neither block nor raise. What it saves is a
+        thread hand-off on the first token's path: a server's pump thread waking while the engine's next step
+        holds the cores (bench.http_breakdown's TTFT stages)."""
+        seq = self._seq
+        if seq.group is None:
+            seq.out = cast(SimpleQueue, _FirstTap(seq, take))  # what the engine (put) and events() (get) use
 
     def cancel(self) -> None:
         group = self._seq.group
@@ -98,3 +114,23 @@ class RequestHandle:
                 prompt_logprobs,
             )
         ]
+
+
+class _FirstTap:
+    """A sequence's output queue for its next chunk only (RequestHandle.divert_first): offers a first token to
+    `take`, then hands the sequence its queue back."""
+
+    def __init__(self, seq: Sequence, take: Callable[[Chunk], bool]):
+        self.seq, self.queue, self.take = seq, seq.out, take
+        self.get = self.queue.get  # a reader already waiting on the queue keeps waiting on it
+
+    def put(self, chunk: Chunk) -> None:
+        self.seq.out = self.queue
+        first = chunk.token_ids and chunk.completion_tokens == len(chunk.token_ids)
+        if first and chunk.finish_reason is None:
+            try:
+                if self.take(chunk):
+                    return
+            except Exception:  # the contract says it cannot; the chunk must reach its reader all the same
+                log.exception("request %s: the first token's taker failed", self.seq.request_id)
+        self.queue.put(chunk)
