@@ -185,13 +185,24 @@ def test_drop_reporter_is_woken_by_a_drop_only():
     assert not drops.waiting.is_set() and drops.take() == {}
 
 
-def test_a_posted_http_record_is_counted_by_a_metrics_call_from_any_connection(tmp_path, monkeypatch):
+@pytest.mark.parametrize("slow", ["counting", "handshake"])
+def test_a_posted_http_record_is_counted_by_a_metrics_call_from_any_connection(tmp_path, monkeypatch, slow):
     """record_http does not wait for the engine's reply (a streamed response's first byte must not): a METRICS
     call made after it still counts it, from the same client (the same pooled connection, answered in order, its
-    reply read before the next call's) or from another one (the engine settles the records sent before METRICS,
-    here with the record's counting slowed down as a loaded box would)."""
+    reply read before the next call's) or from another one (the engine settles the records sent before METRICS).
+    Slowed down as a loaded box would: the record's counting, or the connection's thread after its handshake (the
+    record then waits on a connection its thread does not listen to yet)."""
     import os
     import time
+
+    handshake = p.handshake
+
+    def slow_handshake(conn, authkey, server=False):
+        handshake(conn, authkey, server=server)
+        if server and slow == "handshake":
+            time.sleep(0.05)
+
+    monkeypatch.setattr(p, "handshake", slow_handshake)
 
     from appliance.server.engine_service import EngineService
     from appliance.server.metrics import ServerMetrics
@@ -204,7 +215,7 @@ def test_a_posted_http_record_is_counted_by_a_metrics_call_from_any_connection(t
     counted = service.metrics.record_http
 
     def slow_count(*args):
-        time.sleep(0.05)
+        time.sleep(0.05 if slow == "counting" else 0)
         counted(*args)
 
     monkeypatch.setattr(service.metrics, "record_http", slow_count)

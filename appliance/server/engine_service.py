@@ -140,6 +140,8 @@ class EngineService:
         while not self.stopping:
             try:
                 conn = listener.accept()
+                with self._conns_lock:  # listened to from its accept on: a record may follow the handshake at once
+                    self._listening.add(conn)
                 threading.Thread(target=self._serve, args=(conn,), name="engine-conn", daemon=True).start()
             except Exception:  # OSError (EMFILE, ...), RuntimeError (no thread): this loop must outlive it
                 if self.stopping:
@@ -152,6 +154,8 @@ class EngineService:
             try:
                 p.handshake(conn, self._authkey, server=True)
             except (OSError, EOFError, AuthenticationError) as exc:
+                with self._conns_lock:
+                    self._listening.discard(conn)
                 log.warning("engine socket: handshake failed", extra={"error": repr(exc)})
                 return
             while True:
