@@ -123,6 +123,8 @@ def test_a_model_with_a_job_in_flight_is_never_detached():
     models.attach(engine, "CPU", "a")
     slot = models.slot("a")
     assert slot.keep_alive == 0 and not slot.unloaded
+    assert models.idle.is_set()  # attached: the reaper looks again (its keep_alive counts from now)
+    models.idle.clear()  # what the reaper does before it looks
     with models.in_flight("a", keep_alive=FOREVER):
         assert models.unload("a") is None and slot.engine is engine
         assert models.residents()[0].busy and slot.keep_alive == FOREVER  # the request's keep_alive applies
