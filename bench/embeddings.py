@@ -13,14 +13,19 @@ Throughput: the corpus embedded in batches of 1, 8 and 32 by
   runs on CPU, minus its Python wrapper).
 Each repetition runs every side back to back, rotating which goes first; medians over repetitions. The box is
 shared (other agents' work shows in machine_before/after's busy_processes): read the ratios, not the absolutes.
+torch's OpenMP threads spin between kernels by default; on a loaded box a spinning thread waits for a preempted
+one, which cost torch 4-10x at batch 1 (2-core box at load average 5: 2.0-6.0 sentences/s spinning against
+19.5-23.1 with OMP_WAIT_POLICY=PASSIVE, 25-26 ms CPU a sentence against 123-249): `--torch-omp-wait passive`
+gives torch the policy that suits a busy box (the default keeps torch's own, the better one on a quiet box).
 
     python -m bench.embeddings [--models fp32 int8] [--sentences 240] [--throughput-sentences 96] [--batches 1 8 32]
-                               [--reps 5] [--quick]
+                               [--reps 5] [--quick] [--torch-omp-wait passive|active]
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import time
 from pathlib import Path
@@ -151,7 +156,9 @@ class _Genai:
         }[manifest.pooling or "mean"]
         config.normalize = manifest.normalize
         config.max_length = manifest.max_length
-        props = {"PERFORMANCE_HINT": "LATENCY", **cpu_isa.plugin_properties(cpu_isa.detect(), None)}
+        from appliance.runtime.encoder import CPU_PROPERTIES
+
+        props = {"PERFORMANCE_HINT": "LATENCY", **cpu_isa.plugin_properties(cpu_isa.detect(), None), **CPU_PROPERTIES}
         self.pipeline = openvino_genai.TextEmbeddingPipeline(str(scratch), "CPU", config, **props)
 
     def __call__(self, texts: list[str]) -> Any:
@@ -248,6 +255,7 @@ def summary(runs: list[dict], batches: list[int]) -> list[dict]:
         for side in SIDES:
             row[f"{side}_cpu_ms"] = median(c[side] for c in cpu.values())
         row["vs_genai_cpu"] = median(c["genai"] / c["appliance"] for c in cpu.values())  # > 1: we use less CPU
+        row["vs_torch_cpu"] = median(c["torch"] / c["appliance"] for c in cpu.values())
         rows.append(row)
     return rows
 
@@ -266,7 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sentences", type=int, default=240)
     ap.add_argument("--throughput-sentences", type=int, default=96, help="the first N of them timed per side and rep")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument(
+        "--torch-omp-wait",
+        choices=("passive", "active"),
+        help="OMP_WAIT_POLICY for torch's OpenMP threads (default: torch's own, which spins between kernels)",
+    )
     args = ap.parse_args(argv)
+    if args.torch_omp_wait:  # read once, when torch loads its OpenMP runtime: set before the first import
+        os.environ["OMP_WAIT_POLICY"] = args.torch_omp_wait.upper()
 
     from export.default_model import ensure_embedding_export, ensure_embedding_hf_folder
 
@@ -307,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             ("appliance_cpu_ms", "appliance CPU ms/sent", ".1f"),
             ("genai_cpu_ms", "genai CPU ms/sent", ".1f"),
             ("vs_genai_cpu", "x genai (CPU)", ".2f"),
+            ("torch_cpu_ms", "torch CPU ms/sent", ".1f"),
+            ("vs_torch_cpu", "x torch (CPU)", ".2f"),
         ],
         title=f"sentences/s, {args.throughput_model} IR, {len(timed)} sentences, median of {args.reps} (paired ratios)",
     )

@@ -20,7 +20,7 @@ import pytest
 import tiny_encoders
 
 from appliance.manifest import MANIFEST_NAME, Manifest
-from appliance.runtime.encoder import Encoder, EncoderError
+from appliance.runtime.encoder import Encoder, EncoderError, fold_int8_weights, pool
 from export.encoder import export_encoder, torch_reference
 from export.source import ExportError
 
@@ -288,6 +288,13 @@ def test_static_buckets_give_the_dynamic_results(tiny_encoder):
     np.testing.assert_allclose(static.embed(batch), dynamic.embed(batch), atol=1e-5)
 
 
+def test_cpu_threads_are_not_pinned(tiny_encoder):
+    """The encoder shares the cores with the chat engine: its inference threads may move between them."""
+    _, out = tiny_encoder("embed-mean")
+    compiled = Encoder(out, threads=2)._runner._request.get_compiled_model()  # type: ignore[attr-defined]
+    assert compiled.get_property("ENABLE_CPU_PINNING") is False
+
+
 def test_bad_batches_are_refused(tiny_encoder):
     _, embed_dir = tiny_encoder("embed-mean")
     _, rerank_dir = tiny_encoder("rerank")
@@ -336,6 +343,38 @@ def test_minilm_matches_sentence_transformers(embedding_export, minilm, weight_f
     got = encoder.embed(batch)
     want = reference(minilm, batch, encoder.manifest)
     assert cosines(got, want).min() >= floor
+
+
+def test_minilm_int8_folded_weights_give_the_int8_vectors(embedding_export):
+    """fold_int8_weights (what the encoder does on a CPU without VNNI): every projection of the int8 export gets f32
+    weights computed once, the compiled graph's FullyConnected layers read f32 weights instead of decompressing u8
+    ones on the fly, and the vectors are the plugin's own decompression's."""
+    import openvino as ov
+
+    path = embedding_export("int8")
+    core = ov.Core()
+    raw = core.read_model(path / Manifest.load(path).model_file)
+    folded = raw.clone()
+    assert fold_int8_weights(folded) == 6 * 6  # q, k, v, attention output, MLP in and out in each of 6 layers
+    assert fold_int8_weights(folded) == 0  # nothing compressed is left
+
+    encoder = Encoder(path, precision="f32")
+    batch = [encoder.truncate(ids) for ids in encoder.tokenize(SENTENCES[:8])]
+    ids, mask, types = encoder._pad(batch, None)
+    vectors, weights = [], []
+    for model in (raw, folded):
+        compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        ops = compiled.get_runtime_model().get_ordered_ops()
+        layers = [op for op in ops if op.get_rt_info()["layerType"].astype(str).startswith("FullyConnected")]
+        weights.append({str(op.get_input_element_type(1)) for op in layers})
+        hidden = compiled.create_infer_request().infer(
+            {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        )[0]
+        vectors.append(pool(np.array(hidden), mask, "mean", True))
+    assert weights == [{"<Type: 'uint8_t'>"}, {"<Type: 'float32'>"}]
+    assert cosines(vectors[1], vectors[0]).min() >= 0.99999
+    if encoder._runner.folded:  # this CPU folds: the encoder itself computes the folded graph's vectors
+        np.testing.assert_allclose(encoder.embed(batch), vectors[1], atol=1e-5)
 
 
 def test_minilm_tokenizer_matches_transformers(embedding_export, embedding_hf):
