@@ -168,8 +168,9 @@ def _tree(pid: int) -> list[int]:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system, /proc) of the server's processes (`engine` = the serve process, `worker-N` =
-    the gunicorn ones; dead threads included) and of each engine thread by its name (`encoder`, `encoder-bg` name
-    themselves; the rest are `python/<tid>`: the step loop and the connections' threads)."""
+    the gunicorn ones; dead threads included) and of each engine and worker thread by its name (`encoder`,
+    `encoder-bg` name themselves; the rest are `python/<tid>`: the engine's step loop and connection threads, a
+    worker's event loop (its main thread: tid = the worker's pid) and request threads)."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def cpu(stat: Path) -> float:
@@ -183,14 +184,141 @@ def thread_cpu(pid: int) -> dict[str, float]:
             if proc != pid and b"gunicorn" in Path(f"/proc/{proc}/cmdline").read_bytes():
                 role = f"worker-{n}"
             out[role] = cpu(Path(f"/proc/{proc}/stat"))
-            if proc == pid:
+            if proc == pid or role.startswith("worker-"):
                 for task in Path(f"/proc/{proc}/task").iterdir():
                     name = (task / "comm").read_text().strip()
-                    key = f"engine/{name}" if name.startswith("encoder") else f"engine/{name}/{task.name}"
+                    key = f"{role}/{name}" if name.startswith("encoder") else f"{role}/{name}/{task.name}"
                     out[key] = out.get(key, 0.0) + cpu(task / "stat")
         except (OSError, ValueError, IndexError):
             pass
     return out
+
+
+def thread_switches(pid: int) -> dict[str, tuple[int, int]]:
+    """Context switches (voluntary, involuntary: /proc status) of the server's processes, as `thread_cpu` names
+    them: a voluntary one is a thread going to sleep (to be woken later: on a loaded 2-core box each wake-up may
+    wait for a core), an involuntary one a thread put off its core."""
+    out: dict[str, tuple[int, int]] = {}
+    for n, proc in enumerate(_tree(pid)):
+        try:
+            role = "engine" if proc == pid else f"other-{n}"
+            if proc != pid and b"gunicorn" in Path(f"/proc/{proc}/cmdline").read_bytes():
+                role = f"worker-{n}"
+            for task in Path(f"/proc/{proc}/task").iterdir():
+                status = (task / "status").read_text()
+                fields = dict(line.split(":", 1) for line in status.splitlines() if "ctxt_switches:" in line)
+                k = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
+                keys = [role]
+                if proc == pid or role.startswith("worker-"):
+                    name = (task / "comm").read_text().strip()
+                    keys.append(f"{role}/{name}" if name.startswith("encoder") else f"{role}/{name}/{task.name}")
+                for key in keys:
+                    was = out.get(key, (0, 0))
+                    out[key] = (was[0] + k[0], was[1] + k[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def runtime_dir(pid: int) -> str:
+    """The server's private runtime directory (its engine socket and key), from a worker's environment."""
+    from appliance.settings import RUNTIME_DIR_ENV
+
+    for proc in _tree(pid):
+        try:
+            for var in Path(f"/proc/{proc}/environ").read_bytes().split(b"\0"):
+                name, _, value = var.partition(b"=")
+                if name.decode() == RUNTIME_DIR_ENV:
+                    return value.decode()
+        except OSError:
+            pass
+    raise RuntimeError("the server's runtime directory was not found")
+
+
+# The HTTP worker's stages of one /v3/embeddings request (`worker_stages`): (label, module, attribute); a stage
+# whose function is not there (another version of the code) is left out.
+STAGES = (
+    ("body read + JSON parse", "appliance.openai_api.app", "Api.json_body"),
+    ("validation (job built)", "appliance.openai_api.embeddings", "parse_embeddings"),
+    ("engine round trip", "appliance.http.client", "EngineClient.encode"),
+    ("response body + JSON encode", "appliance.openai_api.embeddings", "embeddings_response"),
+    ("response body", "appliance.openai_api.embeddings", "embeddings_body"),
+    ("JSON encode (Flask)", "flask.json.provider", "DefaultJSONProvider.response"),
+    ("HTTP record round trip", "appliance.http.client", "EngineClient.record_http"),
+)
+
+
+def worker_stages(srv, requests_n: int = 200) -> dict:
+    """Where an HTTP worker's time goes per request: the worker's own code (the Flask app of appliance serve,
+    with an engine client on the running server's engine socket) run in this process through Flask's test client,
+    each stage timed (wall and this thread's CPU, means per request). `flask dispatch (rest)` is the request's
+    total minus the stages; gunicorn's HTTP parsing and socket writes are not in it (the server's worker CPU from
+    /proc minus this total, in `paired_latency`)."""
+    import importlib
+    import threading as _threading
+
+    from appliance.http.client import EngineClient
+    from appliance.openai_api.app import create_app
+    from appliance.settings import ServeSettings
+
+    settings = ServeSettings.load(runtime_dir(srv.pid))
+    client = EngineClient(settings.socket_path, settings.authkey())
+    spans: dict[str, list[float]] = {}
+    patched: list[tuple[object, str, object]] = []
+    depth = _threading.local()
+
+    def timed(label: str, fn):
+        def wrapper(*args, **kwargs):
+            outer = getattr(depth, "n", 0) == 0  # a stage inside another is counted once, in the outer
+            depth.n = getattr(depth, "n", 0) + 1
+            w0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth.n -= 1
+                if outer:
+                    acc = spans.setdefault(label, [0.0, 0.0])
+                    acc[0] += time.perf_counter() - w0
+                    acc[1] += time.thread_time() - c0
+
+        return wrapper
+
+    for label, module, attr in STAGES:
+        owner: object = importlib.import_module(module)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part, None)
+        if owner is None or not hasattr(owner, name):
+            continue
+        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        fn = original.__func__ if isinstance(original, staticmethod) else original
+        wrapped = timed(label, fn)
+        setattr(owner, name, staticmethod(wrapped) if isinstance(original, staticmethod) else wrapped)
+        patched.append((owner, name, original))
+    try:
+        app = create_app(settings, client).test_client()
+        raw = json.dumps({"model": "embed", "input": SENTENCES[0]})
+        app.post("/v3/embeddings", data=raw, content_type="application/json")
+        spans.clear()
+        total = [0.0, 0.0]
+        for i in range(requests_n):
+            raw = json.dumps({"model": "embed", "input": SENTENCES[i % len(SENTENCES)]})
+            w0, c0 = time.perf_counter(), time.thread_time()
+            r = app.post("/v3/embeddings", data=raw, content_type="application/json")
+            total[0] += time.perf_counter() - w0
+            total[1] += time.thread_time() - c0
+            assert r.status_code == 200, r.data
+    finally:
+        for owner, name, original in patched:
+            setattr(owner, name, original)
+    inner = [sum(v[0] for v in spans.values()), sum(v[1] for v in spans.values())]
+    rows = {k: v for k, v in spans.items()}
+    rows["flask dispatch (rest)"] = [total[0] - inner[0], total[1] - inner[1]]
+    rows["total (Flask test client)"] = total
+    return {
+        k: {"wall_ms": round(v[0] / requests_n * 1e3, 3), "cpu_ms": round(v[1] / requests_n * 1e3, 3)}
+        for k, v in rows.items()
+    }
 
 
 def _mean_delta(after: dict, before: dict, name: str) -> float:
@@ -198,32 +326,88 @@ def _mean_delta(after: dict, before: dict, name: str) -> float:
     return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / n if n else float("nan")
 
 
-def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dict:
+class LeanClient:
+    """One kept-alive `http.client` connection: a client whose own cost per request is small (`requests` builds a
+    prepared request, adapters and urllib3's pool per call), to tell the server's latency from the client's."""
+
+    def __init__(self, base: str):
+        import http.client
+        from urllib.parse import urlsplit
+
+        url = urlsplit(base)
+        self.conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+
+    def post(self, body: dict) -> bytes:
+        self.conn.request("POST", "/v3/embeddings", json.dumps(body), {"Content-Type": "application/json"})
+        r = self.conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{r.status}: {data[:200]!r}")
+        json.loads(data)  # as a client would
+        return data
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class RequestsClient:
+    """A `requests` session, as the earlier measurements (and most Python clients) send."""
+
+    def __init__(self, base: str):
+        self.session, self.url = requests.Session(), base + "/v3/embeddings"
+
+    def post(self, body: dict) -> bytes:
+        r = self.session.post(self.url, json=body, timeout=120)
+        r.raise_for_status()
+        r.json()
+        return r.content
+
+    def close(self) -> None:
+        self.session.close()
+
+
+CLIENTS = {"requests": RequestsClient, "http.client": LeanClient}
+
+
+def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200, client: str = "requests") -> dict:
     """One sentence at a time, an in-process forward and an HTTP request alternating (same sentence, same moment
     of the box's load): the medians and their ratio; and where an HTTP request's time went: the engine's
-    queue-to-answer and forward means (its /metrics) and the server's CPU per thread per request (/proc)."""
+    queue-to-answer and forward means (its /metrics), the server's CPU and context switches per thread per
+    request (/proc) and the client's own CPU per request (this thread's)."""
     from appliance.runtime.encoder import Encoder
 
     enc = Encoder(embed, threads=threads)
     ids = enc.tokenize(SENTENCES)
     enc.embed(ids[:1])
-    s = requests.Session()
-    body = {"model": "embed", "input": SENTENCES[0]}
-    s.post(srv.base + "/v3/embeddings", json=body).raise_for_status()  # a pooled engine connection, warm
-    local, http = [], []
-    metrics_before, cpu_before = srv.metrics(), thread_cpu(srv.pid)
+    s = CLIENTS[client](srv.base)
+    s.post({"model": "embed", "input": SENTENCES[0]})  # a pooled engine connection, warm
+    local, http, client_cpu, local_cpu = [], [], 0.0, 0.0
+    metrics_before, cpu_before, switches_before = srv.metrics(), thread_cpu(srv.pid), thread_switches(srv.pid)
     for i in range(requests_n):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         enc.embed([ids[i % len(ids)]])
         local.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        local_cpu += time.thread_time() - c0
         body = {"model": "embed", "input": SENTENCES[i % len(SENTENCES)]}
-        s.post(srv.base + "/v3/embeddings", json=body).raise_for_status()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        s.post(body)
         http.append(time.perf_counter() - t0)
-    cpu_after, metrics_after = thread_cpu(srv.pid), srv.metrics()
+        client_cpu += time.thread_time() - c0
+    switches_after, cpu_after, metrics_after = thread_switches(srv.pid), thread_cpu(srv.pid), srv.metrics()
+    s.close()
     a, b = statistics.median(local), statistics.median(http)
     cpu = {k: round((v - cpu_before.get(k, 0.0)) / requests_n * 1e3, 2) for k, v in cpu_after.items()}
+    switches = {
+        k: [round((v[i] - switches_before.get(k, (0, 0))[i]) / requests_n, 2) for i in (0, 1)]
+        for k, v in switches_after.items()
+    }
     return {
+        "client": client,
+        "client_cpu_ms_per_request": round(client_cpu / requests_n * 1e3, 3),
+        "in_process_cpu_ms_per_forward": round(local_cpu / requests_n * 1e3, 3),
+        "requests": requests_n,
+        "pairs_in_process_ms": [round(x * 1e3, 2) for x in local],
+        "pairs_http_ms": [round(x * 1e3, 2) for x in http],
         "in_process_ms": round(a * 1e3, 1),
         "http_ms": round(b * 1e3, 1),
         "ratio": round(b / a, 3),
@@ -236,7 +420,56 @@ def paired_latency(srv, embed: Path, threads: int, requests_n: int = 200) -> dic
             _mean_delta(metrics_after, metrics_before, "appliance_encoder_forward_seconds") * 1e3, 1
         ),
         "server_cpu_ms_per_request": {k: v for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v > 0.05},
+        "server_context_switches_per_request": {
+            k: v for k, v in sorted(switches.items(), key=lambda kv: -sum(kv[1])) if sum(v) >= 0.05
+        },
     }
+
+
+def latency_runs(chat: Path, embed: Path, threads: int, runs: int, requests_n: int, clients: list[str]) -> dict:
+    """`runs` paired runs per client kind on one server (the kinds alternating), then the worker's stages
+    (`worker_stages`); the table of both."""
+    srv = start(chat, embed, threads, "latency")
+    try:
+        paired = [paired_latency(srv, embed, threads, requests_n, c) for _ in range(runs) for c in clients]
+        stages = worker_stages(srv, requests_n)
+    finally:
+        srv.stop()
+    worker_cpu = statistics.median(
+        sum(v for k, v in r["server_cpu_ms_per_request"].items() if k.startswith("worker-") and "/" not in k)
+        for r in paired
+    )
+    flask_cpu = stages["total (Flask test client)"]["cpu_ms"]
+    stages["gunicorn: HTTP parse + socket I/O (server worker CPU - Flask total)"] = {
+        "wall_ms": None,
+        "cpu_ms": round(worker_cpu - flask_cpu, 3),
+    }
+    rows = [
+        {
+            "what": f"run {i + 1} ({r['client']}): paired in-process / HTTP median",
+            "ms": f"{r['in_process_ms']} / {r['http_ms']}",
+            "cpu_ms": f"{r['client_cpu_ms_per_request']}",
+            "note": f"ratio {r['ratio']} (CPU: the client's)",
+        }
+        for i, r in enumerate(paired)
+    ]
+    for r in paired[:1]:
+        rows.append(
+            {
+                "what": "engine: queue-to-answer / forward (mean)",
+                "ms": f"{r['engine_queue_to_answer_mean_ms']} / {r['engine_forward_mean_ms']}",
+                "cpu_ms": f"{r['in_process_cpu_ms_per_forward']}",
+                "note": "(CPU: the in-process forward's)",
+            }
+        )
+        for k, v in r["server_cpu_ms_per_request"].items():
+            vol, invol = r["server_context_switches_per_request"].get(k, (0, 0))
+            note = f"switches: {vol} voluntary, {invol} involuntary"
+            rows.append({"what": f"server CPU: {k}", "ms": "", "cpu_ms": f"{v}", "note": note})
+    for k, v in stages.items():
+        wall = "" if v["wall_ms"] is None else f"{v['wall_ms']:.3f}"
+        rows.append({"what": f"worker stage: {k}", "ms": wall, "cpu_ms": f"{v['cpu_ms']:.3f}", "note": ""})
+    return {"paired": paired, "worker_stages": stages, "rows": rows}
 
 
 def throughput(chat: Path, embed: Path, threads: int, reps: int, seconds: float) -> list[dict]:
@@ -332,6 +565,11 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--encoder-threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--only", choices=("throughput", "mixed", "latency"), default=None)
+    ap.add_argument("--latency-runs", type=int, default=2, help="--only latency: paired runs on one server")
+    ap.add_argument("--requests", type=int, default=200, help="--only latency: requests per paired run")
+    ap.add_argument(
+        "--client", nargs="+", choices=sorted(CLIENTS), default=["requests"], help="--only latency: the HTTP client(s)"
+    )
     ap.add_argument("--encoder-nice", type=int, default=None, help="the encoder thread's niceness (default: 19)")
     ap.add_argument("--encoder-sched", choices=("normal", "idle"), default=None, help="APPLIANCE_ENCODER_SCHED")
     args = ap.parse_args(argv)
@@ -346,14 +584,14 @@ def main(argv=None) -> int:
         embed = ensure_embedding_export("openvino", "int8")
     before = machine()
     out: dict = {"machine": before, "encoder_nice": args.encoder_nice, "encoder_sched": args.encoder_sched}
-    if args.only == "latency":  # paired 1-client latency only
-        srv = start(chat, embed, args.encoder_threads[0], "latency")
-        try:
-            out["latency"] = paired_latency(srv, embed, args.encoder_threads[0])
-        finally:
-            srv.stop()
-        print(out["latency"])
+    if args.only == "latency":  # paired 1-client latency only, and where its time goes
+        out["latency"] = latency_runs(
+            chat, embed, args.encoder_threads[0], args.latency_runs, args.requests, args.client
+        )
+        out["machine_after"] = machine()
         write_json(RESULTS_DIR / "embeddings_http.json", out)
+        cols = [("what", "", "s"), ("ms", "wall ms", "s"), ("cpu_ms", "CPU ms", "s"), ("note", "", "s")]
+        print_table(out["latency"]["rows"], cols, "Embeddings, 1 client: HTTP against the in-process forward")
         return 0
     if args.only in (None, "throughput"):
         rows = throughput(chat, embed, args.encoder_threads[0], args.reps, args.seconds)

@@ -364,3 +364,34 @@ def test_metrics_count_requests_tokens_and_batches(srv, oai):
     assert metric(srv, 'appliance_encoder_tokens_total{task="embed"}') > tokens
     assert metric(srv, "appliance_encoder_batch_inputs_count") >= 1
     assert metric(srv, 'appliance_http_requests_total{method="POST",route="/v3/embeddings",status="200"}') >= 1
+
+
+def test_each_response_is_counted_once(srv):
+    """An answered request's HTTP response is counted by the engine with its answer (the worker makes no record
+    round trip of its own for it), a refused one by the worker as any other: each exactly once, on every
+    embeddings route, and in /metrics as soon as the response is back."""
+
+    def counts() -> dict[str, float]:
+        values = parse_metrics(requests.get(srv.base + "/metrics", timeout=30).text)
+        return {k: v for k, v in values.items() if k.startswith('appliance_http_requests_total{method="POST"')}
+
+    def key(route: str, status: int) -> str:
+        return f'appliance_http_requests_total{{method="POST",route="{route}",status="{status}"}}'
+
+    before = counts()
+    for _ in range(3):
+        post(srv, "/v3/embeddings", {"model": EMBED, "input": "hello"}).raise_for_status()
+    post(srv, "/v1/embeddings", {"model": EMBED, "input": ["a", "b"], "encoding_format": "base64"}).raise_for_status()
+    post(srv, "/v3/rerank", {"model": RERANK, "query": "q", "documents": ["d"]}).raise_for_status()
+    post(srv, "/api/embed", {"model": EMBED, "input": "hello"}).raise_for_status()
+    assert post(srv, "/v3/embeddings", {"model": EMBED, "input": ""}).status_code == 400
+    assert post(srv, "/v3/embeddings", {"model": CHAT, "input": "hello"}).status_code == 400
+    after = counts()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert delta == {
+        key("/v3/embeddings", 200): 3,
+        key("/v1/embeddings", 200): 1,
+        key("/v3/rerank", 200): 1,
+        key("/api/embed", 200): 1,
+        key("/v3/embeddings", 400): 2,
+    }

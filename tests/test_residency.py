@@ -126,7 +126,11 @@ def test_a_model_with_a_job_in_flight_is_never_detached():
     with models.in_flight("a", keep_alive=FOREVER):
         assert models.unload("a") is None and slot.engine is engine
         assert models.residents()[0].busy and slot.keep_alive == FOREVER  # the request's keep_alive applies
-    assert models.idle.is_set() and not models.residents()[0].busy
+    assert not models.residents()[0].busy
+    assert not models.idle.is_set()  # kept forever now: nothing for the reaper to do, so it is not woken
+    with models.in_flight("a", keep_alive=0):
+        pass
+    assert models.idle.is_set() and slot.keep_alive == 0  # a keep_alive that runs out: the reaper is woken
     assert models.unload("a") is engine and slot.unloaded and slot.tokenizer == "tok"  # kept for /tokenize
     assert models.residents() == [] and models.infos()[0].state == "ready" and not models.infos()[0].loaded
     assert models.unload("a") is None

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from appliance import protocol as p
 
@@ -194,16 +194,20 @@ class EngineClient:
         passed first: the connection is closed, which drops the request's waiting inputs engine-side."""
         conn = self._send((p.ENCODE, job))
         deadline = time.monotonic() + timeout if timeout else None
+        reader = p.EventReader(conn)  # one poll object and one read for the answer (its docstring)
         try:
-            while not conn.poll(ENCODE_POLL_SECONDS):
+            while not reader.poll(ENCODE_POLL_SECONDS):
                 if client_gone() or (deadline is not None and time.monotonic() > deadline):
                     conn.close()
                     return None
-            reply = conn.recv()
+            reply = cast(p.Encoded | p.Failed, reader.recv())
         except (OSError, EOFError):
             conn.close()
             raise EngineUnavailable("engine connection lost during a request") from None
-        self._give_back(conn)
+        if reader.buffer:  # more than the one answer: this connection cannot serve another
+            conn.close()
+        else:
+            self._give_back(conn)
         if isinstance(reply, p.Failed) and reply.code == "model_not_found":
             self.forget(job.model)
         return reply

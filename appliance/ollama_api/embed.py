@@ -18,7 +18,7 @@ from flask import Blueprint
 
 from appliance.ollama_api.models import untagged
 from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.embeddings import embedding_inputs, floats, run_encode
+from appliance.openai_api.embeddings import embedding_inputs, floats, json_response, run_encode
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.parsers import is_int
 from appliance.openai_api.validation import read_body
@@ -64,13 +64,15 @@ class EmbedRoutes:
         )
         answer, _ = run_encode(self.api, job)
         assert answer.vectors is not None, "an embed job answers vectors"
-        return {
-            "model": body["model"],
-            "embeddings": [floats(v) for v in answer.vectors],
-            "total_duration": int((time.monotonic() - started) * NS),
-            "load_duration": 0,  # loaded at start-up, never per request
-            "prompt_eval_count": sum(answer.tokens),
-        }
+        return json_response(
+            {
+                "model": body["model"],
+                "embeddings": [floats(v) for v in answer.vectors],
+                "total_duration": int((time.monotonic() - started) * NS),
+                "load_duration": 0,  # loaded at start-up, never per request
+                "prompt_eval_count": sum(answer.tokens),
+            }
+        )
 
     def embeddings(self):
         body = self.api.json_body()
@@ -83,7 +85,7 @@ class EmbedRoutes:
         )
         answer, _ = run_encode(self.api, job)
         assert answer.vectors is not None, "an embed job answers vectors"
-        return {"embedding": floats(answer.vectors[0])}
+        return json_response({"embedding": floats(answer.vectors[0])})
 
 
 def register(bp: Blueprint, api: AppApi) -> None:

@@ -24,7 +24,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-from flask import Flask, g, request
+import orjson
+from flask import Flask, Response, g, request
 
 from appliance.limits import Limits
 from appliance.openai_api.adapter import AppApi
@@ -32,7 +33,7 @@ from appliance.openai_api.errors import ApiError, invalid
 from appliance.openai_api.parsers import is_int
 from appliance.openai_api.streaming import ClientGone, socket_closed
 from appliance.openai_api.validation import read_body
-from appliance.protocol import Encoded, EncodeJob, EngineStatus, Failed
+from appliance.protocol import Encoded, EncodeJob, EngineStatus, Failed, HttpRecord
 
 ENCODE_TIMEOUT = 600.0  # seconds a request waits for its answer (the largest allowed one takes ~20 s on 1 core)
 
@@ -146,10 +147,14 @@ def floats(vector: bytes) -> list[float]:
 
 
 def run_encode(api: AppApi, job: EncodeJob) -> tuple[Encoded, EngineStatus]:
-    """The job's answer from the engine process (ApiError for its refusal, ClientGone when the client left)."""
+    """The job's answer from the engine process (ApiError for its refusal, ClientGone when the client left).
+    The job carries the request's HTTP record: the engine counts the 200 with its answer, so the app's
+    after-request hook makes no round trip of its own (`g.http_recorded`); a refusal is recorded there as usual."""
     status = api.ready_status(job.model, fresh=False)
     g.request_id = job.request_id
     sock = request.environ.get("gunicorn.socket")
+    rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+    job.http = HttpRecord(rule, request.method, 200, 0.0)
     reply = api.client.encode(job, ENCODE_TIMEOUT, lambda: socket_closed(sock))
     if reply is None:
         if socket_closed(sock):
@@ -157,7 +162,15 @@ def run_encode(api: AppApi, job: EncodeJob) -> tuple[Encoded, EngineStatus]:
         raise ApiError(503, "the request did not finish in time", code="timeout")
     if isinstance(reply, Failed):
         raise ApiError(reply.status, reply.message, param=reply.param, code=reply.code)
+    g.http_recorded = True
     return reply, status
+
+
+def json_response(body: dict) -> Response:
+    """`body` as Flask's JSON response would be (compact, a trailing newline), encoded by orjson: a 384-float
+    vector took the standard library's encoder 0.24 ms (Python's shortest round-trip repr per float) against
+    0.017 ms, the same numbers (orjson writes each float's shortest round-trip form too)."""
+    return Response(orjson.dumps(body) + b"\n", mimetype="application/json")
 
 
 def embeddings_body(req: EmbeddingsRequest, answer: Encoded) -> dict:
@@ -204,12 +217,12 @@ class EncoderRoutes:
     def embeddings(self):
         req = parse_embeddings(self.api.json_body(), self.api.limits)
         answer, _ = run_encode(self.api, req.job)
-        return embeddings_body(req, answer)
+        return json_response(embeddings_body(req, answer))
 
     def rerank(self):
         req = parse_rerank(self.api.json_body(), self.api.limits)
         answer, _ = run_encode(self.api, req.job)
-        return rerank_body(req, answer)
+        return json_response(rerank_body(req, answer))
 
 
 def register(app: Flask, api: AppApi, prefixes: tuple[str, ...]) -> None:

@@ -158,7 +158,8 @@ class EncoderService:
         finally:
             with self._cv:
                 self._running = False
-                self._cv.notify_all()
+                if self._queue:  # the encoder threads wait for a queued request: wake them only for one
+                    self._cv.notify_all()
         return req
 
     def cancel(self, req: EncodeRequest) -> None:

@@ -319,7 +319,8 @@ class Models:
                     slot.jobs -= 1
                     if not slot.jobs:
                         slot.last_used = time.monotonic()
-                        self.idle.set()
+                        if slot.keep_alive != FOREVER:  # a model kept forever gives the reaper nothing to do
+                            self.idle.set()
 
     def healthy(self) -> bool:
         """For the watchdog: not stopping, nothing failed that should serve, and every engine alive and
