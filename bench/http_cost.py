@@ -59,9 +59,9 @@ def worker_cpu(pid: int) -> dict[str, float]:
     """The gunicorn worker's CPU seconds: the whole process and its event-loop (main) thread."""
     tick = os.sysconf("SC_CLK_TCK")
 
-    def cpu(stat: str) -> float:
+    def cpu(stat: str, which: tuple[int, ...] = (11, 12)) -> float:
         fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / tick
+        return sum(int(fields[i]) for i in which) / tick
 
     def gunicorn(proc: int) -> bool:
         try:
@@ -72,7 +72,11 @@ def worker_cpu(pid: int) -> dict[str, float]:
     for proc in _tree(pid):  # the worker: a gunicorn process whose parent (the arbiter) is one too
         parent = int(Path(f"/proc/{proc}/stat").read_text().rsplit(")", 1)[1].split()[1])
         if proc != pid and gunicorn(proc) and gunicorn(parent):
-            return {"total": cpu(f"/proc/{proc}/stat"), "loop": cpu(f"/proc/{proc}/task/{proc}/stat")}
+            return {
+                "total": cpu(f"/proc/{proc}/stat"),
+                "system": cpu(f"/proc/{proc}/stat", (12,)),
+                "loop": cpu(f"/proc/{proc}/task/{proc}/stat"),
+            }
     raise RuntimeError("no gunicorn worker found")
 
 
@@ -81,6 +85,11 @@ def run(base: str, pid: int, route: str, n: int) -> dict[str, float]:
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
 
     def one(i: int) -> None:
+        if route == "live":  # the HTTP stack alone: gunicorn, the edge, Flask and the hooks (a probe thread)
+            conn.request("GET", "/v2/health/live")
+            r = conn.getresponse()
+            r.read()
+            return
         if route == "embeddings":
             body = {"model": "embed", "input": SENTENCES[i % len(SENTENCES)]}
             path = "/v3/embeddings"
@@ -102,7 +111,8 @@ def run(base: str, pid: int, route: str, n: int) -> dict[str, float]:
     conn.close()
     total = (after["total"] - before["total"]) / n * 1e3
     loop = (after["loop"] - before["loop"]) / n * 1e3
-    return {"worker_ms": total, "loop_ms": loop, "threads_ms": total - loop}
+    system = (after["system"] - before["system"]) / n * 1e3
+    return {"worker_ms": total, "loop_ms": loop, "threads_ms": total - loop, "system_ms": system}
 
 
 def main(argv=None) -> int:
@@ -120,7 +130,7 @@ def main(argv=None) -> int:
         for tree in order:
             srv = serve(tree.resolve(), tree.resolve().name, args.serve_args.split())
             try:
-                for route, n in (("embeddings", args.requests), ("chat", args.chat_requests)):
+                for route, n in (("live", args.requests), ("embeddings", args.requests), ("chat", args.chat_requests)):
                     s = run(srv.base, srv.pid, route, n)
                     samples.setdefault((str(tree), route), []).append(s)
                     print(f"round {r} {tree} {route}: {s}", flush=True)
@@ -130,7 +140,7 @@ def main(argv=None) -> int:
     rows = []
     for (tree, route), ss in samples.items():
         row = {"tree": tree, "route": route}
-        for k in ("worker_ms", "loop_ms", "threads_ms"):
+        for k in ("worker_ms", "loop_ms", "threads_ms", "system_ms"):
             row[k] = round(statistics.median(s[k] for s in ss), 3)
         rows.append(row)
     print_table(
@@ -141,6 +151,7 @@ def main(argv=None) -> int:
             ("worker_ms", "worker ms/req", ".3f"),
             ("loop_ms", "loop ms/req", ".3f"),
             ("threads_ms", "threads ms/req", ".3f"),
+            ("system_ms", "of it system", ".3f"),
         ],
     )
     write_json(
