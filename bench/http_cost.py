@@ -1,11 +1,12 @@
-"""The HTTP worker's CPU per request (gunicorn gthread + Flask), on the embeddings route and on a short
-non-streamed chat completion, for one or more checkouts side by side (`--trees A B`: each round starts a real
-`appliance serve --config` (one worker) from each tree in turn, alternating, one server at a time; medians over
-the rounds). The worker's CPU comes from /proc (user + system of its process, and of its event-loop thread, the
-main one, apart), divided by the requests sent; one kept-alive `http.client` connection sends them, so the
-client's own cost stays out of the server's CPU and off the box.
+"""The HTTP worker's CPU per request (gunicorn gthread + Flask): on `GET /v2/health/live` (the HTTP stack alone),
+one-sentence embeddings and a short non-streamed chat completion, for one or more checkouts side by side
+(`--trees A B`: each round starts a real `appliance serve --config` (one worker) from each tree in turn, the
+order alternating, one server at a time; medians over the rounds). The worker's CPU comes from /proc (user +
+system of its process, its event-loop thread, the main one, apart), divided by the requests sent; one kept-alive
+`http.client` connection sends them (a lean client: less of the box's CPU goes to it).
 
-    python -m bench.http_cost --trees /work/main . [--rounds 3] [--requests 300]
+    git archive BASE | tar -x -C /tmp/before     # a checkout to compare with
+    python -m bench.http_cost --trees /tmp/before . [--rounds 3] [--requests 1000] [--chat-requests 150]
 """
 
 from __future__ import annotations

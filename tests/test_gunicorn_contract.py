@@ -33,7 +33,6 @@ WORKER = ROOT / "appliance" / "http" / "worker.py"
 PIN = "27.0.1"  # the gunicorn release CONTRACT and worker.py's notes were checked against
 
 GTHREAD = "gunicorn.workers.gthread"
-RESPONSE = "gunicorn.http.wsgi.Response"
 WORKER_CLS, CONN_CLS = f"{GTHREAD}.ThreadWorker", f"{GTHREAD}.TConn"
 CONFIG = "gunicorn.config.Config"
 PARSER, UNREADER, QUEUE = (
@@ -86,14 +85,6 @@ CONTRACT: dict[str, str | None] = {
     f"{UNREADER}.chunk": "(self, size_hint=None)",  # wrapped: each read under the request's deadline
     f"{UNREADER}.unread": "(self, data)",  # the request read by the loop, handed to the parser
     f"{UNREADER}.take_buffered": "(self)",  # a pipelined request's bytes read ahead
-    # the response (EdgeResponse): head and a small body in one send
-    f"{RESPONSE}": None,  # subclassed, and set as gunicorn.http.wsgi's Response in the worker process
-    f"{RESPONSE}.write": "(self, arg)",  # overridden: the first small unchunked piece gathered with the head
-    f"{RESPONSE}.sock": None,  # swapped for a gatherer while gunicorn's write runs
-    f"{RESPONSE}.headers_sent": None,
-    f"{RESPONSE}.chunked": None,
-    "gunicorn.http.wsgi": None,
-    "gunicorn.http.wsgi.create": "(req, sock, client, server, cfg, response_class=None, response_args=())",
     "gunicorn.glogging.Logger._compute_access_log_enabled": "(self)",  # gunicorn_conf.AccessLogger overrides it
     # settings
     f"{CONFIG}.worker_connections": None,
@@ -121,10 +112,6 @@ CALLED_FROM = [
     ("gunicorn.workers.base.Worker.init_process", "run"),
     ("gunicorn.workers.base.Worker.init_signals", "handle_quit"),
     ("gunicorn.http.wsgi.default_environ", "gunicorn.socket"),  # the socket edge_policy.paced bounds
-    ("gunicorn.http.wsgi.create", "Response"),  # the module's Response (EdgeResponse here) when none is given
-    (f"{RESPONSE}.send_headers", "sock"),  # via util.write: the head goes through self.sock
-    (f"{RESPONSE}._emit_body", "sock"),  # and so does the body
-    ("gunicorn.util.write", "sendall"),
     (f"{WORKER_CLS}.run", "notify"),  # the loop's heartbeat
     ("gunicorn.glogging.Logger.access", "access_log_enabled"),  # gunicorn_conf.AccessLogger's switch
 ]
@@ -197,7 +184,6 @@ def test_gunicorn_still_calls_what_worker_py_overrides_from_where_it_did(caller,
     tree = ast.parse(textwrap.dedent(inspect.getsource(resolve(caller))))
     names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     names |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
-    names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}  # a module global (wsgi.create's Response)
     assert name in names, f"{caller} no longer reaches {name} (worker.py relies on it)"
 
 

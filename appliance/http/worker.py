@@ -58,11 +58,10 @@ loop. It overrides gunicorn internals (pinned exactly, gunicorn 27.0.1 in pyproj
 gunicorn behaviour it replaces, and tests/test_gunicorn_contract.py lists every internal used here and fails,
 naming it, when an upgrade moves one.
 
-Per request CPU (a worker's, 1.7 ms per embeddings request on this box before these two, bench/http_cost.py):
-gthread touches its heartbeat file (a `utime` syscall) on every pass of its loop, 3-4 per request; here at most
-once a second (`notify`), which the arbiter's 60 s `timeout` never notices. And a small non-streamed response
-goes out in one `sendall`, head and body together (`EdgeResponse`), where gunicorn sends the head and the body
-apart: one syscall and one wake-up of the client fewer; a streamed (chunked) or large body is written as before.
+The heartbeat: gthread touches its heartbeat file (a `utime` syscall, 2 us) on every pass of its loop, 3-4 per
+request; here at most once a second (`notify`), which the arbiter's 60 s `timeout` never notices. (Sending a small
+response's head and body in one `sendall` instead of gunicorn's two was measured and left: the same worker CPU,
+in process and served, bench/http_cost.py and docs/performance.md.)
 
 Idle kept-alive connections stay in gunicorn's poller, without a thread, for `keepalive` seconds. Connections per
 worker stay bounded by `worker_connections` (the loop stops accepting there). HTTP/2 (prior knowledge, h2c, ALPN)
@@ -85,7 +84,6 @@ from typing import Any
 
 from gunicorn import http
 from gunicorn import sock as gsock
-from gunicorn.http import wsgi
 from gunicorn.http2 import negotiation
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
@@ -98,7 +96,6 @@ PROBE_THREADS = 4  # per worker: health probes and /metrics, apart from the gene
 READ_CHUNK = 64 * 1024
 REPORT_SECONDS = 1.0  # how often a worker sends its drop counts to the engine process (/metrics)
 HEARTBEAT_SECONDS = 1.0  # the worker's heartbeat to the arbiter, at most this often (gunicorn_conf: timeout 60)
-COALESCE_BYTES = 64 * 1024  # a non-streamed body up to this size goes out in the same send as the head
 
 
 class RequestDeadline(BaseException):
@@ -165,34 +162,6 @@ class EdgeConn(TConn):
             on_close(self)
 
 
-class _Gathered:
-    """Stands in for the socket while gunicorn writes a response's head and a small body: keeps the bytes."""
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def sendall(self, data) -> None:
-        self.data += data
-
-
-class EdgeResponse(wsgi.Response):
-    """gunicorn's HTTP/1 response, sending a small non-streamed body in one `sendall` with its head."""
-
-    def write(self, arg):
-        # gunicorn 27.0.1: sends the head (on the first write) and then the body piece, a `sendall` each; here,
-        # for the first piece of a body that is not chunked and not large, gunicorn's own head and bookkeeping
-        # write into a buffer that then goes out in one send (under the socket's send timeout, as before).
-        if self.headers_sent or self.chunked or not isinstance(arg, bytes) or len(arg) > COALESCE_BYTES:
-            return super().write(arg)
-        sock, gathered = self.sock, _Gathered()
-        self.sock = gathered
-        try:
-            super().write(arg)
-        finally:
-            self.sock = sock
-        sock.sendall(gathered.data)
-
-
 class EdgeWorker(ThreadWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -226,7 +195,6 @@ class EdgeWorker(ThreadWorker):
         self.engine = EngineClient(settings.socket_path, settings.authkey(), max_idle=0)  # no idle connection
         self.tracing = tracing.setup(settings)  # after the fork: its export thread is this process's own
         threading.Thread(target=self._report_drops, name="edge-report", daemon=True).start()
-        wsgi.Response = EdgeResponse  # this process's HTTP/1 responses (wsgi.create builds one per request)
         super().init_process()
 
     def load_wsgi(self):
