@@ -55,6 +55,7 @@ CONTRACT: dict[str, str | None] = {
     f"{WORKER_CLS}.handle_request": "(self, req, conn)",  # overridden: bounded sends around it
     f"{WORKER_CLS}.murder_pending": "(self)",  # overridden: the loop's once-a-second hook for deadlines
     f"{WORKER_CLS}.handle_quit": "(self, sig, frame)",  # overridden: the probe pool shut down too
+    f"{WORKER_CLS}.notify": "(self)",  # overridden: the heartbeat at most once a second, not per loop pass
     f"{WORKER_CLS}.alive": None,  # read: False once stopping
     f"{WORKER_CLS}.cfg": None,  # read
     f"{WORKER_CLS}.wsgi": None,  # replaced by the paced app in load_wsgi
@@ -84,6 +85,7 @@ CONTRACT: dict[str, str | None] = {
     f"{UNREADER}.chunk": "(self, size_hint=None)",  # wrapped: each read under the request's deadline
     f"{UNREADER}.unread": "(self, data)",  # the request read by the loop, handed to the parser
     f"{UNREADER}.take_buffered": "(self)",  # a pipelined request's bytes read ahead
+    "gunicorn.glogging.Logger._compute_access_log_enabled": "(self)",  # gunicorn_conf.AccessLogger overrides it
     # settings
     f"{CONFIG}.worker_connections": None,
     f"{CONFIG}.is_ssl": None,
@@ -110,6 +112,8 @@ CALLED_FROM = [
     ("gunicorn.workers.base.Worker.init_process", "run"),
     ("gunicorn.workers.base.Worker.init_signals", "handle_quit"),
     ("gunicorn.http.wsgi.default_environ", "gunicorn.socket"),  # the socket edge_policy.paced bounds
+    (f"{WORKER_CLS}.run", "notify"),  # the loop's heartbeat
+    ("gunicorn.glogging.Logger.access", "access_log_enabled"),  # gunicorn_conf.AccessLogger's switch
 ]
 
 # Names worker.py uses on objects of its own that gunicorn's classes also have.

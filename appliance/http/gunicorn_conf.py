@@ -6,6 +6,10 @@ mostly wait on the engine socket, so a few processes with many threads each serv
 is gthread's with edge timeouts (appliance/http/worker.py): requests are read without a thread, under
 --request-timeout; writes are bounded by --send-timeout; health probes have their own threads.
 
+The access log is gunicorn's, on with --access-log only. gunicorn builds every access-log field (a dict of ~30
+atoms and the request's headers) for each request whenever any log config is set, even when the access logger
+then drops the line at its level; `AccessLogger` (http/access_log.py) skips that work when --access-log is off.
+
 TLS (--tls-certfile/--tls-keyfile) is gunicorn's own certfile/keyfile, HTTP/1.1 only (no ALPN h2); the worker does
 the handshakes in its event loop, under --request-timeout (worker.py). Terminating TLS here rather than in a proxy
 keeps the edge box one process tree; a proxy in front remains the choice for ACME renewal or client certificates.
@@ -20,6 +24,7 @@ import signal
 import sys
 
 from appliance import auth
+from appliance.http.access_log import AccessLogger
 from appliance.logs import dict_config
 from appliance.settings import ServeSettings
 
@@ -39,6 +44,7 @@ control_socket_disable = True  # gunicorn's default control socket path is share
 accesslog = "-" if _settings.access_log else None
 loglevel = _settings.log_level
 logconfig_dict = dict_config(_settings.log_level, _settings.access_log)
+logger_class = AccessLogger
 certfile = _settings.tls_certfile
 keyfile = _settings.tls_keyfile
 

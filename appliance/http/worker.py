@@ -58,6 +58,11 @@ loop. It overrides gunicorn internals (pinned exactly, gunicorn 27.0.1 in pyproj
 gunicorn behaviour it replaces, and tests/test_gunicorn_contract.py lists every internal used here and fails,
 naming it, when an upgrade moves one.
 
+The heartbeat: gthread touches its heartbeat file (a `utime` syscall, 2 us) on every pass of its loop, 3-4 per
+request; here at most once a second (`notify`), which the arbiter's 60 s `timeout` never notices. (Sending a small
+response's head and body in one `sendall` instead of gunicorn's two was measured and left: the same worker CPU,
+in process and served, bench/http_cost.py and docs/performance.md.)
+
 Idle kept-alive connections stay in gunicorn's poller, without a thread, for `keepalive` seconds. Connections per
 worker stay bounded by `worker_connections` (the loop stops accepting there). HTTP/2 (prior knowledge, h2c, ALPN)
 is not used by the appliance; if configured, connections take gunicorn's own path.
@@ -90,6 +95,7 @@ from appliance.settings import ServeSettings
 PROBE_THREADS = 4  # per worker: health probes and /metrics, apart from the generation threads
 READ_CHUNK = 64 * 1024
 REPORT_SECONDS = 1.0  # how often a worker sends its drop counts to the engine process (/metrics)
+HEARTBEAT_SECONDS = 1.0  # the worker's heartbeat to the arbiter, at most this often (gunicorn_conf: timeout 60)
 
 
 class RequestDeadline(BaseException):
@@ -168,6 +174,7 @@ class EdgeWorker(ThreadWorker):
         self.drops = edge_policy.Drops()
         self.engine: EngineClient | None = None
         self.tracing: tracing.HttpTracing | None = None  # OpenTelemetry, when configured (http/tracing.py)
+        self.last_beat = float("-inf")
 
     def init_process(self):
         """In the forked worker (gunicorn builds the worker object in the arbiter)."""
@@ -200,6 +207,14 @@ class EdgeWorker(ThreadWorker):
         self.wsgi = edge_policy.paced(self.wsgi, self.send_timeout)
         if self.tracing is not None:
             self.wsgi = self.tracing.wrap(self.wsgi)
+
+    def notify(self):
+        # gunicorn 27.0.1: touches the heartbeat file on every pass of the loop (several per request); here at
+        # most once every HEARTBEAT_SECONDS (the loop passes at least once a second, idle or not).
+        now = time.monotonic()
+        if now - self.last_beat >= HEARTBEAT_SECONDS:
+            self.last_beat = now
+            super().notify()
 
     def _report_drops(self) -> None:
         """Drop counts to the engine process (appliance_http_dropped_total), in batches: never from the loop. Asleep
