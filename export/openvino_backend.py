@@ -72,10 +72,11 @@ def default_sym(isa: cpu_isa.CpuIsa) -> bool:
     activations (FullyConnected runs brgemm_avx2_f32 for every weight format and group size, with or without
     DYNAMIC_QUANTIZATION_GROUP_SIZE): it decompresses every weight to f32 for every token, and batch-1 decode is
     bound by that arithmetic, not by memory. A zero point is one more vector op per weight: on a 2-vCPU AVX2 EPYC
-    (OpenVINO 2026.4), the random-weight Qwen2.5-1.5B int4 export took 22% less CPU per decode step with int4_sym
-    g128 than int4_asym g128 (174 vs 223 ms; the FC nodes are 97% of the step), and a 12-FC MLP stack of its
-    shape 21% less (int4) / 10% less (int8 per-channel); docs/performance.md, "Weight formats on AVX2". On VNNI
-    CPUs, asymmetric keeps the optimum-cli default (the better accuracy), which dynamic quantization handles."""
+    (OpenVINO 2026.4), the random-weight Qwen2.5-1.5B shape took 24% less CPU per decode step in int4 sym g128
+    than in int4 asym g128 (133.7 vs 175.8 ms with 1 thread; the FC nodes are 98% of the step; llama.cpp's Q4_K_M
+    86.5), and a 12-FC MLP stack of its shape 21% less (int4) / 10% less (int8 per channel);
+    docs/performance.md, "Weight formats on AVX2". On VNNI CPUs, asymmetric keeps the optimum-cli default (the
+    better accuracy), which dynamic quantization handles."""
     return not isa.vnni
 
 
