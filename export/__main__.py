@@ -30,20 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="quantization group: OpenVINO int4 (default 128; -1 per output channel; int8 is per-channel), "
         "ONNX int4/int8 block size (default 32)",
     )
-    zero_point = parser.add_mutually_exclusive_group()
-    zero_point.add_argument(
-        "--sym",
-        action="store_const",
-        const=True,
-        help="OpenVINO int8/int4: symmetric weights (no zero point; the default on CPUs without VNNI)",
-    )
-    zero_point.add_argument(
-        "--asym",
-        dest="sym",
-        action="store_const",
-        const=False,
-        help="OpenVINO int8/int4: asymmetric weights (a zero point per group; the default on VNNI CPUs)",
-    )
+    parser.add_argument("--sym", action="store_true", help="OpenVINO int8/int4: symmetric weights (no zero point)")
     parser.add_argument("--ratio", type=float, default=1.0, help="OpenVINO int4: layers in int4 (share), the rest int8")
     parser.add_argument(
         "--lm-head",

@@ -95,9 +95,9 @@ def _check_weight_options(backend: str, weight_format: str, weights: WeightOptio
         raise ExportError(f"ratio must be in (0, 1], got {weights.ratio}")
     if weights.lm_head not in ("int8", "int4"):
         raise ExportError(f"lm_head must be int8 or int4, got {weights.lm_head!r}")
-    nncf_only = weights.sym is not None or weights.ratio != 1 or weights.lm_head != "int8" or weights.requantize
+    nncf_only = weights.sym or weights.ratio != 1 or weights.lm_head != "int8" or weights.requantize
     if nncf_only and not (backend == "openvino" and weight_format in ("int4", "int8")):
-        raise ExportError("--sym/--asym, --ratio, --lm-head and --requantize apply to OpenVINO int8/int4 exports only")
+        raise ExportError("--sym, --ratio, --lm-head and --requantize apply to OpenVINO int8/int4 exports only")
     if weight_format == "int8" and (weights.ratio != 1 or weights.lm_head != "int8"):
         raise ExportError("--ratio and --lm-head apply to int4 exports only")
 

@@ -39,8 +39,7 @@ class WeightOptions:
     whose accuracy needs them."""
 
     group_size: int | None = None  # OpenVINO int4 group (default 128; -1: per output channel) / ONNX block size
-    # symmetric int4/int8 (no zero point); None: by the CPU (openvino_backend.default_sym); ONNX is always symmetric
-    sym: bool | None = None
+    sym: bool = False  # symmetric int4/int8 (no zero point); ONNX is always symmetric
     ratio: float = 1.0  # OpenVINO int4: the share of layers in int4, the rest int8
     lm_head: str = "int8"  # OpenVINO int4: the embeddings and LM head in int8 (NNCF's backup) or "int4" as well
     requantize: bool = False  # OpenVINO int4/int8: NNCF even when the source is on a 4-bit grid (export/grid.py)

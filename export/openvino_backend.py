@@ -14,7 +14,6 @@ from optimum.exporters.openvino import export_from_model
 from optimum.intel import OVConfig, OVWeightQuantizationConfig
 from optimum.intel.openvino.quantization import _weight_only_quantization
 
-from appliance import cpu_isa
 from export import grid
 from export.graph import TASK, WeightOptions, first_step_feed
 
@@ -67,42 +66,29 @@ def compress(scratch: Path, dest: Path, weight_format: str, options: WeightOptio
     return info
 
 
-def default_sym(isa: cpu_isa.CpuIsa) -> bool:
-    """Symmetric weights (no zero point) unless the CPU has VNNI. Without VNNI the CPU plugin never quantizes the
-    activations (FullyConnected runs brgemm_avx2_f32 for every weight format and group size, with or without
-    DYNAMIC_QUANTIZATION_GROUP_SIZE): it decompresses every weight to f32 for every token, and batch-1 decode is
-    bound by that arithmetic, not by memory. A zero point is one more vector op per weight: on a 2-vCPU AVX2 EPYC
-    (OpenVINO 2026.4), the random-weight Qwen2.5-1.5B shape took 24% less CPU per decode step in int4 sym g128
-    than in int4 asym g128 (133.7 vs 175.8 ms with 1 thread; the FC nodes are 98% of the step; llama.cpp's Q4_K_M
-    86.5), and a 12-FC MLP stack of its shape 21% less (int4) / 10% less (int8 per channel);
-    docs/performance.md, "Weight formats on AVX2". On VNNI CPUs, asymmetric keeps the optimum-cli default (the
-    better accuracy), which dynamic quantization handles."""
-    return not isa.vnni
-
-
 def _quantization_config(weight_format: str, options: WeightOptions) -> tuple[Any, dict[str, Any]]:
-    """Weight-only, data-free; symmetric per --sym / --asym, or by this CPU (`default_sym`)."""
+    """Weight-only, data-free, asymmetric unless --sym (the optimum-cli default: better accuracy on CPU/GPU than
+    sym). Also on AVX2 CPUs without VNNI, where --sym decodes faster: there the CPU plugin decompresses every weight
+    to f32 for every token (brgemm_avx2_f32, no dynamic quantization) and the zero point is one more op per weight,
+    so int4 sym g128 took 24% less CPU per decode step than asym g128 at the Qwen2.5-1.5B shape (133.7 vs 175.8 ms,
+    1 thread; llama.cpp's Q4_K_M 86.5). It costs accuracy at every group size measured: next-token TVD from fp32
+    0.269 vs 0.237 (random 1.5B), 0.393 vs 0.333 (SmolLM2-135M, g128), 0.297 vs 0.266 (g32): not the default
+    (docs/performance.md, "Weight formats on AVX2")."""
     tool = f"nncf {version('nncf')} via optimum-intel {version('optimum-intel')}"
-    isa = cpu_isa.detect()
-    sym = default_sym(isa) if options.sym is None else options.sym
-    mode = f"{weight_format}_{'sym' if sym else 'asym'}"
-    chosen = {"sym_chosen_for": isa.name} if options.sym is None else {}
+    mode = f"{weight_format}_{'sym' if options.sym else 'asym'}"
     if weight_format == "int8":
-        config = OVWeightQuantizationConfig(bits=8, sym=sym, group_size=-1, ratio=1.0)
-        return config, {"method": "weight-only", "tool": tool, "mode": mode, "group_size": "per-channel", **chosen}
+        config = OVWeightQuantizationConfig(bits=8, sym=options.sym, group_size=-1, ratio=1.0)
+        return config, {"method": "weight-only", "tool": tool, "mode": mode, "group_size": "per-channel"}
     group_size = options.group_size or DEFAULT_GROUP_SIZE
     all_layers = options.lm_head == "int4"
-    # The embeddings and LM head (NNCF's backup precision) follow: int8 with or without a zero point.
-    backup = f"int8_{'sym' if sym else 'asym'}"
     # ADJUST: a weight whose input channels the group size does not divide (tiny or odd hidden sizes) gets the
     # largest smaller power-of-two group that fits, instead of failing the export.
     config = OVWeightQuantizationConfig(
         bits=4,
-        sym=sym,
+        sym=options.sym,
         group_size=group_size,
         ratio=options.ratio,
         all_layers=all_layers,
-        backup_precision=backup,
         group_size_fallback="adjust",
     )
     return config, {
@@ -112,8 +98,7 @@ def _quantization_config(weight_format: str, options: WeightOptions) -> tuple[An
         "group_size": "per-channel" if group_size == -1 else group_size,
         "group_size_fallback": "adjust",
         "ratio": options.ratio,
-        "backup_mode": f"{'int4' if all_layers else backup} for the embeddings and lm_head",
-        **chosen,
+        "backup_mode": f"{'int4' if all_layers else 'int8_asym'} for the embeddings and lm_head",
     }
 
 

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import tiny_models
 
-from appliance import cpu_isa
 from appliance.manifest import Manifest
 from export.exporter import ExportError, export_model
 from export.graph import WeightOptions
@@ -190,31 +189,9 @@ def test_quantized_weights_are_recorded(exported: Exported) -> None:
     ov_int4 = exported("llama", "openvino", "int4")[1].weight_compression
     onnx_int4 = exported("llama", "onnx", "int4")[1].weight_compression
     gpt2_int4 = exported("gpt2", "onnx", "int4")[1].weight_compression
-    mode = "int4_asym" if cpu_isa.detect().vnni else "int4_sym"  # openvino_backend.default_sym
-    assert (ov_int4["mode"], ov_int4["group_size"], ov_int4["group_size_fallback"]) == (mode, 128, "adjust")
+    assert (ov_int4["mode"], ov_int4["group_size"], ov_int4["group_size_fallback"]) == ("int4_asym", 128, "adjust")
     assert (onnx_int4["mode"], onnx_int4["block_size"]) == ("int4_sym", 32)
     assert gpt2_int4["quantized_matmuls"] == 8  # 2 blocks x 4 Gemm; GPT-2's tied lm_head is not an initializer
-
-
-@pytest.mark.parametrize("weight_format", ["int4", "int8"])
-def test_zero_points_follow_the_cpu(monkeypatch: pytest.MonkeyPatch, weight_format: str) -> None:
-    """NNCF's weights are symmetric by default on a CPU without VNNI (its f32 decompression pays for every zero
-    point, on every token) and asymmetric on a VNNI CPU; --sym / --asym override either, and the manifest says which
-    and why."""
-    from export import openvino_backend
-
-    avx2 = cpu_isa.CpuIsa(("avx2", "fma", "f16c"))
-    vnni = cpu_isa.CpuIsa(("avx2", "fma", "f16c", "avx512f", "avx512_vnni"))
-    for isa, sym in ((avx2, True), (vnni, False)):
-        monkeypatch.setattr(cpu_isa, "detect", lambda isa=isa: isa)
-        config, info = openvino_backend._quantization_config(weight_format, WeightOptions())
-        assert config.sym is sym and info["mode"] == f"{weight_format}_{'sym' if sym else 'asym'}"
-        assert info["sym_chosen_for"] == isa.name
-        if weight_format == "int4":  # the int8 embeddings and LM head follow
-            assert config.backup_precision == f"int8_{'sym' if sym else 'asym'}"
-        for explicit in (True, False):
-            config, info = openvino_backend._quantization_config(weight_format, WeightOptions(sym=explicit))
-            assert config.sym is explicit and "sym_chosen_for" not in info
 
 
 def test_nncf_weight_options(tiny, tmp_path: Path, reference: Reference) -> None:
@@ -335,7 +312,7 @@ def test_cli_errors(tiny, tmp_path: Path) -> None:
         ),
         (
             [llama, out, "--backend", "onnx", "--weight-format", "int4", "--sym"],
-            "--sym/--asym, --ratio, --lm-head and --requantize apply to OpenVINO int8/int4 exports only",
+            "--sym, --ratio, --lm-head and --requantize apply to OpenVINO int8/int4 exports only",
         ),
         ([llama, out, "--weight-format", "int4", "--ratio", "0"], "ratio must be in (0, 1], got 0.0"),
         (
