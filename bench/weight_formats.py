@@ -116,9 +116,11 @@ def variant(src: Path, out: Path, fmt: str, lm_head: str) -> dict:
     model = ov.Core().read_model(src / manifest["model_file"])
     done: collections.Counter[str] = collections.Counter()
     for node in list(model.get_ordered_ops()):
+        if node.get_type_name() != "Constant":
+            continue
         name = node.get_friendly_name()
         compressed = node.get_element_type() in (ov.Type.u4, ov.Type.u8, ov.Type.i4, ov.Type.i8)
-        if node.get_type_name() != "Constant" or not compressed or name.endswith("/zero_point"):
+        if not compressed or name.endswith("/zero_point"):
             continue
         end = node  # walk the decompression ops to the node a MatMul or Gather reads
         for _ in range(8):
