@@ -190,6 +190,18 @@ def test_quantized_weights_are_recorded(exported: Exported) -> None:
     onnx_int4 = exported("llama", "onnx", "int4")[1].weight_compression
     gpt2_int4 = exported("gpt2", "onnx", "int4")[1].weight_compression
     assert (ov_int4["mode"], ov_int4["group_size"], ov_int4["group_size_fallback"]) == ("int4_asym", 128, "adjust")
+    # The graph itself, not only the manifest: asymmetric int4 is u4 values with u4 zero points (symmetric: i4, no
+    # zero point, faster on AVX2 but further from fp32; openvino_backend._quantization_config says why).
+    import openvino as ov
+
+    graph = ov.Core().read_model(exported("llama", "openvino", "int4")[0] / "openvino_model.xml")
+    four_bit = [
+        op
+        for op in graph.get_ordered_ops()
+        if op.get_type_name() == "Constant" and op.get_element_type() in (ov.Type.u4, ov.Type.i4)
+    ]
+    assert four_bit and {op.get_element_type() for op in four_bit} == {ov.Type.u4}
+    assert any(op.get_friendly_name().endswith("/zero_point") for op in four_bit)
     assert (onnx_int4["mode"], onnx_int4["block_size"]) == ("int4_sym", 32)
     assert gpt2_int4["quantized_matmuls"] == 8  # 2 blocks x 4 Gemm; GPT-2's tied lm_head is not an initializer
 
