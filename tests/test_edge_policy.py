@@ -149,7 +149,8 @@ def test_every_route_of_the_app_is_a_known_metric_route(tmp_path):
 
 def test_probe_and_401_records_go_to_the_engine_in_one_batch(monkeypatch):
     """EngineClient.record_http: a probe or a 401 costs the request no engine round trip; they are sent together,
-    later, in one call. Other responses are still recorded before the response ends."""
+    later, in one call. Other responses are still sent at once (posted: written before the response's first byte,
+    their reply not waited for)."""
     import time
 
     from appliance import protocol as p
@@ -161,6 +162,7 @@ def test_probe_and_401_records_go_to_the_engine_in_one_batch(monkeypatch):
     engine = c.EngineClient("/nonexistent", b"k")
     calls: list = []
     monkeypatch.setattr(engine, "call", lambda op, *args, **kw: calls.append((op, args)))
+    monkeypatch.setattr(engine, "post", lambda op, *args: calls.append((op, args)))  # sent, its reply not awaited
     for _ in range(100):
         engine.record_http(p.HttpRecord("/v2/health/live", "GET", 200, 0.001))
     for _ in range(50):
