@@ -291,9 +291,6 @@ class EncodeJob:
     documents: list[str] | None = None
     truncate: bool = False
     dimensions: int | None = None
-    # the HTTP response to count in /metrics when the job answers Encoded (counted before the answer is sent, as
-    # RECORD_HTTP would): the worker then makes no RECORD_HTTP round trip of its own for the request
-    http: HttpRecord | None = None
 
 
 @dataclass

@@ -282,16 +282,15 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     @app.after_request
     def _record(response: Response):
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        if not g.get("http_recorded"):  # an embeddings answer's record went with its job (openai_api/embeddings.py)
-            api.client.record_http(
-                HttpRecord(
-                    rule,
-                    request.method,
-                    response.status_code,
-                    time.monotonic() - g.get("started", time.monotonic()),
-                    g.get("error_type"),
-                )
+        api.client.record_http(
+            HttpRecord(
+                rule,
+                request.method,
+                response.status_code,
+                time.monotonic() - g.get("started", time.monotonic()),
+                g.get("error_type"),
             )
+        )
         if g.get("request_id"):
             response.headers["X-Request-Id"] = g.request_id
         return response

@@ -33,7 +33,7 @@ from appliance.openai_api.errors import ApiError, invalid
 from appliance.openai_api.parsers import is_int
 from appliance.openai_api.streaming import ClientGone, socket_closed
 from appliance.openai_api.validation import read_body
-from appliance.protocol import Encoded, EncodeJob, EngineStatus, Failed, HttpRecord
+from appliance.protocol import Encoded, EncodeJob, EngineStatus, Failed
 
 ENCODE_TIMEOUT = 600.0  # seconds a request waits for its answer (the largest allowed one takes ~20 s on 1 core)
 
@@ -147,14 +147,10 @@ def floats(vector: bytes) -> list[float]:
 
 
 def run_encode(api: AppApi, job: EncodeJob) -> tuple[Encoded, EngineStatus]:
-    """The job's answer from the engine process (ApiError for its refusal, ClientGone when the client left).
-    The job carries the request's HTTP record: the engine counts the 200 with its answer, so the app's
-    after-request hook makes no round trip of its own (`g.http_recorded`); a refusal is recorded there as usual."""
+    """The job's answer from the engine process (ApiError for its refusal, ClientGone when the client left)."""
     status = api.ready_status(job.model, fresh=False)
     g.request_id = job.request_id
     sock = request.environ.get("gunicorn.socket")
-    rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
-    job.http = HttpRecord(rule, request.method, 200, 0.0)
     reply = api.client.encode(job, ENCODE_TIMEOUT, lambda: socket_closed(sock))
     if reply is None:
         if socket_closed(sock):
@@ -162,7 +158,6 @@ def run_encode(api: AppApi, job: EncodeJob) -> tuple[Encoded, EngineStatus]:
         raise ApiError(503, "the request did not finish in time", code="timeout")
     if isinstance(reply, Failed):
         raise ApiError(reply.status, reply.message, param=reply.param, code=reply.code)
-    g.http_recorded = True
     return reply, status
 
 

@@ -103,8 +103,6 @@ def run_encode(
         metrics.encode_requests.labels(job.task, "ok").inc()
         metrics.encode_tokens.labels(job.task).inc(sum(answer.tokens))
         metrics.encode_duration.observe(answer.seconds)
-        if (record := job.http) is not None:  # the worker's response, counted before it can be sent
-            metrics.record_http(record.route, record.method, record.status, record.error_type)
         p.send_event(conn, answer)
         return True
 
