@@ -191,7 +191,7 @@ class TracedConnection(p.EventConnection):
         # noted first: once sent, the worker may end its own span before this thread runs again, and a child span
         # must not end after its parent (a send that fails ends the job anyway)
         self._trace.sent(event)
-        p.send_event(self.conn, event)
+        super().send(event)
 
     def try_send(self, event: object) -> bool:
         if not super().try_send(event):  # (a first token only: no span ends on it)
