@@ -19,7 +19,7 @@ import requests
 from conftest import sse_events, wait_idle
 
 from appliance.limits import Limits
-from appliance.openai_api.chat import parse_chat
+from appliance.openai_api.chat import chat_job, parse_chat
 from appliance.openai_api.completions import parse_completion
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
@@ -179,6 +179,23 @@ def test_tools_map_onto_chat_request():
     assert params(chat(tools=[TOOL], tool_choice="none", response_format={"type": "json_object"})).grammar is not None
 
 
+def test_a_forced_call_with_a_response_format_runs_the_tools_grammar():
+    """tool_choice required / named beside a response_format (an agent with an output type and a forced tool) is
+    accepted: that turn is calls only, so the engine runs the tools' grammar; the format is the grammar of the turn
+    that may answer in text (tool_choice auto or none)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Out", "schema": schema}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        req = chat(tools=[TOOL], tool_choice=choice, response_format=fmt)
+        grammar = chat_job(req, params(req), "r").params.grammar
+        assert grammar is not None and grammar.kind == "lark" and grammar.param == "tools", grammar
+        assert 'get_weather' in grammar.text and '"answer"' not in grammar.text
+    for choice in ("auto", "none"):
+        req = chat(tools=[TOOL], tool_choice=choice, response_format=fmt)
+        grammar = chat_job(req, params(req), "r").params.grammar
+        assert grammar is not None and grammar.kind == "json_schema" and '"answer"' in grammar.text
+
+
 # ---------------------------------------------------------------- every new 400
 
 ERRORS = [
@@ -244,12 +261,6 @@ ERRORS = [
     (chat, {"tool_choice": "required", "tools": []}, "tool_choice", "only allowed when tools"),
     (chat, {"tool_choice": "always", "tools": [TOOL]}, "tool_choice", "must be"),
     (chat, {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [TOOL]}, "tool_choice", ""),
-    (
-        chat,
-        {"tool_choice": "required", "tools": [TOOL], "response_format": {"type": "json_object"}},
-        "response_format",
-        "",
-    ),
     (chat, {"parallel_tool_calls": "no"}, "parallel_tool_calls", ""),
 ]
 

@@ -738,7 +738,10 @@ CHAT = (
         description="Alternatives per token; needs `logprobs: true`.",
         param=None,
     ),
-    response_format("Not together with `tool_choice` required or named (which constrain the output to calls)."),
+    response_format(
+        "With `tool_choice` required or named the answer is calls only, each constrained by its tool's parameters: "
+        "the format then shapes the text of a later turn (tool_choice auto or none)."
+    ),
     custom(
         "tools",
         _tools,
