@@ -24,7 +24,7 @@ from appliance import __version__, auth, web
 from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
 from appliance.http.client import EngineClient
 from appliance.ollama_api.routes import blueprint as ollama_blueprint
-from appliance.openai_api.adapter import error_handlers
+from appliance.openai_api.adapter import error_handlers, json_body
 from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
 from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
 from appliance.openai_api.embeddings import register as register_embeddings
@@ -40,10 +40,6 @@ log = logging.getLogger("appliance.http")
 
 OPEN_PATHS = {"/v2/health/live", "/v2/health/ready"}  # probes work without the API key
 PREFIXES = ("/v3", "/v1", "/v3/v1")  # /v3/v1/... is OVMS's deprecated spelling
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
 
 
 class Api:
@@ -77,13 +73,7 @@ class Api:
 
     @staticmethod
     def json_body():
-        if request.mimetype != "application/json":
-            raise ApiError(415, "Content-Type must be application/json")
-        data = request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
-        try:
-            return json.loads(data, parse_constant=_reject_constant)
-        except (ValueError, RecursionError):
-            raise ApiError(400, "Request body is not valid JSON") from None
+        return json_body()
 
     def ready_status(self, model: str, fresh: bool = True) -> EngineStatus:
         """Model `model`'s status if it can serve (ApiError otherwise: 404 for no such model, 503 not ready).
