@@ -69,7 +69,9 @@ def test_output_type_with_a_function_tool(v1, model_name, kind, tool_choice, str
     calls: list[str] = []
     agent = _agent(v1, model_name, kind, tool_choice, calls)
     runner = "Runner.run_streamed" if stream else "Runner.run"
-    with calling(LIBRARY, f"{runner}(Agent(output_type=Weather, tool_choice={tool_choice!r})) on {MODELS[kind].__name__}"):
+    with calling(
+        LIBRARY, f"{runner}(Agent(output_type=Weather, tool_choice={tool_choice!r})) on {MODELS[kind].__name__}"
+    ):
         result = asyncio.run(_run(agent, WEATHER_PROMPT, stream))
         assert isinstance(result.final_output, Weather), result.final_output
         called = [item for item in result.new_items if item.type == "tool_call_item"]
