@@ -244,21 +244,12 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     cast(DefaultJSONProvider, app.json).sort_keys = False
 
     for prefix, dialect in PREFIXES.items():
-        dialect_arg = {"dialect": dialect}  # the generation views' argument
-        app.add_url_rule(
-            f"{prefix}/completions",
-            view_func=api.completions,
-            methods=["POST"],
-            endpoint=f"completions{prefix}",
-            defaults=dialect_arg,
-        )
-        app.add_url_rule(
-            f"{prefix}/chat/completions",
-            view_func=api.chat,
-            methods=["POST"],
-            endpoint=f"chat{prefix}",
-            defaults=dialect_arg,
-        )
+        for name, path, view in (
+            ("completions", "completions", api.completions),
+            ("chat", "chat/completions", api.chat),
+        ):
+            # `defaults`: the generation view's argument, its request's dialect
+            app.add_url_rule(f"{prefix}/{path}", name + prefix, view, methods=["POST"], defaults={"dialect": dialect})
         app.add_url_rule(f"{prefix}/tokenize", view_func=api.tokenize, methods=["POST"], endpoint=f"tokenize{prefix}")
         app.add_url_rule(f"{prefix}/models", view_func=api.models, methods=["GET"], endpoint=f"models{prefix}")
         app.add_url_rule(
