@@ -23,6 +23,7 @@ from appliance.openai_api.chat import chat_job, parse_chat
 from appliance.openai_api.completions import parse_completion
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
+from appliance.openai_api.validation import OPENAI, OVMS
 from appliance.params import Grammar
 
 MODEL = "m"
@@ -194,6 +195,25 @@ def test_a_forced_call_with_a_response_format_runs_the_tools_grammar():
         req = chat(tools=[TOOL], tool_choice=choice, response_format=fmt)
         grammar = chat_job(req, params(req), "r").params.grammar
         assert grammar is not None and grammar.kind == "json_schema" and '"answer"' in grammar.text
+
+
+@pytest.mark.parametrize("stop", [None, "x"])
+def test_stop_string_defaults_are_the_dialects(stop):
+    """OVMS (/v3): a stream includes the stop string unless told not to; OpenAI (/v1): never unless asked. Unary
+    answers leave it out on both; an explicit include_stop_str_in_output wins on both."""
+    bodies = (
+        (parse_completion, {"model": MODEL, "prompt": "hi", "stop": stop}),
+        (parse_chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": stop}),
+    )
+    for parse, body in bodies:
+
+        def included(dialect, parse=parse, body=body, **fields):
+            return parse({**body, **fields}, Limits(), dialect).sampling["include_stop_str_in_output"]
+
+        assert included(OVMS, stream=True) is True and included(OPENAI, stream=True) is False
+        assert included(OVMS) is included(OPENAI) is False
+        assert included(OPENAI, stream=True, include_stop_str_in_output=True) is True
+        assert included(OVMS, stream=True, include_stop_str_in_output=False) is False
 
 
 # ---------------------------------------------------------------- every new 400

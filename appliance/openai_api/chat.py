@@ -31,7 +31,7 @@ from appliance.openai_api.tool_calls import (
     parse_tool_calls,
     tool_grammar,
 )
-from appliance.openai_api.validation import EdgeOptions, check_queue, generation, read_body
+from appliance.openai_api.validation import OVMS, Dialect, EdgeOptions, check_queue, generation, read_body
 from appliance.outputs import TokenLogprob
 from appliance.params import TOOL_CALL_FORMATS, SamplingParams
 from appliance.protocol import Job, PromptSpec
@@ -54,11 +54,11 @@ class ChatRequest:
     parallel_tool_calls: bool = True
 
 
-def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
+def parse_chat(body: Any, limits: Limits = Limits(), dialect: Dialect = OVMS) -> ChatRequest:
     values, unknown = read_body(body, F.CHAT, limits)
     # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given (both
     # are checked: an invalid value is an error even where the other one wins): the later field in the table
-    edge, sampling = generation(values, F.CHAT)
+    edge, sampling = generation(values, F.CHAT, dialect)
     logprobs, top = values["logprobs"], values["top_logprobs"]
     if top is not None and not logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
