@@ -19,6 +19,7 @@ anthropic = need("anthropic")
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("loopback_only")]  # conftest.py
 
 LIBRARY = "anthropic"
+GREEDY = {"extra_body": {"temperature": 0}}  # the SDK dropped its temperature argument; the server takes it
 # long enough to fill whole KV blocks: the prefix cache shares full blocks only
 LONG = [{"role": "user", "content": TEXT_PROMPT + " " + "The sea is wide and deep and blue. " * 16}]
 
@@ -37,7 +38,7 @@ def test_usage_excludes_cache_reads(client, model_name):
     counted = client.messages.count_tokens(model=model_name, messages=LONG).input_tokens
     with calling(LIBRARY, "messages.create(...) twice: usage"):
         for _ in range(2):
-            m = client.messages.create(model=model_name, max_tokens=4, messages=LONG)
+            m = client.messages.create(model=model_name, max_tokens=4, messages=LONG, **GREEDY)
             assert _prompt_tokens(m.usage) == counted, (m.usage, counted)
             assert 0 < m.usage.output_tokens <= 4
         assert m.usage.cache_read_input_tokens > 0, m.usage  # the repeat hit the prefix cache
@@ -47,8 +48,10 @@ def test_usage_excludes_cache_reads(client, model_name):
 def test_usage_streamed(client, model_name):
     counted = client.messages.count_tokens(model=model_name, messages=LONG).input_tokens
     with calling(LIBRARY, "messages.stream(...): message_start usage and get_final_message().usage"):
-        client.messages.create(model=model_name, max_tokens=1, messages=LONG)  # the prefix is cached from here on
-        with client.messages.stream(model=model_name, max_tokens=4, messages=LONG) as stream:
+        client.messages.create(
+            model=model_name, max_tokens=1, messages=LONG, **GREEDY
+        )  # the prefix is cached from here on
+        with client.messages.stream(model=model_name, max_tokens=4, messages=LONG, **GREEDY) as stream:
             events = list(stream)
             final = stream.get_final_message()
         start = next(e for e in events if e.type == "message_start").message.usage
@@ -57,7 +60,12 @@ def test_usage_streamed(client, model_name):
 
 
 def test_stream_text_is_the_unary_text(client, model_name):
-    ask = {"model": model_name, "max_tokens": TEXT_TOKENS, "messages": [{"role": "user", "content": TEXT_PROMPT}]}
+    ask = {
+        "model": model_name,
+        "max_tokens": TEXT_TOKENS,
+        "messages": [{"role": "user", "content": TEXT_PROMPT}],
+        **GREEDY,
+    }
     with calling(LIBRARY, "messages.stream(...).text_stream vs messages.create(...)"):
         unary = client.messages.create(**ask)
         with client.messages.stream(**ask) as stream:
@@ -87,6 +95,7 @@ def test_parse_nested_model(client, model_name):
             max_tokens=JSON_TOKENS,
             messages=[{"role": "user", "content": PERSON_PROMPT}],
             output_format=Resident,
+            **GREEDY,
         )
         assert m.stop_reason == "end_turn", m
         assert isinstance(m.parsed_output, Resident), m.parsed_output
@@ -101,6 +110,7 @@ def test_forced_tool_with_a_nested_input_schema(client, model_name):
             messages=[{"role": "user", "content": PERSON_PROMPT}],
             tools=[tool],
             tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            **GREEDY,
         )
         assert m.stop_reason == "tool_use", m
         [use] = [b for b in m.content if b.type == "tool_use"]
