@@ -12,7 +12,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-from .matrix import JSON_TOKENS, PERSON_PROMPT, TEXT_PROMPT, TEXT_TOKENS, TIMEOUT, Person, calling, need
+from .matrix import JSON_TOKENS, PERSON_PROMPT, TEXT_PROMPT, TEXT_TOKENS, TIMEOUT, Person, calling, need, settled
 
 anthropic = need("anthropic")
 
@@ -67,7 +67,7 @@ def test_stream_text_is_the_unary_text(client, model_name):
         **GREEDY,
     }
     with calling(LIBRARY, "messages.stream(...).text_stream vs messages.create(...)"):
-        unary = client.messages.create(**ask)
+        unary = settled(lambda: client.messages.create(**ask))
         with client.messages.stream(**ask) as stream:
             streamed = "".join(stream.text_stream)
             final = stream.get_final_message()

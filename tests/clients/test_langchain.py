@@ -24,6 +24,7 @@ from .matrix import (
     cut_at_stop,
     get_weather,
     need,
+    settled,
     stop_in,
 )
 
@@ -88,7 +89,7 @@ def test_invoke_and_stream(chat, kind):
     """The streamed chunks add up to the unary message (greedy), with the same usage."""
     llm = chat(kind)
     with calling(f"langchain {kind}", "invoke(prompt), stream(prompt)"):
-        message = llm.invoke(TEXT_PROMPT)
+        message = settled(lambda: llm.invoke(TEXT_PROMPT))
         assert isinstance(message.content, str) and message.content, message
         u = message.usage_metadata
         check_usage(u["input_tokens"], u["output_tokens"], u["total_tokens"], budget=TEXT_TOKENS)
@@ -103,7 +104,7 @@ def test_stop_is_left_out(chat, kind):
     """A stop string the answer holds: invoke and stream both end right before it."""
     llm = chat(kind)
     with calling(f"langchain {kind}", "invoke(prompt, stop=[...]), stream(prompt, stop=[...])"):
-        free = llm.invoke(TEXT_PROMPT).content
+        free = settled(lambda: llm.invoke(TEXT_PROMPT)).content
         stop = stop_in(free)
         unary = llm.invoke(TEXT_PROMPT, stop=[stop]).content
         assert unary == cut_at_stop(free, stop), (unary, stop)

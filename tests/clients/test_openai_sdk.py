@@ -29,6 +29,7 @@ from .matrix import (
     check_usage,
     cut_at_stop,
     need,
+    settled,
     stop_in,
 )
 
@@ -72,7 +73,7 @@ def test_stop_string_never_in_the_output(client, model_name, chat):
 
     call = f"{'chat.completions' if chat else 'completions'}.create(stop=[...], stream=...)"
     with calling(LIBRARY, call):
-        free = text(create(**ask))
+        free = text(settled(lambda: create(**ask)))
         stop = stop_in(free)
         unary = create(**ask, stop=[stop])
         assert unary.choices[0].finish_reason == "stop" and text(unary) == cut_at_stop(free, stop), (unary, stop)
@@ -87,7 +88,7 @@ def test_stop_string_never_in_the_output(client, model_name, chat):
 def test_chat_unary_and_streamed(client, model_name):
     ask = {"model": model_name, "messages": CHAT, "max_tokens": TEXT_TOKENS, "temperature": 0}
     with calling(LIBRARY, "chat.completions.create(stream=True, stream_options={'include_usage': True})"):
-        unary = client.chat.completions.create(**ask)
+        unary = settled(lambda: client.chat.completions.create(**ask))
         u = unary.usage
         check_usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, budget=TEXT_TOKENS)
         chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
@@ -106,7 +107,7 @@ def test_chat_unary_and_streamed(client, model_name):
 def test_completions_unary_and_streamed(client, model_name):
     ask = {"model": model_name, "prompt": "The sea is", "max_tokens": TEXT_TOKENS, "temperature": 0}
     with calling(LIBRARY, "completions.create(stream=True, stream_options={'include_usage': True})"):
-        unary = client.completions.create(**ask)
+        unary = settled(lambda: client.completions.create(**ask))
         u = unary.usage
         check_usage(u.prompt_tokens, u.completion_tokens, u.total_tokens, budget=TEXT_TOKENS)
         chunks = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
