@@ -6,11 +6,10 @@ Tools (tool_calls.py): tool_choice "none" passes no tools and parses nothing; "a
 "required" and a named tool constrain it with a Lark grammar of calls whose arguments follow each tool's parameters
 schema; a response_format beside them shapes a later turn's text (`chat_job`). Reasoning (reasoning.py): with the
 engine's reasoning parser on, a leading thought goes to `reasoning_content` and `reasoning`; tool calls are parsed
-in the rest only. The parsers are per choice and
-incremental, so a stream's deltas add up to the unary message; a call is streamed as a delta naming it (arguments
-"") and one holding its whole arguments, which therefore always concatenate to valid JSON, except in the one call
-max_tokens cut where only calls may be (tool_choice required / named): it comes last, with the arguments written
-so far and finish_reason "length", as OpenAI returns it.
+in the rest only. The parsers are per choice and incremental, so a stream's deltas add up to the unary message; a
+call is streamed as a delta naming it (arguments "") and one holding its whole arguments, which therefore always
+concatenate to valid JSON, except in the one call max_tokens cut where only calls may be (tool_choice required /
+named): it comes last, with the arguments written so far and finish_reason "length", as OpenAI returns it.
 """
 
 from __future__ import annotations
