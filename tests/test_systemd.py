@@ -210,7 +210,9 @@ def test_the_unit_gives_the_service_a_state_dir_and_the_kv_disk_tier(installed: 
     APPLIANCE_STATE_DIR, with the KV disk tier in it (on, bounded)."""
     unit = (installed / UNIT).read_text()
     assert "StateDirectory=appliance/state" in unit and "StateDirectoryMode=0700" in unit
-    env = dict(line.removeprefix("Environment=").split("=", 1) for line in unit.splitlines() if line.startswith("Environment="))
+    env = dict(
+        line.removeprefix("Environment=").split("=", 1) for line in unit.splitlines() if line.startswith("Environment=")
+    )
     assert env["APPLIANCE_STATE_DIR"] == "/var/lib/appliance/state"
     assert env["APPLIANCE_KV_DISK_DIR"].startswith(env["APPLIANCE_STATE_DIR"] + "/")
     assert int(env["APPLIANCE_KV_DISK_BYTES"]) > 0
