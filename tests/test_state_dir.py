@@ -13,7 +13,7 @@ servers, the real `openai` client, real SQLite files:
   ends a stream with an `error` event and a unary request with 503, never a cut stream or a 500;
 - a state dir given explicitly that cannot be written refuses the start (exit 78, one line); the default one (the
   read-only data dir) starts with one warning and refuses `store: true` before any work (503), serving
-  `store: false`.
+  `store: false`; a pull is refused at once (503), not after its download.
 """
 
 from __future__ import annotations
@@ -232,4 +232,6 @@ def test_the_default_state_dir_read_only_refuses_store_before_any_work(model_dir
         assert finished(srv) == before
         served = client(srv).responses.create(model=model, input="hi", max_output_tokens=2, store=False)
         assert served.status in ("completed", "incomplete")
+        pull = requests.post(srv.base + "/api/pull", json={"model": "org/name", "stream": False}, timeout=60)
+        assert pull.status_code == 503 and "state dir" in pull.json()["error"], pull.text
         assert sorted(p.name for p in data.iterdir()) == ["models"]  # nothing written in the data dir
