@@ -260,6 +260,15 @@ EOF
     if [ ! -e "$DATA/models/smollm2-135m-instruct/openvino-int4/appliance_manifest.json" ]; then
         say "no default model in $DATA: build it with \`sudo make model DATA_DIR=/var/lib/$NAME\` in $PREFIX"
     fi
+    # what `make model` built the exports from: the service never reads it (docs/deploy.md, "State")
+    local unread
+    unread=$(find "$DATA/models" -mindepth 2 -maxdepth 2 -type d \( -name hf -o -path "*/all-minilm-l6-v2/openvino-fp32" \) \
+        2>/dev/null | sort | tr '\n' ' ')
+    if [ -n "$unread" ]; then
+        # shellcheck disable=SC2086 # one path per word
+        say "$(du -sch $unread | tail -1 | cut -f1) in folders make model built from, which the service never" \
+            "reads: sudo rm -rf ${unread% }"
+    fi
     say "start: sudo systemctl start $NAME; logs: journalctl -u $NAME -f"
 }
 

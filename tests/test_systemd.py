@@ -193,6 +193,9 @@ def test_make_install_twice_keeps_the_state_dir_and_the_admins_unit(root: Path):
     model.parent.mkdir(parents=True)
     model.write_text("<net/>")
     model.chmod(0o600)  # made under a strict umask: the service could not read it
+    hf = model.parent / "hf"  # what `make model` builds the exports from (models/NAME/hf)
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"0" * 4096)
     admin_copy = root / OLD_UNIT
     admin_copy.write_text((REPO / "systemd" / "appliance.service").read_text() + "Nice=5\n")
     before = snapshot(state)
@@ -201,6 +204,8 @@ def test_make_install_twice_keeps_the_state_dir_and_the_admins_unit(root: Path):
     assert snapshot(state) == before
     assert model.stat().st_mode & 0o777 == 0o644 and model.stat().st_uid == (0 if AS_ROOT else os.getuid())
     assert admin_copy.read_text().endswith("Nice=5\n") and f"kept {admin_copy}" in second.stderr
+    assert f"which the service never reads: sudo rm -rf {hf}" in second.stderr  # named, not deleted
+    assert hf.is_dir()
     third = subprocess.run(make, capture_output=True, text=True, timeout=60)  # and again: nothing moves
     assert third.returncode == 0 and snapshot(state) == before and admin_copy.exists()
 
