@@ -43,8 +43,8 @@ def write_problem(directory: Path) -> str:
 def check_state_dir(settings: ServeSettings) -> None:
     """Resolves and checks the state dir for `serve` (the module's docstring says what follows a failure); sets
     `settings.state_dir` (absolute) and `settings.state_problem`."""
-    explicit = bool(settings.state_dir)
-    directory = Path(settings.state_dir).expanduser().resolve() if explicit else paths.state_dir().resolve()
+    explicit = settings.state_dir
+    directory = Path(explicit).expanduser().resolve() if explicit else paths.state_dir().resolve()
     problem = write_problem(directory)
     if problem and explicit:
         raise ConfigError(
