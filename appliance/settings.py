@@ -218,7 +218,7 @@ class ServeSettings:
     )
     serve_pulled: bool = setting(
         True,
-        "serve every model `appliance pull` put in the data dir (models/hub/) beside the ones named here, each "
+        "serve every model `appliance pull` put in the state dir (models/hub/) beside the ones named here, each "
         "listed at start-up and loaded by its first request (as Ollama's); --no-serve-pulled: only the named ones",
         flag="serve-pulled",
     )
