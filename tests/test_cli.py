@@ -509,6 +509,14 @@ def test_an_invalid_environment_value_is_refused_unless_its_flag_overrides_it(mo
         cli.parse(["config", "--port", "9000"])
 
 
+def test_the_state_dir_variable_is_its_flags():
+    """appliance/paths.py reads APPLIANCE_STATE_DIR (the pull subprocess and `appliance pull` have no flags): the
+    same name as --state-dir's variable."""
+    from appliance import paths
+
+    assert options.env_name("state-dir") == paths.STATE_DIR_ENV
+
+
 def test_a_misspelt_environment_variable_refuses_the_start(tmp_path):
     """On a box configured through an env file a typo was silently ignored (APPLIANCE_WORKRES=2: one worker, exit
     0). A name close to a setting's is refused with one line naming it (exit 78, before anything loads)."""
