@@ -496,6 +496,44 @@ def test_engine_prefix_loaded_from_disk_keeps_greedy_tokens(fp32_export, tmp_pat
     assert hashed_on == [threading.current_thread().name] * 4, hashed_on
 
 
+@pytest.mark.default_model  # sibling exports of the default model (int8, int4), as `make model` builds them
+def test_sibling_exports_and_kv_precisions_never_share_blocks_on_one_directory(tmp_path):
+    """One --kv-disk-dir, real engines one after another (as restarts with another model or setting): the int8
+    export writes a prompt's blocks; then its sibling int4 export (same folder parent, same KV layout), and the
+    int8 export with another KV precision, each find none of them (0 disk hits, 0 cached tokens) and give the
+    greedy tokens of their own cold run without the tier. A namespace without the export's identity or the KV
+    precision would load another's KV: wrong output, no error."""
+    from appliance.config import EngineConfig
+    from appliance.runtime.engine import Engine
+    from export.default_model import ensure_export
+
+    int8, int4 = ensure_export("openvino", "int8"), ensure_export("openvino", "int4")
+    assert int8.parent == int4.parent
+    prompt = list(range(1000, 1100))  # 3 full 32-token blocks and a tail
+    base = dict(max_num_batched_tokens=64, kv_cache_tokens=32 * 8)
+
+    def run(export: Path, **cfg) -> tuple[list[int], int, dict]:
+        engine = Engine(export, EngineConfig(**base, **cfg))
+        try:
+            tokens, cached = engine_greedy(engine, [prompt], 8)
+            if engine.pool.disk is not None:
+                engine.pool.disk.flush()
+            return tokens[0], cached[0], engine.stats()
+        finally:
+            engine.shutdown()
+
+    disk = str(tmp_path / "kv")
+    _, _, stats = run(int8, kv_cache_precision="u8", kv_disk_dir=disk)
+    assert stats["kv_disk_written_blocks"] >= 3, stats
+    _, cached, stats = run(int8, kv_cache_precision="u8", kv_disk_dir=disk)
+    assert cached >= 96 and stats["kv_disk_hit_blocks"] >= 3, stats  # the same export and setting: found
+    for export, precision in ((int4, "u8"), (int8, "f16")):
+        cold, _, _ = run(export, kv_cache_precision=precision)
+        tokens, cached, stats = run(export, kv_cache_precision=precision, kv_disk_dir=disk)
+        assert stats["kv_disk_hit_blocks"] == 0 and cached == 0, (export.name, precision, stats)
+        assert tokens == cold, (export.name, precision)
+
+
 # ---------------------------------------------------------------- a real `appliance serve`, restarted
 
 SHARED = "You are a careful assistant for a hardware store. " + " ".join(
