@@ -494,7 +494,7 @@ def test_a_model_pulled_beside_a_running_server_is_served_after_a_reload(int4_ex
             result, _ = cli_pull(sys.executable, env, REPO)
             assert result.returncode == 0, result.stderr
             r = requests.post(srv.base + "/v1/config/reload", timeout=300)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 201 and r.json()[REPO]["loaded"], r.text  # 201: the served models changed
             assert sorted(served()) == sorted(["base", REPO])
             answer = ollama.Client(host=srv.base).chat(
                 REPO, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 4, "temperature": 0}
@@ -505,5 +505,5 @@ def test_a_model_pulled_beside_a_running_server_is_served_after_a_reload(int4_ex
             )
             assert rm.returncode == 0, rm.stderr
             r = requests.post(srv.base + "/v1/config/reload", timeout=300)
-            assert r.status_code == 200, r.text
+            assert r.status_code == 201 and REPO not in r.json(), r.text
             assert served() == ["base"]
