@@ -105,7 +105,7 @@ class PulledModels:
             self.added[name] = spec
             specs.append(spec)
         if specs:
-            log.info("pulled models served on demand", extra={"models": [s.name for s in specs]})
+            log.info("pulled models found", extra={"models": [s.name for s in specs]})
         return specs
 
     def prepare(self, spec: ModelSpec) -> None:
