@@ -60,6 +60,7 @@ import contextlib
 import errno
 import hashlib
 import logging
+import math
 import os
 import queue
 import struct
@@ -173,7 +174,7 @@ class DiskTier:
         directory: str | Path,
         fp: str,
         max_bytes: int,
-        max_age: float = 7 * 86400.0,  # EngineConfig.kv_disk_max_age's default
+        max_age: float = math.inf,  # seconds unused before a block is deleted (the engine: --kv-disk-max-age)
         fsync: bool = False,
     ):
         self.root = Path(directory)
