@@ -92,6 +92,7 @@ class Engine(Admission, Liveness):
         self._admit = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._stop_reason = "server shutting down"  # what the requests still held at the stop end with
         self._ids = itertools.count()
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
         self.counters |= {"draft_tokens": 0, "accepted_draft_tokens": 0}  # speculative decoding (speculation.py)
@@ -126,7 +127,7 @@ class Engine(Admission, Liveness):
             self.config.kv_precision(),
         )
         try:
-            return DiskTier(self.config.kv_disk_dir, fp, self.config.kv_disk_bytes)
+            return DiskTier(self.config.kv_disk_dir, fp, self.config.kv_disk_bytes, self.config.kv_disk_max_age)
         except OSError as exc:
             log.warning("kv disk tier off: %s", exc)
             return None
