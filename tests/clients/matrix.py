@@ -2,7 +2,12 @@
 the models and tool every library is driven with, and the checks on what comes back.
 
 The default model is SmolLM2-135M: the tests assert wire shapes, usage arithmetic, schema validity (the server
-constrains the output to the schema) and the absence of stop strings, never what the model says."""
+constrains the output to the schema) and the absence of stop strings, never what the model says.
+
+lm-eval has no file here: beside the lock pip resolves only lm-eval 0.4.1 (not the current 0.4.13), and it would
+bring 27 packages into the lock (datasets, pandas, pyarrow, peft, evaluate, sacrebleu, ...), while its task data
+cannot be fetched offline. Its wire protocol is tested instead: test_openai_sdk.py sends its loglikelihood request
+(echo + logprobs + max_tokens 0)."""
 
 from __future__ import annotations
 
