@@ -57,7 +57,7 @@ def test_text_agent(model, kind):
     with calling(f"pydantic-ai {kind}", "Agent(model).run_sync(prompt) twice: output and usage"):
         first, second = agent.run_sync(prompt), agent.run_sync(prompt)
         assert isinstance(second.output, str) and second.output, second.output
-        u1, u2 = first.usage(), second.usage()
+        u1, u2 = first.usage, second.usage
         assert u1.input_tokens == u2.input_tokens > 0 and 0 < u2.output_tokens <= TEXT_TOKENS, (u1, u2)
         assert u2.cache_read_tokens > 0, u2  # the repeat hit the prefix cache
 
