@@ -22,7 +22,14 @@ from openvino._offline_transformations import paged_attention_transformation
 from appliance.manifest import Manifest
 from appliance.runtime.backends.base import Backend, StepBatch
 from appliance.runtime.backends.kv_budget import pool_blocks
-from appliance.runtime.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
+from appliance.runtime.backends.openvino_common import (
+    apply_kernels,
+    check_device,
+    compile_properties,
+    core,
+    logits_matmul,
+    read_model,
+)
 from appliance.runtime.backends.projection_fusion import fuse_sibling_projections
 
 if TYPE_CHECKING:
@@ -78,6 +85,7 @@ class OpenVINOPagedBackend(Backend):
         paged_attention_transformation(model)
         log.debug("fused %d groups of sibling projections", fuse_sibling_projections(model))
         _gather_last_tokens(model)
+        self.kernels = apply_kernels(model, config, model_dir)
         self.compiled = core().compile_model(model, config.device, compile_properties(config))
         self.request = self.compiled.create_infer_request()
         cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]

@@ -17,7 +17,14 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import stateful_to_stateless_transformation
 
 from appliance.manifest import Manifest
-from appliance.runtime.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
+from appliance.runtime.backends.openvino_common import (
+    apply_kernels,
+    check_device,
+    compile_properties,
+    core,
+    logits_matmul,
+    read_model,
+)
 from appliance.runtime.backends.static_slots import StaticSlotBackend
 
 if TYPE_CHECKING:
@@ -64,6 +71,7 @@ class OpenVINOStaticBackend(StaticSlotBackend):
             stateful_to_stateless_transformation(model)
         new_kv_only(model)
         gather_row(model)
+        self.kernels = apply_kernels(model, config, model_dir)
         length = min(config.static_context, manifest.max_context)
         self.kv_names = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values")]
         past = next(p for p in model.inputs if p.get_any_name() == self.kv_names[0])

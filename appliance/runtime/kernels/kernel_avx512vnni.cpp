@@ -1,0 +1,18 @@
+// The avx512vnni instance of lowbit_kernel.hpp (compiled with its own -m flags: CMakeLists.txt).
+#include <immintrin.h>
+
+namespace {
+// AVX512-VNNI on 256-bit registers (EVEX vpdpbusd, needs AVX512VL).
+inline __m256i dot_avx512vnni(__m256i w, __m256i x) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x); }
+#define LOWBIT_DOT dot_avx512vnni
+}  // namespace
+
+#include "lowbit_kernel.hpp"
+
+LowbitKernel lowbit_kernel_avx512vnni() {
+    return {"avx512vnni",
+            [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs) {
+                quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs);
+            },
+            rows};
+}

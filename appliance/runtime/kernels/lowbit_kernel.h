@@ -1,0 +1,25 @@
+// What the dispatcher (lowbit_matmul.cpp) and the per-ISA kernels share: the arguments and one entry per ISA.
+#pragma once
+#include <cstdint>
+
+struct LowbitArgs {
+    const float* x;         // [M, K]
+    const uint8_t* w;       // [N, Kp / 2]: u4 two per byte, low nibble first; Kp = K rounded up to 32
+    const uint16_t* sz;     // [N, G, 2] f16: scale, zero point (u4 / u8 zero points widened at load)
+    float* y;               // [M, N]
+    int64_t M, N, K, Kp, gs, G;
+};
+
+// Quantizes x into the scratch buffers (xq [M, Kp], dx [M, Kp / 32], xs [M, G]) and runs rows [n0, n1).
+using QuantizeFn = void (*)(const LowbitArgs&, int8_t*, float*, float*);
+using RowsFn = void (*)(const LowbitArgs&, const int8_t*, const float*, const float*, int64_t, int64_t);
+
+struct LowbitKernel {
+    const char* name;
+    QuantizeFn quantize;
+    RowsFn rows;
+};
+
+LowbitKernel lowbit_kernel_avx2();
+LowbitKernel lowbit_kernel_avxvnni();
+LowbitKernel lowbit_kernel_avx512vnni();
