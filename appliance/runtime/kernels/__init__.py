@@ -92,7 +92,7 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
         from appliance.runtime.kernels.rewrite import rewrite
 
         try:
-            count = rewrite(model, loaded.factory)
+            count = rewrite(model, loaded.factory, loaded.isa)
         except Exception as exc:  # an IR shape we did not foresee: OpenVINO's kernels serve it
             why = f"rewrite failed: {exc}"
         else:
