@@ -74,6 +74,11 @@ def read_model(model_dir: Path, model_file: str) -> ov.Model:
     return core().read_model(str(Path(model_dir) / model_file))
 
 
+def kernel_rows(label: str) -> int:
+    """Steps of up to this many tokens run our kernels (0: none do)."""
+    return kernels.KERNEL_ROWS.get(label.removeprefix("appliance-"), 0)
+
+
 def apply_kernels(model: ov.Model, config: EngineConfig, model_dir: Path) -> str:
     """Our low-bit kernels where they apply (appliance/runtime/kernels), after every rewrite that looks for the
     graph's MatMuls (the LM head's Gather) and before compiling; returns which kernels run, for the backend."""

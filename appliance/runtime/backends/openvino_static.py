@@ -22,6 +22,7 @@ from appliance.runtime.backends.openvino_common import (
     check_device,
     compile_properties,
     core,
+    kernel_rows,
     logits_matmul,
     read_model,
 )
@@ -71,7 +72,9 @@ class OpenVINOStaticBackend(StaticSlotBackend):
             stateful_to_stateless_transformation(model)
         new_kv_only(model)
         gather_row(model)
+        self._native = model.clone()  # constants shared, not copied
         self.kernels = apply_kernels(model, config, model_dir)
+        self.kernel_rows = kernel_rows(self.kernels)  # shapes of more tokens per call compile OpenVINO's kernels
         length = min(config.static_context, manifest.max_context)
         self.kv_names = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values")]
         past = next(p for p in model.inputs if p.get_any_name() == self.kv_names[0])
@@ -111,7 +114,7 @@ class OpenVINOStaticBackend(StaticSlotBackend):
     def _compile(self, b: int, t: int, rows: int) -> ov.InferRequest:
         """[b, t] tokens per call, logits for `rows` positions of each."""
         heads, length, head_dim = self._kv_shape
-        shaped = self._model.clone()
+        shaped = (self._model if b * t <= self.kernel_rows else self._native).clone()
         shapes = {}
         for port in shaped.inputs:
             name = port.get_any_name()

@@ -23,7 +23,16 @@ LIBRARY = "libappliance_kernels.so"
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
-CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours when they load, ours = the same, saying so louder
+CHOICES = ("auto", "ours", "openvino")
+# Rows (tokens per step) up to which our kernels beat OpenVINO's, per path: bench.kernels at the Qwen2.5-1.5B MLP
+# shapes, 2 threads, ratio ours / native time (loaded box, medians of interleaved reps). AVX2 (ONEDNN_MAX_CPU_ISA=AVX2
+# on this AVX-512 box) 1.0 / 0.82 / 0.82 at M = 1 / 4 / 8; AVX512-VNNI against the plugin's dynamic quantization
+# 0.93 / 0.84 / 1.12 at M = 1 / 4 / 8 and 2.6 / 5.2 at M = 32 / 128: longer steps (prefill) keep OpenVINO's.
+KERNEL_ROWS = {
+    "avx2": 8,
+    "avxvnni": 4,
+    "avx512vnni": 4,
+}  # --kernels: auto = ours when they load, ours = the same, saying so louder
 
 
 def library_path() -> Path:
