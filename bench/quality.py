@@ -113,8 +113,9 @@ def reference_logits(hf_dir: str, prompts: list[list[int]]) -> list[np.ndarray]:
 def engine_logits(
     path: Path, precision: str, prompts: list[list[int]], kernels: str = "auto"
 ) -> tuple[list[np.ndarray], str]:
-    """Last-position logits of each prompt, prefilled in one forward (as tests/test_parity.py does), and which
-    kernels ran the low-bit MatMuls."""
+    """Last-position logits of each prompt and which kernels ran the low-bit MatMuls: all but the last token
+    prefilled in one forward, the last one fed as a decode step, since steps of a few tokens are where our kernels
+    run (appliance/runtime/kernels KERNEL_ROWS) and that last step is the one whose logits are compared."""
     from appliance.config import EngineConfig
     from appliance.runtime.backends import StepBatch
     from appliance.runtime.engine import Engine
@@ -127,7 +128,8 @@ def engine_logits(
         out = []
         for p in tqdm(prompts, f"{path.name} {precision}", leave=False):
             table = engine.pool.allocate(engine.pool.blocks_for(len(p)))
-            out.append(np.array(engine.backend.forward(StepBatch([p], [0], [table]))[0], np.float32))
+            engine.backend.forward(StepBatch([p[:-1]], [0], [table]))
+            out.append(np.array(engine.backend.forward(StepBatch([p[-1:]], [len(p) - 1], [table]))[0], np.float32))
             engine.pool.free(table)
         return out, engine.backend.kernels
     finally:

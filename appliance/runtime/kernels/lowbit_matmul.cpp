@@ -2,7 +2,7 @@
 // custom op (evaluate() on the CPU plugin's reference path). Inputs: x f32 [..., K]; w u8 [N, Kp / 2] or u4 [N, ...]
 // (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order); sz u8 [N, 4 G]: per
 // group the f16 bits of the scale, then of the zero point (raw bytes, since the CPU plugin hands a custom op its f16
-// inputs converted to f32: twice the bytes to read per step). Attributes: group_size (a multiple of 32), isa
+// inputs converted to f32: twice the bytes to read per step). Attributes: group_size (32 or a multiple of 64), isa
 // ("auto", "avx2", "avxvnni", "avx512vnni"). Output f32 [..., N]. Why, with measurements:
 // appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
@@ -62,7 +62,8 @@ public:
 
     void validate_and_infer_types() override {
         OPENVINO_ASSERT(get_input_size() == 3, "LowBitMatMul takes x, w, sz");
-        OPENVINO_ASSERT(m_group_size > 0 && m_group_size % 32 == 0, "LowBitMatMul: group_size must be a multiple of 32");
+        OPENVINO_ASSERT(m_group_size == 32 || (m_group_size > 0 && m_group_size % 64 == 0),
+                        "LowBitMatMul: group_size must be 32 or a multiple of 64");
         OPENVINO_ASSERT(m_isa == "auto" || supported(m_isa), "LowBitMatMul: this CPU cannot run isa=", m_isa);
         OPENVINO_ASSERT(!best_isa().empty(), "LowBitMatMul: needs AVX2 and FMA");
         auto out = get_input_partial_shape(0);
@@ -110,7 +111,7 @@ public:
         thread_local std::vector<int8_t> xq;
         thread_local std::vector<float> dx, sums;
         xq.resize(static_cast<size_t>(a.M * a.Kp));
-        dx.resize(static_cast<size_t>(a.M * a.Kp / 32));
+        dx.resize(static_cast<size_t>(lowbit_dx_floats(a.M, a.Kp)));
         sums.resize(static_cast<size_t>(a.M * a.G));
         kernel.quantize(a, xq.data(), dx.data(), sums.data());
         const int8_t* q = xq.data();

@@ -4,7 +4,7 @@ read, before compiling; the export on disk stays standard IR that OVMS and genai
 The chain, as NNCF writes it (u4 zero point) and as export/grid.py writes the exact Q4_1 grid (f16 zero point):
     Constant u4 [N, G, gs] -> Convert -> Subtract(zero point) -> Multiply(scale) -> Reshape [N, K] -> (Convert f32)
     -> MatMul(x, ., transpose_b=True)
-or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 with gs a multiple of 32 is taken; anything else
+or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 with gs 32 or a multiple of 64 is taken; anything else
 (i4 symmetric, int8, a group of 16, transpose_b=False) keeps OpenVINO's kernels.
 
 Memory: the op reads the u4 bytes as a u8 copy ([N, K/2]; OpenVINO's Python API cannot share a read-only constant's
@@ -88,7 +88,7 @@ def match(matmul: ov.Node) -> Chain | None:
         return None
     groups = shape[1] if len(shape) == 3 else 1
     group_size = k // groups
-    if group_size % 32:
+    if group_size != 32 and group_size % 64:  # the op's pairs of 32-blocks share a scale or have one each
         return None
     try:
         s = np.broadcast_to(scale, (n, groups, 1) if len(shape) == 3 else (n, 1)).reshape(n, groups)
