@@ -4,8 +4,8 @@ read, before compiling; the export on disk stays standard IR that OVMS and genai
 The chain, as NNCF writes it (u4 zero point) and as export/grid.py writes the exact Q4_1 grid (f16 zero point):
     Constant u4 [N, G, gs] -> Convert -> Subtract(zero point) -> Multiply(scale) -> Reshape [N, K] -> (Convert f32)
     -> MatMul(x, ., transpose_b=True)
-or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 with gs 32 or a multiple of 64 is taken; anything else
-(i4 symmetric, int8, a group of 16, transpose_b=False) keeps OpenVINO's kernels.
+or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 with gs 32 or a multiple of 64 is taken;
+anything else (i4 symmetric, int8, a group of 16, transpose_b=False) keeps OpenVINO's kernels.
 
 Memory: the op reads the u4 bytes as a u8 copy ([N, K/2]; OpenVINO's Python API cannot share a read-only constant's
 memory) and a u8 [N, 4 G] of f16 scale and zero point per group; the IR's own constants are no longer referenced, so
