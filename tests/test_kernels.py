@@ -289,3 +289,20 @@ def test_default_model_runs_our_kernels_close_to_f32(loaded):
     tvd = _tvd(logits, base_logits)
     assert np.median(tvd) <= 0.05 and tvd.max() <= 0.15, tvd
     assert sum(a == b for a, b in zip(tokens, base_tokens)) >= len(tokens) - 2, (tokens, base_tokens)
+
+
+def test_a_plugin_that_refuses_our_op_leaves_openvino_serving(loaded, monkeypatch, caplog):
+    """compile_with_kernels: a compile failure is one log line and None, never an exception; the paged backend then
+    serves OpenVINO's kernels alone."""
+    import appliance.runtime.backends.openvino_paged as paged
+    from appliance.runtime.backends.openvino_common import compile_with_kernels
+
+    core, got = loaded
+    model = _model(["u4"])
+    rewrite(model, got.factory)
+    caplog.set_level(logging.WARNING)
+    assert compile_with_kernels(model, "NO_SUCH_DEVICE", {}) is None
+    assert any("compiling our kernels failed" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(paged, "compile_with_kernels", lambda *a: None)
+    label, tokens, _ = _decode("ours", None, steps=2)
+    assert label == "openvino" and len(tokens) == 3

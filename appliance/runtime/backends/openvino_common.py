@@ -74,6 +74,16 @@ def read_model(model_dir: Path, model_file: str) -> ov.Model:
     return core().read_model(str(Path(model_dir) / model_file))
 
 
+def compile_with_kernels(model: ov.Model, device: str, props: dict[str, Any]) -> ov.CompiledModel | None:
+    """`model` (rewritten to our kernels) compiled, or None with one log line when the plugin refuses it: the
+    backend then serves OpenVINO's kernels alone rather than failing to load."""
+    try:
+        return core().compile_model(model, device, props)
+    except Exception as exc:  # an op the plugin cannot take: our kernels are an optimisation, never a requirement
+        log.warning("kernels: openvino (compiling our kernels failed: %s)", exc, extra={"kernels": "openvino"})
+        return None
+
+
 def kernel_rows(label: str) -> int:
     """Steps of up to this many tokens run our kernels (0: none do)."""
     return kernels.KERNEL_ROWS.get(label.removeprefix("appliance-"), 0)

@@ -26,6 +26,7 @@ from appliance.runtime.backends.openvino_common import (
     apply_kernels,
     check_device,
     compile_properties,
+    compile_with_kernels,
     core,
     kernel_rows,
     logits_matmul,
@@ -94,10 +95,10 @@ class OpenVINOPagedBackend(Backend):
         # Steps of at most `kernel_rows` tokens (decode, speculative verification, small batches) run our kernels;
         # longer ones (prefill) OpenVINO's, which win there (kernels.KERNEL_ROWS). Each compiled model holds its own
         # weights: our copy beside the plugin's (kernels/rewrite.py states the cost).
+        small = compile_with_kernels(model, config.device, props) if kernel_rows(self.kernels) else None
+        self.kernels = self.kernels if small is not None else "openvino"
         self.kernel_rows = kernel_rows(self.kernels)
-        self._small = (
-            core().compile_model(model, config.device, props).create_infer_request() if self.kernel_rows else None
-        )
+        self._small = small.create_infer_request() if small is not None else None
         del native, model
         cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
         # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.

@@ -21,6 +21,7 @@ from appliance.runtime.backends.openvino_common import (
     apply_kernels,
     check_device,
     compile_properties,
+    compile_with_kernels,
     core,
     kernel_rows,
     logits_matmul,
@@ -114,7 +115,8 @@ class OpenVINOStaticBackend(StaticSlotBackend):
     def _compile(self, b: int, t: int, rows: int) -> ov.InferRequest:
         """[b, t] tokens per call, logits for `rows` positions of each."""
         heads, length, head_dim = self._kv_shape
-        shaped = (self._model if b * t <= self.kernel_rows else self._native).clone()
+        ours = b * t <= self.kernel_rows
+        shaped = (self._model if ours else self._native).clone()
         shapes = {}
         for port in shaped.inputs:
             name = port.get_any_name()
@@ -129,7 +131,13 @@ class OpenVINOStaticBackend(StaticSlotBackend):
             elif name.startswith("past_key_values"):
                 shapes[port] = [b, heads, length, head_dim]
         shaped.reshape(shapes)
-        return core().compile_model(shaped, self._device, self._props).create_infer_request()
+        compiled = compile_with_kernels(shaped, self._device, self._props) if ours else None
+        if ours and compiled is None:
+            self.kernels, self.kernel_rows = "openvino", 0
+            return self._compile(b, t, rows)
+        if compiled is None:
+            compiled = core().compile_model(shaped, self._device, self._props)
+        return compiled.create_infer_request()
 
     def _run(self, kind, slot, input_ids, position_ids, attention_mask, last_index):
         every = not np.isscalar(last_index)
