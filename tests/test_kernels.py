@@ -20,6 +20,13 @@ from appliance.runtime.kernels.rewrite import OP, rewrite
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
 
 
+@pytest.fixture(autouse=True)
+def _every_size(monkeypatch):
+    """Our kernels on every matching MatMul, however small (the tests' shapes and the default model's layers are
+    under kernels.MIN_WEIGHTS, the serving floor; test_small_layers_keep_openvino checks the floor)."""
+    monkeypatch.setenv(kernels.MIN_WEIGHTS_ENV, "0")
+
+
 @pytest.fixture(scope="module")
 def loaded() -> tuple[ov.Core, kernels.Kernels]:
     core = ov.Core()
@@ -306,3 +313,12 @@ def test_a_plugin_that_refuses_our_op_leaves_openvino_serving(loaded, monkeypatc
     monkeypatch.setattr(paged, "compile_with_kernels", lambda *a: None)
     label, tokens, _ = _decode("ours", None, steps=2)
     assert label == "openvino" and len(tokens) == 3
+
+
+def test_small_layers_keep_openvino(loaded, monkeypatch):
+    """Under kernels.MIN_WEIGHTS our op's fixed cost per call outweighs what it saves: such MatMuls stay native."""
+    core, _ = loaded
+    monkeypatch.delenv(kernels.MIN_WEIGHTS_ENV)
+    small, large = _model(["u4"]), _model(["u4"], n=kernels.MIN_WEIGHTS // 256, k=256)
+    assert kernels.apply(small, core, choice="auto", device="CPU", precision=None) == "openvino"
+    assert kernels.apply(large, core, choice="auto", device="CPU", precision=None).startswith("appliance-")

@@ -23,16 +23,20 @@ LIBRARY = "libappliance_kernels.so"
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
-CHOICES = ("auto", "ours", "openvino")
+CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precision f32; ours = also then
 # Rows (tokens per step) up to which our kernels beat OpenVINO's, per path: bench.kernels at the Qwen2.5-1.5B MLP
-# shapes, 2 threads, ratio ours / native time (loaded box, medians of interleaved reps). AVX2 (ONEDNN_MAX_CPU_ISA=AVX2
-# on this AVX-512 box) 1.0 / 0.82 / 0.82 at M = 1 / 4 / 8; AVX512-VNNI against the plugin's dynamic quantization
-# 0.93 / 0.84 / 1.12 at M = 1 / 4 / 8 and 2.6 / 5.2 at M = 32 / 128: longer steps (prefill) keep OpenVINO's.
-KERNEL_ROWS = {
-    "avx2": 8,
-    "avxvnni": 4,
-    "avx512vnni": 4,
-}  # --kernels: auto = ours when they load, ours = the same, saying so louder
+# shapes (8960 x 1536, 1536 x 8960; NNCF u4 g128 and the Q4_1 grid), 2 threads, ratio ours / native time (loaded
+# box, medians of interleaved reps). AVX2 against OpenVINO under ONEDNN_MAX_CPU_ISA=AVX2 (brgemm f32): 0.50-0.93 at
+# M = 2..16, 0.56-1.07 at M = 1. AVX512-VNNI against the plugin's dynamic quantization (VNNI int8 GEMM): 0.65-0.98 at
+# M = 1..4, 1.08 at 8, 2.6 / 5.2 at 32 / 128 (an earlier build): longer steps (prefill) keep OpenVINO's.
+KERNEL_ROWS = {"avx2": 16, "avxvnni": 4, "avx512vnni": 4}
+# Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
+# plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
+# 135M model (every layer under 1M weights) decoded 1.24x slower at batch 1 with all 210 of its u4 MatMuls on ours
+# (bf16 default precision, VNNI box, 15 interleaved reps); with this floor it keeps OpenVINO's kernels, while
+# Qwen2.5-1.5B's q/o projections (2.4M) and MLP (13.8M) take ours. APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
+MIN_WEIGHTS = 1 << 21
+MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
 
 
 def library_path() -> Path:
@@ -101,11 +105,12 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
         from appliance.runtime.kernels.rewrite import rewrite
 
         try:
-            count = rewrite(model, loaded.factory, loaded.isa)
+            floor = int(os.environ.get(MIN_WEIGHTS_ENV, MIN_WEIGHTS))
+            count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor)
         except Exception as exc:  # an IR shape we did not foresee: OpenVINO's kernels serve it
             why = f"rewrite failed: {exc}"
         else:
-            why = "" if count else "no u4 group-quantized MatMul in this model"
+            why = "" if count else f"no u4 group-quantized MatMul of {floor} weights or more in this model"
     if loaded is None or not count:
         log.info("kernels: openvino (%s)", why, extra={"model": name, "kernels": "openvino", "reason": why})
         return "openvino"

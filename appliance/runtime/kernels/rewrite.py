@@ -100,16 +100,17 @@ def match(matmul: ov.Node) -> Chain | None:
     return Chain(packed, np.ascontiguousarray(sz), group_size)
 
 
-def rewrite(model: ov.Model, factory: Any, isa: str = "auto") -> int:
+def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0) -> int:
     """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
-    NodeFactory holding our extension); returns how many. The op computes in f32 and returns f32, as the MatMul did."""
+    NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many. The op
+    computes in f32 and returns f32, as the MatMul did."""
     from openvino import opset13 as ops
 
     found = []
     for node in model.get_ordered_ops():
         if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32:
             chain = match(node)
-            if chain is not None:
+            if chain is not None and chain.packed.size * 2 >= min_weights:
                 found.append((node, chain))
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
     swaps = []
