@@ -15,6 +15,8 @@ DATA_DIR ?= $(HOME)/.cache/appliance
 SERVE_FLAGS = $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(if $(DEVICE),--device $(DEVICE)) \
               $(if $(WORKERS),--workers $(WORKERS)) $(if $(API_KEY_FILE),--api-key-file $(API_KEY_FILE))
 PYTEST_ARGS ?=
+KERNELS_DIR := appliance/runtime/kernels
+KERNELS_LIB := $(KERNELS_DIR)/libappliance_kernels.so
 BENCH_ARGS ?=
 
 export APPLIANCE_DATA_DIR := $(abspath $(DATA_DIR))
@@ -40,8 +42,6 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 # openvino wheel whenever a source changes; one job under nice (install steps share their box). Needs g++ and cmake:
 # without them, or when the build fails, it says so in one line and OpenVINO's kernels serve (the tests fail under
 # CI=true instead).
-KERNELS_DIR := appliance/runtime/kernels
-KERNELS_LIB := $(KERNELS_DIR)/libappliance_kernels.so
 $(KERNELS_LIB): $(VENV)/.installed $(wildcard $(KERNELS_DIR)/*.cpp $(KERNELS_DIR)/*.h $(KERNELS_DIR)/*.hpp) \
                 $(KERNELS_DIR)/CMakeLists.txt
 	nice $(BIN)/python -m appliance.runtime.kernels.build
