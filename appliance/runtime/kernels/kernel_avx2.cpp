@@ -13,10 +13,4 @@ inline __m256i dot2_avx2(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
 
 #include "lowbit_kernel.hpp"
 
-LowbitKernel lowbit_kernel_avx2() {
-    return {"avx2",
-            [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs) {
-                quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs);
-            },
-            rows};
-}
+LOWBIT_ENTRY(avx2)

@@ -165,3 +165,13 @@ inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
 }
 
 }  // namespace
+
+// The per-ISA entry point (lowbit_kernel.h) of the translation unit that includes this file.
+#define LOWBIT_ENTRY(NAME)                                                                      \
+    LowbitKernel lowbit_kernel_##NAME() {                                                       \
+        return {#NAME,                                                                          \
+                [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs) {                     \
+                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs);                  \
+                },                                                                              \
+                rows};                                                                          \
+    }
