@@ -332,3 +332,31 @@ def test_build_without_a_compiler_says_so_and_does_not_fail_the_install(monkeypa
     assert build.main([]) == 0
     assert "not built" in capsys.readouterr().err
     assert build.main(["--require"]) == 1
+
+
+def _layer_types(request: ov.InferRequest) -> dict[str, int]:
+    """How many nodes of each kind the CPU plugin runs (our op is a `Reference` node to it)."""
+    counts: dict[str, int] = {}
+    for node in request.get_compiled_model().get_runtime_model().get_ordered_ops():
+        info = node.get_rt_info()
+        kind = info["layerType"].astype(str) if "layerType" in info else node.get_type_name()
+        counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def test_static_shapes_run_ours_for_decode_and_openvino_for_prefill(loaded):
+    from appliance.config import EngineConfig
+    from appliance.manifest import Manifest
+    from appliance.runtime.backends.openvino_static import OpenVINOStaticBackend
+    from export.default_model import ensure_export
+
+    path = ensure_export("openvino", "int4")
+    backend = OpenVINOStaticBackend(path, Manifest.load(path), EngineConfig(kernels="ours", static=True))
+    try:
+        decode, prefill = _layer_types(backend.requests["decode"]), _layer_types(backend.requests["prefill"])
+    finally:
+        backend.close()
+    layers = Manifest.load(path).num_layers * 7  # q, k, v, o, gate, up, down
+    assert backend.kernels == loaded[1].label and backend.kernel_rows >= backend.max_batch
+    assert decode.get("Reference") == layers and prefill.get("Reference", 0) == 0
+    assert prefill.get("FullyConnected") == layers + 1  # and the LM head, int8: OpenVINO's either way
