@@ -28,19 +28,20 @@ namespace {
 constexpr int BLOCK = 32;
 constexpr int MTILE = 4;  // rows of x per pass over a weight row: the row stays in L1, read from memory once
 
-// Quantizes rows of x [M, K] to xq [M, Kp] (paired layout above), dxv [M, pairs, 8] (lanes 0-3: the pair's first
-// block's dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums xs [M, G] of dx * sum xq.
+// Quantizes blocks [b0, b1) of rows of x [M, K] to xq [M, Kp] (paired layout above), dxv [M, pairs, 8] (lanes 0-3:
+// the pair's first block's dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums xs [M, G] of
+// dx * sum xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t gs, int64_t G, int8_t* xq,
-                          float* dxv, float* xs) {
+                          float* dxv, float* xs, int64_t b0, int64_t b1) {
     const int64_t blocks = Kp / BLOCK, pairs = (blocks + 1) / 2;
     for (int64_t m = 0; m < M; ++m) {
         const float* xr = x + m * K;
         int8_t* qr = xq + m * Kp;
         float* dr = dxv + m * pairs * 8;
         float* sr = xs + m * G;
-        for (int64_t g = 0; g < G; ++g) sr[g] = 0.f;
-        for (int64_t i = 0; i < pairs * 8; ++i) dr[i] = 0.f;
-        for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t g = b0 * BLOCK / gs; g < (b1 * BLOCK + gs - 1) / gs && g < G; ++g) sr[g] = 0.f;
+        for (int64_t i = b0 / 2 * 8; i < (b1 + 1) / 2 * 8; ++i) dr[i] = 0.f;
+        for (int64_t b = b0; b < b1; ++b) {
             float v[BLOCK];
             for (int i = 0; i < BLOCK; ++i) {
                 const int64_t k = b * BLOCK + i;
@@ -170,8 +171,8 @@ inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
 #define LOWBIT_ENTRY(NAME)                                                                      \
     LowbitKernel lowbit_kernel_##NAME() {                                                       \
         return {#NAME,                                                                          \
-                [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs) {                     \
-                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs);                  \
+                [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs, int64_t b0, int64_t b1) { \
+                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1);          \
                 },                                                                              \
                 rows};                                                                          \
     }
