@@ -295,6 +295,7 @@ FLAGS = {
     "otlp-endpoint": (str, None),
     "device": (str, "CPU"),
     "precision": (str, "default"),
+    "kernels": (str, "auto"),
     "kv-cache-precision": (str, "auto"),
     "kv-cache-size": (str, None),
     "kv-disk-dir": (str, None),
