@@ -36,6 +36,7 @@ from appliance.options import (
 )
 from appliance.paths import resolve_model
 from appliance.pull import command as pull_command
+from appliance.runtime import kernels
 from appliance.server import config_file, tool_prompt
 from appliance.server.config_file import ALIASES, MODEL_FLAGS
 from appliance.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
@@ -56,7 +57,7 @@ OTHER_VARIABLES = frozenset(
         "DATA_DIR RUNTIME_DIR FAULT_INJECTION PULL_PARENT "
         "SERVING_VENV ARTIFACTS_DIR FUZZ_SEED FUZZ_EXAMPLES FUZZ_DOC RAW_FUZZ_REQUESTS"
     ).split()
-)
+) | {kernels.LIBRARY_ENV, kernels.ISA_ENV, kernels.MIN_WEIGHTS_ENV}
 KUBERNETES_LINKS = re.compile(r"APPLIANCE_(SERVICE_[A-Z0-9_]+|PORT_\d+_(TCP|UDP|SCTP)(_[A-Z]+)?)")
 TYPO_CUTOFF = 0.85  # difflib's ratio: APPLIANCE_WORKRES ~ APPLIANCE_WORKERS 0.94, APPLIANCE_KV_CACHE ~ _SIZE 0.88
 
