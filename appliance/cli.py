@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import auth, devices, limits, logs, state
+from appliance import auth, cpu_isa, devices, limits, logs, state
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.options import (
     GROUPS,
@@ -295,6 +295,11 @@ def _main(argv: list[str] | None) -> int:
 
         settings, engine = _settings(args)
         state.check_state_dir(settings)  # before any model loads: a store that cannot write is no 500 later
+        if cpu_isa.single_thread_amx_cap(spec.engine for spec in settings.models):  # before the plugin loads
+            log.warning(
+                "AMX off in this process: OpenVINO's CPU plugin cannot compile bf16 on AMX with --num-threads 1",
+                extra={"variable": f"{cpu_isa.CAP_ENV}={cpu_isa.SINGLE_THREAD_AMX_CAP}"},
+            )
         wanted = (d for spec in settings.models for d in (spec.engine.device, spec.engine.draft_device) if d)
         devices.require(wanted)  # one line naming those present
         return serve(settings, engine)
