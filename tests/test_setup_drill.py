@@ -1,11 +1,12 @@
-"""Drills: per-request set-up work (grammar compilation, tokenization, the ban and prompt-lookup indexes) never
-stalls the streams already running, on a real server (appliance/server/setup_gate.py, Admission._prebuild).
+"""Drill: per-request set-up work (tokenization, grammar compilation, ban tables, the prompt-lookup index of a
+prediction) never stalls the streams already running, on a real server (appliance/server/setup_gate.py,
+Admission._prebuild, speculative/ngram.py's INDEX_SLICE).
 
-Live streams are read token by token while attackers send requests whose set-up is as costly as the bounds let
-it be, and the largest gap between two of a stream's tokens during the attack is the measure: a stall is what a
-user sees. Bounds are generous for a loaded 2-core box (several agents and test runs beside it): the failures they
-catch cost seconds (40 distinct 40-field JSON schemas at once stalled four streams 3.25 s; four requests at the
-set-up limit put ~0.5 s of indexing into single steps, again and again), the streams' own steps tens of ms.
+A live stream is read token by token while clients send requests whose set-up is costly, and the largest gap
+between two of its tokens during the attack is the measure: a stall is what a user sees. The bound is generous for
+a loaded 2-core box (several agents and test runs beside it, load average 10-12 when it was written: the
+stream's steps then took 0.2-0.6 s); the failure it catches is a step that holds a whole index or a pile of
+concurrent set-ups, seconds.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from conftest import one_worker_server, wait_until
 pytestmark = pytest.mark.slow
 
 ATTACKERS = 3  # clients sending long predictions
-# The largest gap a live stream may show during the attack: its steps take tens of ms, a loaded box's scheduling
-# adds some hundreds; the stalls fixed here were 3.25 s (schemas) and repeated 0.5-1.5 s steps (indexes).
+# The largest gap a live stream may show during the attack: its steps take tens of ms on a quiet box, 0.2-0.6 s
+# on one at load average 12 (measured: largest gaps 0.6-0.75 s there)
 STALL_BOUND = 1.5
 ATTACK_ROUNDS = 4  # each attacker's requests (bounded loops)
 

@@ -1,19 +1,18 @@
 """One request's set-up at a time in the engine process, taken in turn by tenant: the gate a job passes to be
-tokenized, to have its grammar compiled and its indexes built, and to be submitted (JobRunner.submit).
+tokenized, to have its grammar compiled and its ban table built, and to be submitted (JobRunner.submit).
 
 Why: set-up runs on the job's own connection thread, off the engine thread, but on the same cores and under the
-same GIL. Forty requests with forty distinct JSON schemas compiled at once (llguidance drops the GIL, so they all
-ran) took both cores of the dev box from the engine thread: four live streams stalled 3.25 s. Four requests at the
-per-request `setup_work` limit each building their indexes beside the engine thread raised a victim stream's
-median token gap from 116 to 511 ms. With one set-up at a time, set-up takes at most one core and is the GIL's
-only other contender (the interpreter hands the GIL back to the engine thread within its 5 ms switch interval),
-whatever the number of requests; requests queue here instead, in the engine process, where their wait counts as
-queue time.
+same GIL, and nothing bounded how many ran at once: the 2026-12-01 review saw 40 distinct 40-field JSON schemas
+sent at once stall four live streams 3.25 s (llguidance drops the GIL while it compiles, so all forty ran), and
+four requests at the per-request `setup_work` limit raise a victim stream's median token gap from 116 to 511 ms.
+With one set-up at a time, set-up takes at most one core and is the GIL's only other contender beside the engine
+thread (the interpreter hands the GIL back within its 5 ms switch interval), whatever the number of requests;
+requests wait here instead, in the engine process. Each set-up is short (a 40-field schema compiles in 3-11 ms
+on the dev box, a prompt tokenizes in well under that), so the wait is a queue of short turns.
 
 Fair: waiters are served tenant by tenant in turn (round robin over the tenants waiting, first come first served
 within one), so a key sending forty schemas makes another key's request wait for one set-up of its, not forty.
-Bounded: the queue is the engine's own (--max-queued counts a job once submitted; a job waiting here holds its
-connection thread, which the worker's --threads bound).
+Bounded: a job waiting here holds its connection thread, which the workers' --threads bound.
 """
 
 from __future__ import annotations
