@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# The appliance image: serves the embedded default model (SmolLM2-135M-Instruct, OpenVINO int4) on port 8000.
+# The appliance image: serves the embedded default model (SmolLM2-135M-Instruct, OpenVINO int4) and the default
+# embedding model (all-MiniLM-L6-v2, int8) on port 8000.
 #   docker build -t appliance .                       # runtime image (builds the `export` stage for the model)
 #   docker build --target export -t appliance-export . # the export tools (torch, transformers, optimum, nncf)
 # Exposure: the server binds 0.0.0.0 in the container, and a non-loopback bind without an API key refuses to start
@@ -8,7 +9,9 @@
 #       -e APPLIANCE_API_KEY_FILE=/run/secrets/api-keys appliance
 #   docker run -p 127.0.0.1:8000:8000 -e APPLIANCE_ALLOW_UNAUTHENTICATED=1 appliance   # open: logs a warning
 # The same variables as the systemd service (systemd/appliance.env): `--env-file /etc/appliance/appliance.env`
-# works as is. iGPU/NPU: add --device /dev/dri / --device /dev/accel. docs/deploy.md "Container image" has the rest.
+# works as is. iGPU/NPU: add --device /dev/dri / --device /dev/accel. State (the Responses store, pulled models, the
+# KV disk tier) goes in the volume /var/lib/appliance/state: name it to keep it across containers
+# (-v appliance-state:/var/lib/appliance/state). docs/deploy.md "Container image" and "State" have the rest.
 #
 # Stages: `venv` (the serving dependencies only, no torch/transformers, the package installed non-editable),
 # `export` (the export extras; builds the default model), `model` (its read-only copy), `runtime` (the default).
@@ -62,18 +65,24 @@ RUN --mount=type=bind,from=wheels,target=/wheels \
  && rm -rf /var/lib/appliance/models/*/hf
 
 # The served exports (appliance/paths.py SERVED_FORMATS: `--model default` picks one by the CPU it runs on, so the
-# image carries both). `make image-test` passes --build-context model-src=<a directory holding already-built ones at
-# this path> instead of running `export`.
+# image carries both) and the served embedding export (EMBEDDING_SERVED_FORMAT: `--embedding-model default` serves
+# it beside the default model, as README says). `make image-test` passes --build-context model-src=<a directory
+# holding already-built ones at these paths> instead of running `export`.
 FROM scratch AS model-src
 COPY --from=export /var/lib/appliance/models/smollm2-135m-instruct/openvino-int4 \
      /var/lib/appliance/models/smollm2-135m-instruct/openvino-int4
 COPY --from=export /var/lib/appliance/models/smollm2-135m-instruct/openvino-int8 \
      /var/lib/appliance/models/smollm2-135m-instruct/openvino-int8
+COPY --from=export /var/lib/appliance/models/all-minilm-l6-v2/openvino-int8 \
+     /var/lib/appliance/models/all-minilm-l6-v2/openvino-int8
 
 # Root-owned and read-only (0444 files, 0555 dirs): a compromised server cannot persist into weights or templates.
 FROM ${BASE_IMAGE} AS model
-COPY --from=model-src /var/lib/appliance/models/smollm2-135m-instruct/openvino-int4 /model/openvino-int4
-COPY --from=model-src /var/lib/appliance/models/smollm2-135m-instruct/openvino-int8 /model/openvino-int8
+COPY --from=model-src /var/lib/appliance/models/smollm2-135m-instruct/openvino-int4 \
+     /model/smollm2-135m-instruct/openvino-int4
+COPY --from=model-src /var/lib/appliance/models/smollm2-135m-instruct/openvino-int8 \
+     /model/smollm2-135m-instruct/openvino-int8
+COPY --from=model-src /var/lib/appliance/models/all-minilm-l6-v2/openvino-int8 /model/all-minilm-l6-v2/openvino-int8
 RUN chown -R 0:0 /model && find /model -type d -exec chmod 0555 {} + && find /model -type f -exec chmod 0444 {} +
 
 # ---------------------------------------------------------------- runtime
@@ -86,14 +95,17 @@ RUN apt-get update \
  && groupadd --system --gid 10001 appliance \
  && useradd --system --uid 10001 --gid 10001 --home-dir /var/cache/appliance --no-create-home \
         --shell /usr/sbin/nologin appliance \
- && install -d -o 10001 -g 10001 -m 0700 /var/cache/appliance
+ && install -d -o 10001 -g 10001 -m 0700 /var/cache/appliance /var/lib/appliance/state
 COPY --from=venv /opt/appliance /opt/appliance
-COPY --from=model /model /var/lib/appliance/models/smollm2-135m-instruct
+COPY --from=model /model /var/lib/appliance/models
 COPY docker/healthcheck.py /opt/appliance/healthcheck.py
-# As systemd/appliance.service: state (the model) read-only, only the compile cache writable.
+# As systemd/appliance.service: the models read-only; writable: the state dir (a volume: the Responses store, pulled
+# models, the KV disk tier, on and bounded) and the compile cache.
 ENV PATH=/opt/appliance/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 \
     APPLIANCE_DATA_DIR=/var/lib/appliance APPLIANCE_CACHE_DIR=/var/cache/appliance/openvino \
-    APPLIANCE_HOST=0.0.0.0 APPLIANCE_PORT=8000
+    APPLIANCE_STATE_DIR=/var/lib/appliance/state APPLIANCE_KV_DISK_DIR=/var/lib/appliance/state/kv \
+    APPLIANCE_KV_DISK_BYTES=2147483648 APPLIANCE_HOST=0.0.0.0 APPLIANCE_PORT=8000
+VOLUME ["/var/lib/appliance/state"]
 USER 10001:10001
 WORKDIR /var/cache/appliance
 EXPOSE 8000

@@ -11,15 +11,17 @@ place a ConfigError becomes a line on stderr and exit 78."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import auth, devices, limits, logs
+from appliance import auth, devices, limits, logs, state
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.options import (
     GROUPS,
@@ -43,6 +45,20 @@ PATH_FIELDS = ("config_file", "api_key_file", "admin_key_file", "tls_certfile", 
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+# APPLIANCE_* variables that are not serve flags: the data dir (appliance/paths.py), the server's own plumbing
+# (settings.RUNTIME_DIR_ENV, protocol.FAULT_INJECTION_ENV, ollama_api/pull.py PARENT_ENV) and the test suite's
+# knobs; and the ones Kubernetes injects for a Service named `appliance` (APPLIANCE_SERVICE_HOST,
+# APPLIANCE_PORT_8000_TCP_ADDR, ...).
+OTHER_VARIABLES = frozenset(
+    "APPLIANCE_" + name
+    for name in (
+        "DATA_DIR RUNTIME_DIR FAULT_INJECTION PULL_PARENT "
+        "SERVING_VENV ARTIFACTS_DIR FUZZ_SEED FUZZ_EXAMPLES FUZZ_DOC RAW_FUZZ_REQUESTS"
+    ).split()
+)
+KUBERNETES_LINKS = re.compile(r"APPLIANCE_(SERVICE_[A-Z0-9_]+|PORT_\d+_(TCP|UDP|SCTP)(_[A-Z]+)?)")
+TYPO_CUTOFF = 0.85  # difflib's ratio: APPLIANCE_WORKRES ~ APPLIANCE_WORKERS 0.94, APPLIANCE_KV_CACHE ~ _SIZE 0.88
 
 
 class InvalidEnv:
@@ -70,6 +86,21 @@ def _env_default(flag: str, kind, default):
         return kind(raw)
     except ValueError:
         return InvalidEnv(f"{env_name(flag)}={raw!r} is not a valid {kind.__name__}")
+
+
+def check_variables(environ: dict[str, str] | os._Environ) -> None:
+    """Unknown APPLIANCE_* variables: on a box configured through an env file, a misspelt name would otherwise be
+    silently ignored and the server run with the default. One that is close to a setting's name is a typo: the
+    start is refused (one line naming the setting it resembles, exit 78). Any other is warned about (one line
+    each) and ignored: it may be another tool's."""
+    known = {env_name(flag) for flag in SERVE_OPTIONS} | OTHER_VARIABLES
+    for name in sorted(n for n in environ if n.startswith("APPLIANCE_") and n not in known):
+        if KUBERNETES_LINKS.fullmatch(name):
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=TYPO_CUTOFF)
+        if close:
+            raise ConfigError(f"{name} is not a setting: did you mean {close[0]}? (`appliance serve --help`)")
+        log.warning(f"{name} is not a setting of appliance serve: ignored", extra={"variable": name})
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, probe: bool = False) -> None:
@@ -254,6 +285,7 @@ def _main(argv: list[str] | None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     if args.command in ("serve", "config"):
         logs.setup(args.log_level.lower())  # what the checks below log (JSON lines on stderr, as the server's)
+        check_variables(os.environ)
     if args.command == "config":
         print(json.dumps(effective_config(args), indent=1))
         return 0
@@ -261,6 +293,7 @@ def _main(argv: list[str] | None) -> int:
         from appliance.server.supervisor import serve
 
         settings, engine = _settings(args)
+        state.check_state_dir(settings)  # before any model loads: a store that cannot write is no 500 later
         wanted = (d for spec in settings.models for d in (spec.engine.device, spec.engine.draft_device) if d)
         devices.require(wanted)  # one line naming those present
         return serve(settings, engine)

@@ -1,4 +1,5 @@
-"""Where models live. The runtime resolves `--model default` here without importing the export tools."""
+"""Where models and the server's state live. The runtime resolves `--model default` here without importing the
+export tools."""
 
 from __future__ import annotations
 
@@ -37,6 +38,17 @@ def data_dir() -> Path:
     return Path(os.environ.get("APPLIANCE_DATA_DIR", Path.home() / ".cache" / "appliance")).expanduser()
 
 
+STATE_DIR_ENV = "APPLIANCE_STATE_DIR"  # `serve --state-dir` exports it, so its workers and pulls agree
+
+
+def state_dir() -> Path:
+    """Where the server writes what it keeps (the Responses store, pulled models; the systemd unit and the image put
+    the KV disk tier there too): APPLIANCE_STATE_DIR, else the data dir. Separate from the data dir because a
+    service keeps that read-only (models and code are root's), while this must be the service user's."""
+    raw = os.environ.get(STATE_DIR_ENV)
+    return Path(raw).expanduser() if raw else data_dir()
+
+
 def compile_cache_dir() -> Path:
     """`appliance serve`'s default OpenVINO compile cache (EngineConfig.cache_dir, --cache-dir auto)."""
     return data_dir() / "cache" / "openvino"
@@ -70,8 +82,9 @@ def default_export_dir(backend: str = "openvino", weight_format: str | None = No
 
 def pulled_models_dir() -> Path:
     """`appliance pull`'s models (appliance/pull/): one folder per repository and revision, `NS--NAME/REVISION`
-    (appliance/hub_names.py), each a complete export with its manifest; `.staging/` holds pulls under way."""
-    return data_dir() / "models" / "hub"
+    (appliance/hub_names.py), each a complete export with its manifest; `.staging/` holds pulls under way. In the
+    state dir: the server writes them."""
+    return state_dir() / "models" / "hub"
 
 
 def pulled_model_dir(ref: hub_names.HubRef) -> Path:

@@ -177,16 +177,26 @@ class ServeSettings:
         "think when the chat template mentions <think>",
         flag="reasoning-parser",
     )
+    state_dir: str | None = setting(
+        None,
+        "writable directory for what the server keeps: the Responses store (responses.sqlite3) and pulled models "
+        "(models/hub/); checked at start-up: given here and unwritable, the start is refused (docs/deploy.md, State)",
+        flag="state-dir",
+        show="the data dir",
+    )
     responses_retention: float = setting(
         30 * 86400.0,
-        "seconds a stored Responses API response (`store: true`) is kept in <APPLIANCE_DATA_DIR>/responses.sqlite3",
+        "seconds a stored Responses API response (`store: true`) is kept in <state dir>/responses.sqlite3",
         flag="responses-retention",
     )
     responses_max_bytes: int = setting(
         256 * 1024 * 1024,
-        "bytes of stored Responses API responses at most; the oldest go first",
+        "bytes of stored Responses API responses per API key at most; a key's own oldest go first, never another key's",
         flag="responses-max-bytes",
     )
+    # why the state dir cannot be written ("" when it can): found once at start-up (appliance/state.py
+    # `check_state_dir`); the workers then refuse `store: true` before any work
+    state_problem: str = ""
     keep_alive: str = setting(
         "-1",
         "how long an idle model stays loaded (Ollama's keep_alive): a duration (5m, 30s, 1h30m) or seconds; 0: "
@@ -209,7 +219,7 @@ class ServeSettings:
     )
     serve_pulled: bool = setting(
         True,
-        "serve every model `appliance pull` put in the data dir (models/hub/) beside the ones named here, each "
+        "serve every model `appliance pull` put in the state dir (models/hub/) beside the ones named here, each "
         "listed at start-up and loaded by its first request (as Ollama's); --no-serve-pulled: only the named ones",
         flag="serve-pulled",
     )

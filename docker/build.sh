@@ -13,7 +13,9 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$repo/.venv-dev/bin/python}
 data_dir=${APPLIANCE_DATA_DIR:-$HOME/.cache/appliance}
-served=(models/smollm2-135m-instruct/openvino-int4 models/smollm2-135m-instruct/openvino-int8)  # paths.SERVED_FORMATS
+# paths.SERVED_FORMATS and EMBEDDING_SERVED_FORMAT: what the Dockerfile's model-src stage copies
+served=(models/smollm2-135m-instruct/openvino-int4 models/smollm2-135m-instruct/openvino-int8
+	models/all-minilm-l6-v2/openvino-int8)
 
 wheels="$IMAGE_TEST_DIR/wheels"
 mkdir -p "$wheels"
@@ -32,8 +34,8 @@ contexts=(--build-context wheels="$wheels")
 if [[ "${EXPORT:-0}" != 1 ]]; then
 	model_src="$IMAGE_TEST_DIR/model-src"
 	rm -rf "$model_src"
-	mkdir -p "$model_src/var/lib/appliance/models/smollm2-135m-instruct"
 	for dir in "${served[@]}"; do
+		mkdir -p "$(dirname "$model_src/var/lib/appliance/$dir")"
 		[[ -f "$data_dir/$dir/appliance_manifest.json" ]] || { log "no $dir in $data_dir: make model"; exit 1; }
 		cp -al "$data_dir/$dir" "$model_src/var/lib/appliance/$dir" 2>/dev/null \
 			|| cp -a "$data_dir/$dir" "$model_src/var/lib/appliance/$dir"

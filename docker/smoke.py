@@ -3,7 +3,7 @@
 `podman run` is refused by this sandbox's rlimits, so the image is started by hand, from its own config
 (`podman image inspect`: Entrypoint, Cmd, Env, User, WorkingDir, Healthcheck) and its filesystem (`podman image
 mount`), in a private mount namespace (`unshare -m`) that makes it look like `docker run --read-only`: the image
-root bind-mounted read-only, tmpfs on /tmp and /run, the cache dir a tmpfs owned by the image's user (a volume),
+root bind-mounted read-only, tmpfs on /tmp and /run, the cache and state dirs tmpfs owned by the image's user (volumes),
 /proc and /dev from the host, then `chroot --userspec` to that user. The network is the host's, so the server is
 reached from here on loopback. Checks, in order:
 1. the image's default environment (0.0.0.0, no key) refuses to start, in one line;
@@ -45,8 +45,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup_script(root: str, uid: str, cache_dir: str) -> str:
-    """The mounts of a `docker run --read-only --tmpfs /tmp --tmpfs /run -v cache:<cache_dir>`."""
+def setup_script(root: str, uid: str, cache_dir: str, state_dir: str) -> str:
+    """The mounts of a `docker run --read-only --tmpfs /tmp --tmpfs /run -v cache:<cache_dir> -v state:<state_dir>`."""
     r = shlex.quote(root)
     return "; ".join(
         [
@@ -60,7 +60,10 @@ def setup_script(root: str, uid: str, cache_dir: str) -> str:
             f"mount -t tmpfs -o mode=0755 tmpfs {r}/run",
             f"mkdir -p {r}/run/secrets && printf '%s\\n' {KEY} > {r}/run/secrets/api-keys",
             f"chown {uid} {r}/run/secrets/api-keys && chmod 0400 {r}/run/secrets/api-keys",
-            f"mount -t tmpfs -o uid={uid.split(':')[0]},gid={uid.split(':')[-1]},mode=0700 tmpfs {r}{cache_dir}",
+            *(
+                f"mount -t tmpfs -o uid={uid.split(':')[0]},gid={uid.split(':')[-1]},mode=0700 tmpfs {r}{d}"
+                for d in (cache_dir, state_dir)
+            ),
         ]
     )
 
@@ -113,7 +116,7 @@ def main() -> int:
     entry = config["Entrypoint"] + config["Cmd"]
     health = (image.get("Healthcheck") or {}).get("Test") or sys.exit("smoke: the image has no HEALTHCHECK")
     log(f"image {args.image} at {root}: user {user}, entrypoint {entry}, healthcheck {image['Healthcheck']}")
-    setup = setup_script(root, user, cache)
+    setup = setup_script(root, user, cache, env["APPLIANCE_STATE_DIR"])
 
     out = run_checked(in_image(root, config, entry, {}, setup), "default env", expect_ok=False, timeout=60)
     if "no API key is set" not in out:
@@ -161,6 +164,12 @@ def main() -> int:
             sys.exit("smoke: a wrong key was accepted")
         except openai.AuthenticationError:
             log("   wrong key: 401")
+        model = client.models.list().data[0].id
+        first = client.responses.create(model=model, input="Name a colour.", max_output_tokens=4)
+        second = client.responses.create(model=model, input="Another?", previous_response_id=first.id)
+        log(f"   stored Responses conversation in the state volume: {first.id} -> {second.id}")
+        vectors = client.embeddings.create(model="all-MiniLM-L6-v2", input=["hello"]).data
+        log(f"   embeddings: {len(vectors[0].embedding)} dimensions")
     finally:
         t0 = time.monotonic()
         os.kill(pid_one(server.pid), signal.SIGTERM)  # PID 1 of the "container": tini (docker stop)

@@ -6,16 +6,19 @@
 #
 # install: the `appliance` system user (sysusers.d entry, in the render and video groups for /dev/dri and
 # /dev/accel), /etc/appliance/appliance.env (from systemd/appliance.env) and /etc/appliance/api-keys (a random
-# key), /var/lib/appliance/models (owned by root: the service only reads models), the unit with ExecStart in
-# --prefix (default: this checkout, whose .venv `make venv` built), enabled. The env file and the key are written
-# once and never overwritten, so re-running it (after a `git pull`) only refreshes the unit. No network: the code
-# and the model come from `make venv` and `make model` (docs/deploy.md, "Install as a systemd service").
+# key), /var/lib/appliance/models (owned by root: the service only reads models), /var/lib/appliance/state (the
+# service's: the Responses store, pulled models, the KV disk tier; the unit's StateDirectory), the unit with
+# ExecStart in --prefix (default: this checkout, whose .venv `make venv` built), enabled. The env file and the key
+# are written once and never overwritten, so re-running it (after a `git pull`) only refreshes the unit. The state
+# dir is made once and never touched again: a re-install changes no owner, mode or byte under it. No network: the
+# code and the model come from `make venv` and `make model` (docs/deploy.md, "Install as a systemd service").
 #
 # The unit goes in /usr/local/lib/systemd/system: systemd's directory for units installed by the local admin
 # from outside a package, the vendor layer. /etc/systemd/system is the admin's own layer, above it: drop-ins
 # there (`systemctl edit appliance`, /etc/systemd/system/appliance.service.d/) survive a re-install, a full copy
 # there overrides ours, and `systemctl revert appliance` goes back to ours. An older install put the unit in
-# /etc/systemd/system; a re-install removes that copy.
+# /etc/systemd/system; a re-install removes that copy only when it is byte for byte a unit this checkout shipped
+# (any version in its git history): anything else there is an admin's `systemctl edit --full`, kept, with a line.
 #
 # uninstall: disables and removes the unit and the sysusers.d entry; --purge also deletes /etc/appliance,
 # /var/lib/appliance, /var/cache/appliance and the unit's drop-ins (/etc/systemd/system/appliance.service.d).
@@ -71,6 +74,7 @@ CONF=$R/etc/$NAME
 ENV_FILE=$CONF/$NAME.env
 KEYS=$CONF/api-keys
 DATA=$R/var/lib/$NAME
+STATE=$DATA/state                  # the unit's StateDirectory=appliance/state
 CACHE=$R/var/cache/$NAME
 
 OWNER=$(id -u)   # who must own what install.sh writes in and runs: root, or the user of a staging install
@@ -140,6 +144,19 @@ put() {
 
 present() { [ -e "$1" ] || [ -L "$1" ]; }   # a dangling symlink is there too: kept, never written through
 
+# Whether FILE is byte for byte a unit this checkout shipped, as install.sh wrote it (the code path set to
+# --prefix): the current one or any earlier version in git (without git: only the current one).
+shipped_unit() {
+    local file=$1 commit
+    sed "s|/opt/appliance|$PREFIX|g" "$HERE/$NAME.service" | cmp -s - "$file" && return 0
+    git -C "$HERE" rev-parse --git-dir >/dev/null 2>&1 || return 1
+    for commit in $(git -C "$HERE" log --format=%H -- "$NAME.service" 2>/dev/null); do
+        git -C "$HERE" show "$commit:./$NAME.service" 2>/dev/null | sed "s|/opt/appliance|$PREFIX|g" \
+            | cmp -s - "$file" && return 0
+    done
+    return 1
+}
+
 systemctl_() {  # systemctl on the running manager, or offline on the files under --root
     if [ $LIVE -eq 1 ]; then systemctl "$@"; else systemctl --root="$ROOT" "$@"; fi
 }
@@ -205,13 +222,29 @@ EOF
     else
         [ -z "$owner" ] || chown -h "$owner" "$KEYS"
     fi
-    [ -z "$group" ] || chown -hR 0:0 "$DATA"
-    chmod -R u+rwX,go+rX,go-w "$DATA"
+    # Models: root's, readable by all (what `make model` leaves may carry another umask). Only the models: the state
+    # dir beside them is the service's, and a recursive chown/chmod over it would make its conversations
+    # world-readable and unwritable by the service.
+    [ -z "$group" ] || chown -h 0:0 "$DATA"
+    chmod u+rwx,go+rx,go-w "$DATA"
+    [ -z "$group" ] || chown -hR 0:0 "$DATA/models"
+    chmod -R u+rwX,go+rX,go-w "$DATA/models"
+    if ! present "$STATE"; then  # made once (systemd would make it at the first start too), never touched again
+        install -d -m 0700 "$STATE"
+        if [ -n "$group" ]; then
+            chown -h "$(awk -F: -v name="$NAME" '$1 == name { print $3 }' "$R/etc/passwd"):$group" "$STATE"
+        fi
+    fi
 
-    if [ -e "$OLD_UNIT" ]; then  # an older install's copy: it would override the one below
-        systemctl_ disable "$NAME.service" 2>/dev/null || true   # its wants link points at it
-        rm -f "$OLD_UNIT"
-        say "removed $OLD_UNIT, an older install's copy (local changes go in drop-ins: systemctl edit $NAME)"
+    if [ -e "$OLD_UNIT" ]; then  # an older install's copy, or the admin's full edit (the header says which goes)
+        if shipped_unit "$OLD_UNIT"; then
+            systemctl_ disable "$NAME.service" 2>/dev/null || true   # its wants link points at it
+            rm -f "$OLD_UNIT"
+            say "removed $OLD_UNIT, an older install's copy (local changes go in drop-ins: systemctl edit $NAME)"
+        else
+            say "kept $OLD_UNIT: a full copy of the unit (systemctl edit --full) that overrides the one installed" \
+                "now; \`systemctl revert $NAME\` goes back to the installed one"
+        fi
     fi
     sed "s|/opt/appliance|$PREFIX|g" "$HERE/$NAME.service" | put "$UNIT" 0644
     [ $LIVE -eq 0 ] || systemctl daemon-reload
@@ -226,6 +259,15 @@ EOF
     fi
     if [ ! -e "$DATA/models/smollm2-135m-instruct/openvino-int4/appliance_manifest.json" ]; then
         say "no default model in $DATA: build it with \`sudo make model DATA_DIR=/var/lib/$NAME\` in $PREFIX"
+    fi
+    # what `make model` built the exports from: the service never reads it (docs/deploy.md, "State")
+    local unread
+    unread=$(find "$DATA/models" -mindepth 2 -maxdepth 2 -type d \( -name hf -o -path "*/all-minilm-l6-v2/openvino-fp32" \) \
+        2>/dev/null | sort | tr '\n' ' ')
+    if [ -n "$unread" ]; then
+        # shellcheck disable=SC2086 # one path per word
+        say "$(du -sch $unread | tail -1 | cut -f1) in folders make model built from, which the service never" \
+            "reads: sudo rm -rf ${unread% }"
     fi
     say "start: sudo systemctl start $NAME; logs: journalctl -u $NAME -f"
 }
@@ -242,7 +284,8 @@ do_uninstall() {
         [ $LIVE -eq 0 ] || systemctl daemon-reload
         say "removed the service, its drop-ins, settings, keys, models and compile cache (the $NAME user is kept)"
     else
-        say "removed the service; kept $CONF (settings, API keys) and $DATA (models): --purge deletes them"
+        say "removed the service; kept $CONF (settings, API keys) and $DATA (models; state/: stored responses," \
+            "pulled models, the KV disk tier): --purge deletes them"
     fi
 }
 

@@ -7,6 +7,7 @@ random model to check that a bytes budget sizes the pool the backend allocates."
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from appliance import cli, host, options
 from appliance.runtime.backends import kv_budget
-from appliance.settings import ConfigError
+from appliance.settings import EX_CONFIG, ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB, MiB = 1 << 30, 1 << 20
@@ -284,6 +285,7 @@ FLAGS = {
     "reasoning-parser": (str, "auto"),
     "responses-retention": (float, 2592000.0),
     "responses-max-bytes": (int, 268435456),
+    "state-dir": (str, None),
     "keep-alive": (str, "-1"),
     "models-memory-budget": (str, "none"),
     "models-load-wait": (float, 60.0),
@@ -505,3 +507,43 @@ def test_an_invalid_environment_value_is_refused_unless_its_flag_overrides_it(mo
     monkeypatch.setenv("APPLIANCE_ACCESS_LOG", "maybe")
     with pytest.raises(ConfigError, match="is not a boolean"):
         cli.parse(["config", "--port", "9000"])
+
+
+def test_the_state_dir_variable_is_its_flags():
+    """appliance/paths.py reads APPLIANCE_STATE_DIR (the pull subprocess and `appliance pull` have no flags): the
+    same name as --state-dir's variable."""
+    from appliance import paths
+
+    assert options.env_name("state-dir") == paths.STATE_DIR_ENV
+
+
+def test_a_misspelt_environment_variable_refuses_the_start(tmp_path):
+    """On a box configured through an env file a typo was silently ignored (APPLIANCE_WORKRES=2: one worker, exit
+    0). A name close to a setting's is refused with one line naming it (exit 78, before anything loads)."""
+    env = {**os.environ, "APPLIANCE_WORKRES": "2", "APPLIANCE_DATA_DIR": str(tmp_path)}
+    run = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == EX_CONFIG, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "appliance: APPLIANCE_WORKRES is not a setting: did you mean APPLIANCE_WORKERS? (`appliance serve --help`)"
+    )
+
+
+def test_unknown_environment_variables_far_from_any_setting_are_warned_about(caplog):
+    """Another tool's APPLIANCE_* name: one warning line, not refused; the ones Kubernetes sets for a Service named
+    `appliance`, the server's own and the settings' are not mentioned."""
+    with pytest.raises(ConfigError, match="did you mean APPLIANCE_KV_CACHE_SIZE"):
+        cli.check_variables({"APPLIANCE_KV_CACHE": "1GB"})
+    caplog.set_level(logging.WARNING, logger="appliance.serve")
+    quiet = {
+        "APPLIANCE_SERVICE_HOST": "10.0.0.1",
+        "APPLIANCE_SERVICE_PORT_HTTP": "8000",
+        "APPLIANCE_PORT_8000_TCP_ADDR": "10.0.0.1",
+        "APPLIANCE_DATA_DIR": "/var/lib/appliance",
+        "APPLIANCE_STATE_DIR": "/var/lib/appliance/state",
+        "APPLIANCE_WORKERS": "2",
+    }
+    cli.check_variables({**quiet, "APPLIANCE_BACKUP_BUCKET": "s3://x"})
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == ["APPLIANCE_BACKUP_BUCKET is not a setting of appliance serve: ignored"], warned

@@ -345,6 +345,12 @@ def test_pod_matches_the_server(name, monkeypatch):
 
     assert "emptyDir" in mounts["/tmp"][1]  # the runtime directory: engine socket, gunicorn's files
     assert "emptyDir" in mount_of(ns.cache_dir)[1] and not mount_of(ns.cache_dir)[0].get("readOnly")
+    # the state dir (Responses store, pulls, KV disk tier) on a writable volume of its own (the data dir is the
+    # image's, read-only), the tier's budget within the volume's limit with room for the store
+    state_mount, state_volume = mount_of(ns.state_dir + "/responses.sqlite3")
+    assert state_mount["mountPath"] == ns.state_dir and not state_mount.get("readOnly")
+    assert ns.kv_disk_dir.startswith(ns.state_dir + "/")
+    assert ns.kv_disk_bytes < size(state_volume["emptyDir"]["sizeLimit"])
     keys_mount, keys_volume = mount_of(ns.api_key_file)
     assert keys_mount["readOnly"] and keys_volume["secret"]["secretName"] == "appliance-api-keys"
     # the server refuses a key file every user may read (appliance/auth.py): kubelet makes the Secret's

@@ -110,3 +110,79 @@ def test_dockerignore_is_an_allow_list_of_the_copied_sources(excluded: str) -> N
         if op == "COPY" and "--from" not in args:
             for source in shlex.split(args)[:-1]:
                 assert source.rstrip("/") in allowed, f"COPY {source} is not in .dockerignore's allow-list"
+
+
+def test_the_image_carries_the_default_embedding_model_and_a_state_volume() -> None:
+    """README says embeddings are served by default: the image has the served embedding export beside the chat
+    model's; the state dir (Responses store, pulls, KV disk tier) is a volume the image's user owns, named to the
+    server as the systemd unit names it."""
+    from appliance import paths
+
+    model_src = " ".join(a for op, a in stages()["model-src"] if op == "COPY")
+    embedding = f"models/{paths.DEFAULT_EMBEDDING_SLUG}/openvino-{paths.EMBEDDING_SERVED_FORMAT}"
+    assert embedding in model_src
+    assert embedding in (ROOT / "docker" / "build.sh").read_text()  # `make image-test`'s model-src too
+    runtime = stages()["runtime"]
+    env: dict[str, str] = {}
+    for op, args in runtime:
+        if op == "ENV":
+            env.update(kv.split("=", 1) for kv in shlex.split(args))
+    unit = (ROOT / "systemd" / "appliance.service").read_text()
+    for name in ("APPLIANCE_STATE_DIR", "APPLIANCE_KV_DISK_DIR"):
+        assert f"Environment={name}={env[name]}\n" in unit, name
+    assert ("VOLUME", f'["{env["APPLIANCE_STATE_DIR"]}"]') in runtime
+    (run,) = [a for op, a in runtime if op == "RUN"]
+    assert re.search(rf"install -d -o 10001 -g 10001 -m 0700 .*{env['APPLIANCE_STATE_DIR']}", run), run
+
+
+def _healthcheck():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", ROOT / "docker" / "healthcheck.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_healthcheck_finds_the_port_as_serve_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It read only APPLIANCE_PORT: a port given as `serve --port` (the container's command) or in the --config
+    file, or a specific APPLIANCE_HOST, made a healthy container unhealthy. Flag > variable > file > default, as
+    `appliance serve`; run against a real listener on a port only the container's command names."""
+    import http.server
+    import threading
+
+    health = _healthcheck()
+    config = tmp_path / "config.json"
+    config.write_text('{"port": 9100, "model_config_list": []}')
+    tini = ["/usr/bin/tini", "--", "appliance", "serve", "--config", str(config)]
+    assert health.settings(tini, {})["port"] == "9100"
+    assert health.settings(tini, {"APPLIANCE_PORT": "9200"})["port"] == "9200"
+    assert health.settings([*tini, "--port=9300"], {"APPLIANCE_PORT": "9200"})["port"] == "9300"
+    assert health.url(health.settings([], {"APPLIANCE_HOST": "0.0.0.0"})).startswith("http://127.0.0.1:8000/")
+    assert health.url(health.settings(["--host", "::1"], {})).startswith("http://[::1]:8000/")
+    tls = health.settings([], {"APPLIANCE_HOST": "10.1.2.3", "APPLIANCE_TLS_CERTFILE": "/run/tls.crt"})
+    assert health.url(tls) == "https://10.1.2.3:8000/v2/health/ready"
+
+    class Ready(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.send_response(200 if self.path == "/v2/health/ready" else 404)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    listener = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ready)
+    threading.Thread(target=listener.serve_forever, daemon=True).start()
+    try:
+        cmdline = tmp_path / "cmdline"
+        cmdline.write_bytes(b"\0".join(s.encode() for s in [*tini, "--port", str(listener.server_port)]) + b"\0")
+        monkeypatch.setattr(health, "CMDLINE", cmdline)
+        monkeypatch.delenv("APPLIANCE_PORT", raising=False)
+        monkeypatch.delenv("APPLIANCE_HOST", raising=False)
+        monkeypatch.delenv("APPLIANCE_TLS_CERTFILE", raising=False)
+        assert health.main() == 0
+        cmdline.write_bytes(b"\0".join(s.encode() for s in tini) + b"\0")  # the file's 9100: nothing listens
+        assert health.main() == 1
+    finally:
+        listener.shutdown()

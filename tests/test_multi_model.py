@@ -442,3 +442,39 @@ def remove_under_streams(srv: Server, config: Path, models: dict) -> list[tuple[
             t.join(timeout=120)
         write_config(config, models)  # back to the start for the next test (or try)
         assert reload(srv).status_code == 201
+
+
+def test_a_stream_cut_by_a_reload_is_told_why_and_counted(exported, tmp_path, monkeypatch):
+    """With no grace left (--graceful-timeout 0), a reload that removes a model cuts its stream: the client is told
+    the model was removed by a reload (it was told "server shutting down", though the server ran on), and the log's
+    `jobs_cut` counts the stream (it read 0: the count was taken after the cut had taken the job off). The overlap
+    is a race with the stream's end, retried as above."""
+    export = exported("llama", "openvino", "fp32")[0]
+    config = tmp_path / "config.json"
+    models = {"alpha": {"base_path": str(export)}, "beta": {"base_path": str(export)}}
+    write_config(config, models)
+    monkeypatch.setenv("APPLIANCE_GRACEFUL_TIMEOUT", "0")
+    with ConfigServer(config, tmp_path / "serve.log") as srv:
+        for _ in range(OVERLAP_ATTEMPTS):
+            log_at = srv.log_size()
+            threads, outs = streams(srv, "beta")
+            write_config(config, {"alpha": models["alpha"]})
+            assert reload(srv).status_code == 201
+            threads[0].join(timeout=120)
+            errors = [e["error"] for e in outs[0]["events"] if isinstance(e, dict) and "error" in e]
+            if errors:
+                break
+            write_config(config, models)  # the stream ended first: again
+            assert reload(srv).status_code == 201
+        assert errors, "no try cut the stream"
+        assert "'beta' was removed or replaced by a config reload" in errors[0]["message"], errors
+        assert "shutting down" not in errors[0]["message"]
+        unloaded = wait_until(
+            lambda: [
+                json.loads(line)
+                for line in srv.output(since=log_at).splitlines()
+                if '"model unloaded"' in line and '"beta"' in line
+            ],
+            "beta's unload line",
+        )
+        assert unloaded[-1]["jobs_cut"] == 1, unloaded

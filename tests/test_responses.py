@@ -231,6 +231,18 @@ def test_store_owner_bounds_and_mode(tmp_path):
     assert store.delete("k1", "resp_c") and store.get("k1", "resp_c") is None
 
 
+def test_store_budget_is_per_key(tmp_path):
+    """One key's writes evict only its own oldest responses: another key's stay, whatever the first one stores
+    (a shared budget let one key erase every other key's conversations)."""
+    store = ResponseStore(tmp_path / "r.sqlite3", retention=3600, max_bytes=2000)
+    assert store.put("a", {"id": "resp_a", "output": ["a" * 1500]}, [], [])
+    for i in range(20):
+        assert store.put("b", {"id": f"resp_b{i}", "output": ["b" * 900]}, [], [])
+    assert store.get("a", "resp_a") is not None
+    kept = [i for i in range(20) if store.get("b", f"resp_b{i}") is not None]
+    assert kept == [18, 19]  # b's own budget: its newest two of ~950 bytes each
+
+
 THINKING_TEMPLATE = (  # Qwen3's switch, reduced: enable_thinking false writes an empty thought into the prompt
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"

@@ -156,6 +156,75 @@ def test_reinstall_over_an_install_in_etc_moves_the_unit(root: Path):
     assert enabled.stdout.strip() == "enabled", enabled.stderr
 
 
+def snapshot(top: Path) -> dict[str, tuple[int, int, int, bytes | str | None]]:
+    """Every path under `top` (itself included): owner, group, mode, and its bytes (a link: its target)."""
+    out = {}
+    for path in [top, *sorted(top.rglob("*"))]:
+        st = path.lstat()
+        body = os.readlink(path) if path.is_symlink() else path.read_bytes() if path.is_file() else None
+        out[str(path.relative_to(top))] = (st.st_uid, st.st_gid, st.st_mode, body)
+    return out
+
+
+def test_make_install_twice_keeps_the_state_dir_and_the_admins_unit(root: Path):
+    """The documented upgrade (`make install` again) into a staging root (DESTDIR): everything under the state dir
+    keeps its owner, mode and bytes (a 0600 store owned by the service stayed 0600 and the service's: before, a
+    recursive chown/chmod made it root's 0644), models stay root's and readable, and an admin's full copy of the
+    unit in /etc/systemd/system (`systemctl edit --full`) is kept."""
+    make = ["make", "-s", "-C", str(REPO), "install", f"DESTDIR={root}", f"PREFIX={PREFIX}"]
+    first = subprocess.run(make, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    state = root / "var" / "lib" / "appliance" / "state"
+    assert state.is_dir() and state.stat().st_mode & 0o777 == 0o700
+    # what the service writes there, as the service user when the test runs as root
+    owner = state.stat().st_uid, state.stat().st_gid
+    if AS_ROOT:
+        assert owner[0] != 0, "the state dir belongs to the service user"
+    (state / "kv").mkdir(mode=0o700)
+    for name, mode in (("responses.sqlite3", 0o600), ("responses.sqlite3-wal", 0o600), ("kv/salt", 0o400)):
+        (state / name).write_bytes(os.urandom(64))
+        (state / name).chmod(mode)
+    hub = state / "models" / "hub" / "org--name" / "main"
+    hub.mkdir(parents=True, mode=0o750)
+    (hub / "appliance_manifest.json").write_text("{}")
+    for path in [state, *state.rglob("*")]:
+        os.chown(path, *owner, follow_symlinks=False)
+    model = root / "var" / "lib" / "appliance" / "models" / "m" / "openvino_model.xml"
+    model.parent.mkdir(parents=True)
+    model.write_text("<net/>")
+    model.chmod(0o600)  # made under a strict umask: the service could not read it
+    hf = model.parent / "hf"  # what `make model` builds the exports from (models/NAME/hf)
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"0" * 4096)
+    admin_copy = root / OLD_UNIT
+    admin_copy.write_text((REPO / "systemd" / "appliance.service").read_text() + "Nice=5\n")
+    before = snapshot(state)
+    second = subprocess.run(make, capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0, second.stderr
+    assert snapshot(state) == before
+    assert model.stat().st_mode & 0o777 == 0o644 and model.stat().st_uid == (0 if AS_ROOT else os.getuid())
+    assert admin_copy.read_text().endswith("Nice=5\n") and f"kept {admin_copy}" in second.stderr
+    assert f"which the service never reads: sudo rm -rf {hf}" in second.stderr  # named, not deleted
+    assert hf.is_dir()
+    third = subprocess.run(make, capture_output=True, text=True, timeout=60)  # and again: nothing moves
+    assert third.returncode == 0 and snapshot(state) == before and admin_copy.exists()
+
+
+def test_the_unit_gives_the_service_a_state_dir_and_the_kv_disk_tier(installed: Path):
+    """The one writable place besides the caches: the unit's StateDirectory, named to the server by
+    APPLIANCE_STATE_DIR, with the KV disk tier in it (on, bounded)."""
+    unit = (installed / UNIT).read_text()
+    assert "StateDirectory=appliance/state" in unit and "StateDirectoryMode=0700" in unit
+    env = dict(
+        line.removeprefix("Environment=").split("=", 1) for line in unit.splitlines() if line.startswith("Environment=")
+    )
+    assert env["APPLIANCE_STATE_DIR"] == "/var/lib/appliance/state"
+    assert env["APPLIANCE_KV_DISK_DIR"].startswith(env["APPLIANCE_STATE_DIR"] + "/")
+    assert int(env["APPLIANCE_KV_DISK_BYTES"]) > 0
+    settings = (installed / "etc" / "appliance" / "appliance.env").read_text().splitlines()
+    assert {"#HF_ENDPOINT=https://huggingface.co", "#HF_TOKEN="} <= set(settings)
+
+
 def test_install_refuses_a_prefix_the_service_cannot_see_or_without_a_venv(root: Path):
     hidden = install(root, "--prefix", "/home/me/appliance")
     assert hidden.returncode != 0 and "ProtectHome" in hidden.stderr

@@ -68,6 +68,9 @@ class PullRoutes:
             ref = hub_names.parse(body.get("model") or body.get("name"))
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
+        problem = self.api.settings.state_problem  # found at start-up (appliance/state.py): refused now, not later
+        if problem:
+            raise ApiError(503, f"pulls are off on this server: {problem}; give it a writable --state-dir")
         events = self._pull(ref, request.environ.get("gunicorn.socket"))
         if stream:  # Ollama's lines: the status `code` is for the unary answer only
             lines = (_line({k: v for k, v in event.items() if k != "code"}) for event in events)

@@ -1,4 +1,5 @@
-"""Stored Responses (`store: true`): an embedded SQLite database in the data dir, shared by the HTTP workers.
+"""Stored Responses (`store: true`): an embedded SQLite database in the state dir (appliance/state.py), shared by
+the HTTP workers.
 
 The workers are separate processes, so each opens the file itself: one short connection per operation (opening
 one costs 0.06 ms on the 2-core dev box; no connection crosses a thread or a fork). WAL journal, so readers
@@ -11,7 +12,10 @@ response costs 3.3 ms with its fsyncs, a read 0.6 ms, against a generation's hun
 A response belongs to the API key that made it: rows carry the SHA-256 of the key (never the key), and every read
 and delete is filtered by it, so another key's id reads as absent (404). Bounds (operator flags,
 `--responses-retention` seconds and `--responses-max-bytes`): each write first drops rows older than the retention,
-then the oldest rows until the new total fits; a response larger than the whole budget is not stored.
+then the writer's own oldest rows until its total fits its budget; a response larger than the budget is not stored.
+The budget is per key, so one key's writes never evict another's responses (a shared budget let one key erase
+every other's conversations by storing big responses); the file holds at most the budget times the keys in use
+(the key files bound those), plus the retention's expired rows until the next write.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ CREATE TABLE IF NOT EXISTS responses (
     messages TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+CREATE INDEX IF NOT EXISTS responses_owner ON responses (owner, created);
 """
 BUSY_TIMEOUT_MS = 10_000  # another worker's write: wait for it (a write takes milliseconds)
 
@@ -71,17 +76,20 @@ class ResponseStore:
         texts = [json.dumps(v, ensure_ascii=False, separators=(",", ":")) for v in (response, input_items, messages)]
         size = sum(len(t.encode("utf-8")) for t in texts)
         if size > self.max_bytes:
-            log.warning("response not stored: larger than --responses-max-bytes", extra={"bytes": size})
+            log.warning(
+                "response not stored: larger than --responses-max-bytes (one key's budget)", extra={"bytes": size}
+            )
             return False
         db = self._connect()
         try:
             db.execute("BEGIN IMMEDIATE")
             now = time.time()
             db.execute("DELETE FROM responses WHERE created < ?", (now - self.retention,))
-            total = db.execute("SELECT COALESCE(SUM(size), 0) FROM responses").fetchone()[0]
-            if total + size > self.max_bytes:  # the oldest go until the new one fits
+            total = db.execute("SELECT COALESCE(SUM(size), 0) FROM responses WHERE owner = ?", (owner,)).fetchone()[0]
+            if total + size > self.max_bytes:  # the writer's own oldest go until the new one fits
                 drop, freed = [], 0
-                for rid, rsize in db.execute("SELECT id, size FROM responses ORDER BY created"):
+                mine = db.execute("SELECT id, size FROM responses WHERE owner = ? ORDER BY created", (owner,))
+                for rid, rsize in mine:
                     drop.append((rid,))
                     freed += rsize
                     if total - freed + size <= self.max_bytes:

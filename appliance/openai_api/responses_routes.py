@@ -5,14 +5,20 @@ A create runs as chat does (the request's Job through `Generation`, started befo
 timeout and prompt errors keep their statuses for streams too); responses.py turns its chat deltas into items and
 events. With `store` (OpenAI's default: true) the finished response is committed to response_store.py before the
 answer's last byte (the unary body, or the stream's `response.completed`): an acknowledged response is on disk.
+A state dir found unwritable at start-up (appliance/state.py) refuses `store: true` before any work (503
+`store_unavailable`); a store that fails after the generation (a full disk) answers 503 `store_failed`, in a stream
+as its last event, an `error` (the stream never just stops).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import sqlite3
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from flask import Flask, Response, g, request
@@ -34,7 +40,9 @@ from appliance.openai_api.responses import (
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
 
-STORE_FILE = "responses.sqlite3"  # in the data dir (APPLIANCE_DATA_DIR, which the workers inherit)
+log = logging.getLogger("appliance.http")
+
+STORE_FILE = "responses.sqlite3"  # in the state dir (--state-dir, appliance/state.py)
 INPUT_ITEMS_PAGE = 20  # input_items `limit` by default (OpenAI's); at most Limits.input_items_page
 
 
@@ -42,7 +50,8 @@ class ResponsesApi:
     def __init__(self, api: AppApi):
         self.api = api
         s = api.settings
-        self.store = ResponseStore(paths.data_dir() / STORE_FILE, s.responses_retention, s.responses_max_bytes)
+        where = Path(s.state_dir) if s.state_dir else paths.state_dir()
+        self.store = ResponseStore(where / STORE_FILE, s.responses_retention, s.responses_max_bytes)
 
     def owner(self) -> str:
         """The SHA-256 of the request's key ("" on a server without keys): whose responses it may read."""
@@ -74,6 +83,14 @@ class ResponsesApi:
         req = parse_responses(body, api.limits, previous, status.reasoning_parser if status else "none")
         if status is None:  # parse_chat refused the missing model already; for the type checker
             raise invalid("model missing in request", "model")
+        if req.store and api.settings.state_problem:  # before any work: it could not be kept
+            raise ApiError(
+                503,
+                f"Responses cannot be stored on this server ({api.settings.state_problem}); send \"store\": false, "
+                "or ask its operator for a writable --state-dir.",
+                param="store",
+                code="store_unavailable",
+            )
         shape = ChatShape.for_request(req.chat, status.tool_parser, status.reasoning_parser)
         response_id = new_id("resp")
         g.request_id = response_id
@@ -123,8 +140,21 @@ class ResponsesApi:
             usage=usage(generation.usage(), events.output),
         )
         if req.store:
-            self.store.put(owner, final, req.input_items, req.messages + events.assistant_messages())
+            self._put(owner, final, req, events)
         yield events.event(f"response.{status}", response=final)
+
+    def _put(self, owner: str, final: dict, req: ResponsesRequest, events: ResponseEvents) -> None:
+        try:
+            self.store.put(owner, final, req.input_items, req.messages + events.assistant_messages())
+        except (OSError, sqlite3.Error) as exc:  # a full disk, a file gone read-only: a clear answer, not a 500
+            log.error("response not stored", extra={"error": f"{type(exc).__name__}: {exc}", "path": self.store.path})
+            raise ApiError(
+                503,
+                f"The response could not be stored ({type(exc).__name__}); send \"store\": false to get it "
+                "without storing.",
+                param="store",
+                code="store_failed",
+            ) from None
 
     def _sse(self, generation: Generation, events: ResponseEvents, req: ResponsesRequest, owner: str) -> Iterator[str]:
         generation.streaming = True

@@ -262,8 +262,15 @@ class Models:
         if slot.engine is None:  # a model that never loaded
             return
         slot.engine.on_death = None  # a retired engine's end is no death
-        slot.engine.shutdown()
-        log.info("model unloaded", extra={"model": slot.spec.name, "jobs_cut": slot.jobs})
+        cut = slot.jobs  # counted before the shutdown, whose aborts take the jobs off the count
+        if self.stopping:
+            slot.engine.shutdown()
+        else:  # the client is told why: the server is not shutting down
+            slot.engine.shutdown(
+                f"model {slot.spec.name!r} was removed or replaced by a config reload; its requests had "
+                f"--graceful-timeout ({self.graceful_timeout:g} s) to finish"
+            )
+        log.info("model unloaded", extra={"model": slot.spec.name, "jobs_cut": cut})
 
     def retiring(self, name: str) -> bool:
         """Whether a removed or replaced model `name` still drains its jobs (its engine not shut down yet)."""

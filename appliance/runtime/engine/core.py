@@ -92,6 +92,7 @@ class Engine(Admission, Liveness):
         self._admit = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._stop_reason = "server shutting down"  # what the requests still held at the stop end with
         self._ids = itertools.count()
         self.counters = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "aborted": 0, "failed": 0}
         self.counters |= {"draft_tokens": 0, "accepted_draft_tokens": 0}  # speculative decoding (speculation.py)

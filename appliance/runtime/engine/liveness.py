@@ -57,7 +57,9 @@ class Liveness(EngineState):
             self._faults.discard(kind)
             raise InjectedFault(f"injected {kind} fault")
 
-    def shutdown(self) -> None:
+    def shutdown(self, reason: str = "server shutting down") -> None:
+        """Stops the loop; what it still holds ends with `reason` (a model removed by a reload says so)."""
+        self._stop_reason = reason
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
@@ -76,7 +78,7 @@ class Liveness(EngineState):
                 self.heartbeat = time.monotonic()
                 self._injected("loop")
                 self._iterate()
-            self._abort_all("server shutting down")
+            self._abort_all(self._stop_reason)
         except BaseException as exc:
             self._die(exc)
 

@@ -44,6 +44,7 @@ class EngineState:
     proposers: dict[str, Proposer]  # speculative decoding (speculation.py): by name, prompt_lookup / draft
     _wake: threading.Event  # set: the engine thread has something to do
     _stop: bool
+    _stop_reason: str
     _inbox: queue.SimpleQueue  # ("add", groups of sequences) or ("cancel", a Sequence or BeamGroup)
     _inbox_seqs: int  # sequences submitted, not yet taken by the engine thread
     _backlog: deque  # inbox entries drained but not taken yet (the drain's time budget), in order
