@@ -80,8 +80,7 @@ def ps(srv: Server, key: str) -> requests.Response:
 
 def test_a_client_key_cannot_unload_or_pin_a_model_and_the_admin_key_can(keyed, model_name):
     """B's explicit unload is refused (403) and the model stays loaded; B's keep_alive on a generation (0, a
-    duration, 1e300) leaves the operator's forever in place; the admin key's keep_alive applies, 1e300 included
-    (/api/ps still answers: forever), and its keep_alive 0 unloads."""
+    duration, 1e300, -1) leaves the operator's forever in place; the admin key's keep_alive applies."""
     generate = {"model": model_name, "prompt": "Hi", "options": {"num_predict": 2}}
     assert ollama(keyed, KEY_A, generate).status_code == 200  # loaded
     r = ollama(keyed, KEY_B, {"model": model_name, "keep_alive": 0})
@@ -94,6 +93,13 @@ def test_a_client_key_cannot_unload_or_pin_a_model_and_the_admin_key_can(keyed, 
 
     assert ollama(keyed, ADMIN, {**generate, "keep_alive": "5m"}).status_code == 200
     assert ps(keyed, KEY_A).json()["models"][0]["expires_at"] != "9999-12-31T23:59:59Z"  # the operator's word
+    assert ollama(keyed, ADMIN, {**generate, "keep_alive": -1}).status_code == 200  # the next tests: kept loaded
+
+
+def test_no_keep_alive_breaks_api_ps_and_the_admin_key_unloads(keyed, model_name):
+    """The admin key's keep_alive applies, 1e300 and its kin included: /api/ps still answers (forever), for every
+    key; NaN is a 400; its keep_alive 0 on an empty request unloads the model."""
+    generate = {"model": model_name, "prompt": "Hi", "options": {"num_predict": 2}}
     for huge in (1e300, "1e300", 10**400, "9999999999999h"):
         assert ollama(keyed, ADMIN, {**generate, "keep_alive": huge}).status_code == 200
         r = ps(keyed, KEY_B)
