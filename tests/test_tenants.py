@@ -126,13 +126,8 @@ def raw_post(srv: Server, source: str, path: str, authorization: str, body: byte
 
 
 def status_line(s: socket.socket) -> bytes:
-    data = b""
-    while b"\r\n" not in data:
-        chunk = s.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return data.split(b"\r\n", 1)[0]
+    with s.makefile("rb") as reader:
+        return reader.readline().rstrip(b"\r\n")
 
 
 def test_no_spelling_of_a_route_or_the_scheme_gets_past_the_generation_cap(keyed, model_name):
