@@ -91,7 +91,17 @@ class EngineConfig:
         show="off",
     )
     kv_disk_bytes: int = setting(
-        2 << 30, "the disk tier's size budget in bytes (least recently used blocks evicted)", flag="kv-disk-bytes"
+        2 << 30,
+        "the disk tier's size budget in bytes, for the whole directory across models (least recently used blocks "
+        "evicted)",
+        flag="kv-disk-bytes",
+    )
+    # A week: a prompt used weekly still hits after restarts, and one nobody sends again (a deleted stored
+    # response's included) is off the disk a week after its last use.
+    kv_disk_max_age: float = setting(
+        7 * 86400.0,
+        "seconds a disk tier block is kept after its last use (written or loaded), whatever the budget",
+        flag="kv-disk-max-age",
     )
     # The --static-* flags default to "not given" (cli=None): the CLI refuses them where static shapes are off.
     static: bool = setting(

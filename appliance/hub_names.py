@@ -21,8 +21,11 @@ LATEST = "latest"  # Ollama's default tag: the default revision
 _PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 REPO_ID = re.compile(rf"^(?:{_PART}/)?{_PART}$")
 REPO_ID_MAX = 96
-# a git ref or a commit: no spaces, no control characters, no `..`, no `:` (the tag separator), bounded
-REVISION = re.compile(r"^[A-Za-z0-9._/-]{1,255}$")
+# a git ref or a commit: no spaces, no control characters, no `:` (the tag separator), bounded; each `/`-separated
+# part starts with a letter or digit, so none is empty, `.` or `..` (a folder name that would collapse onto the
+# repository's folder: `org/name:.` once named every revision) and none looks like an option (`-rf`)
+REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(?:/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+REVISION_MAX = 255
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ def parse(text: object) -> HubRef:
             f"{repo!r} is not a hub repository id (namespace/name: letters, digits, '-', '_', '.'; "
             f"no '--' or '..'; at most {REPO_ID_MAX} characters)"
         )
-    if not REVISION.match(revision) or ".." in revision or revision.startswith("/") or revision.endswith("/"):
-        raise ValueError(f"{revision!r} is not a revision (a branch, tag or commit of the repository)")
+    if len(revision) > REVISION_MAX or not REVISION.match(revision) or ".." in revision or revision.endswith("."):
+        raise ValueError(
+            f"{revision!r} is not a revision (a branch, tag or commit of the repository: letters, digits, '.', "
+            "'_', '-', parts separated by '/' each starting with a letter or digit)"
+        )
     return HubRef(repo, revision)

@@ -339,8 +339,8 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     if precision not in ("u8", "f16", "f32", "auto"):
         raise ConfigError("--kv-cache-precision must be u8, f16, f32 or auto")
     size = _kv_size(args)
-    if getattr(args, "kv_disk_bytes", 1) < 1:
-        raise ConfigError("--kv-disk-bytes must be at least 1")
+    if getattr(args, "kv_disk_bytes", 1) < 1 or not getattr(args, "kv_disk_max_age", 1) > 0:
+        raise ConfigError("--kv-disk-bytes must be at least 1 and --kv-disk-max-age positive")
     slots, knobs = _static_knobs(args, manifest, paged_only=size is not None or precision != "auto")
     cache_dir = _cache_dir(args.cache_dir, manifest)
     speculation = _speculation(args, slots)
@@ -360,6 +360,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
         prefix_cache_sharing=sharing,
         kv_disk_dir=str(Path(args.kv_disk_dir).expanduser()) if getattr(args, "kv_disk_dir", None) else None,
         kv_disk_bytes=getattr(args, "kv_disk_bytes", EngineConfig.kv_disk_bytes),
+        kv_disk_max_age=getattr(args, "kv_disk_max_age", EngineConfig.kv_disk_max_age),
         static=bool(args.static),
         num_threads=args.num_threads,
         cache_dir=str(cache_dir) if cache_dir else None,

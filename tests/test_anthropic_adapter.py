@@ -86,14 +86,6 @@ def test_blocks_become_chat_messages():
         ({"temperature": 1.5}, "temperature"),
         ({"stop_sequences": ["x"] * 17}, "no more than 16"),
         ({"stop_sequences": ["x" * 257]}, "at most 256"),
-        (
-            {
-                "tools": [TOOL],
-                "tool_choice": {"type": "any"},
-                "output_config": {"format": {"type": "json_schema", "schema": {}}},
-            },
-            "send one",
-        ),
     ],
 )
 def test_refusals(fields, words):

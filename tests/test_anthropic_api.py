@@ -52,6 +52,11 @@ def model(keyed) -> str:
     return r.json()["data"][0]["id"]
 
 
+def prompt_of(usage) -> int:
+    """The whole prompt in Anthropic's usage: the three parts its clients add (its prompt-caching docs)."""
+    return usage.input_tokens + (usage.cache_creation_input_tokens or 0) + (usage.cache_read_input_tokens or 0)
+
+
 def text_of(message) -> str:
     return "".join(block.text for block in message.content if block.type == "text")
 
@@ -101,8 +106,29 @@ def test_stream_events(client, model):
     assert set(blocks[1:-1]) == {"content_block_delta"}
     deltas = "".join(e.delta.text for e in events if e.type == "content_block_delta")
     assert deltas == text_of(final) == text_of(unary)
-    assert events[0].message.usage.input_tokens == unary.usage.input_tokens
+    assert prompt_of(events[0].message.usage) == prompt_of(unary.usage) > 0
     assert final.stop_reason == unary.stop_reason and final.usage.output_tokens == unary.usage.output_tokens
+
+
+def test_usage_leaves_cache_reads_out_of_input_tokens(client, model):
+    """Anthropic's input_tokens excludes the prompt's cache reads (clients add input_tokens, cache_creation and
+    cache_read: LangChain and litellm counted the cached part twice). A repeated prompt is read from the prefix
+    cache: unary, and streamed in message_start and message_delta (where LangChain reads the usage), the parts add
+    up to count_tokens' count of the prompt, and the cached part is out of input_tokens."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe and the seas they flow into. " * 4}]
+    whole = client.messages.count_tokens(model=model, messages=messages).input_tokens
+    for _ in range(2):  # the second one reads the first one's prompt from the cache
+        m = client.messages.create(model=model, max_tokens=2, messages=messages)
+    assert prompt_of(m.usage) == whole and m.usage.cache_read_input_tokens > 0, m.usage
+    assert m.usage.input_tokens == whole - m.usage.cache_read_input_tokens
+    with client.messages.stream(model=model, max_tokens=2, messages=messages) as stream:
+        events = list(stream)
+    start = events[0].message.usage
+    delta = next(e for e in events if e.type == "message_delta").usage
+    for usage in (start, delta):
+        assert prompt_of(usage) == whole and usage.cache_read_input_tokens > 0, usage
+        assert usage.input_tokens == whole - usage.cache_read_input_tokens
+    assert delta.output_tokens == 2
 
 
 def test_tool_round_trip(client, model):
@@ -151,7 +177,7 @@ def test_forced_tool_streamed(client, model):
 def test_count_tokens(client, model):
     counted = client.messages.count_tokens(model=model, messages=ASK, system="You are brief.")
     m = client.messages.create(model=model, max_tokens=1, messages=ASK, system="You are brief.")
-    assert counted.input_tokens == m.usage.input_tokens > 0
+    assert counted.input_tokens == prompt_of(m.usage) > 0
     with_tools = client.messages.count_tokens(model=model, messages=ASK, tools=TOOLS)
     assert with_tools.input_tokens > client.messages.count_tokens(model=model, messages=ASK).input_tokens
 

@@ -19,10 +19,11 @@ import requests
 from conftest import sse_events, wait_idle
 
 from appliance.limits import Limits
-from appliance.openai_api.chat import parse_chat
+from appliance.openai_api.chat import chat_job, parse_chat
 from appliance.openai_api.completions import parse_completion
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
+from appliance.openai_api.validation import OPENAI, OVMS
 from appliance.params import Grammar
 
 MODEL = "m"
@@ -179,6 +180,42 @@ def test_tools_map_onto_chat_request():
     assert params(chat(tools=[TOOL], tool_choice="none", response_format={"type": "json_object"})).grammar is not None
 
 
+def test_a_forced_call_with_a_response_format_runs_the_tools_grammar():
+    """tool_choice required / named beside a response_format (an agent with an output type and a forced tool) is
+    accepted: that turn is calls only, so the engine runs the tools' grammar; the format is the grammar of the turn
+    that may answer in text (tool_choice auto or none)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Out", "schema": schema}}
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        req = chat(tools=[TOOL], tool_choice=choice, response_format=fmt)
+        grammar = chat_job(req, params(req), "r").params.grammar
+        assert grammar is not None and grammar.kind == "lark" and grammar.param == "tools", grammar
+        assert 'get_weather' in grammar.text and '"answer"' not in grammar.text
+    for choice in ("auto", "none"):
+        req = chat(tools=[TOOL], tool_choice=choice, response_format=fmt)
+        grammar = chat_job(req, params(req), "r").params.grammar
+        assert grammar is not None and grammar.kind == "json_schema" and '"answer"' in grammar.text
+
+
+@pytest.mark.parametrize("stop", [None, "x"])
+def test_stop_string_defaults_are_the_dialects(stop):
+    """OVMS (/v3): a stream includes the stop string unless told not to; OpenAI (/v1): never unless asked. Unary
+    answers leave it out on both; an explicit include_stop_str_in_output wins on both."""
+    bodies = (
+        (parse_completion, {"model": MODEL, "prompt": "hi", "stop": stop}),
+        (parse_chat, {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": stop}),
+    )
+    for parse, body in bodies:
+
+        def included(dialect, parse=parse, body=body, **fields):
+            return parse({**body, **fields}, Limits(), dialect).sampling["include_stop_str_in_output"]
+
+        assert included(OVMS, stream=True) is True and included(OPENAI, stream=True) is False
+        assert included(OVMS) is included(OPENAI) is False
+        assert included(OPENAI, stream=True, include_stop_str_in_output=True) is True
+        assert included(OVMS, stream=True, include_stop_str_in_output=False) is False
+
+
 # ---------------------------------------------------------------- every new 400
 
 ERRORS = [
@@ -244,12 +281,6 @@ ERRORS = [
     (chat, {"tool_choice": "required", "tools": []}, "tool_choice", "only allowed when tools"),
     (chat, {"tool_choice": "always", "tools": [TOOL]}, "tool_choice", "must be"),
     (chat, {"tool_choice": {"type": "function", "function": {"name": "nope"}}, "tools": [TOOL]}, "tool_choice", ""),
-    (
-        chat,
-        {"tool_choice": "required", "tools": [TOOL], "response_format": {"type": "json_object"}},
-        "response_format",
-        "",
-    ),
     (chat, {"parallel_tool_calls": "no"}, "parallel_tool_calls", ""),
 ]
 

@@ -609,6 +609,31 @@ def test_body_checks_before_validation():
     assert r.get_json()["error"]["message"] == "Received json is not an object"
 
 
+def test_each_prefix_builds_its_requests_with_its_dialect():
+    """The route table's prefix reaches the engine's job: a stream's stop string is OVMS's default on /v3 and its
+    deprecated /v3/v1, OpenAI's on /v1 (tests/test_stop_stream_e2e.py: the same on the wire)."""
+
+    class Sent(Exception):
+        pass
+
+    jobs = []
+
+    class Recording(StubEngine):
+        def open_job(self, job):
+            jobs.append(job)
+            raise Sent()
+
+    client = edge(Recording())
+    for prefix, included in (("/v3", True), ("/v3/v1", True), ("/v1", False)):
+        for path, body in (
+            ("completions", {"prompt": "x"}),
+            ("chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ):
+            r = client.post(f"{prefix}/{path}", json={"model": MODEL, "stop": "y", "stream": True, **body})
+            assert r.status_code == 500
+            assert jobs[-1].params.include_stop_str_in_output is included, (prefix, path)
+
+
 def test_api_key_guards_everything_but_health_probes(tmp_path):
     key = tmp_path / "key"
     key.write_text("s3cret\n")

@@ -299,6 +299,7 @@ FLAGS = {
     "kv-cache-size": (str, None),
     "kv-disk-dir": (str, None),
     "kv-disk-bytes": (int, 2 << 30),
+    "kv-disk-max-age": (float, 604800.0),
     "kv-cache-tokens": (int, None),
     "max-num-seqs": (int, 32),
     "max-num-batched-tokens": (int, 512),

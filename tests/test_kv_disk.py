@@ -5,9 +5,13 @@ recomputing it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ import pytest
 from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.kv_disk import SALT_FILE, DiskTier, fingerprint, load_salt
 
+ROOT = Path(__file__).resolve().parents[1]
 BS = 4
 PAYLOAD = 1000  # bytes of a fake block
 
@@ -25,6 +30,27 @@ def payload(i: int) -> bytes:
 
 def stored(tier: DiskTier) -> list[Path]:
     return sorted(tier.dir.glob("*.kv"))
+
+
+def in_child(directory: Path, code: str, limit: int | None = None, prefix: tuple[str, ...] = ()) -> dict:
+    """`code` in another Python process (run through `prefix`) with `d` (the directory) and DiskTier at hand,
+    under a file-size limit if given (RLIMIT_FSIZE: a write past it is cut short, then fails with EFBIG); `out`
+    (its last stdout line, JSON) and its stderr."""
+    script = (
+        "import json, logging, resource, sys\nfrom pathlib import Path\n"
+        "from appliance.runtime.kv_disk import DiskTier\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(message)s %(failed_since_last_warning)s')\n"
+        f"d = Path({str(directory)!r})\n"
+        + (f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, resource.RLIM_INFINITY))\n" if limit else "")
+        + code
+        + "\nprint(json.dumps(dict(locals().get('out') or {})))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(
+        [*prefix, sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    return {"out": json.loads(result.stdout.strip().splitlines()[-1]), "stderr": result.stderr}
 
 
 def test_round_trip(tmp_path):
@@ -45,9 +71,7 @@ def test_a_block_another_process_wrote_is_found(tmp_path):
     """Two processes of one export on one directory (a reload overlapping the old engine): the reader's index
     predates the file, the file is still found."""
     reader = DiskTier(tmp_path, "fp", 1 << 20)
-    writer = DiskTier(tmp_path, "fp", 1 << 20)
-    writer.save(b"n" * 16, (1,), payload(3))
-    writer.close()
+    in_child(tmp_path, "tier = DiskTier(d, 'fp', 1 << 20)\ntier.save(b'n' * 16, (1,), bytes([3]) * 1000)\ntier.close()")
     assert not reader.has(b"n" * 16)
     assert reader.load(b"n" * 16, (1,)) == payload(3) and reader.has(b"n" * 16)
     reader.close()
@@ -127,6 +151,116 @@ def test_directory_never_exceeds_its_budget_even_while_writing(tmp_path, monkeyp
     tier.close()
     assert len(peak) == 24 and max(peak) <= budget, (max(peak), budget)
     assert tier.stats()["kv_disk_evicted_blocks"] >= 7
+
+
+def test_models_on_one_directory_share_its_budget_and_a_restart_leaves_each_room(tmp_path):
+    """Two models' tiers (two fingerprints) on one directory: together they never hold more than the budget (one
+    least-recently-used order across them), and after a restart the model that starts second still writes: the
+    first one's older blocks make room."""
+    budget = 10 * (PAYLOAD + 200)
+
+    def fill(a: DiskTier, b: DiskTier, base: int) -> None:
+        for i in range(20):
+            for tier, offset in ((a, 0), (b, 100)):
+                tier.save(bytes([base + offset + i]) * 16, (i,), payload(i))
+                tier.flush()
+                total = sum(f.stat().st_size for f in tmp_path.glob("*/*.kv"))
+                assert total <= budget, (total, budget)
+
+    a, b = DiskTier(tmp_path, "model-a", budget), DiskTier(tmp_path, "model-b", budget)
+    fill(a, b, 0)
+    assert a.stats()["kv_disk_bytes"] + b.stats()["kv_disk_bytes"] <= budget
+    a.close()
+    b.close()
+    a, b = DiskTier(tmp_path, "model-a", budget), DiskTier(tmp_path, "model-b", budget)
+    fill(a, b, 30)
+    assert b.stats()["kv_disk_written_blocks"] == 20 and a.stats()["kv_disk_written_blocks"] == 20
+    assert b.stats()["kv_disk_blocks"] >= 4 and a.stats()["kv_disk_blocks"] >= 4  # both keep their newest
+    a.close()
+    b.close()
+
+
+def test_blocks_unused_past_the_age_limit_are_deleted(tmp_path):
+    """At start (by the files' mtimes, which a hit refreshes) and while running (before each write)."""
+    tier = DiskTier(tmp_path, "fp", 1 << 20)
+    for i in range(3):
+        tier.save(bytes([i]) * 16, (i,), payload(i))
+    tier.flush()
+    tier.close()
+    old = time.time() - 7200
+    for f in stored(tier)[:2]:
+        os.utime(f, (old, old))
+    again = DiskTier(tmp_path, "fp", 1 << 20, max_age=3600)
+    assert len(stored(again)) == 1 and again.stats()["kv_disk_blocks"] == 1
+    again.close()
+    quick = DiskTier(tmp_path, "fp", 1 << 20, max_age=0.5)
+    quick.save(b"a" * 16, (1,), payload(1))
+    quick.flush()
+    written = time.time()
+    while time.time() < written + 0.6:  # the condition itself: the block's age passing the limit
+        time.sleep(0.05)
+    quick.save(b"b" * 16, (2,), payload(2))
+    quick.flush()
+    assert not quick.has(b"a" * 16) and quick.has(b"b" * 16)
+    assert [f.name for f in stored(quick)] == [(b"b" * 16).hex() + ".kv"]
+    assert quick.stats()["kv_disk_expired_blocks"] >= 1
+    quick.close()
+
+
+def test_short_writes_publish_nothing_pause_the_tier_and_warn_once(tmp_path):
+    """A file-size limit below a block's size (RLIMIT_FSIZE, in a child process): each write is cut short. No
+    truncated block is published or counted as written; the failure is counted, further writes pause, and one
+    warning says so."""
+    code = (
+        "tier = DiskTier(d, 'fp', 1 << 30)\n"
+        "for i in range(50):\n"
+        "    tier.save(bytes([i]) * 16, (i,), bytes([i]) * 300_000)\n"
+        "tier.close()\n"
+        "out = tier.stats()"
+    )
+    child = in_child(tmp_path, code, limit=200_000)
+    stats = child["out"]
+    assert stats["kv_disk_written_blocks"] == 0 and stats["kv_disk_bytes"] == 0, stats
+    assert stats["kv_disk_write_errors"] >= 1, stats
+    assert stats["kv_disk_write_errors"] + stats["kv_disk_dropped_writes"] == 50, stats
+    assert list(tmp_path.glob("fp/*")) == []  # neither a truncated block nor a temp file
+    warnings = [line for line in child["stderr"].splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "writes failed, paused" in warnings[0], child["stderr"]
+
+
+def test_a_full_disk_stops_the_writes_with_one_warning(tmp_path):
+    """A real full filesystem: a 1 MiB tmpfs mounted in a private mount namespace (`unshare -m`), a budget far
+    larger than the disk. The blocks that fit are whole and readable; the first ENOSPC pauses the writes, with one
+    warning and the failure counted."""
+    import shutil
+
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail("unshare -m is not permitted here")
+        pytest.skip("unshare -m is not permitted here (no mount namespace for a small tmpfs)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    code = (
+        "tier = DiskTier(d, 'fp', 1 << 30)\n"
+        "for i in range(20):\n"
+        "    tier.save(bytes([i]) * 16, (i,), bytes([i]) * 200_000)\n"
+        "    tier.flush()\n"
+        "names = sorted(p.name for p in (d / 'fp').iterdir())\n"
+        "loaded = [tier.load(bytes.fromhex(n[:-3]), (bytes.fromhex(n[:-3])[0],)) is not None for n in names]\n"
+        "tier.close()\n"
+        "out = {**tier.stats(), 'names': names, 'loaded': loaded}"
+    )
+    mount = f"mount -t tmpfs -o size=1m tmpfs {disk} && exec \"$0\" \"$@\""
+    child = in_child(disk, code, prefix=("unshare", "-m", "sh", "-c", mount))
+    stats = child["out"]
+    assert 1 <= stats["kv_disk_written_blocks"] <= 5, stats
+    assert (
+        stats["kv_disk_write_errors"] >= 1
+        and stats["kv_disk_write_errors"] + stats["kv_disk_dropped_writes"] + (stats["kv_disk_written_blocks"]) == 20
+    ), stats
+    assert len(stats["names"]) == stats["kv_disk_written_blocks"] and all(stats["loaded"]), stats
+    warnings = [line for line in child["stderr"].splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1 and "writes failed, paused" in warnings[0], child["stderr"]
 
 
 def test_fingerprint_mismatch_never_matches(tmp_path):
@@ -360,6 +494,44 @@ def test_engine_prefix_loaded_from_disk_keeps_greedy_tokens(fp32_export, tmp_pat
         restarted.shutdown()
     assert got == want and cached == [128] and stats["kv_disk_hit_blocks"] == 4, stats
     assert hashed_on == [threading.current_thread().name] * 4, hashed_on
+
+
+@pytest.mark.default_model  # sibling exports of the default model (int8, int4), as `make model` builds them
+def test_sibling_exports_and_kv_precisions_never_share_blocks_on_one_directory(tmp_path):
+    """One --kv-disk-dir, real engines one after another (as restarts with another model or setting): the int8
+    export writes a prompt's blocks; then its sibling int4 export (same folder parent, same KV layout), and the
+    int8 export with another KV precision, each find none of them (0 disk hits, 0 cached tokens) and give the
+    greedy tokens of their own cold run without the tier. A namespace without the export's identity or the KV
+    precision would load another's KV: wrong output, no error."""
+    from appliance.config import EngineConfig
+    from appliance.runtime.engine import Engine
+    from export.default_model import ensure_export
+
+    int8, int4 = ensure_export("openvino", "int8"), ensure_export("openvino", "int4")
+    assert int8.parent == int4.parent
+    prompt = list(range(1000, 1100))  # 3 full 32-token blocks and a tail
+    base = dict(max_num_batched_tokens=64, kv_cache_tokens=32 * 8)
+
+    def run(export: Path, **cfg) -> tuple[list[int], int, dict]:
+        engine = Engine(export, EngineConfig(**base, **cfg))
+        try:
+            tokens, cached = engine_greedy(engine, [prompt], 8)
+            if engine.pool.disk is not None:
+                engine.pool.disk.flush()
+            return tokens[0], cached[0], engine.stats()
+        finally:
+            engine.shutdown()
+
+    disk = str(tmp_path / "kv")
+    _, _, stats = run(int8, kv_cache_precision="u8", kv_disk_dir=disk)
+    assert stats["kv_disk_written_blocks"] >= 3, stats
+    _, cached, stats = run(int8, kv_cache_precision="u8", kv_disk_dir=disk)
+    assert cached >= 96 and stats["kv_disk_hit_blocks"] >= 3, stats  # the same export and setting: found
+    for export, precision in ((int4, "u8"), (int8, "f16")):
+        cold, _, _ = run(export, kv_cache_precision=precision)
+        tokens, cached, stats = run(export, kv_cache_precision=precision, kv_disk_dir=disk)
+        assert stats["kv_disk_hit_blocks"] == 0 and cached == 0, (export.name, precision, stats)
+        assert tokens == cold, (export.name, precision)
 
 
 # ---------------------------------------------------------------- a real `appliance serve`, restarted

@@ -30,6 +30,8 @@ FAMILIES = {
     "appliance_kv_disk_load_seconds_total": ("counter", set()),
     "appliance_kv_disk_corrupt_blocks_total": ("counter", set()),
     "appliance_kv_disk_dropped_writes_total": ("counter", set()),
+    "appliance_kv_disk_write_errors_total": ("counter", set()),
+    "appliance_kv_disk_expired_blocks_total": ("counter", set()),
     "appliance_kv_disk_bytes": ("gauge", set()),
     "appliance_http_requests_total": ("counter", {"route", "method", "status"}),
     "appliance_http_errors_total": ("counter", {"status", "type"}),

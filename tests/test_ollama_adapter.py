@@ -4,6 +4,8 @@ Ollama routes answer 401 in Ollama's error shape before any engine is asked."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from appliance.limits import Limits
@@ -156,6 +158,29 @@ def test_routes_need_the_key(tmp_path):
         r = c.post("/api/chat", json={"model": "m", "messages": MSG})
         assert r.status_code == 401 and set(r.get_json()) == {"error"} and isinstance(r.get_json()["error"], str)
         assert c.get("/api/tags").status_code == 401
+
+
+def test_bodies_are_json_whatever_the_content_type():
+    """Ollama reads the body as JSON whatever its Content-Type (litellm's Ollama providers send none, `curl -d` a
+    form type): such a body reaches the adapter (here its 404 for an unknown model); a body that is not JSON is a
+    400 in Ollama's shape; a web page's form post is refused. The OpenAI routes keep their 415."""
+    from test_api_validation import MODEL, StubEngine, edge
+
+    client = edge(StubEngine())
+    body = json.dumps({"model": "nope", "messages": MSG, "prompt": "Hi", "input": "Hi"})
+    for content_type in (None, "application/x-www-form-urlencoded", "text/plain"):
+        for path in ("/api/chat", "/api/generate", "/api/show", "/api/embed"):
+            r = client.post(path, data=body, content_type=content_type)
+            assert (r.status_code, r.get_json()) == (404, {"error": "model 'nope' not found"}), (path, content_type)
+        r = client.post("/api/chat", data="model=m", content_type=content_type)
+        assert (r.status_code, r.get_json()) == (400, {"error": "Request body is not valid JSON"})
+        r = client.post("/api/chat", data=body, content_type=content_type, headers={"Origin": "https://example.com"})
+        assert r.status_code == 403 and set(r.get_json()) == {"error"}
+    r = client.post("/api/chat", data=body, content_type="application/json", headers={"Origin": "http://localhost"})
+    assert r.status_code == 404  # a page's JSON request (it needed a CORS preflight) is an API client's
+    chat = json.dumps({"model": MODEL, "messages": MSG})
+    assert client.post("/v1/chat/completions", data=chat).status_code == 415
+    assert client.post("/v1/messages", data=chat, content_type="text/plain").status_code == 415
 
 
 def test_an_error_mid_stream_is_the_last_line(monkeypatch):

@@ -256,3 +256,39 @@ def test_langchain(srv, tag):
         .invoke("Name a person and their age.")
     )
     assert isinstance(person, Person)
+
+
+def test_bodies_without_a_json_content_type(srv, tag):
+    """Ollama reads the body as JSON whatever its Content-Type: none (litellm's `ollama/` and `ollama_chat/`
+    providers), a form type (Ollama's documented `curl ... -d '{...}'`), unary and streamed; a body that is not JSON
+    is a 400 in Ollama's shape."""
+    body = {"model": tag, "prompt": "The capital of France is", "options": PREDICT, "stream": False}
+    for content_type in (None, "application/x-www-form-urlencoded"):
+        headers = {"Content-Type": content_type} if content_type else {}
+        r = requests.post(srv.base + "/api/generate", data=json.dumps(body), headers=headers, timeout=120)
+        assert r.status_code == 200 and r.json()["done"] and r.json()["response"], (content_type, r.text)
+        chat = {"model": tag, "messages": ASK, "options": PREDICT}  # streamed: Ollama's default
+        r = requests.post(srv.base + "/api/chat", data=json.dumps(chat), headers=headers, timeout=120)
+        lines = [json.loads(line) for line in r.text.splitlines()]
+        assert r.status_code == 200 and lines[-1]["done"] and "".join(x["message"]["content"] for x in lines)
+    r = requests.post(srv.base + "/api/chat", data="model=x", timeout=30)
+    assert r.status_code == 400 and r.json() == {"error": "Request body is not valid JSON"}
+
+
+@pytest.mark.usefixtures("loopback_only")
+def test_litellm_ollama_providers(srv, tag):
+    """litellm's `ollama/` (generate) and `ollama_chat/` (chat) providers post without a Content-Type."""
+    import litellm
+
+    for provider in ("ollama", "ollama_chat"):
+        for stream in (False, True):
+            r = litellm.completion(
+                model=f"{provider}/{tag}",
+                api_base=srv.base,
+                messages=ASK,
+                max_tokens=16,
+                temperature=0,
+                stream=stream,
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in r) if stream else r.choices[0].message.content
+            assert text, (provider, stream)

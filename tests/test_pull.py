@@ -53,9 +53,11 @@ PULL_AND_LIST_MODULES = (
 )
 
 
-def cli_pull(python: str, env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def cli_pull(
+    python: str, env: dict[str, str], *args: str, timeout: float = 600
+) -> tuple[subprocess.CompletedProcess, list[str]]:
     result = subprocess.run(
-        [python, "-c", PULL_AND_LIST_MODULES, "pull", *args], env=env, capture_output=True, text=True, timeout=600
+        [python, "-c", PULL_AND_LIST_MODULES, "pull", *args], env=env, capture_output=True, text=True, timeout=timeout
     )
     lines = result.stdout.strip().splitlines()
     return result, json.loads(lines[-1]) if lines else []
@@ -65,9 +67,36 @@ def test_names():
     assert hub_names.parse("OpenVINO/Qwen3-0.6B-int4-ov") == hub_names.HubRef("OpenVINO/Qwen3-0.6B-int4-ov", "main")
     assert hub_names.parse("org/m:latest").name == "org/m" and hub_names.parse("org/m:v1.0").name == "org/m:v1.0"
     assert hub_names.parse("org/m:refs/pr/1").folder == "org--m/refs%2Fpr%2F1"
-    for bad in ("", "a/b/c", "org--x/m", "org/m:", "../m", "org/m:a..b", "org/m name", 7):
+    bad_revisions = (".", "..", "./x", "a/./b", "a//b", "/a", "a/", "-rf", ".git", "a.", "x" * 256)
+    for bad in (
+        "",
+        "a/b/c",
+        "org--x/m",
+        "org/m:",
+        "../m",
+        "org/m:a..b",
+        "org/m name",
+        7,
+        *(f"o/m:{r}" for r in bad_revisions),
+    ):
         with pytest.raises(ValueError):
             hub_names.parse(bad)
+    assert hub_names.parse("o/m:v1.0/rc_2-b").folder == "o--m/v1.0%2Frc_2-b"
+
+
+def test_rm_of_a_dot_revision_is_refused_and_every_revision_stays(tmp_path):
+    """`appliance rm org/name:.` once resolved to the repository's folder and deleted every revision."""
+    data = tmp_path / "data"
+    env = {**os.environ, "APPLIANCE_DATA_DIR": str(data)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    folders = [data / "models" / "hub" / "org--name" / rev for rev in ("main", "v1")]
+    for folder in folders:
+        folder.mkdir(parents=True)
+        (folder / MANIFEST_NAME).write_text("{}")
+    for name in ("org/name:.", "org/name:./", "org/name:..", "org/name:-rf"):
+        r = subprocess.run([sys.executable, "-m", "appliance.cli", "rm", name], env=env, capture_output=True, text=True)
+        assert r.returncode == 1 and "is not a revision" in r.stderr, (name, r.stderr)
+        assert all((f / MANIFEST_NAME).is_file() for f in folders), name
 
 
 def test_a_pulled_model_is_found_by_its_name(tmp_path, monkeypatch):
@@ -166,6 +195,39 @@ def test_unknown_repository_and_revision(int4_export, tmp_path):
         assert result.returncode == 1 and "has no revision 'v9'" in result.stderr
 
 
+ENDLESS = {"endless": {"config.json"}, "claimed_sizes": {"config.json": 24}}  # announces 24 bytes, never ends
+
+
+def staged_bytes(data: Path) -> dict[str, int]:
+    """Every file under the pulls' staging folder but the locks, with its size."""
+    staging = data / "models" / "hub" / ".staging"
+    return {
+        str(f.relative_to(staging)): f.stat().st_size for f in staging.rglob("*") if f.is_file() and f.suffix != ".lock"
+    }
+
+
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
+def test_a_hub_that_sends_more_than_it_announced_is_stopped_and_rm_clears_the_partial(int4_export, tmp_path):
+    """A hostile hub announces a 24-byte config.json and sends an endless body: the pull stops with a clear error
+    and deletes the part, well before the disk fills; `appliance rm` clears what the pull left."""
+    data = tmp_path / "data"
+    with StubHub({REPO: ir_repo(int4_export, tmp_path, **ENDLESS)}) as hub:
+        env = pull_env(hub, data)
+        result, _ = cli_pull(sys.executable, env, REPO, timeout=120)
+        sent = hub.sent.get("config.json", 0)
+    assert result.returncode == 1, result.stderr
+    assert "config.json: the hub sent more than the 24 bytes it announced; stopped" in result.stderr, result.stderr
+    assert sent > 24 and not any(name.endswith(".incomplete") for name in staged_bytes(data)), staged_bytes(data)
+    assert sum(staged_bytes(data).values()) < 1 << 20, staged_bytes(data)
+    assert not paths.pulled_model_dir(hub_names.parse(REPO)).exists()
+    rm = subprocess.run(
+        [sys.executable, "-m", "appliance.cli", "rm", REPO], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert rm.returncode == 0 and f"deleted {REPO}" in rm.stderr, rm.stderr
+    staging = data / "models" / "hub" / ".staging"
+    assert sorted(p.suffix for p in staging.iterdir()) == [".lock"]
+
+
 def tiny_repo(folder: Path) -> Repo:
     """A safetensors repository (config.json, model.safetensors, tokenizer) from a tiny random model's folder."""
     return Repo({p.name: p for p in folder.iterdir() if p.is_file()})
@@ -230,12 +292,14 @@ def test_the_serving_venv_pulls_an_ir_repository_and_serves_it(int4_export, tiny
 
 @pytest.fixture(scope="module")
 def pull_server(int4_export, model_dir, tmp_path_factory):
-    """A server (the default model) whose HF_ENDPOINT is a stand-in hub holding three copies of the repository:
-    one to pull and delete, and one whose weights download slowly (to leave in the middle)."""
+    """A server (the default model) whose HF_ENDPOINT is a stand-in hub holding copies of the repository: one to
+    pull and delete, one whose weights download slowly (to leave in the middle), and a hostile one (a file
+    announced as 24 bytes, sent without end)."""
     root = tmp_path_factory.mktemp("pull-server")
     repos = {
         REPO: ir_repo(int4_export, root),
         "test/slow-int4-ov": ir_repo(int4_export, root, throttle={BIN: 0.05}),
+        "test/endless-int4-ov": ir_repo(int4_export, root, **ENDLESS),
     }
     with StubHub(repos) as hub, pytest.MonkeyPatch.context() as mp:
         for key, value in pull_env(hub, root / "data").items():
@@ -325,6 +389,36 @@ def test_api_refusals(pull_server):
 
 
 @pytest.mark.default_model  # the stand-in repository is the default model's int4 export
+def test_api_pull_stops_a_file_past_its_announced_size_and_api_delete_clears_the_partial(pull_server):
+    """/api/pull of the hostile repository ends (streamed and not) with Ollama's `{"error"}`, 502 unstreamed; the
+    part is deleted, and /api/delete clears what the pull left (then 404: nothing left)."""
+    srv, name = pull_server, "test/endless-int4-ov"
+    deadline = time.monotonic() + 90
+    with requests.post(srv.base + "/api/pull", json={"model": name}, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        lines = []
+        for line in r.iter_lines():
+            lines.append(json.loads(line))
+            assert time.monotonic() < deadline, f"the pull never stopped: {lines[-1]}"
+    assert "the hub sent more than the 24 bytes it announced" in lines[-1].get("error", ""), lines[-1]
+    assert set(lines[-1]) == {"error"}  # Ollama's shape on a stream
+    with pytest.raises(ollama.ResponseError) as unary:
+        ollama.Client(host=srv.base, timeout=90).pull(name)
+    assert unary.value.status_code == 502 and "24 bytes it announced" in str(unary.value)
+    staged = staged_bytes(srv.data)
+    assert not any(f.endswith(".incomplete") for f in staged) and sum(staged.values()) < 1 << 20, staged
+    assert (
+        any(f.startswith("test--endless-int4-ov@main") for f in staged)
+        or (srv.data / "models" / "hub" / ".staging" / "test--endless-int4-ov@main").is_dir()
+    )
+    r = requests.delete(srv.base + "/api/delete", json={"model": name}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert not (srv.data / "models" / "hub" / ".staging" / "test--endless-int4-ov@main").exists()
+    r = requests.delete(srv.base + "/api/delete", json={"model": name}, timeout=60)
+    assert r.status_code == 404, r.text
+
+
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_a_client_that_leaves_a_pull_leaves_no_model_and_the_next_pull_resumes(pull_server):
     """A client that leaves in the middle of the weights stops the pull's child process (no model folder appears);
     the next pull resumes the weights from where the first stopped (a ranged GET: had the child gone on, the file
@@ -376,3 +470,40 @@ def test_a_pulled_model_is_served_on_demand_after_a_restart(int4_export, model_d
         assert REPO in [m["id"] for m in requests.get(srv.base + "/v3/models", timeout=30).json()["data"]]
     with Server(model_dir, tmp_path / "serve-named-only.log", "--workers", "1", "--no-serve-pulled") as srv:
         assert f"{REPO}:latest" not in [m.model for m in ollama.Client(host=srv.base).list().models]
+
+
+@pytest.mark.default_model  # the stand-in repository is the default model's int4 export
+def test_a_model_pulled_beside_a_running_server_is_served_after_a_reload(int4_export, model_dir, tmp_path):
+    """`appliance pull` while a server (with --config) runs: POST /v1/config/reload serves it, as a model the
+    file adds; after `appliance rm` the next reload stops serving it."""
+    data = tmp_path / "data"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_config_list": [{"config": {"name": "base", "base_path": str(model_dir)}}]}))
+
+    def command(port: int) -> list[str]:
+        return [sys.executable, "-m", "appliance.cli", "serve", "--config", str(config), "--port", str(port)]
+
+    with StubHub({REPO: ir_repo(int4_export, tmp_path)}) as hub:
+        env = {**pull_env(hub, data), "APPLIANCE_WORKERS": "1"}
+        with LoopbackServer(command, tmp_path / "serve.log", env=env) as srv:
+
+            def served() -> list[str]:
+                return [m["id"] for m in requests.get(srv.base + "/v3/models", timeout=30).json()["data"]]
+
+            assert served() == ["base"]
+            result, _ = cli_pull(sys.executable, env, REPO)
+            assert result.returncode == 0, result.stderr
+            r = requests.post(srv.base + "/v1/config/reload", timeout=300)
+            assert r.status_code == 201 and r.json()[REPO]["loaded"], r.text  # 201: the served models changed
+            assert sorted(served()) == sorted(["base", REPO])
+            answer = ollama.Client(host=srv.base).chat(
+                REPO, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 4, "temperature": 0}
+            )
+            assert answer.message.content and answer.done
+            rm = subprocess.run(
+                [sys.executable, "-m", "appliance.cli", "rm", REPO], env=env, capture_output=True, text=True
+            )
+            assert rm.returncode == 0, rm.stderr
+            r = requests.post(srv.base + "/v1/config/reload", timeout=300)
+            assert r.status_code == 201 and REPO not in r.json(), r.text
+            assert served() == ["base"]

@@ -8,6 +8,7 @@ The server runs with two API keys and its own data dir (the store is <data dir>/
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -160,6 +161,12 @@ def test_parse_structured(client, model_name):
     assert r.text.format.type == "json_schema"
 
 
+def call_result(client, model_name: str, r, call, **fields):
+    """The turn after response `r`: its function call's result handed back, with the tool still offered."""
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}
+    return client.responses.create(model=model_name, previous_response_id=r.id, input=[output], tools=[TOOL], **fields)
+
+
 def test_function_round_trip(client, model_name):
     r = client.responses.create(
         model=model_name,
@@ -173,13 +180,7 @@ def test_function_round_trip(client, model_name):
     call = calls[0]
     assert call.name == "get_weather" and call.call_id.startswith("call_") and call.id.startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), PARAMETERS)
-    r2 = client.responses.create(
-        model=model_name,
-        previous_response_id=r.id,
-        input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temperature_c": 21}'}],
-        tools=[TOOL],
-        max_output_tokens=24,
-    )
+    r2 = call_result(client, model_name, r, call, max_output_tokens=24)
     assert r2.previous_response_id == r.id and r2.status in ("completed", "incomplete")
     assert r2.output and r2.usage.input_tokens > r.usage.input_tokens
 
@@ -281,12 +282,12 @@ def test_function_call_streamed(client, model_name):
     jsonschema.validate(json.loads(done), PARAMETERS)
 
 
-def test_openai_agents_sdk_runs_a_tool_agent(setup, model_name):
-    """The OpenAI Agents SDK (pinned in the test extra) over the Responses API: a tool call, the tool's result
-    handed back, the agent's final output."""
+def weather_agent(setup, model_name: str, **options):
+    """(the Agents SDK, an agent with a get_weather tool under tool_choice required on the Responses API, the
+    cities its tool was called with); `options`: more of the Agent's arguments."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
-    calls = []
+    calls: list[str] = []
 
     @agents.function_tool
     def get_weather(city: str) -> str:
@@ -303,10 +304,68 @@ def test_openai_agents_sdk_runs_a_tool_agent(setup, model_name):
         model_settings=agents.ModelSettings(
             tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0.0
         ),
+        **options,
     )
+    return agents, agent, calls
+
+
+def test_openai_agents_sdk_runs_a_tool_agent(setup, model_name):
+    """The OpenAI Agents SDK (pinned in the test extra) over the Responses API: a tool call, the tool's result
+    handed back, the agent's final output."""
+    agents, agent, calls = weather_agent(setup, model_name)
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert calls, "the agent never called its tool"
     assert isinstance(result.final_output, str) and result.final_output
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "name": "get_weather"}], ids=["required", "named"]
+)
+def test_a_forced_call_beside_a_text_format(client, model_name, tool_choice):
+    """text.format with tool_choice required / named (openai-agents' Agent with an output_type and a forced tool,
+    instructor's Responses mode) was a 400 naming response_format: the call comes, constrained by the tool's
+    parameters, and the turn after it (tool_choice auto) answers in the format."""
+    fmt = {"type": "json_schema", "name": "City", "schema": City.model_json_schema(), "strict": True}
+    r = client.responses.create(
+        model=model_name,
+        input="What is the weather in Paris?",
+        tools=[TOOL],
+        tool_choice=tool_choice,
+        parallel_tool_calls=False,
+        text={"format": fmt},
+        max_output_tokens=64,
+    )
+    [call] = [item for item in r.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), PARAMETERS)
+    r2 = call_result(client, model_name, r, call, text={"format": fmt}, max_output_tokens=64)
+    assert r2.status == "completed", r2
+    City.model_validate_json(r2.output_text)
+
+
+class Report(BaseModel):
+    city: str = Field(max_length=16)
+    sunny: bool
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "streamed"])
+def test_openai_agents_sdk_agent_with_an_output_type_and_a_forced_tool(setup, model_name, streamed):
+    """The Agents SDK's Agent with an `output_type` and tool_choice required sends text.format beside the forced
+    tool on its first turn: the tool is called, and the final output is the output type (the SDK resets
+    tool_choice after the call, so the last turn answers in the format)."""
+    agents, agent, calls = weather_agent(setup, model_name, output_type=Report)
+    if streamed:
+
+        async def run():
+            result = agents.Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+            async for _ in result.stream_events():
+                pass
+            return result
+
+        result = asyncio.run(run())
+    else:
+        result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert calls, "the agent never called its tool"
+    assert isinstance(result.final_output, Report), result.final_output
 
 
 def test_acknowledged_responses_survive_a_kill(setup, model_name):

@@ -1,6 +1,7 @@
 """End to end, with the official `openai` client: `include_stop_str_in_output: false` with `stream: true` (once a
 400, OVMS's rule) streams the text a unary answer has: no stop string, the stream ending where it began. Without
-the field a stream still includes the stop string (OVMS's default, unchanged).
+the field a stream on `/v3` still includes the stop string (OVMS's default, unchanged); on `/v1` it does not
+(OpenAI's rule: never unless `include_stop_str_in_output: true`), completions and chat alike.
 
 Each stream is checked against its own tokens (logprobs carry every generated token, also those whose text was held
 back), so the checks hold where batching or bf16 lets two greedy runs differ; the unary answer is compared with the
@@ -9,6 +10,7 @@ stream only when both generated the same tokens.
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -54,12 +56,16 @@ def streamed(client, model, stop: str, **extra) -> tuple[str, str, str | None]:
     return content, tokens_text(tokens, finish, stop), finish
 
 
-def test_stream_without_the_stop_string_equals_the_unary_answer(client, model_name):
-    text, _, _ = unary(client, model_name, None)
-    # a stop string of 4 characters from the middle of the answer, at its first occurrence
+def stop_of(text: str) -> tuple[str, int]:
+    """A stop string of 4 characters from the middle of `text`, at its first occurrence, and where it is."""
     at = next((i for i in range(len(text) // 3, len(text) - 4) if text.find(text[i : i + 4]) == i), None)
     assert at is not None, text
-    stop = text[at : at + 4]
+    return text[at : at + 4], at
+
+
+def test_stream_without_the_stop_string_equals_the_unary_answer(client, model_name):
+    text, _, _ = unary(client, model_name, None)
+    stop, at = stop_of(text)
 
     content, tokens, finish = streamed(client, model_name, stop, include_stop_str_in_output=False)
     assert stop not in content
@@ -78,3 +84,64 @@ def test_stream_without_the_stop_string_equals_the_unary_answer(client, model_na
     content, tokens, finish = streamed(client, model_name, stop)
     if stop in tokens:
         assert (content, finish) == (tokens[: tokens.find(stop) + len(stop)], "stop")
+
+
+@pytest.fixture(scope="module")
+def client_v1(server) -> openai.OpenAI:
+    """The `openai` client on `/v1`, OpenAI's prefix (the `client` fixture is on OVMS's `/v3`)."""
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_v1_chat_streams_no_stop_string_unless_asked(client, client_v1, model_name):
+    text, _, _ = unary(client, model_name, None)
+    stop, _ = stop_of(text)
+    content, tokens, finish = streamed(client_v1, model_name, stop)  # no include_stop_str_in_output: OpenAI's rule
+    assert stop not in content
+    if stop in tokens:
+        assert (content, finish) == (tokens[: tokens.find(stop)], "stop")
+    answer, _, _ = unary(client_v1, model_name, stop)
+    assert stop not in answer
+    content, tokens, finish = streamed(client_v1, model_name, stop, include_stop_str_in_output=True)
+    if stop in tokens:  # asked for: the stream ends with it
+        assert (content, finish) == (tokens[: tokens.find(stop) + len(stop)], "stop")
+
+
+def completion_stream(c: openai.OpenAI, model: str, stop: str, **extra) -> tuple[str, str, str | None]:
+    """A streamed completion: (the text deltas joined, the text of every token generated, finish_reason)."""
+    text, tokens, finish = "", "", None
+    for chunk in c.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=1,
+        stop=[stop],
+        stream=True,
+        extra_body=extra,
+    ):
+        for ch in chunk.choices:
+            text += ch.text
+            tokens += "".join(ch.logprobs.tokens or []) if ch.logprobs else ""
+            finish = ch.finish_reason or finish
+    return text, tokens, finish
+
+
+PROMPT = "Count from 1 to 20: 1, 2, 3,"
+
+
+def test_completions_stop_strings_on_v1_and_v3(client, client_v1, model_name):
+    """The issue's case: a streamed completion carried the stop string its unary answer leaves out. On /v1 neither
+    does; on /v3 the stream keeps OVMS's default and carries it."""
+    text = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    stop, _ = stop_of(text.choices[0].text)
+    streamed_v1, tokens, finish = completion_stream(client_v1, model_name, stop)
+    assert stop not in streamed_v1
+    if stop in tokens:
+        assert (streamed_v1, finish) == (tokens[: tokens.find(stop)], "stop")
+    unary_v1 = client_v1.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop]
+    )
+    assert stop not in unary_v1.choices[0].text
+    streamed_v3, tokens, finish = completion_stream(client, model_name, stop)
+    if stop in tokens:
+        assert (streamed_v3, finish) == (tokens[: tokens.find(stop) + len(stop)], "stop")

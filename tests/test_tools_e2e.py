@@ -99,6 +99,47 @@ def test_tool_result_round_trips(client, model_name):
     assert r.usage.prompt_tokens > before.usage.prompt_tokens + 20  # the call and its result were in the prompt
 
 
+ANSWER = {
+    "type": "object",
+    "properties": {"summary": {"type": "string", "maxLength": 40}},
+    "required": ["summary"],
+    "additionalProperties": False,
+}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": ANSWER, "strict": True}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_forced_call_beside_a_response_format(client, model_name, tool_choice):
+    """An agent with an output type and a forced tool (openai-agents, instructor) sends a response_format with
+    tool_choice required / named: the call comes, constrained by the tool's parameters, unary and streamed; the turn
+    that gets the tool's result back (tool_choice auto) answers in the format."""
+    forced = {"tools": TOOLS[:1], "tool_choice": tool_choice, "response_format": ANSWER_FORMAT}
+    r = client.chat.completions.create(
+        model=model_name, messages=ASK, parallel_tool_calls=False, max_tokens=MAX_TOKENS, **forced
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    check_weather_call(call.function.name, call.function.arguments)
+    arguments, finish = "", None
+    for chunk in client.chat.completions.create(
+        model=model_name, messages=ASK, parallel_tool_calls=False, max_tokens=MAX_TOKENS, stream=True, **forced
+    ):
+        for c in chunk.choices:
+            arguments += "".join(tc.function.arguments or "" for tc in c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    check_weather_call("get_weather", arguments)
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "clear"}'}
+    turn = [*ASK, choice.message.model_dump(exclude_none=True), result]
+    answer = client.chat.completions.create(
+        model=model_name, messages=turn, tools=TOOLS[:1], response_format=ANSWER_FORMAT, max_tokens=MAX_TOKENS
+    )
+    assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls, answer
+    jsonschema.validate(json.loads(answer.choices[0].message.content), ANSWER)
+
+
 def test_tool_choice_none_is_plain_content(client, model_name):
     r = client.chat.completions.create(
         model=model_name, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0

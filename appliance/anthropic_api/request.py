@@ -487,13 +487,7 @@ def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = F
             'tools\' input_schema); with "auto" or "none" the output is not: send one of those, or leave strict out',
             "tools",
         )
-    grammar = values["output_config"]
-    if grammar is not None and choice in ("required", "named"):
-        raise invalid(
-            'output_config.format cannot constrain the output together with tool_choice "any" or "tool" (which '
-            "constrain it to tool calls): send one",
-            "output_config",
-        )
+    grammar = values["output_config"]  # with tool_choice any / tool: a later turn's text (chat.chat_job)
     stops = values["stop_sequences"] or ()
     sampling: dict[str, Any] = {
         key: values[key] for key in ("max_tokens", "temperature", "top_p", "top_k") if values[key] is not None

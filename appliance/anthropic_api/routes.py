@@ -113,10 +113,8 @@ class Messages:
     def _sse(generation: Generation, shape: MessageShape, head: dict) -> Iterator[str]:
         """Anthropic's event order: message_start, ping (the shape's opening), the blocks' start / delta / stop,
         message_delta (stop reason, output tokens), message_stop; an error after the start is an `error` event."""
-        accepted = generation.accepted
-        prompt = sum(accepted.prompt_tokens) if accepted else 0
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None}
-        start["usage"] = {"input_tokens": prompt, "output_tokens": 0, "cache_read_input_tokens": 0}
+        start["usage"] = _usage(generation.usage())  # the prefill is done: the prompt's split is known, no output
         try:
             yield _event({"type": "message_start", "message": start})
             for event in generation.deltas():
@@ -181,10 +179,15 @@ def _prompt_tokens(client: EngineClient, job: p.Job) -> int:
 
 
 def _usage(usage: dict) -> dict:
-    """The generation's usage in Anthropic's names; cache_read_input_tokens: prompt tokens the prefix cache gave."""
+    """The generation's usage in Anthropic's names. Anthropic splits the prompt in three that add up to it:
+    `input_tokens` (neither read from nor written to a cache) + `cache_creation_input_tokens` +
+    `cache_read_input_tokens` (its prompt-caching docs), and clients add them (LangChain's and litellm's prompt
+    tokens, pydantic-ai's input tokens). Here cache reads are the prompt tokens the prefix cache gave; nothing is
+    a cache creation (the prefix cache keeps every prompt without a marker or a charge), so input_tokens is the
+    rest."""
     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {
-        "input_tokens": usage["prompt_tokens"],
+        "input_tokens": usage["prompt_tokens"] - cached,
         "output_tokens": usage["completion_tokens"],
         "cache_read_input_tokens": cached,
         "cache_creation_input_tokens": 0,

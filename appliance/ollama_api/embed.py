@@ -17,6 +17,7 @@ from typing import Any
 from flask import Blueprint
 
 from appliance.ollama_api.models import untagged
+from appliance.ollama_api.requests import body_json
 from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.embeddings import embedding_inputs, floats, json_response, run_encode
 from appliance.openai_api.errors import ApiError
@@ -42,7 +43,7 @@ class EmbedRoutes:
         self.api = api
 
     def embed(self):
-        body = self.api.json_body()
+        body = body_json()
         read_body(body, (), self.api.limits)
         texts, ids = embedding_inputs(body.get("input"), self.api.limits)
         if ids is not None:
@@ -75,7 +76,7 @@ class EmbedRoutes:
         )
 
     def embeddings(self):
-        body = self.api.json_body()
+        body = body_json()
         read_body(body, (), self.api.limits)
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:

@@ -33,6 +33,7 @@ from flask import Blueprint, Response, g, request
 from appliance import auth, hub_names
 from appliance import protocol as p
 from appliance.http.client import EngineUnavailable
+from appliance.ollama_api.requests import body_json
 from appliance.openai_api.adapter import AppApi
 from appliance.openai_api.errors import ApiError
 from appliance.openai_api.streaming import socket_closed
@@ -54,7 +55,7 @@ class PullRoutes:
         refusal = auth.reload_refusal(self.api.settings, g.get("admin", False), request.headers.get("Origin"), what)
         if refusal is not None:
             raise ApiError(refusal[0], refusal[1], code="admin_key_required")
-        body = self.api.json_body()
+        body = body_json()
         if not isinstance(body, dict):
             raise ApiError(400, "Received json is not an object")
         return body

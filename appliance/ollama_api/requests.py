@@ -32,6 +32,7 @@ from typing import Any
 
 from appliance.keep_alive import parse_keep_alive
 from appliance.limits import Limits
+from appliance.openai_api.adapter import json_body
 from appliance.openai_api.chat import ChatRequest, parse_chat
 from appliance.openai_api.completions import CompletionRequest, parse_completion
 from appliance.openai_api.errors import invalid
@@ -85,6 +86,12 @@ class OllamaRequest:
     load_only: bool = False  # no messages / empty prompt: Ollama loads the model and answers done_reason "load"
     keep_alive: float | None = None  # seconds (math.inf: forever); None: the model's default
     num_ctx: int | None = None  # the request's context window (prompt + output)
+
+
+def body_json() -> Any:
+    """The body of a request on `/api/*`: JSON whatever its Content-Type, as Ollama reads it (litellm's `ollama/`
+    and `ollama_chat/` providers send none, `curl -d` a form type); not JSON is a 400 (adapter.json_body)."""
+    return json_body(any_content_type=True)
 
 
 def _object(body: Any) -> dict:

@@ -22,7 +22,7 @@ from appliance import __version__, auth, error_shapes
 from appliance.ollama_api import embed as E
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull
-from appliance.ollama_api.requests import OllamaRequest, parse_ollama_chat, parse_ollama_generate, with_model
+from appliance.ollama_api.requests import OllamaRequest, body_json, parse_ollama_chat, parse_ollama_generate, with_model
 from appliance.ollama_api.wire import NS, OllamaGeneration, Render
 from appliance.openai_api.adapter import AppApi, error_handlers
 from appliance.openai_api.chat import ChatShape, chat_job
@@ -55,10 +55,10 @@ class OllamaRoutes:
         raise ApiError(404, f"model '{name}' not found")
 
     def chat(self):
-        return self._generate(parse_ollama_chat(self.api.json_body(), self.api.limits), chat=True)
+        return self._generate(parse_ollama_chat(body_json(), self.api.limits), chat=True)
 
     def generate(self):
-        return self._generate(parse_ollama_generate(self.api.json_body(), self.api.limits), chat=False)
+        return self._generate(parse_ollama_generate(body_json(), self.api.limits), chat=False)
 
     def _generate(self, req: OllamaRequest, chat: bool):
         served, status = self.resolve(req.model)
@@ -135,7 +135,7 @@ class OllamaRoutes:
         return {"models": out}
 
     def show(self):
-        body = self.api.json_body()
+        body = body_json()
         if not isinstance(body, dict):
             raise ApiError(400, "Received json is not an object")
         name = body.get("model") or body.get("name")  # `name`: Ollama's older spelling

@@ -5,6 +5,7 @@ routes to register them, so the routes naming the app would be an import cycle (
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -27,8 +28,34 @@ class AppApi(Protocol):
     client: EngineClient
     limits: Limits
 
-    def json_body(self) -> Any: ...
+    def json_body(self) -> Any: ...  # adapter.json_body(): the OpenAI routes' rule
     def ready_status(self, model: str, fresh: bool = True) -> EngineStatus: ...
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def json_body(any_content_type: bool = False) -> Any:
+    """The request's body as JSON (413 past the app's MAX_CONTENT_LENGTH; not JSON, NaN and Infinity included: a
+    400 in the API's error shape).
+
+    The OpenAI and Anthropic routes want `Content-Type: application/json` (415 otherwise), as their clients send
+    it. `any_content_type`: the body is JSON whatever the header says, as Ollama decodes it (litellm's Ollama
+    providers send no Content-Type, Ollama's documented `curl -d` a form type). A web page's request with such a
+    type is still refused (403): browsers send it cross-site without asking first (no CORS preflight), so it is
+    how a page the user visits could spend this server's compute, which the 415 prevents on the other routes; a
+    page's JSON request needs a preflight, which this server never answers."""
+    if request.mimetype != "application/json":
+        if not any_content_type:
+            raise ApiError(415, "Content-Type must be application/json")
+        if request.headers.get("Origin") is not None:
+            raise ApiError(403, "a web page's request needs Content-Type: application/json")
+    data = request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise ApiError(400, "Request body is not valid JSON") from None
 
 
 def error_handlers(target: Flask | Blueprint, render: Callable[[ApiError], Response], max_body_bytes: int) -> None:

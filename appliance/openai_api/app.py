@@ -24,7 +24,7 @@ from appliance import __version__, auth, web
 from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
 from appliance.http.client import EngineClient
 from appliance.ollama_api.routes import blueprint as ollama_blueprint
-from appliance.openai_api.adapter import error_handlers
+from appliance.openai_api.adapter import error_handlers, json_body
 from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
 from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
 from appliance.openai_api.embeddings import register as register_embeddings
@@ -32,18 +32,16 @@ from appliance.openai_api.errors import ApiError
 from appliance.openai_api.responses_routes import register as register_responses
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.streaming import Generation, Meta, bound_send_buffer, socket_closed
-from appliance.openai_api.validation import parse_tokenize
+from appliance.openai_api.validation import OPENAI, OVMS, Dialect, parse_tokenize
 from appliance.protocol import EngineStatus, HttpRecord, ModelInfo
 from appliance.settings import ConfigError, ServeSettings
 
 log = logging.getLogger("appliance.http")
 
 OPEN_PATHS = {"/v2/health/live", "/v2/health/ready"}  # probes work without the API key
-PREFIXES = ("/v3", "/v1", "/v3/v1")  # /v3/v1/... is OVMS's deprecated spelling
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
+# each API prefix and whose defaults its completions and chat requests get (validation.Dialect): /v3 is OVMS's API
+# (/v3/v1/... its deprecated spelling), /v1 OpenAI's, where OpenAI's clients and frameworks point
+PREFIXES = {"/v3": OVMS, "/v1": OPENAI, "/v3/v1": OVMS}
 
 
 class Api:
@@ -77,13 +75,7 @@ class Api:
 
     @staticmethod
     def json_body():
-        if request.mimetype != "application/json":
-            raise ApiError(415, "Content-Type must be application/json")
-        data = request.get_data(cache=False)  # 413 past MAX_CONTENT_LENGTH
-        try:
-            return json.loads(data, parse_constant=_reject_constant)
-        except (ValueError, RecursionError):
-            raise ApiError(400, "Request body is not valid JSON") from None
+        return json_body()
 
     def ready_status(self, model: str, fresh: bool = True) -> EngineStatus:
         """Model `model`'s status if it can serve (ApiError otherwise: 404 for no such model, 503 not ready).
@@ -96,14 +88,14 @@ class Api:
         _not_serving(model, status.state, None if fresh else status.error)
 
     # ---- generation endpoints
-    def completions(self):
-        req = parse_completion(self.json_body(), self.limits)
+    def completions(self, dialect: Dialect):
+        req = parse_completion(self.json_body(), self.limits, dialect)
         return self.generate(
             req, lambda params, rid: completion_job(req, params, rid), CompletionShape(req.edge.return_raw_tokens)
         )
 
-    def chat(self):
-        req = parse_chat(self.json_body(), self.limits)
+    def chat(self, dialect: Dialect):
+        req = parse_chat(self.json_body(), self.limits, dialect)
         # its parsers: how this model writes tool calls and reasoning
         status = self.ready_status(req.edge.model, fresh=False)
         shape = ChatShape.for_request(req, status.tool_parser, status.reasoning_parser)
@@ -251,19 +243,21 @@ def create_app(settings: ServeSettings | None = None, client: EngineClient | Non
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     cast(DefaultJSONProvider, app.json).sort_keys = False
 
-    for prefix in PREFIXES:
-        app.add_url_rule(
-            f"{prefix}/completions", view_func=api.completions, methods=["POST"], endpoint=f"completions{prefix}"
-        )
-        app.add_url_rule(f"{prefix}/chat/completions", view_func=api.chat, methods=["POST"], endpoint=f"chat{prefix}")
+    for prefix, dialect in PREFIXES.items():
+        for name, path, view in (
+            ("completions", "completions", api.completions),
+            ("chat", "chat/completions", api.chat),
+        ):
+            # `defaults`: the generation view's argument, its request's dialect
+            app.add_url_rule(f"{prefix}/{path}", name + prefix, view, methods=["POST"], defaults={"dialect": dialect})
         app.add_url_rule(f"{prefix}/tokenize", view_func=api.tokenize, methods=["POST"], endpoint=f"tokenize{prefix}")
         app.add_url_rule(f"{prefix}/models", view_func=api.models, methods=["GET"], endpoint=f"models{prefix}")
         app.add_url_rule(
             f"{prefix}/models/<path:model_id>", view_func=api.model, methods=["GET"], endpoint=f"model{prefix}"
         )
     app.register_blueprint(anthropic_blueprint(api))  # Anthropic's Messages API: /v1/messages
-    register_responses(app, api, PREFIXES)
-    register_embeddings(app, api, PREFIXES)  # /v3/embeddings, /v3/rerank
+    register_responses(app, api, tuple(PREFIXES))
+    register_embeddings(app, api, tuple(PREFIXES))  # /v3/embeddings, /v3/rerank
     app.add_url_rule("/v2/health/live", view_func=api.live, methods=["GET"])
     app.add_url_rule("/v2/health/ready", view_func=api.ready, methods=["GET"])
     app.add_url_rule("/v2/models/<path:name>/ready", view_func=api.model_ready, methods=["GET"])

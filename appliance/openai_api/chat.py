@@ -4,12 +4,12 @@ engine-side), and how its choices and chunks are spelled.
 
 Tools (tool_calls.py): tool_choice "none" passes no tools and parses nothing; "auto" parses the free output;
 "required" and a named tool constrain it with a Lark grammar of calls whose arguments follow each tool's parameters
-schema. Reasoning (reasoning.py): with the engine's reasoning parser on, a leading thought goes to
-`reasoning_content` and `reasoning`; tool calls are parsed in the rest only. The parsers are per choice and
-incremental, so a stream's deltas add up to the unary message; a call is streamed as a delta naming it (arguments
-"") and one holding its whole arguments, which therefore always concatenate to valid JSON, except in the one call
-max_tokens cut where only calls may be (tool_choice required / named): it comes last, with the arguments written
-so far and finish_reason "length", as OpenAI returns it.
+schema; a response_format beside them shapes a later turn's text (`chat_job`). Reasoning (reasoning.py): with the
+engine's reasoning parser on, a leading thought goes to `reasoning_content` and `reasoning`; tool calls are parsed
+in the rest only. The parsers are per choice and incremental, so a stream's deltas add up to the unary message; a
+call is streamed as a delta naming it (arguments "") and one holding its whole arguments, which therefore always
+concatenate to valid JSON, except in the one call max_tokens cut where only calls may be (tool_choice required /
+named): it comes last, with the arguments written so far and finish_reason "length", as OpenAI returns it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from appliance.openai_api.tool_calls import (
     parse_tool_calls,
     tool_grammar,
 )
-from appliance.openai_api.validation import EdgeOptions, check_queue, generation, read_body
+from appliance.openai_api.validation import OVMS, Dialect, EdgeOptions, check_queue, generation, read_body
 from appliance.outputs import TokenLogprob
 from appliance.params import TOOL_CALL_FORMATS, SamplingParams
 from appliance.protocol import Job, PromptSpec
@@ -53,11 +53,11 @@ class ChatRequest:
     parallel_tool_calls: bool = True
 
 
-def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
+def parse_chat(body: Any, limits: Limits = Limits(), dialect: Dialect = OVMS) -> ChatRequest:
     values, unknown = read_body(body, F.CHAT, limits)
     # OpenAI renamed max_tokens to max_completion_tokens for chat; the newer name wins when both are given (both
     # are checked: an invalid value is an error even where the other one wins): the later field in the table
-    edge, sampling = generation(values, F.CHAT)
+    edge, sampling = generation(values, F.CHAT, dialect)
     logprobs, top = values["logprobs"], values["top_logprobs"]
     if top is not None and not logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -70,12 +70,6 @@ def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
         raise invalid("tool_choice is only allowed when tools are specified", "tool_choice")
     if name is not None and name not in {t["function"]["name"] for t in tools}:
         raise invalid(f"tool_choice names function {name!r}, which is not one of tools", "tool_choice")
-    if sampling.get("grammar") is not None and choice in ("required", "named"):
-        raise invalid(
-            f"response_format cannot constrain the output together with tool_choice {choice!r} (which constrains "
-            "it to tool calls): send one",
-            "response_format",
-        )
     check_queue(1, edge["n"], sampling, limits)
     return ChatRequest(
         EdgeOptions(**edge, unknown=unknown),
@@ -91,8 +85,14 @@ def parse_chat(body: Any, limits: Limits = Limits()) -> ChatRequest:
 def chat_job(
     req: ChatRequest, params: SamplingParams, request_id: str, tool_parser: str = "", limits: Limits = Limits()
 ) -> Job:
+    """The engine's job. tool_choice required / named: the output is calls only, constrained by the tools' grammar
+    (each call's arguments follow its tool's parameters schema). A response_format sent with it (agent frameworks
+    send both: an agent with an output type and a forced tool, as openai-agents and instructor's Responses mode do)
+    constrains text, and this turn writes none: it shapes the turn that answers in text (the client sends the tool
+    results back under tool_choice auto or none, whose grammar is the format), as OpenAI answers the pair. So the
+    tools' grammar replaces the format's here and no constraint on this output is lost."""
     tools = list(req.tools) if req.tools and req.tool_choice != "none" else None
-    if tools and req.tool_choice in ("required", "named"):  # validation refused a response_format grammar with it
+    if tools and req.tool_choice in ("required", "named"):
         named = req.tool_name if req.tool_choice == "named" else None
         fmt = tool_parser or DEFAULT_TOOL_PARSER
         try:

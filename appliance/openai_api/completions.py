@@ -12,7 +12,7 @@ from appliance.openai_api import fields as F
 from appliance.openai_api.errors import invalid
 from appliance.openai_api.parsers import Prompt
 from appliance.openai_api.streaming import Choice
-from appliance.openai_api.validation import EdgeOptions, check_queue, generation, read_body
+from appliance.openai_api.validation import OVMS, Dialect, EdgeOptions, check_queue, generation, read_body
 from appliance.outputs import TokenLogprob
 from appliance.params import SamplingParams
 from appliance.protocol import Job, PromptSpec
@@ -26,9 +26,9 @@ class CompletionRequest:
     echo: bool = False
 
 
-def parse_completion(body: Any, limits: Limits = Limits()) -> CompletionRequest:
+def parse_completion(body: Any, limits: Limits = Limits(), dialect: Dialect = OVMS) -> CompletionRequest:
     values, unknown = read_body(body, F.COMPLETION, limits)
-    edge, sampling = generation(values, F.COMPLETION)
+    edge, sampling = generation(values, F.COMPLETION, dialect)
     prompts, echo = values["prompt"], bool(values["echo"])
     if values["tokens"] is not None:
         if prompts is not None:

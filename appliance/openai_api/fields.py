@@ -503,14 +503,15 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "stop",
             _stop,
             "Up to {stop_strings} stop strings of at most {stop_chars} characters (empty strings are "
-            "ignored). Unary answers leave the stop string out unless `include_stop_str_in_output`; "
-            "streams include it (OVMS) unless `include_stop_str_in_output` is false.",
+            "ignored). Unary answers leave the stop string out unless `include_stop_str_in_output`; so do "
+            "streams on `/v1` (OpenAI's rule), while streams on `/v3` include it (OVMS's) unless "
+            "`include_stop_str_in_output` is false.",
             parse=P.stop,
         ),
         boolean(
             "include_stop_str_in_output",
             "include_stop_str_in_output accepts values true or false",
-            "Default false for unary requests, true for streams (OVMS). False with `stream: true` streams the "
+            "Default false, except for streams on `/v3` (OVMS): true. False with `stream: true` streams the "
             "unary answer's text: what may begin a stop string is held back until decided.",
         ),
         boolean("skip_special_tokens", "skip_special_tokens is not a bool", "Default true."),
@@ -738,7 +739,10 @@ CHAT = (
         description="Alternatives per token; needs `logprobs: true`.",
         param=None,
     ),
-    response_format("Not together with `tool_choice` required or named (which constrain the output to calls)."),
+    response_format(
+        "With `tool_choice` required or named the answer is calls only, each constrained by its tool's parameters: "
+        "the format then shapes the text of a later turn (tool_choice auto or none)."
+    ),
     custom(
         "tools",
         _tools,

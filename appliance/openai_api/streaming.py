@@ -165,6 +165,8 @@ class Generation:
                 c.prefix = accepted.echo_texts[c.index // self.job.n] if accepted.echo_texts else ""
                 c.offset = len(c.prefix)
             self._first = [next(self._events)]
+            first = self._first[0]  # the prefill's cache hit, for a usage() asked before the first delta
+            self.choices[first.index].cached_tokens = first.chunk.cached_tokens
         except BaseException:
             self.close()
             raise

@@ -30,6 +30,9 @@ from appliance.openai_api.parsers import finite, is_int
 
 __all__ = [
     "Limits",
+    "Dialect",
+    "OVMS",
+    "OPENAI",
     "EdgeOptions",
     "TokenizeRequest",
     "read_body",
@@ -37,6 +40,23 @@ __all__ = [
     "check_queue",
     "parse_tokenize",
 ]
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """Whose defaults a request gets where OVMS (the reference of `/v3`) and OpenAI (of `/v1`) differ: the app's
+    route table gives each prefix one, and the request is built with it.
+
+    `stream_keeps_stop`: the default of `include_stop_str_in_output` in a stream (unary answers leave the stop
+    string out on both). OVMS streams it; OpenAI never returns a stop string, so clients written for OpenAI (the
+    `openai` SDK under LangChain's `ChatOpenAI.stream(stop=...)`, ...) would show it."""
+
+    name: str
+    stream_keeps_stop: bool
+
+
+OVMS = Dialect("ovms", stream_keeps_stop=True)
+OPENAI = Dialect("openai", stream_keeps_stop=False)
 
 
 @dataclass(frozen=True)
@@ -177,9 +197,10 @@ def _sampling(values: dict[str, Any], table: tuple[F.Field, ...]) -> dict[str, A
     return {f.param: values[f.name] for f in table if f.param is not None and values[f.name] is not None}
 
 
-def generation(values: dict[str, Any], table: tuple[F.Field, ...]) -> tuple[dict, dict]:
+def generation(values: dict[str, Any], table: tuple[F.Field, ...], dialect: Dialect = OVMS) -> tuple[dict, dict]:
     """(EdgeOptions' keyword arguments, the sampling values) from the fields read, once the rules across fields
-    hold (the endpoint-specific ones are checked by callers)."""
+    hold (the endpoint-specific ones are checked by callers); unset fields whose default differs by API get
+    `dialect`'s."""
     stream = bool(values["stream"])
     best_of, beams = values["best_of"], "best_of"
     if values.get("num_beams") is not None:  # Friendli's name of best_of
@@ -219,7 +240,7 @@ def generation(values: dict[str, Any], table: tuple[F.Field, ...]) -> tuple[dict
     if values["min_tokens"] == -1:  # Cerebras: up to max_tokens (or the context's end)
         del sampling["min_tokens"]
         sampling["min_tokens_to_limit"] = True
-    sampling.setdefault("include_stop_str_in_output", stream)  # OVMS: streams include the stop string
+    sampling.setdefault("include_stop_str_in_output", stream and dialect.stream_keeps_stop)
     edge = {
         "model": values["model"],
         "stream": stream,

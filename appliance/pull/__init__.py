@@ -11,7 +11,8 @@ How, so that a partial download is never served:
 - one pull of a repository and revision at a time: a lock file (flock) under the staging folder, held by the
   process that pulls; a second pull waits for it (and then finds the model there). The kernel drops the lock of a
   process that dies.
-- free disk space is checked against the sizes the hub reports before anything downloads;
+- free disk space is checked against the sizes the hub reports before anything downloads, and each file is held to
+  its reported size while it downloads (past it the pull stops and the part is deleted: hub.py fetch_file);
 - files download with huggingface_hub into a staging folder (`.staging/` beside the models), which resumes a file
   from its `.incomplete` part: a dropped connection is retried here (RETRIES, each resuming where it stopped), and a
   pull interrupted by anything (a killed process, a vanished client) resumes at the next pull;
@@ -27,7 +28,8 @@ then asks the engine process to serve the model (appliance/server/pulled_models.
 download or an export would share its GIL and memory with generation, and an export's torch must never enter the
 serving processes) and not in the worker itself (which never imports OpenVINO: the IR is validated with it). A
 vanished client kills the child: the lock goes with it, the staged files stay for the next pull, nothing half-made
-is in the models folder.
+is in the models folder. `appliance rm` and /api/delete remove what an unfinished pull of a name left (store.py
+`remove`).
 
 Cost, measured on a loaded 2-core box over loopback (tests/test_pull.py's stand-in hub): the default model's int4 IR
 (100 MB) pulls in 7.5-9.5 s, of which the SHA-256 of the weights is 0.5 s and reading and checking the IR 1.4 s.

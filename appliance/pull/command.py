@@ -40,7 +40,8 @@ def add_arguments(sub) -> None:
     rm = sub.add_parser(
         "rm",
         help="delete a pulled model",
-        description="Delete a model `appliance pull` downloaded (a running server: DELETE /api/delete).",
+        description="Delete a model `appliance pull` downloaded, or what an interrupted pull of it left (a running "
+        "server: DELETE /api/delete).",
     )
     rm.add_argument("model", help="the pulled model's name, REPO[:REVISION]")
 
@@ -86,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(args, str(exc), 400)
     if args.command == "rm":
-        if not remove(paths.pulled_model_dir(ref)):
+        if not remove(paths.pulled_model_dir(ref)):  # the model, or a partial download of it
             return fail(args, f"no pulled model {ref.name} in {paths.pulled_models_dir()}", 404)
         print(f"deleted {ref.name}", file=sys.stderr)
         return 0

@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ DEFAULT_ENDPOINT = "https://huggingface.co"
 RETRIES = 5  # a dropped connection resumes the file this many times before the pull fails
 RETRY_SECONDS = 1.0
 PROGRESS_SECONDS = 0.25  # how often a download reports its bytes
+CHECK_SECONDS = 0.05  # how often a download's size is held against the announced one
 EXPORT_TOOLS = ("torch", "transformers", "optimum", "nncf")
 # the files of a safetensors repository the exporter reads (the weights, their index, the tokenizer, the config)
 SAFETENSORS_FILES = (
@@ -150,24 +151,68 @@ def have(download: Path, f: HubFile) -> int:
 
 def fetch_file(hub, ref: HubRef, commit: str, f: HubFile, download: Path, emit: Emit) -> None:
     """One file into `download` (huggingface_hub's local_dir, which resumes its `.incomplete` part), reporting its
-    bytes every PROGRESS_SECONDS; a dropped connection is retried RETRIES times, each resuming."""
+    bytes every PROGRESS_SECONDS; a dropped connection is retried RETRIES times, each resuming.
+
+    Bounded by the size the hub announced: huggingface_hub writes whatever arrives and compares sizes only at the
+    end, so a hub that announces 24 bytes and sends an endless body filled 750 MB in 20 s. The part's size is
+    looked at every CHECK_SECONDS; past the announced size the pull stops (PullError 502) and the part is deleted.
+    The download runs on a daemon thread, which cannot be stopped from outside: the process ends with the pull
+    (the CLI, or /api/pull's child), and the thread with it."""
     status = file_status(f)
-    with ThreadPoolExecutor(1, thread_name_prefix="pull") as pool:
-        for attempt in range(RETRIES + 1):
-            job = pool.submit(
-                hub.hf_hub_download, ref.repo, f.name, revision=commit, local_dir=download, endpoint=endpoint()
-            )
-            while not wait([job], timeout=PROGRESS_SECONDS).done:
-                emit({**status, "completed": min(have(download, f), f.size)}, f.name)
-            exc = job.exception()
-            if exc is None:
-                break
-            if not transient(hub, exc):
-                raise PullError(f"downloading {f.name}: {str(exc).splitlines()[0]}", 502) from None
-            if attempt == RETRIES:
-                raise PullError(f"downloading {f.name} failed {RETRIES + 1} times: {exc}", 502) from None
-            time.sleep(RETRY_SECONDS)
+    for attempt in range(RETRIES + 1):
+        job = Download(hub.hf_hub_download, ref.repo, f.name, revision=commit, local_dir=download, endpoint=endpoint())
+        reported = 0.0
+        while not job.done.wait(CHECK_SECONDS):
+            got = have(download, f)
+            if got > f.size:
+                discard(download, f)
+                raise PullError(
+                    f"downloading {f.name}: the hub sent more than the {f.size} bytes it announced; stopped, and "
+                    "the partial file deleted",
+                    502,
+                )
+            if time.monotonic() - reported >= PROGRESS_SECONDS:
+                reported = time.monotonic()
+                emit({**status, "completed": got}, f.name)
+        exc = job.error
+        if exc is None:
+            break
+        if not transient(hub, exc):
+            raise PullError(f"downloading {f.name}: {str(exc).splitlines()[0]}", 502) from None
+        if attempt == RETRIES:
+            raise PullError(f"downloading {f.name} failed {RETRIES + 1} times: {exc}", 502) from None
+        time.sleep(RETRY_SECONDS)
     emit({**status, "completed": f.size}, f.name)
+
+
+class Download:
+    """`call(*args, **kwargs)` on a daemon thread (fetch_file says why a daemon): `done` once it returns, with its
+    exception in `error`."""
+
+    def __init__(self, call: Callable[..., object], *args: object, **kwargs: object):
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                call(*args, **kwargs)
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                self.done.set()
+
+        threading.Thread(target=run, name="pull-download", daemon=True).start()
+
+
+def discard(download: Path, f: HubFile) -> None:
+    """`f`'s downloaded bytes gone: the file, its resumable parts and huggingface_hub's record of it."""
+    (download / f.name).unlink(missing_ok=True)
+    parts = (download / ".cache" / "huggingface" / "download" / f.name).parent
+    etag = f.sha256 or f.blob_id
+    if etag and parts.is_dir():
+        for part in parts.glob(f"*.{glob_escape(etag)}.incomplete"):
+            part.unlink(missing_ok=True)
+    (download / ".cache" / "huggingface" / "download" / f"{f.name}.metadata").unlink(missing_ok=True)
 
 
 def file_status(f: HubFile) -> dict:
@@ -198,8 +243,7 @@ def verify(download: Path, f: HubFile) -> None:
                 digest.update(chunk)
     got = digest.hexdigest() if digest is not None else None
     if size != f.size or got != want:
-        path.unlink()
-        (download / ".cache" / "huggingface" / "download" / f"{f.name}.metadata").unlink(missing_ok=True)
+        discard(download, f)
         kind = "sha256" if f.sha256 else "sha1"
         raise PullError(
             f"digest mismatch, file must be downloaded again: {f.name} want {kind}:{want} ({f.size} bytes), "

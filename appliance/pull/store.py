@@ -163,19 +163,26 @@ def current(final: Path, commit: str) -> bool:
 
 
 def remove(folder: Path) -> bool:
-    """Deletes the pulled model in `folder` (paths.pulled_model_dir; False: there is none). Waits for a pull of it
-    under way to end first."""
+    """Deletes the pulled model in `folder` (paths.pulled_model_dir) and what a pull of it left in the staging
+    folder (a download to resume, a half-built folder); False: there was neither. Waits for a pull of it under way
+    to end first."""
     staging = paths.pulled_models_dir() / ".staging"
     staging.mkdir(parents=True, exist_ok=True)
-    with locked(staging / f"{staging_key(folder)}.lock", folder.name, lambda *a, **k: None):
-        if not folder.is_dir():
-            return False
-        trash = Path(tempfile.mkdtemp(prefix="deleted-", dir=staging))
-        folder.rename(trash / "model")  # gone from the models folder at once; deleted below
-        shutil.rmtree(trash, ignore_errors=True)
+    key = staging_key(folder)
+    with locked(staging / f"{key}.lock", folder.name, lambda *a, **k: None):
+        found = False
+        for partial in [staging / key, *staging.glob(f"{glob_escape(key)}.build-*")]:
+            if partial.is_dir():
+                shutil.rmtree(partial, ignore_errors=True)
+                found = True
+        if folder.is_dir():
+            trash = Path(tempfile.mkdtemp(prefix="deleted-", dir=staging))
+            folder.rename(trash / "model")  # gone from the models folder at once; deleted below
+            shutil.rmtree(trash, ignore_errors=True)
+            found = True
         with contextlib.suppress(OSError):
             folder.parent.rmdir()  # the repository's folder, once its last revision is gone
-    return True
+    return found
 
 
 def staging_key(folder: Path) -> str:

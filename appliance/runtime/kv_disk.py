@@ -41,12 +41,13 @@ admission then takes the checked bytes (`load`) and only copies them into the ca
 ahead in time (an idle engine admits at once: then nobody else waits) is read at admission as before. Read-ahead
 blocks are held up to READY_BYTES (a cancelled request's are forgotten, oldest first).
 
-Bounded: the directory holds at most `max_bytes` (--kv-disk-bytes): before each write the writer evicts the least
-recently used blocks until the new file fits, so the directory (its temp file included) never holds more (an
-in-memory index, ordered at start by mtime; a hit touches the file so the order survives a restart). At start:
-temp files of dead writers are deleted, and other fingerprints' blocks, oldest first, while the whole directory is
-over budget. One process per directory keeps the bound exact; a reload that overlaps the old engine counts the
-other's files only as it meets them (at start, or when it loads one).
+Bounded (kv_disk_space.py, shared by every model's tier on the directory): the directory holds at most
+`max_bytes` (--kv-disk-bytes) across models: before each write the least recently used blocks, of any model, are
+evicted until the new file fits, so the directory (its temp file included) never holds more (an in-memory index,
+ordered at start by mtime; a hit touches the file so the order survives a restart). Blocks unused for `max_age`
+(--kv-disk-max-age) are deleted. A failed or short write publishes nothing, is counted (`kv_disk_write_errors`)
+and pauses the directory's writes, with one throttled warning. At start: temp files of dead writers are deleted,
+then blocks past the age limit and the least recently used while the directory is over budget.
 
 Static-shape backends (NPU, ONNX Runtime) have no block pool and no prefix cache: the tier is off for them (their
 read_block says "not supported"). An NPU's analogue would be saving and restoring a whole slot's KV per
@@ -56,8 +57,10 @@ conversation; not built.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
+import math
 import os
 import queue
 import struct
@@ -68,12 +71,13 @@ from array import array
 from collections import OrderedDict
 from pathlib import Path
 
+from appliance.runtime import kv_disk_space
+from appliance.runtime.kv_disk_space import SUFFIX, TMP
+
 log = logging.getLogger(__name__)
 
 SALT_FILE = "salt"
 SALT_BYTES = 16
-SUFFIX = ".kv"
-TMP = ".tmp."
 MAGIC = b"AKV1"
 _HEADER = struct.Struct("<4sQII")  # magic, payload length, token count, CRC-32 of name + tokens + payload
 NAME_BYTES = 16
@@ -165,16 +169,21 @@ def decode(data: bytes, name: bytes) -> tuple[tuple[int, ...], bytes] | None:
 class DiskTier:
     """One export's blocks in `directory`/<fp>: `save` (any thread, never blocks), `load` (engine thread)."""
 
-    def __init__(self, directory: str | Path, fp: str, max_bytes: int, fsync: bool = False):
+    def __init__(
+        self,
+        directory: str | Path,
+        fp: str,
+        max_bytes: int,
+        max_age: float = math.inf,  # seconds unused before a block is deleted (the engine: --kv-disk-max-age)
+        fsync: bool = False,
+    ):
         self.root = Path(directory)
         self.salt = load_salt(self.root)
+        self.fp = fp
         self.dir = self.root / fp
         self.dir.mkdir(mode=0o700, exist_ok=True)
-        self.max_bytes = max_bytes
         self.fsync = fsync
         self._lock = threading.Lock()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # name -> file bytes, least recently used first
-        self._bytes = 0
         self._queued = 0
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
@@ -188,75 +197,37 @@ class DiskTier:
             "kv_disk_read_bytes": 0,
             "kv_disk_written_bytes": 0,
             "kv_disk_written_blocks": 0,
-            "kv_disk_dropped_writes": 0,
+            "kv_disk_dropped_writes": 0,  # the writer's queue full, or writes paused after a failed one
+            "kv_disk_write_errors": 0,  # writes that failed (a full disk, a file-size limit): nothing published
             "kv_disk_corrupt_blocks": 0,
             "kv_disk_evicted_blocks": 0,
+            "kv_disk_expired_blocks": 0,  # deleted by the age limit
             "kv_disk_load_seconds": 0.0,  # the engine thread's time in load (reading, when not read ahead)
             "kv_disk_prefetched_blocks": 0,  # blocks the reader thread read ahead of their request's admission
             "kv_disk_copy_seconds": 0.0,  # the step's share of writes: copying blocks out (BlockPool.register)
             "kv_disk_writer_cpu_seconds": 0.0,  # the writer thread's CPU time (checksum, write, rename, evict)
         }
-        self._other = self._clean()
+        self.space = kv_disk_space.acquire(self.root, max_bytes, max_age)
         self._thread = threading.Thread(target=self._writer, name="kv-disk-writer", daemon=True)
         self._thread.start()
         self._reader = threading.Thread(target=self._read_ahead, name="kv-disk-reader", daemon=True)
         self._reader.start()
 
-    # ---- start-up ----
-    def _clean(self) -> int:
-        """Delete dead writers' temp files, index ours by mtime, trim other fingerprints (oldest first) while the
-        directory is over budget. Returns the bytes other fingerprints keep."""
-        ours: list[tuple[int, int, Path]] = []
-        others: list[tuple[int, int, Path]] = []
-        for sub in self.root.iterdir():
-            if not sub.is_dir() or sub.is_symlink():
-                continue
-            for f in sub.iterdir():
-                try:
-                    st = f.stat()
-                except FileNotFoundError:
-                    continue
-                if TMP in f.name:
-                    pid = f.name.rsplit(TMP, 1)[1].split(".")[0]
-                    if not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
-                        f.unlink(missing_ok=True)
-                    continue
-                if not f.name.endswith(SUFFIX):
-                    continue
-                (ours if sub == self.dir else others).append((st.st_mtime_ns, st.st_size, f))
-        for _, size, f in sorted(ours):
-            try:
-                name = bytes.fromhex(f.name[: -len(SUFFIX)])
-            except ValueError:
-                continue
-            self._index[name] = size
-            self._bytes += size
-        other = sum(size for _, size, _ in others)
-        for _, size, f in sorted(others):
-            if self._bytes + other <= self.max_bytes:
-                break
-            f.unlink(missing_ok=True)
-            other -= size
-        self._evict(other)
-        return other
-
-    # ---- engine thread ----
+    # ---- engine thread
     def has(self, name: bytes) -> bool:
         """Indexed by this process (written here, or found at start)."""
-        return name in self._index
+        return self.space.has((self.fp, name))
 
     def load(self, name: bytes, tokens: tuple[int, ...]) -> bytes | None:
         """The block's payload, or None (absent, or torn / corrupt: then deleted)."""
         t0 = time.perf_counter()
-        path = self._path(name)
+        path, key = self._path(name), (self.fp, name)
         with self._lock:
             ready = self._ready.pop(name, None)
             if ready is not None:
                 self._ready_bytes -= len(ready[1])
         if ready is not None and ready[0] == tuple(tokens):  # read and checked ahead by the reader thread
-            with self._lock:
-                if name in self._index:
-                    self._index.move_to_end(name)
+            self.space.touch(key)
             with contextlib.suppress(OSError):
                 os.utime(path)
             self._count_hit(tokens, len(ready[1]), t0)
@@ -265,30 +236,25 @@ class DiskTier:
             with open(path, "rb") as f:
                 data = f.read()
         except OSError:
-            self._drop(name)
+            self.space.drop(key)
             return None
         block = decode(data, name)
         if block is None:
             log.warning("kv disk: a corrupt block file was deleted")
             self.counters["kv_disk_corrupt_blocks"] += 1
             path.unlink(missing_ok=True)
-            self._drop(name)
+            self.space.drop(key)
             return None
         stored, payload = block
         if stored != tuple(tokens):  # a whole file of other tokens under this name (a collision): a miss
             return None
-        new = False
-        with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
-            else:
-                self._index[name] = len(data)
-                self._bytes += len(data)
-                new = True
-        if new:  # another process's file now counted here: keep the budget
-            self._evict(self._other)
+        if self.space.has(key):
+            self.space.touch(key)
+        else:  # another process's file now counted here: keep the budget
+            self.space.add(key, len(data))
+            self._count_room(self.space.make_room())
         with contextlib.suppress(OSError):
-            os.utime(path)  # the LRU order survives a restart
+            os.utime(path)  # the LRU order and the ages survive a restart
         self._count_hit(tokens, len(data), t0)
         return payload
 
@@ -342,10 +308,15 @@ class DiskTier:
                     self._prefetch_pending -= 1
 
     def save(self, name: bytes, tokens: tuple[int, ...], payload: bytes) -> None:
-        """Queue a block for the writer; dropped if the queue is full or the block is already stored."""
-        if name in self._index:
+        """Queue a block for the writer; dropped if the queue is full, writes are paused (a failed one) or the
+        block is already stored."""
+        if self.space.has((self.fp, name)):
             return
-        if self._queued + len(payload) > QUEUE_BYTES or len(payload) > self.max_bytes:
+        if (
+            self._queued + len(payload) > QUEUE_BYTES
+            or len(payload) > self.space.max_bytes
+            or not self.space.writable()
+        ):
             self.counters["kv_disk_dropped_writes"] += 1
             return
         with self._lock:
@@ -353,7 +324,8 @@ class DiskTier:
         self._queue.put((name, tokens, payload))
 
     def stats(self) -> dict:
-        return {**self.counters, "kv_disk_bytes": self._bytes, "kv_disk_blocks": len(self._index)}
+        blocks = (self.space.fp_bytes.get(self.fp, 0), self.space.fp_blocks.get(self.fp, 0))
+        return {**self.counters, "kv_disk_bytes": blocks[0], "kv_disk_blocks": blocks[1]}
 
     def idle(self) -> bool:
         """No read-ahead pending (tests, benchmarks)."""
@@ -371,11 +343,16 @@ class DiskTier:
         self._prefetch_queue.put(None)
         self._thread.join(timeout=10)
         self._reader.join(timeout=10)
+        kv_disk_space.release(self.space)
 
-    # ---- writer thread ----
+    # ---- writer thread
     def _writer(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=kv_disk_space.EXPIRE_SECONDS)
+            except queue.Empty:  # idle: the age limit still applies
+                self._count_room(self.space.make_room())
+                continue
             if item is None:
                 return
             if isinstance(item, threading.Event):
@@ -385,68 +362,51 @@ class DiskTier:
             t0 = time.thread_time()
             try:
                 self._write(name, tokens, payload)
-            except OSError as exc:  # a full or read-only disk: the cache just misses
-                log.warning("kv disk: write failed: %s", exc)
+            except OSError as exc:  # a full or read-only disk, a file-size limit: nothing published, writes pause
+                self.counters["kv_disk_write_errors"] += 1
+                self.space.failed(exc)
             finally:
                 with self._lock:
                     self._queued -= len(payload)
                 self.counters["kv_disk_writer_cpu_seconds"] += time.thread_time() - t0
 
     def _write(self, name: bytes, tokens: tuple[int, ...], payload: bytes) -> None:
-        if name in self._index:
+        key = (self.fp, name)
+        if self.space.has(key):
+            return
+        if not self.space.writable():
+            self.counters["kv_disk_dropped_writes"] += 1
             return
         head = encode_head(name, tokens, payload)
         size = len(head) + len(payload)
-        if size + self._other > self.max_bytes:
+        if size > self.space.max_bytes:
             return
-        self._evict(self._other, room=size)  # first: the directory stays within budget while the file is written
+        self._count_room(self.space.make_room(size))  # first: the directory stays within budget while writing
         self._seq += 1
         path = self._path(name)
         tmp = path.with_name(f"{path.name}{TMP}{os.getpid()}.{self._seq}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            with os.fdopen(fd, "wb", buffering=0) as f:
-                f.write(head)
-                f.write(payload)
+            try:
+                kv_disk_space.write_all(fd, head)
+                kv_disk_space.write_all(fd, payload)
                 if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+                if os.fstat(fd).st_size != size:
+                    raise OSError(errno.EIO, f"{tmp.name} holds {os.fstat(fd).st_size} of {size} bytes")
+            finally:
+                os.close(fd)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        with self._lock:
-            self._index[name] = size
-            self._bytes += size
+        self.space.add(key, size)
         self.counters["kv_disk_written_bytes"] += size
         self.counters["kv_disk_written_blocks"] += 1
 
-    def _evict(self, other: int, room: int = 0) -> None:
-        """Delete least recently used blocks until ours + `other` + `room` fit the budget."""
-        while True:
-            with self._lock:  # the engine thread (a load) and the writer both evict
-                if not self._index or self._bytes + other + room <= self.max_bytes:
-                    return
-                name, size = self._index.popitem(last=False)
-                self._bytes -= size
-            self._path(name).unlink(missing_ok=True)
-            self.counters["kv_disk_evicted_blocks"] += 1
-
-    def _drop(self, name: bytes) -> None:
-        with self._lock:
-            size = self._index.pop(name, None)
-            if size is not None:
-                self._bytes -= size
+    def _count_room(self, counts: tuple[int, int]) -> None:
+        self.counters["kv_disk_expired_blocks"] += counts[0]
+        self.counters["kv_disk_evicted_blocks"] += counts[1]
 
     def _path(self, name: bytes) -> Path:
         return self.dir / (name.hex() + SUFFIX)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

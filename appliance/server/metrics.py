@@ -104,7 +104,17 @@ KV_DISK_COUNTERS = (
         "Disk tier block files found torn or corrupt (deleted).",
         "kv_disk_corrupt_blocks",
     ),
-    ("kv_disk_dropped_writes_total", "Disk tier writes dropped (writer queue full).", "kv_disk_dropped_writes"),
+    (
+        "kv_disk_dropped_writes_total",
+        "Disk tier writes dropped (writer queue full, or writes paused after a failed one).",
+        "kv_disk_dropped_writes",
+    ),
+    (
+        "kv_disk_write_errors_total",
+        "Disk tier writes that failed (a full disk, a file-size limit, an I/O error): nothing published.",
+        "kv_disk_write_errors",
+    ),
+    ("kv_disk_expired_blocks_total", "Disk tier blocks deleted by the age limit.", "kv_disk_expired_blocks"),
 )
 
 

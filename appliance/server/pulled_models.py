@@ -11,7 +11,9 @@ means the engine socket carries no progress stream and the supervisor only gains
 A model added by a pull has the server's global engine settings (the command line and APPLIANCE_* variables over
 the config file's top level over the defaults, as a config file's model without keys of its own), never the served
 model's draft model (a draft belongs to its model's tokenizer). A config reload keeps it (`keep`): a reload applies
-the file, and the file does not name it.
+the file, and the file does not name it. A reload also looks at the data dir again: a model `appliance pull` put
+there while the server ran is served from then on (loaded by the reload, as a model the file adds), and one
+`appliance rm` deleted is no longer served (unless --no-serve-pulled: then only /api/pull adds models).
 
 After a restart every pulled model in the data dir is served again, on demand as Ollama's are (`restore`, unless
 --no-serve-pulled): listed ready but not loaded, so /api/tags and /v3/models show it at once and start-up loads
@@ -72,19 +74,25 @@ class PulledModels:
         return {p.SERVE_PULLED: self.serve, p.DELETE_PULLED: self.delete}
 
     def keep(self, specs: list[ModelSpec]) -> list[ModelSpec]:
-        """A config reload's models, and the pulled ones it does not name."""
+        """A config reload's models, and the pulled ones it does not name: those still in the data dir, and those
+        pulled there since (the module docstring)."""
         names = {spec.name for spec in specs}
+        for name in [n for n in self.added if paths.pulled_model(n) is None]:  # deleted beside the server
+            del self.added[name]
+        if self.supervisor.settings.serve_pulled:
+            self.restore(specs)
         return [*specs, *(spec for name, spec in self.added.items() if name not in names)]
 
     def restore(self, named: list[ModelSpec]) -> list[ModelSpec]:
-        """At start-up: the pulled models in the data dir that `named` (the command line's or config file's) does
-        not serve, as specs to serve on demand (the module docstring). One that cannot be read is left out, said in
-        the log: a pulled folder must not stop the server the operator configured."""
+        """At start-up (and on a reload): the pulled models in the data dir that `named` (the command line's or
+        config file's) does not serve and that are not served yet, as specs to serve (on demand at start-up: the
+        module docstring). One that cannot be read is left out, said in the log: a pulled folder must not stop the
+        server the operator configured."""
         names = {spec.name for spec in named}
         folders = {Path(spec.model_dir).resolve() for spec in named}
         specs = []
         for name, folder in pulled_folders():
-            if name in names or folder.resolve() in folders:
+            if name in names or name in self.added or folder.resolve() in folders:
                 continue
             try:
                 manifest = Manifest.load(folder)
@@ -97,7 +105,7 @@ class PulledModels:
             self.added[name] = spec
             specs.append(spec)
         if specs:
-            log.info("pulled models served on demand", extra={"models": [s.name for s in specs]})
+            log.info("pulled models found", extra={"models": [s.name for s in specs]})
         return specs
 
     def prepare(self, spec: ModelSpec) -> None:
@@ -204,7 +212,10 @@ class PulledModels:
                 )
         else:
             folder = paths.pulled_model(name)
-        if folder is None:
+        if folder is None:  # no finished model: what an interrupted pull of it left, if anything
+            if ref is not None and store.remove(paths.pulled_model_dir(ref)):
+                log.info("deleted a partial pull", extra={"model": ref.name})
+                return p.Reply()
             return _not_found(name)
         users = [n for n, spec in current.items() if Path(spec.model_dir).resolve() == folder.resolve()]
         named = [n for n in users if n not in self.added]

@@ -14,8 +14,10 @@ Faults a test asks for on a `Repo`: `drop_once` (file -> byte offset: the first 
 many bytes, then closes the connection), `corrupt` (files served with one byte flipped while the model info keeps
 the true checksum), `claimed_sizes` (file -> the size the model info reports: a huge one for a disk-space refusal),
 `throttle` (file -> seconds slept after each MiB: a download slow enough to interrupt), `token` (requests without
-`Authorization: Bearer <token>` get 401 with RepoNotFound, as the hub answers for a private repository). Every
-request is recorded in `requests` (method, path, Range header, Authorization header).
+`Authorization: Bearer <token>` get 401 with RepoNotFound, as the hub answers for a private repository), `endless`
+(a hostile hub: files whose model info and HEAD announce their size, `claimed_sizes`' if given, while a GET sends
+their bytes over and over as a chunked body that never ends, until the client goes). Every request is recorded in
+`requests` (method, path, Range header, Authorization header); `sent` counts the bytes of each file's bodies.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Repo:
     claimed_sizes: dict[str, int] = field(default_factory=dict)
     throttle: dict[str, float] = field(default_factory=dict)  # file -> seconds of sleep after each 1 MiB sent
     token: str | None = None
+    endless: set[str] = field(default_factory=set)
     _digests: dict[str, tuple[int, str, str]] = field(default_factory=dict)  # name -> (size, sha256, blob id)
 
     def digests(self, name: str) -> tuple[int, str, str]:
@@ -85,6 +88,7 @@ class StubHub:
         self.repos = repos
         self.requests: list[Seen] = []
         self._dropped: set[str] = set()
+        self.sent: dict[str, int] = {}  # file name -> bytes of its bodies sent
         self._lock = threading.Lock()
         hub = self
 
@@ -168,6 +172,8 @@ class StubHub:
         headers = {"ETag": f'"{etag}"', "X-Repo-Commit": repo.commit, "Accept-Ranges": "bytes"}
         if repo.is_lfs(name):
             headers |= {"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(size)}
+        if name in repo.endless:
+            return self._endless(h, repo, name, headers, body)
         start, status = 0, 200
         wanted = h.headers.get("Range")
         if wanted and wanted.startswith("bytes=") and wanted.endswith("-"):
@@ -200,8 +206,37 @@ class StubHub:
                     return
                 h.wfile.write(chunk)
                 position += len(chunk)
+                self._count(name, len(chunk))
                 if name in repo.throttle:
                     time.sleep(repo.throttle[name])
+
+    def _endless(self, h: BaseHTTPRequestHandler, repo: Repo, name: str, headers: dict, body: bool) -> None:
+        """The announced size in the headers (HEAD), then (GET) the file's bytes again and again, chunked."""
+        size = repo.claimed_sizes.get(name, repo.digests(name)[0])
+        if not body:
+            headers["Content-Length"] = str(size)
+        else:
+            headers["Transfer-Encoding"] = "chunked"
+        h.send_response(200)
+        for key, value in headers.items():
+            h.send_header(key, value)
+        h.end_headers()
+        if not body:
+            return
+        data = repo.files[name].read_bytes() or b"\0"
+        chunk = (data * (CHUNK // len(data) + 1))[:CHUNK]
+        frame = b"%x\r\n" % len(chunk) + chunk + b"\r\n"
+        h.close_connection = True
+        try:
+            while True:
+                h.wfile.write(frame)
+                self._count(name, len(chunk))
+        except OSError:  # the client went away
+            return
+
+    def _count(self, name: str, n: int) -> None:
+        with self._lock:
+            self.sent[name] = self.sent.get(name, 0) + n
 
     def _error(self, h: BaseHTTPRequestHandler, status: int, code: str | None) -> None:
         headers = {"Content-Type": "application/json"}

@@ -127,7 +127,7 @@ class Engine(Admission, Liveness):
             self.config.kv_precision(),
         )
         try:
-            return DiskTier(self.config.kv_disk_dir, fp, self.config.kv_disk_bytes)
+            return DiskTier(self.config.kv_disk_dir, fp, self.config.kv_disk_bytes, self.config.kv_disk_max_age)
         except OSError as exc:
             log.warning("kv disk tier off: %s", exc)
             return None
