@@ -13,6 +13,7 @@ emulate)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,7 @@ class CpuIsa:
         return "+".join([base, *extras]) + (f" (capped: {CAP_ENV}={self.cap})" if self.cap else "")
 
 
-def detect(cpuinfo: str = "/proc/cpuinfo", environ: dict[str, str] | None = None) -> CpuIsa:
+def detect(cpuinfo: str = "/proc/cpuinfo", environ: Mapping[str, str] | None = None) -> CpuIsa:
     env = os.environ if environ is None else environ
     try:
         text = Path(cpuinfo).read_text()
@@ -92,7 +93,9 @@ def plugin_properties(isa: CpuIsa, precision: str | None) -> dict[str, object]:
 SINGLE_THREAD_AMX_CAP = "AVX512_CORE_BF16"
 
 
-def single_thread_amx_cap(engines, environ: dict[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo") -> bool:
+def single_thread_amx_cap(
+    engines, environ: MutableMapping[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo"
+) -> bool:
     """Set SINGLE_THREAD_AMX_CAP in `environ` (the process's own by default) when one of `engines` (EngineConfig)
     would compile in bf16 on AMX with one thread and no cap is set; True when it did."""
     env = os.environ if environ is None else environ
