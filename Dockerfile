@@ -36,12 +36,19 @@ COPY appliance appliance/
 COPY export export/
 ARG PIP_INSTALL_ARGS=""
 # The lock as constraints: only what `dependencies` pulls in, at the lock's versions. A regular (not editable) install,
-# and a check that no export tool came along.
+# and a check that no export tool came along. Then our kernels (appliance/runtime/kernels/), built into the installed
+# package with this stage's g++ and cmake (the runtime stage copies the venv, not the compiler); --require: the image
+# always carries them.
+ARG GXX_VERSION=4:12.2.0-3 CMAKE_VERSION=3.25.1-1 MAKE_VERSION=4.3-4.1
 RUN --mount=type=bind,from=wheels,target=/wheels \
-    python -m venv /opt/appliance \
+    apt-get update \
+ && apt-get install -y --no-install-recommends "g++=${GXX_VERSION}" "cmake=${CMAKE_VERSION}" "make=${MAKE_VERSION}" \
+ && rm -rf /var/lib/apt/lists/* \
+ && python -m venv /opt/appliance \
  && /opt/appliance/bin/pip install --find-links /wheels ${PIP_INSTALL_ARGS} -c requirements/lock.txt . \
  && /opt/appliance/bin/python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'transformers', \
-'optimum', 'nncf') if u.find_spec(m)]; sys.exit(f'export tools in the runtime venv: {bad}' if bad else 0)"
+'optimum', 'nncf') if u.find_spec(m)]; sys.exit(f'export tools in the runtime venv: {bad}' if bad else 0)" \
+ && /opt/appliance/bin/python -m appliance.runtime.kernels.build --require --source appliance/runtime/kernels
 
 # ---------------------------------------------------------------- export tools; build the default model
 FROM ${BASE_IMAGE} AS export

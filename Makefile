@@ -15,6 +15,8 @@ DATA_DIR ?= $(HOME)/.cache/appliance
 SERVE_FLAGS = $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT)) $(if $(DEVICE),--device $(DEVICE)) \
               $(if $(WORKERS),--workers $(WORKERS)) $(if $(API_KEY_FILE),--api-key-file $(API_KEY_FILE))
 PYTEST_ARGS ?=
+KERNELS_DIR := appliance/runtime/kernels
+KERNELS_LIB := $(KERNELS_DIR)/libappliance_kernels.so
 BENCH_ARGS ?=
 
 export APPLIANCE_DATA_DIR := $(abspath $(DATA_DIR))
@@ -23,7 +25,7 @@ export APPLIANCE_SERVING_VENV := $(abspath $(VENV))
 
 .PHONY: venv dev-venv model browser serve test test-fast lint bench install uninstall image-test clean-venv
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(KERNELS_LIB)
 dev-venv: $(DEV_VENV)/.installed
 
 # The serving venv: the lock as constraints, so only what pyproject.toml's dependencies pull in, at the lock's versions;
@@ -35,6 +37,14 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	$(BIN)/python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'transformers', 'optimum', \
 	'nncf') if u.find_spec(m)]; sys.exit(f'export tools in the serving venv: {bad}' if bad else 0)"
 	touch $@
+
+# Our low-bit kernels (appliance/runtime/kernels/: a C++ OpenVINO extension), built against the serving venv's
+# openvino wheel whenever a source changes; one job under nice (install steps share their box). Needs g++ and cmake:
+# without them, or when the build fails, it says so in one line and OpenVINO's kernels serve (the tests fail under
+# CI=true instead).
+$(KERNELS_LIB): $(VENV)/.installed $(wildcard $(KERNELS_DIR)/*.cpp $(KERNELS_DIR)/*.h $(KERNELS_DIR)/*.hpp) \
+                $(KERNELS_DIR)/CMakeLists.txt
+	nice $(BIN)/python -m appliance.runtime.kernels.build
 
 # The dev venv: torch's CPU build alone first (anything that lets pip choose a torch on the public index pulls the
 # multi-GB CUDA build), then the whole lock, which torch's dependencies are part of (tests/test_install.py checks the

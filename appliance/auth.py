@@ -59,12 +59,27 @@ def load_keys(path: str, what: str = "API key file") -> list[str]:
     return keys
 
 
-def token_digest(authorization: str) -> bytes:
-    """The SHA-256 of the token in an Authorization header value ('Bearer <token>': the part after the scheme,
-    stripped). The one hashing of a presented key: the key checks compare it, and the Responses store keeps it as
-    a stored response's owner (so the database never holds a key)."""
+def bearer_token(authorization: str) -> str:
+    """The token of an Authorization header value: the part after the scheme ('Bearer <token>'), stripped, whatever
+    the scheme's case. The one reading of a presented key: the key checks, the tenant id and the edge's per-key
+    counts (appliance/http/edge_policy.py) all take it from here, so no spelling counts as another key."""
     _, _, token = authorization.strip().partition(" ")
-    return hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+    return token.strip()
+
+
+def token_digest(authorization: str) -> bytes:
+    """The SHA-256 of the token in an Authorization header value (`bearer_token`). The one hashing of a presented
+    key: the key checks compare it, and it is the tenant id (`tenant_id`)."""
+    return hashlib.sha256(bearer_token(authorization).encode("utf-8", "surrogateescape")).digest()
+
+
+def tenant_id(authorization: str) -> str:
+    """Who a keyed request is, as a non-secret id: the hex SHA-256 of its key (`token_digest`). Derived from the key
+    itself, not from its place in a key file, so it survives restarts and key-file edits (reordering, the rotation's
+    add-then-remove) and two keys never share one. It names the request's namespace in the prefix cache and the KV
+    disk tier (which hash it again with their per-install salt before anything reaches the disk: kv_cache.py) and
+    the owner of a stored response. app.py sets it as `g.tenant` ("" for a request without a key: one tenant)."""
+    return token_digest(authorization).hex()
 
 
 class ApiKeys:
@@ -81,13 +96,6 @@ class ApiKeys:
         for key in self.digests:  # no early exit: every key is compared
             matched |= hmac.compare_digest(digest, key)
         return matched and scheme.lower() == "bearer"
-
-    def key_id(self, authorization: str) -> str:
-        """A non-secret id of the key a request carries: its place in the key file ("0", "1", ...), "" for none.
-        It keeps tenants apart in the prefix cache (jobs.py). Every key is compared, as in `accepts`."""
-        digest = token_digest(authorization)
-        matches = [hmac.compare_digest(digest, key) for key in self.digests]
-        return str(matches.index(True)) if True in matches else ""
 
 
 def authorization(header: str | None, api_key: str | None) -> str:
@@ -139,12 +147,24 @@ def exposed_problem(path: str, what: str) -> str | None:
 
 
 # ---- Host allow-list
-def host_part(header: str) -> str:
-    """'Example.COM:8000' -> 'example.com', '[::1]:8000' -> '::1' (a trailing dot dropped too)."""
+def host_and_port(header: str) -> tuple[str, str]:
+    """'Example.COM:8000' -> ('example.com', '8000'), '[::1]:8000' -> ('::1', '8000'), 'x' -> ('x', '') (a trailing
+    dot dropped from the name)."""
     header = header.strip().lower()
     if header.startswith("["):
-        return header[1 : header.find("]")] if "]" in header else header
-    return header.rsplit(":", 1)[0].rstrip(".") if header.count(":") <= 1 else header
+        if "]" not in header:
+            return header, ""
+        name, _, rest = header[1:].partition("]")
+        return name, rest[1:] if rest.startswith(":") else ""
+    if header.count(":") > 1:  # a bare IPv6 literal: no port
+        return header, ""
+    name, _, port = header.partition(":")
+    return name.rstrip("."), port
+
+
+def host_part(header: str) -> str:
+    """'Example.COM:8000' -> 'example.com', '[::1]:8000' -> '::1' (a trailing dot dropped too)."""
+    return host_and_port(header)[0]
 
 
 @cache
@@ -167,6 +187,21 @@ def host_allowed(header: str | None, allowed_hosts: str | None) -> bool:
         ):
             return True
     return False
+
+
+def host_checked(header: str | None, settings: ServeSettings) -> bool:
+    """Whether a request's Host header names this server, as `settings` say: --allowed-hosts when given. Without
+    it, a keyless server on loopback answers only loopback names (localhost, 127.0.0.1, [::1]) with no port or its
+    own port: a page a browser on this box loads from any site can point its own name at 127.0.0.1 (DNS
+    rebinding) and, with no key to stop it, chat or unload models; its requests carry the site's name. A server
+    with keys, or one bound beyond loopback, answers any name unless --allowed-hosts is given (the names it is
+    reached by are not known here; a rebinding page has no key)."""
+    if settings.allowed_hosts:
+        return host_allowed(header, settings.allowed_hosts)
+    if settings.api_key_file or not is_loopback(settings.host):
+        return True
+    name, port = host_and_port(header or "")
+    return name in LOOPBACK_NAMES and port in ("", str(settings.port))
 
 
 # ---- start-up checks (cli.py, before a model loads)

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import auth, devices, limits, logs, state
+from appliance import auth, cpu_isa, devices, limits, logs, state
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.options import (
     GROUPS,
@@ -36,6 +36,7 @@ from appliance.options import (
 )
 from appliance.paths import resolve_model
 from appliance.pull import command as pull_command
+from appliance.runtime import kernels
 from appliance.server import config_file, tool_prompt
 from appliance.server.config_file import ALIASES, MODEL_FLAGS
 from appliance.settings import EX_CONFIG, ConfigError, ModelSpec, ServeSettings
@@ -56,7 +57,7 @@ OTHER_VARIABLES = frozenset(
         "DATA_DIR RUNTIME_DIR FAULT_INJECTION PULL_PARENT "
         "SERVING_VENV ARTIFACTS_DIR FUZZ_SEED FUZZ_EXAMPLES FUZZ_DOC RAW_FUZZ_REQUESTS"
     ).split()
-)
+) | {kernels.LIBRARY_ENV, kernels.ISA_ENV, kernels.MIN_WEIGHTS_ENV}
 KUBERNETES_LINKS = re.compile(r"APPLIANCE_(SERVICE_[A-Z0-9_]+|PORT_\d+_(TCP|UDP|SCTP)(_[A-Z]+)?)")
 TYPO_CUTOFF = 0.85  # difflib's ratio: APPLIANCE_WORKRES ~ APPLIANCE_WORKERS 0.94, APPLIANCE_KV_CACHE ~ _SIZE 0.88
 
@@ -294,6 +295,11 @@ def _main(argv: list[str] | None) -> int:
 
         settings, engine = _settings(args)
         state.check_state_dir(settings)  # before any model loads: a store that cannot write is no 500 later
+        if cpu_isa.single_thread_amx_cap(spec.engine for spec in settings.models):  # before the plugin loads
+            log.warning(
+                "AMX off in this process: OpenVINO's CPU plugin cannot compile bf16 on AMX with --num-threads 1",
+                extra={"variable": f"{cpu_isa.CAP_ENV}={cpu_isa.SINGLE_THREAD_AMX_CAP}"},
+            )
         wanted = (d for spec in settings.models for d in (spec.engine.device, spec.engine.draft_device) if d)
         devices.require(wanted)  # one line naming those present
         return serve(settings, engine)

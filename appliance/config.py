@@ -24,6 +24,16 @@ class EngineConfig:
         flag="precision",
         cli="default",
     )
+    # Which kernels run the low-bit MatMuls on CPU (appliance/runtime/kernels/): "auto" = ours (int8 activations x u4
+    # weights) where the extension is built and the CPU has AVX2, except under --precision f32 (transformers parity:
+    # like the plugin's dynamic quantization, int8 activations are a lossy shortcut); "ours" = also under f32;
+    # "openvino" = the CPU plugin's own. Any failure falls back to OpenVINO's, never failing the load.
+    kernels: str = setting(
+        "auto",
+        "low-bit MatMul kernels on CPU: auto (ours where built and the CPU has AVX2, not with --precision f32), "
+        "ours, or openvino",
+        flag="kernels",
+    )
     # KV cache element type; None: f32 when precision is f32, else u8 on CPU (~30% faster decode than f16).
     kv_cache_precision: str | None = setting(
         None,

@@ -13,6 +13,7 @@ emulate)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,7 @@ class CpuIsa:
         return "+".join([base, *extras]) + (f" (capped: {CAP_ENV}={self.cap})" if self.cap else "")
 
 
-def detect(cpuinfo: str = "/proc/cpuinfo", environ: dict[str, str] | None = None) -> CpuIsa:
+def detect(cpuinfo: str = "/proc/cpuinfo", environ: Mapping[str, str] | None = None) -> CpuIsa:
     env = os.environ if environ is None else environ
     try:
         text = Path(cpuinfo).read_text()
@@ -82,3 +83,26 @@ def plugin_properties(isa: CpuIsa, precision: str | None) -> dict[str, object]:
     if precision == "f32" or not isa.vnni:
         props["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
     return props
+
+
+# OpenVINO 2026.4.1's CPU plugin dies of a divide error (SIGFPE, no message) while compiling an LLM in bf16 on an AMX
+# CPU with INFERENCE_NUM_THREADS=1: measured on a 2-core Sapphire Rapids VM with the default model (2 threads, f32,
+# or this cap: it compiles). oneDNN reads the cap once, when the plugin first asks for the ISA, so it has to be in
+# the environment before anything loads the plugin; the engine process then runs every model without AMX (bf16 on
+# AVX512-BF16 instead), which only a one-thread model asks for.
+SINGLE_THREAD_AMX_CAP = "AVX512_CORE_BF16"
+
+
+def single_thread_amx_cap(
+    engines, environ: MutableMapping[str, str] | None = None, cpuinfo: str = "/proc/cpuinfo"
+) -> bool:
+    """Set SINGLE_THREAD_AMX_CAP in `environ` (the process's own by default) when one of `engines` (EngineConfig)
+    would compile in bf16 on AMX with one thread and no cap is set; True when it did."""
+    env = os.environ if environ is None else environ
+    isa = detect(cpuinfo, env)
+    if env.get(CAP_ENV) or "amx_bf16" not in isa.flags:
+        return False
+    if not any(e.device.upper() == "CPU" and e.num_threads == 1 and e.precision != "f32" for e in engines):
+        return False
+    env[CAP_ENV] = SINGLE_THREAD_AMX_CAP
+    return True

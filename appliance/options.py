@@ -335,6 +335,9 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    kernels = str(getattr(args, "kernels", "auto")).strip().lower()
+    if kernels not in ("auto", "ours", "openvino"):
+        raise ConfigError("--kernels must be auto, ours or openvino")
     precision = args.kv_cache_precision.strip().lower()
     if precision not in ("u8", "f16", "f32", "auto"):
         raise ConfigError("--kv-cache-precision must be u8, f16, f32 or auto")
@@ -350,6 +353,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     engine = EngineConfig(
         device=args.device,
         precision="f32" if args.precision == "f32" else None,
+        kernels=kernels,
         kv_cache_precision=None if precision == "auto" else precision,
         kv_cache_tokens=size[1] if size and size[0] == "tokens" else None,
         kv_cache_bytes=size[1] if size and size[0] == "bytes" else None,

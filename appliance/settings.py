@@ -124,7 +124,8 @@ class ServeSettings:
     tls_keyfile: str | None = setting(None, "TLS private key (PEM) of --tls-certfile", flag="tls-keyfile")
     allowed_hosts: str | None = setting(
         None,
-        "comma-separated Host header names the server answers (others: 400); none: any",
+        "comma-separated Host header names the server answers (others: 400); none: any, except on a loopback "
+        "server without keys: localhost, 127.0.0.1, [::1]",
         flag="allowed-hosts",
     )
     max_body_bytes: int = setting(
@@ -159,9 +160,9 @@ class ServeSettings:
     )
     client_max_generations: int = setting(
         0,
-        "generation requests (completions, chat, responses, messages, Ollama's generate / chat) one API key, and "
-        "one client address, may run at once in a worker; past it 429 (0: no cap; behind a proxy every client has "
-        "the proxy's address)",
+        "requests that make the engine work (completions, chat, responses, messages, embeddings, rerank, "
+        "tokenize, count_tokens, Ollama's generate / chat / embed) one API key, and one client address, may run "
+        "at once in a worker; past it 429 (0: no cap; behind a proxy every client has the proxy's address)",
         flag="client-max-generations",
     )
     tool_parser: str = setting(

@@ -13,6 +13,8 @@ request runs to `--new-tokens` (ignore_eos / finish_reason length).
 - ours: `appliance serve DIR` (its defaults: threads, KV precision, compile properties), /v3/completions streamed.
 - llama.cpp: `python -m llama_cpp.server` by --llamacpp-python (n_threads = CPUs), /v1/completions streamed; one
   request at a time (no continuous batching): only at --llamacpp-concurrency (default 1 8).
+- native (`--native-side`): a second `appliance serve DIR --kernels openvino`: our server on OpenVINO's own
+  low-bit kernels, against `ours` on our kernels (appliance/runtime/kernels; `--kernels auto`, the default).
 - genai: ContinuousBatchingPipeline on the same export with our engine's compile properties (EngineConfig's
   defaults: u8 KV, LATENCY hint, cpu_isa's plugin properties), max_num_seqs / max_num_batched_tokens as ours, a KV
   pool for all requests of the largest level; at --genai-concurrency (default 1 8 16). In-process, so it pays no
@@ -57,16 +59,20 @@ COLUMNS = [
     ("ours_tok_s", "ours tok/s", ".1f"),
     ("genai_tok_s", "genai CB tok/s", ".1f"),
     ("llamacpp_tok_s", "llama.cpp tok/s", ".1f"),
+    ("native_tok_s", "ours-native tok/s", ".1f"),
+    ("ratio_native", "ours/native", ".2f"),
     ("ratio_genai", "ours/CB", ".2f"),
     ("ratio_llamacpp", "ours/l.cpp", ".2f"),
     ("ours_ttft_ms", "ours TTFT ms", ".0f"),
     ("genai_ttft_ms", "CB TTFT ms", ".0f"),
     ("llamacpp_ttft_ms", "l.cpp TTFT ms", ".0f"),
+    ("ttft_ratio_native", "TTFT ours/native", ".2f"),
     ("ttft_ratio_genai", "TTFT ours/CB", ".2f"),
     ("ttft_ratio_llamacpp", "TTFT ours/l.cpp", ".2f"),
     ("ours_decode_tok_s", "ours decode", ".1f"),
     ("genai_decode_tok_s", "CB decode", ".1f"),
     ("llamacpp_decode_tok_s", "l.cpp decode", ".1f"),
+    ("decode_ratio_native", "decode ours/native", ".2f"),
     ("decode_ratio_llamacpp", "decode ours/l.cpp", ".2f"),
 ]
 LIMIT_COLUMNS = [
@@ -120,7 +126,7 @@ def summarize(runs: list[dict], levels: list[int]) -> list[dict]:
     rows = []
     for c in levels:
         row: dict[str, Any] = {"concurrency": c}
-        for side in ("ours", "genai", "llamacpp"):
+        for side in ("ours", "native", "genai", "llamacpp"):
             mine = [r for r in runs if r["side"] == side and r["concurrency"] == c]
             if not mine:
                 continue
@@ -150,6 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--server-arg", action="append", default=[], help="extra `appliance serve` argument (repeat)")
+    ap.add_argument(
+        "--native-side", action="store_true", help="also our server with --kernels openvino (side `native`)"
+    )
     args = ap.parse_args(argv)
 
     from tokenizers import Tokenizer
@@ -182,6 +191,26 @@ def main(argv=None) -> int:
             levels,
             lambda c, s: http_run(srv.base, model_id, prompts(vocab, c, args.prompt_len, s), args.new_tokens, srv.pid),
         )
+        if args.native_side:
+            native = stack.enter_context(
+                ServerProcess(
+                    args.export,
+                    "--log-level",
+                    "warning",
+                    "--kernels",
+                    "openvino",
+                    *args.server_arg,
+                    log_path=LOGS / "deployed-serve-native.log",
+                )
+            )
+            native_id = native.model_id()
+            http_run(native.base, native_id, prompts(vocab, 2, 16, 1), 4)
+            sides["native"] = (
+                levels,
+                lambda c, s: http_run(
+                    native.base, native_id, prompts(vocab, c, args.prompt_len, s), args.new_tokens, native.pid
+                ),
+            )
         llama = None
         if use_llama:
             n_ctx = max(2048, args.prompt_len + args.new_tokens + 16)
@@ -239,7 +268,7 @@ def main(argv=None) -> int:
     limits = []
     b1 = next((r for r in rows if r["concurrency"] == 1), {})
     ours_bytes = bandwidth.export_bytes_per_token(args.export, context)
-    for side in ("ours", "genai"):
+    for side in ("ours", "native", "genai"):
         if f"{side}_decode_tok_s" in b1:
             lim = bandwidth.limit_row(ours_bytes, gbps, 1e3 / b1[f"{side}_decode_tok_s"])
             limits.append({"side": side, "what": args.export.name, "decode_tok_s": b1[f"{side}_decode_tok_s"], **lim})

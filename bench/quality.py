@@ -9,7 +9,12 @@ row too: the loss its users already accept. The default model's transformers fol
 so that row measures llama.cpp's compute (q8 activations, its kernels) on exactly the reference weights, while our
 int8/int4 exports quantize those weights a second time.
 
-    python -m bench.quality MODEL [MODEL ...] [--prompts 24] [--precision f32 default] [--llamacpp-python PATH]
+    python -m bench.quality MODEL [MODEL ...] [--prompts 24] [--precision f32 default] [--llamacpp-python PATH] \
+        [--kernels auto openvino]
+
+--kernels (EngineConfig.kernels, default auto): each choice is a row per precision, its `kernels` column the path
+that ran (appliance/runtime/kernels); with `openvino` among them, every other row also gets its TVD from the
+`openvino` row at the same precision (`vs openvino`): what our kernels alone move (target: median <= 0.01).
 
 MODEL: default-<fmt> or an export directory. Prompts: chat-templated user messages and slices of plain text (16-300
 tokens), alternating, deterministic.
@@ -105,20 +110,28 @@ def reference_logits(hf_dir: str, prompts: list[list[int]]) -> list[np.ndarray]:
         ]
 
 
-def engine_logits(path: Path, precision: str, prompts: list[list[int]]) -> list[np.ndarray]:
-    """Last-position logits of each prompt, prefilled in one forward (as tests/test_parity.py does)."""
+def engine_logits(
+    path: Path, precision: str, prompts: list[list[int]], kernels: str = "auto"
+) -> tuple[list[np.ndarray], str]:
+    """Last-position logits of each prompt and which kernels ran the low-bit MatMuls: all but the last token
+    prefilled in one forward, the last one fed as a decode step, since steps of a few tokens are where our kernels
+    run (appliance/runtime/kernels KERNEL_ROWS) and that last step is the one whose logits are compared."""
     from appliance.config import EngineConfig
     from appliance.runtime.backends import StepBatch
     from appliance.runtime.engine import Engine
 
-    engine = Engine(path, EngineConfig(precision=None if precision == "default" else precision, kv_cache_tokens=4096))
+    config = EngineConfig(
+        precision=None if precision == "default" else precision, kernels=kernels, kv_cache_tokens=4096
+    )
+    engine = Engine(path, config)
     try:
         out = []
         for p in tqdm(prompts, f"{path.name} {precision}", leave=False):
             table = engine.pool.allocate(engine.pool.blocks_for(len(p)))
-            out.append(np.array(engine.backend.forward(StepBatch([p], [0], [table]))[0], np.float32))
+            engine.backend.forward(StepBatch([p[:-1]], [0], [table]))
+            out.append(np.array(engine.backend.forward(StepBatch([p[-1:]], [len(p) - 1], [table]))[0], np.float32))
             engine.pool.free(table)
-        return out
+        return out, engine.backend.kernels
     finally:
         engine.shutdown()
 
@@ -189,10 +202,13 @@ COLUMNS = [
     ("compression", "compression", "s"),
     ("bin_mb", "bin MB", ".1f"),
     ("precision", "precision", "s"),
+    ("kernels", "kernels", "s"),
     ("tvd_median", "TVD median", ".4f"),
     ("tvd_p90", "TVD p90", ".4f"),
     ("tvd_max", "TVD max", ".4f"),
     ("top1_pct", "top-1 agree %", ".1f"),
+    ("vs_openvino_tvd_median", "vs openvino TVD median", ".4f"),
+    ("vs_openvino_tvd_max", "vs openvino TVD max", ".4f"),
 ]
 
 
@@ -202,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=24, help="held-out prompts (chat and plain text alternate)")
     ap.add_argument("--precision", nargs="+", default=["f32", "default"], choices=["f32", "default"])
     ap.add_argument("--llamacpp-python", default=None, help="a python with llama_cpp: adds the GGUF's row")
+    ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "ours", "openvino"])
     isa_cap_option(ap)
     args = ap.parse_args(argv)
 
@@ -239,8 +256,16 @@ def main(argv: list[str] | None = None) -> int:
                 "bin_mb": bin_file.stat().st_size / 2**20 if bin_file.is_file() else None,
             }
             for precision in args.precision:
-                ours = engine_logits(path, precision, prompts)
-                rows.append({**base, "precision": precision, **compare(ref, ours)})
+                logits = {k: engine_logits(path, precision, prompts, k) for k in args.kernels}
+                for choice, (ours, label) in logits.items():
+                    row = {**base, "precision": precision, "kernels": label, **compare(ref, ours)}
+                    if "openvino" in logits and choice != "openvino":
+                        native = compare(logits["openvino"][0], ours)
+                        row |= {
+                            "vs_openvino_tvd_median": native["tvd_median"],
+                            "vs_openvino_tvd_max": native["tvd_max"],
+                        }
+                    rows.append(row)
     if args.llamacpp_python:
         from export.default_model import ensure_hf_folder, gguf_path
 

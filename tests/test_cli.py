@@ -295,6 +295,7 @@ FLAGS = {
     "otlp-endpoint": (str, None),
     "device": (str, "CPU"),
     "precision": (str, "default"),
+    "kernels": (str, "auto"),
     "kv-cache-precision": (str, "auto"),
     "kv-cache-size": (str, None),
     "kv-disk-dir": (str, None),
@@ -544,6 +545,10 @@ def test_unknown_environment_variables_far_from_any_setting_are_warned_about(cap
         "APPLIANCE_DATA_DIR": "/var/lib/appliance",
         "APPLIANCE_STATE_DIR": "/var/lib/appliance/state",
         "APPLIANCE_WORKERS": "2",
+        # the kernels' own variables sit close to APPLIANCE_KERNELS (difflib 0.89): read by the runtime, not typos
+        "APPLIANCE_KERNELS_ISA": "avx2",
+        "APPLIANCE_KERNELS_LIB": "/tmp/lib.so",
+        "APPLIANCE_KERNELS_MIN_WEIGHTS": "0",
     }
     cli.check_variables({**quiet, "APPLIANCE_BACKUP_BUCKET": "s3://x"})
     warned = [r.getMessage() for r in caplog.records]

@@ -15,10 +15,14 @@ SKYLAKE = "avx2 fma f16c"  # an AVX2 edge box: no VNNI, no bf16
 ALDER_LAKE_N = "avx2 fma f16c avx_vnni"
 
 
-def isa(tmp_path: Path, flags: str, cap: str | None = None) -> cpu_isa.CpuIsa:
-    info = tmp_path / "cpuinfo"
+def cpuinfo(folder: Path, flags: str) -> str:
+    info = folder / f"cpuinfo-{abs(hash(flags))}"
     info.write_text(f"processor\t: 0\nmodel name\t: X\nflags\t\t: fpu sse2 {flags}\n")
-    return cpu_isa.detect(str(info), {cpu_isa.CAP_ENV: cap} if cap else {})
+    return str(info)
+
+
+def isa(tmp_path: Path, flags: str, cap: str | None = None) -> cpu_isa.CpuIsa:
+    return cpu_isa.detect(cpuinfo(tmp_path, flags), {cpu_isa.CAP_ENV: cap} if cap else {})
 
 
 def test_flags_and_levels(tmp_path: Path) -> None:
@@ -57,3 +61,24 @@ def test_served_default_export_by_cpu(tmp_path: Path) -> None:
     assert served_weight_format(isa(tmp_path, ALDER_LAKE_N)) == "int4"
     assert served_weight_format(isa(tmp_path, SKYLAKE)) == "int8"
     assert served_weight_format(isa(tmp_path, EPYC, "AVX2")) == "int8"
+
+
+def test_one_thread_in_bf16_on_amx_caps_the_isa_before_the_plugin_loads(tmp_path: Path) -> None:
+    from appliance.config import EngineConfig
+
+    amx = cpuinfo(tmp_path, "avx2 fma avx512f avx512_vnni avx512_bf16 amx_bf16 amx_int8")
+    one = EngineConfig(num_threads=1)
+    env: dict[str, str] = {}
+    assert cpu_isa.single_thread_amx_cap([EngineConfig(), one], env, amx)
+    assert env == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    assert cpu_isa.detect(amx, env).bf16 and "amx_bf16" not in cpu_isa.detect(amx, env).flags
+    for engines, environ, info in (
+        ([EngineConfig(num_threads=1, precision="f32")], {}, amx),  # f32: no bf16 kernel
+        ([EngineConfig(num_threads=2)], {}, amx),
+        ([EngineConfig(num_threads=1, device="GPU")], {}, amx),
+        ([one], {"ONEDNN_MAX_CPU_ISA": "AVX2"}, amx),  # the operator's own cap stays
+        ([one], {}, cpuinfo(tmp_path, "avx2 fma avx512f avx512_bf16")),  # no AMX
+    ):
+        before = dict(environ)
+        assert not cpu_isa.single_thread_amx_cap(engines, environ, info)
+        assert environ == before

@@ -57,7 +57,8 @@ def connect(srv: Server, rcvbuf: int | None = None) -> socket.socket:
 def post_bytes(path: str, body: dict) -> bytes:
     data = json.dumps(body).encode()
     return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
     ).encode() + data
 
 
@@ -85,7 +86,7 @@ class Trickler:
     def __init__(self, srv: Server, count: int, every: float = 0.5):
         self.socks = [connect(srv) for _ in range(count)]
         for s in self.socks:
-            s.sendall(b"POST /v3/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            s.sendall(b"POST /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         self.every, self.stop = every, threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -147,7 +148,7 @@ def test_incomplete_request_is_closed_at_its_deadline(edge):
 def test_requests_sent_in_pieces_within_the_deadline_are_served(edge, model_name):
     """Content-Length and chunked bodies arriving in parts, and two pipelined requests in one packet."""
     data = json.dumps({"model": model_name, "prompt": "Hello", "max_tokens": 2}).encode()
-    head = b"POST /v3/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = b"POST /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(data[i : i + 7]), data[i : i + 7]) for i in range(0, len(data), 7))
     for request in (
         head + b"Content-Length: %d\r\n\r\n" % len(data) + data,
@@ -165,7 +166,7 @@ def test_requests_sent_in_pieces_within_the_deadline_are_served(edge, model_name
             s.close()
     s = connect(edge)
     try:
-        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 2)
         s.settimeout(10)
         replies = b""
         while replies.count(b"HTTP/1.1 200") < 2:
@@ -305,8 +306,8 @@ def test_socket_closed_sees_a_close_behind_unread_bytes():
 
 
 def test_parse_head_and_chunked_framing():
-    assert parse_head(b"GET /v2/health/ready?x=1 HTTP/1.1\r\nHost: x\r\n", 100) is None
-    head = parse_head(b"\r\nGET /v2/health/ready?x=1 HTTP/1.1\r\nHost: x\r\n\r\n", 100)
+    assert parse_head(b"GET /v2/health/ready?x=1 HTTP/1.1\r\nHost: 127.0.0.1\r\n", 100) is None
+    head = parse_head(b"\r\nGET /v2/health/ready?x=1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 100)
     assert (head.path, head.length, head.hand_over) == ("/v2/health/ready", 0, False)
     assert parse_head(b"POST / HTTP/1.1\r\nContent-Length: 101\r\n\r\n", 100).hand_over  # 413 by the app
     assert parse_head(b"POST / HTTP/1.1\r\nExpect: something\r\n\r\n", 100).hand_over  # 417 by gunicorn

@@ -11,7 +11,7 @@ from appliance.http.edge_policy import PeerCounts
 
 MAX_BODY = 100
 BUDGET = 1000  # a client's share: max(1000 // 4, 2 * MAX_BODY) = 250
-EMBED = "/v3/embeddings"  # not a generation: not counted against the cap
+MODELS = "/v3/models"  # no engine work: not counted against the cap
 
 
 class Clock:
@@ -82,7 +82,7 @@ def test_a_head_past_the_limit_is_refused_and_an_oversized_body_is_handed_over_a
 
 def test_expect_100_continue_is_answered_here_and_its_line_removed(intake):
     intake.start("c", "p")
-    intake.received("c", post(b"", EMBED, b"Expect: 100-continue\r\n").replace(b"Length: 0", b"Length: 5"))
+    intake.received("c", post(b"", MODELS, b"Expect: 100-continue\r\n").replace(b"Length: 0", b"Length: 5"))
     held = intake.buffered
     assert intake.advance("c") is edge.Step.CONTINUE
     assert intake.buffered == held - len(b"Expect: 100-continue\r\n")  # gunicorn must not send a second 100
@@ -92,7 +92,7 @@ def test_expect_100_continue_is_answered_here_and_its_line_removed(intake):
     request = intake.stop("c")
     assert request is not None and b"Expect" not in request.buf and request.buf.endswith(b"\r\n\r\nhello")
     intake.start("sent", "p")  # the body came with the head: no 100 to send
-    intake.received("sent", post(b"hello", EMBED, b"Expect: 100-continue\r\n"))
+    intake.received("sent", post(b"hello", MODELS, b"Expect: 100-continue\r\n"))
     assert intake.advance("sent") is edge.Step.READY
 
 
@@ -191,9 +191,72 @@ def test_probe_and_generation_paths():
     assert edge.is_probe("/v2/health/live") and edge.is_probe("/metrics") and edge.is_probe("/v2/models/x/ready")
     assert not edge.is_probe("/v2/models/x") and not edge.is_probe("/v3/chat/completions")
     head = edge.parse_head(b"POST /v3/chat/completions?x HTTP/1.1\r\nAuthorization: Bearer k\r\n\r\n", 10)
-    assert head is not None and edge.is_generation(head) and head.key and head.path == "/v3/chat/completions"
+    assert head is not None and edge.is_engine_work(head) and head.key and head.path == "/v3/chat/completions"
     head = edge.parse_head(b"GET /v3/chat/completions HTTP/1.1\r\n\r\n", 10)
-    assert head is not None and not edge.is_generation(head) and head.key == b""
+    assert head is not None and not edge.is_engine_work(head) and head.key == b""
+
+
+# request targets a client may send, each with the path Flask routes it to
+TARGETS = {
+    "/v3/chat/completion%73": "/v3/chat/completions",
+    "/v3/chat%2Fcompletions": "/v3/chat/completions",
+    "/v3/chat%2fcompletions?stream=1#x": "/v3/chat/completions",
+    "/v3/response%73": "/v3/responses",
+    "/api/ch%61t": "/api/chat",
+    "/%76%33/embeddings": "/v3/embeddings",
+    "http://attacker.example/v3/completions?x": "/v3/completions",
+    "//v3/completions": "//v3/completions",
+    "/v1/messages/count%5Ftokens": "/v1/messages/count_tokens",
+    "/v3/caf%C3%A9": "/v3/caf\xc3\xa9",
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_edge_sees_the_path_gunicorn_hands_to_flask(target):
+    """The edge classifies the path routing sees: for every spelling, edge.canonical_path is what gunicorn puts in
+    PATH_INFO (its own split_request_uri and unquote_to_wsgi_str, as gunicorn/http/wsgi.py applies them)."""
+    from gunicorn import util
+
+    assert edge.canonical_path(target) == util.unquote_to_wsgi_str(util.split_request_uri(target).path)
+    assert edge.canonical_path(target) == TARGETS[target]
+
+
+def test_encoded_paths_and_any_spelling_of_the_scheme_count_as_the_route_and_the_key(clock):
+    """A percent-encoded route is counted as the route (the cap is per address and per key), and `bearer`,
+    `BEARER` or extra spaces are the same key as `Bearer KEY` (the key checks read them alike)."""
+    intake = edge.Intake(10.0, MAX_BODY, PeerCounts(1), budget=BUDGET, clock=clock)
+    intake.start("held", "10.0.0.1")
+    intake.received("held", post(b"{}", "/v3/chat/completions", b"Authorization: Bearer KEY\r\n"))
+    assert intake.advance("held") is edge.Step.READY
+    for path in (t for t, routed in TARGETS.items() if routed.endswith(edge.ENGINE_WORK_SUFFIXES)):
+        intake.start(path, "10.0.0.1")  # the same address, no key
+        intake.received(path, post(b"{}", path))
+        assert intake.advance(path) is edge.Step.GENERATION_CAP, path
+        intake.stop(path)
+    for i, spelling in enumerate((b"bearer KEY", b"BEARER KEY", b"Bearer   KEY ", b"bEaReR KEY")):
+        intake.start(spelling, f"10.0.1.{i}")  # another address, the same key
+        intake.received(spelling, post(b"{}", "/v3/completions", b"Authorization: " + spelling + b"\r\n"))
+        assert intake.advance(spelling) is edge.Step.GENERATION_CAP, spelling
+        intake.stop(spelling)
+    intake.start("x-api-key", "10.0.2.1")
+    intake.received("x-api-key", post(b"{}", "/v1/messages", b"x-api-key: KEY\r\n"))
+    assert intake.advance("x-api-key") is edge.Step.GENERATION_CAP
+
+
+def test_every_post_route_that_makes_the_engine_work_is_counted_and_no_other():
+    """The app's own routes against the edge's list: every POST route that reaches the engine's models (a
+    generation, an encoder pass, a tokenization) is counted, at every prefix; the admin routes and Ollama's
+    /api/show (no engine work) are not."""
+    from appliance.openai_api.app import create_app
+    from appliance.settings import ServeSettings
+
+    app = create_app(ServeSettings(model_dir="unused", served_model_name="m", model_created=1), client=object())  # type: ignore[arg-type]
+    no_engine_work = {"/v1/config/reload", "/api/pull", "/api/show", "/api/<path:rest>"}
+    posted = {rule.rule for rule in app.url_map.iter_rules() if "POST" in (rule.methods or ())}
+    assert {"/v3/embeddings", "/v1/rerank", "/v3/v1/tokenize", "/api/embeddings", "/v1/messages/count_tokens"} <= posted
+    for path in posted:
+        head = edge.parse_head(f"POST {path} HTTP/1.1\r\nContent-Length: 0\r\n\r\n".encode(), 10)
+        assert head is not None and edge.is_engine_work(head) == (path not in no_engine_work), path
 
 
 def test_a_lingering_close_ends_after_enough_bytes_or_its_time(clock):
@@ -268,9 +331,11 @@ def test_every_apis_generations_count_against_the_cap(intake):
         intake.start(f"{i}b", f"10.0.0.{i}")
         intake.received(f"{i}b", post(b"{}", path))
         assert intake.advance(f"{i}b") is edge.Step.GENERATION_CAP, path
-    intake.start("count", "10.0.0.0")
-    intake.received("count", post(b"{}", "/v1/messages/count_tokens"))
-    assert intake.advance("count") is edge.Step.READY
+    for path in ("/v1/messages/count_tokens", "/v3/embeddings", "/v3/rerank", "/v3/tokenize", "/api/embed"):
+        intake.start(path, "10.0.0.0")  # the address holds /v1/messages: at its cap of 1
+        intake.received(path, post(b"{}", path))
+        assert intake.advance(path) is edge.Step.GENERATION_CAP, path
+        intake.stop(path)
 
 
 @pytest.fixture

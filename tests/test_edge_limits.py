@@ -65,7 +65,7 @@ def generation_body(model: str, **extra) -> bytes:
 
 
 def post_head(length: int, *headers: str, path: str = "/v3/completions") -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json", f"Content-Length: {length}"]
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json", f"Content-Length: {length}"]
     return ("\r\n".join([*lines, *headers]) + "\r\n\r\n").encode()
 
 
@@ -351,7 +351,7 @@ def test_anthropic_and_ollama_clients_read_the_edges_refusals_in_their_apis_shap
     ):  # a head still unfinished past 64 KiB (a finished one goes to gunicorn's parser, which has lower limits)
         s = connect(srv, "127.0.6.9")
         s.settimeout(30)
-        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode() + b"y" * (65 * 1024))
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ".encode() + b"y" * (65 * 1024))
         reply = b""
         while chunk := s.recv(65536):
             reply += chunk
@@ -365,7 +365,7 @@ def test_invented_methods_add_no_metric_series(srv):
     for i in range(10):
         s = connect(srv, "127.0.5.1")
         try:
-            s.sendall(f"ZQX{i:02d} /v3/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            s.sendall(f"ZQX{i:02d} /v3/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
             s.settimeout(10)
             assert s.recv(65536).startswith(b"HTTP/1.1 ")
         finally:

@@ -44,6 +44,9 @@ def test_peer_and_key_identities():
     assert ep.key_of(b"") == b"" and ep.key_of(b"  ") == b""
     assert ep.key_of(b" Bearer abc") == ep.key_of(b"Bearer abc") != ep.key_of(b"Bearer abd")
     assert b"abc" not in ep.key_of(b"Bearer abc")
+    # the key as the key checks read it: any case of the scheme, spaces around the token
+    assert ep.key_of(b"bearer abc") == ep.key_of(b"BEARER  abc ") == ep.key_of(b"Bearer abc")
+    assert ep.key_of(b"Bearer") == b""  # a scheme without a token: no key
 
 
 def test_drops_are_counted_all_and_logged_once_a_second_per_reason(caplog):

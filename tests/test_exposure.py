@@ -242,11 +242,32 @@ def test_host_part_and_patterns():
     assert not auth.host_allowed("badexample.org", ".example.org")
     assert not auth.host_allowed(None, "x") and auth.host_allowed("anything", "*") and auth.host_allowed("x", None)
     assert auth.host_allowed("localhost:8000", "x")  # loopback names: a rebinding page cannot send them
+    assert auth.host_and_port("[::1]:8000") == ("::1", "8000") and auth.host_and_port("Box.LAN.:80") == (
+        "box.lan",
+        "80",
+    )
+    assert auth.host_and_port("::1") == ("::1", "") and auth.host_and_port("[::1") == ("[::1", "")
 
 
-def test_one_token_digest_for_key_checks_and_the_response_store_owner(monkeypatch):
+def test_a_keyless_loopback_server_checks_host_without_allowed_hosts():
+    """No --allowed-hosts: a keyless loopback server answers loopback names with no port or its own; a keyed
+    server or one bound beyond loopback answers any name; --allowed-hosts, when given, decides."""
+    local = settings(host="127.0.0.1", port=8000)
+    for host in ("localhost", "localhost:8000", "127.0.0.1:8000", "[::1]:8000", "[::1]", "LocalHost."):
+        assert auth.host_checked(host, local), host
+    for host in ("attacker.example", "attacker.example:8000", "localhost:8001", "127.0.0.2:8000", "", None):
+        assert not auth.host_checked(host, local), host
+    assert auth.host_checked("box.example", settings(host="127.0.0.1", port=8000, api_key_file="keys"))
+    assert auth.host_checked("box.example", settings(host="0.0.0.0", port=8000, allow_unauthenticated=True))
+    listed = settings(host="127.0.0.1", port=8000, allowed_hosts="box.example")
+    assert auth.host_checked("box.example:1", listed) and auth.host_checked("localhost:9", listed)
+    assert not auth.host_checked("attacker.example", listed)
+
+
+def test_one_token_digest_for_key_checks_the_tenant_and_the_response_store_owner(monkeypatch):
     """`token_digest` is the one hashing of a presented key: the key checks use it (a patched digest changes what
-    `accepts` and `key_id` say) and the Responses store's owner is its hex (an x-api-key header the same key)."""
+    `accepts` and `tenant_id` say), the tenant id is its hex whatever the key's line in the file or the spelling
+    of the scheme, and the Responses store's owner is its hex (an x-api-key header the same key)."""
     import hashlib
 
     import flask
@@ -255,10 +276,12 @@ def test_one_token_digest_for_key_checks_and_the_response_store_owner(monkeypatc
 
     keys = auth.ApiKeys(["k0", "k1"])
     assert auth.token_digest("Bearer  k1 ") == hashlib.sha256(b"k1").digest() == auth.token_digest("bearer k1")
-    assert keys.accepts("Bearer k1") and keys.key_id("Bearer k1") == "1" and not keys.accepts("Basic k1")
+    assert keys.accepts("Bearer k1") and not keys.accepts("Basic k1")
+    assert auth.tenant_id("Bearer k1") == hashlib.sha256(b"k1").hexdigest() == auth.tenant_id("BEARER  k1 ")
+    assert auth.tenant_id("Bearer k1") != auth.tenant_id("Bearer k0")  # apart, whatever order the file lists them
     real = auth.token_digest
     monkeypatch.setattr(auth, "token_digest", lambda header: real(header.replace("k9", "k0")))
-    assert keys.accepts("Bearer k9") and keys.key_id("Bearer k9") == "0"  # both go through token_digest
+    assert keys.accepts("Bearer k9") and auth.tenant_id("Bearer k9") == real("Bearer k0").hex()  # both use it
     monkeypatch.setattr(auth, "token_digest", real)
 
     class Api:

@@ -318,7 +318,7 @@ def _stalled_stream(server: Server, model: str) -> socket.socket:
         f'"stream": true}}'
     ).encode()
     s.sendall(
-        b"POST /v3/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     return s
@@ -332,7 +332,7 @@ def test_slow_headers_and_stalled_streams_do_not_take_the_box(hostile, name):
     slow = []
     for _ in range(100):
         s = socket.create_connection(("127.0.0.1", hostile.port))
-        s.sendall(b"POST /v3/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        s.sendall(b"POST /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
         slow.append(s)
     stop = threading.Event()
     trickler = threading.Thread(target=_trickle, args=(slow, stop), daemon=True)

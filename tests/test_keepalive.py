@@ -42,7 +42,8 @@ def kept(tiny_export, tmp_path_factory):
 
 def completion(model: str) -> bytes:
     data = json.dumps({"model": model, "prompt": "The appliance serves", "max_tokens": 2}).encode()
-    head = f"POST /v3/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+    head = "POST /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(data)}"
     return (head + "\r\n\r\n").encode() + data
 
 

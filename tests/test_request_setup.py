@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -179,3 +180,65 @@ def test_the_inbox_drain_keeps_to_its_time_budget():
     engine._inbox.put(("add", [[f"seq{i}"] for i in range(10)]))
     Admission._drain_inbox(engine)  # type: ignore[arg-type]
     assert len(taken) == 10 and not engine._backlog
+
+
+def test_the_set_up_gate_admits_one_at_a_time_tenants_in_turn():
+    """SetupGate: one holder at a time; waiters served round robin over tenants (first come first served within
+    one), so one tenant's forty requests make another's wait for one of them, not forty."""
+    from appliance.server.setup_gate import SetupGate
+
+    gate = SetupGate()
+    order: list[str] = []
+    holding = []
+    release = threading.Event()
+
+    def job(tenant: str, name: str) -> None:
+        with gate.hold(tenant):
+            holding.append(name)
+            assert len(holding) == 1  # never two at once
+            order.append(name)
+            if name == "first":
+                release.wait(10)
+            holding.remove(name)
+
+    first = threading.Thread(target=job, args=("a", "first"))
+    first.start()
+    while not order:
+        time.sleep(0.001)
+    threads = []
+    for tenant, name in [("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1"), ("b", "b2")]:
+        threads.append(threading.Thread(target=job, args=(tenant, name)))
+        threads[-1].start()
+        while gate.waiting() < len(threads):  # queued in this order
+            time.sleep(0.001)
+    release.set()
+    for t in [first, *threads]:
+        t.join(10)
+    assert order == ["first", "a1", "b1", "c1", "a2", "b2", "a3"]
+    assert gate.waiting() == 0
+    with gate.hold("a"):  # free again: no wait
+        pass
+
+
+def test_a_prompts_ban_table_is_built_off_the_engine_thread_once_for_its_choices(tmp_path_factory):
+    """Admission._prebuild (the caller's thread): the ban table of a prompt (its no_repeat_ngram index) built once
+    for its n choices, each choice its own fork (its own output index, the prompt's index shared), so the engine
+    thread's start only takes it."""
+    from appliance.runtime.sequence import Sequence
+
+    engine = SimpleNamespace(tokenizer=load_kind("bytelevel", tmp_path_factory))
+    prompt = [5, 6, 7, 8, 5, 6]
+    params = SamplingParams(no_repeat_ngram=2, seed=0)
+
+    def sequence(p: SamplingParams) -> Sequence:
+        return Sequence("r", len(prompt), list(prompt), p, 20, queue.SimpleQueue(), None)  # type: ignore[arg-type]
+
+    seqs = [sequence(replace(params, seed=i)) for i in range(3)]
+    Admission._prebuild(engine, seqs)  # type: ignore[arg-type]
+    tables = [s.prebuilt.bans for s in seqs if s.prebuilt is not None]
+    assert len(tables) == 3 and len({id(t) for t in tables}) == 3
+    assert tables[1].prompt_index is tables[0].prompt_index and tables[0].prompt_index
+    assert tables[1].output_index is not tables[0].output_index
+    plain = sequence(SamplingParams())
+    Admission._prebuild(engine, [plain])  # type: ignore[arg-type]
+    assert plain.prebuilt is not None and plain.prebuilt.bans is None  # nothing banned

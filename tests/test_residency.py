@@ -86,10 +86,20 @@ def test_keep_alive_spellings(value, seconds):
     assert parse_keep_alive(value) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("value", ["5 minutes", "m", "", "1x", True, None, [], math.nan, "5m3"])
+@pytest.mark.parametrize("value", ["5 minutes", "m", "", "1x", True, None, [], math.nan, "5m3", "nan", "-nan"])
 def test_keep_alive_refused(value):
     with pytest.raises(ValueError):
         parse_keep_alive(value)
+
+
+@pytest.mark.parametrize("value", [1e300, "1e300", 10**400, -(10**400), "9999999999999h", math.inf, "inf", 4e9])
+def test_keep_alive_past_a_century_is_forever(value):
+    """Every finite keep_alive is a date when added to now (/api/ps shows it): longer ones are forever."""
+    assert parse_keep_alive(value) == FOREVER
+
+
+def test_keep_alive_below_a_century_stays_a_duration():
+    assert parse_keep_alive(3e9) == 3e9 and parse_keep_alive("800000h") == 800000 * 3600.0
 
 
 def test_memory_budget_parser():

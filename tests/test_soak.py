@@ -283,7 +283,7 @@ def _fast_probe(h: _Hostile, kind: str, i: int) -> str | None:
     if kind == "method":  # an invented method, answered and recorded under a fixed label
         method = "ZQX" + "".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=rng.randint(1, 12)))
         with socket.create_connection(("127.0.0.1", h.port), timeout=60) as s:
-            s.sendall(f"{method} /v3/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            s.sendall(f"{method} /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
             reply = s.recv(65536)
         return None if reply.startswith(b"HTTP/1.1 405 ") else f"{method}: {reply[:100]!r}"
     raise AssertionError(kind)
@@ -321,7 +321,7 @@ def _slow_probe(h: _Hostile, kind: str, i: int) -> str | None:
     rng = random.Random(i)
     body = json.dumps({"model": "tiny-llama", "prompt": "hi", "max_tokens": 2}).encode()
     head = (
-        b"POST /v3/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+        b"POST /v3/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
         % len(body)
     )
     deadline = EDGE_TIMEOUT + EDGE_MARGIN

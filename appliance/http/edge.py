@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -27,9 +28,23 @@ from appliance import error_shapes
 from appliance.http import edge_policy
 
 HEAD_LIMIT = 64 * 1024  # request line + headers; larger heads get 431 (gunicorn's own limits are lower)
-# the generation routes (counted per key and address, --client-max-generations): OpenAI's/OVMS's completions, chat
-# and Responses (POST .../responses creates one), Anthropic's messages, Ollama's generate and chat
-GENERATION_PATHS = ("/completions", "/chat/completions", "/responses", "/v1/messages", "/api/generate", "/api/chat")
+# The routes that make the engine work, counted per key and address (--client-max-generations) when POSTed:
+# OpenAI's/OVMS's completions and chat (".../completions"), Responses (POST .../responses creates one),
+# embeddings, rerank and tokenize, Anthropic's messages and count_tokens, Ollama's generate, chat, embed and
+# embeddings. Matched on the canonical path (`canonical_path`: what Flask routes), by suffix, so every prefix
+# (/v3, /v1, /v3/v1, /api) is one; tests/test_edge_intake.py checks every POST route of the app against it.
+ENGINE_WORK_SUFFIXES = (
+    "/completions",
+    "/responses",
+    "/embeddings",
+    "/rerank",
+    "/tokenize",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/api/generate",
+    "/api/chat",
+    "/api/embed",
+)
 PROBE_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/metrics"})
 LINGER_SECONDS = 2.0  # graceful close: how long (and how much) we read after our FIN, as gunicorn
 LINGER_BYTES = 64 * 1024
@@ -103,6 +118,29 @@ def read_budget(max_body_bytes: int) -> int:
     return max(64 * 1024 * 1024, 2 * max_body_bytes)
 
 
+def canonical_path(target: str) -> str:
+    """The path of a request target as routing sees it: gunicorn's PATH_INFO (gunicorn/util.py split_request_uri,
+    then unquote_to_wsgi_str, which gunicorn/http/wsgi.py applies): the query and fragment cut, an absolute URI's
+    path taken, percent escapes decoded (%2F too) as latin-1. The edge classifies this, not the raw target, so a
+    spelling Flask routes to a route (`/v3/chat/completion%73`, `/v3/chat%2Fcompletions`) is counted as that
+    route; tests/test_edge_intake.py holds it to gunicorn's own functions. A target urlsplit refuses is
+    returned as it is (gunicorn answers it 400)."""
+    try:
+        if target.startswith("//"):  # gunicorn: an abs_path, not a network-path reference
+            path = urllib.parse.urlsplit("." + target).path[1:]
+        else:
+            path = urllib.parse.urlsplit(target).path
+    except ValueError:
+        return target
+    return urllib.parse.unquote_to_bytes(path).decode("latin-1")
+
+
+def request_path(line: bytes) -> str:
+    """The canonical path of a request line (`canonical_path`), "" when it is not METHOD TARGET VERSION."""
+    parts = line.split(b" ")
+    return canonical_path(parts[1].decode("latin-1")) if len(parts) == 3 else ""
+
+
 def is_probe(path: str) -> bool:
     return path in PROBE_PATHS or (path.startswith("/v2/models/") and path.endswith("/ready"))
 
@@ -132,7 +170,7 @@ def parse_head(buf: bytes | bytearray, max_body: int) -> Head | None:
         return None
     lines = bytes(buf[start:end]).split(b"\r\n")
     parts = lines[0].split(b" ")
-    path = parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
+    path = request_path(lines[0])
     lengths, codings, expect, odd_expect, authorization, api_key = [], [], [], len(parts) != 3, b"", b""
     pos = start + len(lines[0]) + 2
     for line in lines[1:]:
@@ -177,8 +215,9 @@ def without_expect(buf: bytearray, head: Head) -> int:
     return removed
 
 
-def is_generation(head: Head) -> bool:
-    return head.method == "POST" and head.path.endswith(GENERATION_PATHS)
+def is_engine_work(head: Head) -> bool:
+    """Whether the request is counted against --client-max-generations: a POST to an ENGINE_WORK_SUFFIXES route."""
+    return head.method == "POST" and head.path.endswith(ENGINE_WORK_SUFFIXES)
 
 
 def api_of(request: Request) -> str:
@@ -190,9 +229,7 @@ def api_of(request: Request) -> str:
     while request.buf.startswith(b"\r\n", start):
         start += 2
     eol = request.buf.find(b"\r\n", start, start + HEAD_LIMIT)
-    parts = bytes(request.buf[start:eol]).split(b" ") if eol >= 0 else []
-    path = parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
-    return error_shapes.api_of(path)
+    return error_shapes.api_of(request_path(bytes(request.buf[start:eol])) if eol >= 0 else "")
 
 
 def chunked_end(buf: bytes | bytearray, pos: int) -> tuple[int, bool]:
@@ -338,7 +375,7 @@ class Intake(Generic[K]):
                     return Step.MORE
             elif len(request.buf) < head.end + (head.length or 0):  # not chunked: length is set
                 return Step.MORE
-        if not is_probe(head.path) and is_generation(head):
+        if not is_probe(head.path) and is_engine_work(head):
             generation = (("address", request.peer), ("key", head.key) if head.key else None)
             if not self.generations.acquire(*generation):
                 return Step.GENERATION_CAP

@@ -29,6 +29,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
+from appliance.auth import bearer_token
+
 log = logging.getLogger("appliance.edge")
 
 # While the client is what a response waits on, it must take at least this many bytes per second on average: a
@@ -50,8 +52,11 @@ def peer_of(client: Any) -> str:
 
 
 def key_of(authorization: bytes) -> bytes:
-    """What identifies an API key in the edge's counts: a digest of the Authorization header (never the key)."""
-    return hashlib.blake2b(authorization.strip(), digest_size=16).digest() if authorization.strip() else b""
+    """What identifies an API key in the edge's counts: a digest of the key the Authorization header carries, read
+    as the key checks read it (auth.bearer_token: the scheme in any case, the token stripped), so `bearer KEY`,
+    `BEARER KEY` and `Bearer  KEY` are one key; b"" for none. Never the key itself."""
+    token = bearer_token(authorization.decode("latin-1"))
+    return hashlib.blake2b(token.encode("latin-1"), digest_size=16).digest() if token else b""
 
 
 def pick_victims(sizes: Mapping[K, int], need: int) -> list[K]:

@@ -436,6 +436,9 @@ class EdgeWorker(ThreadWorker):
             self._dropped(conn, "request_timeout", timeout=self.request_timeout)
             conn.reset = True
             return False
+        finally:  # released here, in the thread, once the response is written: left to the loop's finish_request,
+            # a client's next request (sent on reading this response) could meet the count still held, a 429
+            self._end_generation(conn)
 
     def finish_request(self, conn, fs):
         # gunicorn 27.0.1: closes a finished connection with a blocking graceful close on the loop's thread; here

@@ -32,7 +32,12 @@ def untagged(name: str) -> str:
 
 
 def _rfc3339(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
+    """A Unix time as RFC 3339; FOREVER for one no date can show (keep_alive.py bounds what reaches here, this
+    keeps /api/ps answering whatever does)."""
+    try:
+        return datetime.fromtimestamp(seconds, timezone.utc).isoformat().replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):
+        return FOREVER
 
 
 def model_dir(settings: ServeSettings, name: str) -> Path | None:

@@ -1,16 +1,24 @@
 """Ollama's routes, a Flask Blueprint on the OpenAI app's `Api` (its auth, body checks, engine client and limits):
 `create_app` registers it, so the same port, keys and bounds serve both APIs. Errors are Ollama's
-`{"error": "..."}` with the same statuses as the OpenAI side (400 / 404 / 413 / 429 / 500 / 503)."""
+`{"error": "..."}` with the same statuses as the OpenAI side (400 / 404 / 413 / 429 / 500 / 503).
+
+`keep_alive` sets how long a model stays loaded for every tenant, so it is the operator's, as loading models by a
+reload is: it is honoured from whoever may reload the config (auth.reload_refusal: an admin key; on a loopback
+server without keys, a request that is not from a web page). From anyone else a generation's keep_alive is ignored
+(the model keeps the operator's --keep-alive; it does not change the output), and an explicit unload (a request
+with nothing to say and keep_alive 0) is refused 403: one client key can neither unload a model under the others
+nor pin one the operator lets go (docs/ollama.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
 
 from flask import Blueprint, Response, g, request
 
-from appliance import __version__, error_shapes
+from appliance import __version__, auth, error_shapes
 from appliance.ollama_api import embed as E
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull
@@ -59,6 +67,13 @@ class OllamaRoutes:
         if req.think and not thinks:
             raise ApiError(400, f'"{req.model}" does not support thinking')
         render = Render(req.model, chat, keep_thinking=req.think is not False)
+        refusal = auth.reload_refusal(
+            self.api.settings, g.get("admin", False), request.headers.get("Origin"), "Unloading a model"
+        )
+        if refusal is not None:  # not the operator's: the model's own keep_alive stays (module docstring)
+            if req.load_only and req.keep_alive == 0:
+                raise ApiError(refusal[0], refusal[1], code="admin_key_required")
+            req = dataclasses.replace(req, keep_alive=None)
         if req.load_only:  # Ollama: a request with nothing to say loads the model (keep_alive 0: unloads it)
             return self._load(req, served, render)
         request_id = ("chatcmpl-" if req.chat is not None else "cmpl-") + uuid.uuid4().hex

@@ -56,7 +56,7 @@ class Api:
         """The Host allow-list, then the API key (appliance/auth.py); probes skip both (its docstring)."""
         if request.path in OPEN_PATHS:
             return
-        if not auth.host_allowed(request.headers.get("Host"), self.settings.allowed_hosts):
+        if not auth.host_checked(request.headers.get("Host"), self.settings):
             raise ApiError(400, "Invalid Host header: this server does not answer for that name", code="invalid_host")
         if web.is_public(request.path):  # the web page's static files: no data in them (appliance/web/)
             return
@@ -71,7 +71,7 @@ class Api:
         g.admin = admin_keys is not None and admin_keys.accepts(header)  # an admin key is a client key too
         if keys is not None and not g.admin and not keys.accepts(header):
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
-        g.tenant = keys.key_id(header) if keys is not None else ""
+        g.tenant = auth.tenant_id(header) if keys is not None or g.admin else ""  # the key's own namespace
 
     @staticmethod
     def json_body():

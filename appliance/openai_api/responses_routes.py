@@ -59,7 +59,7 @@ class ResponsesApi:
         if not (s.api_key_file or s.admin_key_file):
             return ""
         header = auth.authorization(request.headers.get("Authorization"), request.headers.get("x-api-key"))
-        return auth.token_digest(header).hex()
+        return auth.tenant_id(header)
 
     # ---- POST /v3/responses
     def create(self):

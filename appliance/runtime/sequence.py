@@ -10,7 +10,7 @@ import enum
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance.outputs import Chunk, Timing, TokenLogprob
 from appliance.params import SamplingParams
@@ -30,6 +30,16 @@ class Status(enum.Enum):
     WAITING = 0
     RUNNING = 1
     FINISHED = 2
+
+
+class Prebuilt:
+    """A sequence's set-up built off the engine thread (Admission._prebuild): its ban table (None: nothing
+    banned). Typed loosely: bans.py sits above this module (it reads sequences)."""
+
+    __slots__ = ("bans",)
+
+    def __init__(self, bans: Any):
+        self.bans = bans
 
 
 @dataclass(eq=False)
@@ -69,6 +79,8 @@ class Sequence:
     # this step, fed after token_ids[num_computed:] and verified in the step's postprocess
     spec: SpecState | None = None
     draft: list[int] = field(default_factory=list)
+    # what the caller's thread built for the engine thread's start (Admission._prebuild); None: build it there
+    prebuilt: Prebuilt | None = None
 
     @property
     def num_generated(self) -> int:

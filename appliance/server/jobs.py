@@ -41,6 +41,7 @@ from appliance.runtime.grammar import GrammarError
 from appliance.runtime.tokenizer import TextTooLong
 from appliance.server import tool_prompt, tracing
 from appliance.server.metrics import ServerMetrics
+from appliance.server.setup_gate import SetupGate
 from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class JobRunner:
         self.models = models
         self.metrics = metrics
         self.limits = limits
+        self.setup_gate = SetupGate()  # every model's: set-up shares the cores and the GIL whichever model it is for
         # the supervisor's load of an unloaded model (name, worker gone?) -> None once loaded, or why it failed
         self.ensure: Callable[[str, Callable[[], bool]], p.Failed | None] | None = None
 
@@ -128,7 +130,11 @@ class JobRunner:
 
     def submit(self, job: p.Job, slot: Slot | None = None) -> tuple[list, p.Accepted]:
         """Tokenize and queue the job on its model's engine: ([(choice index, handle, submitted)], Accepted), or
-        Rejected with nothing left queued."""
+        Rejected with nothing left queued. One job's set-up at a time, tenants in turn (setup_gate.py)."""
+        with self.setup_gate.hold(job.tenant):
+            return self._submit(job, slot)
+
+    def _submit(self, job: p.Job, slot: Slot | None = None) -> tuple[list, p.Accepted]:
         slot = slot or self.models.slot(job.model)
         engine = slot.engine
         if engine is None or slot.state != "ready":

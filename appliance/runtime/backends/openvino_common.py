@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import openvino as ov
 
 from appliance import cpu_isa, devices
+from appliance.runtime import kernels
 from appliance.runtime.backends.base import DeviceError
 
 if TYPE_CHECKING:
@@ -71,6 +72,30 @@ def usable_cache_dir(path: str) -> str | None:
 
 def read_model(model_dir: Path, model_file: str) -> ov.Model:
     return core().read_model(str(Path(model_dir) / model_file))
+
+
+def compile_with_kernels(model: ov.Model, device: str, props: dict[str, Any]) -> ov.CompiledModel | None:
+    """`model` (rewritten to our kernels) compiled, or None with one log line when the plugin refuses it: the
+    backend then serves OpenVINO's kernels alone rather than failing to load."""
+    try:
+        return core().compile_model(model, device, props)
+    except Exception as exc:  # an op the plugin cannot take: our kernels are an optimisation, never a requirement
+        log.warning("kernels: openvino (compiling our kernels failed: %s)", exc, extra={"kernels": "openvino"})
+        return None
+
+
+def kernel_rows(label: str) -> int:
+    """Steps of up to this many tokens run our kernels (0: none do)."""
+    return kernels.KERNEL_ROWS.get(label.removeprefix("appliance-"), 0)
+
+
+def apply_kernels(model: ov.Model, config: EngineConfig, model_dir: Path) -> str:
+    """Our low-bit kernels where they apply (appliance/runtime/kernels), after every rewrite that looks for the
+    graph's MatMuls (the LM head's Gather) and before compiling; returns which kernels run, for the backend."""
+    name = f"{Path(model_dir).parent.name}/{Path(model_dir).name}"
+    return kernels.apply(
+        model, core(), choice=config.kernels, device=config.device, precision=config.precision, name=name
+    )
 
 
 def logits_matmul(model: ov.Model) -> ov.Node:

@@ -22,7 +22,16 @@ from openvino._offline_transformations import paged_attention_transformation
 from appliance.manifest import Manifest
 from appliance.runtime.backends.base import Backend, StepBatch
 from appliance.runtime.backends.kv_budget import pool_blocks
-from appliance.runtime.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
+from appliance.runtime.backends.openvino_common import (
+    apply_kernels,
+    check_device,
+    compile_properties,
+    compile_with_kernels,
+    core,
+    kernel_rows,
+    logits_matmul,
+    read_model,
+)
 from appliance.runtime.backends.projection_fusion import fuse_sibling_projections
 
 if TYPE_CHECKING:
@@ -78,8 +87,19 @@ class OpenVINOPagedBackend(Backend):
         paged_attention_transformation(model)
         log.debug("fused %d groups of sibling projections", fuse_sibling_projections(model))
         _gather_last_tokens(model)
-        self.compiled = core().compile_model(model, config.device, compile_properties(config))
+        native = model.clone()  # constants shared, not copied
+        self.kernels = apply_kernels(model, config, model_dir)
+        props = compile_properties(config)
+        self.compiled = core().compile_model(native, config.device, props)
         self.request = self.compiled.create_infer_request()
+        # Steps of at most `kernel_rows` tokens (decode, speculative verification, small batches) run our kernels;
+        # longer ones (prefill) OpenVINO's, which win there (kernels.KERNEL_ROWS). Each compiled model holds its own
+        # weights: our copy beside the plugin's (kernels/rewrite.py states the cost).
+        small = compile_with_kernels(model, config.device, props) if kernel_rows(self.kernels) else None
+        self.kernels = self.kernels if small is not None else "openvino"
+        self.kernel_rows = kernel_rows(self.kernels)
+        self._small = small.create_infer_request() if small is not None else None
+        del native, model
         cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
         # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.
         values = next(i for i in cache_inputs if i.get_any_name().startswith("value_cache."))
@@ -93,11 +113,14 @@ class OpenVINOPagedBackend(Backend):
         )
         self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
         self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
-        self._inputs: dict[str, np.ndarray] = {}  # input name -> numpy view of the tensor bound to it
+        # per request: input name -> numpy view of the tensor bound to it
+        self._inputs: dict[int, dict[str, np.ndarray]] = {id(self.request): {}, id(self._small): {}}
         self._blocks = []  # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
         for port, dims in zip(cache_inputs, block_dims):
             tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
-            self.request.set_tensor(port, tensor)
+            for request in (self.request, self._small):
+                if request is not None:
+                    request.set_tensor(port.get_any_name(), tensor)
             self._blocks.append(blocks)
         self.cache_bytes = self.num_blocks * self.bytes_per_block
         self.kv_precision = cache_inputs[0].get_element_type().get_type_name()  # "u8", not "<Type: 'uint8_t'>"
@@ -140,7 +163,8 @@ class OpenVINOPagedBackend(Backend):
             logits_indices = np.repeat(begins[1:] - counts, counts) + _ranges(counts)
         else:
             flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
-        request = self.request
+        request = self._small if self._small is not None and total <= self.kernel_rows else self.request
+        views = self._inputs[id(request)]
         for name, value in (
             ("input_ids", ids),
             ("position_ids", positions),
@@ -151,13 +175,13 @@ class OpenVINOPagedBackend(Backend):
             ("max_context_len", np.array(int((past + lens).max()), np.int32)),
             ("logits_indices", logits_indices.astype(np.int64, copy=False)),
         ):
-            view = self._inputs.get(name)
+            view = views.get(name)
             if view is not None and view.shape == value.shape:
                 view[...] = value  # decode steps keep their shapes: write into the bound tensor
             else:
                 tensor = ov.Tensor(value)  # owns a copy, stays bound until the shape changes
                 request.set_tensor(name, tensor)
-                self._inputs[name] = tensor.data
+                views[name] = tensor.data
         request.start_async()  # infer() would also copy every output into a fresh numpy array
         request.wait()
         logits = request.get_tensor("logits").data
@@ -194,5 +218,5 @@ class OpenVINOPagedBackend(Backend):
 
     def close(self) -> None:
         self._blocks.clear()
-        self.request = None
+        self.request = self._small = None
         self.compiled = None

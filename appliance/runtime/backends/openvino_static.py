@@ -17,7 +17,16 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import stateful_to_stateless_transformation
 
 from appliance.manifest import Manifest
-from appliance.runtime.backends.openvino_common import check_device, compile_properties, core, logits_matmul, read_model
+from appliance.runtime.backends.openvino_common import (
+    apply_kernels,
+    check_device,
+    compile_properties,
+    compile_with_kernels,
+    core,
+    kernel_rows,
+    logits_matmul,
+    read_model,
+)
 from appliance.runtime.backends.static_slots import StaticSlotBackend
 
 if TYPE_CHECKING:
@@ -64,6 +73,9 @@ class OpenVINOStaticBackend(StaticSlotBackend):
             stateful_to_stateless_transformation(model)
         new_kv_only(model)
         gather_row(model)
+        self._native = model.clone()  # constants shared, not copied
+        self.kernels = apply_kernels(model, config, model_dir)
+        self.kernel_rows = kernel_rows(self.kernels)  # shapes of more tokens per call compile OpenVINO's kernels
         length = min(config.static_context, manifest.max_context)
         self.kv_names = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values")]
         past = next(p for p in model.inputs if p.get_any_name() == self.kv_names[0])
@@ -103,7 +115,8 @@ class OpenVINOStaticBackend(StaticSlotBackend):
     def _compile(self, b: int, t: int, rows: int) -> ov.InferRequest:
         """[b, t] tokens per call, logits for `rows` positions of each."""
         heads, length, head_dim = self._kv_shape
-        shaped = self._model.clone()
+        ours = b * t <= self.kernel_rows
+        shaped = (self._model if ours else self._native).clone()
         shapes = {}
         for port in shaped.inputs:
             name = port.get_any_name()
@@ -118,7 +131,13 @@ class OpenVINOStaticBackend(StaticSlotBackend):
             elif name.startswith("past_key_values"):
                 shapes[port] = [b, heads, length, head_dim]
         shaped.reshape(shapes)
-        return core().compile_model(shaped, self._device, self._props).create_infer_request()
+        compiled = compile_with_kernels(shaped, self._device, self._props) if ours else None
+        if ours and compiled is None:
+            self.kernels, self.kernel_rows = "openvino", 0
+            return self._compile(b, t, rows)
+        if compiled is None:
+            compiled = core().compile_model(shaped, self._device, self._props)
+        return compiled.create_infer_request()
 
     def _run(self, kind, slot, input_ids, position_ids, attention_mask, last_index):
         every = not np.isscalar(last_index)

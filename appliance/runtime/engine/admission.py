@@ -7,14 +7,18 @@ processors (sampler, detokenizer, stop matcher) and enters the scheduler. Cancel
 request's KV is freed by the engine thread, between steps.
 
 What can be done once per request is done on the caller's thread (`prepare`: bad words and the prediction
-tokenized, without the GIL, and shared by every choice and prompt of the request), and what the engine thread
-still does per sequence is bounded by the request's `setup_work` (appliance/limits.py). The drain itself has a time
+tokenized, without the GIL, and shared by every choice and prompt of the request), and so are the tables whose size
+the request's `setup_work` bounds (appliance/limits.py): the ban table of each prompt (`_prebuild`, once per
+prompt, shared by its choices), which the engine thread's start of a sequence only takes. The prompt-lookup index
+of a prediction is built by the engine thread, a slice per lookup (speculative/ngram.py): lazily, since a sequence
+in a batch too large to speculate never needs it. The drain itself has a time
 budget (INBOX_BUDGET_SECONDS): a big submission is started a prompt at a time across iterations, with a step of
 the running sequences between, so one request never holds the others' tokens back for long.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import time
@@ -30,7 +34,7 @@ from appliance.runtime.engine.liveness import EngineDead
 from appliance.runtime.engine.logprobs import first_prompt_logprob
 from appliance.runtime.engine.state import EngineState
 from appliance.runtime.sampling import SequenceSampler
-from appliance.runtime.sequence import BeamGroup, Sequence, Status
+from appliance.runtime.sequence import BeamGroup, Prebuilt, Sequence, Status
 from appliance.runtime.stopping import StopStringMatcher, resolve_prompt_limits, stop_token_ids
 from appliance.runtime.tokenizer import TextTooLong
 
@@ -78,6 +82,7 @@ class Admission(EngineState):
                 f"(best_of {params.best_of}): use n for several choices"
             )
         seq = self._new_sequence(prompt_ids, params, request_id)
+        self._prebuild([seq])
         if params.best_of is not None and params.best_of > 1:
             seq.max_len = self._beam_max_len(len(prompt_ids), seq.params, seq.max_len)  # limits resolved
             seq.group = BeamGroup(seq, len(stop_token_ids(params, self.eos_token_ids)))
@@ -102,6 +107,7 @@ class Admission(EngineState):
         for prompt_ids, params, request_ids in requests:
             ids: list[str] | list[None] = request_ids or [None] * len(params)
             seqs = [self._new_sequence(prompt_ids, p, r) for p, r in zip(params, ids)]
+            self._prebuild(seqs)
             if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
                 seqs[0].followers = seqs[1:]
             groups.append(seqs)
@@ -137,6 +143,22 @@ class Admission(EngineState):
                 )
             changes["prediction_ids"] = ids
         return replace(params, **changes)
+
+    def _prebuild(self, seqs: list[Sequence]) -> None:
+        """The ban table of one prompt's sequences (bad words, the no_repeat_ngram index of the prompt), built here
+        on the caller's thread, once for the choices whose ban parameters are equal (n choices differ in their
+        seed only); each further choice gets a fork (its own output index, the rest shared)."""
+        built: dict[tuple, Bans | None] = {}
+        prompt = seqs[0].token_ids[: seqs[0].prompt_len]
+        for seq in seqs:
+            p = seq.params
+            key = (tuple(p.bad_words), tuple(map(tuple, p.bad_word_tokens)), p.no_repeat_ngram)
+            if key in built:
+                shared = built[key]
+                seq.prebuilt = Prebuilt(copy.copy(shared) if shared is not None else None)
+            else:
+                built[key] = Bans.build(p, prompt, self.tokenizer)
+                seq.prebuilt = Prebuilt(built[key])
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> list[GenerationResult]:
         """Submit and wait: the request's choices (one, or params.n for a beam search)."""
@@ -281,7 +303,10 @@ class Admission(EngineState):
         seq.sampler = SequenceSampler(p, seq.token_ids[: seq.prompt_len], self.eos_token_ids)
         if p.grammar is not None:
             seq.sampler.grammar = self.grammars.matcher(p.grammar)
-        seq.sampler.bans = Bans.build(p, seq.token_ids[: seq.prompt_len], self.tokenizer)  # None: nothing banned
+        if seq.prebuilt is not None:  # built by the caller's thread (_prebuild)
+            seq.sampler.bans = seq.prebuilt.bans
+        else:  # None: nothing banned
+            seq.sampler.bans = Bans.build(p, seq.token_ids[: seq.prompt_len], self.tokenizer)
         seq.detok = IncrementalDetokenizer(
             self.tokenizer, skip_special_tokens=p.skip_special_tokens, prompt_ids=seq.token_ids[: seq.prompt_len]
         )

@@ -1,0 +1,120 @@
+"""Our own low-bit decode kernels inside OpenVINO: an extension library (LowBitMatMul, C++ in this directory) that
+multiplies int8-quantized activations by u4 weights with integer dot products, where OpenVINO's CPU plugin expands
+int4 to f32 (AVX2 boxes: brgemm_avx2_f32) or needs integer zero points to quantize activations (VNNI boxes).
+
+This module finds and loads the library and says which path runs; rewrite.py swaps the MatMuls at load; build.py
+compiles the library (what `make venv` and the Dockerfile run). Everything degrades to OpenVINO's own kernels: no
+library (no compiler at install time, a failed build), a CPU without AVX2+FMA, a library that does not load, or
+`--kernels openvino`; `appliance serve` never fails because of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+LIBRARY = "libappliance_kernels.so"
+LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
+ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
+ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
+CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precision f32; ours = also then
+# Rows (tokens per step) up to which our kernels beat OpenVINO's, per path: bench.kernels at the Qwen2.5-1.5B MLP
+# shapes (8960 x 1536, 1536 x 8960; NNCF u4 g128 and the Q4_1 grid), 2 threads, ratio ours / native time (loaded
+# box, medians of interleaved reps). AVX2 against OpenVINO under ONEDNN_MAX_CPU_ISA=AVX2 (brgemm f32): 0.50-0.93 at
+# M = 2..16, 0.56-1.07 at M = 1. AVX512-VNNI against the plugin's dynamic quantization (VNNI int8 GEMM): 0.65-0.98 at
+# M = 1..4, 1.08 at 8, 2.6 / 5.2 at 32 / 128 (an earlier build): longer steps (prefill) keep OpenVINO's.
+KERNEL_ROWS = {"avx2": 16, "avxvnni": 4, "avx512vnni": 4}
+# Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
+# plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
+# 135M model (every layer under 1M weights) decoded 1.24x slower at batch 1 with all 210 of its u4 MatMuls on ours
+# (bf16 default precision, VNNI box, 15 interleaved reps); with this floor it keeps OpenVINO's kernels, while
+# Qwen2.5-1.5B's q/o projections (2.4M) and MLP (13.8M) take ours. APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
+MIN_WEIGHTS = 1 << 21
+MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
+
+
+def library_path() -> Path:
+    override = os.environ.get(LIBRARY_ENV)
+    return Path(override) if override else Path(__file__).resolve().parent / LIBRARY
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded extension: `factory` makes LowBitMatMul nodes, `isa` is the path they run."""
+
+    path: Path
+    isa: str
+    supported: tuple[str, ...]
+    factory: Any
+
+    @property
+    def label(self) -> str:
+        return f"appliance-{self.isa}"
+
+
+def _isas(path: Path) -> tuple[str, ...]:
+    lib = ctypes.CDLL(str(path))
+    lib.appliance_kernels_isas.restype = ctypes.c_char_p
+    return tuple(x for x in lib.appliance_kernels_isas().decode().split(",") if x)
+
+
+def load(core: Any, choice: str = "auto") -> tuple[Kernels | None, str]:
+    """(the loaded kernels or None, why not) for `core` (an ov.Core); never raises. `choice` from --kernels."""
+    if choice == "openvino":
+        return None, "--kernels openvino"
+    path = library_path()
+    if not path.is_file():
+        return None, f"{path} is not built (python -m appliance.runtime.kernels.build)"
+    try:
+        from openvino.utils.node_factory import NodeFactory
+
+        supported = _isas(path)  # loads openvino's own libraries first: openvino is imported by now
+        if not supported:
+            return None, "this CPU has no AVX2+FMA"
+        isa = os.environ.get(ISA_ENV, "").strip().lower() or supported[0]
+        if isa not in supported:
+            return None, f"{ISA_ENV}={isa} is not one of this CPU's paths ({', '.join(supported)})"
+        core.add_extension(str(path))
+        factory = NodeFactory()
+        factory.add_extension(str(path))
+    except Exception as exc:  # a stale or foreign build: OpenVINO's kernels still serve
+        return None, f"{path} did not load: {exc}"
+    return Kernels(path, isa, supported, factory), ""
+
+
+def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | None, name: str = "") -> str:
+    """Rewrites `model`'s u4 MatMuls to our op when that applies; logs one line saying which kernels run and
+    returns it as a label: "appliance-<isa>" or "openvino". Never raises: any failure leaves `model` as read (the
+    rewrite swaps nodes only after every match was made) and OpenVINO's kernels serve."""
+    why = ""
+    if device.upper() != "CPU":
+        why = f"device {device}"
+    elif choice == "auto" and precision == "f32":
+        why = "--precision f32 (int8 activations are not f32; --kernels ours overrides)"
+    loaded = None
+    if not why:
+        loaded, why = load(core, choice)
+    count = 0
+    if loaded is not None:
+        from appliance.runtime.kernels.rewrite import rewrite
+
+        try:
+            floor = int(os.environ.get(MIN_WEIGHTS_ENV, MIN_WEIGHTS))
+            count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor)
+        except Exception as exc:  # an IR shape we did not foresee: OpenVINO's kernels serve it
+            why = f"rewrite failed: {exc}"
+        else:
+            why = "" if count else f"no u4 group-quantized MatMul of {floor} weights or more in this model"
+    if loaded is None or not count:
+        log.info("kernels: openvino (%s)", why, extra={"model": name, "kernels": "openvino", "reason": why})
+        return "openvino"
+    log.info(
+        "kernels: %s on %d MatMuls", loaded.label, count, extra={"model": name, "kernels": loaded.label, "ops": count}
+    )
+    return loaded.label

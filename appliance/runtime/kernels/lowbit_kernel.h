@@ -1,0 +1,28 @@
+// What the dispatcher (lowbit_matmul.cpp) and the per-ISA kernels share: the arguments and one entry per ISA.
+#pragma once
+#include <cstdint>
+
+struct LowbitArgs {
+    const float* x;         // [M, K]
+    const uint8_t* w;       // [N, Kp / 2]: u4 two per byte, low nibble first; Kp = K rounded up to 32
+    const uint16_t* sz;     // [N, G, 2] f16: scale, zero point (u4 / u8 zero points widened at load)
+    float* y;               // [M, N]
+    int64_t M, N, K, Kp, gs, G;
+};
+
+// Floats of the per-block activation scales (dxv [M, pairs of blocks, 8]) the scratch needs.
+inline int64_t lowbit_dx_floats(int64_t M, int64_t Kp) { return M * ((Kp / 32 + 1) / 2) * 8; }
+
+// Quantizes blocks [b0, b1) of x into the scratch buffers (xq [M, Kp], dxv, xs [M, G]); runs rows [n0, n1).
+using QuantizeFn = void (*)(const LowbitArgs&, int8_t*, float*, float*, int64_t, int64_t);
+using RowsFn = void (*)(const LowbitArgs&, const int8_t*, const float*, const float*, int64_t, int64_t);
+
+struct LowbitKernel {
+    const char* name;
+    QuantizeFn quantize;
+    RowsFn rows;
+};
+
+LowbitKernel lowbit_kernel_avx2();
+LowbitKernel lowbit_kernel_avxvnni();
+LowbitKernel lowbit_kernel_avx512vnni();

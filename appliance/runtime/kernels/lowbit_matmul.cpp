@@ -1,0 +1,163 @@
+// LowBitMatMul: y = x . dequant(W)^T for u4 weights with a per-group f16 scale and zero point, as an OpenVINO
+// custom op (evaluate() on the CPU plugin's reference path). Inputs: x f32 [..., K]; w u8 [N, Kp / 2] or u4 [N, ...]
+// (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order); sz u8 [N, 4 G]: per
+// group the f16 bits of the scale, then of the zero point (raw bytes, since the CPU plugin hands a custom op its f16
+// inputs converted to f32: twice the bytes to read per step). Attributes: group_size (32 or a multiple of 64), isa
+// ("auto", "avx2", "avxvnni", "avx512vnni"). Output f32 [..., N]. Why, with measurements:
+// appliance/runtime/kernels/__init__.py.
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+
+#include <memory>
+#include <openvino/core/extension.hpp>
+#include <openvino/core/op_extension.hpp>
+#include <openvino/op/op.hpp>
+#include <string>
+#include <vector>
+
+#include "lowbit_kernel.h"
+
+namespace {
+
+bool supported(const std::string& isa) {
+    __builtin_cpu_init();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (isa == "avx2") return avx2;
+    if (isa == "avxvnni") return avx2 && __builtin_cpu_supports("avxvnni");
+    if (isa == "avx512vnni")
+        return avx2 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+               __builtin_cpu_supports("avx512bw");
+    return false;
+}
+
+// The widest path this CPU runs: AVX512-VNNI, then AVX-VNNI, then AVX2; "" when not even AVX2.
+std::string best_isa() {
+    for (const char* isa : {"avx512vnni", "avxvnni", "avx2"})
+        if (supported(isa)) return isa;
+    return "";
+}
+
+LowbitKernel kernel_for(const std::string& isa) {
+    if (isa == "avx512vnni") return lowbit_kernel_avx512vnni();
+    if (isa == "avxvnni") return lowbit_kernel_avxvnni();
+    return lowbit_kernel_avx2();
+}
+
+}  // namespace
+
+namespace appliance {
+
+class LowBitMatMul : public ov::op::Op {
+public:
+    OPENVINO_OP("LowBitMatMul", "appliance");
+
+    LowBitMatMul() = default;
+    LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa)
+        : Op(args), m_group_size(group_size), m_isa(std::move(isa)) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        OPENVINO_ASSERT(get_input_size() == 3, "LowBitMatMul takes x, w, sz");
+        OPENVINO_ASSERT(m_group_size == 32 || (m_group_size > 0 && m_group_size % 64 == 0),
+                        "LowBitMatMul: group_size must be 32 or a multiple of 64");
+        OPENVINO_ASSERT(m_isa == "auto" || supported(m_isa), "LowBitMatMul: this CPU cannot run isa=", m_isa);
+        OPENVINO_ASSERT(!best_isa().empty(), "LowBitMatMul: needs AVX2 and FMA");
+        auto out = get_input_partial_shape(0);
+        const auto& sz = get_input_partial_shape(2);
+        if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
+        set_output_type(0, ov::element::f32, out);
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("group_size", m_group_size);
+        visitor.on_attribute("isa", m_isa);
+        return true;
+    }
+
+    bool has_evaluate() const override { return true; }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        const ov::Tensor& x = inputs[0];
+        const ov::Shape xs = x.get_shape();
+        LowbitArgs a{};
+        a.K = static_cast<int64_t>(xs.back());
+        a.M = static_cast<int64_t>(ov::shape_size(xs)) / (a.K ? a.K : 1);
+        a.N = static_cast<int64_t>(inputs[2].get_shape()[0]);
+        a.G = static_cast<int64_t>(inputs[2].get_byte_size()) / 4 / (a.N ? a.N : 1);
+        a.gs = m_group_size;
+        a.Kp = (a.K + 31) / 32 * 32;
+        OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == a.N * a.Kp / 2,
+                        "LowBitMatMul: w must hold N x Kp/2 bytes");
+        OPENVINO_ASSERT(a.G == (a.K + a.gs - 1) / a.gs, "LowBitMatMul: sz must hold ceil(K / group_size) groups per row");
+        ov::Shape ys = xs;
+        ys.back() = static_cast<size_t>(a.N);
+        outputs[0].set_shape(ys);
+        a.x = x.data<const float>();
+        a.w = static_cast<const uint8_t*>(inputs[1].data());
+        a.sz = static_cast<const uint16_t*>(inputs[2].data());
+        a.y = outputs[0].data<float>();
+        if (a.M == 0 || a.N == 0) return true;
+        const LowbitKernel kernel = kernel_for(m_isa == "auto" ? best_isa() : m_isa);
+        // Scratch per calling thread, kept between calls: allocating it each time was a measurable part of a
+        // small layer's cost (the op's fixed cost per call was ~20 us against native's ~10 us at 256 x 256).
+        thread_local std::vector<int8_t> xq;
+        thread_local std::vector<float> dx, sums;
+        xq.resize(static_cast<size_t>(a.M * a.Kp));
+        dx.resize(static_cast<size_t>(lowbit_dx_floats(a.M, a.Kp)));
+        sums.resize(static_cast<size_t>(a.M * a.G));
+        const int64_t threads = tbb::this_task_arena::max_concurrency(), blocks = a.Kp / 32;
+        // Quantizing x is serial work before the parallel rows: 41 us at K = 8960 (M = 1) against ~300 us of rows on
+        // 2 threads. Long rows are split into chunks that start a pair of blocks and a group, one per thread.
+        const int64_t align = std::max<int64_t>(2, a.gs / 32);
+        const int64_t chunk = std::max(align, (blocks / threads + align - 1) / align * align);
+        // Plain pointers into the calling thread's scratch: inside a TBB task, the thread_local names would be the
+        // worker's own (empty) vectors.
+        int8_t* q = xq.data();
+        float *d = dx.data(), *sm = sums.data();
+        if (threads <= 1 || a.M * a.Kp < 4096 || chunk >= blocks) {
+            kernel.quantize(a, q, d, sm, 0, blocks);
+        } else {
+            tbb::parallel_for(int64_t{0}, (blocks + chunk - 1) / chunk, [&](int64_t c) {
+                kernel.quantize(a, q, d, sm, c * chunk, std::min(blocks, (c + 1) * chunk));
+            });
+        }
+        // About four chunks per thread (at least 16 rows): balanced on a busy box, few tasks on a small layer; a
+        // layer under ~64 K weights runs on the calling thread alone.
+        if (threads <= 1 || a.N * a.Kp < (int64_t{1} << 16)) {
+            kernel.rows(a, q, d, sm, 0, a.N);
+            return true;
+        }
+        const int64_t grain = std::max<int64_t>(16, a.N / (4 * threads));
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, a.N, grain), [&](const tbb::blocked_range<int64_t>& r) {
+            kernel.rows(a, q, d, sm, r.begin(), r.end());
+        });
+        return true;
+    }
+
+private:
+    int64_t m_group_size = 128;
+    std::string m_isa = "auto";
+};
+
+}  // namespace appliance
+
+// For Python (ctypes): which paths this CPU runs, widest first, comma-separated ("" = none: the op refuses).
+extern "C" __attribute__((visibility("default"))) const char* appliance_kernels_isas() {
+    static const std::string isas = [] {
+        std::string out;
+        for (const char* isa : {"avx512vnni", "avxvnni", "avx2"})
+            if (supported(isa)) out += (out.empty() ? "" : ",") + std::string(isa);
+        return out;
+    }();
+    return isas.c_str();
+}
+
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<appliance::LowBitMatMul>>()}));
