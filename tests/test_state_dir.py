@@ -4,13 +4,16 @@ store and the KV disk tier.
 
 The installed layout is emulated as an operator's trial did: the server runs in a private mount namespace
 (`unshare --mount`) where the data dir and the model are read-only bind mounts (EROFS, even for root), with the
-unit's variables (APPLIANCE_DATA_DIR, APPLIANCE_STATE_DIR, APPLIANCE_KV_DISK_DIR, APPLIANCE_CACHE_DIR). Real
-servers, the real `openai` client, real SQLite files:
+unit's variables (APPLIANCE_DATA_DIR, APPLIANCE_STATE_DIR, APPLIANCE_KV_DISK_DIR, APPLIANCE_CACHE_DIR, read from
+systemd/appliance.service and moved under a temporary root). Real servers, the real `openai` and `ollama` clients,
+real SQLite files:
 - a stored conversation (`previous_response_id`) is served, streamed and unary, and survives a restart, which
   also loads the prompt's KV blocks from the disk tier in the state dir;
 - per-key store budgets: another key's writes never evict a key's stored response;
 - a store that fails after the generation (the state dir turned read-only under the running server, `nsenter`)
   ends a stream with an `error` event and a unary request with 503, never a cut stream or a 500;
+- a pull (Ollama's /api/pull, an admin key) lands in the state dir, leaves the data dir as it was, and is served
+  after a restart, with the unit's variables and with the image's (both read from their files);
 - a state dir given explicitly that cannot be written refuses the start (exit 78, one line); the default one (the
   read-only data dir) starts with one warning and refuses `store: true` before any work (503), serving
   `store: false`; a pull is refused at once (503), not after its download.
@@ -20,19 +23,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
+import ollama
 import openai
 import pytest
 import requests
 from conftest import START_TIMEOUT, Server
 
 from appliance.settings import EX_CONFIG
+from appliance.testing.hub import StubHub, ir_repo
 from appliance.testing.loopback import ROOT, LoopbackServer
+from export.default_model import ensure_export
 
 pytestmark = pytest.mark.default_model
 
@@ -76,17 +83,38 @@ class InstalledServer(Server):
         )
 
 
-def layout(root: Path) -> tuple[Path, Path, dict[str, str]]:
-    """A data dir (read-only once mounted), a state dir, and the unit's variables for them."""
+def installed_variables(source: str) -> dict[str, str]:
+    """The APPLIANCE_* variables naming directories, as the systemd unit (`unit`) or the image (`image`) sets them:
+    read from systemd/appliance.service's Environment= lines or the Dockerfile's last ENV, so the test follows them."""
+    if source == "unit":
+        text = (ROOT / "systemd/appliance.service").read_text()
+        pairs = re.findall(r"^Environment=(APPLIANCE_\w+)=(\S*)$", text, re.M)
+    else:
+        last_env = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").split("\nENV ")[-1].split("\n")[0]
+        pairs = re.findall(r"(APPLIANCE_\w+)=(\S+)", last_env)
+    return {name: value for name, value in pairs if value.startswith("/")}
+
+
+def layout(root: Path, source: str = "unit") -> tuple[Path, Path, dict[str, str]]:
+    """A data dir (read-only once mounted), a state dir, and the unit's (or the image's) directory variables moved
+    under `root`: /var/lib/appliance -> root/data, its state/ -> root/state, /var/cache -> root."""
     data, state = root / "data", root / "state"
     (data / "models").mkdir(parents=True)
     state.mkdir(mode=0o700)
-    env = {
-        "APPLIANCE_DATA_DIR": str(data),
-        "APPLIANCE_STATE_DIR": str(state),
-        "APPLIANCE_KV_DISK_DIR": str(state / "kv"),
-        "APPLIANCE_CACHE_DIR": str(root / "cache"),
-    }
+    variables = installed_variables(source)
+    installed_state = Path(variables["APPLIANCE_STATE_DIR"])
+    installed_data = Path(variables["APPLIANCE_DATA_DIR"])
+    assert installed_state.parent == installed_data, variables  # the layout the docs describe
+
+    def moved(value: str) -> str:
+        path = Path(value)
+        for installed, here in ((installed_state, state), (installed_data, data), (Path("/var/cache"), root)):
+            if path == installed or installed in path.parents:
+                return str(here / path.relative_to(installed))
+        raise AssertionError(f"{value}: outside the data, state and cache dirs")
+
+    env = {name: moved(value) for name, value in variables.items()}
+    assert {"APPLIANCE_DATA_DIR", "APPLIANCE_STATE_DIR", "APPLIANCE_KV_DISK_DIR", "APPLIANCE_CACHE_DIR"} <= set(env)
     return data, state, env
 
 
@@ -235,3 +263,39 @@ def test_the_default_state_dir_read_only_refuses_store_before_any_work(model_dir
         pull = requests.post(srv.base + "/api/pull", json={"model": "org/name", "stream": False}, timeout=60)
         assert pull.status_code == 503 and "state dir" in pull.json()["error"], pull.text
         assert sorted(p.name for p in data.iterdir()) == ["models"]  # nothing written in the data dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["unit", "image"])
+def test_a_pull_lands_in_the_state_dir_and_is_served_after_a_restart(source, model_dir, tmp_path, monkeypatch):
+    """/api/pull on the installed layout of the unit and of the image: the data dir and the model read-only, the
+    state dir writable. The pulled model goes to the state dir (nothing under the data dir changes), the pull's
+    stream ends in success, and the next start serves it by name (`--serve-pulled`, the default)."""
+    repo = "test/state-int4-ov"
+    data, state, env = layout(tmp_path, source)
+    admin = tmp_path / "admin-keys"
+    admin.write_text("state-admin-0123456789\n")
+    admin.chmod(0o600)
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the exporter sets it in this process
+    with StubHub({repo: ir_repo(ensure_export("openvino", "int4"), tmp_path / "hub")}) as hub:
+        env = {**env, "HF_ENDPOINT": hub.url}
+        runs = iter(range(1, 3))
+
+        def start() -> InstalledServer:
+            return InstalledServer(
+                model_dir, tmp_path / f"serve{next(runs)}.log", [data, model_dir], env, "--admin-key-file", str(admin)
+            )
+
+        headers = {"Authorization": "Bearer state-admin-0123456789"}
+        with start() as srv:
+            progress = [p.status for p in ollama.Client(host=srv.base, headers=headers).pull(repo, stream=True)]
+            assert progress[-1] == "success", progress
+        assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
+        pulled = [p for p in state.rglob("openvino_model.xml")]
+        assert pulled, sorted(str(p.relative_to(state)) for p in state.rglob("*"))[:20]
+        with start() as srv:
+            chat = ollama.Client(host=srv.base, headers=headers).chat(
+                repo, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 4, "temperature": 0}
+            )
+            assert chat.done and chat.message.content is not None
