@@ -22,7 +22,7 @@ from export.ir import MODEL_FILE, check, describe  # noqa: F401 - this backend's
 
 DEFAULT_GROUP_SIZE = 128
 # Verification only: the CPU plugin defaults to bf16 compute on hosts that have it.
-F32_COMPUTE = {"INFERENCE_PRECISION_HINT": "f32"}
+F32_COMPUTE = {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}  # no int8 activations either
 
 
 def convert(model: Any, scratch: Path, weight_format: str) -> None:

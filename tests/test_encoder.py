@@ -363,7 +363,10 @@ def test_minilm_int8_folded_weights_give_the_int8_vectors(embedding_export):
     ids, mask, types = encoder._pad(batch, None)
     vectors, weights = [], []
     for model in (raw, folded):
-        compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        # f32 throughout: on a VNNI CPU the plugin would otherwise quantize the u8 graph's activations to int8
+        compiled = core.compile_model(
+            model, "CPU", {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+        )
         ops = compiled.get_runtime_model().get_ordered_ops()
         layers = [op for op in ops if op.get_rt_info()["layerType"].astype(str).startswith("FullyConnected")]
         weights.append({str(op.get_input_element_type(1)) for op in layers})

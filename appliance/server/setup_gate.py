@@ -1,5 +1,7 @@
 """One request's set-up at a time in the engine process, taken in turn by tenant: the gate a job passes to be
-tokenized, to have its grammar compiled and its ban table built, and to be submitted (JobRunner.submit).
+submitted with its bad words and prediction tokenized, its grammar compiled and its ban table built
+(JobRunner.submit). Its prompts are tokenized before the gate: the tokenizer drops the GIL, and a long prompt's
+seconds of encoding inside it held every other tenant's set-up.
 
 Why: set-up runs on the job's own connection thread, off the engine thread, but on the same cores and under the
 same GIL, and nothing bounded how many ran at once: the 2026-12-01 review saw 40 distinct 40-field JSON schemas
