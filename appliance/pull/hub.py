@@ -146,7 +146,13 @@ def have(download: Path, f: HubFile) -> int:
     etag = f.sha256 or f.blob_id
     if not etag or not parts.is_dir():
         return 0
-    return max((p.stat().st_size for p in parts.glob(f"*.{glob_escape(etag)}.incomplete")), default=0)
+    sizes = []
+    for part in parts.glob(f"*.{glob_escape(etag)}.incomplete"):
+        try:
+            sizes.append(part.stat().st_size)
+        except FileNotFoundError:  # finished between the listing and the stat: renamed to the file
+            return done.stat().st_size if done.is_file() else 0
+    return max(sizes, default=0)
 
 
 def fetch_file(hub, ref: HubRef, commit: str, f: HubFile, download: Path, emit: Emit) -> None:
