@@ -122,8 +122,8 @@ class Limits:
     metadata_key_chars: int = setting(64, "characters of a `metadata` key (Responses, as OpenAI)")
     metadata_chars: int = setting(512, "characters of a `metadata` value (Responses, as OpenAI)")
     input_items_page: int = setting(100, "`limit` of GET /v3/responses/{id}/input_items in [1, this] (as OpenAI)")
-    # embeddings and rerank (appliance/server/embeddings.py): each input is also at most the model's max length in
-    # tokens (its manifest's max_length), else 400 unless the request asks to `truncate`
+    # embeddings and rerank (appliance/server/encoders/embeddings.py): each input is also at most the model's max
+    # length in tokens (its manifest's max_length), else 400 unless the request asks to `truncate`
     embedding_inputs: int = setting(
         2048, "inputs per embeddings request (an `input` list; OpenAI's bound)", flag="max-embedding-inputs"
     )

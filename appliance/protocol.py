@@ -50,7 +50,8 @@ METRICS = "metrics"  # () -> str (Prometheus text)
 TOKENIZE = "tokenize"  # (model, list[str]) -> list[list[int]]
 RECORD_HTTP = "http"  # (HttpRecord, ...): one, or a batch -> Reply()
 JOB = "job"  # (Job) -> events: Accepted | Failed, then ChoiceChunk..., then End
-ENCODE = "encode"  # (EncodeJob) -> one event: Encoded | Failed (embeddings, rerank: appliance/server/embeddings.py)
+# (EncodeJob) -> one event: Encoded | Failed (embeddings, rerank: appliance/server/encoders/embeddings.py)
+ENCODE = "encode"
 RELOAD = "reload"  # () -> (changed: bool, list[ModelInfo]) once the loads end; Failed 400 for a broken config
 # (model, keep_alive seconds | None) -> ModelInfo: load the model now (Ollama's empty request), then keep it for
 # keep_alive; keep_alive 0 unloads it (once its requests end) instead. Answers once loaded (a job's load is the same)

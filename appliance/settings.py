@@ -88,7 +88,7 @@ class ServeSettings:
     encoder_nice: int = setting(
         19,
         "nice (0-19, over the engine process's) of the thread embedding and rerank forwards run on while chat "
-        "models have sequences running or waiting, so chat keeps its pace (appliance/server/encoder_priority.py); "
+        "models have sequences running or waiting, so chat keeps its pace (appliance/server/encoders/priority.py); "
         "0: one thread at the process's priority",
         flag="encoder-nice",
     )

@@ -1,4 +1,4 @@
-"""The encoder service alone (appliance/server/encoder_service.py and its parts) over a fake Encoder: batching
+"""The encoder service alone (appliance/server/encoders/service.py and its parts) over a fake Encoder: batching
 across requests by length under the padded-token budget, a request split over batches and put back in order, a
 vanished client's inputs dropped, one request's failure kept to it, the bounds and `dimensions`, a long rerank
 pair cut by the encoder's own truncation, and which thread (priority) runs a forward while chat runs and while it
@@ -17,7 +17,7 @@ import pytest
 from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.openai_api.embeddings import floats
-from appliance.server.embeddings import EncodeFailed, EncoderService
+from appliance.server.encoders.embeddings import EncodeFailed, EncoderService
 
 DIM = 8
 

@@ -47,7 +47,7 @@ FAMILIES = {
     "appliance_model_loads_total": ("counter", {"reason", "result"}),
     "appliance_model_unloads_total": ("counter", {"reason"}),
     "appliance_model_load_seconds": ("histogram", set()),
-    # embeddings and rerank (appliance/server/embeddings.py)
+    # embeddings and rerank (appliance/server/encoders/embeddings.py)
     "appliance_encoder_requests_total": ("counter", {"task", "outcome"}),
     "appliance_encoder_tokens_total": ("counter", {"task"}),
     "appliance_encoder_request_duration_seconds": ("histogram", set()),

@@ -28,7 +28,7 @@ buckets, a token budget) from `tokenize`/`tokenize_pairs` lengths and calls `emb
   `infer()`: one-sentence forwards of all-MiniLM-L6-v2 int8 on the 2-core dev box (2 threads, 64 sentences x 6
   interleaved runs) took 18.4 ms CPU / 24 ms wall per sentence against 20.3 / 32 ms. On 1 thread the two measured
   the same (14.3 ms CPU, 28 ms wall), and `infer()` runs the forward on the calling thread, whose scheduling
-  priority the serving side sets (appliance/server/encoder_priority.py), so 1 thread keeps `infer()`.
+  priority the serving side sets (appliance/server/encoders/priority.py), so 1 thread keeps `infer()`.
 - int8 weights on a CPU without VNNI (AVX2 only: the plugin computes in f32 there) are decompressed to f32 once at
   load (`fold_int8_weights`), not on the fly in every forward: the vectors are the int8 export's, and the
   FullyConnected layers run the plain f32 kernels (MLAS/brgemm) instead of brgemm with per-call decompression.

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from appliance import protocol as p
 from appliance.runtime.tokenizer import TextTooLong
-from appliance.server.embeddings import EncoderService, run_encode
+from appliance.server.encoders.embeddings import EncoderService, run_encode
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import Models, Rejected, Slot, model_not_found, not_ready, single_spec
@@ -177,7 +177,7 @@ class EngineService:
                     if op == p.JOB:
                         if not self.jobs.run(conn, args[0]):
                             return
-                    elif op == p.ENCODE:  # embeddings / rerank: appliance/server/embeddings.py
+                    elif op == p.ENCODE:  # embeddings / rerank: appliance/server/encoders/embeddings.py
                         if not run_encode(
                             self.registry, conn, args[0], self.settings.limits, self.metrics, self.jobs.ensure
                         ):

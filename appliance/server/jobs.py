@@ -139,7 +139,7 @@ class JobRunner:
         if engine is None or slot.state != "ready":
             raise Rejected(not_ready("stopping" if self.models.stopping else slot.state))
         task = getattr(engine, "task", "generate")
-        if task != "generate":  # an embedding / rerank model (server/embeddings.py)
+        if task != "generate":  # an embedding / rerank model (server/encoders/embeddings.py)
             raise Rejected(
                 p.Failed(
                     400,

@@ -262,8 +262,8 @@ class ServerMetrics:
             "model_load_seconds", "Seconds a model load (compile and warm-up) took.", LOAD_BUCKETS
         )
 
-        # embeddings and rerank (appliance/server/embeddings.py): requests by task and outcome, their tokens, and
-        # per forward of an encoder its batch (inputs, padded tokens) and duration
+        # embeddings and rerank (appliance/server/encoders/embeddings.py): requests by task and outcome, their
+        # tokens, and per forward of an encoder its batch (inputs, padded tokens) and duration
         self.encode_requests = counter(
             "encoder_requests_total",
             "Embeddings and rerank requests by task (embed, rerank) and outcome (ok, invalid, failed, cancelled).",

@@ -57,7 +57,8 @@ from appliance import auth, logs, options
 from appliance import protocol as p
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
-from appliance.server import config_file, embeddings, sdnotify, startup, tracing
+from appliance.server import config_file, sdnotify, startup, tracing
+from appliance.server.encoders import embeddings
 from appliance.server.engine_service import EngineService
 from appliance.server.metrics import ServerMetrics
 from appliance.server.pulled_models import PulledModels

@@ -1,9 +1,9 @@
 """Embeddings and rerank in the engine process: the engine socket's ENCODE op (`run_encode`, on the worker
 connection's thread), the load of an encoder export (`load_encoder_service`) and the export's task (`model_task`).
 
-The parts: appliance/server/encoder_inputs.py (a job's inputs tokenized and checked: every 400),
-appliance/server/encoder_batches.py (the queue and how a forward's batch is chosen: length buckets, round robin),
-appliance/server/encoder_service.py (`EncoderService`: the encoder's threads, their priority beside chat).
+The parts: appliance/server/encoders/inputs.py (a job's inputs tokenized and checked: every 400),
+appliance/server/encoders/batches.py (the queue and how a forward's batch is chosen: length buckets, round robin),
+appliance/server/encoders/service.py (`EncoderService`: the encoder's threads, their priority beside chat).
 
 The HTTP path of one request: the worker sends the `EncodeJob` on its pooled engine connection; this connection's
 thread tokenizes and checks it (`prepare`) and, when the encoder is idle and chat is not running, runs its forward
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from appliance import protocol as p
 from appliance.limits import Limits
-from appliance.server.encoder_inputs import EncodeFailed
-from appliance.server.encoder_service import ENCODER_THREADS, EncoderService
+from appliance.server.encoders.inputs import EncodeFailed
+from appliance.server.encoders.service import ENCODER_THREADS, EncoderService
 from appliance.server.jobs import closed
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ CANCEL_POLL = 0.05  # seconds between checks that the worker is still there whil
 
 def chat_running(models: Models) -> bool:
     """True while a generation model of the process has sequences running or waiting: the encoder's forwards
-    then yield the cores to it (encoder_service.py). Reads the schedulers' lists without their engines' locks
+    then yield the cores to it (service.py). Reads the schedulers' lists without their engines' locks
     (a length under the GIL; a stale answer costs one batch's priority)."""
     for slot in models.all():
         scheduler = getattr(slot.engine, "scheduler", None)

@@ -1,6 +1,6 @@
 """`EncoderService`: an Encoder (appliance/runtime/encoder.py) served to many clients at once, in the model's slot
-where an LLM has its Engine; its batches are chosen by appliance/server/encoder_batches.py, its inputs checked by
-appliance/server/encoder_inputs.py.
+where an LLM has its Engine; its batches are chosen by appliance/server/encoders/batches.py, its inputs checked by
+appliance/server/encoders/inputs.py.
 
 Why threads of its own, not the LLM engine's step loop: an encoder forward over a large batch takes tens to
 hundreds of milliseconds, and the engine's loop decodes a token for every stream per step; run inside it, one big
@@ -10,7 +10,7 @@ inference threads than the cores (`ENCODER_THREADS`; with one, OpenVINO runs the
 
 Priority follows the chat engine: two encoder threads take turns at the one queue, one forward at a time. While a
 generation model in the process has sequences running or waiting (`contended`), forwards run on the background
-thread, at the lowest priority (appliance/server/encoder_priority.py: why and what it measured); otherwise on the
+thread, at the lowest priority (appliance/server/encoders/priority.py: why and what it measured); otherwise on the
 one at the process's own priority.
 
 The path of a request when nothing else is queued and chat is not running: its connection thread runs the forward
@@ -36,9 +36,9 @@ import numpy as np
 
 from appliance import protocol as p
 from appliance.limits import Limits
-from appliance.server.encoder_batches import Batch, EncodeRequest, deliver, item_length, next_batch
-from appliance.server.encoder_inputs import EncodeFailed, prepare_items
-from appliance.server.encoder_priority import lower_priority, name_os_thread
+from appliance.server.encoders.batches import Batch, EncodeRequest, deliver, item_length, next_batch
+from appliance.server.encoders.inputs import EncodeFailed, prepare_items
+from appliance.server.encoders.priority import lower_priority, name_os_thread
 
 if TYPE_CHECKING:
     from appliance.server.metrics import ServerMetrics
@@ -65,7 +65,7 @@ class _NoChatTemplate:
 class EncoderService:
     """It stands where an LLM's Engine stands in a slot: `alive`, `dead`, `heartbeat`, `on_death`, `shutdown()`,
     `stats()`, `manifest`, `max_context`. `contended`: true while chat needs the cores (module docstring); the
-    engine socket's handler sets it to the process's generation models' (appliance/server/embeddings.py)."""
+    engine socket's handler sets it to the process's generation models' (appliance/server/encoders/embeddings.py)."""
 
     def __init__(
         self,
@@ -74,7 +74,7 @@ class EncoderService:
         batch_tokens: int = BATCH_TOKENS,
         max_batch: int = MAX_BATCH,
         nice: int = 0,  # the background thread's (0: none); serving passes --encoder-nice
-        sched: str = "normal",  # its policy (encoder_priority.lower_priority); serving passes --encoder-sched
+        sched: str = "normal",  # its policy (priority.lower_priority); serving passes --encoder-sched
         metrics: ServerMetrics | None = None,
         contended: Callable[[], bool] | None = None,
     ):

@@ -1,5 +1,5 @@
 """An embeddings / rerank job's inputs, tokenized and checked before they queue for the encoder
-(appliance/server/encoder_service.py): every 400 a bad input gets is decided here, on the worker connection's
+(appliance/server/encoders/service.py): every 400 a bad input gets is decided here, on the worker connection's
 thread, so the encoder thread only ever runs valid items.
 
 Items: token ids per input (embed) or (ids, token type ids) per query + document pair (rerank). An embedding input
@@ -15,7 +15,7 @@ from typing import Any
 
 from appliance import protocol as p
 from appliance.limits import Limits
-from appliance.server.encoder_batches import item_length
+from appliance.server.encoders.batches import item_length
 
 
 class EncodeFailed(Exception):

@@ -1,4 +1,4 @@
-"""The encoder's background thread's scheduling priority (appliance/server/encoder_service.py runs its forwards
+"""The encoder's background thread's scheduling priority (appliance/server/encoders/service.py runs its forwards
 there while chat runs), and OS thread names for per-thread CPU accounting.
 
 While a generation model in the process has sequences running or waiting, encoder forwards run on a thread at

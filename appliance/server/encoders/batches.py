@@ -1,4 +1,4 @@
-"""The encoder's queue and how a forward's batch is chosen from it (appliance/server/encoder_service.py runs them).
+"""The encoder's queue and how a forward's batch is chosen from it (appliance/server/encoders/service.py runs them).
 
 Requests from every client queue; their inputs (texts' token ids, rerank pairs) are items. Each forward takes one
 batch of items of similar length (a length bucket: the window of waiting items sorted by length, cut where the
