@@ -1020,7 +1020,7 @@ def test_message_count_is_bounded():
 
 
 class StubTokenizer:
-    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, token_budget: int | None = None) -> list[int]:
         text.encode("utf-8")  # as tokenizers: a lone surrogate is refused (there a TypeError)
         if "\x00" in text:
             raise TypeError("TextInputSequence must be str")

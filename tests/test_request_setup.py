@@ -63,7 +63,7 @@ def test_the_character_bound_never_refuses_a_text_that_fits(tok):
         ids = tok.encode(text, add_special_tokens=True)
         assert len(ids) * per >= len(text), (text[:40], len(ids), per)
         tok.check_length(text, len(ids))  # exactly its own token count is never refused
-        tok.encode(text, max_tokens=len(ids))
+        tok.encode(text, token_budget=len(ids))
     with pytest.raises(TextTooLong):
         tok.check_length("x" * (10 * per + 1), 10)
 
@@ -127,9 +127,9 @@ class Counting:
         self.calls += 1
         return self.tok.encode_many(texts, add_special_tokens)
 
-    def encode(self, text, add_special_tokens=False, max_tokens=None):
+    def encode(self, text, add_special_tokens=False, token_budget=None):
         self.calls += 1
-        return self.tok.encode(text, add_special_tokens, max_tokens)
+        return self.tok.encode(text, add_special_tokens, token_budget)
 
 
 def test_prepare_tokenizes_a_request_once_and_bounds_the_prediction(tmp_path_factory):

@@ -346,10 +346,11 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.special_tokens.get("eos_token")
 
-    def encode(self, text: str, add_special_tokens: bool = False, max_tokens: int | None = None) -> list[int]:
-        """Default False: chat templates already spell out BOS and friends in the text. `max_tokens`: refuse
-        (TextTooLong) a text that cannot be that many tokens or fewer, before encoding it."""
-        self.check_length(text, max_tokens)
+    def encode(self, text: str, add_special_tokens: bool = False, token_budget: int | None = None) -> list[int]:
+        """Default False: chat templates already spell out BOS and friends in the text. `token_budget`: the most
+        tokens the text may become (for a prompt, the model's context; not a request's max_tokens, which caps what is
+        generated): a text that cannot be that many tokens or fewer is refused (TextTooLong) before it is encoded."""
+        self.check_length(text, token_budget)
         return self.encode_many([text], add_special_tokens)[0]
 
     def encode_many(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
@@ -360,26 +361,26 @@ class Tokenizer:
             return []
         return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
-    def check_length(self, text: str, max_tokens: int | None) -> None:
-        """TextTooLong when `text` has more characters than `max_tokens` tokens can stand for (max_token_chars,
+    def check_length(self, text: str, token_budget: int | None) -> None:
+        """TextTooLong when `text` has more characters than `token_budget` tokens can stand for (max_token_chars,
         then, for a text long enough to be in doubt, the finer bound of its own characters: _Spellings); nothing
         when either bound is unknown."""
-        self.check_chars(len(text), max_tokens)
-        if max_tokens is None or self._spellings is None or len(text) <= max_tokens:
+        self.check_chars(len(text), token_budget)
+        if token_budget is None or self._spellings is None or len(text) <= token_budget:
             return  # (a token is at least one character: no text this short can be refused)
         per = self._spellings.longest(text)
-        if len(text) > max_tokens * per:
+        if len(text) > token_budget * per:
             raise TextTooLong(
-                f"the text has {len(text)} characters, more than {max_tokens} tokens can hold "
+                f"the text has {len(text)} characters, more than {token_budget} tokens can hold "
                 f"(at most {per} characters per token for the characters it uses)"
             )
 
-    def check_chars(self, chars: int, max_tokens: int | None) -> None:
+    def check_chars(self, chars: int, token_budget: int | None) -> None:
         """check_length for a text of `chars` characters (several texts' total, say)."""
         per = self.max_token_chars
-        if max_tokens is not None and per is not None and chars > max_tokens * per:
+        if token_budget is not None and per is not None and chars > token_budget * per:
             raise TextTooLong(
-                f"the text has {chars} characters, more than {max_tokens} tokens can hold "
+                f"the text has {chars} characters, more than {token_budget} tokens can hold "
                 f"(at most {per} characters per token with this tokenizer)"
             )
 
@@ -463,7 +464,7 @@ class Tokenizer:
         self,
         messages: list[dict],
         add_generation_prompt: bool = True,
-        max_tokens: int | None = None,
+        token_budget: int | None = None,
         **template_kwargs,
     ) -> list[int]:
         """The chat prompt's ids: apply_chat_template, then encode, except that special-token text coming from the
@@ -482,12 +483,12 @@ class Tokenizer:
         back into the tokens' text, by a copy of the tokenizer whose special tokens are plain text
         (`encode_special_tokens`, tokenizers >= 0.15). Runs without a marker keep the normal encoding's ids.
 
-        `max_tokens`: the rendered text is refused (TextTooLong) before encoding when it cannot fit (`encode`).
+        `token_budget`: the rendered text is refused (TextTooLong) before encoding when it cannot fit (`encode`).
         """
         inputs = (messages, template_kwargs)
         if self._special_re is None or not any(self._special_re.search(s) for s in _strings(inputs)):
             rendered = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
-            return self.encode(rendered, max_tokens=max_tokens)
+            return self.encode(rendered, token_budget=token_budget)
         special_re = self._special_re
         taken: set[str] = set()  # one pass over the inputs (a large body must not cost 6400 scans)
         for s in (
@@ -510,7 +511,7 @@ class Tokenizer:
         # what gets encoded: the markers back as the special tokens' texts (each piece of them still a token of at
         # most max_token_chars characters)
         plain = re.sub(f"{sentinel}(\\d+){sentinel}", lambda m: self._special_texts[int(m.group(1))], rendered)
-        self.check_length(plain, max_tokens)
+        self.check_length(plain, token_budget)
         return self._encode_marked(rendered, sentinel)
 
     def _encode_marked(self, rendered: str, sentinel: str) -> list[int]:

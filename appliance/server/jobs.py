@@ -483,13 +483,13 @@ def _prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) -
             messages, kwargs = tool_prompt.chat_inputs(spec.messages, spec.tools, tok.chat_template, slot.parsers()[0])
             if spec.thinking is not None:  # a template without the switch ignores it
                 kwargs["enable_thinking"] = spec.thinking
-            ids = tok.encode_chat(messages, add_generation_prompt=True, max_tokens=limit, **kwargs)
+            ids = tok.encode_chat(messages, add_generation_prompt=True, token_budget=limit, **kwargs)
         except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)
             raise Rejected(p.Failed(400, str(exc), "messages")) from None
     else:
         assert spec.text is not None, "a PromptSpec holds text, token ids or messages"
         try:  # as OVMS: a raw prompt gets BOS if the model has one
-            ids = tok.encode(spec.text, add_special_tokens=True, max_tokens=limit)
+            ids = tok.encode(spec.text, add_special_tokens=True, token_budget=limit)
         except TextTooLong as exc:
             raise Rejected(
                 p.Failed(400, f"the prompt cannot fit the model max length: {limit}: {exc}", "prompt")

@@ -132,7 +132,7 @@ class Admission(EngineState):
             assert params.prediction is not None
             text, limit = params.prediction, self.max_context
             try:
-                ids = self.tokenizer.encode(text, max_tokens=limit) if text else []
+                ids = self.tokenizer.encode(text, token_budget=limit) if text else []
             except TextTooLong as exc:
                 raise ParamInvalid(f"prediction: {exc}, the model's context", "prediction") from None
             if len(ids) > limit:
