@@ -265,7 +265,7 @@ class Job:
     seeds: list[int] | None = None  # Friendli's seed list: choice j's seed (len n); None: params.seed + j
     model: str = ""  # the served model that runs it ("": the first one)
     # which API key sent it: a non-secret id (the key's place in the key file), never the key; "": no key file.
-    # The engine keeps the prefix cache apart per tenant (jobs.py)
+    # The engine keeps the prefix cache apart per tenant (server/admit.py)
     tenant: str = ""
     # OpenTelemetry, when tracing is on and the request is sampled: the W3C trace context (traceparent, tracestate)
     # of the worker's request span, whose children the engine's spans of the job are (appliance/tracing.py)

@@ -48,8 +48,9 @@ STAGES: dict[str, list[tuple[str, str, str | None, str | None]]] = {
     "appliance.server.jobs": [
         ("JobRunner", "run", "e.job_recv", None),
         ("JobRunner", "submit", "e.submit", "e.submitted"),
-        ("", "prompt_ids", "e.tokenize", "e.tokenized"),
+        ("", "prompt_ids", "e.tokenize", "e.tokenized"),  # a checkout from before prompts.py
     ],
+    "appliance.server.prompts": [("", "prompt_ids", "e.tokenize", "e.tokenized")],
     "appliance.runtime.engine.admission": [
         ("Admission", "submit_prompts", "e.submit_prompts", "e.queued"),
         ("Admission", "_take", "e.admit", "e.admitted"),

@@ -1,6 +1,6 @@
-"""A job's output pumps (appliance/server/jobs.py): a pump thread that cannot start (the unit's TasksMax=1024 reached,
-or memory) fails that request with a 503, and none of its sequences is left running without a reader: those
-already pumping are drained to their abort, the rest are cancelled, and their KV is free again.
+"""A job's output pumps (appliance/server/job_pumps.py): a pump thread that cannot start (the unit's TasksMax=1024
+reached, or memory) fails that request with a 503, and none of its sequences is left running without a reader:
+those already pumping are drained to their abort, the rest are cancelled, and their KV is free again.
 
 `threading.Thread.start` is made to fail for the job's later pumps: first with stand-in handles (what exactly is
 cancelled and joined), then on a real engine with a tiny model (nothing left running, no KV block held). Likewise

@@ -259,7 +259,7 @@ def test_the_effort_reaches_the_chat_template(model_dir, effort, empty_thought):
     from appliance.openai_api.chat import chat_job
     from appliance.params import SamplingParams
     from appliance.runtime.tokenizer import Tokenizer
-    from appliance.server.jobs import prompt_ids
+    from appliance.server.prompts import prompt_ids
 
     body = {"model": M, "input": "hi", **({"reasoning": {"effort": effort}} if effort else {})}
     req = parse_responses(body, Limits(), reasoning_parser="think")
