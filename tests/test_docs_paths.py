@@ -154,3 +154,25 @@ def test_the_checks_catch_a_moved_file():
     assert dotted_exists("appliance.runtime.engine.Engine") and dotted_exists("appliance.params.SamplingParams")
     assert not dotted_exists("appliance.runtime.no_such_module")
     assert named_paths("see `server/jobs.py` and tests/x/test_y.py::test_z") == {"server/jobs.py", "tests/x/test_y.py"}
+
+
+def anchors(doc: Path) -> set[str]:
+    """The #anchors GitHub makes of a page's headings (code blocks' `#` lines are not headings)."""
+    found, code = set(), False
+    for line in doc.read_text().splitlines():
+        code ^= line.lstrip().startswith("```")
+        if not code and (m := re.match(r"#{1,6} (.*)", line)):
+            found.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
+def test_links_between_the_docs_resolve():
+    """A link to another page of the docs, or to a heading, still lands: a heading renamed or a page split
+    (performance.md and its log) would otherwise leave the link pointing nowhere."""
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?(?:#([^)\s]+))?\)", doc.read_text()):
+            page = (doc.parent / target).resolve() if target else doc
+            if not page.is_file() or (anchor and anchor not in anchors(page)):
+                broken.append(f"{doc.name} -> {target}#{anchor}")
+    assert not broken, broken
