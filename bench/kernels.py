@@ -1,7 +1,7 @@
 """Our LowBitMatMul (appliance.runtime.kernels) against OpenVINO's own u4 decompression + MatMul, per weight shape,
 format and row count M, the two compiled from the same weights and timed interleaved: medians of the per-repetition
 ratio ours / native (< 1: ours faster), of wall time and of process CPU time (which a loaded box distorts less). Read
-ratios only: the box may be shared. Measured here: docs/performance.md, "Our low-bit kernels"; the choices it made:
+ratios only: the box may be shared. Measured here: docs/performance.md, "Low-bit kernels"; the choices it made:
 appliance/runtime/kernels KERNEL_ROWS.
 
 Each side is a model of `--layers` independent MatMuls of one shape reading the same x (4 x 6.9 MB at the

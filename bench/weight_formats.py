@@ -16,7 +16,7 @@ Three commands:
   kernel), so which primitive runs the FC nodes and what share of the step they are.
 
 Measured on the 2-vCPU AVX2 EPYC (no VNNI, 1 thread per core, OpenVINO 2026.4), load average 5.5-8.5 (other
-agents), docs/performance.md "Weight formats on AVX2":
+agents), docs/performance-log.md "Weight formats on AVX2":
 - every format runs FullyConnectedCompressed as brgemm_avx2_f32: weights decompressed to f32, f32 FMAs. No
   DYNAMIC_QUANTIZATION_GROUP_SIZE (32, 128) changes the kernel or the CPU time for any format (the plugin's
   dynamic quantization needs VNNI). The FC nodes are 97% of a decode step's node time;

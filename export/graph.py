@@ -35,7 +35,7 @@ class GraphInfo:
 @dataclass(frozen=True)
 class WeightOptions:
     """How int8/int4 weights are made (`python -m export --group-size/--sym/--ratio/--lm-head/--requantize`).
-    The defaults are the measured choice (docs/performance.md, "Run I"); the others are NNCF's knobs, for models
+    The defaults are the measured choice (docs/performance-log.md, "per ISA"); the others are NNCF's knobs, for models
     whose accuracy needs them."""
 
     group_size: int | None = None  # OpenVINO int4 group (default 128; -1: per output channel) / ONNX block size

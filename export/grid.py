@@ -7,7 +7,7 @@ head that is exactly `d * q` (Q8_0: q in -127..127). NNCF's int4 quantizes such 
 asymmetric mode needs an integer zero point, so each group moves by up to half a step (`d * (round(-m/d) + m/d)`),
 and the measured next-token total-variation distance (TVD) from transformers on held-out prompts was 0.33 median
 (0.34 at group 32, 0.33-0.48 for symmetric, per-channel and int4-LM-head variants), against 0.001 for fp16 weights
-and 0.033 for NNCF int8 (docs/performance.md, "Run I").
+and 0.033 for NNCF int8 (docs/performance-log.md, "Batch 1 against llama.cpp's server, per ISA").
 
 Here each such weight becomes OpenVINO's compressed-weight pattern with the source grid itself: u4 values, an f16
 scale and an f16 zero point `-m/d` per group (Q4_1), or i8 values and an f16 scale per group (Q8_0): the CPU
@@ -20,7 +20,7 @@ int4, and at 8 clients it did 149 tok/s against NNCF int8's 305.
 int8 keeps the same Q4_1 grid in 8 bits without zero points (`_symmetric8_grid`): i8 values `k*q - round(k*z)`
 (z = -m/d) and an f16 scale `d/k` per group, k in 1..17 chosen per group so that the offset m moves least (mean
 0.007 of a step, max 0.057 in the default model). Measured on the default model (24 held-out prompts,
-`bench.quality`, the AVX2 serving precision f32 + u8 KV; docs/performance.md, "The served default under load"):
+`bench.quality`, the AVX2 serving precision f32 + u8 KV; docs/performance-log.md, "The served default under load"):
 TVD 0.0104 median / 0.026 max, against 0.033 / 0.078 for NNCF's per-channel int8 of the same weights and 0.0043 /
 0.012 for the exact int4. Tried on the way: u8 with a u8 zero point (`k*q + c`, k per group) 0.0083 median, and
 with k = 16 for every group 0.021 (a zero point off by up to 1/32 of a step shifts a whole group the same way);

@@ -73,7 +73,7 @@ def _quantization_config(weight_format: str, options: WeightOptions) -> tuple[An
     so int4 sym g128 took 24% less CPU per decode step than asym g128 at the Qwen2.5-1.5B shape (133.7 vs 175.8 ms,
     1 thread; llama.cpp's Q4_K_M 86.5). It costs accuracy at every group size measured: next-token TVD from fp32
     0.269 vs 0.237 (random 1.5B), 0.393 vs 0.333 (SmolLM2-135M, g128), 0.297 vs 0.266 (g32): not the default
-    (docs/performance.md, "Weight formats on AVX2")."""
+    (docs/performance-log.md, "Weight formats on AVX2")."""
     tool = f"nncf {version('nncf')} via optimum-intel {version('optimum-intel')}"
     mode = f"{weight_format}_{'sym' if options.sym else 'asym'}"
     if weight_format == "int8":
