@@ -14,9 +14,9 @@ import anthropic
 import jsonschema
 import pytest
 import requests
-from conftest import WEATHER_PARAMETERS, Server
 
 from appliance.limits import Limits
+from tests.helpers import WEATHER_PARAMETERS, Server
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ of other APIs").
 Unit tests of the parsers first (each mapping onto the SamplingParams it means, every new 400 with the
 parameter it names), then end to end through the real server and the `openai` SDK (`extra_body` for what OpenAI's
 API does not have): each parameter changes the output as documented. Expected outputs are derived from other
-requests made with the engine otherwise idle (conftest.wait_idle), never written down.
+requests made with the engine otherwise idle (helpers.wait_idle), never written down.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import re
 import openai
 import pytest
 import requests
-from conftest import sse_events, wait_idle
 
 from appliance.limits import Limits
 from appliance.openai_api.chat import chat_job, parse_chat
@@ -25,6 +24,7 @@ from appliance.openai_api.errors import ApiError
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.validation import OPENAI, OVMS
 from appliance.params import Grammar
+from tests.helpers import sse_events, wait_idle
 
 MODEL = "m"
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -13,12 +13,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import in_process_api, one_torch_thread
 
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
 from appliance.runtime.beam_search import WIDTH_STOP_TOKENS, BeamSearch, log_softmax, top_continuations
 from appliance.runtime.engine import Engine
+from tests.helpers import in_process_api, one_torch_thread
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

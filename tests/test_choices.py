@@ -3,7 +3,7 @@ its KV (full blocks shared by reference, the partly filled last block copied) an
 the same logits. Checked on the default model in f32: what the backend is fed, the blocks held at the peak,
 outputs equal to independent requests, and the fallbacks (a cancelled leader, a full pool). Greedy choices run
 batched, the independent request alone: they are compared up to a near-tie of f32 arithmetic
-(conftest.greedy_divergence); a choice with wrong KV parts where the answer is not a near-tie."""
+(helpers.greedy_divergence); a choice with wrong KV parts where the answer is not a near-tie."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from conftest import NEAR_TIE_F32, greedy_divergence
 
 from appliance.config import EngineConfig
 from appliance.outputs import GenerationResult
 from appliance.params import SamplingParams
 from appliance.runtime.engine import Engine, QueueFull
+from tests.helpers import NEAR_TIE_F32, greedy_divergence
 
 NEW = 12
 PROMPT_LEN = 70  # not a multiple of the 32-token block: the last prompt block is copied, not shared

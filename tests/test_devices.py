@@ -20,7 +20,6 @@ from types import SimpleNamespace
 
 import pytest
 import requests
-from conftest import Server
 
 from appliance import cli, devices, options
 from appliance.config import EngineConfig
@@ -29,6 +28,7 @@ from appliance.runtime.backends.openvino_common import compile_properties
 from appliance.runtime.engine import Engine, PromptTooLong
 from appliance.server import startup
 from appliance.settings import ConfigError, ModelSpec, ServeSettings
+from tests.helpers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")

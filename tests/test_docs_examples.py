@@ -4,7 +4,7 @@ is checked. The examples are: a unary completion (curl), the same completion str
 a chat with the official `openai` client (Python), structured output through the SDK's `parse` with a pydantic
 model (Python), a named tool call (Python) and predicted outputs (Python); the README shows the first three.
 Outputs are compared between requests made one at a time on an otherwise idle server (greedy in the default
-precision depends on the batch, see conftest.greedy_divergence)."""
+precision depends on the batch, see helpers.greedy_divergence)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from conftest import wait_idle
+
+from tests.helpers import wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -146,8 +147,9 @@ def test_python_named_tool_call(examples):
 def test_python_predicted_outputs(examples, server, model_name):
     """The prediction drafted tokens the model kept, and the answer is the one without a prediction (greedy, alone
     in the engine; the default precision may part at a near-tie, which text_divergence allows)."""
-    from conftest import NEAR_TIE_DEFAULT
     from test_speculation_api import text_divergence
+
+    from tests.helpers import NEAR_TIE_DEFAULT
 
     counts, _, text = examples["prediction"].partition("\n")
     accepted, rejected = map(int, counts.split())

@@ -23,10 +23,10 @@ import time
 
 import pytest
 import requests
-from conftest import Server, one_worker_server, wait_until
 
 from appliance.http.edge import chunked_end, parse_head, without_expect
 from appliance.openai_api.streaming import socket_closed
+from tests.helpers import Server, one_worker_server, wait_until
 
 THREADS = 6
 REQUEST_TIMEOUT = 10.0

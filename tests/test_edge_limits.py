@@ -18,7 +18,8 @@ import time
 
 import pytest
 import requests
-from conftest import Server, one_worker_server, wait_until
+
+from tests.helpers import Server, one_worker_server, wait_until
 
 THREADS = 4
 # long enough that the budget test's probes and completion (seconds each on a loaded 2-core box) run while the

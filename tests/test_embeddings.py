@@ -21,10 +21,10 @@ import numpy as np
 import openai
 import pytest
 import requests
-from conftest import START_TIMEOUT, Server
 
 from appliance.runtime.encoder import Encoder
 from appliance.testing.loopback import ROOT, LoopbackServer, parse_metrics
+from tests.helpers import START_TIMEOUT, Server
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +52,8 @@ class ConfigServer(Server):
 
 def tiny_rerank_export(root: Path, name: str = RERANK) -> Path:
     """A tiny random cross-encoder (tests/tiny_encoders.py), exported fp32 to root/export."""
-    import tiny_encoders
-
     from export.encoder import export_encoder
+    from tests import tiny_encoders
 
     src = tiny_encoders.build("rerank", root / "src")
     export_encoder(src, root / "export", "openvino", "fp32", name=name)

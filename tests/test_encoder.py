@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tiny_encoders
 
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.runtime.encoder import Encoder, EncoderError, fold_int8_weights, pool
 from export.encoder import export_encoder, torch_reference
 from export.source import ExportError
+from tests import tiny_encoders
 
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

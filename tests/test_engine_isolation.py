@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import Server, rss_mb
+
+from tests.helpers import Server, rss_mb
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import tiny_models
 
 from appliance.manifest import Manifest
 from export.exporter import ExportError, export_model
 from export.graph import WeightOptions
 from export.metadata import write_metadata
 from export.openvino_backend import first_step
+from tests import tiny_models
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello world! The appliance serves tiny models."

@@ -21,11 +21,11 @@ import httpx
 import openai
 import pytest
 import requests
-from conftest import Server
 
 from appliance import auth
 from appliance.settings import ConfigError, ServeSettings
 from appliance.testing.loopback import ROOT
+from tests.helpers import Server
 
 KEYS = ["first-" + "a" * 24, "second-" + "b" * 24]
 NAME = "appliance.test"

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import Server, wait_until
 from test_hostile import engine_client
 
 from appliance import protocol as p
 from appliance.testing.procinfo import is_zombie
+from tests.helpers import Server, wait_until
 
 pytestmark = pytest.mark.slow
 

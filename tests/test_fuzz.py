@@ -344,7 +344,7 @@ def assert_clean(report: dict, output: str, min_cases: int) -> None:
 @pytest.fixture(scope="module")
 def health(server, model_name):
     """The server's state before the fuzzing; `check()` asserts it is unharmed afterwards."""
-    from conftest import wait_idle  # greedy before == after holds for requests that run alone (solo greedy)
+    from tests.helpers import wait_idle  # greedy before == after holds for requests that run alone (solo greedy)
 
     body = {"model": model_name, "prompt": "The capital of France is", "max_tokens": 8}
     wait_idle(server)
@@ -562,7 +562,7 @@ def raw_cases(rng, model: str):
 def test_raw_bytes_fuzzing_finds_no_5xx(server, model_name, health):
     import random
 
-    from conftest import wait_until
+    from tests.helpers import wait_until
 
     rng = random.Random(SEED)
     seen: dict[int, int] = {}

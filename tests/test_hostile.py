@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import Server, sse_events, wait_until
 
 from appliance import protocol as p
 from appliance.http.client import EngineClient
 from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, SOCKET_FILE
+from tests.helpers import Server, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -283,7 +283,7 @@ def test_bad_inputs_are_4xx(hostile, name, body):
 def test_a_prompt_list_times_n_bomb_is_refused_before_anything_is_built(hostile, name):
     """256 prompts (the limit) x n = 20 is 5,120 sequences, far past the queue: refused at once (400: it could
     never be queued), in the worker, and the engine process does not grow (nothing was tokenized or built)."""
-    from conftest import rss_mb
+    from tests.helpers import rss_mb
 
     before = rss_mb(hostile.pid)
     for _ in range(5):

@@ -16,7 +16,8 @@ import threading
 import time
 
 import pytest
-from conftest import one_worker_server
+
+from tests.helpers import one_worker_server
 
 pytestmark = pytest.mark.slow
 

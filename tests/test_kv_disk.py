@@ -558,9 +558,8 @@ def test_a_restarted_server_finds_the_prefix_on_disk_and_never_uses_a_corrupt_bl
     """Two real servers with one --kv-disk-dir: the second's first request is served from disk (cached_tokens);
     then a kill -9 (queued writes may be lost or half written), every stored block corrupted and a torn temp file
     left: the third server uses none of them (cached_tokens 0, the cold answer) and counts them corrupt."""
-    from conftest import Server, wait_until
-
     from appliance.testing.procinfo import is_zombie
+    from tests.helpers import Server, wait_until
 
     disk = tmp_path / "kv"
     flags = ("--workers", "1", "--kv-disk-dir", str(disk))
@@ -597,7 +596,8 @@ def test_a_responses_continuation_finds_its_kv_on_disk_after_a_restart(model_dir
     and the KV blocks both outlive the process): turn 2's prompt repeats turn 1's, and those blocks come from
     disk (cached_tokens, the disk-hit metric), with the answer a server without the tier gives."""
     import requests
-    from conftest import Server
+
+    from tests.helpers import Server
 
     disk = tmp_path / "kv"
     flags = ("--workers", "1", "--kv-disk-dir", str(disk))

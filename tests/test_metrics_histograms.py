@@ -17,7 +17,8 @@ import time
 
 import pytest
 import requests
-from conftest import Server, wait_idle
+
+from tests.helpers import Server, wait_idle
 
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_duration_seconds")
 TOKENS = 8  # per request (ignore_eos: exactly this many)

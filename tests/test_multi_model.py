@@ -22,9 +22,9 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from conftest import START_TIMEOUT, Server, wait_until
 
 from appliance.testing.loopback import ROOT, LoopbackServer
+from tests.helpers import START_TIMEOUT, Server, wait_until
 
 PROMPT = "The appliance serves"
 

@@ -11,7 +11,8 @@ import jsonschema
 import ollama
 import pytest
 import requests
-from conftest import Server
+
+from tests.helpers import Server
 
 pytestmark = pytest.mark.slow
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import START_TIMEOUT, Server, wait_until
 
 from appliance.config import EngineConfig
 from appliance.server.residency import estimate
 from appliance.testing.loopback import ROOT, LoopbackServer
+from tests.helpers import START_TIMEOUT, Server, wait_until
 
 KV_TOKENS = 1024
 NAMES = ("alpha", "beta")

@@ -4,7 +4,7 @@ The default model (SmolLM2-135M) runs in f32 (INFERENCE_PRECISION_HINT=f32, f32 
 diverges from transformers within a few dozen tokens. The fp32 exports (OpenVINO, ONNX) must equal transformers'
 fp32 greedy tokens exactly. The fp16 export (the one `make model` builds and `make serve` serves) has rounded
 weights: its logprobs differ from transformers' by up to ~0.01 nats, so it may part from transformers at a near-tie
-(conftest.greedy_divergence, NEAR_TIE_FP16_WEIGHTS); on held-out prompts it matched 5 of 6 over 48 tokens.
+(helpers.greedy_divergence, NEAR_TIE_FP16_WEIGHTS); on held-out prompts it matched 5 of 6 over 48 tokens.
 All prompts go through the engine at once, so this also proves continuous batching (mixed prefill and decode,
 chunked prefill) does not change any sequence's tokens.
 """
@@ -15,11 +15,11 @@ import os
 
 import numpy as np
 import pytest
-from conftest import NEAR_TIE_FP16_WEIGHTS, greedy_divergence
 
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
 from appliance.runtime.engine import Engine
+from tests.helpers import NEAR_TIE_FP16_WEIGHTS, greedy_divergence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

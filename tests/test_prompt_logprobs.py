@@ -9,11 +9,11 @@ import os
 
 import numpy as np
 import pytest
-from conftest import NEAR_TIE_F32, greedy_divergence, in_process_api, one_torch_thread
 
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
 from appliance.runtime.engine import Engine
+from tests.helpers import NEAR_TIE_F32, greedy_divergence, in_process_api, one_torch_thread
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -162,7 +162,7 @@ def test_echo_logprobs_unary(api, engine, prompts, reference):
     assert all(len(t) == 2 for t in lp["top_logprobs"][1:])
     _offsets_follow_tokens({k: v[: len(ids)] for k, v in lp.items()})  # prompt: from 0
     # the echo request computes every prompt position's logits, the plain one only the last: f32 numerics may
-    # differ in the last bits, so the completions agree up to a near-tie (conftest.greedy_divergence)
+    # differ in the last bits, so the completions agree up to a near-tie (helpers.greedy_divergence)
     mine = plain["logprobs"]
     if greedy_divergence(
         mine["tokens"], mine["top_logprobs"], lp["tokens"][len(ids) :], NEAR_TIE_F32, "echo vs plain"

@@ -17,13 +17,13 @@ from pathlib import Path
 import ollama
 import pytest
 import requests
-from conftest import Server, wait_until
 
 from appliance import hub_names, paths
 from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.pull.store import RECORD
 from appliance.testing.hub import Repo, StubHub, ir_repo
 from appliance.testing.loopback import LoopbackServer
+from tests.helpers import Server, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "test/smol-int4-ov"

@@ -20,10 +20,10 @@ import time
 import jsonschema
 import openai
 import pytest
-from conftest import WEATHER_PARAMETERS, Server
 from pydantic import BaseModel, Field
 
 from appliance.limits import Limits
+from tests.helpers import WEATHER_PARAMETERS, Server
 
 pytestmark = pytest.mark.default_model
 

@@ -19,9 +19,18 @@ from pathlib import Path
 import openai
 import pytest
 import requests
-from conftest import NEAR_TIE_DEFAULT, Server, children, greedy_divergence, is_zombie, rss_mb, wait_idle, wait_until
 
 from appliance.manifest import Manifest
+from tests.helpers import (
+    NEAR_TIE_DEFAULT,
+    Server,
+    children,
+    greedy_divergence,
+    is_zombie,
+    rss_mb,
+    wait_idle,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +39,7 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 # ---------------------------------------------------------------- fixtures (`server`, `model_dir`, `model_name`
-# and the `Server` harness are in conftest.py, shared with test_fuzz.py and test_docs_examples.py)
+# and the `Server` harness are in conftest.py and helpers.py, shared with test_fuzz.py and test_docs_examples.py)
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +92,7 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(autouse=True)
 def alone_on_the_shared_server(request) -> None:
     """Tests here compare greedy runs made one after the other (unary vs streaming, echo vs plain, by text vs by
-    ids): each must have the engine to itself, or numerics may differ with the batch (conftest.greedy_divergence).
+    ids): each must have the engine to itself, or numerics may differ with the batch (helpers.greedy_divergence).
     Another file's test may have left work running on the session's server."""
     if "server" in request.fixturenames:
         wait_idle(request.getfixturevalue("server"))
@@ -451,7 +460,7 @@ def test_concurrent_streaming_clients(server, model_name, client):
 
     Batched greedy is not solo greedy token for token in the default precision (bf16 on AVX-512-bf16 CPUs, f32
     with u8 KV on AVX2-only ones): a stream may part from the solo answer only where the solo run's top two
-    candidates are within NEAR_TIE_DEFAULT nats (conftest.greedy_divergence); its text is compared up to there.
+    candidates are within NEAR_TIE_DEFAULT nats (helpers.greedy_divergence); its text is compared up to there.
     A stream given another prompt's tokens, a lost or repeated chunk, a mixed-up usage still fails."""
     max_tokens, top = 16, 5
     body = dict(max_tokens=max_tokens, logprobs=top, extra_body={"ignore_eos": True})  # always max_tokens tokens

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from conftest import one_worker_server, wait_until
+
+from tests.helpers import one_worker_server, wait_until
 
 pytestmark = pytest.mark.slow
 

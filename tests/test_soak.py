@@ -39,8 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import tiny_models
-from conftest import Server, wait_until
 
 from appliance.http.client import POOL_SIZE
 from appliance.http.edge_policy import MIN_SEND_RATE
@@ -48,6 +46,8 @@ from appliance.limits import Limits
 from appliance.manifest import Manifest
 from appliance.runtime.tokenizer import Tokenizer
 from appliance.testing.procinfo import fd_counts, status_field
+from tests import tiny_models
+from tests.helpers import Server, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -17,13 +17,13 @@ import random
 from collections import Counter
 
 import pytest
-import tiny_models
 
 from appliance.config import EngineConfig
 from appliance.params import Grammar, SamplingParams
 from appliance.runtime.engine import Engine
 from appliance.runtime.speculative.ngram import _Lookup
 from appliance.runtime.speculative.state import MAX_PAUSE, SpecState
+from tests import tiny_models
 
 F32 = dict(precision="f32")
 

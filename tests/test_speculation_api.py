@@ -16,7 +16,6 @@ import json
 import openai
 import pytest
 import requests
-from conftest import NEAR_TIE_F32, Server, sse_events, wait_idle
 
 from appliance import protocol as p
 from appliance.openai_api.completions import CompletionShape
@@ -25,6 +24,7 @@ from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
 from appliance.server.metrics import ServerMetrics
 from appliance.testing.loopback import parse_metrics
+from tests.helpers import NEAR_TIE_F32, Server, sse_events, wait_idle
 
 # ---------------------------------------------------------------- usage, from the engine's chunks (no server)
 

@@ -34,12 +34,12 @@ import ollama
 import openai
 import pytest
 import requests
-from conftest import START_TIMEOUT, Server
 
 from appliance.settings import EX_CONFIG
 from appliance.testing.hub import StubHub, ir_repo
 from appliance.testing.loopback import ROOT, LoopbackServer
 from export.default_model import ensure_export
+from tests.helpers import START_TIMEOUT, Server
 
 pytestmark = pytest.mark.default_model
 
@@ -66,7 +66,7 @@ def serve_command(model_dir: Path, port: int, *args: str) -> list[str]:
 
 
 class InstalledServer(Server):
-    """conftest's Server, started in a mount namespace where `read_only` are read-only, with `env` on top."""
+    """helpers.Server, started in a mount namespace where `read_only` are read-only, with `env` on top."""
 
     def __init__(self, model_dir: Path, log_path: Path, read_only: list[Path], env: dict[str, str], *args: str):
         prefix = namespace_prefix(read_only)

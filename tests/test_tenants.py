@@ -14,7 +14,8 @@ import socket
 
 import pytest
 import requests
-from conftest import Server, wait_until
+
+from tests.helpers import Server, wait_until
 
 CAP = 2  # --client-max-generations of the keyed server
 KEY_A, KEY_B, ADMIN = "tenant-a-" + "a" * 24, "tenant-b-" + "b" * 24, "operator-" + "c" * 24

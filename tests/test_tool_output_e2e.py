@@ -1,4 +1,4 @@
-"""Tool calls through the real app and engine service (conftest.py `in_process_api`, the default model's int4
+"""Tool calls through the real app and engine service (helpers.py `in_process_api`, the default model's int4
 export): model output nested past Python's recursion limit is an ordinary answer, and tools whose schemas are over
 the grammar size limit are a 400 naming `tools`.
 
@@ -14,11 +14,11 @@ import json
 import os
 
 import pytest
-from conftest import in_process_api
 
 from appliance.config import EngineConfig
 from appliance.limits import Limits
 from appliance.runtime.engine import Engine
+from tests.helpers import in_process_api
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DEPTH = 1100  # past the recursion limit (1000)

@@ -14,8 +14,9 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import WEATHER_PARAMETERS, Server
 from pydantic import BaseModel, Field
+
+from tests.helpers import WEATHER_PARAMETERS, Server
 
 pytestmark = pytest.mark.slow
 

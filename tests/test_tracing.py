@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import Server, sse_events
 
 from appliance import tracing
 from appliance.settings import ConfigError
 from appliance.testing.otlp import OtlpReceiver, Span
+from tests.helpers import Server, sse_events
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVER_KIND, INTERNAL_KIND, ERROR = 2, 1, 2  # OTLP's SpanKind and StatusCode numbers

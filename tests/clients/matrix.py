@@ -97,7 +97,7 @@ def settled(call: Callable[[], T]) -> T:
     """`call`'s answer the second time it is made: the reference a test compares a greedy answer to (streamed
     against unary, with a stop string against without). The first run of a prompt fills the prefix cache, and a
     run on the cached prefix computes with other numerics than the cold one, so at a near-tie the two may part
-    (tests/conftest.py says why); every later run of the prompt reuses the same cached blocks, as the compared
+    (tests/helpers.py says why); every later run of the prompt reuses the same cached blocks, as the compared
     request does."""
     call()
     return call()
