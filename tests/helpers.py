@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from appliance.http.client import EngineClient
+from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, SOCKET_FILE
 from appliance.testing.loopback import ApplianceServer, ServerNotReady
 from appliance.testing.procinfo import children, is_zombie, process_tree, status_field
 
@@ -114,6 +116,19 @@ class Server(ApplianceServer):
             "the gunicorn processes to exit",
         )
         return code
+
+
+def runtime_dir(server: Server) -> Path:
+    """The engine's private runtime directory, read from the gunicorn arbiter's environment."""
+    arbiter = server.process_tree()[1]
+    env = Path(f"/proc/{arbiter}/environ").read_bytes().split(b"\0")
+    return Path(next(e for e in env if e.startswith(RUNTIME_DIR_ENV.encode() + b"=")).split(b"=", 1)[1].decode())
+
+
+def engine_client(server: Server) -> EngineClient:
+    """A client of the server's engine socket, past the HTTP edge (what a drill uses to inject a fault)."""
+    runtime = runtime_dir(server)
+    return EngineClient(str(runtime / SOCKET_FILE), (runtime / AUTHKEY_FILE).read_bytes())
 
 
 def one_worker_server(

@@ -1,6 +1,7 @@
 """Unit tests of the Messages adapter's two halves, without a server: request.py (an Anthropic body -> the chat
 request, its refusals and bounds) and shape.py (model text -> content blocks and stream events). The end-to-end
-tests with the `anthropic` SDK are tests/test_anthropic_api.py; these cover what the default model cannot show (a
+tests with the `anthropic` SDK are tests/anthropic_api/test_anthropic_api.py; these cover what the default model cannot
+show (a
 reasoning model's thought, several calls, text around calls)."""
 
 from __future__ import annotations

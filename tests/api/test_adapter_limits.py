@@ -3,7 +3,8 @@ table (appliance/limits.py): for each bound, a body just past it (with a small l
 400 that names its field, and the same body is accepted under the default limits. The table below is walked
 against `Limits`: every field of the adapters' own group must have a row for each API that reads it, so a new
 bound without its check here fails. The HTTP error shapes (OpenAI's for Responses, Anthropic's for Messages) are
-the routes' and are checked end to end in tests/test_responses_e2e.py and tests/test_anthropic_api.py; the Ollama
+the routes' and are checked end to end in tests/openai_api/test_responses_e2e.py and
+tests/anthropic_api/test_anthropic_api.py; the Ollama
 adapter maps everything onto chat's fields and so onto chat's checks (tests/test_ollama_api.py). docs/openapi.json's
 request schemas, generated from the same limits, state the same bounds (the last test)."""
 
@@ -22,7 +23,9 @@ from appliance.openai_api.responses import parse_responses
 
 # the adapters' own group in Limits (the fields from the first to the last of these, in declaration order)
 OWN_FIRST, OWN_LAST = "content_parts", "input_items_page"
-ROUTE_ONLY = {"input_items_page": "GET /v3/responses/{id}/input_items (tests/test_responses_e2e.py test_refusals)"}
+ROUTE_ONLY = {
+    "input_items_page": "GET /v3/responses/{id}/input_items (tests/openai_api/test_responses_e2e.py test_refusals)"
+}
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "description": "x" * 64}}}
 PARTS = [{"type": "input_text", "text": "a"}] * 3

@@ -611,7 +611,7 @@ def test_body_checks_before_validation():
 
 def test_each_prefix_builds_its_requests_with_its_dialect():
     """The route table's prefix reaches the engine's job: a stream's stop string is OVMS's default on /v3 and its
-    deprecated /v3/v1, OpenAI's on /v1 (tests/test_stop_stream_e2e.py: the same on the wire)."""
+    deprecated /v3/v1, OpenAI's on /v1 (tests/openai_api/test_stop_stream_e2e.py: the same on the wire)."""
 
     class Sent(Exception):
         pass
@@ -653,7 +653,7 @@ def test_limits_table_in_docs_is_the_declared_one():
 
     from appliance.limits import limits_table
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     assert limits_table() in doc, "regenerate the table: python -m appliance.limits"
     rows = {line.split("|")[1].strip(" `"): line.split("|")[2].strip() for line in limits_table().splitlines()[2:]}
     assert rows["prompts"] == "256" and rows["max_tokens"] == "none" and rows["length_penalty"] == "10"
@@ -669,7 +669,7 @@ def test_the_docs_prose_names_limits_and_restates_no_value():
 
     from appliance.limits import field_default, limits_table, show
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     lines = [line for line in doc.replace(limits_table(), "").splitlines() if not line.startswith("| `--")]
     stale = []
     for f in fields(Limits):

@@ -77,7 +77,7 @@ SAMPLES = [
     [None],
     [{}],
 ]
-# where JSON Schema and the server differ on purpose (the fuzz hook in tests/test_fuzz.py turns 2.0 into 2)
+# where JSON Schema and the server differ on purpose (the fuzz hook in tests/e2e/test_fuzz.py turns 2.0 into 2)
 INTEGRAL_FLOATS = (1.0, 2.0, 10.0, -10.0, -2.0)
 
 

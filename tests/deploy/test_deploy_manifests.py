@@ -33,7 +33,7 @@ from appliance.openai_api.app import OPEN_PATHS, create_app
 from appliance.server.metrics import ServerMetrics
 from appliance.settings import ServeSettings
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())  # the oldest still-supported k3s line, the newest
 CORE_API_VERSIONS = {"v1", "apps/v1", "autoscaling/v2", "policy/v1", "networking.k8s.io/v1"}
 HELM_VALUES = {"kubernetes/autoscaling/prometheus-adapter-values.yaml"}  # not a Kubernetes object

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGEST_PINNED = re.compile(r"^python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}$")
 
 

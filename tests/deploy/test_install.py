@@ -22,7 +22,7 @@ import requests
 
 from appliance.testing.loopback import LoopbackServer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements" / "lock.txt"
 TORCH_CPU = ROOT / "requirements" / "torch-cpu.txt"
 EXPORT_TOOLS = ("torch", "transformers", "optimum", "nncf", "accelerate")

@@ -37,7 +37,7 @@ import pytest
 from appliance.server import sdnotify
 from appliance.settings import EX_CONFIG
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "systemd" / "install.sh"
 PREFIX = "/opt/appliance"
 EXPOSURE_LIMIT = 2.0  # "OK" is < 4.5 in systemd's scale; the unit measures 1.5 (docs/deploy.md)
@@ -90,7 +90,7 @@ def test_install_lays_out_user_settings_key_models_and_the_unit(installed: Path)
     etc = installed / "etc" / "appliance"
     env = (etc / "appliance.env").read_text()
     assert "APPLIANCE_API_KEY_FILE=/etc/appliance/api-keys" in env and "APPLIANCE_HOST=0.0.0.0" in env
-    # a config file and admin keys are one uncommented line each (tests/test_multi_model.py serves that setup)
+    # a config file and admin keys are one uncommented line each (tests/server/test_multi_model.py serves that setup)
     assert {
         "#APPLIANCE_CONFIG=/etc/appliance/config.json",
         "#APPLIANCE_ADMIN_KEY_FILE=/etc/appliance/admin-keys",
@@ -260,7 +260,7 @@ def test_the_installed_unit_is_hardened(installed: Path):
 
 
 def test_a_configuration_error_is_not_restarted(installed: Path):
-    """`appliance serve` exits 78 (EX_CONFIG) for a setting it cannot run with (tests/test_exposure.py runs the
+    """`appliance serve` exits 78 (EX_CONFIG) for a setting it cannot run with (tests/e2e/test_exposure.py runs the
     CLI): the unit does not restart on it, so the box shows a failed unit with the one line in the journal, not a
     restart every RestartSec. systemd's own parser reads the setting: it would print "Unknown key" for a misspelt
     one, and verify must print nothing."""

@@ -23,7 +23,7 @@ from tests.helpers import wait_idle
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "docs" / "api-examples.md"
 DOC_BASE = "http://localhost:8000"
 NAMES = ("unary", "stream", "chat", "parse", "tool", "prediction")

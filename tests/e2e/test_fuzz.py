@@ -31,7 +31,7 @@ import requests
 
 from appliance.openai_api import fields as F
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC_PATH = ROOT / "docs" / "openapi.json"
 SEED = int(os.environ.get("APPLIANCE_FUZZ_SEED", "20261122"))  # fixed: CI runs are reproducible
 EXAMPLES = int(os.environ.get("APPLIANCE_FUZZ_EXAMPLES", "40"))  # per operation; raise it for a long hunt
@@ -255,7 +255,7 @@ SPECULATION_FIELDS = tuple(f.name for f in F.SPECULATION)  # the table's specula
 
 
 def without_speculation(doc: dict) -> dict:
-    """The document without the speculation fields (tests/test_speculation_api.py and test_api_validation.py
+    """The document without the speculation fields (tests/openai_api/test_speculation_api.py and test_api_validation.py
     cover them): the shared server has no draft model, so a confidence threshold is a 400 engine-side; with these
     properties schemathesis's canonicalizer gives up on chat's combined rules (positive mode) and generating
     invalid bodies of the completions request is too slow (negative mode: it failed hypothesis's too_slow check)."""
@@ -326,7 +326,9 @@ def run_schemathesis(schema_path: Path, base: str, workdir: Path, *args: str) ->
         **os.environ,
         "SCHEMATHESIS_HOOKS": "test_fuzz",
         "APPLIANCE_FUZZ_DOC": str(DOC_PATH),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT / "tests" / "e2e"), str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
     }
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
@@ -388,10 +390,11 @@ def test_fuzz_valid_requests(server, model_dir, model_name, health, tmp_path):
         "--exclude-path-regex",
         "^/v1/((chat/)?completions|config/reload)$|/responses|^/v1/messages|/embeddings$|/rerank$",  # ditto, and the
         # costly ones (the negative run has them); a reload is refused (400) on a server without --config:
-        # tests/test_multi_model.py runs it; the Responses and Messages routes are proved by tests/test_responses*.py
-        # and tests/test_anthropic*.py (a random id is a 404, items have rules, max_tokens is unbounded by the
+        # tests/server/test_multi_model.py runs it; the Responses and Messages routes are proved by
+        # tests/openai_api/test_responses*.py and tests/anthropic_api/test_anthropic*.py (a random id is a 404, items
+        # have rules, max_tokens is unbounded by the
         # schema); the shared server serves no encoder, so every valid embeddings / rerank request is a 400 there:
-        # tests/test_embeddings.py proves them on a server that does
+        # tests/openai_api/test_embeddings.py proves them on a server that does
         "--checks",
         ",".join([*CHECKS_COMMON, "response_headers_conformance", "positive_data_acceptance"]),
     )

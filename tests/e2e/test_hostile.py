@@ -23,24 +23,12 @@ import requests
 
 from appliance import protocol as p
 from appliance.http.client import EngineClient
-from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, SOCKET_FILE
-from tests.helpers import Server, sse_events, wait_until
+from appliance.settings import SOCKET_FILE
+from tests.helpers import Server, engine_client, runtime_dir, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 
 SEND_TIMEOUT = 4  # the hostile server's --send-timeout: how long a stream may make no progress
-
-
-def runtime_dir(server: Server) -> Path:
-    """The engine's private runtime directory, read from the gunicorn arbiter's environment."""
-    arbiter = server.process_tree()[1]
-    env = Path(f"/proc/{arbiter}/environ").read_bytes().split(b"\0")
-    return Path(next(e for e in env if e.startswith(RUNTIME_DIR_ENV.encode() + b"=")).split(b"=", 1)[1].decode())
-
-
-def engine_client(server: Server) -> EngineClient:
-    runtime = runtime_dir(server)
-    return EngineClient(str(runtime / SOCKET_FILE), (runtime / AUTHKEY_FILE).read_bytes())
 
 
 def complete(server: Server, model: str, timeout: float, **body) -> requests.Response:

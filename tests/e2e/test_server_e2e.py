@@ -329,7 +329,7 @@ def test_validation_errors_are_400_json_even_for_streams(server, model_name):
     assert e["message"] == "best_of cannot be used in streaming mode" and e["param"] == "best_of"
     e = error(requests.post(url, json={"model": model_name, "prompt": "x", "max_tokens": 0}), 400)
     assert e["message"] == "max_tokens value should be greater than 0 unless echo is set"
-    # chat: max_completion_tokens wins over max_tokens, but both are checked (found by tests/test_fuzz.py)
+    # chat: max_completion_tokens wins over max_tokens, but both are checked (found by tests/e2e/test_fuzz.py)
     e = error(
         requests.post(
             server.base + "/v3/chat/completions",
@@ -384,7 +384,7 @@ def test_http_error_statuses(server, model_name):
 
 
 def test_huge_token_ids_are_400_and_the_engine_survives(server, client, model_name):
-    """Found by tests/test_fuzz.py: a logit_bias key past int64 used to reach the engine thread, whose numpy
+    """Found by tests/e2e/test_fuzz.py: a logit_bias key past int64 used to reach the engine thread, whose numpy
     conversion raised and killed it: every later request then hung. Token ids are now bounded at the edge."""
     before = complete(client, model_name, max_tokens=4).choices[0].text
     url = server.base + "/v3/completions"

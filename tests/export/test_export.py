@@ -23,7 +23,7 @@ from export.metadata import write_metadata
 from export.openvino_backend import first_step
 from tests import tiny_models
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Hello world! The appliance serves tiny models."
 LAYOUTS = {name: spec[2] for name, spec in {**tiny_models.FAMILIES, **tiny_models.EXTRA_FAMILIES}.items()}
 # Max |exported - transformers| on logits of magnitude ~1 (the random models' scale).
@@ -305,7 +305,7 @@ def test_cli_errors(tiny, tmp_path: Path) -> None:
     cases = [
         ([missing, out], f"source folder not found: {missing}"),
         ([empty, out], f"no config.json in {empty}: not a Hugging Face model folder"),
-        # an encoder's model_type goes to the encoder exporter (tests/test_encoder.py), which needs weights
+        # an encoder's model_type goes to the encoder exporter (tests/runtime/test_encoder.py), which needs weights
         ([bert, out], f"no weights in {bert} (*.safetensors, *.bin, *.pt, *.pth)"),
         (
             [classifier, out],

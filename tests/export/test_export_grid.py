@@ -68,7 +68,7 @@ def test_exact_grid_is_kept(gridded, tmp_path: Path) -> None:
     assert requantized.weight_compression["method"] == "weight-only"
     diff_exact = np.abs(first_step(tmp_path / "exact", PROBE) - reference).max()
     diff_nncf = np.abs(first_step(tmp_path / "nncf", PROBE) - reference).max()
-    assert diff_exact < 2e-3, diff_exact  # an fp16 export's tolerance (tests/test_export.py ATOL)
+    assert diff_exact < 2e-3, diff_exact  # an fp16 export's tolerance (tests/export/test_export.py ATOL)
     assert diff_exact < diff_nncf / 10, (diff_exact, diff_nncf)
     # the IR itself turns off int8 activations (dynamic quantization) for the int8 LM head
     compiled = ov.Core().compile_model(tmp_path / "exact" / "openvino_model.xml", "CPU")
@@ -112,7 +112,7 @@ def test_int8_grid_keeps_the_q4_1_grid_without_zero_points(gridded, tmp_path: Pa
     diff_grid = np.abs(first_step(tmp_path / "grid8", PROBE) - reference).max()
     diff_nncf = np.abs(first_step(tmp_path / "nncf8", PROBE) - reference).max()
     print(f"int8 on the grid {diff_grid:.5f}, NNCF int8 {diff_nncf:.5f}")
-    assert diff_grid < 4e-3, diff_grid  # twice an fp16 export's tolerance (tests/test_export.py ATOL)
+    assert diff_grid < 4e-3, diff_grid  # twice an fp16 export's tolerance (tests/export/test_export.py ATOL)
     assert diff_grid < diff_nncf / 2, (diff_grid, diff_nncf)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import gunicorn
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "appliance" / "http" / "worker.py"
 PIN = "27.0.1"  # the gunicorn release CONTRACT and worker.py's notes were checked against
 

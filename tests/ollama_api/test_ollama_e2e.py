@@ -236,7 +236,7 @@ def test_version_and_routes_not_served(srv, client, tag):
         r = requests.request(method, srv.base + path, json={"model": tag}, timeout=30)
         assert r.status_code == 404 and isinstance(r.json()["error"], str), (method, path)
     with pytest.raises(ollama.ResponseError) as err:
-        client.delete(tag)  # served from a folder no pull made: refused, never deleted (tests/test_pull.py)
+        client.delete(tag)  # served from a folder no pull made: refused, never deleted (tests/pull/test_pull.py)
     assert err.value.status_code == 400
 
 

@@ -4,7 +4,7 @@ all-MiniLM-L6-v2 and a tiny random cross-encoder, from one config file), through
 llama-index's OpenAIEmbedding, the ollama client's `embed`, and /v3/rerank. Every vector is compared with the
 in-process Encoder's on the same inputs (cosine > 0.999); rerank's order with the in-process scores. Concurrency:
 embeddings beside a chat stream, a bad request beside good ones, a client that leaves (its inputs dropped).
-The engine side alone, over a fake encoder: tests/test_embeddings_service.py."""
+The engine side alone, over a fake encoder: tests/server/test_embeddings_service.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Unit tests of the Responses adapter (appliance/openai_api/responses.py) and its store (response_store.py): a
 Responses body -> the chat request, refusals, the event order of `ResponseEvents`, and the SQLite store's bounds,
-owners and file mode. The end-to-end proof through the `openai` SDK is tests/test_responses_e2e.py."""
+owners and file mode. The end-to-end proof through the `openai` SDK is tests/openai_api/test_responses_e2e.py."""
 
 from __future__ import annotations
 

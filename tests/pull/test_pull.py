@@ -25,7 +25,7 @@ from appliance.testing.hub import Repo, StubHub, ir_repo
 from appliance.testing.loopback import LoopbackServer
 from tests.helpers import Server, wait_until
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPO = "test/smol-int4-ov"
 EXPORT_TOOLS = ("torch", "transformers", "optimum", "nncf")
 BIN = "openvino_model.bin"
@@ -258,7 +258,7 @@ def test_a_private_repository_needs_the_token(int4_export, tmp_path):
 
 @pytest.mark.default_model  # the stand-in repository is the default model's int4 export
 def test_the_serving_venv_pulls_an_ir_repository_and_serves_it(int4_export, tiny, tmp_path):
-    """The serving venv (no torch, no transformers: tests/test_install.py) pulls an OpenVINO IR repository and
+    """The serving venv (no torch, no transformers: tests/deploy/test_install.py) pulls an OpenVINO IR repository and
     serves it: the issue's "serves without torch installed". A safetensors repository is refused there before
     anything downloads, saying what to install."""
     venv = Path(os.environ.get("APPLIANCE_SERVING_VENV", ROOT / ".venv"))

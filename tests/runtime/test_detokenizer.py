@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from appliance.runtime.detokenizer import IncrementalDetokenizer
 from appliance.runtime.tokenizer import Tokenizer, gpt2_unicode_to_byte
-
-# The tokenizer builders live in test_tokenizer.py; load it by path so this works in any pytest import mode.
-_spec = importlib.util.spec_from_file_location("_tokenizer_builders", Path(__file__).with_name("test_tokenizer.py"))
-tt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tt)
+from tests.runtime import test_tokenizer as tt  # the tokenizer builders
 
 
 class CountingTokenizer:

@@ -30,7 +30,7 @@ from appliance.server import startup
 from appliance.settings import ConfigError, ModelSpec, ServeSettings
 from tests.helpers import Server
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
 
 

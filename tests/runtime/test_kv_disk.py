@@ -19,7 +19,7 @@ import pytest
 from appliance.runtime.kv_cache import BlockPool
 from appliance.runtime.kv_disk import SALT_FILE, DiskTier, fingerprint, load_salt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BS = 4
 PAYLOAD = 1000  # bytes of a fake block
 

@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_parity import engine_greedy
 
 from appliance.config import EngineConfig
 from appliance.runtime.engine import Engine
 from appliance.runtime.tokenizer import Tokenizer
+from tests.runtime.test_parity import engine_greedy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Hello world! How are you today?", "def main():\n"]
 NEW_TOKENS = 12
 CONFIG = dict(precision="f32", static_context=128, static_batch=2, max_num_batched_tokens=16)
@@ -34,7 +34,7 @@ import json, sys
 from pathlib import Path
 from appliance.config import EngineConfig
 from appliance.runtime.engine import Engine
-from test_parity import engine_greedy
+from tests.runtime.test_parity import engine_greedy
 model, prompts, new_tokens = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 config = json.loads(sys.argv[4])
 try:
@@ -90,7 +90,7 @@ def test_external_data_export_loads_read_only_and_generates(external_export: Pat
     prefix = _read_only_command(external_export)
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     args = [str(external_export), json.dumps(prompts), str(NEW_TOKENS), json.dumps(CONFIG)]
     done = subprocess.run(

@@ -19,7 +19,7 @@ from appliance import cli, host, options
 from appliance.runtime.backends import kv_budget
 from appliance.settings import EX_CONFIG, ConfigError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GiB, MiB = 1 << 30, 1 << 20
 OPENVINO, ONNX = SimpleNamespace(backend="openvino"), SimpleNamespace(backend="onnx")
 
@@ -387,7 +387,7 @@ def test_options_table_in_docs_is_the_declared_one(capsys):
     from pathlib import Path
 
     table = options.options_table()
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     assert table in doc, "regenerate the table: python -m appliance.cli --options-table"
     rows = {
         line.split("|")[1].split("`")[1].removeprefix("--"): line.split("|")[2].strip()

@@ -22,7 +22,7 @@ from appliance.paths import served_weight_format
 from appliance.server import config_file
 from appliance.settings import ConfigError, ServeSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVED = f"openvino-{served_weight_format()}"  # the default model's served export folder on this CPU
 GiB = 1 << 30
 

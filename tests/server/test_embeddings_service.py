@@ -2,7 +2,7 @@
 across requests by length under the padded-token budget, a request split over batches and put back in order, a
 vanished client's inputs dropped, one request's failure kept to it, the bounds and `dimensions`, a long rerank
 pair cut by the encoder's own truncation, and which thread (priority) runs a forward while chat runs and while it
-does not. The real model and server: tests/test_embeddings.py."""
+does not. The real model and server: tests/openai_api/test_embeddings.py."""
 
 from __future__ import annotations
 

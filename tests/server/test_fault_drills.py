@@ -26,11 +26,10 @@ from pathlib import Path
 
 import pytest
 import requests
-from test_hostile import engine_client
 
 from appliance import protocol as p
 from appliance.testing.procinfo import is_zombie
-from tests.helpers import Server, wait_until
+from tests.helpers import Server, engine_client, wait_until
 
 pytestmark = pytest.mark.slow
 

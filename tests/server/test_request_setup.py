@@ -1,7 +1,7 @@
 """Per-request work in the engine process, module by module: the tokenizer's character bound is sound (it never
 refuses a text that could fit) and encoding lets other threads run; a request's texts are tokenized once
 (Engine.prepare); the engine thread's inbox drain keeps to its time budget. The same bounds on a real server
-with hostile clients: tests/test_engine_isolation.py."""
+with hostile clients: tests/server/test_engine_isolation.py."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
-from test_tokenizer import KINDS, SAMPLES, load_kind
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
 from appliance.params import SamplingParams
 from appliance.runtime.engine.admission import INBOX_BUDGET_SECONDS, Admission, ParamInvalid
 from appliance.runtime.tokenizer import TextTooLong, max_token_chars
+from tests.runtime.test_tokenizer import KINDS, SAMPLES, load_kind
 
 HOSTILE = [
     "1234567890" * 300,

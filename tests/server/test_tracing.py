@@ -28,7 +28,7 @@ from appliance.settings import ConfigError
 from appliance.testing.otlp import OtlpReceiver, Span
 from tests.helpers import Server, sse_events
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SERVER_KIND, INTERNAL_KIND, ERROR = 2, 1, 2  # OTLP's SpanKind and StatusCode numbers
 ENGINE_SPANS = ("queue", "prefill", "decode", "stream")
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # ms between batches (5 s by default)

@@ -28,8 +28,9 @@ from test_exposure import TlsServer, make_cert
 from appliance.testing import browser
 
 KEY = "web-page-test-key-0123456789"
-THOUGHT = r"<think>[a-z ]{1,24}</think>[A-Za-z ]{1,24}"  # as tests/test_tools_e2e.py's: a thought, then an answer
-OPENAPI = Path(__file__).resolve().parent.parent / "docs" / "openapi.json"
+# as tests/openai_api/test_tools_e2e.py's: a thought, then an answer
+THOUGHT = r"<think>[a-z ]{1,24}</think>[A-Za-z ]{1,24}"
+OPENAPI = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 WAIT = 120  # seconds: a loaded 2-core box may take long for the first reply
 
 
