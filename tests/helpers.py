@@ -24,6 +24,26 @@ from appliance.testing.procinfo import children, is_zombie, process_tree, status
 
 __all__ = ["children", "is_zombie"]  # re-exported: test_server_e2e checks gunicorn's processes with them
 
+# ================================================================ what the project installs itself
+
+
+def ours_missing(message: str) -> None:
+    """Something the project's own install steps provide (a venv, a pinned package, the browser `make browser`
+    installs) is missing: a failure under CI, where a skip would leave the run green without the test, and a skip
+    outside it (a hand-made venv). Never returns."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI: a failure, not a skip)", pytrace=False)
+    pytest.skip(message)
+
+
+def serving_venv(root: Path) -> Path:
+    """The venv `make venv` built (the Makefile exports its path); outside `make test` there may be none."""
+    path = Path(os.environ.get("APPLIANCE_SERVING_VENV", root / ".venv"))
+    if not (path / ".installed").is_file():
+        ours_missing(f"no serving venv at {path}: `make test` builds it (make venv)")
+    return path
+
+
 # ================================================================ a real `appliance serve` on loopback
 # conftest.py's `server` is one session-wide server (2 workers, no API key) on a free port; `Server` starts others.
 

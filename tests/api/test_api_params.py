@@ -440,7 +440,10 @@ def test_num_beams_is_best_of(client, model_name):
     a = complete(client, model_name, best_of=3, n=2)
     b = complete(client, model_name, n=2, num_beams=3)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
-    assert complete(client, model_name, n=2, num_beams=3, early_stopping=True).choices
+    early = complete(client, model_name, n=2, num_beams=3, early_stopping=True)
+    assert [c.index for c in early.choices] == [0, 1], early.choices
+    assert all(c.finish_reason in ("stop", "length") and c.text for c in early.choices), early.choices
+    assert early.usage.completion_tokens >= 2, early.usage
 
 
 def test_regex_response_format_on_completions(client, model_name):

@@ -96,7 +96,8 @@ def test_marker_start_is_held_back_and_released():
 
 @pytest.fixture(scope="module")
 def lark_matcher(model_dir):
-    llguidance = pytest.importorskip("llguidance")
+    import llguidance  # pinned: the grammar backend itself
+
     tok = llguidance.LLTokenizer(str(model_dir / "tokenizer.json"))
 
     def accepts(grammar: str | Grammar, text: str) -> bool:

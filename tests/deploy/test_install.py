@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from appliance.testing.loopback import LoopbackServer
+from tests.helpers import serving_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements" / "lock.txt"
@@ -41,16 +42,6 @@ def lock_pins() -> dict[str, str]:
             name, version = line.split("==")
             pins[_name(name)] = version
     return pins
-
-
-def serving_venv() -> Path:
-    """The venv `make venv` built (the Makefile exports its path); outside `make test` there may be none."""
-    path = Path(os.environ.get("APPLIANCE_SERVING_VENV", ROOT / ".venv"))
-    if not (path / ".installed").is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"no serving venv at {path}: `make test` builds it (make venv)")
-        pytest.skip(f"no serving venv at {path}: run through `make test`, which builds it")
-    return path
 
 
 def test_lock_holds_no_torch_and_no_cuda():
@@ -112,7 +103,7 @@ def test_dev_environment_is_whole():
 
 
 def test_serving_venv_holds_no_export_tools():
-    venv = serving_venv()
+    venv = serving_venv(ROOT)
     code = f"import importlib.util as u; print([m for m in {EXPORT_TOOLS!r} if u.find_spec(m)])"
     found = subprocess.run([venv / "bin" / "python", "-c", code], capture_output=True, text=True, timeout=60)
     assert found.returncode == 0 and found.stdout.strip() == "[]", found.stdout + found.stderr
@@ -129,7 +120,7 @@ def test_serving_venv_holds_no_export_tools():
 @pytest.mark.default_model
 def test_serving_venv_serves_the_default_model(tmp_path):
     """`make serve`'s command from the serving venv (no PYTHONPATH: its own install) answers a completion."""
-    venv = serving_venv()
+    venv = serving_venv(ROOT)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     def command(port: int) -> list[str]:

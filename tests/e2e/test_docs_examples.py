@@ -147,9 +147,8 @@ def test_python_named_tool_call(examples):
 def test_python_predicted_outputs(examples, server, model_name):
     """The prediction drafted tokens the model kept, and the answer is the one without a prediction (greedy, alone
     in the engine; the default precision may part at a near-tie, which text_divergence allows)."""
-    from test_speculation_api import text_divergence
-
     from tests.helpers import NEAR_TIE_DEFAULT
+    from tests.openai_api.test_speculation_api import text_divergence
 
     counts, _, text = examples["prediction"].partition("\n")
     accepted, rejected = map(int, counts.split())
@@ -171,7 +170,7 @@ def test_python_predicted_outputs(examples, server, model_name):
 def rag(model_dir, model_name, embedding_export, tmp_path_factory) -> str:
     """The retrieval example's output, run against a server of the chat model, the default embedding model and a
     tiny random cross-encoder named `reranker` (the shared server serves the chat model alone)."""
-    from test_embeddings import EMBED, config_server, tiny_rerank_export
+    from tests.openai_api.test_embeddings import EMBED, config_server, tiny_rerank_export
 
     root = tmp_path_factory.mktemp("rag")
     models = {

@@ -5,6 +5,7 @@ Ollama routes answer 401 in Ollama's error shape before any engine is asked."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -141,6 +142,26 @@ def test_streamed_tool_call_is_one_object_call():
     assert Render("m", chat=True, keep_thinking=False).fragment(thought) is None
 
 
+@pytest.mark.parametrize(
+    "finish, done_reason", [("stop", "stop"), ("length", "length"), ("tool_calls", "stop"), (None, "stop")]
+)
+def test_the_last_line_spells_each_finish_as_ollama_does(finish, done_reason):
+    """The `done: true` line: Ollama's clients read `done_reason` ("length" tells them the answer was cut; a tool
+    call ends with "stop" as Ollama's own server says) and its counts and durations in nanoseconds."""
+    gen = SimpleNamespace(
+        choices=[SimpleNamespace(finish_reason=finish)],
+        accepted=SimpleNamespace(load_seconds=0.5),
+        usage=lambda: {"prompt_tokens": 3, "completion_tokens": 5},
+        time_info=lambda: {"total_time": 1.5, "prompt_time": 0.25, "completion_time": 1.0},
+    )
+    last = Render("m", chat=True).final(gen)
+    assert last["done"] is True and last["done_reason"] == done_reason
+    assert (last["prompt_eval_count"], last["eval_count"]) == (3, 5)
+    assert (last["total_duration"], last["load_duration"]) == (1_500_000_000, 500_000_000)
+    assert (last["prompt_eval_duration"], last["eval_duration"]) == (250_000_000, 1_000_000_000)
+    assert last["message"] == {"role": "assistant", "content": ""}
+
+
 def test_routes_need_the_key(tmp_path):
     from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
@@ -164,7 +185,7 @@ def test_bodies_are_json_whatever_the_content_type():
     """Ollama reads the body as JSON whatever its Content-Type (litellm's Ollama providers send none, `curl -d` a
     form type): such a body reaches the adapter (here its 404 for an unknown model); a body that is not JSON is a
     400 in Ollama's shape; a web page's form post is refused. The OpenAI routes keep their 415."""
-    from test_api_validation import MODEL, StubEngine, edge
+    from tests.api.test_api_validation import MODEL, StubEngine, edge
 
     client = edge(StubEngine())
     body = json.dumps({"model": "nope", "messages": MSG, "prompt": "Hi", "input": "Hi"})

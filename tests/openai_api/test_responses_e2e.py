@@ -213,8 +213,12 @@ def test_stored_get_delete_and_input_items(setup, client, model_name):
     items = client.responses.input_items.list(r.id, order="asc")
     assert [i.role for i in items.data] == ["user", "assistant", "user"]
     assert items.data[0].content[0].text == "Hi"
+    other = _client(setup["server"], KEYS[1])
     with pytest.raises(openai.NotFoundError):  # another key's response does not exist for this key
-        _client(setup["server"], KEYS[1]).responses.retrieve(r.id)
+        other.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as info:  # nor can that key continue from it (its turns stay private)
+        other.responses.create(model=model_name, previous_response_id=r.id, input="Go on", max_output_tokens=4)
+    assert info.value.body["code"] == "previous_response_not_found", info.value.body
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
@@ -285,7 +289,8 @@ def test_function_call_streamed(client, model_name):
 def weather_agent(setup, model_name: str, **options):
     """(the Agents SDK, an agent with a get_weather tool under tool_choice required on the Responses API, the
     cities its tool was called with); `options`: more of the Agent's arguments."""
-    agents = pytest.importorskip("agents")
+    import agents  # pinned (openai-agents): missing is an install failure, not a skip
+
     agents.set_tracing_disabled(True)
     calls: list[str] = []
 

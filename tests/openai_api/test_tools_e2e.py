@@ -161,28 +161,37 @@ def thinking(model_dir, tmp_path_factory):
 
 
 THOUGHT_FORMAT = {"type": "regex", "schema": r"<think>[a-z ]{1,24}</think>[A-Za-z ]{1,24}"}
+# every token is at least one character and the format at most 63, so the grammar closes (EOS) within this budget:
+# the answer must end on "stop", never on "length"
+THOUGHT_TOKENS = 72
 
 
 def test_reasoning_parser_moves_the_thought(thinking):
     model = thinking.models.list().data[0].id
     r = thinking.chat.completions.create(
-        model=model, messages=ASK, max_tokens=40, extra_body={"response_format": THOUGHT_FORMAT}
+        model=model, messages=ASK, max_tokens=THOUGHT_TOKENS, extra_body={"response_format": THOUGHT_FORMAT}
     )
     message = r.choices[0].message.model_dump()
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
     assert message["reasoning_content"] and message["reasoning"] == message["reasoning_content"]
-    assert "<think>" not in (message["content"] or "") and "</think>" not in (message["content"] or "")
-    if r.choices[0].finish_reason == "stop":
-        assert message["content"]
+    assert message["content"] and "<think>" not in message["content"] and "</think>" not in message["content"]
     stream = thinking.chat.completions.create(
-        model=model, messages=ASK, max_tokens=40, extra_body={"response_format": THOUGHT_FORMAT}, stream=True
+        model=model,
+        messages=ASK,
+        max_tokens=THOUGHT_TOKENS,
+        extra_body={"response_format": THOUGHT_FORMAT},
+        stream=True,
     )
     reasoning = content = ""
+    finish = None
     for chunk in stream:
         for c in chunk.choices:
             delta = c.delta.model_dump()
             reasoning += delta.get("reasoning_content") or ""
             content += delta.get("content") or ""
-    assert reasoning and "<think>" not in content and "</think>" not in content
+            finish = c.finish_reason or finish
+    assert finish == "stop" and reasoning and content, (finish, reasoning, content)
+    assert "<think>" not in content and "</think>" not in content
     cut = thinking.chat.completions.create(
         model=model, messages=ASK, max_tokens=6, extra_body={"response_format": THOUGHT_FORMAT}
     )

@@ -23,7 +23,7 @@ from appliance.manifest import MANIFEST_NAME, Manifest
 from appliance.pull.store import RECORD
 from appliance.testing.hub import Repo, StubHub, ir_repo
 from appliance.testing.loopback import LoopbackServer
-from tests.helpers import Server, wait_until
+from tests.helpers import Server, serving_venv, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 REPO = "test/smol-int4-ov"
@@ -261,9 +261,7 @@ def test_the_serving_venv_pulls_an_ir_repository_and_serves_it(int4_export, tiny
     """The serving venv (no torch, no transformers: tests/deploy/test_install.py) pulls an OpenVINO IR repository and
     serves it: the issue's "serves without torch installed". A safetensors repository is refused there before
     anything downloads, saying what to install."""
-    venv = Path(os.environ.get("APPLIANCE_SERVING_VENV", ROOT / ".venv"))
-    if not (venv / ".installed").is_file():
-        pytest.skip(f"no serving venv at {venv}: `make test` builds it (make venv)")
+    venv = serving_venv(ROOT)
     python, data = str(venv / "bin" / "python"), tmp_path / "data"
     with StubHub({REPO: ir_repo(int4_export, tmp_path), "test/tiny-llama": tiny_repo(tiny("llama"))}) as hub:
         env = pull_env(hub, data)

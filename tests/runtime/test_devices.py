@@ -78,9 +78,13 @@ def test_missing_devices(device, present, absent):
 
 
 def test_serve_on_a_missing_device_is_one_line(model_dir):
-    """Before any process starts or the model loads: rc 78 (EX_CONFIG) and one line naming what is present."""
+    """Before any process starts or the model loads: rc 78 (EX_CONFIG) and one line naming what is present. The
+    device asked for is one this machine lacks: GPU where there is none, else a GPU index no box has (the product's
+    target boxes have an iGPU)."""
+    present = devices.available()
+    device = next(d for d in ("GPU", "NPU", "GPU.9") if devices.missing(d, present))
     proc = subprocess.run(
-        [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--device", "GPU", "--port", "9"],
+        [sys.executable, "-m", "appliance.cli", "serve", "--model", str(model_dir), "--device", device, "--port", "9"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -89,7 +93,7 @@ def test_serve_on_a_missing_device_is_one_line(model_dir):
     )
     assert proc.returncode == 78 and proc.stdout == ""  # EX_CONFIG: a configuration error
     assert proc.stderr.splitlines() == [
-        f"appliance: device GPU is not present on this machine; present: {', '.join(devices.available())} "
+        f"appliance: device {device} is not present on this machine; present: {', '.join(present)} "
         "(see `appliance devices`)"
     ]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_beam_search import _toy_model, drive_search, transformers_beams
 
 from appliance.config import EngineConfig
 from appliance.params import SamplingParams
@@ -19,6 +18,7 @@ from appliance.runtime.beam_search import BeamSearch
 from appliance.runtime.engine import Engine
 from appliance.runtime.stopping import check_token_stop
 from tests.helpers import one_torch_thread
+from tests.runtime.test_beam_search import _toy_model, drive_search, transformers_beams
 
 # ---------------------------------------------------------------- units
 

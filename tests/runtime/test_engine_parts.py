@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_tokenizer import load_kind
 
 from appliance.config import EngineConfig
 from appliance.outputs import Timing
@@ -28,6 +27,7 @@ from appliance.runtime.sequence import BeamGroup, Sequence, Status
 from appliance.runtime.speculative.base import Proposer
 from appliance.runtime.speculative.state import SpecState
 from appliance.runtime.tokenizer import Tokenizer
+from tests.runtime.test_tokenizer import load_kind
 
 BS = 4  # block size: small, so that a few tokens make full blocks
 

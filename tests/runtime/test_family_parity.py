@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import pytest
-from test_parity import engine_greedy, hf_greedy
 
 from appliance.config import EngineConfig
 from appliance.runtime.engine import Engine
 from appliance.runtime.tokenizer import Tokenizer
 from tests import tiny_models
+from tests.runtime.test_parity import engine_greedy, hf_greedy
 
 PROMPTS = ["Hello world! How are you today?", "The appliance serves", "def main():\n"]
 NEW_TOKENS = 24

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import pytest
-from test_engine_parts import FakeProposer, decoding, make_scheduler
 
 from appliance.config import EngineConfig
 from appliance.runtime.engine.speculation import Speculation
@@ -25,6 +24,7 @@ from appliance.runtime.speculative.policy import (
     monotone,
 )
 from appliance.runtime.speculative.state import PRIOR, SpecState
+from tests.runtime.test_engine_parts import FakeProposer, decoding, make_scheduler
 
 # the default model's int8 export on the 2-vCPU AVX2 box under load (ms, batch x tokens fed per sequence)
 AVX2 = StepCosts((1, 2, 4), (1, 3), ((0.103, 0.148), (0.128, 0.291), (0.194, 0.364)), switch=0.03)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import requests
-from test_sampling import assert_follows, draw_many
 
 from appliance.openai_api.completions import parse_completion
 from appliance.openai_api.sampling import to_sampling_params
 from appliance.params import SamplingParams
 from appliance.runtime.sampling import SequenceSampler, _typical, sample_batch
 from tests.helpers import Server, one_torch_thread
+from tests.runtime.test_sampling import assert_follows, draw_many
 
 MASSES = [1e-6, 0.05, 0.2, 0.5, 0.9, 0.99]
 

@@ -41,6 +41,7 @@ VICTIM_MARGIN = 1.0  # seconds a short completion may take beyond its baseline w
 LIVE_BOUND = 0.5  # seconds the liveness probe may take while the attack runs
 LOAD_FACTOR = 3  # on a box so busy that the baselines are slow: how many times them the attack may take
 GROWTH_MB = 200  # what one request may add to the engine process
+ROUNDS = 3  # timed refusals, interleaved with as many timed transfers: the fastest refusal is compared
 
 
 def serve(model_dir: Path, tmp_path: Path, *args: str) -> Server:
@@ -180,17 +181,21 @@ class TestHostileRequestsFromAnotherKey:
     def test_a_tokenize_that_cannot_fit_is_refused_before_encoding(self, keyed):
         name = model_of(keyed)
         text = digits(1_500_000)
-        # the same body for a model that is not there: its transfer and JSON, which the refusal may cost, no more
-        started = time.monotonic()
-        r = post(keyed, "/v3/tokenize", {"model": name + "-absent", "prompt": text})
-        assert r.status_code == 404, r.text[:300]
-        transfer = time.monotonic() - started
-        started = time.monotonic()
-        r = post(keyed, "/v3/tokenize", {"model": name, "prompt": text})
-        assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
-        refused = time.monotonic() - started
-        # encoding it first took 3-4 s on the 2-core box, 10-20x the transfer; the bound scales with a loaded box
-        assert refused < 3 * transfer + 0.5, f"refused in {refused:.2f} s, the body's transfer {transfer:.2f} s"
+        # the same body for a model that is not there: its transfer and JSON, which the refusal may cost, no more.
+        # Three rounds, interleaved: one descheduling of a busy 2-core box lengthens one sample, not the fastest
+        # refusal, while encoding first (3-4 s on the 2-core box, 10-20x the transfer) lengthens every one.
+        transfers, refusals = [], []
+        for _ in range(ROUNDS):
+            started = time.monotonic()
+            r = post(keyed, "/v3/tokenize", {"model": name + "-absent", "prompt": text})
+            assert r.status_code == 404, r.text[:300]
+            transfers.append(time.monotonic() - started)
+            started = time.monotonic()
+            r = post(keyed, "/v3/tokenize", {"model": name, "prompt": text})
+            assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
+            refusals.append(time.monotonic() - started)
+        refused, transfer = min(refusals), statistics.median(transfers)
+        assert refused < 3 * transfer + 0.5, f"refused in {refusals} s, the body's transfer {transfers} s"
         r = post(keyed, "/v3/completions", {"model": name, "prompt": text[:700_000], "max_tokens": 1})
         assert r.status_code == 400 and "cannot fit" in r.json()["error"]["message"], r.text[:300]
         check(keyed, name, lambda: post(keyed, "/v3/tokenize", {"model": name, "prompt": text}), {400})
