@@ -200,12 +200,14 @@ def test_one_keys_writes_never_evict_anothers_stored_responses(installed):
 def test_a_store_that_fails_after_the_generation_ends_the_stream_with_an_error(installed):
     """The state dir turned read-only under the running server (a bind mount in its namespace): the generation
     runs, the commit fails; the stream's last event is `error` (code store_failed), never a bare stop, and a
-    unary request is a 503 with the same code, not a 500. Runs last: the server is restarted after it."""
+    unary request is a 503 with the same code, not a 500. Afterwards the read-only mount is taken away again (in
+    the server's namespace) and a stored response is kept, so the module's server serves on without a restart."""
     srv = installed["server"]
     model = client(srv).models.list().data[0].id
     state = str(installed["state"])
-    nsenter = ["nsenter", "--target", str(srv.proc.pid), "--mount", "mount", "--bind", "-o", "ro", state, state]
-    subprocess.run(nsenter, check=True, timeout=30)
+    nsenter = ["nsenter", "--target", str(srv.proc.pid), "--mount"]
+    subprocess.run([*nsenter, "mount", "--bind", "-o", "ro", state, state], check=True, timeout=30)
+    serving = False
     try:
         events = stream_events(srv, {"model": model, "input": "hi", "max_output_tokens": 2})
         types = [e["type"] for e in events]
@@ -217,10 +219,15 @@ def test_a_store_that_fails_after_the_generation_ends_the_stream_with_an_error(i
         assert failed.value.status_code == 503 and failed.value.code == "store_failed", failed.value
         unstored = client(srv).responses.create(model=model, input="hi", max_output_tokens=2, store=False)
         assert unstored.status in ("completed", "incomplete")
+        subprocess.run([*nsenter, "umount", state], check=True, timeout=30)  # the state dir writable again
+        kept = client(srv).responses.create(model=model, input="hi", max_output_tokens=2)
+        assert client(srv).responses.retrieve(kept.id).id == kept.id  # the store commits again
+        serving = True
     finally:
-        installed["server"].close()
-        installed["server"] = installed["start"]()  # a fresh namespace: the state dir writable again
-        installed["server"].wait_ready()
+        if not serving:  # the test failed before its server could serve on: a fresh one for the module's others
+            installed["server"].close()
+            installed["server"] = installed["start"]()
+            installed["server"].wait_ready()
 
 
 def test_an_explicit_state_dir_that_cannot_be_written_refuses_the_start(model_dir, tmp_path):
@@ -265,26 +272,24 @@ def test_the_default_state_dir_read_only_refuses_store_before_any_work(model_dir
         assert sorted(p.name for p in data.iterdir()) == ["models"]  # nothing written in the data dir
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("source", ["unit", "image"])
-def test_a_pull_lands_in_the_state_dir_and_is_served_after_a_restart(source, model_dir, tmp_path, monkeypatch):
-    """/api/pull on the installed layout of the unit and of the image: the data dir and the model read-only, the
-    state dir writable. The pulled model goes to the state dir (nothing under the data dir changes), the pull's
+def pull_and_serve_installed(source: str, model_dir: Path, root: Path) -> None:
+    """/api/pull on the installed layout of `source` (the unit or the image): the data dir and the model read-only,
+    the state dir writable. The pulled model goes to the state dir (nothing under the data dir changes), the pull's
     stream ends in success, and the next start serves it by name (`--serve-pulled`, the default)."""
     repo = "test/state-int4-ov"
-    data, state, env = layout(tmp_path, source)
-    admin = tmp_path / "admin-keys"
+    root.mkdir(parents=True)
+    data, state, env = layout(root, source)
+    admin = root / "admin-keys"
     admin.write_text("state-admin-0123456789\n")
     admin.chmod(0o600)
     before = sorted(p.relative_to(data) for p in data.rglob("*"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the exporter sets it in this process
-    with StubHub({repo: ir_repo(ensure_export("openvino", "int4"), tmp_path / "hub")}) as hub:
+    with StubHub({repo: ir_repo(ensure_export("openvino", "int4"), root / "hub")}) as hub:
         env = {**env, "HF_ENDPOINT": hub.url}
         runs = iter(range(1, 3))
 
         def start() -> InstalledServer:
             return InstalledServer(
-                model_dir, tmp_path / f"serve{next(runs)}.log", [data, model_dir], env, "--admin-key-file", str(admin)
+                model_dir, root / f"serve{next(runs)}.log", [data, model_dir], env, "--admin-key-file", str(admin)
             )
 
         headers = {"Authorization": "Bearer state-admin-0123456789"}
@@ -299,3 +304,18 @@ def test_a_pull_lands_in_the_state_dir_and_is_served_after_a_restart(source, mod
                 repo, messages=[{"role": "user", "content": "Hi"}], options={"num_predict": 4, "temperature": 0}
             )
             assert chat.done and chat.message.content is not None
+
+
+@pytest.mark.slow
+def test_a_pull_lands_in_the_state_dir_and_is_served_after_a_restart(model_dir, tmp_path, monkeypatch):
+    """The pull on the installed layout of the unit and of the image, once per distinct layout: a source whose
+    directory variables are the same as an earlier one's would run the very same servers with the very same
+    environment again (today the image names the unit's directories: one run, two installed starts, saved)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the exporter sets it in this process
+    runs: dict[tuple, str] = {}
+    for source in ("unit", "image"):
+        variables = installed_variables(source)
+        assert {"APPLIANCE_DATA_DIR", "APPLIANCE_STATE_DIR", "APPLIANCE_KV_DISK_DIR"} <= set(variables), source
+        runs.setdefault(tuple(sorted(variables.items())), source)
+    for source in runs.values():
+        pull_and_serve_installed(source, model_dir, tmp_path / source)
