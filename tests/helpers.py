@@ -13,6 +13,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 import requests
@@ -27,13 +28,13 @@ __all__ = ["children", "is_zombie"]  # re-exported: test_server_e2e checks gunic
 # ================================================================ what the project installs itself
 
 
-def ours_missing(message: str) -> None:
-    """Something the project's own install steps provide (a venv, a pinned package, the browser `make browser`
-    installs) is missing: a failure under CI, where a skip would leave the run green without the test, and a skip
-    outside it (a hand-made venv). Never returns."""
+def ours_missing(message: str, module_level: bool = False) -> NoReturn:
+    """Something the project's own install steps provide (a venv, a pinned package, our kernels, the browser `make
+    browser` installs) is missing: a failure under CI, where a skip would leave the run green without the test, and
+    a skip outside it (a hand-made venv). `module_level`: called at a module's import (skips the whole module)."""
     if os.environ.get("CI"):
         pytest.fail(f"{message} (CI: a failure, not a skip)", pytrace=False)
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=module_level)
 
 
 def serving_venv(root: Path) -> Path:

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Literal, TypeVar
 
-import pytest
 from pydantic import BaseModel, Field
+
+from tests.helpers import ours_missing
 
 # Bounds of every generation: small enough for the matrix's CI budget, large enough for a nested object or a tool
 # call (the server's grammar ends them early) and for two turns of an agent.
@@ -39,10 +39,7 @@ def need(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        message = f"{module} is not installed ({exc}): `make dev-venv` installs the client libraries"
-        if os.environ.get("CI"):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message, allow_module_level=True)
+        ours_missing(f"{module} is not installed ({exc}): `make dev-venv` installs the client libraries", True)
 
 
 @contextlib.contextmanager
