@@ -23,8 +23,6 @@ from appliance.settings import AUTHKEY_FILE, RUNTIME_DIR_ENV, SOCKET_FILE
 from appliance.testing.loopback import ApplianceServer, ServerNotReady
 from appliance.testing.procinfo import children, is_zombie, process_tree, status_field
 
-__all__ = ["children", "is_zombie"]  # re-exported: test_server_e2e checks gunicorn's processes with them
-
 # ================================================================ what the project installs itself
 
 

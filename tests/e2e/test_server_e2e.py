@@ -21,16 +21,8 @@ import pytest
 import requests
 
 from appliance.manifest import Manifest
-from tests.helpers import (
-    NEAR_TIE_DEFAULT,
-    Server,
-    children,
-    greedy_divergence,
-    is_zombie,
-    rss_mb,
-    wait_idle,
-    wait_until,
-)
+from appliance.testing.procinfo import children, is_zombie
+from tests.helpers import NEAR_TIE_DEFAULT, Server, greedy_divergence, rss_mb, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 
