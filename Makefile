@@ -72,7 +72,8 @@ test: venv model browser
 	$(DEV)/python -m pytest -q $(PYTEST_ARGS)
 
 # The web page's browser tests (tests/web/test_web_page.py) drive Debian's chromium through its chromedriver: installed
-# here when missing and possible (root or passwordless sudo, apt-get), else those tests skip saying why. Nothing to
+# here when missing and possible (root or passwordless sudo, apt-get), else those tests skip saying why (under CI=true
+# they fail: a skip would leave CI green without them). Nothing to
 # do (and nothing printed) when both are there.
 browser:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then exit 0; fi; \
