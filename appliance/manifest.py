@@ -3,6 +3,9 @@
 Written by `export/`, read by the runtime. One exported directory holds one backend and one weight format.
 An encoder export (embeddings, rerank) fills the same record: `task` says which, and the encoder fields below are
 the one declaration of how its output is made (the LLM fields hold the encoder's geometry; `kv_dtype` is empty).
+A vision-language model (VLM) export is a causal LM (`task` "generate", the LLM fields describe its language model)
+plus `vision`: the parts' files and the image-token scheme, the one declaration of how an image becomes prompt
+embeddings. A text-only manifest has no `vision` key at all, so its bytes are what they were before VLMs.
 Manifests written before a field existed load with its default.
 """
 
@@ -16,6 +19,53 @@ MANIFEST_NAME = "appliance_manifest.json"
 TASKS = ("generate", "embed", "rerank")  # generate: a causal LM (chat, completions); embed/rerank: an encoder
 POOLINGS = ("mean", "cls", "last")
 FORMAT_VERSION = 1
+IMAGE_SCHEMES = ("qwen2_vl", "idefics3")  # dynamic resolution + M-RoPE; fixed tiles + pixel shuffle
+
+
+@dataclass
+class Vision:
+    """How a VLM export turns an image into embeddings spliced into the prompt (written by export/vlm.py).
+
+    Parts (OpenVINO IR files, relative): `text_embeddings` maps token ids to embeddings; `vision_embeddings` maps
+    preprocessed pixels to image features; `vision_merger` (qwen2_vl only) runs the vision transformer and merges
+    2x2 patches into one token's features; the manifest's `model_file` is the language model, which takes
+    `inputs_embeds` instead of `input_ids`. Each image's features replace, in order, the prompt's `image_token_id`
+    tokens. Preprocessing (all in the manifest, mirroring the source's preprocessor_config.json): RGB, resize with
+    PIL filter `resample`, multiply by `rescale_factor`, subtract `image_mean` and divide by `image_std` per channel.
+
+    qwen2_vl: resize each side to a multiple of patch_size * merge_size keeping the aspect ratio, with the pixel count
+    in [min_pixels, max_pixels] (transformers' smart_resize); cut into patch_size patches, each repeated
+    temporal_patch_size times; an image of grid h x w patches gives h * w / merge_size**2 tokens, written as
+    image_start_token_id, that many image_token_id, image_end_token_id; the language model's position_ids are 3-D
+    (M-RoPE: temporal, height, width; `mrope_section` splits the rotary dims between them).
+    idefics3: resize to longest edge `resize_longest_edge` (multiple of tile_size), split into tile_size x tile_size
+    tiles (when `image_splitting`) plus the whole image resized to one tile; every tile gives `tokens_per_tile`
+    tokens (patches shuffled merge_size x merge_size); the prompt text around them follows the processor (row/col
+    tags, `image_wrap_token`, `global_image_token`); positions are 1-D."""
+
+    scheme: str  # one of IMAGE_SCHEMES
+    parts: dict[str, str]  # role (text_embeddings, vision_embeddings, vision_merger) -> IR file
+    part_inputs: dict[str, list[str]]  # role -> the IR's input names, in order
+    image_token_id: int
+    patch_size: int  # pixels per patch edge
+    merge_size: int  # patches per token edge: qwen2_vl's spatial merge, idefics3's pixel-shuffle scale factor
+    image_mean: list[float]
+    image_std: list[float]
+    rescale_factor: float = 1 / 255
+    resample: int = 3  # PIL filter (3: bicubic)
+    image_start_token_id: int | None = None  # qwen2_vl: <|vision_start|>
+    image_end_token_id: int | None = None  # qwen2_vl: <|vision_end|>
+    temporal_patch_size: int | None = None  # qwen2_vl
+    min_pixels: int | None = None  # qwen2_vl
+    max_pixels: int | None = None  # qwen2_vl
+    mrope_section: list[int] | None = None  # qwen2_vl: M-RoPE's split of head_dim / 2 over (t, h, w)
+    tile_size: int | None = None  # idefics3: pixels per tile edge (the vision encoder's image size)
+    resize_longest_edge: int | None = None  # idefics3
+    image_splitting: bool = False  # idefics3
+    tokens_per_tile: int | None = None  # idefics3: (tile_size / patch_size / merge_size) ** 2
+    image_wrap_token: str | None = None  # idefics3: <fake_token_around_image>
+    global_image_token: str | None = None  # idefics3: <global-img>
+    image_processor_file: str = "preprocessor_config.json"  # the source's, copied for reference
 
 
 @dataclass
@@ -52,14 +102,22 @@ class Manifest:
     normalize: bool = False  # embed: L2-normalize the pooled vector (the folder's modules.json has Normalize)
     max_length: int | None = None  # tokens per input, special tokens included (max_seq_length, else positions)
     dimensions: int | None = None  # embed: the vector's length (hidden size); rerank: 1 (one relevance logit)
+    vision: Vision | None = None  # vision-language models only (omitted from the file otherwise)
 
     @property
     def is_encoder(self) -> bool:
         return self.task in ("embed", "rerank")
 
+    @property
+    def is_vlm(self) -> bool:
+        return self.vision is not None
+
     def save(self, directory: str | Path) -> Path:
         path = Path(directory) / MANIFEST_NAME
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        data = asdict(self)
+        if data["vision"] is None:
+            del data["vision"]
+        path.write_text(json.dumps(data, indent=2) + "\n")
         return path
 
     @classmethod
@@ -68,5 +126,7 @@ class Manifest:
         if not path.is_file():
             raise FileNotFoundError(f"{directory}: no {MANIFEST_NAME}; export the model first (python -m export)")
         data = json.loads(path.read_text())
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        if isinstance(fields.get("vision"), dict):
+            fields["vision"] = Vision(**{k: v for k, v in fields["vision"].items() if k in Vision.__dataclass_fields__})
+        return cls(**fields)

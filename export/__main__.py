@@ -1,5 +1,6 @@
 """`python -m export SRC OUT` (also `appliance-export`): export a local HF causal-LM folder for the appliance.
 
+A vision-language model folder (Qwen2-VL, Idefics3/SmolVLM-style) goes to export/vlm.py, by its config's model_type.
 An encoder folder (a sentence-transformers folder or a BERT/RoBERTa/XLM-R model; a cross-encoder for rerank) goes
 to export/encoder.py instead, by its config's model_type or by `--task embed|rerank`.
 """
@@ -71,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             encoder = {"task": args.task, "pooling": args.pooling}
             manifest = export_encoder(args.src, args.out, args.backend, args.weight_format, **common, **encoder)
+        elif _is_vlm(args.src):
+            from export.vlm import export_vlm
+
+            manifest = export_vlm(args.src, args.out, args.backend, args.weight_format, **common, weights=weights)
         else:
             llm = {"weights": weights, "num_layers": args.num_layers}
             manifest = export_model(args.src, args.out, args.backend, args.weight_format, **common, **llm)
@@ -93,6 +98,12 @@ def _is_encoder(src: Path) -> bool:
         return json.loads((src / "config.json").read_text()).get("model_type") in ENCODER_TYPES
     except (OSError, ValueError):
         return False  # export_model says what is wrong with the folder
+
+
+def _is_vlm(src: Path) -> bool:
+    from export.vlm import is_vlm
+
+    return is_vlm(src)
 
 
 if __name__ == "__main__":

@@ -42,11 +42,13 @@ def _decline_telemetry() -> None:
         checker.update_result(ConsentCheckResult.DECLINED)
 
 
-def compress(scratch: Path, dest: Path, weight_format: str, options: WeightOptions) -> dict[str, Any]:
-    """Writes dest/openvino_model.xml; returns what was done to the weights, for the manifest. int4 and int8 keep
-    a source that is already on a 4-bit grid on that grid (export/grid.py: int4 exactly, int8 with integer zero
-    points) unless an NNCF option was given."""
-    model = ov.Core().read_model(scratch / MODEL_FILE)
+def compress(
+    scratch: Path, dest: Path, weight_format: str, options: WeightOptions, model_file: str = MODEL_FILE
+) -> dict[str, Any]:
+    """Writes dest/`model_file` (a VLM's language model has its own name); returns what was done to the weights, for
+    the manifest. int4 and int8 keep a source that is already on a 4-bit grid on that grid (export/grid.py: int4
+    exactly, int8 with integer zero points) unless an NNCF option was given."""
+    model = ov.Core().read_model(scratch / model_file)
     bits = {"int4": 4, "int8": 8}.get(weight_format)
     exact = grid.compress(model, bits) if bits and not options.nncf() else None
     if exact is not None:
@@ -62,7 +64,7 @@ def compress(scratch: Path, dest: Path, weight_format: str, options: WeightOptio
             if weight_format == "fp32"
             else {"method": "openvino compress_to_fp16", "compute": "f32 (weights decompressed at load)"}
         )
-    ov.save_model(model, dest / MODEL_FILE, compress_to_fp16=False)
+    ov.save_model(model, dest / model_file, compress_to_fp16=False)
     return info
 
 

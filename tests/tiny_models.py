@@ -84,7 +84,8 @@ EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 
 
-def _train_tokenizer():
+def train_tokenizer(special_tokens: list[str] | None = None):
+    """A byte-level BPE trained on CORPUS; `special_tokens` (default SPECIAL_TOKENS) take the first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -92,7 +93,7 @@ def _train_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens or SPECIAL_TOKENS,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
@@ -101,7 +102,7 @@ def _train_tokenizer():
 
 
 def _write_tokenizer(folder: Path, template: str | None) -> None:
-    tok = _train_tokenizer()
+    tok = train_tokenizer()
     assert tok.get_vocab_size() <= VOCAB_SIZE
     tok.save(str(folder / "tokenizer.json"))
     config: dict[str, Any] = {
