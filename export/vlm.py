@@ -161,9 +161,7 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return {**config, **(config.get("text_config") or {})}
 
 
-def image_scheme(
-    folder: Path, config: dict[str, Any], parts: dict[str, str], inputs: dict[str, list[str]]
-) -> Vision:
+def image_scheme(folder: Path, config: dict[str, Any], parts: dict[str, str], inputs: dict[str, list[str]]) -> Vision:
     """The manifest's `vision` record from the source's config.json, preprocessor_config.json and (Idefics3)
     processor_config.json."""
     pre = json.loads((folder / PROCESSOR_FILES[0]).read_text())

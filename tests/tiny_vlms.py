@@ -25,7 +25,15 @@ SEED = 2024
 FAMILIES = ("qwen2_vl", "idefics3")
 IMAGE_SIZE = (40, 56)  # (height, width) of the test image: not square, not a multiple of any patch
 
-QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
+QWEN_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
@@ -77,7 +85,7 @@ def _qwen2_vl(folder: Path) -> None:
         text_config=dict(_TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),  # head_dim 16: 8 pairs
         vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2),
         image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|image_pad|>"],  # no video token in the tiny vocabulary; videos are not exported
+        video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
         bos_token_id=0,
@@ -89,21 +97,25 @@ def _qwen2_vl(folder: Path) -> None:
     # at most 16 tokens (112 x 112 pixels) per image.
     images = Qwen2VLImageProcessor(patch_size=14, merge_size=2, min_pixels=56 * 56, max_pixels=112 * 112)
     # Qwen2VLProcessor insists on a video processor, which needs torchvision (not installed; videos are not
-    # exported): the image processor and the tokenizer with its template are saved on their own, as hub folders have them.
+    # exported): the image processor and the tokenizer with its template are saved on their own, as on the hub.
     images.save_pretrained(folder)
     tokenizer.chat_template = QWEN_TEMPLATE
     tokenizer.save_pretrained(folder)
 
 
 def _idefics3(folder: Path) -> None:
-    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor
-    from transformers import Idefics3Processor
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
 
     tokenizer = _tokenizer(IDEFICS_SPECIAL)
     config = Idefics3Config(
         text_config=dict(_TEXT, model_type="llama", pad_token_id=0),
         vision_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
         ),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         scale_factor=2,

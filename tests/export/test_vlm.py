@@ -1,0 +1,222 @@
+"""The VLM export on tiny random Qwen2-VL and Idefics3 models: the manifest's vision record, and in f32 the exported
+parts against transformers: the image features for one random image, and the language model's logits on a chat
+prompt whose embeddings carry those features (built from the manifest's image-token scheme, as the engine will).
+
+Each family is built and exported once per module (about 40 s on 2 cores for both).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from appliance.manifest import MANIFEST_NAME, Manifest, Vision
+from export.vlm import LANGUAGE_MODEL, export_vlm
+from tests import tiny_vlms
+
+F32 = {"INFERENCE_PRECISION_HINT": "f32"}
+FEATURE_ATOL = 1e-4  # max |exported - transformers| on image features of magnitude ~1
+LOGIT_ATOL = 1e-4
+QUESTION = "What does the gauge read?"
+
+Exported = Callable[[str], tuple[Path, Path, Manifest]]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    root = tmp_path_factory.mktemp("vlm")
+    done: dict[str, tuple[Path, Path, Manifest]] = {}
+
+    def get(family: str) -> tuple[Path, Path, Manifest]:
+        if family not in done:
+            src = tiny_vlms.build(family, root / family)
+            out = root / f"{family}-openvino-fp32"
+            done[family] = src, out, export_vlm(src, out, "openvino", "fp32")
+        return done[family]
+
+    return get
+
+
+def _infer(out: Path, file: str, feed: dict[str, Any]) -> np.ndarray:
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(out / file, "CPU", F32)
+    return np.array(compiled.create_infer_request().infer(feed)[compiled.outputs[0]])
+
+
+def _prompt(src: Path) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+
+
+def _language_model(out: Path, manifest: Manifest, ids: np.ndarray, features: np.ndarray, positions: np.ndarray):
+    """Logits of one prefill: the text embeddings with the image token rows replaced, in order, by `features`."""
+    assert manifest.vision is not None
+    embeds = _infer(out, manifest.vision.parts["text_embeddings"], {"input": ids})
+    mask = ids[0] == manifest.vision.image_token_id
+    assert mask.sum() == len(features)
+    embeds[0, mask] = features
+    feed = {
+        "inputs_embeds": embeds,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": positions,
+        "beam_idx": np.zeros(1, np.int32),
+    }
+    return _infer(out, LANGUAGE_MODEL, feed)
+
+
+def _compare_logits(logits: np.ndarray, expected: np.ndarray) -> None:
+    assert logits.shape == expected.shape
+    np.testing.assert_allclose(logits, expected, atol=LOGIT_ATOL, rtol=0)
+    assert logits[0, -1].argmax() == expected[0, -1].argmax()  # greedy next token
+
+
+def test_qwen2_vl_parity(exported: Exported) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessor
+
+    src, out, manifest = exported("qwen2_vl")
+    vision = manifest.vision
+    assert vision is not None and vision.scheme == "qwen2_vl"
+    images = Qwen2VLImageProcessor.from_pretrained(src)(images=[tiny_vlms.image()], return_tensors="pt")
+    pixels, grid = images["pixel_values"], images["image_grid_thw"]
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.cat(model.model.get_image_features(pixels, grid)).numpy()
+        rotary = model.model.visual.rot_pos_emb(grid).numpy()
+    # The two vision parts: patch embeddings, then the transformer + 2x2 merger (one image: no cross-image mask).
+    patches = _infer(out, vision.parts["vision_embeddings"], {"hidden_states": pixels.numpy()})
+    n = len(patches)
+    merger_feed = {
+        "hidden_states": patches,
+        "attention_mask": np.zeros((1, n, n), np.float32),
+        "rotary_pos_emb": rotary,
+    }
+    features = _infer(out, vision.parts["vision_merger"], merger_feed)
+    assert features.shape == expected.shape == (n // vision.merge_size**2, manifest.hidden_size)
+    assert np.abs(features - expected).max() < FEATURE_ATOL
+
+    # The prompt: one <|image_pad|> per merged patch (grid t * h * w / merge**2), as the manifest says.
+    tokens = int(grid.prod()) // vision.merge_size**2
+    image = f"<|vision_start|>{'<|image_pad|>' * tokens}<|vision_end|>"
+    text = _prompt(src).replace("<|vision_start|><|image_pad|><|vision_end|>", image)
+    ids = np.array([AutoTokenizer.from_pretrained(src)(text)["input_ids"]], np.int64)
+    assert (ids[0] == vision.image_start_token_id).sum() == (ids[0] == vision.image_end_token_id).sum() == 1
+    input_ids = torch.from_numpy(ids)
+    with torch.no_grad():
+        reference = model(input_ids=input_ids, pixel_values=pixels, image_grid_thw=grid).logits.numpy()
+        positions = model.model.get_rope_index(input_ids, grid, None, torch.ones_like(input_ids))[0].numpy()
+    assert positions.shape == (3, 1, ids.shape[1])  # M-RoPE: temporal, height, width
+    _compare_logits(_language_model(out, manifest, ids, features, positions), reference)
+
+
+def _idefics3_position_ids(mask: Any, patch_size: int, side: int) -> Any:
+    """Idefics3VisionEmbeddings' patch positions for the tiles' valid patches (transformers computes them inside
+    the vision model; optimum's IR takes them as an input). The fractions are i / n * (1 - 1e-6), as transformers
+    has them since 4.55 (before: arange(0, 1 - 1e-6, 1 / n), which buckets differently)."""
+    import torch
+
+    patches = mask.unfold(1, patch_size, patch_size).unfold(2, patch_size, patch_size).sum((-1, -2)) > 0
+    boundaries = torch.arange(1 / side, 1.0, 1 / side)
+    positions = torch.zeros(len(mask), side * side, dtype=torch.long)
+    for i, valid in enumerate(patches):
+        rows, cols = int(valid[:, 0].sum()), int(valid[0].sum())
+        h = torch.bucketize(torch.arange(rows) / rows * (1 - 1e-6), boundaries, right=True)
+        w = torch.bucketize(torch.arange(cols) / cols * (1 - 1e-6), boundaries, right=True)
+        positions[i][valid.view(-1)] = (h[:, None] * side + w).flatten()
+    return patches, positions
+
+
+def test_idefics3_parity(exported: Exported) -> None:
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    src, out, manifest = exported("idefics3")
+    vision = manifest.vision
+    assert vision is not None and vision.scheme == "idefics3" and vision.tile_size is not None
+    processor = AutoProcessor.from_pretrained(src)
+    inputs = processor(text=_prompt(src), images=[[tiny_vlms.image()]], return_tensors="pt")
+    pixels, pixel_mask = inputs["pixel_values"][0], inputs["pixel_attention_mask"][0]
+    tiles = (vision.resize_longest_edge // vision.tile_size) ** 2 + 1  # a square test image's grid, plus the global
+    assert len(pixels) <= tiles and pixels.shape[-1] == vision.tile_size
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixels[None], pixel_mask[None]).numpy()
+    patch_mask, positions = _idefics3_position_ids(pixel_mask, vision.patch_size, vision.tile_size // vision.patch_size)
+    feed = {
+        "pixel_values": pixels.numpy(),
+        "patch_attention_mask": patch_mask.numpy(),
+        "patch_position_ids": positions.numpy(),
+    }
+    features = _infer(out, vision.parts["vision_embeddings"], feed)
+    assert features.shape == expected.shape == (len(pixels), vision.tokens_per_tile, manifest.hidden_size)
+    assert np.abs(features - expected).max() < FEATURE_ATOL
+
+    ids = inputs["input_ids"].numpy()
+    assert (ids == vision.image_token_id).sum() == len(pixels) * vision.tokens_per_tile
+    with torch.no_grad():
+        reference = model(**inputs).logits.numpy()
+    positions_1d = np.arange(ids.shape[1], dtype=np.int64)[None]
+    _compare_logits(
+        _language_model(out, manifest, ids, features.reshape(-1, manifest.hidden_size), positions_1d), reference
+    )
+
+
+@pytest.mark.parametrize("family", tiny_vlms.FAMILIES)
+def test_vlm_manifest(family: str, exported: Exported) -> None:
+    src, out, manifest = exported(family)
+    assert Manifest.load(out) == manifest and manifest.is_vlm and not manifest.is_encoder
+    config = json.loads((src / "config.json").read_text())
+    vision = manifest.vision
+    assert vision is not None
+    assert vision.image_token_id == config["image_token_id"]
+    for role, file in vision.parts.items():
+        assert (out / file).is_file() and (out / file.replace(".xml", ".bin")).is_file(), role
+    assert (out / LANGUAGE_MODEL).is_file() and manifest.model_file == LANGUAGE_MODEL
+    assert manifest.inputs == ["attention_mask", "position_ids", "inputs_embeds", "beam_idx"] and manifest.stateful
+    preprocessor = json.loads((src / "preprocessor_config.json").read_text())
+    assert (vision.image_mean, vision.image_std) == (preprocessor["image_mean"], preprocessor["image_std"])
+    assert (out / vision.image_processor_file).read_text() == (src / "preprocessor_config.json").read_text()
+    assert (out / manifest.tokenizer_file).is_file() and manifest.chat_template_file is not None
+    if family == "qwen2_vl":
+        assert set(vision.parts) == {"text_embeddings", "vision_embeddings", "vision_merger"}
+        assert vision.mrope_section == [2, 3, 3] and vision.max_pixels == preprocessor["max_pixels"]
+    else:
+        assert set(vision.parts) == {"text_embeddings", "vision_embeddings"} and vision.mrope_section is None
+        assert vision.tokens_per_tile == json.loads((src / "processor_config.json").read_text())["image_seq_len"]
+
+
+def test_manifest_vision_round_trip(tmp_path: Path) -> None:
+    """A text-only manifest has no `vision` key (its file is as before); a VLM's loads back equal; a manifest written
+    before the field, or one with fields a newer exporter added to `vision`, still loads."""
+    base = dict(
+        name="m", backend="openvino", weight_format="fp16", model_file="openvino_model.xml", architecture="A",
+        model_type="llama", num_layers=1, num_attention_heads=1, num_kv_heads=1, head_dim=8, hidden_size=8,
+        vocab_size=10, max_context=16, kv_dtype="f32", stateful=True,
+    )  # fmt: skip
+    text = Manifest(**base)
+    text.save(tmp_path)
+    assert "vision" not in json.loads((tmp_path / MANIFEST_NAME).read_text())
+    assert Manifest.load(tmp_path) == text and not text.is_vlm
+    vision = Vision(
+        scheme="qwen2_vl", parts={"text_embeddings": "t.xml"}, part_inputs={"text_embeddings": ["input"]},
+        image_token_id=5, patch_size=14, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        mrope_section=[2, 3, 3],
+    )  # fmt: skip
+    vlm = Manifest(**base, vision=vision)
+    vlm.save(tmp_path)
+    assert Manifest.load(tmp_path) == vlm
+    data = json.loads((tmp_path / MANIFEST_NAME).read_text())
+    data["vision"]["future_field"] = 1
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(data))
+    assert Manifest.load(tmp_path).vision == vision
+    assert asdict(vlm)["vision"]["mrope_section"] == [2, 3, 3]
