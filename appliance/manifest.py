@@ -37,11 +37,17 @@ class Vision:
     in [min_pixels, max_pixels] (transformers' smart_resize); cut into patch_size patches, each repeated
     temporal_patch_size times; an image of grid h x w patches gives h * w / merge_size**2 tokens, written as
     image_start_token_id, that many image_token_id, image_end_token_id; the language model's position_ids are 3-D
-    (M-RoPE: temporal, height, width; `mrope_section` splits the rotary dims between them).
+    (M-RoPE: temporal, height, width; `mrope_section` splits the rotary dims between them): text tokens advance all
+    three by one, an image's tokens take start + (0, row, col) over its merged grid, and the text after it resumes at
+    the largest position + 1. The merger takes the patch embeddings, an additive attention_mask [1, n, n] (0 within
+    an image, -inf across images) and rotary_pos_emb [n, rotary_dim]: per patch, in 2x2-merge order, the (row, col)
+    angles pos / 10000 ** (2i / rotary_dim), i < rotary_dim / 2, for row then col.
     idefics3: resize to longest edge `resize_longest_edge` (multiple of tile_size), split into tile_size x tile_size
     tiles (when `image_splitting`) plus the whole image resized to one tile; every tile gives `tokens_per_tile`
     tokens (patches shuffled merge_size x merge_size); the prompt text around them follows the processor (row/col
-    tags, `image_wrap_token`, `global_image_token`); positions are 1-D."""
+    tags, `image_wrap_token`, `global_image_token`); positions are 1-D. The vision part takes pixel_values [tiles, 3,
+    tile, tile], patch_attention_mask [tiles, rows, cols] (patches with any unpadded pixel) and patch_position_ids:
+    bucket(i / rows * (1 - 1e-6)) * side + bucket(j / cols * (1 - 1e-6)), side = tile_size / patch_size."""
 
     scheme: str  # one of IMAGE_SCHEMES
     parts: dict[str, str]  # role (text_embeddings, vision_embeddings, vision_merger) -> IR file
@@ -59,6 +65,7 @@ class Vision:
     min_pixels: int | None = None  # qwen2_vl
     max_pixels: int | None = None  # qwen2_vl
     mrope_section: list[int] | None = None  # qwen2_vl: M-RoPE's split of head_dim / 2 over (t, h, w)
+    rotary_dim: int | None = None  # qwen2_vl: the merger's rotary_pos_emb width (vision head_dim / 2)
     tile_size: int | None = None  # idefics3: pixels per tile edge (the vision encoder's image size)
     resize_longest_edge: int | None = None  # idefics3
     image_splitting: bool = False  # idefics3

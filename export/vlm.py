@@ -127,6 +127,7 @@ def _export(
         language_model = ov.Core().read_model(staging / LANGUAGE_MODEL)
         graph, dims = ir._describe(language_model), Dims.from_config(text)
         graph.check_geometry(dims)
+        ir._check(language_model)  # the runtime's paged-attention rewrite (the last use of this read)
     manifest = llm_manifest(
         graph,
         dims,
@@ -188,6 +189,7 @@ def image_scheme(folder: Path, config: dict[str, Any], parts: dict[str, str], in
             image_start_token_id=int(config["vision_start_token_id"]),
             image_end_token_id=int(config["vision_end_token_id"]),
             mrope_section=list(rope["mrope_section"]),
+            rotary_dim=int(vision["embed_dim"]) // int(vision["num_heads"]) // 2,
         )
     processor_file = folder / PROCESSOR_FILES[1]
     processor = json.loads(processor_file.read_text()) if processor_file.is_file() else {}

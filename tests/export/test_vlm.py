@@ -94,6 +94,7 @@ def test_qwen2_vl_parity(exported: Exported) -> None:
         expected = torch.cat(model.model.get_image_features(pixels, grid)).numpy()
         rotary = model.model.visual.rot_pos_emb(grid).numpy()
     # The two vision parts: patch embeddings, then the transformer + 2x2 merger (one image: no cross-image mask).
+    assert rotary.shape[1] == vision.rotary_dim
     patches = _infer(out, vision.parts["vision_embeddings"], {"hidden_states": pixels.numpy()})
     n = len(patches)
     merger_feed = {
@@ -171,6 +172,26 @@ def test_idefics3_parity(exported: Exported) -> None:
     )
 
 
+def test_int4_and_cli(exported: Exported, tmp_path: Path) -> None:
+    """int4 compresses the language model as a text export does and says so; the CLI sends a VLM folder here and
+    refuses a backend optimum-intel's split does not exist for."""
+    import openvino as ov
+
+    src = exported("idefics3")[0]
+    manifest = export_vlm(src, tmp_path / "int4", "openvino", "int4")
+    info = manifest.weight_compression
+    assert (info["mode"], info["vision and text embeddings"]) == ("int4_asym", "fp16 weights")
+    graph = ov.Core().read_model(tmp_path / "int4" / LANGUAGE_MODEL)
+    assert any(op.get_type_name() == "Constant" and op.get_element_type() == ov.Type.u4 for op in graph.get_ops())
+    ids = np.array([[1, 5, 9]], np.int64)
+    embeds = _infer(tmp_path / "int4", manifest.vision.parts["text_embeddings"], {"input": ids})  # type: ignore[union-attr]
+    feed = {"inputs_embeds": embeds, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None]}
+    assert np.isfinite(_infer(tmp_path / "int4", LANGUAGE_MODEL, {**feed, "beam_idx": np.zeros(1, np.int32)})).all()
+    from export.__main__ import main
+
+    assert main([str(src), str(tmp_path / "onnx"), "--backend", "onnx"]) == 2 and not (tmp_path / "onnx").exists()
+
+
 @pytest.mark.parametrize("family", tiny_vlms.FAMILIES)
 def test_vlm_manifest(family: str, exported: Exported) -> None:
     src, out, manifest = exported(family)
@@ -190,6 +211,10 @@ def test_vlm_manifest(family: str, exported: Exported) -> None:
     if family == "qwen2_vl":
         assert set(vision.parts) == {"text_embeddings", "vision_embeddings", "vision_merger"}
         assert vision.mrope_section == [2, 3, 3] and vision.max_pixels == preprocessor["max_pixels"]
+        import openvino as ov
+
+        merger = ov.Core().read_model(out / vision.parts["vision_merger"])
+        assert merger.input("rotary_pos_emb").get_partial_shape()[1].get_length() == vision.rotary_dim
     else:
         assert set(vision.parts) == {"text_embeddings", "vision_embeddings"} and vision.mrope_section is None
         assert vision.tokens_per_tile == json.loads((src / "processor_config.json").read_text())["image_seq_len"]
