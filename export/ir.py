@@ -77,6 +77,15 @@ def _check(model: Any) -> None:
         raise ExportError(f"the IR does not survive paged_attention_transformation: {exc}") from None
 
 
+def verify(model: Any, config: dict[str, Any]) -> tuple[GraphInfo, Dims]:
+    """What a stateful decoder IR says of itself, checked against its config.json's geometry and rewritten for paged
+    attention as the runtime will (so: the last use of `model`). A pulled IR's and a VLM's language model's check."""
+    graph, dims = _describe(model), Dims.from_config(config)
+    graph.check_geometry(dims)
+    _check(model)
+    return graph, dims
+
+
 def weight_format(model: Any) -> str:
     """int4 / int8 / fp16 / fp32 from the element types of the IR's constants (the weights): 4-bit ones make it
     int4 (an int4 export keeps the embeddings and LM head in int8), else 8-bit ones int8, else the float type."""
@@ -105,9 +114,8 @@ def serve_ir(src: Path, dst: Path, name: str, source: str) -> Manifest:
             shutil.copyfile(src / f, dst / f)
     # read once: the default model's IR took 2.6 s read for each step, 1.4 s read once (a loaded 2-core box)
     model = ov.Core().read_model(dst / MODEL_FILE)
-    graph, dims, fmt = _describe(model), Dims.from_config(info.config), weight_format(model)
-    graph.check_geometry(dims)
-    _check(model)
+    fmt = weight_format(model)
+    graph, dims = verify(model, info.config)
     metadata = write_metadata(src, dst, info.config)
     manifest = llm_manifest(
         graph,

@@ -27,7 +27,7 @@ from appliance.manifest import Manifest, Vision
 from export.exporter import _check_weight_options, _Progress, _quiet, staged
 from export.graph import WeightOptions
 from export.metadata import llm_manifest, write_metadata
-from export.source import Dims, ExportError, Source, check_destination, check_disk
+from export.source import ExportError, Source, check_destination, check_disk
 
 __all__ = ["PARTS", "VLM_TYPES", "export_vlm", "is_vlm"]
 
@@ -125,9 +125,7 @@ def _export(
                 shutil.copyfile(source.folder / file, staging / file)
         progress.stage("verify")
         language_model = ov.Core().read_model(staging / LANGUAGE_MODEL)
-        graph, dims = ir._describe(language_model), Dims.from_config(text)
-        graph.check_geometry(dims)
-        ir._check(language_model)  # the runtime's paged-attention rewrite (the last use of this read)
+        graph, dims = ir.verify(language_model, text)
     manifest = llm_manifest(
         graph,
         dims,

@@ -32,7 +32,7 @@ CORPUS = [
     "def main():\n    print('hello, world')\n    return 0\n",
 ]
 
-_COMMON = dict(
+COMMON = dict(  # the decoder geometry every tiny family shares (tests/tiny_vlms.py too)
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -47,15 +47,15 @@ _COMMON = dict(
 
 # family -> (config class name, config kwargs, how the folder is laid out)
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "llama": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=True), dict(template="tokenizer_config", eos_list=True)),
-    "qwen2": ("Qwen2Config", dict(_COMMON), dict(template="jinja_file")),
-    "qwen3": ("Qwen3Config", dict(_COMMON, head_dim=32), dict(template="jinja_file", eos_list=True)),
+    "llama": ("LlamaConfig", dict(COMMON, tie_word_embeddings=True), dict(template="tokenizer_config", eos_list=True)),
+    "qwen2": ("Qwen2Config", dict(COMMON), dict(template="jinja_file")),
+    "qwen3": ("Qwen3Config", dict(COMMON, head_dim=32), dict(template="jinja_file", eos_list=True)),
     "mistral": (
         "MistralConfig",
-        dict(_COMMON, sliding_window=None),
+        dict(COMMON, sliding_window=None),
         dict(template="tokenizer_config", dtype="bfloat16"),
     ),
-    "phi3": ("Phi3Config", dict(_COMMON, pad_token_id=EOS_ID), dict(template="tokenizer_config")),
+    "phi3": ("Phi3Config", dict(COMMON, pad_token_id=EOS_ID), dict(template="tokenizer_config")),
     "gpt2": (
         "GPT2Config",
         dict(
@@ -74,13 +74,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 # Families beyond the required six that the exporter also supports; phi and gpt_neox have no GQA
 # (optimum cannot export phi with it).
 EXTRA_FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "gemma": ("GemmaConfig", dict(_COMMON, head_dim=32), dict(template="tokenizer_config")),
-    "granite": ("GraniteConfig", dict(_COMMON), dict(template="tokenizer_config")),
-    "olmo2": ("Olmo2Config", dict(_COMMON), dict(template="tokenizer_config")),
-    "smollm3": ("SmolLM3Config", dict(_COMMON), dict(template="jinja_file")),
-    "stablelm": ("StableLmConfig", dict(_COMMON), dict(template="tokenizer_config")),
-    "phi": ("PhiConfig", dict(_COMMON, num_key_value_heads=None), dict(template="tokenizer_config")),
-    "gpt_neox": ("GPTNeoXConfig", dict(_COMMON, num_key_value_heads=None), dict(template="tokenizer_config")),
+    "gemma": ("GemmaConfig", dict(COMMON, head_dim=32), dict(template="tokenizer_config")),
+    "granite": ("GraniteConfig", dict(COMMON), dict(template="tokenizer_config")),
+    "olmo2": ("Olmo2Config", dict(COMMON), dict(template="tokenizer_config")),
+    "smollm3": ("SmolLM3Config", dict(COMMON), dict(template="jinja_file")),
+    "stablelm": ("StableLmConfig", dict(COMMON), dict(template="tokenizer_config")),
+    "phi": ("PhiConfig", dict(COMMON, num_key_value_heads=None), dict(template="tokenizer_config")),
+    "gpt_neox": ("GPTNeoXConfig", dict(COMMON, num_key_value_heads=None), dict(template="tokenizer_config")),
 }
 
 

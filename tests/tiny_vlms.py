@@ -48,17 +48,7 @@ IDEFICS_TEMPLATE = (
     "{% if part['type'] == 'image' %}<image>{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-_TEXT = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=tiny_models.VOCAB_SIZE,
-    max_position_embeddings=512,
-    bos_token_id=0,
-    eos_token_id=2,
-)
+_TEXT = tiny_models.COMMON
 
 
 def _tokenizer(special: list[str], cls: str = "PreTrainedTokenizerFast") -> Any:
