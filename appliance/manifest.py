@@ -44,10 +44,12 @@ class Vision:
     angles pos / 10000 ** (2i / rotary_dim), i < rotary_dim / 2, for row then col.
     idefics3: resize to longest edge `resize_longest_edge` (multiple of tile_size), split into tile_size x tile_size
     tiles (when `image_splitting`) plus the whole image resized to one tile; every tile gives `tokens_per_tile`
-    tokens (patches shuffled merge_size x merge_size); the prompt text around them follows the processor (row/col
-    tags, `image_wrap_token`, `global_image_token`); positions are 1-D. The vision part takes pixel_values [tiles, 3,
-    tile, tile], patch_attention_mask [tiles, rows, cols] (patches with any unpadded pixel) and patch_position_ids:
-    bucket(i / rows * (1 - 1e-6)) * side + bucket(j / cols * (1 - 1e-6)), side = tile_size / patch_size."""
+    tokens (patches shuffled merge_size x merge_size), and the prompt's one `<image>` becomes, with W the wrap token,
+    G the global token and T = tokens_per_tile image tokens: for each tile row r and column c (from 1)
+    `W<row_{r}_col_{c}>T`, a newline after each row, then `\nWGTW` (unsplit: `WGTW`); positions are 1-D. The vision
+    part takes pixel_values [tiles, 3, tile, tile], patch_attention_mask [tiles, rows, cols] (patches with any
+    unpadded pixel) and patch_position_ids: bucket(i / rows * (1 - 1e-6)) * side + bucket(j / cols * (1 - 1e-6)),
+    side = tile_size / patch_size, bucket(x) = floor(x * side)."""
 
     scheme: str  # one of IMAGE_SCHEMES
     parts: dict[str, str]  # role (text_embeddings, vision_embeddings, vision_merger) -> IR file

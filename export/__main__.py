@@ -75,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif _is_vlm(args.src):
             from export.vlm import export_vlm
 
+            if args.num_layers is not None:
+                raise ExportError("--num-layers does not apply to vision-language models")
+
             manifest = export_vlm(args.src, args.out, args.backend, args.weight_format, **common, weights=weights)
         else:
             llm = {"weights": weights, "num_layers": args.num_layers}

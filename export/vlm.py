@@ -71,7 +71,7 @@ def export_vlm(
     out.parent.mkdir(parents=True, exist_ok=True)
     check_disk(source, out)
     with staged(out) as staging, _Progress(f"export vlm {weight_format}") as progress:
-        return _export(source, staging, weight_format, name or src.name, weights, progress, verbose)
+        return _export(source, staging, weight_format, name or src.resolve().name, weights, progress, verbose)
 
 
 def _inspect(src: Path) -> Source:
@@ -87,7 +87,13 @@ def _inspect(src: Path) -> Source:
 
 
 def _export(
-    source: Source, staging: Path, weight_format: str, name: str, weights: WeightOptions, progress: Any, verbose: bool
+    source: Source,
+    staging: Path,
+    weight_format: str,
+    name: str,
+    weights: WeightOptions,
+    progress: _Progress,
+    verbose: bool,
 ) -> Manifest:
     import openvino as ov
     from optimum.exporters.openvino import export_from_model

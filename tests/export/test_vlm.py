@@ -8,6 +8,7 @@ Each family is built and exported once per module (about 40 s on 2 cores for bot
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -106,7 +107,9 @@ def test_qwen2_vl_parity(exported: Exported) -> None:
     assert features.shape == expected.shape == (n // vision.merge_size**2, manifest.hidden_size)
     assert np.abs(features - expected).max() < FEATURE_ATOL
 
-    # The prompt: one <|image_pad|> per merged patch (grid t * h * w / merge**2), as the manifest says.
+    # The grid follows from the manifest's resize rule alone (transformers' smart_resize), and the prompt gets one
+    # <|image_pad|> per merged patch (grid t * h * w / merge**2).
+    assert [int(x) for x in grid[0, 1:]] == _qwen2_vl_grid(vision, *tiny_vlms.IMAGE_SIZE)
     tokens = int(grid.prod()) // vision.merge_size**2
     image = f"<|vision_start|>{'<|image_pad|>' * tokens}<|vision_end|>"
     text = _prompt(src).replace("<|vision_start|><|image_pad|><|vision_end|>", image)
@@ -118,6 +121,30 @@ def test_qwen2_vl_parity(exported: Exported) -> None:
         positions = model.model.get_rope_index(input_ids, grid, None, torch.ones_like(input_ids))[0].numpy()
     assert positions.shape == (3, 1, ids.shape[1])  # M-RoPE: temporal, height, width
     _compare_logits(_language_model(out, manifest, ids, features, positions), reference)
+
+
+def _qwen2_vl_grid(vision: Vision, height: int, width: int) -> list[int]:
+    """Patch rows and columns of an image: each side rounded to a multiple of patch * merge pixels, scaled down or up
+    (aspect kept) into [min_pixels, max_pixels]."""
+    assert vision.min_pixels is not None and vision.max_pixels is not None
+    factor = vision.patch_size * vision.merge_size
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > vision.max_pixels:
+        beta = math.sqrt(height * width / vision.max_pixels)
+        h, w = (max(factor, math.floor(side / beta / factor) * factor) for side in (height, width))
+    elif h * w < vision.min_pixels:
+        beta = math.sqrt(vision.min_pixels / (height * width))
+        h, w = (math.ceil(side * beta / factor) * factor for side in (height, width))
+    return [h // vision.patch_size, w // vision.patch_size]
+
+
+def _idefics3_image_text(vision: Vision, rows: int, cols: int) -> str:
+    """The prompt text one image becomes, from the manifest (its `Vision` docstring's rule)."""
+    wrap, tokens = vision.image_wrap_token, "<image>" * (vision.tokens_per_tile or 0)
+    grid = "".join(
+        "".join(f"{wrap}<row_{r}_col_{c}>{tokens}" for c in range(1, cols + 1)) + "\n" for r in range(1, rows + 1)
+    )
+    return f"{grid}\n{wrap}{vision.global_image_token}{tokens}{wrap}"
 
 
 def _idefics3_position_ids(mask: Any, patch_size: int, side: int) -> Any:
@@ -164,6 +191,11 @@ def test_idefics3_parity(exported: Exported) -> None:
 
     ids = inputs["input_ids"].numpy()
     assert (ids == vision.image_token_id).sum() == len(pixels) * vision.tokens_per_tile
+    layout = processor.image_processor([[tiny_vlms.image()]], return_row_col_info=True)
+    rows, cols = layout["rows"][0][0], layout["cols"][0][0]
+    assert rows * cols + 1 == len(pixels) and vision.image_splitting
+    expanded = _prompt(src).replace("<image>", _idefics3_image_text(vision, rows, cols))
+    assert processor.tokenizer(expanded, add_special_tokens=False)["input_ids"] == ids[0].tolist()
     with torch.no_grad():
         reference = model(**inputs).logits.numpy()
     positions_1d = np.arange(ids.shape[1], dtype=np.int64)[None]
