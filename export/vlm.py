@@ -12,7 +12,9 @@ optimum-intel splits a VLM the way openvino_genai's VLMPipeline reads it, and we
 The manifest's LLM fields describe the language model; `vision` (appliance/manifest.py Vision) is the image-token
 scheme and preprocessing, read from config.json and preprocessor_config.json, so the runtime needs neither
 transformers nor the processor. Weight formats: fp32/fp16 for every part; int8/int4 compress the language model as a
-text export does (NNCF weight-only), the smaller parts keep fp16 weights.
+text export does (NNCF weight-only), the smaller parts keep fp16 weights. Verified as a text export is: the same
+probe's logits (text only, through the text embeddings and the language model) against transformers within the
+weight format's tolerance; the image path is checked by the tests.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from appliance.manifest import Manifest, Vision
-from export.exporter import _check_weight_options, _Progress, _quiet, staged
+from export.exporter import _check_weight_options, _compare, _probe_ids, _Progress, _quiet, staged
 from export.graph import WeightOptions
 from export.metadata import llm_manifest, write_metadata
 from export.source import ExportError, Source, check_destination, check_disk
@@ -106,6 +110,8 @@ def _export(
     with _quiet(verbose):
         model = _load(source.folder)
         architecture = type(model).__name__  # config.json may lack `architectures` (a model saved from its config)
+        probe = _probe_ids(int(_text_config(source.config)["vocab_size"]))
+        reference = _text_logits(model, probe)
         progress.stage("convert")
         openvino_backend._decline_telemetry()
         dtype = "fp16" if weight_format == "fp16" else "fp32"
@@ -132,6 +138,7 @@ def _export(
         progress.stage("verify")
         language_model = ov.Core().read_model(staging / LANGUAGE_MODEL)
         graph, dims = ir.verify(language_model, text)
+        _compare(_first_step(staging, parts["text_embeddings"], probe, source.model_type), reference, weight_format)
     manifest = llm_manifest(
         graph,
         dims,
@@ -159,6 +166,33 @@ def _load(folder: Path) -> Any:
     except (OSError, ValueError) as exc:
         raise ExportError(f"cannot load {folder} with transformers: {str(exc).splitlines()[0]}") from None
     return model.eval()
+
+
+def _text_logits(model: Any, input_ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(input_ids)).logits.float().numpy()
+
+
+def _first_step(dest: Path, text_embeddings: str, input_ids: np.ndarray, model_type: str) -> np.ndarray:
+    """Logits of a text-only first step through the exported text embeddings and language model, in f32: the same
+    probe as a text export's (export/exporter.py); the image path is checked by tests/export/test_vlm.py."""
+    import openvino as ov
+
+    from export.openvino_backend import F32_COMPUTE
+
+    core, length = ov.Core(), input_ids.shape[1]
+    embeddings = core.compile_model(dest / text_embeddings, "CPU", F32_COMPUTE)
+    positions = np.arange(length, dtype=np.int64)[None]
+    feed = {
+        "inputs_embeds": embeddings({"input": input_ids})[0],
+        "attention_mask": np.ones_like(input_ids),
+        "position_ids": np.tile(positions, (3, 1, 1)) if model_type == "qwen2_vl" else positions,  # M-RoPE: t=h=w
+        "beam_idx": np.zeros(len(input_ids), np.int32),
+    }
+    language_model = core.compile_model(dest / LANGUAGE_MODEL, "CPU", F32_COMPUTE)
+    return np.array(language_model.create_infer_request().infer(feed)["logits"])
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
