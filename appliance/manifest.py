@@ -19,6 +19,8 @@ MANIFEST_NAME = "appliance_manifest.json"
 TASKS = ("generate", "embed", "rerank")  # generate: a causal LM (chat, completions); embed/rerank: an encoder
 POOLINGS = ("mean", "cls", "last")
 FORMAT_VERSION = 1
+# What serving a vision-language export answers until the engine runs image parts (docs/vision.md)
+VLM_NOT_SERVED = "a vision-language export: exporting one works, serving it is not built yet (docs/vision.md)"
 IMAGE_SCHEMES = ("qwen2_vl", "idefics3")  # dynamic resolution + M-RoPE; fixed tiles + pixel shuffle
 
 

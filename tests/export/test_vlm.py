@@ -277,3 +277,16 @@ def test_manifest_vision_round_trip(tmp_path: Path) -> None:
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(data))
     assert Manifest.load(tmp_path).vision == vision
     assert asdict(vlm)["vision"]["mrope_section"] == [2, 3, 3]
+
+
+def test_serving_refuses_a_vlm_export(exported: Exported, capsys: pytest.CaptureFixture[str]) -> None:
+    """Until the engine runs image parts, a VLM export is refused by name at start-up and by the engine itself (its
+    language model takes embeddings, not token ids, and would otherwise fail on a missing input)."""
+    from appliance.cli import main
+    from appliance.runtime.engine.core import Engine
+
+    _, out, _ = exported("idefics3")
+    with pytest.raises(ValueError, match="vision-language export"):
+        Engine(out)
+    assert main(["config", "--model", str(out)]) == 78  # EX_CONFIG: `serve` checks the same settings first
+    assert "vision-language export" in capsys.readouterr().err
