@@ -35,7 +35,7 @@ PACKAGE = ROOT / "appliance"
 RUNTIME, SERVER, HTTP, TESTING = "appliance.runtime", "appliance.server", "appliance.http", "appliance.testing"
 # the client API adapters: they run in the gunicorn workers
 CLIENT_APIS = ("appliance.openai_api", "appliance.anthropic_api", "appliance.ollama_api")
-WORKER_PACKAGES = ("appliance.web",)  # the web page (static files and /v1/status): also served by the workers
+WORKER_PACKAGES = ("appliance.api", "appliance.web")  # the shared front and the web page: also in the workers
 SHARED, ENTRY_POINT = "shared", "appliance.cli"  # the package root's modules; glue: flags -> settings -> server
 # The one edge from the engine process into the workers' package: the supervisor starts gunicorn with this config.
 LAUNCHES = {("appliance.server.supervisor", "appliance.http.gunicorn_conf")}

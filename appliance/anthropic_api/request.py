@@ -37,12 +37,12 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from appliance.api import parsers as P
+from appliance.api import table as F
+from appliance.api.errors import ApiError, invalid
+from appliance.api.request import ChatRequest, EdgeOptions, ToolChoice
+from appliance.api.table import read_body, sampling_values
 from appliance.limits import Limits
-from appliance.openai_api import fields as F
-from appliance.openai_api import parsers as P
-from appliance.openai_api.chat import ChatRequest, ToolChoice
-from appliance.openai_api.errors import ApiError, invalid
-from appliance.openai_api.validation import EdgeOptions, read_body
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
 TEXT_ONLY = "the served models read text only"
@@ -467,7 +467,8 @@ COUNT_TOKENS = tuple(replace(f, required=None) if f is MAX_TOKENS else f for f i
 
 
 def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = False) -> MessagesRequest:
-    values, unknown = read_body(body, COUNT_TOKENS if count_only else MESSAGES, limits)
+    table = COUNT_TOKENS if count_only else MESSAGES
+    values, unknown = read_body(body, table, limits)
     if unknown:
         raise invalid(UNSUPPORTED.get(unknown[0], f"{unknown[0]}: Extra inputs are not permitted"), unknown[0])
     chat_messages = values["messages"]
@@ -487,11 +488,9 @@ def parse_messages(body: Any, limits: Limits = Limits(), *, count_only: bool = F
             'tools\' input_schema); with "auto" or "none" the output is not: send one of those, or leave strict out',
             "tools",
         )
-    grammar = values["output_config"]  # with tool_choice any / tool: a later turn's text (chat.chat_job)
+    grammar = values["output_config"]  # with tool_choice any / tool: a later turn's text (api/request.chat_job)
     stops = values["stop_sequences"] or ()
-    sampling: dict[str, Any] = {
-        key: values[key] for key in ("max_tokens", "temperature", "top_p", "top_k") if values[key] is not None
-    }
+    sampling = sampling_values(values, table)  # the fields whose `param` sets a SamplingParams attribute
     if grammar is not None:
         sampling["grammar"] = grammar
     if stops:  # kept by the engine, cut by the shape, which then knows which one matched (shape.py)

@@ -2,7 +2,7 @@
 `/v1/messages/count_tokens`, and Anthropic's error shape for every error they meet.
 
 A message is a chat generation: request.py makes the chat adapter's `ChatRequest`, the chat adapter makes the
-job, and the shared `Generation` (appliance/openai_api/streaming.py) runs it; only the spelling differs (shape.py
+job, and the shared `Generation` (appliance/api/generation.py) runs it; only the spelling differs (shape.py
 here). So auth, the Host allow-list, body limits and the engine's answers (queue full, prompt too long, timeouts)
 are the OpenAI routes' too, rendered as `{"type": "error", "error": {"type", "message"}}` with the same status.
 The `anthropic-version` header is accepted and not checked (one version of the API is spoken).
@@ -26,12 +26,12 @@ from appliance import error_shapes
 from appliance import protocol as p
 from appliance.anthropic_api.request import MessagesRequest, parse_messages
 from appliance.anthropic_api.shape import MessageShape, new_message_id
+from appliance.api.context import AppApi, error_handlers
+from appliance.api.errors import ApiError
+from appliance.api.generation import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+from appliance.api.request import DEFAULT_TOOL_PARSER, chat_job
+from appliance.api.sampling import to_sampling_params
 from appliance.http.client import EngineClient, EngineUnavailable
-from appliance.openai_api.adapter import AppApi, error_handlers
-from appliance.openai_api.chat import DEFAULT_TOOL_PARSER, chat_job
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
 from appliance.params import SamplingParams
 
 log = logging.getLogger("appliance.http")

@@ -32,11 +32,11 @@ from flask import Blueprint, Response, g, request
 
 from appliance import auth, hub_names
 from appliance import protocol as p
+from appliance.api.context import AppApi
+from appliance.api.errors import ApiError
+from appliance.api.generation import socket_closed
 from appliance.http.client import EngineUnavailable
 from appliance.ollama_api.requests import body_json
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.streaming import socket_closed
 
 # the worker's pid: the child stops when its parent is gone (appliance/pull/command.py)
 PARENT_ENV = "APPLIANCE_PULL_PARENT"

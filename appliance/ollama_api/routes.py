@@ -19,17 +19,18 @@ import uuid
 from flask import Blueprint, Response, g, request
 
 from appliance import __version__, auth, error_shapes
+from appliance.api.context import AppApi, error_handlers
+from appliance.api.errors import ApiError
+from appliance.api.generation import Meta, bound_send_buffer, socket_closed
+from appliance.api.request import chat_job, completion_job
+from appliance.api.sampling import to_sampling_params
 from appliance.ollama_api import embed as E
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull
 from appliance.ollama_api.requests import OllamaRequest, body_json, parse_ollama_chat, parse_ollama_generate, with_model
 from appliance.ollama_api.wire import NS, OllamaGeneration, Render
-from appliance.openai_api.adapter import AppApi, error_handlers
-from appliance.openai_api.chat import ChatShape, chat_job
-from appliance.openai_api.completions import CompletionShape, completion_job
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import Meta, bound_send_buffer, socket_closed
+from appliance.openai_api.chat import ChatShape
+from appliance.openai_api.completions import CompletionShape
 from appliance.protocol import EngineStatus
 
 OLLAMA_VERSION = "0.13.0"  # the Ollama API this adapter follows (clients gate features on it)

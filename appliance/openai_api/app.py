@@ -22,16 +22,17 @@ from flask.json.provider import DefaultJSONProvider
 
 from appliance import __version__, auth, web
 from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
+from appliance.api.context import error_handlers, json_body
+from appliance.api.errors import ApiError
+from appliance.api.generation import Generation, Meta, bound_send_buffer, socket_closed
+from appliance.api.request import ChatRequest, CompletionRequest, chat_job, completion_job
+from appliance.api.sampling import to_sampling_params
 from appliance.http.client import EngineClient
 from appliance.ollama_api.routes import blueprint as ollama_blueprint
-from appliance.openai_api.adapter import error_handlers, json_body
-from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job, parse_chat
-from appliance.openai_api.completions import CompletionRequest, CompletionShape, completion_job, parse_completion
+from appliance.openai_api.chat import ChatShape, parse_chat
+from appliance.openai_api.completions import CompletionShape, parse_completion
 from appliance.openai_api.embeddings import register as register_embeddings
-from appliance.openai_api.errors import ApiError
 from appliance.openai_api.responses_routes import register as register_responses
-from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import Generation, Meta, bound_send_buffer, socket_closed
 from appliance.openai_api.validation import OPENAI, OVMS, Dialect, parse_tokenize
 from appliance.protocol import EngineStatus, HttpRecord, ModelInfo
 from appliance.settings import ConfigError, ServeSettings

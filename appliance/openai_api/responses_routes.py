@@ -24,9 +24,12 @@ from typing import Any
 from flask import Flask, Response, g, request
 
 from appliance import __version__, auth, paths
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.chat import ChatShape, chat_job
-from appliance.openai_api.errors import ApiError, invalid
+from appliance.api.context import AppApi
+from appliance.api.errors import ApiError, invalid
+from appliance.api.generation import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+from appliance.api.request import chat_job
+from appliance.api.sampling import to_sampling_params
+from appliance.openai_api.chat import ChatShape
 from appliance.openai_api.response_store import ResponseStore
 from appliance.openai_api.responses import (
     ResponseEvents,
@@ -37,8 +40,6 @@ from appliance.openai_api.responses import (
     response_base,
     usage,
 )
-from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
 
 log = logging.getLogger("appliance.http")
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from flask import Blueprint, Response
 
 from appliance import __version__, cpu_isa
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.errors import ApiError
+from appliance.api.context import AppApi
+from appliance.api.errors import ApiError
 from appliance.settings import AUTHKEY_FILE
 
 # The files of the page: name -> mimetype. A fixed table, so no request path ever reaches the file system.

@@ -16,8 +16,8 @@ from dataclasses import fields
 import pytest
 
 from appliance.anthropic_api.request import parse_messages
+from appliance.api.errors import ApiError
 from appliance.limits import Limits
-from appliance.openai_api.errors import ApiError
 from appliance.openai_api.openapi import DOC_PATH, document
 from appliance.openai_api.responses import parse_responses
 

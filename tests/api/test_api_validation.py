@@ -7,11 +7,11 @@ from dataclasses import fields
 
 import pytest
 
+from appliance.api.errors import ApiError
+from appliance.api.sampling import to_sampling_params
 from appliance.openai_api import fields as F
 from appliance.openai_api.chat import parse_chat
 from appliance.openai_api.completions import parse_completion
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.validation import Limits, parse_tokenize
 
 MODEL = "m"

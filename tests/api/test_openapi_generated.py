@@ -9,11 +9,11 @@ import json
 
 import pytest
 
+from appliance.api.errors import ApiError
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
 from appliance.openai_api.chat import parse_chat
 from appliance.openai_api.completions import parse_completion
-from appliance.openai_api.errors import ApiError
 from appliance.openai_api.openapi import DOC_PATH, document, render, request_schema
 from appliance.openai_api.validation import parse_tokenize
 

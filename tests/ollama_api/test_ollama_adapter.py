@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from appliance.api.errors import ApiError
 from appliance.limits import Limits
 from appliance.ollama_api.requests import parse_ollama_chat, parse_ollama_generate
 from appliance.ollama_api.wire import Render
-from appliance.openai_api.errors import ApiError
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -18,8 +18,8 @@ from itertools import chain
 from typing import Protocol
 
 from appliance import protocol as p
+from appliance.api.errors import ApiError
 from appliance.http.client import EngineClient, EngineUnavailable, JobStream
-from appliance.openai_api.errors import ApiError
 from appliance.outputs import Timing, TokenLogprob
 
 # How often a waiting worker looks at its client's socket (and the request's deadline) between engine events.

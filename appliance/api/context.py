@@ -13,10 +13,10 @@ from typing import Any, Protocol
 from flask import Blueprint, Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from appliance.api.errors import ApiError
+from appliance.api.generation import ClientGone
 from appliance.http.client import EngineClient, EngineUnavailable
 from appliance.limits import Limits
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.streaming import ClientGone
 from appliance.protocol import EngineStatus
 from appliance.settings import ServeSettings
 
