@@ -20,13 +20,12 @@ from typing import NoReturn, cast
 from flask import Flask, Response, g, request
 from flask.json.provider import DefaultJSONProvider
 
-from appliance import __version__, auth, web
+from appliance import auth, web
 from appliance.anthropic_api.routes import blueprint as anthropic_blueprint
 from appliance.api.context import error_handlers, json_body
 from appliance.api.errors import ApiError
-from appliance.api.generation import Generation, Meta, bound_send_buffer, socket_closed
+from appliance.api.generation import respond, start
 from appliance.api.request import ChatRequest, CompletionRequest, chat_job, completion_job
-from appliance.api.sampling import to_sampling_params
 from appliance.http.client import EngineClient
 from appliance.ollama_api.routes import blueprint as ollama_blueprint
 from appliance.openai_api.chat import ChatShape, parse_chat
@@ -109,35 +108,20 @@ class Api:
         status = self.ready_status(gen.model, fresh=False)
         if gen.unknown:
             log.debug("ignored unknown request fields", extra={"fields": list(gen.unknown)})
-        request_id = shape.id_prefix + uuid.uuid4().hex
-        g.request_id = request_id
-        job = make_job(to_sampling_params(req.sampling, status.generation_defaults), request_id)
-        job.model = gen.model
-        job.tenant = g.get("tenant", "")  # which key: its own namespace in the prefix cache
-        sock = request.environ.get("gunicorn.socket")
-        meta = Meta(
-            request_id,
-            int(time.time()),
-            gen.model,
-            f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower(),
-        )
-        generation = Generation(
+        generation = start(
             self.client,
-            job,
+            status,
+            req.sampling,
+            make_job,
             shape,
-            meta,
-            include_usage=gen.include_usage,
+            request_id=shape.id_prefix + uuid.uuid4().hex,
+            model=gen.model,
             timeout=gen.timeout,
-            client_gone=lambda: socket_closed(sock),
-        ).start()
+            include_usage=gen.include_usage,
+        )
         if not gen.stream:
             return generation.unary()
-        bound_send_buffer(sock)  # a client that stops reading meets the worker's send timeout soon
-        return Response(
-            generation.sse(),
-            mimetype="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return respond(generation.sse(), "text/event-stream")
 
     def tokenize(self):
         req = parse_tokenize(self.json_body(), self.limits)
