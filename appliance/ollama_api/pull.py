@@ -34,7 +34,7 @@ from appliance import auth, hub_names
 from appliance import protocol as p
 from appliance.api.context import AppApi
 from appliance.api.errors import ApiError
-from appliance.api.generation import socket_closed
+from appliance.api.generation import respond, socket_closed
 from appliance.http.client import EngineUnavailable
 from appliance.ollama_api.requests import body_json
 
@@ -75,7 +75,7 @@ class PullRoutes:
         events = self._pull(ref, request.environ.get("gunicorn.socket"))
         if stream:  # Ollama's lines: the status `code` is for the unary answer only
             lines = (_line({k: v for k, v in event.items() if k != "code"}) for event in events)
-            return Response(lines, mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache"})
+            return respond(lines, "application/x-ndjson")
         last = collections.deque(events, maxlen=1)[0]  # the child's lines run to the end; the last one says how
         if "error" in last:
             raise ApiError(int(last.get("code") or 500), last["error"])
