@@ -1,35 +1,91 @@
-"""What every client API's routes share: what they use of the app (appliance/openai_api/app.py's `Api`: its
-settings, engine client, request bounds, body reader and readiness check), and one mapping of failures to errors
-that each API writes in its own shape. A Protocol, not an import of app.py: the app imports each API's
-routes to register them, so the routes naming the app would be an import cycle (tests/test_architecture.py)."""
+"""The route context every client API's routes share: the server's settings, the engine client, the request
+bounds, the guards every request passes (the Host allow-list and the API key, `authorize`), the body reader and the
+model readiness check, and one mapping of failures to errors that each API writes in its own shape. One object per
+worker, made by appliance/wsgi/app.py's `create_app` and handed to every API's routes."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any, NoReturn
 
 from flask import Blueprint, Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from appliance import auth
 from appliance.api.errors import ApiError
 from appliance.api.generation import ClientGone
 from appliance.http.client import EngineClient, EngineUnavailable
-from appliance.limits import Limits
 from appliance.protocol import EngineStatus
-from appliance.settings import ServeSettings
+from appliance.settings import ConfigError, ServeSettings
 
 log = logging.getLogger("appliance.http")
 
 
-class AppApi(Protocol):
-    settings: ServeSettings
-    client: EngineClient
-    limits: Limits
+OPEN_PATHS = {"/v2/health/live", "/v2/health/ready"}  # probes work without the API key
 
-    def json_body(self) -> Any: ...  # adapter.json_body(): the OpenAI routes' rule
-    def ready_status(self, model: str, fresh: bool = True) -> EngineStatus: ...
+
+class AppApi:
+    """What a route handler uses of the server; instantiated per worker by `create_app`. `public`: the paths
+    served without a key (the web page's static files: no data in them), told by the app that knows them."""
+
+    def __init__(
+        self, settings: ServeSettings, client: EngineClient, public: Callable[[str], bool] = lambda path: False
+    ):
+        self.settings, self.client, self.public = settings, client, public
+        self.limits = replace(settings.limits, max_queued=settings.max_queued)  # the bounds every request keeps
+
+    def authorize(self) -> None:
+        """The Host allow-list, then the API key (appliance/auth.py); probes skip both (its docstring)."""
+        if request.path in OPEN_PATHS:
+            return
+        if not auth.host_checked(request.headers.get("Host"), self.settings):
+            raise ApiError(400, "Invalid Host header: this server does not answer for that name", code="invalid_host")
+        if self.public(request.path):
+            return
+        try:  # read once per worker, at its first keyed request: the files may have changed since start-up
+            keys = auth.api_keys(self.settings.api_key_file)
+            admin_keys = auth.api_keys(self.settings.admin_key_file)
+        except ConfigError as exc:  # an answer, not the worker's end; the next request reads the files again
+            log.error("cannot read the API keys", extra={"error": str(exc)})
+            message = "The server cannot read its API keys (see its log)"
+            raise ApiError(500, message, code="api_keys_unreadable") from None
+        header = auth.authorization(request.headers.get("Authorization"), request.headers.get("x-api-key"))
+        g.admin = admin_keys is not None and admin_keys.accepts(header)  # an admin key is a client key too
+        if keys is not None and not g.admin and not keys.accepts(header):
+            raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
+        g.tenant = auth.tenant_id(header) if keys is not None or g.admin else ""  # the key's own namespace
+
+    @staticmethod
+    def json_body() -> Any:
+        """The OpenAI and Anthropic routes' rule (`json_body()`): Content-Type application/json."""
+        return json_body()
+
+    def ready_status(self, model: str, fresh: bool = True) -> EngineStatus:
+        """Model `model`'s status if it can serve (ApiError otherwise: 404 for no such model, 503 not ready).
+        Probes ask the engine now (fresh), and their answers leave out a failed model's error (exception text,
+        paths): the readiness probe needs no key, and the error is in /v1/config and the log. Requests use the kept
+        ready status (serving_status) and get the error."""
+        status = self.client.status(model) if fresh else self.client.serving_status(model)
+        if status.ready:
+            return status
+        not_serving(model, status.state, None if fresh else status.error)
+
+
+def not_serving(model: str, state: str, error: str | None) -> NoReturn:
+    """The ApiError for a model in `state` (not ready)."""
+    if state == "unknown":
+        raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+    if state == "failed":  # load or engine; without `error` (a probe), where to read it
+        why = f": {error}" if error else " (its error: GET /v1/config, or the server's log)"
+        raise ApiError(503, f"The model `{model}` cannot serve{why}", code="model_failed")
+    if state == "stopping":
+        raise ApiError(503, "The server is shutting down", code="shutting_down")
+    raise ApiError(
+        503, f"The model `{model}` is loading; retry when /v2/health/ready answers 200", code="model_not_ready"
+    )
 
 
 def _reject_constant(name: str):

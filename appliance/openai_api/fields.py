@@ -3,7 +3,7 @@
 Each `Field` names a JSON type, its bounds (numbers, or `Limits` field names so that a flag moves both the check and
 the document), the exact OVMS message of each failure, and the document's description. api/table.py walks these
 tables in order (the order is the order of the checks, so of which message a body with several faults gets);
-appliance/openai_api/openapi.py writes the request schemas from them. Messages and descriptions are `str.format`
+appliance/wsgi/openapi.py writes the request schemas from them. Messages and descriptions are `str.format`
 templates over the `Limits` fields (and `name`: the field's own name).
 
 Fields whose value has structure (prompt, messages, stop, logit_bias, ...) are `custom`: their JSON schema is

@@ -60,7 +60,7 @@ PAGE_HEADERS = {
 
 
 def is_public(path: str) -> bool:
-    """The page's own files: served without an API key (appliance/openai_api/app.py `authorize`)."""
+    """The page's own files: served without an API key (appliance/api/context.py `AppApi.authorize`)."""
     return path in PUBLIC_PATHS
 
 

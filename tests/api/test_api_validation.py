@@ -569,8 +569,8 @@ class StubEngine:
 
 
 def edge(engine: StubEngine, **settings):
-    from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     app = create_app(ServeSettings(model_dir="unused", served_model_name=MODEL, model_created=1, **settings), engine)
     return app.test_client()

@@ -163,8 +163,8 @@ def test_the_last_line_spells_each_finish_as_ollama_does(finish, done_reason):
 
 
 def test_routes_need_the_key(tmp_path):
-    from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     keys = tmp_path / "keys"
     keys.write_text("secret-key-0123456789\n")

@@ -11,8 +11,8 @@ negative fuzz run of tests/test_fuzz.py checks the converse on the running serve
 The `limits` object of the Config schema comes from `appliance.limits.Limits`. The rest of the document (paths,
 responses, response schemas) is written by hand in docs/openapi.json itself: edit it there, then regenerate.
 
-    python -m appliance.openai_api.openapi           # rewrite docs/openapi.json in place
-    python -m appliance.openai_api.openapi --check   # exit 1 if it is not current (tests/test_openapi_current.py)
+    python -m appliance.wsgi.openapi           # rewrite docs/openapi.json in place
+    python -m appliance.wsgi.openapi --check   # exit 1 if it is not current (tests/test_openapi_current.py)
 """
 
 from __future__ import annotations
@@ -434,7 +434,7 @@ def main(argv: list[str]) -> int:
     text, wanted = current()
     if "--check" in argv:
         if text != wanted:
-            print(f"{DOC_PATH} is stale: run python -m appliance.openai_api.openapi", file=sys.stderr)
+            print(f"{DOC_PATH} is stale: run python -m appliance.wsgi.openapi", file=sys.stderr)
             return 1
         return 0
     if text != wanted:
