@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flask import Flask, request
+from flask import Flask, Response, request
 
 from appliance import auth, paths
 from appliance.api.context import AppApi
@@ -62,7 +62,7 @@ class ResponsesApi:
         return auth.tenant_id(header)
 
     # ---- POST /v3/responses
-    def create(self):
+    def create(self) -> Response | dict:
         api = self.api
         body = api.json_body()
         owner = self.owner()
