@@ -67,7 +67,7 @@ class Choice:
 
 
 class Shape(Protocol):
-    """How one endpoint spells its objects (completions.py, chat.py)."""
+    """How one endpoint spells its objects (appliance/openai_api/completions.py, chat.py, anthropic_api/shape.py)."""
 
     object: str
     chunk_object: str
