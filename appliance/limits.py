@@ -2,7 +2,7 @@
 
 One client must not be able to hurt the others: the engine is one thread shared by every request, and a worker
 builds a choice per prompt x n. So every count, length and float range a request can carry is bounded here, and
-everything else derives from these fields: validation (appliance/openai_api/validation.py) and the engine service
+everything else derives from these fields: validation (appliance/api/table.py) and the engine service
 check them (400), `appliance serve` makes a flag of the
 ones an operator may need to change (`flag` in a field's metadata: its default and help come from the field; the
 `setting` field factory below declares EngineConfig's and ServeSettings' fields the same way),

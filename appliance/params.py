@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 GrammarKind = Literal["json_schema", "regex", "lark", "gbnf"]
 # How a model writes tool calls and reasoning: appliance/server/tool_prompt.py picks one from the chat template (or the
-# serve flags), HTTP workers parse the output with it (appliance/openai_api/tool_calls.py, reasoning.py)
+# serve flags), HTTP workers parse the output with it (appliance/api/tool_calls.py, reasoning.py)
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")  # the first: a template that shows none
 REASONING_FORMATS = ("none", "think")
 
@@ -28,18 +28,26 @@ class Grammar:
     parts: tuple[str, ...] = ()
 
 
+def from_model(default: float | int, key: str) -> Any:
+    """A sampling attribute a model's generation_config.json may set: `key` is that file's name for it, read by
+    appliance/api/sampling.py for every client API (a request's own value still wins). Declared here, on the
+    attribute, so no API's wire table decides which models' defaults another API gets."""
+    return field(default=default, metadata={"model_default": key})
+
+
 @dataclass
 class SamplingParams:
     """What to generate and how. Defaults mirror OVMS's built-ins; the server fills unset fields from the
     model's generation_config.json before constructing this."""
 
     max_tokens: int | None = None  # None: until EOS or the context is full
-    temperature: float = 0.0  # 0 -> greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1: all tokens
-    min_p: float = 0.0
-    typical_p: float = 1.0  # locally typical sampling: the mass of the most typical tokens kept; 1.0: off
-    repetition_penalty: float = 1.0
+    temperature: float = from_model(0.0, "temperature")  # 0 -> greedy
+    top_p: float = from_model(1.0, "top_p")
+    top_k: int = from_model(-1, "top_k")  # -1: all tokens
+    min_p: float = from_model(0.0, "min_p")
+    # locally typical sampling: the mass of the most typical tokens kept; 1.0: off
+    typical_p: float = from_model(1.0, "typical_p")
+    repetition_penalty: float = from_model(1.0, "repetition_penalty")
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -48,12 +56,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = from_model(0, "min_new_tokens")
     logprobs: int | None = None  # None: off; k >= 0: chosen token's logprob plus k alternatives
     skip_special_tokens: bool = True
     n: int = 1
     best_of: int | None = None  # > 1: beam search
-    length_penalty: float = 1.0
+    length_penalty: float = from_model(1.0, "length_penalty")
     prompt_logprobs: int | None = None  # None: off; k >= 0: each prompt token's logprob plus k alternatives
     # structured output: the text must match this grammar (EOS only where it accepts); None: free text
     grammar: Grammar | None = None

@@ -238,7 +238,7 @@ def runtime_dir(pid: int) -> str:
 # The HTTP worker's stages of one /v3/embeddings request (`worker_stages`): (label, module, attribute); a stage
 # whose function is not there (another version of the code) is left out.
 STAGES = (
-    ("body read + JSON parse", "appliance.openai_api.app", "Api.json_body"),
+    ("body read + JSON parse", "appliance.api.context", "AppApi.json_body"),
     ("validation (job built)", "appliance.openai_api.embeddings", "parse_embeddings"),
     ("engine round trip", "appliance.http.client", "EngineClient.encode"),
     ("response body + JSON encode", "appliance.openai_api.embeddings", "embeddings_response"),
@@ -258,8 +258,8 @@ def worker_stages(srv, requests_n: int = 200) -> dict:
     import threading as _threading
 
     from appliance.http.client import EngineClient
-    from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     settings = ServeSettings.load(runtime_dir(srv.pid))
     client = EngineClient(settings.socket_path, settings.authkey())

@@ -181,10 +181,10 @@ def one_worker_server(
 def in_process_api(engine, runtime: Path):
     """A Flask test client wired through the real engine service to `engine` (the caller's f32 engine)."""
     from appliance.http.client import EngineClient
-    from appliance.openai_api.app import create_app
     from appliance.server.engine_service import EngineService
     from appliance.server.metrics import ServerMetrics
     from appliance.settings import AUTHKEY_FILE, ServeSettings
+    from appliance.wsgi.app import create_app
 
     (runtime / AUTHKEY_FILE).write_bytes(os.urandom(32))
     settings = ServeSettings(

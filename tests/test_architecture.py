@@ -8,8 +8,13 @@ modules at the package root are what more than one of them share.
 - `runtime/` (engine, scheduler, KV, sampling, backends, ...) runs in the engine process: itself and the root;
 - `server/` (supervisor, engine service, jobs, slots, metrics) is the engine process's serving code: itself,
   `runtime/` and the root; of `http/` only the gunicorn config it launches, by name;
-- `http/` (gunicorn config, edge worker, engine client), the client APIs (`openai_api/`) and the web page (`web/`)
-  run in the gunicorn workers: themselves and the root;
+- `pull/` is a process of its own (`appliance pull`, and `/api/pull`'s child `python -m appliance.pull`): itself and
+  the root; the engine's model listing reads its store;
+- the gunicorn workers run `http/` (gunicorn config, edge worker, engine client: itself and the root), `api/` (the
+  front every client API shares: `http/` and the root), the client API adapters `openai_api/`, `anthropic_api/`,
+  `ollama_api/` and the web page `web/` (each: `api/`, `http/` and the root, never another adapter, except that
+  `ollama_api/` is defined as a translation of OpenAI's bodies and may import `openai_api/`), and `wsgi/` (the app
+  and the OpenAPI document: the only package that imports every adapter); gunicorn's config names the app by string;
 - `cli` is the entry point (anything but the test harness); `testing/` serves tests and bench (anything).
 
 A gunicorn worker stays light (about 32 MB, docs/serving.md): the last test imports what a worker imports in a
@@ -33,12 +38,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "appliance"
 
 RUNTIME, SERVER, HTTP, TESTING = "appliance.runtime", "appliance.server", "appliance.http", "appliance.testing"
-# the client API adapters: they run in the gunicorn workers
-CLIENT_APIS = ("appliance.openai_api", "appliance.anthropic_api", "appliance.ollama_api")
-WORKER_PACKAGES = ("appliance.web",)  # the web page (static files and /v1/status): also served by the workers
+PULL = "appliance.pull"  # a process of its own
+API, WSGI = "appliance.api", "appliance.wsgi"  # the workers' shared front, and the app above every adapter
+# the client API adapters (the web page is one: its own routes over the front): each its own role, in the workers
+ADAPTERS = ("appliance.openai_api", "appliance.anthropic_api", "appliance.ollama_api", "appliance.web")
+# the one adapter-to-adapter edge: Ollama's bodies are translated into OpenAI's and checked by its rules
+TRANSLATES = {("appliance.ollama_api", "appliance.openai_api")}
+WORKER_ROLES = {HTTP, API, WSGI, *ADAPTERS}
 SHARED, ENTRY_POINT = "shared", "appliance.cli"  # the package root's modules; glue: flags -> settings -> server
-# The one edge from the engine process into the workers' package: the supervisor starts gunicorn with this config.
-LAUNCHES = {("appliance.server.supervisor", "appliance.http.gunicorn_conf")}
+# The edges by name across processes: the supervisor starts gunicorn with this config, which names the app.
+LAUNCHES = {
+    ("appliance.server.supervisor", "appliance.http.gunicorn_conf"),
+    ("appliance.http.gunicorn_conf", "appliance.wsgi.app"),
+}
 HEAVY = ("numpy", "openvino", "onnxruntime", "tokenizers")
 
 # A module path given as a string: "python:appliance.x" (gunicorn --config), "appliance.x:app()" (wsgi_app),
@@ -61,13 +73,11 @@ def within(name: str, package: str) -> bool:
 
 
 def role(name: str) -> str:
-    """The process a module runs in, from its path: a package's name, HTTP for the client APIs, SHARED for the
-    package root's modules, ENTRY_POINT for the CLI."""
-    for package in (RUNTIME, SERVER, HTTP, TESTING):
+    """A module's role, from its path: its package's name (each adapter its own), SHARED for the package root's
+    modules, ENTRY_POINT for the CLI."""
+    for package in (RUNTIME, SERVER, HTTP, TESTING, PULL, API, WSGI, *ADAPTERS):
         if within(name, package):
             return package
-    if any(within(name, api) for api in CLIENT_APIS + WORKER_PACKAGES):
-        return HTTP
     return ENTRY_POINT if name == ENTRY_POINT else SHARED
 
 
@@ -132,19 +142,22 @@ def test_the_roles_are_derived_from_the_package():
     } == {RUNTIME}
     assert {roles[n] for n in ("appliance", "appliance.params", "appliance.protocol", "appliance.settings")} == {SHARED}
     assert {roles[n] for n in ("appliance.server.metrics", "appliance.server.supervisor")} == {SERVER}
-    assert {roles[n] for n in ("appliance.http.worker", "appliance.openai_api.app")} == {HTTP}
+    assert roles["appliance.http.worker"] == HTTP and roles["appliance.wsgi.app"] == WSGI
+    assert roles["appliance.api.generation"] == API and roles["appliance.pull.store"] == PULL
+    assert [roles[n] for n in ("appliance.openai_api.chat", "appliance.anthropic_api.shape")] == list(ADAPTERS[:2])
+    assert [roles[n] for n in ("appliance.ollama_api.wire", "appliance.web")] == list(ADAPTERS[2:])
     assert roles["appliance.cli"] == ENTRY_POINT and roles["appliance.testing.loopback"] == TESTING
     # Known edges are seen, lazy ones (inside a function) and string ones included.
     assert "appliance.runtime.engine" in graph()["appliance.server.supervisor"]
     assert "appliance.server.supervisor" in graph()["appliance.cli"]
-    assert {"appliance.openai_api.app", "appliance.http.worker"} <= graph()["appliance.http.gunicorn_conf"]
+    assert {"appliance.wsgi.app", "appliance.http.worker"} <= graph()["appliance.http.gunicorn_conf"]
     assert LAUNCHES <= {(name, target) for name, targets in graph().items() for target in targets}
 
 
 def test_the_checker_sees_every_form_of_import():
     source = '''"""Docstrings are prose: appliance.server.nothing:here is not a reference."""
 import appliance.http.client
-from appliance.openai_api import app
+from appliance.wsgi import app
 from appliance import params, __version__
 from .sibling import thing
 def lazy():
@@ -154,7 +167,7 @@ def lazy():
     found = imported(source, "appliance.runtime.backends.example")
     assert found == {
         "appliance.http.client",
-        "appliance.openai_api.app",
+        "appliance.wsgi.app",
         "appliance.params",
         "appliance",
         "appliance.runtime.backends.sibling",
@@ -178,18 +191,45 @@ def test_every_module_imported_or_named_exists():
 MAY_IMPORT = {
     SHARED: {SHARED},
     RUNTIME: {RUNTIME, SHARED},
-    SERVER: {SERVER, RUNTIME, SHARED},
+    PULL: {PULL, SHARED},
+    SERVER: {SERVER, RUNTIME, PULL, SHARED},  # the engine's model listing reads the pull store
     HTTP: {HTTP, SHARED},
-    ENTRY_POINT: {ENTRY_POINT, SHARED, RUNTIME, SERVER, HTTP},
-    TESTING: {TESTING, ENTRY_POINT, SHARED, RUNTIME, SERVER, HTTP},
+    API: {API, HTTP, SHARED},
+    **{adapter: {adapter, API, HTTP, SHARED} for adapter in ADAPTERS},
+    WSGI: {WSGI, *ADAPTERS, API, HTTP, SHARED},
+    ENTRY_POINT: {ENTRY_POINT, SHARED, RUNTIME, SERVER, PULL, HTTP},
+    TESTING: {TESTING, ENTRY_POINT, SHARED, RUNTIME, SERVER, PULL, *WORKER_ROLES},
 }
 
 
 def test_each_package_imports_only_what_its_process_may():
     def allowed(name: str, target: str) -> bool:
-        return role(target) in MAY_IMPORT[role(name)] or (name, target) in LAUNCHES
+        return (
+            role(target) in MAY_IMPORT[role(name)]
+            or (name, target) in LAUNCHES
+            or (role(name), role(target)) in TRANSLATES
+        )
 
     assert violations(allowed) == []
+
+
+def test_adapters_are_peers_and_only_wsgi_imports_them_all():
+    """An adapter imports the front (api/), never another adapter (but Ollama's translation of OpenAI bodies);
+    the app (wsgi/) registers every one. A module that needs two adapters belongs in wsgi/."""
+    crossings = [
+        f"{name} imports {target}"
+        for name, targets in sorted(graph().items())
+        for target in sorted(targets)
+        if role(name) in ADAPTERS
+        and role(target) in ADAPTERS
+        and role(name) != role(target)
+        and (role(name), role(target)) not in TRANSLATES
+    ]
+    assert crossings == []
+    assert {role(t) for t in graph()["appliance.wsgi.app"]} >= set(ADAPTERS)
+    for name, targets in graph().items():
+        if role(name) not in (WSGI, TESTING, ENTRY_POINT):
+            assert len({role(t) for t in targets} & set(ADAPTERS) - {role(name)}) <= 1, name
 
 
 def test_the_shared_root_loads_nothing_heavy(tmp_path):
@@ -213,15 +253,15 @@ import json, os, sys
 from appliance.settings import RUNTIME_DIR_ENV, ServeSettings
 ServeSettings(model_dir={str(tmp_path)!r}, served_model_name="m", model_created=0, runtime_dir={str(tmp_path)!r}).save()
 os.environ[RUNTIME_DIR_ENV] = {str(tmp_path)!r}
-import appliance.http.gunicorn_conf, appliance.http.worker, appliance.openai_api.app, appliance.http.client
+import appliance.http.gunicorn_conf, appliance.http.worker, appliance.wsgi.app, appliance.http.client
 print(json.dumps(sorted(sys.modules)))
 """
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     loaded = set(json.loads(result.stdout))
-    assert "appliance.openai_api.app" in loaded and "flask" in loaded  # it did import the worker's code
+    assert "appliance.wsgi.app" in loaded and "flask" in loaded  # it did import the worker's code
     assert sorted(m for m in loaded if m.split(".")[0] in HEAVY) == []
-    others = {m for m in loaded if within(m, "appliance") and role(m) not in (HTTP, SHARED)}
+    others = {m for m in loaded if within(m, "appliance") and role(m) not in WORKER_ROLES | {SHARED}}
     assert others == set(), f"a worker loads modules of another process: {sorted(others)}"
 
 

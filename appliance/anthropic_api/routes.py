@@ -2,7 +2,7 @@
 `/v1/messages/count_tokens`, and Anthropic's error shape for every error they meet.
 
 A message is a chat generation: request.py makes the chat adapter's `ChatRequest`, the chat adapter makes the
-job, and the shared `Generation` (appliance/openai_api/streaming.py) runs it; only the spelling differs (shape.py
+job, and the shared `Generation` (appliance/api/generation.py) runs it; only the spelling differs (shape.py
 here). So auth, the Host allow-list, body limits and the engine's answers (queue full, prompt too long, timeouts)
 are the OpenAI routes' too, rendered as `{"type": "error", "error": {"type", "message"}}` with the same status.
 The `anthropic-version` header is accepted and not checked (one version of the API is spoken).
@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import Iterator
 
-from flask import Blueprint, Response, g, request
+from flask import Blueprint, Response, g
 
 from appliance import error_shapes
 from appliance import protocol as p
 from appliance.anthropic_api.request import MessagesRequest, parse_messages
 from appliance.anthropic_api.shape import MessageShape, new_message_id
-from appliance.http.client import EngineClient, EngineUnavailable
-from appliance.openai_api.adapter import AppApi, error_handlers
-from appliance.openai_api.chat import DEFAULT_TOOL_PARSER, chat_job
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+from appliance.api.context import AppApi, error_handlers
+from appliance.api.errors import ApiError
+from appliance.api.generation import ClientGone, Generation, prompt_tokens, respond, start
+from appliance.api.request import DEFAULT_TOOL_PARSER, chat_job
 from appliance.params import SamplingParams
 
 log = logging.getLogger("appliance.http")
@@ -79,19 +76,15 @@ class Messages:
             stop_sequences=req.stop_sequences,
         )
         message_id = new_message_id()
-        g.request_id = message_id
-        job = chat_job(
-            chat,
-            to_sampling_params(chat.sampling, status.generation_defaults),
-            message_id,
-            status.tool_parser,
-            self.api.limits,
+        generation = start(
+            self.api.client,
+            status,
+            chat.sampling,
+            lambda params, request_id: chat_job(chat, params, request_id, status.tool_parser, self.api.limits),
+            shape,
+            request_id=message_id,
+            model=chat.edge.model,
         )
-        job.model = chat.edge.model
-        job.tenant = g.get("tenant", "")
-        sock = request.environ.get("gunicorn.socket")
-        meta = Meta(message_id, int(time.time()), chat.edge.model, "")
-        generation = Generation(self.api.client, job, shape, meta, client_gone=lambda: socket_closed(sock)).start()
         head = {
             "id": message_id,
             "type": "message",
@@ -102,12 +95,7 @@ class Messages:
             body = generation.unary()
             answer = body["choices"][0]
             return {**head, **answer, "usage": _usage(body["usage"])}
-        bound_send_buffer(sock)
-        return Response(
-            self._sse(generation, shape, head),
-            mimetype="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return respond(self._sse(generation, shape, head), "text/event-stream")
 
     @staticmethod
     def _sse(generation: Generation, shape: MessageShape, head: dict) -> Iterator[str]:
@@ -151,31 +139,7 @@ class Messages:
             model=chat.edge.model,
             tenant=g.get("tenant", ""),
         )
-        return {"input_tokens": _prompt_tokens(self.api.client, job)}
-
-
-def _prompt_tokens(client: EngineClient, job: p.Job) -> int:
-    """The prompt's token count of a max_tokens 0 job (the engine answers Accepted, one finished chunk, End)."""
-    stream = client.open_job(job)
-    deadline = time.monotonic() + p.CALL_SECONDS
-    tokens = None
-    try:
-        while not stream.ended:
-            left = deadline - time.monotonic()
-            event = stream.next(left) if left > 0 else None
-            if event is None:
-                raise ApiError(503, f"the engine did not count the tokens within {p.CALL_SECONDS:g} s")
-            if isinstance(event, p.Failed):
-                raise ApiError(event.status, event.message, param=event.param, code=event.code)
-            if isinstance(event, p.Accepted):
-                tokens = sum(event.prompt_tokens)
-    except EngineUnavailable as exc:
-        raise ApiError(503, str(exc), code="engine_unavailable") from None
-    finally:
-        stream.close()
-    if tokens is None:
-        raise ApiError(500, "engine protocol error: expected Accepted")
-    return tokens
+        return {"input_tokens": prompt_tokens(self.api.client, job)}
 
 
 def _usage(usage: dict) -> dict:

@@ -20,9 +20,9 @@ import json
 import secrets
 from dataclasses import dataclass, field
 
-from appliance.openai_api.reasoning import ReasoningParser
-from appliance.openai_api.streaming import Choice
-from appliance.openai_api.tool_calls import ToolCall, ToolCallParser
+from appliance.api.generation import Choice
+from appliance.api.reasoning import ReasoningParser
+from appliance.api.tool_calls import ToolCall, ToolCallParser
 from appliance.outputs import TokenLogprob
 
 THINKING = {"type": "thinking", "thinking": "", "signature": ""}
@@ -88,7 +88,7 @@ class Blocks:
 
 @dataclass
 class MessageShape:
-    """The `Shape` (appliance/openai_api/streaming.py) of a Messages answer: `delta` returns Anthropic stream events
+    """The `Shape` (appliance/api/generation.py) of a Messages answer: `delta` returns Anthropic stream events
     (content_block_*), `choice` the message's content and stop fields. One choice: the Messages API has no `n`."""
 
     object = "message"

@@ -30,7 +30,7 @@ from appliance.settings import ServeSettings
 
 _settings = ServeSettings.load()
 
-wsgi_app = "appliance.openai_api.app:create_app()"
+wsgi_app = "appliance.wsgi.app:create_app()"
 bind = [f"[{_settings.host}]:{_settings.port}" if ":" in _settings.host else f"{_settings.host}:{_settings.port}"]
 workers = _settings.workers
 worker_class = "appliance.http.worker.EdgeWorker"  # gthread + edge timeouts (its docstring says why)

@@ -16,13 +16,13 @@ from typing import Any
 
 from flask import Blueprint
 
+from appliance.api.context import AppApi
+from appliance.api.embeddings import embedding_inputs, floats, json_response, run_encode
+from appliance.api.errors import ApiError
+from appliance.api.parsers import is_int
+from appliance.api.table import read_body
 from appliance.ollama_api.models import untagged
 from appliance.ollama_api.requests import body_json
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.embeddings import embedding_inputs, floats, json_response, run_encode
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.parsers import is_int
-from appliance.openai_api.validation import read_body
 from appliance.protocol import EncodeJob
 
 NS = 1_000_000_000

@@ -32,11 +32,11 @@ from flask import Blueprint, Response, g, request
 
 from appliance import auth, hub_names
 from appliance import protocol as p
+from appliance.api.context import AppApi
+from appliance.api.errors import ApiError
+from appliance.api.generation import respond, socket_closed
 from appliance.http.client import EngineUnavailable
 from appliance.ollama_api.requests import body_json
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.streaming import socket_closed
 
 # the worker's pid: the child stops when its parent is gone (appliance/pull/command.py)
 PARENT_ENV = "APPLIANCE_PULL_PARENT"
@@ -75,7 +75,7 @@ class PullRoutes:
         events = self._pull(ref, request.environ.get("gunicorn.socket"))
         if stream:  # Ollama's lines: the status `code` is for the unary answer only
             lines = (_line({k: v for k, v in event.items() if k != "code"}) for event in events)
-            return Response(lines, mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache"})
+            return respond(lines, "application/x-ndjson")
         last = collections.deque(events, maxlen=1)[0]  # the child's lines run to the end; the last one says how
         if "error" in last:
             raise ApiError(int(last.get("code") or 500), last["error"])

@@ -30,12 +30,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.api.context import json_body
+from appliance.api.errors import invalid
+from appliance.api.request import ChatRequest, CompletionRequest
 from appliance.keep_alive import parse_keep_alive
 from appliance.limits import Limits
-from appliance.openai_api.adapter import json_body
-from appliance.openai_api.chat import ChatRequest, parse_chat
-from appliance.openai_api.completions import CompletionRequest, parse_completion
-from appliance.openai_api.errors import invalid
+from appliance.openai_api.chat import parse_chat
+from appliance.openai_api.completions import parse_completion
 
 # Ollama option -> the OpenAI field it is
 SAMPLING_OPTIONS = {

@@ -18,19 +18,20 @@ import uuid
 
 from flask import Blueprint, Response, g, request
 
-from appliance import __version__, auth, error_shapes
+from appliance import auth, error_shapes
+from appliance.api.context import AppApi, error_handlers
+from appliance.api.errors import ApiError
+from appliance.api.generation import respond, start
+from appliance.api.request import chat_job, completion_job
 from appliance.ollama_api import embed as E
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull
 from appliance.ollama_api.requests import OllamaRequest, body_json, parse_ollama_chat, parse_ollama_generate, with_model
 from appliance.ollama_api.wire import NS, OllamaGeneration, Render
-from appliance.openai_api.adapter import AppApi, error_handlers
-from appliance.openai_api.chat import ChatShape, chat_job
-from appliance.openai_api.completions import CompletionShape, completion_job
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import Meta, bound_send_buffer, socket_closed
-from appliance.protocol import EngineStatus
+from appliance.openai_api.chat import ChatShape
+from appliance.openai_api.completions import CompletionShape
+from appliance.params import SamplingParams
+from appliance.protocol import EngineStatus, Job
 
 OLLAMA_VERSION = "0.13.0"  # the Ollama API this adapter follows (clients gate features on it)
 
@@ -76,46 +77,54 @@ class OllamaRoutes:
             req = dataclasses.replace(req, keep_alive=None)
         if req.load_only:  # Ollama: a request with nothing to say loads the model (keep_alive 0: unloads it)
             return self._load(req, served, render)
-        request_id = ("chatcmpl-" if req.chat is not None else "cmpl-") + uuid.uuid4().hex
-        g.request_id = request_id
         if req.chat is not None:
             chat_req = req.chat
             shape: ChatShape | CompletionShape = ChatShape.for_request(
                 chat_req, status.tool_parser, status.reasoning_parser
             )
-            params = to_sampling_params(chat_req.sampling, status.generation_defaults)
-            job = chat_job(chat_req, params, request_id, status.tool_parser, self.api.limits)
-            timeout = chat_req.edge.timeout
+            sampling, timeout, prefix = chat_req.sampling, chat_req.edge.timeout, "chatcmpl-"
+
+            def build(params: SamplingParams, request_id: str) -> Job:
+                return chat_job(chat_req, params, request_id, status.tool_parser, self.api.limits)
+
         else:
-            assert req.completion is not None
+            completion = req.completion
+            assert completion is not None
             shape = CompletionShape(False)
-            params = to_sampling_params(req.completion.sampling, status.generation_defaults)
-            job = completion_job(req.completion, params, request_id)
-            timeout = req.completion.edge.timeout
-        job.model = served
-        job.tenant = g.get("tenant", "")
-        job.keep_alive, job.context_window = req.keep_alive, req.num_ctx
-        sock = request.environ.get("gunicorn.socket")
-        meta = Meta(request_id, int(time.time()), served, f"appliance-{__version__}".lower())
-        generation = OllamaGeneration(
-            self.api.client, job, shape, meta, timeout=timeout, client_gone=lambda: socket_closed(sock)
+            sampling, timeout, prefix = completion.sampling, completion.edge.timeout, "cmpl-"
+
+            def build(params: SamplingParams, request_id: str) -> Job:
+                return completion_job(completion, params, request_id)
+
+        def make_job(params: SamplingParams, request_id: str) -> Job:
+            job = build(params, request_id)
+            job.keep_alive, job.context_window = req.keep_alive, req.num_ctx
+            return job
+
+        generation = start(
+            self.api.client,
+            status,
+            sampling,
+            make_job,
+            shape,
+            request_id=prefix + uuid.uuid4().hex,
+            model=served,
+            timeout=timeout,
+            generation=OllamaGeneration,
         )
-        generation.start()
+        assert isinstance(generation, OllamaGeneration)
         if not req.stream:
             return generation.ollama_unary(render)
-        bound_send_buffer(sock)
-        return Response(
-            generation.ndjson(render), mimetype="application/x-ndjson", headers={"Cache-Control": "no-cache"}
-        )
+        return respond(generation.ndjson(render), "application/x-ndjson")
 
     def _load(self, req: OllamaRequest, served: str, render: Render) -> dict:
         """Load (or, keep_alive 0, unload) the model and say so, as Ollama: done_reason "load" / "unload"."""
-        start = time.monotonic()
+        began = time.monotonic()
         reply = self.api.client.load(served, req.keep_alive)
         if reply.error is not None:
             raise ApiError(reply.error.status, reply.error.message, code=reply.error.code)
         unload = req.keep_alive == 0
-        seconds = 0.0 if unload else time.monotonic() - start
+        seconds = 0.0 if unload else time.monotonic() - began
         return {
             **render.body(""),
             "done": True,

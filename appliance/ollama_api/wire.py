@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from appliance.api.errors import ApiError
+from appliance.api.generation import ClientGone, Generation
 from appliance.ollama_api.requests import arguments_object
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.streaming import ClientGone, Generation
 
 NS = 1_000_000_000
 DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}

@@ -14,43 +14,24 @@ named): it comes last, with the arguments written so far and finish_reason "leng
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
-from appliance.limits import Limits
-from appliance.openai_api import fields as F
-from appliance.openai_api.errors import invalid
-from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
-from appliance.openai_api.streaming import Choice
-from appliance.openai_api.tool_calls import (
-    GrammarTooLong,
+from appliance.api.errors import invalid
+from appliance.api.generation import Choice
+from appliance.api.reasoning import ReasoningParser, split_reasoning
+from appliance.api.request import DEFAULT_TOOL_PARSER, ChatRequest, EdgeOptions, ToolChoice
+from appliance.api.table import read_body
+from appliance.api.tool_calls import (
     ToolCall,
     ToolCallParser,
     new_call_id,
     parse_tool_calls,
-    tool_grammar,
 )
-from appliance.openai_api.validation import OVMS, Dialect, EdgeOptions, check_queue, generation, read_body
+from appliance.limits import Limits
+from appliance.openai_api import fields as F
+from appliance.openai_api.validation import OVMS, Dialect, check_queue, generation
 from appliance.outputs import TokenLogprob
-from appliance.params import TOOL_CALL_FORMATS, SamplingParams
-from appliance.protocol import Job, PromptSpec
-
-DEFAULT_TOOL_PARSER = TOOL_CALL_FORMATS[0]  # an engine that names none (tool_prompt's default too)
-
-
-ToolChoice = Literal["none", "auto", "required", "named"]
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    edge: EdgeOptions
-    sampling: dict[str, Any]
-    messages: tuple[dict, ...]
-    # each {"type": "function", "function": {"name", "description"?, "parameters"?: JSON schema, "strict"?}}
-    tools: tuple[dict, ...] = ()
-    tool_choice: ToolChoice = "auto"  # "auto" when tools are given and tool_choice is not
-    tool_name: str | None = None  # tool_choice "named": the function that must be called
-    parallel_tool_calls: bool = True
 
 
 def parse_chat(body: Any, limits: Limits = Limits(), dialect: Dialect = OVMS) -> ChatRequest:
@@ -80,32 +61,6 @@ def parse_chat(body: Any, limits: Limits = Limits(), dialect: Dialect = OVMS) ->
         tool_name=name,
         parallel_tool_calls=values["parallel_tool_calls"] is not False,
     )
-
-
-def chat_job(
-    req: ChatRequest, params: SamplingParams, request_id: str, tool_parser: str = "", limits: Limits = Limits()
-) -> Job:
-    """The engine's job. tool_choice required / named: the output is calls only, constrained by the tools' grammar
-    (each call's arguments follow its tool's parameters schema). A response_format sent with it (agent frameworks
-    send both: an agent with an output type and a forced tool, as openai-agents and instructor's Responses mode do)
-    constrains text, and this turn writes none: it shapes the turn that answers in text (the client sends the tool
-    results back under tool_choice auto or none, whose grammar is the format), as OpenAI answers the pair. So the
-    tools' grammar replaces the format's here and no constraint on this output is lost."""
-    tools = list(req.tools) if req.tools and req.tool_choice != "none" else None
-    if tools and req.tool_choice in ("required", "named"):
-        named = req.tool_name if req.tool_choice == "named" else None
-        fmt = tool_parser or DEFAULT_TOOL_PARSER
-        try:
-            grammar = tool_grammar(
-                tools, fmt, parallel=req.parallel_tool_calls, name=named, max_chars=limits.grammar_chars
-            )
-        except GrammarTooLong as exc:
-            raise invalid(str(exc), "tools") from None
-        except ValueError as exc:
-            raise invalid(str(exc), "tool_choice") from None
-        params = replace(params, grammar=grammar)
-    spec = PromptSpec(messages=[dict(m) for m in req.messages], tools=tools)
-    return Job(request_id, [spec], params, n=req.edge.n)
 
 
 def _entry(token: str, logprob: float | None) -> dict:  # None only for a first prompt token

@@ -4,26 +4,16 @@ job it makes, and how its choices and chunks are spelled."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Any
 
+from appliance.api.errors import invalid
+from appliance.api.generation import Choice
+from appliance.api.request import CompletionRequest, EdgeOptions
+from appliance.api.table import read_body
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
-from appliance.openai_api.errors import invalid
-from appliance.openai_api.parsers import Prompt
-from appliance.openai_api.streaming import Choice
-from appliance.openai_api.validation import OVMS, Dialect, EdgeOptions, check_queue, generation, read_body
+from appliance.openai_api.validation import OVMS, Dialect, check_queue, generation
 from appliance.outputs import TokenLogprob
-from appliance.params import SamplingParams
-from appliance.protocol import Job, PromptSpec
-
-
-@dataclass(frozen=True)
-class CompletionRequest:
-    edge: EdgeOptions
-    sampling: dict[str, Any]  # SamplingParams attribute -> the request's value (unset ones absent; sampling.py)
-    prompts: tuple[Prompt, ...]
-    echo: bool = False
 
 
 def parse_completion(body: Any, limits: Limits = Limits(), dialect: Dialect = OVMS) -> CompletionRequest:
@@ -72,14 +62,6 @@ def _friendli(values: dict[str, Any], sampling: dict, limits: Limits) -> None:
     sampling["stop_token_sequences"] = tuple(ids for ids in stops if len(ids) > 1)
     if sampling.get("no_repeat_ngram", 0) <= 1:  # 0 and 1: off
         sampling.pop("no_repeat_ngram", None)
-
-
-def completion_job(req: CompletionRequest, params: SamplingParams, request_id: str) -> Job:
-    prompts = [PromptSpec(text=p) if isinstance(p, str) else PromptSpec(token_ids=list(p)) for p in req.prompts]
-    if req.echo and params.logprobs is not None:  # echo + logprobs: the echoed prompt's tokens get logprobs too
-        params = replace(params, prompt_logprobs=params.logprobs)
-    seeds = list(req.edge.seeds) if req.edge.seeds is not None else None  # Friendli: choice j's seed
-    return Job(request_id, prompts, params, n=req.edge.n, echo=req.echo, seeds=seeds)
 
 
 def logprobs_object(entries: list[TokenLogprob], offset: int, prompt: list[TokenLogprob] | None = None) -> dict:

@@ -18,24 +18,19 @@ maximum is cut at the end (Cohere and OVMS do the same).
 from __future__ import annotations
 
 import base64
-import sys
 import uuid
-from array import array
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-from flask import Flask, Response, g, request
+from flask import Flask
 
+from appliance.api.context import AppApi
+from appliance.api.embeddings import embedding_inputs, floats, json_response, run_encode
+from appliance.api.errors import invalid
+from appliance.api.parsers import is_int
+from appliance.api.table import read_body
 from appliance.limits import Limits
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.errors import ApiError, invalid
-from appliance.openai_api.parsers import is_int
-from appliance.openai_api.streaming import ClientGone, socket_closed
-from appliance.openai_api.validation import read_body
-from appliance.protocol import Encoded, EncodeJob, EngineStatus, Failed
-
-ENCODE_TIMEOUT = 600.0  # seconds a request waits for its answer (the largest allowed one takes ~20 s on 1 core)
+from appliance.protocol import Encoded, EncodeJob
 
 
 @dataclass(frozen=True)
@@ -64,29 +59,6 @@ def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"{name} must be a boolean", name)
     return value
-
-
-def embedding_inputs(
-    value: Any, limits: Limits, name: str = "input"
-) -> tuple[list[str] | None, list[list[int]] | None]:
-    """OpenAI's four `input` forms -> (texts, None) or (None, token id lists), bounded by `embedding_inputs`."""
-    if value is None:
-        raise invalid(f"{name} field is required", name)
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise invalid(f"{name} must be a non-empty string, list of strings, token ids or lists of token ids", name)
-    if all(is_int(t) for t in value):  # one input of token ids
-        value = [value]
-    if len(value) > limits.embedding_inputs:
-        raise invalid(f"{name} holds {len(value)} inputs, more than the limit of {limits.embedding_inputs}", name)
-    if all(isinstance(t, str) for t in value):
-        if any(not t for t in value):
-            raise invalid(f"{name} cannot contain an empty string", name)
-        return value, None
-    if all(isinstance(t, list) and t and all(is_int(i) and i >= 0 for i in t) for t in value):
-        return None, value
-    raise invalid(f"{name} must be a non-empty string, list of strings, token ids or lists of token ids", name)
 
 
 def parse_embeddings(body: Any, limits: Limits) -> EmbeddingsRequest:
@@ -136,36 +108,6 @@ def parse_rerank(body: Any, limits: Limits) -> RerankRequest:
         raise invalid("top_n must be an integer of at least 1", "top_n")
     job = EncodeJob("rerank-" + uuid.uuid4().hex, _model(body), "rerank", query=query, documents=texts)
     return RerankRequest(job, top_n, _bool(body.get("return_documents"), "return_documents"))
-
-
-def floats(vector: bytes) -> list[float]:
-    """float32 little-endian bytes -> Python floats."""
-    values = array("f", vector)
-    if sys.byteorder == "big":
-        values.byteswap()
-    return values.tolist()
-
-
-def run_encode(api: AppApi, job: EncodeJob) -> tuple[Encoded, EngineStatus]:
-    """The job's answer from the engine process (ApiError for its refusal, ClientGone when the client left)."""
-    status = api.ready_status(job.model, fresh=False)
-    g.request_id = job.request_id
-    sock = request.environ.get("gunicorn.socket")
-    reply = api.client.encode(job, ENCODE_TIMEOUT, lambda: socket_closed(sock))
-    if reply is None:
-        if socket_closed(sock):
-            raise ClientGone()
-        raise ApiError(503, "the request did not finish in time", code="timeout")
-    if isinstance(reply, Failed):
-        raise ApiError(reply.status, reply.message, param=reply.param, code=reply.code)
-    return reply, status
-
-
-def json_response(body: dict) -> Response:
-    """`body` as Flask's JSON response would be (compact, a trailing newline), encoded by orjson: a 384-float
-    vector took the standard library's encoder 0.24 ms (Python's shortest round-trip repr per float) against
-    0.017 ms, the same numbers (orjson writes each float's shortest round-trip form too)."""
-    return Response(orjson.dumps(body) + b"\n", mimetype="application/json")
 
 
 def embeddings_body(req: EmbeddingsRequest, answer: Encoded) -> dict:

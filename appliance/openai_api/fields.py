@@ -1,127 +1,42 @@
-"""The request fields, declared once: what validation.py checks and what docs/openapi.json's request schemas say.
+"""OpenAI's request fields, declared once: what api/table.py checks and what docs/openapi.json's request schemas say.
 
 Each `Field` names a JSON type, its bounds (numbers, or `Limits` field names so that a flag moves both the check and
-the document), the exact OVMS message of each failure, and the document's description. validation.py walks these
+the document), the exact OVMS message of each failure, and the document's description. api/table.py walks these
 tables in order (the order is the order of the checks, so of which message a body with several faults gets);
-appliance/openai_api/openapi.py writes the request schemas from them. Messages and descriptions are `str.format`
+appliance/wsgi/openapi.py writes the request schemas from them. Messages and descriptions are `str.format`
 templates over the `Limits` fields (and `name`: the field's own name).
 
 Fields whose value has structure (prompt, messages, stop, logit_bias, ...) are `custom`: their JSON schema is
 declared here, their check is the parser they name (parsers.py). A field's `param` is the `SamplingParams` attribute
-its value sets (builders default to the field's own name; `param=None`: an edge field) and `model_default` the
-generation_config.json key that fills it when unset: a new sampling parameter is its `Field` here and its
-`SamplingParams` attribute (tests/test_fields.py keeps the two in step). Rules across fields (stream and
-stream_options, n and best_of, echo and max_tokens, ...) are code in validation.py (shared) and the adapters
-completions.py and chat.py, and their JSON-schema form in
-openapi.py. No numpy here: HTTP workers import this.
+its value sets (builders default to the field's own name; `param=None`: an edge field); the generation_config.json
+key that fills it when unset is declared on that attribute (appliance/params.py `from_model`): a new sampling
+parameter is its `Field` here and its `SamplingParams` attribute (tests/test_fields.py keeps the two in step). The
+`Field` machinery and the walk are appliance/api/table.py (every client API's tables use them). Rules across fields
+(stream and stream_options, n and best_of, echo and max_tokens, ...) are code in validation.py and the adapters
+completions.py and chat.py, and their JSON-schema form in openapi.py. No numpy here: HTTP workers import this.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
 
+from appliance.api import parsers as P
+from appliance.api.parsers import GRAMMAR_ROOTS, TOKEN_ID_PATTERN, TOOL_NAME_PATTERN, UINT32_MAX
+from appliance.api.table import (
+    MODEL,
+    Bound,
+    Field,
+    Kind,
+    Max,
+    Min,
+    boolean,
+    custom,
+    ignored,
+    integer,
+    max_tokens,
+    number,
+)
 from appliance.limits import Limits
-from appliance.openai_api import parsers as P
-from appliance.openai_api.parsers import GRAMMAR_ROOTS, TOKEN_ID_PATTERN, TOOL_NAME_PATTERN, UINT32_MAX
-
-Kind = Literal["boolean", "integer", "number", "string", "any", "custom"]
-
-
-@dataclass(frozen=True)
-class Bound:
-    """One bound, checked in the order a field lists them. `value`: a number, or a `Limits` field name ("-penalty":
-    minus that field; a limit that is None is no bound). `message`: None means the field's type message."""
-
-    side: Literal["min", "max"]
-    value: int | float | str
-    message: str | None = None
-    exclusive: bool = False
-
-    def resolve(self, limits: Limits) -> int | float | None:
-        if not isinstance(self.value, str):
-            return self.value
-        sign, name = (-1, self.value[1:]) if self.value.startswith("-") else (1, self.value)
-        value = getattr(limits, name)
-        return None if value is None else sign * value
-
-
-def Min(value: int | float | str, message: str | None = None, *, exclusive: bool = False) -> Bound:  # noqa: N802
-    return Bound("min", value, message, exclusive)
-
-
-def Max(value: int | float | str, message: str | None = None, *, exclusive: bool = False) -> Bound:  # noqa: N802
-    return Bound("max", value, message, exclusive)
-
-
-SAME = "="  # `Field.param`'s default: the SamplingParams attribute of the field's own name
-
-
-@dataclass(frozen=True)
-class Field:
-    """One request field. A JSON null means "not set" (optional fields) or missing (`required` ones).
-
-    `param`: the `SamplingParams` attribute the field's value sets, by default the one of its own name (None: an
-    edge field, read by the app or by a rule across fields); validation.py passes every set value to it,
-    appliance/openai_api/sampling.py builds the `SamplingParams`. `model_default`: the generation_config.json key
-    that supplies the value a request leaves unset (None: the dataclass default)."""
-
-    name: str
-    kind: Kind
-    message: str = ""  # wrong type (and any failed bound without a message of its own)
-    bounds: tuple[Bound, ...] = ()
-    also: tuple[int, ...] = ()  # values accepted outside the bounds (top_k: -1)
-    required: str | None = None  # the message when missing; None: optional
-    description: str = ""
-    schema: Callable[[Limits], dict] | None = None  # custom fields: the JSON schema (nullable added if optional)
-    parse: P.Parser | None = None  # custom fields: the check (parsers.py)
-    param: str | None = SAME
-    model_default: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.param == SAME:
-            object.__setattr__(self, "param", self.name)
-
-    def text(self, template: str, limits: Limits) -> str:
-        return template.format(name=self.name, **vars(limits))
-
-
-# the builders: `options` are Field's keyword arguments (param, model_default, ...)
-def boolean(name: str, message: str, description: str = "", **options: Any) -> Field:
-    return Field(name, "boolean", message, description=description, **options)
-
-
-def integer(name: str, message: str, *bounds: Bound, **options: Any) -> Field:
-    return Field(name, "integer", message, bounds, **options)
-
-
-def number(name: str, *bounds: Bound, message: str = "{name} is not a valid number", **options: Any) -> Field:
-    return Field(name, "number", message, bounds, **options)
-
-
-def custom(name: str, schema: Callable[[Limits], dict], description: str = "", **options: Any) -> Field:
-    return Field(name, "custom", description=description, schema=schema, **options)
-
-
-def ignored(name: str) -> Field:
-    return Field(name, "any", description="Accepted and ignored.", param=None)
-
-
-def max_tokens(name: str, *, positive: bool, description: str, param: str = SAME) -> Field:
-    """max_tokens (completions: 0 allowed with echo) and chat's max_tokens / max_completion_tokens (at least 1)."""
-    zero = (Min(1, "{name} value should be greater than 0"),) if positive else ()
-    return integer(
-        name,
-        "{name} is not an unsigned integer",
-        Min(0),
-        Max(UINT32_MAX),
-        Max("max_tokens", "{name} exceeds limit provided in graph config: {max_tokens}"),
-        *zero,
-        description=description,
-        param=param,
-    )
-
 
 # ---------------------------------------------------------------- schemas of the structured fields
 
@@ -329,14 +244,6 @@ def _seeds(limits: Limits) -> dict:
 
 # ---------------------------------------------------------------- the tables (check order)
 
-MODEL = Field(
-    "model",
-    "string",
-    "model is not a string",
-    required="model missing in request",
-    description="The served model name (`GET /v3/models`); another name gets 404 `model_not_found`.",
-    param=None,
-)
 MAX_TOKENS_TEXT = (
     "Generated tokens at most (unsigned 32-bit). Also bounded by `--max-tokens-limit` (400 above it) "
     "and by the model's context: prompt + max_tokens over it is a 400 \"Number of prompt tokens: X + "
@@ -449,7 +356,6 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "repetition_penalty",
             OPEN,
             Max("repetition_penalty", "repetition_penalty out of range(0.0, {repetition_penalty}]"),
-            model_default="repetition_penalty",
         ),
         number(
             "length_penalty",
@@ -457,7 +363,6 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             Max("length_penalty", "length_penalty out of range(-{length_penalty}, {length_penalty})"),
             description="Beam search (`best_of` > 1): the score of a finished beam is divided by its length to "
             "this power (transformers' `length_penalty`). Default 1.",
-            model_default="length_penalty",
         ),
         number(
             "temperature",
@@ -465,19 +370,16 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             Max("temperature", "temperature out of range(0.0, {temperature})"),
             description="0 = greedy. Default: the model's generation_config.json (sampling only with do_sample), "
             "else 0.",
-            model_default="temperature",
         ),
         number(
             "top_p",
             Min(0, "top_p out of range(0.0, 1.0)"),
             Max(1, "top_p out of range(0.0, 1.0)"),
-            model_default="top_p",
         ),
         number(
             "min_p",
             Min(0, "min_p out of range [0.0, 1.0)"),
             Max(1, "min_p out of range [0.0, 1.0)", exclusive=True),
-            model_default="min_p",
         ),
         number(
             "typical_p",
@@ -487,7 +389,6 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             "`typical_p`): keep the tokens whose surprisal is closest to the entropy of the next-token "
             "distribution until they hold this much of its probability, after temperature, top_k, top_p and "
             "min_p (transformers' order). 1 = off (the default); sampling only.",
-            model_default="typical_p",
         ),
         integer(
             "top_k",
@@ -496,7 +397,6 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             Max(UINT32_MAX, "top_k must be -1 (all tokens) or a positive integer"),
             also=(-1,),
             description="-1 = all tokens. Sampling with no top_k from the request or the model uses 40 (OVMS).",
-            model_default="top_k",
         ),
         seed,
         custom(
@@ -529,7 +429,6 @@ def generation(max_tokens_fields: tuple[Field, ...], seed: Field = SEED) -> tupl
             also=(-1,),
             description="Stop tokens (EOS, `stop_token_ids`) are masked until this many tokens. -1 (Cerebras): "
             "until `max_tokens`, or without it the end of the context.",
-            model_default="min_new_tokens",
         ),
         custom(
             "logit_bias",

@@ -31,11 +31,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from appliance.api.errors import ApiError, invalid
+from appliance.api.parsers import is_int
+from appliance.api.request import ChatRequest
+from appliance.api.table import read_body
 from appliance.limits import Limits
-from appliance.openai_api.chat import ChatRequest, parse_chat
-from appliance.openai_api.errors import ApiError, invalid
-from appliance.openai_api.parsers import is_int
-from appliance.openai_api.validation import read_body
+from appliance.openai_api.chat import parse_chat
 
 # Fields read here; the rest of a body is refused (ACCEPTED_IGNORED: read and dropped).
 FIELDS = (

@@ -15,18 +15,18 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flask import Flask, Response, g, request
+from flask import Flask, Response, request
 
-from appliance import __version__, auth, paths
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.chat import ChatShape, chat_job
-from appliance.openai_api.errors import ApiError, invalid
+from appliance import auth, paths
+from appliance.api.context import AppApi
+from appliance.api.errors import ApiError, invalid
+from appliance.api.generation import ClientGone, Generation, respond, start
+from appliance.api.request import chat_job
+from appliance.openai_api.chat import ChatShape
 from appliance.openai_api.response_store import ResponseStore
 from appliance.openai_api.responses import (
     ResponseEvents,
@@ -37,8 +37,8 @@ from appliance.openai_api.responses import (
     response_base,
     usage,
 )
-from appliance.openai_api.sampling import to_sampling_params
-from appliance.openai_api.streaming import ClientGone, Generation, Meta, bound_send_buffer, socket_closed
+from appliance.params import SamplingParams
+from appliance.protocol import Job
 
 log = logging.getLogger("appliance.http")
 
@@ -62,7 +62,7 @@ class ResponsesApi:
         return auth.tenant_id(header)
 
     # ---- POST /v3/responses
-    def create(self):
+    def create(self) -> Response | dict:
         api = self.api
         body = api.json_body()
         owner = self.owner()
@@ -93,33 +93,29 @@ class ResponsesApi:
             )
         shape = ChatShape.for_request(req.chat, status.tool_parser, status.reasoning_parser)
         response_id = new_id("resp")
-        g.request_id = response_id
-        params = to_sampling_params(req.chat.sampling, status.generation_defaults)
-        job = chat_job(req.chat, params, "resp-" + uuid.uuid4().hex, status.tool_parser, api.limits)
-        job.model, job.tenant = req.chat.edge.model, g.get("tenant", "")
-        job.prompts[0].thinking = req.thinking  # reasoning.effort: the template's thinking switch
-        sock = request.environ.get("gunicorn.socket")
-        meta = Meta(
-            response_id,
-            int(time.time()),
-            req.chat.edge.model,
-            f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower(),
+
+        def make_job(params: SamplingParams, request_id: str) -> Job:
+            job = chat_job(req.chat, params, request_id, status.tool_parser, api.limits)
+            job.prompts[0].thinking = req.thinking  # reasoning.effort: the template's thinking switch
+            return job
+
+        generation = start(
+            api.client,
+            status,
+            req.chat.sampling,
+            make_job,
+            shape,
+            request_id=response_id,  # the body's id, X-Request-Id and the engine job's: one id in every log
+            model=req.chat.edge.model,
+            timeout=req.chat.edge.timeout,
         )
-        generation = Generation(
-            api.client, job, shape, meta, timeout=req.chat.edge.timeout, client_gone=lambda: socket_closed(sock)
-        ).start()
-        events = ResponseEvents(response_base(req, response_id, req.chat.edge.model, params))
+        events = ResponseEvents(response_base(req, response_id, req.chat.edge.model, generation.job.params))
         if not req.chat.edge.stream:
             final: dict = {}
             for event in self._run(generation, events, req, owner):
                 final = event
             return final["response"]
-        bound_send_buffer(sock)
-        return Response(
-            self._sse(generation, events, req, owner),
-            mimetype="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return respond(self._sse(generation, events, req, owner), "text/event-stream")
 
     def _run(self, generation: Generation, events: ResponseEvents, req: ResponsesRequest, owner: str) -> Iterator[dict]:
         """Every event of the response, the last one response.completed / response.incomplete (after the store's

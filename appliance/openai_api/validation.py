@@ -1,41 +1,28 @@
-"""Request bodies -> typed, validated requests, once, at the edge. Nothing downstream re-checks them.
-
-Rules and messages follow OVMS (see docs/serving.md); where the appliance goes further (logprobs 0..20 and in
-streaming, prompt lists and token ids, n > 1) the messages keep OVMS's style. A JSON null means "not set" for
-every optional field. Unknown fields are accepted and reported in `unknown` (the app logs them at debug).
-
-Every bound comes from `appliance.limits.Limits`, and every bad input is a 400 here, never an exception further
-down: one walk over the parsed body refuses strings that are not valid Unicode (a lone surrogate would fail in the
-tokenizer, engine-side) and nesting deeper than `Limits.depth`; numbers too large for a float are refused as
-numbers; chat messages keep only the fields a chat template may use, each of a known type.
-
-Which fields there are, their types, bounds, messages, parsers and the `SamplingParams` attribute each sets are
-declared in appliance/openai_api/fields.py (which also writes docs/openapi.json's request schemas); this module walks
-those tables (`read_body`) and keeps the rules across fields that completions and chat share (`generation`,
-`check_queue`); each API's adapter (completions.py, chat.py) adds its own and builds its request, so adding an API
-is adding a module. A generation request comes out as `EdgeOptions` (what the app reads) and `sampling`, the set
-values by `SamplingParams` attribute; appliance/openai_api/sampling.py adds the model's defaults and builds the
-`SamplingParams`.
+"""OpenAI's rules across the fields of a generation request (completions and chat share them; fields.py declares
+the fields themselves and appliance/api/table.py walks them): n and best_of, grammar_root and response_format,
+speculation, min_tokens -1, the stop-string default of each `Dialect`, and the queue check. Rules and messages
+follow OVMS (see docs/serving.md); where the appliance goes further (logprobs 0..20 and in streaming, prompt lists
+and token ids, n > 1) the messages keep OVMS's style. A generation request comes out as `EdgeOptions`' keyword
+arguments (what the app reads) and `sampling`, the set values by `SamplingParams` attribute;
+appliance/api/sampling.py adds the model's defaults and builds the `SamplingParams`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from appliance.api.errors import invalid
+from appliance.api.table import Field, read_body, sampling_values
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
-from appliance.openai_api.errors import invalid
-from appliance.openai_api.parsers import finite, is_int
 
 __all__ = [
     "Limits",
     "Dialect",
     "OVMS",
     "OPENAI",
-    "EdgeOptions",
     "TokenizeRequest",
-    "read_body",
     "generation",
     "check_queue",
     "parse_tokenize",
@@ -60,20 +47,6 @@ OPENAI = Dialect("openai", stream_keeps_stop=False)
 
 
 @dataclass(frozen=True)
-class EdgeOptions:
-    """What the app itself reads of a generation request (the rest is `sampling`, for the engine)."""
-
-    model: str
-    stream: bool = False
-    include_usage: bool = False
-    timeout: float | None = None  # seconds; past it the request is cancelled and answered 429
-    n: int = 1  # choices per prompt (sampling: n sequences; beam search: SamplingParams.n of one search)
-    seeds: tuple[int, ...] | None = None  # Friendli: one seed per choice (len n)
-    return_raw_tokens: bool = False  # Cerebras: each choice also carries its token ids (`tokens`)
-    unknown: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class TokenizeRequest:
     model: str
     prompts: tuple[str, ...]
@@ -81,123 +54,10 @@ class TokenizeRequest:
 
 
 # ---------------------------------------------------------------- field readers
-
-
-@dataclass
-class _Body:
-    """A JSON object; null reads as absent; remembers which fields were read (the rest are `unknown`)."""
-
-    data: dict
-    seen: set = field(default_factory=set)
-
-    def raw(self, name: str) -> Any:
-        self.seen.add(name)
-        return self.data.get(name)
-
-    def unknown(self) -> tuple[str, ...]:
-        return tuple(sorted(set(self.data) - self.seen))
-
-
-def _object(body: Any, limits: Limits) -> _Body:
-    if not isinstance(body, dict):
-        raise invalid("Received json is not an object")
-    _check_tree(body, limits.depth)
-    return _Body(body)
-
-
-def _check_tree(body: dict, max_depth: int) -> None:
-    """One walk over the parsed body (iterative: no recursion to exhaust): every string, keys included, must encode
-    as UTF-8 (JSON's \\ud800 escapes decode to lone surrogates, which no tokenizer takes), and objects and arrays
-    nest at most `max_depth` deep (the body itself is level 1). The error names the top-level field at fault."""
-    for name, value in body.items():
-        stack = [(name, 2), (value, 2)]
-        while stack:
-            item, depth = stack.pop()
-            if isinstance(item, str):
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise invalid(
-                        f"{name} contains a string that is not valid Unicode (a lone surrogate)", name
-                    ) from None
-            elif isinstance(item, (dict, list)):
-                if depth > max_depth:
-                    raise invalid(f"{name} nests objects and arrays deeper than {max_depth} levels", name)
-                if isinstance(item, dict):
-                    stack.extend((k, depth + 1) for k in item)
-                    stack.extend((v, depth + 1) for v in item.values())
-                else:
-                    stack.extend((v, depth + 1) for v in item)
-
-
-# ---------------------------------------------------------------- the table walk
-
-
-def _read(b: _Body, table: tuple[F.Field, ...], limits: Limits) -> dict[str, Any]:
-    """Every field of `table`, in its order, checked alone (custom ones by their parser): name -> value (None: not
-    set)."""
-    out: dict[str, Any] = {}
-    for f in table:
-        value = b.raw(f.name)
-        if value is None:
-            if f.required:
-                raise invalid(f.required, f.name)
-            out[f.name] = None
-        elif f.parse is not None:
-            out[f.name] = f.parse(value, limits, out)
-        else:
-            out[f.name] = _scalar(f, value, limits)
-    return out
-
-
-def _scalar(f: F.Field, value: Any, limits: Limits) -> Any:
-    """A boolean, string, integer or number field's value, checked against its type and bounds in their order."""
-    if f.kind == "any":
-        return value
-    if f.kind == "number":
-        value = finite(value)
-        ok = value is not None
-    else:
-        ok = (
-            isinstance(value, bool)
-            if f.kind == "boolean"
-            else isinstance(value, str)
-            if f.kind == "string"
-            else is_int(value)
-        )
-    if not ok:
-        raise invalid(f.text(f.message, limits), f.name)
-    if value in f.also:  # top_k: -1
-        return value
-    for bound in f.bounds:
-        edge = bound.resolve(limits)
-        if edge is None:
-            continue
-        outside = value < edge if bound.side == "min" else value > edge
-        if outside or (bound.exclusive and value == edge):
-            raise invalid(f.text(bound.message or f.message, limits), f.name)
-    return value
-
-
-def read_body(body: Any, table: tuple[F.Field, ...], limits: Limits) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """A JSON body's fields of `table`, each checked alone (name -> value, None: not set), and the names of its
-    other fields (`unknown`)."""
-    b = _object(body, limits)
-    values = _read(b, table, limits)
-    return values, b.unknown()
-
-
 # ---------------------------------------------------------------- shared rules
 
 
-def _sampling(values: dict[str, Any], table: tuple[F.Field, ...]) -> dict[str, Any]:
-    """The set values of the fields that set a SamplingParams attribute (`Field.param`), by attribute; where two
-    fields set one attribute, the later in the table wins (chat's max_completion_tokens over max_tokens) unless a
-    rule refused both."""
-    return {f.param: values[f.name] for f in table if f.param is not None and values[f.name] is not None}
-
-
-def generation(values: dict[str, Any], table: tuple[F.Field, ...], dialect: Dialect = OVMS) -> tuple[dict, dict]:
+def generation(values: dict[str, Any], table: tuple[Field, ...], dialect: Dialect = OVMS) -> tuple[dict, dict]:
     """(EdgeOptions' keyword arguments, the sampling values) from the fields read, once the rules across fields
     hold (the endpoint-specific ones are checked by callers); unset fields whose default differs by API get
     `dialect`'s."""
@@ -233,7 +93,7 @@ def generation(values: dict[str, Any], table: tuple[F.Field, ...], dialect: Dial
         )
     if values.get("early_stopping") and not beam:
         raise invalid("early_stopping needs beam search (num_beams or best_of above 1)", "early_stopping")
-    sampling = _sampling(values, table)
+    sampling = sampling_values(values, table)
     if not beam:  # sampling: the n choices are n sequences (Engine.submit_prompts); beam search: one search's n best
         sampling.pop("n", None)
         sampling.pop("best_of", None)

@@ -14,7 +14,7 @@ rejected: its Python package requires torch, transformers and triton, which the 
   A schema's own "x-guidance" options still override these (they are defaults, not overrides). Unknown keywords
   are refused, not ignored (llguidance's lenient mode is off): a constraint is implemented or refused. A Lark
   grammar's `%json {...}` gets llguidance's flexible layout unless that schema carries the same "x-guidance"
-  (openai_api/tool_calls.py's does).
+  (api/tool_calls.py's does).
 - Regexes: Rust regex syntax, fullmatched; \d means [0-9] (as in JSON schema patterns: the Unicode class let
   the default model write "🯸🯸🯸-🯸🯸🯸🯸" for \d{3}-\d{4}), \w and \s stay Unicode.
 - `apply_grammar_masks`: each grammar row's bitmask, filled one matcher after another (16 rows mid-JSON on the

@@ -33,8 +33,8 @@ from pathlib import Path
 from flask import Blueprint, Response
 
 from appliance import __version__, cpu_isa
-from appliance.openai_api.adapter import AppApi
-from appliance.openai_api.errors import ApiError
+from appliance.api.context import AppApi
+from appliance.api.errors import ApiError
 from appliance.settings import AUTHKEY_FILE
 
 # The files of the page: name -> mimetype. A fixed table, so no request path ever reaches the file system.
@@ -60,7 +60,7 @@ PAGE_HEADERS = {
 
 
 def is_public(path: str) -> bool:
-    """The page's own files: served without an API key (appliance/openai_api/app.py `authorize`)."""
+    """The page's own files: served without an API key (appliance/api/context.py `AppApi.authorize`)."""
     return path in PUBLIC_PATHS
 
 

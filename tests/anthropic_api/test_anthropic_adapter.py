@@ -12,9 +12,9 @@ import pytest
 
 from appliance.anthropic_api.request import parse_messages
 from appliance.anthropic_api.shape import MessageShape
+from appliance.api.errors import ApiError
+from appliance.api.generation import Choice
 from appliance.limits import Limits
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.streaming import Choice
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}

@@ -16,10 +16,10 @@ from dataclasses import fields
 import pytest
 
 from appliance.anthropic_api.request import parse_messages
+from appliance.api.errors import ApiError
 from appliance.limits import Limits
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.openapi import DOC_PATH, document
 from appliance.openai_api.responses import parse_responses
+from appliance.wsgi.openapi import DOC_PATH, document
 
 # the adapters' own group in Limits (the fields from the first to the last of these, in declaration order)
 OWN_FIRST, OWN_LAST = "content_parts", "input_items_page"

@@ -17,11 +17,12 @@ import openai
 import pytest
 import requests
 
+from appliance.api.errors import ApiError
+from appliance.api.request import chat_job
+from appliance.api.sampling import to_sampling_params
 from appliance.limits import Limits
-from appliance.openai_api.chat import chat_job, parse_chat
+from appliance.openai_api.chat import parse_chat
 from appliance.openai_api.completions import parse_completion
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.validation import OPENAI, OVMS
 from appliance.params import Grammar
 from tests.helpers import sse_events, wait_idle
@@ -152,7 +153,7 @@ def test_optional_numbers_convert_to_their_type():
 def test_sampling_conversions_follow_the_annotation_not_its_spelling():
     from typing import Literal, Optional
 
-    from appliance.openai_api.sampling import _converter
+    from appliance.api.sampling import _converter
 
     for hint in (float | None, Optional[float], typing_union_float_none()):  # noqa: UP045 (the spelling is the point)
         assert _converter(hint)(2) == 2.0 and type(_converter(hint)(2)) is float and _converter(hint)(None) is None

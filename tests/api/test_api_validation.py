@@ -7,11 +7,11 @@ from dataclasses import fields
 
 import pytest
 
+from appliance.api.errors import ApiError
+from appliance.api.sampling import to_sampling_params
 from appliance.openai_api import fields as F
 from appliance.openai_api.chat import parse_chat
 from appliance.openai_api.completions import parse_completion
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.sampling import to_sampling_params
 from appliance.openai_api.validation import Limits, parse_tokenize
 
 MODEL = "m"
@@ -569,8 +569,8 @@ class StubEngine:
 
 
 def edge(engine: StubEngine, **settings):
-    from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     app = create_app(ServeSettings(model_dir="unused", served_model_name=MODEL, model_created=1, **settings), engine)
     return app.test_client()

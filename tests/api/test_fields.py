@@ -2,22 +2,22 @@
 is written in those two places, and this test says when one of them is missing.
 
 Every `Field.param` names a `SamplingParams` attribute; every attribute a request can set has a `Field` (the
-engine-only ones are listed here, with why); every `model_default` names a field that sets an attribute; every
-structured field carries its parser.
+engine-only ones are listed here, with why); every model default (params.py `from_model`) is on an attribute a
+field sets; every structured field carries its parser.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from appliance.api.sampling import MODEL_DEFAULTS, to_sampling_params
 from appliance.openai_api import fields as F
-from appliance.openai_api.sampling import MODEL_DEFAULTS, to_sampling_params
 from appliance.params import SamplingParams
 
 TABLES = {"completions": F.COMPLETION, "chat": F.CHAT, "tokenize": F.TOKENIZE}
 # SamplingParams attributes no request field sets directly
 ENGINE_ONLY = {
-    "prompt_logprobs": "completions echo + logprobs (completions.completion_job)",
+    "prompt_logprobs": "completions echo + logprobs (api/request.completion_job)",
     "min_tokens_to_limit": "min_tokens -1 (validation._generation)",
     "prediction_ids": "prediction tokenized engine-side (Engine.prepare)",
     "cache_scope": "the API key's prefix-cache namespace (engine side)",
@@ -41,7 +41,8 @@ def test_structured_fields_carry_their_parser_and_defaults_name_a_param():
     for fields in TABLES.values():
         for f in fields:
             assert (f.kind == "custom") == (f.parse is not None), f.name
-            assert f.model_default is None or f.param is not None, f.name
+    settable = {f.param for fields in TABLES.values() for f in fields if f.param is not None}
+    assert set(MODEL_DEFAULTS) <= settable, set(MODEL_DEFAULTS) - settable
     assert MODEL_DEFAULTS["min_tokens"] == "min_new_tokens"
 
 

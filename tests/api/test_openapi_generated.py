@@ -9,13 +9,13 @@ import json
 
 import pytest
 
+from appliance.api.errors import ApiError
 from appliance.limits import Limits
 from appliance.openai_api import fields as F
 from appliance.openai_api.chat import parse_chat
 from appliance.openai_api.completions import parse_completion
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.openapi import DOC_PATH, document, render, request_schema
 from appliance.openai_api.validation import parse_tokenize
+from appliance.wsgi.openapi import DOC_PATH, document, render, request_schema
 
 PARSE = {"CompletionRequest": parse_completion, "ChatCompletionRequest": parse_chat, "TokenizeRequest": parse_tokenize}
 BASE = {
@@ -82,10 +82,10 @@ INTEGRAL_FLOATS = (1.0, 2.0, 10.0, -10.0, -2.0)
 
 
 def test_document_is_what_the_generator_writes():
-    """Regenerate with `python -m appliance.openai_api.openapi` when this fails."""
+    """Regenerate with `python -m appliance.wsgi.openapi` when this fails."""
     text = DOC_PATH.read_text()
     assert text == render(document(json.loads(text))), (
-        "docs/openapi.json is stale: run python -m appliance.openai_api.openapi"
+        "docs/openapi.json is stale: run python -m appliance.wsgi.openapi"
     )
 
 

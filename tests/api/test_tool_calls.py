@@ -9,15 +9,15 @@ from dataclasses import replace
 
 import pytest
 
+from appliance.api import tool_calls
+from appliance.api.errors import ApiError
+from appliance.api.generation import Choice
+from appliance.api.parsers import inline_one_of_refs, response_format
+from appliance.api.reasoning import ReasoningParser, split_reasoning
+from appliance.api.request import ChatRequest, EdgeOptions, chat_job
+from appliance.api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
 from appliance.limits import Limits
-from appliance.openai_api import tool_calls
-from appliance.openai_api.chat import ChatRequest, ChatShape, chat_job
-from appliance.openai_api.errors import ApiError
-from appliance.openai_api.parsers import inline_one_of_refs, response_format
-from appliance.openai_api.reasoning import ReasoningParser, split_reasoning
-from appliance.openai_api.streaming import Choice
-from appliance.openai_api.tool_calls import FORMATS, ToolCall, ToolCallParser, parse_tool_calls, tool_grammar
-from appliance.openai_api.validation import EdgeOptions
+from appliance.openai_api.chat import ChatShape
 from appliance.params import Grammar, SamplingParams
 from appliance.runtime.grammar import JSON_OPTIONS
 from appliance.server import tool_prompt

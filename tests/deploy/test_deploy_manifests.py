@@ -28,10 +28,11 @@ import yaml
 from referencing import Registry, Resource
 
 from appliance import __version__, cli, options
+from appliance.api.context import OPEN_PATHS
 from appliance.http.client import EngineClient
-from appliance.openai_api.app import OPEN_PATHS, create_app
 from appliance.server.metrics import ServerMetrics
 from appliance.settings import ServeSettings
+from appliance.wsgi.app import create_app
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())  # the oldest still-supported k3s line, the newest

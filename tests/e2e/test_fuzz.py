@@ -97,8 +97,8 @@ def test_openapi_paths_are_the_routes_the_app_serves():
     """Every route of the Flask app's OpenAI/OVMS API is documented with its methods, and nothing else is (no server
     needed: the app is built with no engine client, which route registration never touches). The other client APIs
     are blueprints: Anthropic's Messages routes are in the document too, Ollama's in docs/ollama.md."""
-    from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     app = create_app(ServeSettings(model_dir="unused", served_model_name="m", model_created=1), client=object())
     served = {

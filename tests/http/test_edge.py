@@ -24,8 +24,8 @@ import time
 import pytest
 import requests
 
+from appliance.api.generation import socket_closed
 from appliance.http.edge import chunked_end, parse_head, without_expect
-from appliance.openai_api.streaming import socket_closed
 from tests.helpers import Server, one_worker_server, wait_until
 
 THREADS = 6

@@ -247,8 +247,8 @@ def test_every_post_route_that_makes_the_engine_work_is_counted_and_no_other():
     """The app's own routes against the edge's list: every POST route that reaches the engine's models (a
     generation, an encoder pass, a tokenization) is counted, at every prefix; the admin routes and Ollama's
     /api/show (no engine work) are not."""
-    from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     app = create_app(ServeSettings(model_dir="unused", served_model_name="m", model_created=1), client=object())  # type: ignore[arg-type]
     no_engine_work = {"/v1/config/reload", "/api/pull", "/api/show", "/api/<path:rest>"}

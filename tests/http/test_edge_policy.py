@@ -140,9 +140,9 @@ def test_http_metric_labels_come_from_fixed_sets():
 
 
 def test_every_route_of_the_app_is_a_known_metric_route(tmp_path):
-    from appliance.openai_api.app import create_app
     from appliance.server.metrics import ROUTES
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     settings = ServeSettings(model_dir="m", served_model_name="m", model_created=0, runtime_dir=str(tmp_path))
     app = create_app(settings, client=object())  # type: ignore[arg-type]

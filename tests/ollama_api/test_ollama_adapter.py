@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from appliance.api.errors import ApiError
 from appliance.limits import Limits
 from appliance.ollama_api.requests import parse_ollama_chat, parse_ollama_generate
 from appliance.ollama_api.wire import Render
-from appliance.openai_api.errors import ApiError
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -163,8 +163,8 @@ def test_the_last_line_spells_each_finish_as_ollama_does(finish, done_reason):
 
 
 def test_routes_need_the_key(tmp_path):
-    from appliance.openai_api.app import create_app
     from appliance.settings import ServeSettings
+    from appliance.wsgi.app import create_app
 
     keys = tmp_path / "keys"
     keys.write_text("secret-key-0123456789\n")

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from appliance.api.errors import ApiError
 from appliance.limits import Limits
-from appliance.openai_api.errors import ApiError
 from appliance.openai_api.response_store import ResponseStore
 from appliance.openai_api.responses import ResponseEvents, parse_responses
 
@@ -144,8 +144,8 @@ def test_reasoning_a_model_cannot_honour_is_a_400(reasoning, param):
 def test_a_thought_comes_out_as_a_reasoning_item():
     """The chat shape with the `think` reasoning parser, fed as the engine streams (tags split across chunks):
     the thought is a reasoning item before the message, in the stream and in the final output alike."""
+    from appliance.api.generation import Choice
     from appliance.openai_api.chat import ChatShape
-    from appliance.openai_api.streaming import Choice
 
     req = parse_responses(
         {"model": M, "input": "x", "reasoning": {"effort": "high"}}, Limits(), reasoning_parser="think"
@@ -256,7 +256,7 @@ def test_the_effort_reaches_the_chat_template(model_dir, effort, empty_thought):
     it to the template as `enable_thinking`: a Qwen3-style template then writes an empty thought into the prompt."""
     from types import SimpleNamespace
 
-    from appliance.openai_api.chat import chat_job
+    from appliance.api.request import chat_job
     from appliance.params import SamplingParams
     from appliance.runtime.tokenizer import Tokenizer
     from appliance.server.prompts import prompt_ids

@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from appliance import protocol as p
+from appliance.api.generation import Generation, Meta
 from appliance.openai_api.completions import CompletionShape
-from appliance.openai_api.streaming import Generation, Meta
 from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
 from appliance.server.metrics import ServerMetrics

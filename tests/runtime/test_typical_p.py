@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import requests
 
+from appliance.api.sampling import to_sampling_params
 from appliance.openai_api.completions import parse_completion
-from appliance.openai_api.sampling import to_sampling_params
 from appliance.params import SamplingParams
 from appliance.runtime.sampling import SequenceSampler, _typical, sample_batch
 from tests.helpers import Server, one_torch_thread

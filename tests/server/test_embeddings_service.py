@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from appliance import protocol as p
+from appliance.api.embeddings import floats
 from appliance.limits import Limits
-from appliance.openai_api.embeddings import floats
 from appliance.server.encoders.embeddings import EncodeFailed, EncoderService
 
 DIM = 8

@@ -1,12 +1,14 @@
 """A request's sampling values -> `SamplingParams`: the request's value, else the model's generation_config.json
-(the key its `Field.model_default` names), else the dataclass default.
+(the key the attribute's `from_model` names, appliance/params.py: one declaration for every client API), else the
+dataclass default.
 
-validation.py gives each request's values by `SamplingParams` attribute (`Field.param`, its own rules across fields
-already applied: beam n / best_of, min_tokens -1, include_stop_str_in_output defaulting to `stream`); what depends on
-the model stays as code here: generation_config.json only makes sampling the default when it says
-`do_sample: true` (as in Hugging Face), and a request that samples with no top_k from request or model gets OVMS's
-top_k 40 (HF writes top_k 0 for "disabled"). Values are converted to the attribute's type (tuples to lists, pairs to
-a dict, ints to floats) by its annotation, so a new field needs no line here.
+Each adapter gives a request's values by `SamplingParams` attribute (`Field.param` via api/table.py's
+`sampling_values`, its own rules across fields already applied, e.g. appliance/openai_api/validation.py's: beam n /
+best_of, min_tokens -1, include_stop_str_in_output defaulting to `stream`); what depends on the model stays as code
+here: generation_config.json only makes sampling the default when it says `do_sample: true` (as in Hugging Face),
+and a request that samples with no top_k from request or model gets OVMS's top_k 40 (HF writes top_k 0 for
+"disabled"). Values are converted to the attribute's type (tuples to lists, pairs to a dict, ints to floats) by its
+annotation, so a new field needs no line here.
 
 The annotations are resolved as types (typing.get_type_hints), never matched as strings: `float | None` is an
 Optional float (None stays None, 1 becomes 1.0), however it is spelled. An annotation of a kind this module does not
@@ -15,17 +17,19 @@ know how to convert fails at import (`_converter`), so a new field's type is han
 
 from __future__ import annotations
 
+import dataclasses
 import types
 import typing
 from collections.abc import Callable
 from typing import Any
 
-from appliance.openai_api import fields as F
 from appliance.params import Grammar, SamplingParams
 
 OVMS_DEFAULT_TOP_K = 40  # OVMS: sampling with no top_k given
 # SamplingParams attribute -> its generation_config.json key
-MODEL_DEFAULTS = {f.param: f.model_default for f in (*F.COMPLETION, *F.CHAT) if f.param and f.model_default}
+MODEL_DEFAULTS = {
+    f.name: f.metadata["model_default"] for f in dataclasses.fields(SamplingParams) if "model_default" in f.metadata
+}
 _SCALARS: dict[Any, Callable[[Any], Any]] = {float: float, int: int, bool: bool}
 _AS_IS = (str, Grammar)  # values of these types are passed on unchanged
 

@@ -1,18 +1,19 @@
 """docs/openapi.json's generated parts, so that the document cannot drift from what the server checks.
 
 The request schemas (CompletionRequest, ChatCompletionRequest, TokenizeRequest) come from the field tables in
-appliance/openai_api/fields.py, the same tables validation.py walks, with bounds from `Limits()` defaults; the
-rules across fields are written here in JSON-schema form (the code that enforces them is in validation.py and the
-adapters completions.py and chat.py). ResponsesRequest is written here from responses.py's field list (chat's
-schemas for the fields it hands on unchanged); MessagesRequest and CountTokensRequest (Anthropic's) come from the
-Messages adapter's field table (appliance/anthropic_api/request.py). Each is no stricter than its parser (the
-negative fuzz run of tests/test_fuzz.py checks the converse on the running server) and every bound comes from
-`Limits` (tests/test_adapter_limits.py). The Responses routes' path and query parameters get their bounds here too.
-The `limits` object of the Config schema comes from `appliance.limits.Limits`. The rest of the document (paths,
-responses, response schemas) is written by hand in docs/openapi.json itself: edit it there, then regenerate.
+appliance/openai_api/fields.py, the same tables appliance/api/table.py walks, with bounds from `Limits()` defaults;
+the rules across fields are written here in JSON-schema form (the code that enforces them is in
+appliance/openai_api/validation.py, completions.py and chat.py). ResponsesRequest is written here from
+responses.py's field list (chat's schemas for the fields it hands on unchanged); MessagesRequest and
+CountTokensRequest (Anthropic's) come from the Messages adapter's field table (appliance/anthropic_api/request.py).
+Each is no stricter than its parser (the negative fuzz run of tests/test_fuzz.py checks the converse on the running
+server) and every bound comes from `Limits` (tests/test_adapter_limits.py). The Responses routes' path and query
+parameters get their bounds here too. The `limits` object of the Config schema comes from `appliance.limits.Limits`.
+The rest of the document (paths, responses, response schemas) is written by hand in docs/openapi.json itself: edit
+it there, then regenerate.
 
-    python -m appliance.openai_api.openapi           # rewrite docs/openapi.json in place
-    python -m appliance.openai_api.openapi --check   # exit 1 if it is not current (tests/test_openapi_current.py)
+    python -m appliance.wsgi.openapi           # rewrite docs/openapi.json in place
+    python -m appliance.wsgi.openapi --check   # exit 1 if it is not current (tests/test_openapi_generated.py)
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 
 import appliance
 from appliance.anthropic_api.request import COUNT_TOKENS, MESSAGES
+from appliance.api.table import Field
 from appliance.limits import Limits
-from appliance.openai_api.fields import CHAT, REQUESTS, Field
+from appliance.openai_api.fields import CHAT, REQUESTS
 from appliance.openai_api.responses import ACCEPTED_IGNORED, EFFORTS, FIELDS, IDENTIFIERS, SUMMARIES
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
@@ -434,7 +436,7 @@ def main(argv: list[str]) -> int:
     text, wanted = current()
     if "--check" in argv:
         if text != wanted:
-            print(f"{DOC_PATH} is stale: run python -m appliance.openai_api.openapi", file=sys.stderr)
+            print(f"{DOC_PATH} is stale: run python -m appliance.wsgi.openapi", file=sys.stderr)
             return 1
         return 0
     if text != wanted:

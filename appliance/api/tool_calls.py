@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.openai_api.parsers import canonical_schema, inline_one_of_refs
+from appliance.api.parsers import canonical_schema, inline_one_of_refs
 from appliance.params import TOOL_CALL_FORMATS, Grammar
 
 FORMATS = TOOL_CALL_FORMATS  # the parser names (`--tool-parser`, EngineStatus.tool_parser)

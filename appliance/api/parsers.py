@@ -1,10 +1,11 @@
 """Parsers of the structured request fields: each checks one field alone and returns its value.
 
-Each is a `Parser`, (value, limits, fields read so far) -> value, and fields.py names it beside the field it reads
-(`custom(..., parse=...)`); the rules across fields are in validation.py, and the JSON schemas (docs/openapi.json)
-in fields.py. Here: the prompt and chat messages, stop strings and ids, logit_bias, stream_options, structured
-output (`response_format`, Cerebras's `grammar_root`), chat tools, Friendli's list-valued completions fields
-(`tokens`, `seed` as a list, `stop_tokens`, `bad_words`, `bad_word_tokens`), and OpenAI's `prediction`.
+Each is a `Parser`, (value, limits, fields read so far) -> value, and each API's field table names it beside the
+field it reads (`custom(..., parse=...)`, appliance/openai_api/fields.py, appliance/anthropic_api/request.py); the
+rules across fields are in each adapter, and the JSON schemas (docs/openapi.json) in the tables. Here: the prompt
+and chat messages, stop strings and ids, logit_bias, stream_options, structured output (`response_format`,
+Cerebras's `grammar_root`), chat tools, Friendli's list-valued completions fields (`tokens`, `seed` as a list,
+`stop_tokens`, `bad_words`, `bad_word_tokens`), and OpenAI's `prediction`.
 
 Whether a schema, regex or grammar compiles is decided engine-side (runtime/grammar.py, a 400 naming
 `response_format` from there): the HTTP workers do not import llguidance. JSON schemas are written as canonical JSON
@@ -20,8 +21,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from appliance.api.errors import invalid
 from appliance.limits import Limits
-from appliance.openai_api.errors import invalid
 from appliance.params import Grammar
 
 Parser = Callable[[Any, Limits, dict], Any]  # a custom field's check: (value, limits, fields read so far) -> value
