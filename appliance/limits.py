@@ -189,7 +189,7 @@ def show(value: Any) -> str:
 
 
 def limits_table() -> str:
-    """docs/serving.md's "Limits" table (tests/test_api_validation.py checks the document holds exactly this)."""
+    """docs/serving.md's "Limits" table (tests/api/test_api_validation.py checks the document holds exactly this)."""
     rows = ["| limit | default | flag | bounds |", "|---|---|---|---|"]
     for f in fields(Limits):
         flag = f"`--{f.metadata['flag']}`" if f.metadata["flag"] else ""

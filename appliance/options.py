@@ -93,7 +93,7 @@ def env_name(flag: str) -> str:
 
 
 def options_table() -> str:
-    """docs/serving.md's "Options" table (tests/test_cli.py checks the document holds exactly this)."""
+    """docs/serving.md's "Options" table (tests/server/test_cli.py checks the document holds exactly this)."""
     rows = ["| flag | default | meaning |", "|---|---|---|"]
     for _, cls in GROUPS:
         for f in limits.flag_fields(cls):

@@ -12,7 +12,7 @@ requests (OTEL_PROPAGATORS). The exporter is OTLP over HTTP with protobuf (`open
 a gRPC protocol or another exporter is refused at start-up (one line, exit 78), not silently ignored.
 
 Off costs nothing: nothing here imports OpenTelemetry at module level, `provider()` is the only import of the
-SDK, and a process with tracing off never calls it (tests/test_tracing.py checks no `opentelemetry` module is
+SDK, and a process with tracing off never calls it (tests/server/test_tracing.py checks no `opentelemetry` module is
 loaded). Each process builds its own provider after it started (a gunicorn worker after its fork: the batch
 processor's export thread does not survive a fork), and exports from that thread, never on a request's path.
 """

@@ -5,7 +5,7 @@ header and environ key) whenever any log config is set, and then hands the line 
 which drops it at its level when --access-log is off. Our log config is always set (logs.dict_config, for one JSON
 format from the whole server), so every request paid for fields nobody read: 25 us of CPU per request on this box
 (`Logger.access` of a 5-header request, timed in process), 1.5% of a worker's CPU per embeddings request. With
---access-log on, the lines are gunicorn's own, unchanged (tests/test_access_log.py).
+--access-log on, the lines are gunicorn's own, unchanged (tests/http/test_access_log.py).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ a closing connection lingers. Bytes, clocks and counters only: no sockets and no
 Why a module of its own: the worker class (appliance/http/worker.py) subclasses gunicorn's gthread worker and
 overrides its private methods, so a gunicorn upgrade (pinned exactly, in pyproject.toml) can move what it stands
 on. Everything that does not need gunicorn lives here, tested with byte strings and a fake clock
-(tests/test_edge_intake.py); worker.py keeps only the socket I/O and the wiring into gthread's loop, and
-tests/test_gunicorn_contract.py names each gunicorn internal that wiring uses.
+(tests/http/test_edge_intake.py); worker.py keeps only the socket I/O and the wiring into gthread's loop, and
+tests/http/test_gunicorn_contract.py names each gunicorn internal that wiring uses.
 
 The bounds: a head may be 64 KiB (HEAD_LIMIT; gunicorn's own parser limits are lower and answer the rest); a
 worker buffers at most `read_budget` bytes of unfinished requests (64 MiB, or two bodies if --max-body-bytes is
@@ -32,7 +32,7 @@ HEAD_LIMIT = 64 * 1024  # request line + headers; larger heads get 431 (gunicorn
 # OpenAI's/OVMS's completions and chat (".../completions"), Responses (POST .../responses creates one),
 # embeddings, rerank and tokenize, Anthropic's messages and count_tokens, Ollama's generate, chat, embed and
 # embeddings. Matched on the canonical path (`canonical_path`: what Flask routes), by suffix, so every prefix
-# (/v3, /v1, /v3/v1, /api) is one; tests/test_edge_intake.py checks every POST route of the app against it.
+# (/v3, /v1, /v3/v1, /api) is one; tests/http/test_edge_intake.py checks every POST route of the app against it.
 ENGINE_WORK_SUFFIXES = (
     "/completions",
     "/responses",
@@ -123,7 +123,7 @@ def canonical_path(target: str) -> str:
     then unquote_to_wsgi_str, which gunicorn/http/wsgi.py applies): the query and fragment cut, an absolute URI's
     path taken, percent escapes decoded (%2F too) as latin-1. The edge classifies this, not the raw target, so a
     spelling Flask routes to a route (`/v3/chat/completion%73`, `/v3/chat%2Fcompletions`) is counted as that
-    route; tests/test_edge_intake.py holds it to gunicorn's own functions. A target urlsplit refuses is
+    route; tests/http/test_edge_intake.py holds it to gunicorn's own functions. A target urlsplit refuses is
     returned as it is (gunicorn answers it 400)."""
     try:
         if target.startswith("//"):  # gunicorn: an abs_path, not a network-path reference

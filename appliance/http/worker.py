@@ -55,7 +55,7 @@ through: new, kept-alive, or with pipelined bytes left in its parser):
 The rules (what is read, when a request is complete, budgets, deadlines, whom to shed) are in appliance/http/edge.py
 and edge_policy.py, with no gunicorn in them; this module is only the socket I/O and the wiring into gthread's
 loop. It overrides gunicorn internals (pinned exactly, gunicorn 27.0.1 in pyproject.toml): each override says which
-gunicorn behaviour it replaces, and tests/test_gunicorn_contract.py lists every internal used here and fails,
+gunicorn behaviour it replaces, and tests/http/test_gunicorn_contract.py lists every internal used here and fails,
 naming it, when an upgrade moves one.
 
 The heartbeat: gthread touches its heartbeat file (a `utime` syscall, 2 us) on every pass of its loop, 3-4 per

@@ -10,7 +10,7 @@ Fields whose value has structure (prompt, messages, stop, logit_bias, ...) are `
 declared here, their check is the parser they name (parsers.py). A field's `param` is the `SamplingParams` attribute
 its value sets (builders default to the field's own name; `param=None`: an edge field); the generation_config.json
 key that fills it when unset is declared on that attribute (appliance/params.py `from_model`): a new sampling
-parameter is its `Field` here and its `SamplingParams` attribute (tests/test_fields.py keeps the two in step). The
+parameter is its `Field` here and its `SamplingParams` attribute (tests/api/test_fields.py keeps the two in step). The
 `Field` machinery and the walk are appliance/api/table.py (every client API's tables use them). Rules across fields
 (stream and stream_options, n and best_of, echo and max_tokens, ...) are code in validation.py and the adapters
 completions.py and chat.py, and their JSON-schema form in openapi.py. No numpy here: HTTP workers import this.

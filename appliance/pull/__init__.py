@@ -31,8 +31,8 @@ vanished client kills the child: the lock goes with it, the staged files stay fo
 is in the models folder. `appliance rm` and /api/delete remove what an unfinished pull of a name left (store.py
 `remove`).
 
-Cost, measured on a loaded 2-core box over loopback (tests/test_pull.py's stand-in hub): the default model's int4 IR
-(100 MB) pulls in 7.5-9.5 s, of which the SHA-256 of the weights is 0.5 s and reading and checking the IR 1.4 s.
+Cost, measured on a loaded 2-core box over loopback (tests/pull/test_pull.py's stand-in hub): the default model's
+int4 IR (100 MB) pulls in 7.5-9.5 s, of which the SHA-256 of the weights is 0.5 s and reading and checking the IR 1.4 s.
 
 Nothing here downloads unless asked: huggingface_hub is imported only by a pull, with its telemetry off; the hub
 is `HF_ENDPOINT` (default https://huggingface.co), the token `HF_TOKEN` (or huggingface_hub's stored login).

@@ -15,8 +15,8 @@ mapping: an inherited value is checked as if that model's flag (a global kv_cach
 say it per model), except a box-wide cache_dir, which an ONNX model (no compile cache) skips, as it skips
 APPLIANCE_CACHE_DIR.
 
-No numpy or OpenVINO at import (tests/test_config.py checks): the engine process imports this for reloads, and the
-CLI for every `serve` and `config`."""
+No numpy or OpenVINO at import (tests/server/test_config.py checks): the engine process imports this for reloads, and
+the CLI for every `serve` and `config`."""
 
 from __future__ import annotations
 

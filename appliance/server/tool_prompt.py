@@ -1,6 +1,6 @@
 """Tools and tool turns in the chat prompt, engine side: which call format the model writes, and what it reads.
 
-- The format (`hermes`, `llama3_json`, `mistral`: appliance/openai_api/tool_calls.py parses them) is read off the
+- The format (`hermes`, `llama3_json`, `mistral`: appliance/api/tool_calls.py parses them) is read off the
   chat template, as OVMS's tool_parser setting names it: `[TOOL_CALLS]` -> mistral, `<|python_tag|>` -> llama3_json,
   else hermes (Qwen2.5/3's `<tool_call>`, and the format the fallback prompt below teaches). `--tool-parser`
   overrides it. The reasoning parser is `think` when the template mentions `<think>` (`--reasoning-parser`).

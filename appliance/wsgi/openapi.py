@@ -6,14 +6,14 @@ the rules across fields are written here in JSON-schema form (the code that enfo
 appliance/openai_api/validation.py, completions.py and chat.py). ResponsesRequest is written here from
 responses.py's field list (chat's schemas for the fields it hands on unchanged); MessagesRequest and
 CountTokensRequest (Anthropic's) come from the Messages adapter's field table (appliance/anthropic_api/request.py).
-Each is no stricter than its parser (the negative fuzz run of tests/test_fuzz.py checks the converse on the running
-server) and every bound comes from `Limits` (tests/test_adapter_limits.py). The Responses routes' path and query
+Each is no stricter than its parser (the negative fuzz run of tests/e2e/test_fuzz.py checks the converse on the running
+server) and every bound comes from `Limits` (tests/api/test_adapter_limits.py). The Responses routes' path and query
 parameters get their bounds here too. The `limits` object of the Config schema comes from `appliance.limits.Limits`.
 The rest of the document (paths, responses, response schemas) is written by hand in docs/openapi.json itself: edit
 it there, then regenerate.
 
     python -m appliance.wsgi.openapi           # rewrite docs/openapi.json in place
-    python -m appliance.wsgi.openapi --check   # exit 1 if it is not current (tests/test_openapi_generated.py)
+    python -m appliance.wsgi.openapi --check   # exit 1 if it is not current (tests/api/test_openapi_generated.py)
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _rules(request: str, limits: Limits) -> list[dict]:
         {
             "description": "\"best_of cannot be used in streaming mode\"",
             # include_stop_str_in_output: any value with a stream (a no-op kept in the rule: without it
-            # schemathesis's canonicalizer gives up on the completions request's combined rules, tests/test_fuzz.py)
+            # schemathesis's canonicalizer gives up on the completions request's combined rules, tests/e2e/test_fuzz.py)
             **_when(
                 "stream",
                 {"const": True},
