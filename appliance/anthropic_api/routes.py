@@ -27,8 +27,9 @@ from appliance.anthropic_api.request import MessagesRequest, parse_messages
 from appliance.anthropic_api.shape import MessageShape, new_message_id
 from appliance.api.context import AppApi, error_handlers
 from appliance.api.errors import ApiError
-from appliance.api.generation import ClientGone, Generation, prompt_tokens, respond, start
+from appliance.api.generation import ClientGone, Generation
 from appliance.api.request import DEFAULT_TOOL_PARSER, chat_job
+from appliance.api.start import prompt_tokens, respond, start
 from appliance.params import SamplingParams
 
 log = logging.getLogger("appliance.http")

@@ -15,9 +15,10 @@ from typing import Any
 import orjson
 from flask import Response, g, request
 
+from appliance.api.client_socket import socket_closed
 from appliance.api.context import AppApi
 from appliance.api.errors import ApiError, invalid
-from appliance.api.generation import ClientGone, socket_closed
+from appliance.api.generation import ClientGone
 from appliance.api.parsers import is_int
 from appliance.limits import Limits
 from appliance.protocol import Encoded, EncodeJob, EngineStatus, Failed

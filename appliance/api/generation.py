@@ -1,40 +1,28 @@
 """One generation seen from an HTTP worker: engine events -> choices -> a unary body or streamed events.
 
-Every client API starts its generations with `start()` and sends a streamed answer with `respond()`: one request
-id for the body's id, `X-Request-Id`, the engine job and its logs; the key's tenant on the job; one
-`system_fingerprint`; the client's socket watched. The APIs differ only in their `Shape` (how a choice / delta is
-spelled) and in how they write the answer (`unary()` / `sse()` here, or their own events over `deltas()`).
+Every client API starts its generations with `api/start.py`'s `start()` and sends a streamed answer with its
+`respond()`. The APIs differ only in their `Shape` (how a choice / delta is spelled) and in how they write the
+answer (`unary()` / `sse()` here, or their own events over `deltas()`).
 The response starts only after the engine accepted the job and produced its first chunk (prefill done), so
 queue-full, timeout and prompt errors are still proper HTTP statuses, also for streaming requests.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import select
-import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Protocol
+from typing import Protocol
 
-from flask import Response, g, request
-
-from appliance import __version__
 from appliance import protocol as p
 from appliance.api.errors import ApiError
-from appliance.api.sampling import to_sampling_params
 from appliance.http.client import EngineClient, EngineUnavailable, JobStream
 from appliance.outputs import Timing, TokenLogprob
-from appliance.params import SamplingParams
 
 # How often a waiting worker looks at its client's socket (and the request's deadline) between engine events.
 CLIENT_CHECK_SECONDS = 0.5
-# Kernel send buffer of a streaming response (Linux doubles it): what a client that stopped reading can leave unread
-# before the worker's send timeout starts counting (appliance/http/worker.py).
-STREAM_SEND_BUFFER = 16 * 1024
 
 
 class ClientGone(Exception):
@@ -78,53 +66,6 @@ class Shape(Protocol):
     def delta(
         self, c: Choice, text: str, logprobs: list[TokenLogprob] | None, finish_reason: str | None
     ) -> dict | list[dict]: ...  # a list: chat's parsers may make several deltas of one chunk, or none yet
-
-
-POLLRDHUP = getattr(select, "POLLRDHUP", 0x2000)  # Linux: the peer shut down its writing side
-
-
-def socket_closed(sock: socket.socket | None) -> bool:
-    """True when the peer closed (its FIN, or a reset). Pipelined request bytes mean it is alive, unless it closed
-    behind them.
-
-    `poll`, not `select` (which cannot take an fd >= 1024), and only then a peek at the raw socket (TLS too): on a
-    socket with a timeout (`--send-timeout`) Python waits for readability before a `recv`, even with MSG_DONTWAIT.
-    The peer's FIN is also seen behind bytes it sent before it (POLLRDHUP): a TLS client's close_notify alert, or
-    anything unread, would otherwise hide it from the peek for as long as the request runs (a client that closes
-    this way left its generation running to the end). An error we do not expect means "alive": cancelling a live
-    client's generation is worse than noticing a gone one late."""
-    if sock is None:
-        return False
-    try:
-        fd = sock.fileno()
-        if fd < 0:
-            return True
-        poller = select.poll()
-        poller.register(fd, select.POLLIN | POLLRDHUP)
-        events = poller.poll(0)
-        if not events:
-            return False
-        if events[0][1] & (POLLRDHUP | select.POLLHUP):
-            return True
-        # the kernel's bytes, not the TLS layer's (an SSLSocket refuses MSG_PEEK): FIN reads as b"" either way
-        return socket.socket.recv(sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-    except (BlockingIOError, InterruptedError, TimeoutError):
-        return False
-    except (ConnectionError, OSError) as exc:
-        return isinstance(exc, ConnectionError) or exc.errno in (errno.ENOTCONN, errno.EBADF)
-    except Exception:
-        return False
-
-
-def bound_send_buffer(sock: socket.socket | None) -> None:
-    """A small kernel send buffer for a streaming response, so a client that stopped reading blocks our writes (and
-    meets the worker's send timeout) after STREAM_SEND_BUFFER bytes or so, not after megabytes of autotuned buffer
-    while its generation goes on. Token events are small: this costs a reading client nothing."""
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
-        except OSError:
-            pass
 
 
 @dataclass
@@ -346,78 +287,3 @@ class Generation:
             "total_time": slowest.total_time,
             "created": min(t.created for t in timings) if timings else slowest.created,
         }
-
-
-# ---------------------------------------------------------------- the one start and answer of every client API
-
-
-def fingerprint(status: p.EngineStatus) -> str:
-    """`system_fingerprint`: what decides the tokens besides the request (version, backend, weights, device)."""
-    return f"appliance-{__version__}-{status.backend}-{status.weight_format}-{status.device}".lower()
-
-
-def start(
-    client: EngineClient,
-    status: p.EngineStatus,
-    sampling: dict[str, Any],
-    make_job: Callable[[SamplingParams, str], p.Job],
-    shape: Shape,
-    *,
-    request_id: str,
-    model: str,
-    timeout: float | None = None,
-    include_usage: bool = False,
-    generation: type[Generation] = Generation,
-) -> Generation:
-    """A started generation of the job `make_job` builds from the request's `sampling` (with the model's defaults)
-    under `request_id`: that one id is the request's (`X-Request-Id`, logs, set before the job is built so that a
-    refusal while building it carries it too), the body's (`Meta.id`) and the engine job's. The job runs for the
-    request's key (its tenant: its own prefix-cache namespace) and is cancelled when the client's socket closes.
-    `generation`: a subclass that spells the answer its API's way (Ollama's)."""
-    g.request_id = request_id
-    job = make_job(to_sampling_params(sampling, status.generation_defaults), request_id)
-    job.model = model
-    job.tenant = g.get("tenant", "")
-    sock = request.environ.get("gunicorn.socket")
-    meta = Meta(request_id, int(time.time()), model, fingerprint(status))
-    return generation(
-        client,
-        job,
-        shape,
-        meta,
-        include_usage=include_usage,
-        timeout=timeout,
-        client_gone=lambda: socket_closed(sock),
-    ).start()
-
-
-def respond(body: Iterable[str] | Iterable[bytes], mimetype: str) -> Response:
-    """A streamed answer (SSE or NDJSON lines): a small send buffer (a client that stops reading meets the worker's
-    send timeout soon), and neither a cache nor a proxy (nginx's `X-Accel-Buffering`) holding events back."""
-    bound_send_buffer(request.environ.get("gunicorn.socket"))
-    return Response(body, mimetype=mimetype, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def prompt_tokens(client: EngineClient, job: p.Job) -> int:
-    """The prompt's token count of a max_tokens 0 job (the engine answers Accepted, one finished chunk, End),
-    within the engine call's deadline (`protocol.CALL_SECONDS`, a 503 past it: nothing was generated)."""
-    stream = client.open_job(job)
-    deadline = time.monotonic() + p.CALL_SECONDS
-    tokens = None
-    try:
-        while not stream.ended:
-            left = deadline - time.monotonic()
-            event = stream.next(left) if left > 0 else None
-            if event is None:
-                raise ApiError(503, f"the engine did not count the tokens within {p.CALL_SECONDS:g} s")
-            if isinstance(event, p.Failed):
-                raise ApiError(event.status, event.message, param=event.param, code=event.code)
-            if isinstance(event, p.Accepted):
-                tokens = sum(event.prompt_tokens)
-    except EngineUnavailable as exc:
-        raise ApiError(503, str(exc), code="engine_unavailable") from None
-    finally:
-        stream.close()
-    if tokens is None:
-        raise ApiError(500, "engine protocol error: expected Accepted")
-    return tokens

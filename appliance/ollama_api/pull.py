@@ -32,9 +32,10 @@ from flask import Blueprint, Response, g, request
 
 from appliance import auth, hub_names
 from appliance import protocol as p
+from appliance.api.client_socket import socket_closed
 from appliance.api.context import AppApi
 from appliance.api.errors import ApiError
-from appliance.api.generation import respond, socket_closed
+from appliance.api.start import respond
 from appliance.http.client import EngineUnavailable
 from appliance.ollama_api.requests import body_json
 

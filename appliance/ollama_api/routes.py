@@ -21,8 +21,8 @@ from flask import Blueprint, Response, g, request
 from appliance import auth, error_shapes
 from appliance.api.context import AppApi, error_handlers
 from appliance.api.errors import ApiError
-from appliance.api.generation import respond, start
 from appliance.api.request import chat_job, completion_job
+from appliance.api.start import respond, start
 from appliance.ollama_api import embed as E
 from appliance.ollama_api import models as M
 from appliance.ollama_api import pull

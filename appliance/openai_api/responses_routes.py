@@ -24,8 +24,9 @@ from flask import Flask, Response, request
 from appliance import auth, paths
 from appliance.api.context import AppApi
 from appliance.api.errors import ApiError, invalid
-from appliance.api.generation import ClientGone, Generation, respond, start
+from appliance.api.generation import ClientGone, Generation
 from appliance.api.request import chat_job
+from appliance.api.start import respond, start
 from appliance.openai_api.chat import ChatShape
 from appliance.openai_api.response_store import ResponseStore
 from appliance.openai_api.responses import (

@@ -22,8 +22,8 @@ from flask import Flask, Response, g, request
 from appliance import auth
 from appliance.api.context import AppApi, not_serving
 from appliance.api.errors import ApiError
-from appliance.api.generation import respond, start
 from appliance.api.request import ChatRequest, CompletionRequest, chat_job, completion_job
+from appliance.api.start import respond, start
 from appliance.openai_api.chat import ChatShape, parse_chat
 from appliance.openai_api.completions import CompletionShape, parse_completion
 from appliance.openai_api.embeddings import register as register_embeddings

@@ -24,7 +24,7 @@ import time
 import pytest
 import requests
 
-from appliance.api.generation import socket_closed
+from appliance.api.client_socket import socket_closed
 from appliance.http.edge import chunked_end, parse_head, without_expect
 from tests.helpers import Server, one_worker_server, wait_until
 
