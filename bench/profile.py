@@ -108,14 +108,14 @@ class Recorder:
         self.request = small if small is not None else backend.request
 
         def timed_forward(batch):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             out = forward(batch)
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
             tokens = sum(map(len, batch.token_ids))
             if small is None or tokens <= backend.kernel_rows:  # the backend's own choice of request
                 self.infers += 1  # inferences of self.request only: its profile is an average over them
             if self.active and len(batch.token_ids) == 1 and len(batch.token_ids[0]) == 1:
-                self._pending = {"forward_ms": dt * 1e3}
+                self._pending = {"forward_ms": dt * 1e3, "forward_cpu_ms": dc * 1e3}
             elif self.active:  # the prefill (its last chunk): the decode steps start from here
                 self._start = self._snapshot()
             return out
@@ -212,6 +212,9 @@ def summarize(reps: list[dict]) -> dict:
         "step_ms": over_reps(lambda r: median(x["step_ms"] for x in r["steps"])),
         "step_mean_ms": over_reps(lambda r: sum(x["step_ms"] for x in r["steps"]) / len(r["steps"])),
         "forward_mean_ms": over_reps(lambda r: sum(x["forward_ms"] for x in r["steps"]) / len(r["steps"])),
+        # CPU time of the process (every thread) per forward: what a box shared with other work distorts less than
+        # wall time (a loaded 2-vCPU box gave 137-476 ms walls for the same step across repetitions).
+        "forward_cpu_ms": over_reps(lambda r: median(x["forward_cpu_ms"] for x in r["steps"])),
         "nodes_ms": over_reps(lambda r: r["nodes_ms"]),
     }
     out["tok_s"] = 1e3 / out["step_ms"]
@@ -283,7 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     cols = [("model", "model", "s"), ("precision", "precision", "s"), ("variant", "variant", "s")]
     cols += [("path", "kernels", "s")]
     cols += [("step_ms", "step ms p50", ".2f"), ("tok_s", "tok/s", ".1f"), ("step_mean_ms", "step mean", ".2f")]
-    cols += [("forward_mean_ms", "fwd mean", ".2f"), ("nodes_ms", "nodes", ".2f"), ("outside_ms", "outside", ".2f")]
+    cols += [
+        ("forward_mean_ms", "fwd mean", ".2f"),
+        ("forward_cpu_ms", "fwd cpu p50", ".2f"),
+        ("nodes_ms", "nodes", ".2f"),
+        ("outside_ms", "outside", ".2f"),
+    ]
     cols += [(r, r.split("/")[0].replace("attention projections", "attn proj"), ".2f") for r in ROLES]
     print_table(rows, cols, title=title + " (ms per decode step; outside = step mean - nodes)")
     print_table(
