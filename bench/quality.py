@@ -1,7 +1,8 @@
 """How far each export's next-token distribution is from transformers' fp32 on the same source weights: total-variation
 distance (TVD, 0 = identical, 1 = disjoint) of the softmax and top-1 agreement, over held-out prompts, at the f32
 parity setting and at the precision that serves (the device default: bf16 weights-and-activations on an AVX-512-bf16
-CPU, u8 KV). The exporter's tests bound the same quantity (tests/test_parity.py); this tool measures it on prompts
+CPU, u8 KV). The exporter's tests bound the same quantity (tests/runtime/test_parity.py); this tool measures it on
+prompts
 those tests do not use, so a default export can be chosen on speed within a stated tolerance.
 
 With --llamacpp-python, llama.cpp's own distribution from the default model's Q4_1 GGUF on the same token ids is a

@@ -32,7 +32,7 @@ from export.source import WEIGHT_SUFFIXES, ExportError, check_destination
 
 __all__ = ["ENCODER_TYPES", "EncoderSource", "export_encoder", "inspect_encoder", "torch_reference"]
 
-# model_types exported and checked against transformers by tests/test_encoder.py (tiny random models).
+# model_types exported and checked against transformers by tests/runtime/test_encoder.py (tiny random models).
 ENCODER_TYPES = frozenset({"bert", "roberta", "xlm-roberta"})
 # RoBERTa-family position tables carry padding_idx + 1 extra rows that no token can use.
 POSITION_OFFSET = {"roberta": 2, "xlm-roberta": 2}

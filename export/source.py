@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# model_types verified on both backends with a tiny random model (tests/test_export.py): logits match
+# model_types verified on both backends with a tiny random model (tests/export/test_export.py): logits match
 # transformers over two steps and the OpenVINO IR survives paged_attention_transformation. Left out on purpose:
 # mixtral, starcoder2 (optimum-onnx cannot export them); gemma2, gemma3_text (per-layer sliding windows, untested
 # in the runtime); qwen3_moe (optimum-intel's export fails); falcon, gpt_bigcode (multi-query KV that does not

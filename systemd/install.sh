@@ -33,7 +33,7 @@
 # there. A new API key is not printed (install logs keep stderr): the message says which file holds it.
 #
 # --root DIR (or DESTDIR=DIR): everything under DIR instead of /, systemd not contacted (`systemctl --root`):
-# how tests/test_systemd.py installs into a temporary root. Run by a user other than root (only allowed with
+# how tests/deploy/test_systemd.py installs into a temporary root. Run by a user other than root (only allowed with
 # --root), ownership is left to that user and the user is not created: a staging install, said on stderr.
 set -euo pipefail
 

@@ -2,7 +2,7 @@
 of /proc/PID/status, open fds and sockets, CPU time.
 
 The server does not use this; the benchmarks (bench/common.py: memory and CPU of `appliance serve`'s process
-tree) and the tests' server harness (tests/conftest.py: the gunicorn workers, leaks after stop) do. It lives in
+tree) and the tests' server harness (tests/helpers.py: the gunicorn workers, leaks after stop) do. It lives in
 the package so both import the same code without tests importing bench or bench importing tests, and it
 imports nothing outside the standard library.
 """

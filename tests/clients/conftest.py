@@ -1,16 +1,13 @@
 """The client matrix's one server: every library in tests/clients/ talks to it (one start a session, the CI budget
-of the matrix is its requests, not server starts). Helpers the test modules share are in matrix.py, not here.
-
-tests/clients/ is a package, so this file is `clients.conftest` and tests/conftest.py stays the only `conftest`
-the older test modules import from."""
+of the matrix is its requests, not server starts). Helpers the test modules share are in matrix.py, not here."""
 
 from __future__ import annotations
 
 import pytest
 import requests
-from conftest import Server
 
 from appliance.manifest import Manifest
+from tests.helpers import Server
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Literal, TypeVar
 
-import pytest
 from pydantic import BaseModel, Field
+
+from tests.helpers import ours_missing
 
 # Bounds of every generation: small enough for the matrix's CI budget, large enough for a nested object or a tool
 # call (the server's grammar ends them early) and for two turns of an agent.
@@ -39,10 +39,7 @@ def need(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        message = f"{module} is not installed ({exc}): `make dev-venv` installs the client libraries"
-        if os.environ.get("CI"):
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message, allow_module_level=True)
+        ours_missing(f"{module} is not installed ({exc}): `make dev-venv` installs the client libraries", True)
 
 
 @contextlib.contextmanager
@@ -97,7 +94,7 @@ def settled(call: Callable[[], T]) -> T:
     """`call`'s answer the second time it is made: the reference a test compares a greedy answer to (streamed
     against unary, with a stop string against without). The first run of a prompt fills the prefix cache, and a
     run on the cached prefix computes with other numerics than the cold one, so at a near-tie the two may part
-    (tests/conftest.py says why); every later run of the prompt reuses the same cached blocks, as the compared
+    (tests/helpers.py says why); every later run of the prompt reuses the same cached blocks, as the compared
     request does."""
     call()
     return call()

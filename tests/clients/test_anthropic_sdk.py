@@ -2,7 +2,8 @@
 it (input_tokens excludes the prompt's cache reads, clients add the two), unary and streamed; `messages.parse`
 with a nested Pydantic model; a forced tool whose input_schema is a nested model; `messages.stream`.
 
-tests/test_anthropic_api.py runs the rest of the SDK's path (stop sequences, the raw event order, a tool_result
+tests/anthropic_api/test_anthropic_api.py runs the rest of the SDK's path (stop sequences, the raw event order, a
+tool_result
 round trip, count_tokens with tools, errors, API keys) on its own server."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 `use_responses_api`), `ChatOllama` (/api) and `ChatAnthropic` (/v1/messages): invoke, stream (with its stop
 strings left out and its usage), tools, `with_structured_output` with a nested model, and the embeddings classes.
 
-tests/test_langchain.py runs ChatOpenAI's tool choices and structured-output methods in depth on the shared
-server; tests/test_ollama_e2e.py a ChatOllama smoke test on Ollama's."""
+tests/openai_api/test_langchain.py runs ChatOpenAI's tool choices and structured-output methods in depth on the shared
+server; tests/ollama_api/test_ollama_e2e.py a ChatOllama smoke test on Ollama's."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ call and a nested Pydantic model as `response_format`; embeddings through `opena
 
 Not here: `anthropic/` with `response_format=<Pydantic model>`. litellm turns it into a forced tool whose `$ref`s
 it rewrites from `#/$defs/X` to `/$defs/X`, which the server refuses (a 400 naming the tool): litellm's defect.
-tests/test_client_structured.py runs `openai/` with a nested tool and response_format on the shared server."""
+tests/openai_api/test_client_structured.py runs `openai/` with a nested tool and response_format on the shared
+server."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 unary, streamed and async, `structured_predict` with a nested model (through Ollama's `format`) and
 `chat_with_tools`; its OpenAI embedding class (llama-index-embeddings-openai) over /v1.
 
-tests/test_client_structured.py runs llama-index's OpenAILike (structured_predict, as_structured_llm) on the
+tests/openai_api/test_client_structured.py runs llama-index's OpenAILike (structured_predict, as_structured_llm) on the
 shared server."""
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ generate unary and streamed (the chunks add up to the unary answer, stop strings
 model's schema, a tool round trip, `embed` and the legacy `embeddings`; and Ollama's documented curl call, a JSON
 body sent without a JSON Content-Type (as litellm's Ollama providers send theirs too).
 
-tests/test_ollama_e2e.py covers the rest in depth (model listing, logprobs, refusals, tool calls as objects) on a
+tests/ollama_api/test_ollama_e2e.py covers the rest in depth (model listing, logprobs, refusals, tool calls as objects)
+on a
 server of its own."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ What the SDK sends for a forced tool with an `output_type` is the tool choice an
 SDK resets `tool_choice`) by the format. A forced choice must reach the tool, and the final output must validate.
 agents 0.24 raises on any `response.incomplete` (its own rule): `max_tokens` leaves room for both turns.
 
-tests/test_responses_e2e.py runs a tool agent with a `str` output on its own server."""
+tests/openai_api/test_responses_e2e.py runs a tool agent with a `str` output on its own server."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ tool round trip, `parse` with a nested model (as response_format and as a functi
 forced tool, the Responses API's structured output and streamed events, embeddings, and lm-eval's loglikelihood
 request (echo + logprobs + max_tokens 0).
 
-tests/test_server_e2e.py, tests/test_responses_e2e.py and tests/test_embeddings.py cover the SDK on /v3 in depth
+tests/e2e/test_server_e2e.py, tests/openai_api/test_responses_e2e.py and tests/openai_api/test_embeddings.py cover the
+SDK on /v3 in depth
 (errors, n, logprobs, the Responses store, embedding formats)."""
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 "required"), `run_stream`, `NativeOutput` (response_format / text.format) on the OpenAI models, and a function tool.
 
 Not here: `NativeOutput` on `AnthropicModel`: pydantic-ai's profile of a model name it does not know refuses it
-before any request (its own rule). tests/test_client_structured.py runs output tools (a discriminated union too)
+before any request (its own rule). tests/openai_api/test_client_structured.py runs output tools (a discriminated union
+too)
 on the shared server."""
 
 from __future__ import annotations

@@ -1,0 +1,173 @@
+"""The speculation policy (runtime/speculative/policy.py) decides from measured step costs and acceptance.
+
+- Its cost table interpolates and extrapolates the measured grid; the measurement times each point after a call that
+  takes its shape.
+- Its decisions: where a verification step costs what a plain one does (memory-bound), it drafts the most tokens at
+  any acceptance; where every fed token costs the same (compute-bound), it never speculates; between (the AVX2
+  box's measured table) it drafts more as acceptance rises, fewer as the batch grows, and within the token budget;
+  a near-tie does not change the step's shape.
+- In the engine's Speculation (with a fake proposer): the sequences the plan leaves out get a shadow draft that is
+  checked against the token the step produced, so their running acceptance keeps up and they speculate again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from appliance.config import EngineConfig
+from appliance.runtime.engine.speculation import Speculation
+from appliance.runtime.speculative.policy import (
+    SpeculationPolicy,
+    StepCosts,
+    expected_drafts,
+    measure_step_costs,
+    monotone,
+)
+from appliance.runtime.speculative.state import PRIOR, SpecState
+from tests.runtime.test_engine_parts import FakeProposer, decoding, make_scheduler
+
+# the default model's int8 export on the 2-vCPU AVX2 box under load (ms, batch x tokens fed per sequence)
+AVX2 = StepCosts((1, 2, 4), (1, 3), ((0.103, 0.148), (0.128, 0.291), (0.194, 0.364)), switch=0.03)
+
+
+def flat(seconds: float = 0.02) -> StepCosts:
+    """Memory-bound: a step costs the same whatever is fed."""
+    return StepCosts((1, 2, 4), (1, 3), ((seconds,) * 2,) * 3)
+
+
+def per_token(seconds: float = 0.01) -> StepCosts:
+    """Compute-bound: every fed token costs the same."""
+    return StepCosts((1, 2, 4), (1, 3), tuple(tuple(seconds * b * n for n in (1, 3)) for b in (1, 2, 4)))
+
+
+def test_expected_drafts():
+    assert expected_drafts(0.0, 5) == 0 and expected_drafts(0.5, 0) == 0
+    assert expected_drafts(1.0, 5) == 5
+    assert expected_drafts(0.5, 2) == pytest.approx(0.5 + 0.25)
+    assert expected_drafts(0.9, 5) == pytest.approx(sum(0.9**j for j in range(1, 6)))
+
+
+def test_costs_interpolate_and_extrapolate():
+    c = AVX2
+    assert c.cost(1, 1) == pytest.approx(0.103) and c.cost(4, 3) == pytest.approx(0.364)
+    assert c.cost(1, 2) == pytest.approx((0.103 + 0.148) / 2)
+    assert c.cost(3, 1) == pytest.approx((0.128 + 0.194) / 2)
+    assert c.cost(1, 6) == pytest.approx(0.148 + 3 * (0.148 - 0.103) / 2)  # past the grid: the last segment
+    assert c.cost(8, 1) == pytest.approx(2 * 0.194)  # past the largest batch: proportional
+
+
+def test_measurement_times_each_point_after_a_shape_call_round_by_round():
+    calls: list[tuple[int, int]] = []
+    costs = measure_step_costs(lambda b, n: calls.append((b, n)), batches=(1, 2), fed=(1, 3), rounds=2)
+    assert calls == 2 * [(1, 1), (1, 1), (1, 3), (1, 3), (2, 1), (2, 1), (2, 3), (2, 3)]
+    assert (costs.batches, costs.fed) == ((1, 2), (1, 3))
+    assert len(costs.seconds) == 2 and all(len(row) == 2 for row in costs.seconds)
+    assert costs.measured_s >= 0 and costs.switch >= 0
+
+
+@pytest.mark.parametrize("rate", [0.2, 0.5, 0.95])
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_memory_bound_steps_draft_the_most(rate, b):
+    plan = SpeculationPolicy(flat()).plan(b, [rate] * b, max_k=5, budget=256)
+    assert (plan.k, plan.m) == (5, b) and plan.rate > plan.plain
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.5, 0.95, 0.99])
+@pytest.mark.parametrize("b", [1, 2, 4, 8])
+def test_compute_bound_steps_never_speculate(rate, b):
+    plan = SpeculationPolicy(per_token()).plan(b, [rate] * b, max_k=5, budget=256)
+    assert (plan.k, plan.m) == (0, 0) and plan.rate == plan.plain
+
+
+def test_measured_table_drafts_more_as_acceptance_rises_and_less_as_the_batch_grows():
+    policy = SpeculationPolicy(AVX2)
+    ks = [policy.plan(1, [a], max_k=5, budget=256).k for a in (0.1, 0.5, 0.8, 0.95)]
+    assert ks[0] == 0 and ks == sorted(ks) and ks[-1] == 5
+    # extra positions cost more at batch 4: fewer drafts at the same acceptance, none where batch 1 still drafts
+    assert 0 < policy.plan(4, [0.7] * 4, max_k=5, budget=256).k < policy.plan(1, [0.7], max_k=5, budget=256).k
+    assert policy.plan(1, [0.4], max_k=5, budget=256).k > 0 and policy.plan(4, [0.4] * 4, max_k=5, budget=256).k == 0
+    # of mixed sequences, only the accepting ones draft
+    plan = policy.plan(4, [0.99, 0.99, 0.1, 0.1], max_k=5, budget=256)
+    assert 1 <= plan.m <= 2 and plan.k > 0
+
+
+def test_request_k_and_token_budget_cap_the_plan():
+    policy = SpeculationPolicy(flat())
+    assert policy.plan(1, [0.9], max_k=2, budget=256).k == 2
+    plan = policy.plan(4, [0.9] * 4, max_k=5, budget=4 + 8)
+    assert 4 + plan.m * plan.k <= 12 and plan.k > 0
+
+
+def test_a_small_predicted_gain_is_not_taken():
+    # k = 1 at acceptance 0.5: 1.5 tokens in 0.140 s against 1 in 0.100 s, 7% more: inside the margin
+    costs = StepCosts((1,), (1, 2), ((0.100, 0.140),))
+    assert SpeculationPolicy(costs).plan(1, [0.5], max_k=1, budget=256).k == 0
+    assert SpeculationPolicy(costs, margin=1.0).plan(1, [0.5], max_k=1, budget=256).k == 1
+
+
+def test_a_near_tie_keeps_the_last_shape():
+    # k = 1 at acceptance 0.5: 1.5 tokens in 0.147 s against 1 in 0.100 s, within the switch cost (0.08 s spread over
+    # 8 steps): the last step's shape wins
+    policy = SpeculationPolicy(StepCosts((1,), (1, 2), ((0.100, 0.147),), switch=0.08), horizon=8, margin=1.0)
+    assert policy.plan(1, [0.5], max_k=1, budget=256).k == 1  # no last shape: the faster one
+    policy.fed(1)  # the last step decoded plainly
+    assert policy.plan(1, [0.5], max_k=1, budget=256).k == 0
+    policy.fed(2)  # the last step speculated
+    assert policy.plan(1, [0.5], max_k=1, budget=256).k == 1
+    assert policy.plan(1, [0.9], max_k=1, budget=256).k == 1  # a clear gain switches whatever the last shape
+
+
+def test_measured_costs_are_made_monotone():
+    # a larger step timed faster than a smaller one (other work paused meanwhile) counts as the smaller one
+    assert monotone([[0.1, 0.2], [0.09, 0.15], [0.3, 0.25]]) == ((0.1, 0.2), (0.1, 0.2), (0.3, 0.3))
+
+
+def test_rate_follows_recent_verifications():
+    spec = SpecState("prompt_lookup", max_k=5)
+    assert spec.rate == pytest.approx(PRIOR)
+    for _ in range(6):
+        spec.observe(5, 5)
+    assert spec.rate > 0.95
+    for _ in range(10):
+        spec.observe(0, 5)
+    assert spec.rate < 0.2
+
+
+def test_left_out_sequences_keep_a_shadow_and_come_back():
+    """A compute-bound table: nobody speculates, every sequence gets a one-token shadow draft; once the shadows
+    keep being right on a memory-bound table, the sequence drafts again."""
+    sched = make_scheduler()
+    spec = Speculation(
+        {"fake": FakeProposer([51, 52, 53])},
+        sched,
+        EngineConfig(),
+        {"draft_tokens": 0, "accepted_draft_tokens": 0},
+        costs=per_token(),
+    )
+    (seq,) = decoding(sched, "s")
+    spec.propose()
+    assert seq.draft == [] and seq.spec is not None and seq.spec.shadow == (len(seq.token_ids), 51)
+    before = seq.spec.rate
+    seq.num_computed += 1
+    seq.token_ids.append(51)  # the step produced what the shadow drafted
+    spec.propose()
+    assert seq.spec.rate > before and seq.draft == []
+    spec.policy = SpeculationPolicy(flat())
+    seq.num_computed += 1
+    seq.token_ids.append(52)
+    spec.propose()
+    assert seq.draft == [51, 52, 53, 53, 53]
+
+
+def test_rejected_never_counts_positions_a_verification_has_not_reached():
+    """A chunk emitted in the middle of a verification reports what is settled: the usage folds chunks with max(),
+    so a transient overcount (every fed position counted before it was checked) would stick."""
+    spec = SpecState("prompt_lookup", max_k=3)
+    spec.proposed, spec.pending = 3, 3  # a verification of 3 drafts starts
+    seen = [spec.rejected]
+    for _ in range(2):  # positions 1 and 2 kept, a chunk after each
+        spec.accepted, spec.pending = spec.accepted + 1, spec.pending - 1
+        seen.append(spec.rejected)
+    spec.pending = 0  # position 3 missed: the verification is over
+    seen.append(spec.rejected)
+    assert seen == [0, 0, 0, 1]
