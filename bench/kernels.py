@@ -5,9 +5,12 @@ ratios only: the box may be shared. Measured here: docs/performance.md, "Low-bit
 appliance/runtime/kernels KERNEL_ROWS.
 
 Each side is a model of `--layers` independent MatMuls of one shape reading the same x (4 x 6.9 MB at the
-Qwen2.5-1.5B MLP shape: weights from memory, not cache, as in a decode step). Formats: `u4a:128` (NNCF's int4 asym
+Qwen2.5-1.5B MLP shape). Give it more layers than the last-level cache holds, as a decode step's weights are: the
+AVX512-VNNI box's L3 is 300 MB, where 4 layers sit in cache (its 8960x1536 M = 1 ratio, 64 layers: 0.84, CPU
+time 0.81 at load 4; in the decode graph the MLP measured 1.03x). Formats: `u4a:128` (NNCF's int4 asym
 group 128 with u4 zero points: bench.models' exports) and `q4_1` (export/grid.py's exact Q4_1 grid: u4, group 32,
-f16 zero points: the default model's served int4). Native runs with the compile properties the server would use
+f16 zero points: the default model's served int4), `u8` (NNCF's int8 LM head, per output channel: our VNNI paths
+only; 151936x1536 is Qwen2.5-1.5B's). Native runs with the compile properties the server would use
 for the precision (`--precision default`: the box's default, dynamic quantization where the CPU has VNNI;
 `f32`: none); ours always computes in f32 with int8 activations, on `--isa` (default: the widest the CPU has).
 
@@ -39,6 +42,13 @@ def weights(n: int, k: int, fmt: str, rng: np.random.Generator) -> Any:
     w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
     if fmt.startswith("u4a:"):
         return decompressed(w, "u4a", int(fmt.split(":")[1]))
+    if fmt == "u8":  # NNCF's int8 LM head: u8 per output channel, u8 zero point, f16 scale
+        lo, hi = w.min(1, keepdims=True), w.max(1, keepdims=True)
+        d = (hi - lo) / 255
+        zero = np.round(-lo / d).astype(np.uint8)
+        q = np.clip(np.round(w / d) + zero, 0, 255).astype(np.uint8)
+        out = ops.subtract(ops.convert(ops.constant(q), ov.Type.f16), ops.convert(ops.constant(zero), ov.Type.f16))
+        return ops.convert(ops.multiply(out, ops.constant(d.astype(np.float16))), ov.Type.f32)
     g = w.reshape(n, k // 32, 32)
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
     d = np.where(hi == lo, 1, (hi - lo) / 15)

@@ -98,15 +98,24 @@ class Recorder:
         self.steps: list[dict] = []
         self._start: tuple[int, dict] | None = None
         self._pending: dict | None = None
-        forward, step = engine.backend.forward, engine.step
+        backend = engine.backend
+        forward, step = backend.forward, engine.step
+        # The request that runs decode steps: with our kernels, the backend's second compiled model (`_small`, for
+        # steps of at most `kernel_rows` tokens); `request` then runs only prefill. Reading `request` profiled the
+        # prefill graph (OpenVINO's brgemm kernels, 892 ms of nodes "per step" against a 132 ms step at
+        # Qwen2.5-1.5B int4), not the graph that decoded.
+        small = getattr(backend, "_small", None)
+        self.request = small if small is not None else backend.request
 
         def timed_forward(batch):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             out = forward(batch)
-            dt = time.perf_counter() - t
-            self.infers += 1
+            dt, dc = time.perf_counter() - t, time.process_time() - c
+            tokens = sum(map(len, batch.token_ids))
+            if small is None or tokens <= backend.kernel_rows:  # the backend's own choice of request
+                self.infers += 1  # inferences of self.request only: its profile is an average over them
             if self.active and len(batch.token_ids) == 1 and len(batch.token_ids[0]) == 1:
-                self._pending = {"forward_ms": dt * 1e3}
+                self._pending = {"forward_ms": dt * 1e3, "forward_cpu_ms": dc * 1e3}
             elif self.active:  # the prefill (its last chunk): the decode steps start from here
                 self._start = self._snapshot()
             return out
@@ -123,7 +132,7 @@ class Recorder:
 
     def _snapshot(self) -> tuple[int, dict[str, tuple[str, str, float]]]:
         """(inferences so far, {node: (type, exec type, average us)})."""
-        info = self.engine.backend.request.profiling_info
+        info = self.request.profiling_info
         return self.infers, {p.node_name: (p.node_type, p.exec_type, p.real_time.total_seconds() * 1e6) for p in info}
 
     def begin(self) -> None:
@@ -150,7 +159,7 @@ class Recorder:
         }
 
 
-def load(path, precision: str, extra: dict[str, Any]):
+def load(path, precision: str, extra: dict[str, Any], kernels: str = "auto"):
     """An Engine compiled with the engine's properties + PERF_COUNT + `extra`, warmed up, its Recorder, and those
     properties (with the compiled model's own values of EFFECTIVE)."""
     import appliance.runtime.backends.openvino_paged as paged
@@ -170,7 +179,10 @@ def load(path, precision: str, extra: dict[str, Any]):
     paged.compile_properties = with_extra
     try:
         engine = Engine(
-            path, EngineConfig(precision=None if precision == "default" else precision, kv_cache_tokens=2048)
+            path,
+            EngineConfig(
+                precision=None if precision == "default" else precision, kv_cache_tokens=2048, kernels=kernels
+            ),
         )
     finally:
         paged.compile_properties = original
@@ -200,6 +212,9 @@ def summarize(reps: list[dict]) -> dict:
         "step_ms": over_reps(lambda r: median(x["step_ms"] for x in r["steps"])),
         "step_mean_ms": over_reps(lambda r: sum(x["step_ms"] for x in r["steps"]) / len(r["steps"])),
         "forward_mean_ms": over_reps(lambda r: sum(x["forward_ms"] for x in r["steps"]) / len(r["steps"])),
+        # CPU time of the process (every thread) per forward: what a box shared with other work distorts less than
+        # wall time (a loaded 2-vCPU box gave 137-476 ms walls for the same step across repetitions).
+        "forward_cpu_ms": over_reps(lambda r: median(x["forward_cpu_ms"] for x in r["steps"])),
         "nodes_ms": over_reps(lambda r: r["nodes_ms"]),
     }
     out["tok_s"] = 1e3 / out["step_ms"]
@@ -223,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--property", action="append", default=[], help="KEY=VALUE added to every variant's properties")
     ap.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE,KEY=VALUE (repeatable)")
     ap.add_argument("--steps", type=int, default=32, help="decode steps profiled per request")
+    ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "ours", "openvino"])
     isa_cap_option(ap)
     args = ap.parse_args(argv)
 
@@ -233,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     isa = info["isa"]
     common = parse_properties(args.property)
     variants = [parse_variant(v) for v in args.variant] or [("base", {})]
-    configs = [(m, p, v) for m in args.models for p in args.precision for v, _ in variants]
-    loaded: dict[tuple[str, str, str], tuple] = {}
-    steps: dict[tuple[str, str, str], list[dict]] = {c: [] for c in configs}
+    configs = [(m, p, v, k) for m in args.models for p in args.precision for v, _ in variants for k in args.kernels]
+    loaded: dict[tuple[str, str, str, str], tuple] = {}
+    steps: dict[tuple[str, str, str, str], list[dict]] = {c: [] for c in configs}
     try:
-        for m, p, v in tqdm(configs, "compiling", file=sys.stderr, leave=False):
-            loaded[(m, p, v)] = load(model_dir(m), p, {**common, **dict(variants)[v]})
+        for m, p, v, k in tqdm(configs, "compiling", file=sys.stderr, leave=False):
+            loaded[(m, p, v, k)] = load(model_dir(m), p, {**common, **dict(variants)[v]}, k)
         vocab = Manifest.load(model_dir(args.models[0])).vocab_size
         params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True)  # the prefill step gives the first token
         with tqdm(total=args.reps * len(configs), desc="profile", file=sys.stderr, leave=False) as bar:
@@ -255,17 +271,27 @@ def main(argv: list[str] | None = None) -> int:
             engine.shutdown()
 
     rows, role_rows = [], []
-    for m, p, v in configs:
-        s = summarize(steps[(m, p, v)])
-        rows.append({"model": m, "precision": p, "variant": v, "properties": loaded[(m, p, v)][2], **s})
+    for m, p, v, k in configs:
+        s = summarize(steps[(m, p, v, k)])
+        label = loaded[(m, p, v, k)][0].backend.kernels
+        rows.append({"model": m, "precision": p, "variant": v, "path": label, "properties": loaded[(m, p, v, k)][2]})
+        rows[-1].update(s)
         for r in ROLES:
             share = 100 * s[r] / s["nodes_ms"] if s["nodes_ms"] else 0.0
             kinds = ", ".join(s["kernels"].get(r, [])[:3])
-            role_rows.append({"config": f"{m} {p} {v}", "role": r, "ms": s[r], "share": share, "kernels": kinds})
+            role_rows.append(
+                {"config": f"{m} {p} {v} {label}", "role": r, "ms": s[r], "share": share, "kernels": kinds}
+            )
     title = f"batch-1 decode step, {args.prompt_len}-token prompt, {args.steps} steps x {args.reps} reps, ISA {isa}"
     cols = [("model", "model", "s"), ("precision", "precision", "s"), ("variant", "variant", "s")]
+    cols += [("path", "kernels", "s")]
     cols += [("step_ms", "step ms p50", ".2f"), ("tok_s", "tok/s", ".1f"), ("step_mean_ms", "step mean", ".2f")]
-    cols += [("forward_mean_ms", "fwd mean", ".2f"), ("nodes_ms", "nodes", ".2f"), ("outside_ms", "outside", ".2f")]
+    cols += [
+        ("forward_mean_ms", "fwd mean", ".2f"),
+        ("forward_cpu_ms", "fwd cpu p50", ".2f"),
+        ("nodes_ms", "nodes", ".2f"),
+        ("outside_ms", "outside", ".2f"),
+    ]
     cols += [(r, r.split("/")[0].replace("attention projections", "attn proj"), ".2f") for r in ROLES]
     print_table(rows, cols, title=title + " (ms per decode step; outside = step mean - nodes)")
     print_table(

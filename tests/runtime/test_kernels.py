@@ -14,7 +14,7 @@ import pytest
 from openvino import opset13 as ops
 
 from appliance.runtime import kernels
-from appliance.runtime.kernels.rewrite import OP, rewrite
+from appliance.runtime.kernels.rewrite import OP, U8_ISAS, pair_layout, rewrite
 from tests.helpers import ours_missing
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -40,27 +40,27 @@ def _paths() -> list[str]:
     return list(kernels.ISAS)
 
 
-def _op_model(factory, k: int, packed: np.ndarray, sz: np.ndarray, group: int, isa: str) -> ov.Model:
+def _op_model(factory, k: int, packed: np.ndarray, sz: np.ndarray, group: int, isa: str, bits: int = 4) -> ov.Model:
     x = ops.parameter([-1, k], ov.Type.f32)
-    node = factory.create(
-        OP, [x.output(0), ops.constant(packed).output(0), ops.constant(sz).output(0)], {"group_size": group, "isa": isa}
-    )
+    attrs = {"group_size": group, "isa": isa, "bits": bits}
+    node = factory.create(OP, [x.output(0), ops.constant(packed).output(0), ops.constant(sz).output(0)], attrs)
     return ov.Model([node.output(0)], [x])
 
 
-def _case(rng: np.random.Generator, n: int, k: int, group: int, zero: str, scale: str):
-    """Random u4 weights [N, Kp] (zero beyond K), f16 scale and zero point per group, and their packed forms."""
-    kp, groups = -(-k // 32) * 32, -(-k // group)
-    q = rng.integers(0, 16, (n, kp)).astype(np.uint8)
+def _case(rng: np.random.Generator, n: int, k: int, group: int, zero: str, scale: str, bits: int = 4):
+    """Random u4 (or u8) weights [N, Kp] (zero beyond K), f16 scale and zero point per group, and their packed
+    forms. Zero point "15" is the grid's top (255 for u8)."""
+    kp, groups, top = -(-k // 32) * 32, -(-k // group), (1 << bits) - 1
+    q = rng.integers(0, top + 1, (n, kp)).astype(np.uint8)
     q[:, k:] = 0
     s = {
         "normal": rng.uniform(1e-3, 0.1, (n, groups)),
         "huge": rng.uniform(1e3, 6e4, (n, groups)),
         "denormal": rng.uniform(1e-7, 5e-6, (n, groups)),
     }[scale].astype(np.float16)
-    z = {"0": np.zeros((n, groups)), "15": np.full((n, groups), 15.0), "f16": rng.uniform(0, 15, (n, groups))}[zero]
+    z = {"0": np.zeros((n, groups)), "15": np.full((n, groups), top), "f16": rng.uniform(0, top, (n, groups))}[zero]
     z = z.astype(np.float16)
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8) if bits == 4 else pair_layout(q)
     sz = np.stack([s, z], -1).view(np.uint8).reshape(n, 4 * groups)
     w = (q[:, :k].astype(np.float64) - np.repeat(z, group, 1)[:, :k]) * np.repeat(s, group, 1)[:, :k]
     return packed, sz, w
@@ -108,6 +108,43 @@ def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, 
         assert y.shape == (m, n) and np.isfinite(y).all()
         over = np.abs(y - exact) - _bound(x.astype(np.float64), w)
         assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
+
+
+@pytest.mark.parametrize("isa", U8_ISAS)
+@pytest.mark.parametrize(
+    "n, k, group, zero, scale",
+    [
+        (67, 200, 64, "f16", "normal"),  # K not a multiple of 32 (an unpaired last block), N odd
+        (33, 1536, 1536, "f16", "normal"),  # per output channel, as NNCF's int8 LM head
+        (5, 96, 32, "15", "huge"),
+        (129, 256, 256, "0", "denormal"),
+    ],
+)
+def test_u8_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale):
+    """bits=8 (u8 weights in the paired layout) on the VNNI paths: u8 x s8 products summed in i32 by vpdpbusd."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
+    rng = np.random.default_rng(n * 1000 + k + 8)
+    packed, sz, w = _case(rng, n, k, group, zero, scale, bits=8)
+    compiled = core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, bits=8), "CPU", F32)
+    for m in (1, 3, 4, 7):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, ::7] *= 50
+        x[0, :3] = [1e-40, -3e-39, 0.0]
+        y = compiled(x)[0]
+        exact = x.astype(np.float64) @ w.T
+        assert y.shape == (m, n) and np.isfinite(y).all()
+        over = np.abs(y - exact) - _bound(x.astype(np.float64), w)
+        assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
+
+
+def test_u8_is_refused_on_avx2(loaded):
+    """AVX2's maddubs sums pairs of u8 x s8 products in i16: 2 x 255 x 127 saturates, so bits=8 is VNNI only."""
+    _, got = loaded
+    packed, sz, _ = _case(np.random.default_rng(5), 4, 64, 64, "0", "normal", bits=8)
+    with pytest.raises(Exception, match="bits must be 4, or 8 on a VNNI path"):
+        _op_model(got.factory, 64, packed, sz, 64, "avx2", bits=8)
 
 
 def test_every_path_gives_the_same_answer(loaded):
@@ -173,6 +210,31 @@ def _model(zero_kinds: list[str], n: int = 96, k: int = 256, group: int = 128) -
     rng = np.random.default_rng(3)
     x = ops.parameter([-1, -1, k], ov.Type.f32)
     return ov.Model([ops.matmul(x, _chain(rng, n, k, group, z), False, True) for z in zero_kinds], [x])
+
+
+def _u8_head(rng, n: int, k: int) -> ov.Node:
+    """NNCF's int8 LM head: u8 per output channel, u8 zero point, f16 scale, no Reshape."""
+    q = ops.convert(ops.constant(rng.integers(0, 256, (n, k)).astype(np.uint8)), ov.Type.f16)
+    zero = ops.convert(ops.constant(rng.integers(100, 156, (n, 1)).astype(np.uint8)), ov.Type.f16)
+    scale = ops.constant(rng.uniform(1e-4, 2e-3, (n, 1)).astype(np.float16))
+    return ops.convert(ops.multiply(ops.subtract(q, zero), scale), ov.Type.f32)
+
+
+@pytest.mark.parametrize("isa", _paths())
+def test_rewrite_takes_u8_heads_on_vnni_paths_only(loaded, isa):
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}")
+
+    def head() -> ov.Model:
+        x = ops.parameter([-1, 320], ov.Type.f32)
+        return ov.Model([ops.matmul(x, _u8_head(np.random.default_rng(6), 200, 320), False, True)], [x])
+
+    native, ours = head(), head()
+    assert rewrite(ours, got.factory, isa) == (1 if isa in U8_ISAS else 0)
+    x = np.random.default_rng(4).standard_normal((3, 320)).astype(np.float32)
+    want, have = core.compile_model(native, "CPU", F32)(x)[0], core.compile_model(ours, "CPU", F32)(x)[0]
+    assert np.abs(want - have).max() <= 0.02 * np.abs(want).max()
 
 
 def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded):
@@ -357,4 +419,4 @@ def test_static_shapes_run_ours_for_decode_and_openvino_for_prefill(loaded):
     layers = Manifest.load(path).num_layers * 7  # q, k, v, o, gate, up, down
     assert backend.kernels == loaded[1].label and backend.kernel_rows >= backend.max_batch
     assert decode.get("Reference") == layers and prefill.get("Reference", 0) == 0
-    assert prefill.get("FullyConnected") == layers + 1  # and the LM head, int8: OpenVINO's either way
+    assert prefill.get("FullyConnected") == layers + 1  # and the LM head (i8 symmetric: OpenVINO's either way)

@@ -34,8 +34,12 @@ KERNEL_ROWS = {"avx2": 16, "avxvnni": 4, "avx512vnni": 4}
 # plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
 # 135M model (every layer under 1M weights) decoded 1.24x slower at batch 1 with all 210 of its u4 MatMuls on ours
 # (bf16 default precision, VNNI box, 15 interleaved reps); with this floor it keeps OpenVINO's kernels, while
-# Qwen2.5-1.5B's q/o projections (2.4M) and MLP (13.8M) take ours. APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
-MIN_WEIGHTS = 1 << 21
+# Qwen2.5-1.5B's MLP (13.8M) and u8 LM head (233M) take ours. Its q/o projections (1536 x 1536, 2.4M) were slower
+# on ours at M = 1 on the AVX512-VNNI box: 1.14x OpenVINO's time (CPU time 1.05x; bench.kernels --shapes 1536x1536
+# --layers 200 --reps 7, load 4.4), and the decode step with them kept native (floor 2^22 instead of 2^21) took
+# 0.94x the wall and 0.99x the CPU time (bench.profile, 24 steps x 5 interleaved reps, load 4-5.5). Llama-3.2-1B's
+# q/o (2048 x 2048 = 2^22) still take ours: not measured. APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
+MIN_WEIGHTS = 1 << 22
 MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
 
 

@@ -76,14 +76,21 @@ inline float hsum(__m256 v) {
 }
 
 // One pair of blocks of one weight row against rows [m0, m0 + MT) of x: acc += dot * dx (* the pair's scales sv
-// when SCALED).
-template <int MT, bool SCALED>
+// when SCALED). W8: u8 weights, stored at load in the activations' paired layout (rewrite.py), so the even and odd
+// halves are two plain loads instead of one load, a shift and two ANDs.
+template <int MT, bool SCALED, bool W8>
 inline void pair_step(const LowbitArgs& a, const int8_t* xq, const float* dxv, const uint8_t* w, int64_t m0,
                       int64_t pairs, int64_t p, __m256 sv, __m256* acc) {
-    const __m256i mask = _mm256_set1_epi8(0x0f);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * BLOCK));
-    const __m256i lo = _mm256_and_si256(raw, mask);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    __m256i lo, hi;
+    if (W8) {
+        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * BLOCK));
+        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * BLOCK + BLOCK));
+    } else {
+        const __m256i mask = _mm256_set1_epi8(0x0f);
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * BLOCK));
+        lo = _mm256_and_si256(raw, mask);
+        hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+    }
     for (int m = 0; m < MT; ++m) {
         const int8_t* xp = xq + (m0 + m) * a.Kp + p * 2 * BLOCK;
         const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
@@ -96,10 +103,11 @@ inline void pair_step(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
 }
 
 // Rows [n0, n1) of the output for rows [m0, m0 + MT) of x.
-template <int MT>
+template <int MT, bool W8>
 inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                       int64_t n0, int64_t n1) {
-    const int64_t blocks = a.Kp / BLOCK, pairs = (blocks + 1) / 2, full = blocks / 2, row_bytes = a.Kp / 2;
+    const int64_t blocks = a.Kp / BLOCK, pairs = (blocks + 1) / 2, full = blocks / 2;
+    const int64_t row_bytes = W8 ? a.Kp : a.Kp / 2;
     const int64_t per_group = a.gs / BLOCK;  // blocks per group: 1 (Q4_1) or even (4: NNCF's g128)
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* w = a.w + n * row_bytes;
@@ -118,7 +126,7 @@ inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
             // Groups of one block (Q4_1): the pair's two scales as lanes 0-3 / 4-7.
             for (int64_t p = 0; p < full; ++p) {
                 const __m256 sv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(sz[4 * p + 2])), _mm_set1_ps(_cvtsh_ss(sz[4 * p])));
-                pair_step<MT, true>(a, xq, dxv, w, m0, pairs, p, sv, acc);
+                pair_step<MT, true, W8>(a, xq, dxv, w, m0, pairs, p, sv, acc);
             }
         } else {
             // Groups of an even number of blocks: accumulate the group's pairs, then scale once.
@@ -128,7 +136,7 @@ inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
                 for (int m = 0; m < MT; ++m) gacc[m] = _mm256_setzero_ps();
                 const int64_t p1 = (g + 1) * pairs_per_group < full ? (g + 1) * pairs_per_group : full;
                 for (int64_t p = g * pairs_per_group; p < p1; ++p)
-                    pair_step<MT, false>(a, xq, dxv, w, m0, pairs, p, _mm256_setzero_ps(), gacc);
+                    pair_step<MT, false, W8>(a, xq, dxv, w, m0, pairs, p, _mm256_setzero_ps(), gacc);
                 const __m256 vs = _mm256_set1_ps(_cvtsh_ss(sz[2 * g]));
                 for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(gacc[m], vs, acc[m]);
             }
@@ -136,15 +144,26 @@ inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
         if (blocks % 2) {  // the last block alone: [even 16, odd 16], 128-bit halves
             const int64_t b = blocks - 1;
             const float s = _cvtsh_ss(sz[2 * (b / per_group)]);
-            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * (BLOCK / 2)));
-            const __m128i m4 = _mm_set1_epi8(0x0f);
-            const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            __m128i lo, hi;
+            if (W8) {  // [even 16, odd 16], as the activations
+                lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * BLOCK));
+                hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * BLOCK + 16));
+            } else {
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * (BLOCK / 2)));
+                const __m128i m4 = _mm_set1_epi8(0x0f);
+                lo = _mm_and_si128(raw, m4);
+                hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+            }
             for (int m = 0; m < MT; ++m) {
                 const int8_t* xp = xq + (m0 + m) * a.Kp + b * BLOCK;
                 const __m128i xlo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp));
                 const __m128i xhi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp + 16));
-                const __m128i dot = _mm_madd_epi16(
-                    _mm_add_epi16(_mm_maddubs_epi16(lo, xlo), _mm_maddubs_epi16(hi, xhi)), _mm_set1_epi16(1));
+                // u8 weights through the ISA's dot (maddubs would saturate their i16 pair sums; W8 runs on VNNI only).
+                const __m128i dot =
+                    W8 ? _mm256_castsi256_si128(LOWBIT_DOT2(_mm256_zextsi128_si256(lo), _mm256_zextsi128_si256(xlo),
+                                                            _mm256_zextsi128_si256(hi), _mm256_zextsi128_si256(xhi)))
+                       : _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, xlo), _mm_maddubs_epi16(hi, xhi)),
+                                        _mm_set1_epi16(1));
                 const float d = dxv[((m0 + m) * pairs + pairs - 1) * 8];
                 const __m256 part = _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(d * s)));
                 acc[m] = _mm256_add_ps(acc[m], _mm256_insertf128_ps(part, _mm_setzero_ps(), 1));
@@ -154,15 +173,23 @@ inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
     }
 }
 
-inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
+template <bool W8>
+inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
     int64_t m0 = 0;
-    for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE>(a, xq, dxv, xs, m0, n0, n1);
+    for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE, W8>(a, xq, dxv, xs, m0, n0, n1);
     switch (a.M - m0) {
-        case 3: rows_tile<3>(a, xq, dxv, xs, m0, n0, n1); break;
-        case 2: rows_tile<2>(a, xq, dxv, xs, m0, n0, n1); break;
-        case 1: rows_tile<1>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 3: rows_tile<3, W8>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 2: rows_tile<2, W8>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 1: rows_tile<1, W8>(a, xq, dxv, xs, m0, n0, n1); break;
         default: break;
     }
+}
+
+inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
+    if (a.bits == 8)
+        rows_of<true>(a, xq, dxv, xs, n0, n1);
+    else
+        rows_of<false>(a, xq, dxv, xs, n0, n1);
 }
 
 }  // namespace

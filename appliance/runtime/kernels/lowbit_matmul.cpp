@@ -1,9 +1,10 @@
-// LowBitMatMul: y = x . dequant(W)^T for u4 weights with a per-group f16 scale and zero point, as an OpenVINO
+// LowBitMatMul: y = x . dequant(W)^T for u4 (or u8) weights with a per-group f16 scale and zero point, as an OpenVINO
 // custom op (evaluate() on the CPU plugin's reference path). Inputs: x f32 [..., K]; w u8 [N, Kp / 2] or u4 [N, ...]
-// (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order); sz u8 [N, 4 G]: per
+// (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order), or with bits = 8 u8
+// [N, Kp] in our paired layout (lowbit_kernel.hpp; rewrite.py repacks at load); sz u8 [N, 4 G]: per
 // group the f16 bits of the scale, then of the zero point (raw bytes, since the CPU plugin hands a custom op its f16
 // inputs converted to f32: twice the bytes to read per step). Attributes: group_size (32 or a multiple of 64), isa
-// ("auto", "avx2", "avxvnni", "avx512vnni"). Output f32 [..., N]. Why, with measurements:
+// ("auto", "avx2", "avxvnni", "avx512vnni"), bits (4, or 8 on the VNNI paths). Output f32 [..., N]. Why, with measurements:
 // appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -55,8 +56,8 @@ public:
     OPENVINO_OP("LowBitMatMul", "appliance");
 
     LowBitMatMul() = default;
-    LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa)
-        : Op(args), m_group_size(group_size), m_isa(std::move(isa)) {
+    LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa, int64_t bits = 4)
+        : Op(args), m_group_size(group_size), m_isa(std::move(isa)), m_bits(bits) {
         constructor_validate_and_infer_types();
     }
 
@@ -66,6 +67,8 @@ public:
                         "LowBitMatMul: group_size must be 32 or a multiple of 64");
         OPENVINO_ASSERT(m_isa == "auto" || supported(m_isa), "LowBitMatMul: this CPU cannot run isa=", m_isa);
         OPENVINO_ASSERT(!best_isa().empty(), "LowBitMatMul: needs AVX2 and FMA");
+        OPENVINO_ASSERT(m_bits == 4 || (m_bits == 8 && resolved() != "avx2"),
+                        "LowBitMatMul: bits must be 4, or 8 on a VNNI path (avxvnni, avx512vnni)");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
@@ -73,12 +76,13 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa);
+        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("group_size", m_group_size);
         visitor.on_attribute("isa", m_isa);
+        visitor.on_attribute("bits", m_bits);
         return true;
     }
 
@@ -94,8 +98,9 @@ public:
         a.G = static_cast<int64_t>(inputs[2].get_byte_size()) / 4 / (a.N ? a.N : 1);
         a.gs = m_group_size;
         a.Kp = (a.K + 31) / 32 * 32;
-        OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == a.N * a.Kp / 2,
-                        "LowBitMatMul: w must hold N x Kp/2 bytes");
+        a.bits = m_bits;
+        OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == a.N * a.Kp * a.bits / 8,
+                        "LowBitMatMul: w must hold N x Kp x bits / 8 bytes");
         OPENVINO_ASSERT(a.G == (a.K + a.gs - 1) / a.gs, "LowBitMatMul: sz must hold ceil(K / group_size) groups per row");
         ov::Shape ys = xs;
         ys.back() = static_cast<size_t>(a.N);
@@ -105,7 +110,7 @@ public:
         a.sz = static_cast<const uint16_t*>(inputs[2].data());
         a.y = outputs[0].data<float>();
         if (a.M == 0 || a.N == 0) return true;
-        const LowbitKernel kernel = kernel_for(m_isa == "auto" ? best_isa() : m_isa);
+        const LowbitKernel kernel = kernel_for(resolved());
         // Scratch per calling thread, kept between calls: allocating it each time was a measurable part of a
         // small layer's cost (the op's fixed cost per call was ~20 us against native's ~10 us at 256 x 256).
         thread_local std::vector<int8_t> xq;
@@ -143,8 +148,11 @@ public:
     }
 
 private:
+    std::string resolved() const { return m_isa == "auto" ? best_isa() : m_isa; }
+
     int64_t m_group_size = 128;
     std::string m_isa = "auto";
+    int64_t m_bits = 4;
 };
 
 }  // namespace appliance

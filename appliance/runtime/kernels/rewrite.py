@@ -4,13 +4,24 @@ read, before compiling; the export on disk stays standard IR that OVMS and genai
 The chain, as NNCF writes it (u4 zero point) and as export/grid.py writes the exact Q4_1 grid (f16 zero point):
     Constant u4 [N, G, gs] -> Convert -> Subtract(zero point) -> Multiply(scale) -> Reshape [N, K] -> (Convert f32)
     -> MatMul(x, ., transpose_b=True)
-or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 with gs 32 or a multiple of 64 is taken;
-anything else (i4 symmetric, int8, a group of 16, transpose_b=False) keeps OpenVINO's kernels.
+or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 with gs 32 or a multiple of 64 is taken, and
+on the VNNI paths also u8 (NNCF's int8 LM head, per output channel); anything else (i4 symmetric, u8 on AVX2, a
+group of 16, transpose_b=False) keeps OpenVINO's kernels.
+
+The u8 LM head: Qwen2.5-1.5B's (151936 x 1536, 19% of a decode step on OpenVINO's brgemm_avx512_bf16) ran at 0.68
+of OpenVINO's time on our AVX512-VNNI path at M = 1 (0.71 at M = 2; CPU time 0.76 / 0.78; bench.kernels --shapes
+151936x1536 --formats u8 --layers 2 --reps 7, load 5 on 2 vCPUs) and in the decode graph 53.3 vs 78.0 ms/step
+(bench.profile, same load); at the default model's head shape (49152 x 576) 0.70 at M = 1, 1.11 at M = 4 (CPU
+time 0.78 / 0.99), though its served head is i8 symmetric per 32 (the Q8_0 grid), which keeps OpenVINO's. What the
+head on ours moves: next-token TVD against OpenVINO's kernels at Qwen2.5-1.5B (bench.quality --precision default
+--kernels auto openvino, 8 prompts) median 0.0137 / max 0.0169 with it, 0.0140 / 0.0162 with only the u4 layers on
+ours: within the noise of the u4 layers' own (above the 0.01 target either way).
 
 Memory: the op reads the u4 bytes as a u8 copy ([N, K/2]; OpenVINO's Python API cannot share a read-only constant's
 memory; the new Constant shares our copy, so it is made once) and a u8 [N, 4 G] of f16 scale and zero point per group.
 The backends keep a second, unrewritten graph for prefill (KERNEL_ROWS), which holds the plugin's own copy: the
 default model's engine RSS went 243 -> 371 MB with every layer on ours (386 before the Constants shared our copy).
+A u8 head is repacked (pair_layout) into a copy of its size: +233 MB at Qwen2.5-1.5B.
 """
 
 from __future__ import annotations
@@ -22,15 +33,34 @@ import numpy as np
 import openvino as ov
 
 OP = "LowBitMatMul"
+U8_ISAS = ("avxvnni", "avx512vnni")  # vpdpbusd sums u8 x s8 in i32; AVX2's maddubs would saturate u8 pairs in i16
 
 
 @dataclass(frozen=True)
 class Chain:
     """A matched u4 decompression chain, as arrays for the op."""
 
-    packed: np.ndarray  # u8 [N, K/2]
+    packed: np.ndarray  # u8 [N, K/2] (u4) or [N, K] (u8, in the op's paired layout: pair_layout)
     sz: np.ndarray  # u8 [N, 4 G]: f16 scale, f16 zero point per group
     group_size: int
+    bits: int = 4
+
+    @property
+    def weights(self) -> int:
+        return self.packed.size * 8 // self.bits
+
+
+def pair_layout(q: np.ndarray) -> np.ndarray:
+    """u8 weights [N, K] (K a multiple of 32) in the order the op quantizes activations (lowbit_kernel.hpp): per pair
+    of 32-blocks [first's even 16, second's even 16, first's odd 16, second's odd 16], a last unpaired block [even
+    16, odd 16]. Then the kernel's u8 path reads its even and odd halves with two plain loads."""
+    n, k = q.shape
+    pairs = q[:, : k // 64 * 64].reshape(n, k // 64, 2, 32)
+    out = [np.stack([pairs[:, :, 0, 0::2], pairs[:, :, 1, 0::2], pairs[:, :, 0, 1::2], pairs[:, :, 1, 1::2]], 2)]
+    if k % 64:
+        last = q[:, -32:]
+        out.append(np.concatenate([last[:, 0::2], last[:, 1::2]], 1))
+    return np.ascontiguousarray(np.concatenate([o.reshape(n, -1) for o in out], 1))
 
 
 def _u4_values(node: ov.Node) -> np.ndarray:
@@ -57,8 +87,9 @@ def _is(output: ov.Output, kind: str) -> bool:
     return output.get_node().get_type_name() == kind
 
 
-def match(matmul: ov.Node) -> Chain | None:
-    """The u4 chain feeding `matmul`'s weight input, or None when it is anything else."""
+def match(matmul: ov.Node, u8: bool = False) -> Chain | None:
+    """The u4 chain (or with `u8`, also a u8 one) feeding `matmul`'s weight input, or None when it is anything
+    else."""
     attrs = matmul.get_attributes()
     if attrs.get("transpose_a") or not attrs.get("transpose_b"):
         return None
@@ -80,8 +111,10 @@ def match(matmul: ov.Node) -> Chain | None:
     if not _is(values_out, "Convert"):
         return None
     values = values_out.get_node().input_value(0).get_node()
-    if values.get_type_name() != "Constant" or values.get_element_type() != ov.Type.u4:
+    kinds = (ov.Type.u4, ov.Type.u8) if u8 else (ov.Type.u4,)
+    if values.get_type_name() != "Constant" or values.get_element_type() not in kinds:
         return None
+    bits = 4 if values.get_element_type() == ov.Type.u4 else 8
     zero = _constant(zero_out)
     shape = tuple(values.shape)
     n, k = n_k
@@ -97,21 +130,23 @@ def match(matmul: ov.Node) -> Chain | None:
     except ValueError:
         return None
     sz = np.stack([s.astype(np.float16), z.astype(np.float16)], -1).view(np.uint8).reshape(n, 4 * groups)
-    packed = np.asarray(values.get_data()).view(np.uint8).reshape(n, k // 2).copy()
-    return Chain(packed, np.ascontiguousarray(sz), group_size)
+    data = np.asarray(values.get_data()).view(np.uint8)
+    packed = data.reshape(n, k // 2).copy() if bits == 4 else pair_layout(data.reshape(n, k))
+    return Chain(packed, np.ascontiguousarray(sz), group_size, bits)
 
 
 def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0) -> int:
     """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
     NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many. The op
-    computes in f32 and returns f32, as the MatMul did."""
+    computes in f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the VNNI
+    paths only (U8_ISAS)."""
     from openvino import opset13 as ops
 
     found = []
     for node in model.get_ordered_ops():
         if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32:
-            chain = match(node)
-            if chain is not None and chain.packed.size * 2 >= min_weights:
+            chain = match(node, u8=isa in U8_ISAS)
+            if chain is not None and chain.weights >= min_weights:
                 found.append((node, chain))
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
     swaps = []
@@ -123,7 +158,7 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
                 ops.constant(chain.packed, shared_memory=True).output(0),  # our copy, not copied again
                 ops.constant(chain.sz, shared_memory=True).output(0),
             ],
-            {"group_size": chain.group_size, "isa": isa},
+            {"group_size": chain.group_size, "isa": isa, "bits": chain.bits},
         )
         new.set_friendly_name(node.get_friendly_name())
         swaps.append((node, new))
