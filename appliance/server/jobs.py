@@ -111,7 +111,7 @@ class JobRunner:
                 )
             conn.send(p.End())
             return True
-        return self._stream(conn, handles, load_seconds)
+        return JobPumps(conn, handles, self.metrics, load_seconds).run()  # False: the worker closed the connection
 
     def submit(self, job: p.Job, slot: Slot | None = None) -> tuple[list, p.Accepted]:
         """Check and queue the job on its model's engine: ([(choice index, handle, submitted)], Accepted), or
@@ -150,10 +150,6 @@ class JobRunner:
             grammar = job.params.grammar
             return p.Failed(400, str(exc), grammar.param if grammar else "response_format")
         return p.Failed(400, str(exc))  # PromptTooLong and other prompt problems the engine found
-
-    def _stream(self, conn: p.EventConnection, handles: list, load_seconds: float = 0.0) -> bool:
-        """The queued job's chunks to the worker (job_pumps.py); False when the worker closed the connection."""
-        return JobPumps(conn, handles, self.metrics, load_seconds).run()
 
 
 def queue_choices(engine: Engine, job: p.Job, prompts: list[list[int]], handles: list) -> None:

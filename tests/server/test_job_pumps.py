@@ -22,6 +22,7 @@ from appliance.limits import Limits
 from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
 from appliance.runtime.engine import Engine
+from appliance.server.job_pumps import JobPumps
 from appliance.server.jobs import JobRunner
 from appliance.server.metrics import ServerMetrics
 from appliance.server.slots import Models
@@ -74,8 +75,8 @@ def test_a_pump_that_cannot_start_fails_the_job_and_cancels_every_sequence(pumps
     handles = [StandIn() for _ in range(5)]
     handles[0].out.put(Chunk(text="a", token_ids=[1], completion_tokens=1))
     worker, engine_side = Pipe()
-    runner = JobRunner(None, ServerMetrics(), Limits())  # type: ignore[arg-type]  # _stream needs no models
-    assert runner._stream(engine_side, [(i, h, time.monotonic()) for i, h in enumerate(handles)]) is True
+    pumps = JobPumps(engine_side, [(i, h, time.monotonic()) for i, h in enumerate(handles)], ServerMetrics())
+    assert pumps.run() is True
     assert all(h.cancelled for h in handles)
     assert len(started) == 2 and not any(t.is_alive() for t in started)  # drained to their abort, joined
     events = []
