@@ -122,6 +122,17 @@ class Limits:
     metadata_key_chars: int = setting(64, "characters of a `metadata` key (Responses, as OpenAI)")
     metadata_chars: int = setting(512, "characters of a `metadata` value (Responses, as OpenAI)")
     input_items_page: int = setting(100, "`limit` of GET /v3/responses/{id}/input_items in [1, this] (as OpenAI)")
+    # images (vision-language models, docs/vision.md): the HTTP worker checks counts and file bytes (base64 decoded
+    # or fetched), the engine process decodes (format, pixels); each refusal a 400 in the API's shape
+    images: int = setting(8, "images per request, every message's image parts together", flag="max-images")
+    image_bytes: int = setting(
+        10 * 2**20, "bytes of one image file (after base64 decoding or fetching)", flag="max-image-bytes"
+    )
+    image_pixels: int = setting(
+        16_777_216,
+        "decoded pixels of one image (width x height, read from its header before decoding: decompression bombs)",
+        flag="max-image-pixels",
+    )
     # embeddings and rerank (appliance/server/encoders/embeddings.py): each input is also at most the model's max
     # length in tokens (its manifest's max_length), else 400 unless the request asks to `truncate`
     embedding_inputs: int = setting(
