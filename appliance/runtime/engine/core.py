@@ -42,6 +42,7 @@ from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.sequence import Sequence
 from appliance.runtime.stopping import check_token_stop
 from appliance.runtime.tokenizer import Tokenizer
+from appliance.runtime.vision import VisionEncoder
 
 log = logging.getLogger("appliance.runtime.engine")
 
@@ -58,6 +59,8 @@ class Engine(Admission, Liveness):
         self.manifest = Manifest.load(self.model_dir)
         if self.manifest.is_vlm:  # its language model takes embeddings, not token ids: it would fail unclearly
             raise ValueError(f"{self.model_dir}: {VLM_NOT_SERVED}")
+        # a VLM's vision parts: its prompts' images -> expanded ids and feature rows, in the job threads (vision/)
+        self.vision = VisionEncoder(self.model_dir, self.manifest, self.config) if self.manifest.is_vlm else None
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         gen_path = self.model_dir / self.manifest.generation_config_file
         self.generation_defaults: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
