@@ -23,7 +23,7 @@ from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.params import SamplingParams
 from appliance.runtime.engine.admission import ParamInvalid
-from appliance.runtime.vision import ImageRejected
+from appliance.runtime.vision.errors import ImageRejected
 from appliance.server.prompts import echo_text, fitted, image_parts, image_tokens, with_media
 from appliance.server.slots import Rejected, Slot, not_ready
 

@@ -19,8 +19,8 @@ from appliance.config import EngineConfig
 from appliance.limits import Limits
 from appliance.params import SamplingParams
 from appliance.runtime.tokenizer import Tokenizer
-from appliance.runtime.vision import VisionEncoder
 from appliance.runtime.vision.decode import decode
+from appliance.runtime.vision.encoder import VisionEncoder
 from appliance.server.admit import Tokenized, admit, tokenize
 from appliance.server.jobs import queue_choices
 from appliance.server.slots import Rejected, Slot

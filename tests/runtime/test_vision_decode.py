@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from appliance.runtime.vision.decode import ImageRejected, decode
+from appliance.runtime.vision.decode import decode
+from appliance.runtime.vision.errors import ImageRejected
 
 LIMIT = 16_777_216
 

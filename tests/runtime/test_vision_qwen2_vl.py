@@ -13,9 +13,10 @@ import pytest
 from appliance.config import EngineConfig
 from appliance.manifest import Manifest
 from appliance.runtime.tokenizer import Tokenizer
-from appliance.runtime.vision import ImageRejected, VisionEncoder
 from appliance.runtime.vision import qwen2_vl as scheme
 from appliance.runtime.vision.decode import decode
+from appliance.runtime.vision.encoder import VisionEncoder
+from appliance.runtime.vision.errors import ImageRejected
 from tests import tiny_vlms
 
 PIXEL_ATOL = 1e-5

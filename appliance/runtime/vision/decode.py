@@ -28,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from appliance.manifest import Vision
+from appliance.runtime.vision.errors import ImageRejected
 
 FORMATS = ("JPEG", "PNG", "WEBP")
 ACCEPTED = "JPEG, PNG or WebP"
@@ -48,10 +49,6 @@ _MAGIC = (
 # and a warning per large image would only fill the log
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 _HEIF = (b"ftypheic", b"ftypheix", b"ftypmif1", b"ftypavif")
-
-
-class ImageRejected(ValueError):
-    """An image the server will not read: the message is for the client (format, corrupt or truncated, too large)."""
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ from appliance.config import EngineConfig
 from appliance.manifest import Manifest, Vision
 from appliance.runtime.media import ImageSpan, Media
 from appliance.runtime.vision import idefics3, qwen2_vl
-from appliance.runtime.vision.decode import ImageRejected, decode, open_header
+from appliance.runtime.vision.decode import decode, open_header
+from appliance.runtime.vision.errors import ImageRejected
 
 
 class VisionEncoder:

@@ -15,7 +15,8 @@ import numpy as np
 from PIL import Image
 
 from appliance.manifest import Vision
-from appliance.runtime.vision.decode import ImageRejected, normalized
+from appliance.runtime.vision.decode import normalized
+from appliance.runtime.vision.errors import ImageRejected
 
 MAX_ASPECT = 200  # transformers refuses a more elongated image (smart_resize)
 
