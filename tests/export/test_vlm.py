@@ -2,7 +2,7 @@
 parts against transformers: the image features for one random image, and the language model's logits on a chat
 prompt whose embeddings carry those features (built from the manifest's image-token scheme, as the engine will).
 
-Each family is built and exported once per module (about 40 s on 2 cores for both).
+Each family is built and exported once per session (about 40 s on 2 cores for both).
 """
 
 from __future__ import annotations
@@ -30,18 +30,9 @@ Exported = Callable[[str], tuple[Path, Path, Manifest]]
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
-    root = tmp_path_factory.mktemp("vlm")
-    done: dict[str, tuple[Path, Path, Manifest]] = {}
-
-    def get(family: str) -> tuple[Path, Path, Manifest]:
-        if family not in done:
-            src = tiny_vlms.build(family, root / family)
-            out = root / f"{family}-openvino-fp32"
-            done[family] = src, out, export_vlm(src, out, "openvino", "fp32")
-        return done[family]
-
-    return get
+def exported(vlm_export) -> Exported:
+    """Each family built and exported once a session (tests/conftest.py), shared with tests/runtime/test_vision*."""
+    return vlm_export
 
 
 def _infer(out: Path, file: str, feed: dict[str, Any]) -> np.ndarray:
