@@ -106,6 +106,15 @@ def test_other_formats_and_garbage_are_refused_by_name(data: bytes, message: str
         decode(data, LIMIT)
 
 
+def test_a_photo_is_turned_upright_by_its_exif_orientation():
+    image = _picture()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored sideways: shown turned 90 degrees clockwise
+    decoded = decode(_file(image, "PNG", exif=exif), LIMIT)
+    assert decoded.size == (40, 56)
+    assert np.array_equal(np.asarray(decoded.image), np.rot90(np.asarray(image), k=-1))
+
+
 def test_the_digest_follows_the_pixels_not_the_file():
     image = _picture()
     png = decode(_file(image, "PNG", compress_level=1), LIMIT)

@@ -9,9 +9,11 @@ Untrusted bytes meet a C decoder here, so the order is the defence:
   file is refused, never padded with grey. Whatever the decoder raises becomes ImageRejected: no traceback reaches
   the client, and nothing about the server leaks but the decoder's own one-line reason.
 
-The decoded picture is normalised to one of two modes, RGB or (when the file has transparency) RGBA, because the
-two schemes' processors in transformers treat alpha differently (Qwen2-VL drops it, Idefics3 composites onto
-white after resizing): the preprocessing does either from these two. Its digest (BLAKE2b-128 over the mode, the
+The picture is turned upright by its EXIF orientation (as transformers' load_image does for a file or URL, and as
+any viewer shows it: a gauge photographed with a phone held upright is stored sideways), and normalised to one of
+two modes, RGB or (when the file has transparency) RGBA, because the two schemes' processors in transformers treat
+alpha differently (Qwen2-VL drops it, Idefics3 composites onto white after resizing): the preprocessing does either
+from these two. Its digest (BLAKE2b-128 over the mode, the
 size and the pixel bytes, never the file) names the picture in the prefix cache (runtime/media.py): the same
 picture re-encoded (another JPEG quality, PNG instead of WebP losslessly) is the same picture.
 """
@@ -45,6 +47,16 @@ _MAGIC = (
     (b"<?xml", "SVG"),
     (b"<svg", "SVG"),
 )
+_ORIENTATION = 0x0112  # EXIF: how the camera was held; a phone's photo is stored sideways with 6 or 8
+_UPRIGHT = {  # orientation -> the transpose that shows the picture as it was taken (Pillow's ImageOps.exif_transpose)
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 # Pillow warns past 89M pixels: here the operator's limit (checked from the header in open_header) is the bound,
 # and a warning per large image would only fill the log
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
@@ -91,7 +103,10 @@ def decode(data: bytes, max_pixels: int) -> Decoded:
     kind = image.format or "image"
     try:
         image.load()
-        picture = image.copy() if image.mode == "RGB" else image.convert("RGBA" if _has_alpha(image) else "RGB")
+        picture = image.convert("RGBA" if _has_alpha(image) else "RGB")  # a copy, even of an RGB picture
+        turn = _UPRIGHT.get(image.getexif().get(_ORIENTATION, 1))
+        if turn is not None:
+            picture = picture.transpose(turn)
     except Exception as exc:  # OSError (truncated), SyntaxError (broken PNG chunk), zlib, struct, ValueError, ...
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ImageRejected(f"the {kind} file is corrupt or truncated ({reason})") from None

@@ -112,6 +112,7 @@ class VisionEncoder:
             runs = [
                 start + j for j, t in enumerate(text) if t == vision.image_token_id and (j == 0 or text[j - 1] != t)
             ]
+            assert len(runs) == len(features), "one run of image tokens per tile"
             for k, (run, rows) in enumerate(zip(runs, features)):  # one span per tile: tiles are not contiguous
                 spans.append(ImageSpan(run, len(rows), tile_digest(decoded.digest, k), rows))
         return ids, Media(tuple(spans), len(ids))
