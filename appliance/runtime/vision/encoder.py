@@ -92,7 +92,7 @@ class VisionEncoder:
         vision = self.vision
         places = [i for i, token in enumerate(prompt_ids) if token == vision.image_token_id]
         if len(places) != len(files):
-            raise ImageRejected(qwen2_vl.count_message(len(files), len(places)))
+            raise ImageRejected.placeholders(len(files), len(places))
         layouts = [idefics3.layout(vision, w, h) for w, h in sizes]
         ids: list[int] = []
         starts = []  # per image: where its tile text begins

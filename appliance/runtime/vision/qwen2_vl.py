@@ -90,13 +90,13 @@ def expand(vision: Vision, prompt_ids: list[int], tokens: list[int]) -> tuple[li
     for i, token in enumerate(prompt_ids):
         if token == vision.image_token_id and _placeholder(vision, prompt_ids, i):
             if len(starts) == len(tokens):
-                raise ImageRejected(count_message(len(tokens), _count(vision, prompt_ids)))
+                raise ImageRejected.placeholders(len(tokens), _count(vision, prompt_ids))
             starts.append(len(out))
             out.extend([token] * tokens[len(starts) - 1])
         else:
             out.append(token)
     if len(starts) != len(tokens):
-        raise ImageRejected(count_message(len(tokens), len(starts)))
+        raise ImageRejected.placeholders(len(tokens), len(starts))
     return out, starts
 
 
@@ -128,10 +128,3 @@ def _placeholder(vision: Vision, ids: list[int], i: int) -> bool:
 
 def _count(vision: Vision, ids: list[int]) -> int:
     return sum(1 for i, t in enumerate(ids) if t == vision.image_token_id and _placeholder(vision, ids, i))
-
-
-def count_message(images: int, placeholders: int) -> str:
-    return (
-        f"the request has {images} image(s) but its chat prompt has {placeholders} image place(s): each image must "
-        "be a content part of a message"
-    )
