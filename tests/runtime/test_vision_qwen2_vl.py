@@ -157,3 +157,20 @@ def _gif() -> bytes:
     out = io.BytesIO()
     tiny_vlms.image().save(out, "GIF")
     return out.getvalue()
+
+
+def test_concurrent_prepares_equal_serial_ones(qwen):
+    """Job threads call prepare at once: the encodes take turns on the model's parts (one lock), each gets its own
+    rows, and the token counts from the headers are what prepare writes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, out, _, encoder = qwen
+    prompt = Tokenizer.from_dir(out).encode_chat([{"role": "user", "content": [{"type": "image"}]}])
+    files = [_png(image) for image in _images()] * 2
+    serial = [encoder.prepare(prompt, [data], LIMIT) for data in files]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda data: encoder.prepare(prompt, [data], LIMIT), files))
+    for (ids, media), (ids2, media2), data in zip(serial, together, files):
+        assert ids == ids2 and len(ids) == len(prompt) - 1 + encoder.num_tokens(data, LIMIT)
+        assert np.array_equal(media.images[0].features, media2.images[0].features)
+        assert media.images[0].digest == media2.images[0].digest
