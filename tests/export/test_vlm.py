@@ -362,3 +362,18 @@ def test_genai_vlm_pipeline(family: str, exported: Exported) -> None:
     image = ov.Tensor(np.array(tiny_vlms.image())[None])
     pipe.generate(QUESTION, images=[image], generation_config=config, streamer=streamer)
     assert streamer.ids == _transformers_greedy(src, new_tokens)
+
+
+def test_bench_vlm_genai_side(exported: Exported, tmp_path: Path) -> None:
+    """bench/vlm.py's genai side runs on a VLM export (batch 1, 4 concurrent, the repeated picture) and writes its
+    table's rows; its other side, our server, is the same command without `--sides genai`."""
+    from bench import vlm
+
+    out = exported("qwen2_vl")[1]
+    result = tmp_path / "vlm.json"
+    assert vlm.main(["--model", str(out), "--sides", "genai", "--quick", "--out", str(result)]) == 0
+    data = json.loads(result.read_text())
+    assert [row["cell"] for row in data["summary"]] == ["c=1", "c=4", "repeat"]
+    assert all(row["genai_ttft_ms"] > 0 and row["genai_decode_tok_s"] > 0 for row in data["summary"])
+    assert data["summary"][-1]["genai_repeat_ratio"] > 0
+    assert {(r["side"], r["cell"]) for r in data["runs"]} == {("genai", 1), ("genai", 4), ("genai", "repeat")}
