@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from bench.client import http_run, sse_events
 from bench.common import LOGS, ServerProcess, arg_parser, finish, machine, median, paired_ratio, rotate, write_json
-from bench.concurrency import _summary as stream_summary
+from bench.concurrency import genai_steps
 
 IMAGE_SIDE = 448
 QUESTIONS = ("What does the gauge read? Answer in one sentence.", "What colour is the label on the left?")
@@ -150,26 +150,15 @@ def genai_one(pipe: Any, request: tuple[bytes, str], new_tokens: int) -> dict:
 
 
 def genai_batch(pipe: Any, requests: list[tuple[bytes, str]], new_tokens: int) -> dict:
-    """ContinuousBatchingPipeline: every request added at once, then the step loop, each handle read after every
-    step (bench.concurrency.genai_run's loop, with images)."""
+    """ContinuousBatchingPipeline: every request added at once, then its step loop (bench.concurrency.genai_steps,
+    as for text)."""
     images = [pixels(jpeg) for jpeg, _ in requests]
-    times: list[list[float]] = [[] for _ in requests]
     t0 = time.perf_counter()
     handles = [
         pipe.add_request(next(_ids), question, [image], _config(new_tokens))
         for (_, question), image in zip(requests, images)
     ]
-
-    def drain(now: float) -> None:
-        for i, handle in enumerate(handles):
-            if handle.can_read():
-                times[i] += [now] * sum(len(out.generated_ids) for out in handle.read().values())
-
-    while pipe.has_non_finished_requests():
-        pipe.step()
-        drain(time.perf_counter())
-    drain(time.perf_counter())
-    s = stream_summary(t0, times, new_tokens)
+    s = genai_steps(pipe, handles, t0, new_tokens)
     return {"tok_s": s["tok_s"], "ttft_s": s["ttft_s"], "decode_tok_s": s["decode_tok_s_per_request"]}
 
 

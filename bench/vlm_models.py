@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.models import BOS_ID, EOS_ID, SEED, SPECIAL_TOKENS, _tokenizer_json, root
+from bench.models import FAMILIES as FAMILIES_TEXT
 
 QWEN2_VL_TEMPLATE = (  # Qwen2-VL-Instruct's chat_template (videos and vision ids included, as published)
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
@@ -69,22 +70,10 @@ def _qwen2_vl(ids: dict[str, int]) -> tuple[Any, Any]:
     """Qwen2-VL-2B-Instruct's config.json and preprocessor_config.json (token ids: ours)."""
     from transformers import Qwen2VLConfig, Qwen2VLImageProcessor
 
-    text = dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
+    text = dict(  # the language model is Qwen2-1.5B's shape, the same as Qwen2.5-1.5B's
+        FAMILIES_TEXT["qwen2.5-1.5b"][1],
         max_window_layers=28,
-        sliding_window=32768,
-        use_sliding_window=False,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
         rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
-        hidden_act="silu",
-        tie_word_embeddings=True,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
