@@ -250,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     levels, seeds = list(args.concurrency), itertools.count(1)
 
-    def requests(c: int, question: int = 0) -> list[tuple[bytes, str]]:
-        return [(picture(next(seeds)), QUESTIONS[question]) for _ in range(c)]
+    def requests(c: int) -> list[tuple[bytes, str]]:
+        return [(picture(next(seeds)), QUESTIONS[0]) for _ in range(c)]
 
     runs: list[dict] = []
     genai_settings: dict = {}
