@@ -7,8 +7,11 @@ Random weights time the same kernels as trained ones; the answers mean nothing.
 The tokenizer is bench/models.py's 32000-token BPE plus each family's image tokens (ids 32000 and up); the chat
 template and preprocessor_config.json are the published ones (pixel limits, mean and std). Everything lives under
 `appliance.paths.data_dir()/bench/<name>/`: `hf/` (bf16 safetensors) and `openvino-<format>/`, the latter written by
-`python -m export` in a child process (its fp32 load and trace is the peak: measured below; one model at a time).
-Qwen2-VL-2B int4 on the 2-vCPU box: see the measured time and peak RSS the build prints.
+`python -m export` in a child process (the build prints its wall time and peak RSS; one model at a time).
+Measured, Qwen2-VL-2B int4 on the 2-vCPU box under other agents' load: random weights 3 min, export 17.4 min (15 of
+them optimum's conversion), peak RSS 19.5 GiB: the exporter's fp32 model (8.8 GB) stays loaded while optimum
+converts and transforms the parts; the text exporter's 1.5B peaks at 9.1 GiB. It needs a 24 GB box with little else
+running.
 
     nice python -m bench.vlm_models                            # qwen2-vl-2b, int4
     nice python -m bench.vlm_models --model smolvlm-256m int4 int8
