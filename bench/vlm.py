@@ -19,6 +19,7 @@ so that >= 1 means ours is faster (the issue's target on both TTFT and decode, a
 
     python -m bench.vlm                               # qwen2-vl-2b int4 (bench.vlm_models builds it), both sides
     python -m bench.vlm --sides genai --quick         # genai only: runs before our server serves images
+    python -m bench.vlm --model smolvlm-256m --sides ours   # Idefics3: genai 2026.4 has no pipeline for it
     python -m bench.vlm --model /path/to/vlm-export --concurrency 1 4 --reps 5 --new-tokens 64
 """
 
@@ -240,13 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sides", nargs="+", choices=("ours", "genai"), default=["ours", "genai"])
     ap.add_argument("--server-arg", action="append", default=[], help="extra `appliance serve` argument (repeat)")
     args = ap.parse_args(argv)
-    path = Path(args.model).expanduser()
-    if args.model == DEFAULT_MODEL:
-        from bench.vlm_models import ensure_model
+    from bench.vlm_models import FAMILIES, ensure_model
 
-        path = ensure_model(DEFAULT_MODEL, "int4")
+    path = Path(args.model).expanduser()
+    if args.model in FAMILIES:
+        path = ensure_model(args.model, "int4")
     elif not path.is_dir():
-        raise SystemExit(f"unknown model {args.model!r}: {DEFAULT_MODEL} or a VLM export directory")
+        raise SystemExit(f"unknown model {args.model!r}: {', '.join(FAMILIES)} (int4) or a VLM export directory")
     info = machine()
     levels, seeds = list(args.concurrency), itertools.count(1)
 

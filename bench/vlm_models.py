@@ -11,7 +11,7 @@ template and preprocessor_config.json are the published ones (pixel limits, mean
 Measured, Qwen2-VL-2B int4 on the 2-vCPU box under other agents' load: random weights 3 min, export 17.4 min (15 of
 them optimum's conversion), peak RSS 19.5 GiB: the exporter's fp32 model (8.8 GB) stays loaded while optimum
 converts and transforms the parts; the text exporter's 1.5B peaks at 9.1 GiB. It needs a 24 GB box with little else
-running.
+running. SmolVLM-256M int4: export 5 min, peak RSS 3.0 GiB.
 
     nice python -m bench.vlm_models                            # qwen2-vl-2b, int4
     nice python -m bench.vlm_models --model smolvlm-256m int4 int8
