@@ -20,7 +20,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "lowbit_kernel.h"
 
@@ -114,46 +113,40 @@ inline void prefetch(const uint8_t* w, int64_t p) {
     if (at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + at + PREFETCH), _MM_HINT_T0);
 }
 
-// A weight row's group scales as f32 (sf [G]) and its zero-point terms bias[m] = sum_g s z xs[m, g] for rows
-// [m0, m0 + MT) of x, four groups per step (one vcvtph2ps for four scales and zero points, instead of three scalar
-// conversions per group and row of x).
+// A weight row's zero-point terms bias[m] = sum_g (s z)[g] xs[m, g] for rows [m0, m0 + MT) of x; sz: the row's
+// [G scales, G products s z] (f32, made at load). Converting the IR's f16 scale and zero point here instead, per
+// row and call, cost ~13% of a pass at K = 1536 (12 groups per row against 24 pairs of blocks).
 template <int MT>
-inline void row_scales(const LowbitArgs& a, const uint16_t* sz, const float* xs, int64_t m0, float* sf, float* bias) {
-    const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    __m128 bv[MT];
-    for (int m = 0; m < MT; ++m) bv[m] = _mm_setzero_ps();
+inline void row_bias(const LowbitArgs& a, const float* sz, const float* xs, int64_t m0, float* bias) {
+    const float* bz = sz + a.G;
+    __m256 bv[MT];
+    for (int m = 0; m < MT; ++m) bv[m] = _mm256_setzero_ps();
     int64_t g = 0;
-    for (; g + 4 <= a.G; g += 4) {
-        const __m256 v = _mm256_permutevar8x32_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + 2 * g))), evens_first);
-        const __m128 s = _mm256_castps256_ps128(v);
-        _mm_storeu_ps(sf + g, s);
-        const __m128 bz = _mm_mul_ps(s, _mm256_extractf128_ps(v, 1));
-        for (int m = 0; m < MT; ++m) bv[m] = _mm_fmadd_ps(bz, _mm_loadu_ps(xs + (m0 + m) * a.G + g), bv[m]);
+    for (; g + 8 <= a.G; g += 8) {
+        const __m256 b = _mm256_loadu_ps(bz + g);
+        for (int m = 0; m < MT; ++m) bv[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xs + (m0 + m) * a.G + g), bv[m]);
     }
-    for (int m = 0; m < MT; ++m) bias[m] = hsum128(bv[m]);
-    for (; g < a.G; ++g) {
-        const float s = _cvtsh_ss(sz[2 * g]), bz = s * _cvtsh_ss(sz[2 * g + 1]);
-        sf[g] = s;
-        for (int m = 0; m < MT; ++m) bias[m] += bz * xs[(m0 + m) * a.G + g];
-    }
+    for (int m = 0; m < MT; ++m) bias[m] = hsum(bv[m]);
+    for (; g < a.G; ++g)
+        for (int m = 0; m < MT; ++m) bias[m] += bz[g] * xs[(m0 + m) * a.G + g];
 }
 
 // Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x: MT x NR independent accumulator chains. One chain
 // (NR = 1 at M = 1) waits on its FMA's latency every pair of blocks; NR weight rows per pass share each activation
-// load and keep NR chains in flight. MT x NR <= CHAINS. sf: room for NR x G floats.
+// load and keep NR chains in flight. MT x NR <= CHAINS.
 template <int MT, int NR, bool W8>
-inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0,
-                 float* sf) {
+inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
     const int64_t blocks = a.Kp / BLOCK, pairs = (blocks + 1) / 2, full = blocks / 2;
     const int64_t row_bytes = W8 ? a.Kp : a.Kp / 2;
     const int64_t per_group = a.gs / BLOCK;  // blocks per group: 1 (Q4_1) or even (4: NNCF's g128)
     const uint8_t* w[NR];
+    const float* sf[NR];  // the row's group scales
     float bias[NR][MT];
     __m256 acc[MT][NR];
     for (int r = 0; r < NR; ++r) {
         w[r] = a.w + (n0 + r) * row_bytes;
-        row_scales<MT>(a, a.sz + (n0 + r) * 2 * a.G, xs, m0, sf + r * a.G, bias[r]);
+        sf[r] = a.sz + (n0 + r) * 2 * a.G;
+        row_bias<MT>(a, sf[r], xs, m0, bias[r]);
         for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_setzero_ps();
     }
     const int8_t* xrow = xq + m0 * a.Kp;
@@ -169,7 +162,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                 dv[m] = _mm256_loadu_ps(drow + (m * pairs + p) * 8);
             }
             for (int r = 0; r < NR; ++r) {
-                const float* s = sf + r * a.G + 2 * p;
+                const float* s = sf[r] + 2 * p;
                 const __m256 sv = _mm256_set_m128(_mm_broadcast_ss(s + 1), _mm_broadcast_ss(s));
                 prefetch<W8>(w[r], p);
                 __m256i lo, hi;
@@ -205,7 +198,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                 }
             }
             for (int r = 0; r < NR; ++r) {
-                const __m256 vs = _mm256_broadcast_ss(sf + r * a.G + g);
+                const __m256 vs = _mm256_broadcast_ss(sf[r] + g);
                 for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_fmadd_ps(gacc[m][r], vs, acc[m][r]);
             }
         }
@@ -213,7 +206,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
     if (blocks % 2) {  // the last block alone: [even 16, odd 16], 128-bit halves
         const int64_t b = blocks - 1;
         for (int r = 0; r < NR; ++r) {
-            const float s = sf[r * a.G + b / per_group];
+            const float s = sf[r][b / per_group];
             __m128i lo, hi;
             if (W8) {  // [even 16, odd 16], as the activations
                 lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * BLOCK));
@@ -247,10 +240,10 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
 // Rows [n0, n1) of the output for rows [m0, m0 + MT) of x, NR weight rows per pass (then one at a time).
 template <int MT, int NR, bool W8>
 inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
-                      int64_t n0, int64_t n1, float* sf) {
+                      int64_t n0, int64_t n1) {
     int64_t n = n0;
-    for (; n + NR <= n1; n += NR) tile<MT, NR, W8>(a, xq, dxv, xs, m0, n, sf);
-    for (; n < n1; ++n) tile<MT, 1, W8>(a, xq, dxv, xs, m0, n, sf);
+    for (; n + NR <= n1; n += NR) tile<MT, NR, W8>(a, xq, dxv, xs, m0, n);
+    for (; n < n1; ++n) tile<MT, 1, W8>(a, xq, dxv, xs, m0, n);
 }
 
 // Weight rows per pass for MT rows of x.
@@ -258,16 +251,12 @@ constexpr int nr(int mt) { return CHAINS / mt > 1 ? CHAINS / mt : 1; }
 
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
-    // Per calling thread (TBB workers included), kept between calls: NR x G group scales of the current pass.
-    thread_local std::vector<float> scales;
-    if (static_cast<int64_t>(scales.size()) < CHAINS * a.G) scales.resize(static_cast<size_t>(CHAINS * a.G));
-    float* sf = scales.data();
     int64_t m0 = 0;
-    for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE, nr(MTILE), W8>(a, xq, dxv, xs, m0, n0, n1, sf);
+    for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE, nr(MTILE), W8>(a, xq, dxv, xs, m0, n0, n1);
     switch (a.M - m0) {
-        case 3: rows_tile<3, nr(3), W8>(a, xq, dxv, xs, m0, n0, n1, sf); break;
-        case 2: rows_tile<2, nr(2), W8>(a, xq, dxv, xs, m0, n0, n1, sf); break;
-        case 1: rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m0, n0, n1, sf); break;
+        case 3: rows_tile<3, nr(3), W8>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 2: rows_tile<2, nr(2), W8>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 1: rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m0, n0, n1); break;
         default: break;
     }
 }
