@@ -102,6 +102,17 @@ inline void load_pair(const uint8_t* w, int64_t p, __m256i& lo, __m256i& hi) {
     }
 }
 
+// Pair p of rows [0, MT) of the quantized x (xrow) as its even and odd halves, and their blocks' scales (drow).
+template <int MT>
+inline void load_x(const int8_t* xrow, const float* drow, int64_t Kp, int64_t pairs, int64_t p, __m256i* xl,
+                   __m256i* xh, __m256* dv) {
+    for (int m = 0; m < MT; ++m) {
+        xl[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * Kp + p * 2 * BLOCK));
+        xh[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * Kp + p * 2 * BLOCK + BLOCK));
+        dv[m] = _mm256_loadu_ps(drow + (m * pairs + p) * 8);
+    }
+}
+
 // Software prefetch PREFETCH bytes ahead in a weight row, once per 64-byte line: with NR rows per pass the hardware
 // prefetcher follows NR streams. At M = 1, weights from memory (48 layers), 1 thread, loaded box: 1024 bytes ahead
 // took 0.76-1.0 of the time without (8960x1536 / 1536x8960 g128, AVX2 and AVX512-VNNI), 512 ahead 0.81-0.95.
@@ -156,11 +167,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
         for (int64_t p = 0; p < full; ++p) {
             __m256i xl[MT], xh[MT];
             __m256 dv[MT];
-            for (int m = 0; m < MT; ++m) {
-                xl[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * a.Kp + p * 2 * BLOCK));
-                xh[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * a.Kp + p * 2 * BLOCK + 32));
-                dv[m] = _mm256_loadu_ps(drow + (m * pairs + p) * 8);
-            }
+            load_x<MT>(xrow, drow, a.Kp, pairs, p, xl, xh, dv);
             for (int r = 0; r < NR; ++r) {
                 const float* s = sf[r] + 2 * p;
                 const __m256 sv = _mm256_set_m128(_mm_broadcast_ss(s + 1), _mm_broadcast_ss(s));
@@ -183,11 +190,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
             for (int64_t p = g * pairs_per_group; p < p1; ++p) {
                 __m256i xl[MT], xh[MT];
                 __m256 dv[MT];
-                for (int m = 0; m < MT; ++m) {
-                    xl[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * a.Kp + p * 2 * BLOCK));
-                    xh[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * a.Kp + p * 2 * BLOCK + 32));
-                    dv[m] = _mm256_loadu_ps(drow + (m * pairs + p) * 8);
-                }
+                load_x<MT>(xrow, drow, a.Kp, pairs, p, xl, xh, dv);
                 for (int r = 0; r < NR; ++r) {
                     prefetch<W8>(w[r], p);
                     __m256i lo, hi;
