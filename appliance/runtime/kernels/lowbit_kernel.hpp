@@ -16,6 +16,11 @@
 // (a last unpaired block: [even 16, odd 16]). Against one block per 256-bit register (unpacked through 128-bit
 // halves), measured standalone on 1 thread at 1536 x 1536, g128, AVX2 path, best of 200 interleaved on a loaded
 // box: 2.2-2.3 -> 1.5 ns per block and weight row at M = 1, 1.21 -> 0.88 at M = 4.
+//
+// A pass takes MT rows of x and NR weight rows (tile): MT x NR independent accumulator chains, each activation load
+// shared by NR rows and each unpacked weight by MT. With one weight row per pass at M = 1 the op was latency-bound
+// on its single FMA chain and ran at OpenVINO's speed (0.93-0.96 of its AMX bf16 time at the Qwen2.5-1.5B MLP
+// shapes); with 8 rows per pass 0.67 (bench.kernels, 40 layers: docs/performance-log.md).
 #include <immintrin.h>
 
 #include <cmath>
