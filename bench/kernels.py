@@ -59,13 +59,39 @@ def weights(n: int, k: int, fmt: str, rng: np.random.Generator) -> Any:
     return ops.convert(ops.reshape(out, ops.constant(np.array([n, k], np.int64)), False), ov.Type.f32)
 
 
+def rolled(output: Any, n: int, shift: int) -> Any:
+    """A copy of the decompression chain ending at `output` whose per-row constants (dim 0 = n) have their rows
+    rolled by `shift`: another layer's weights in their own memory, with the same statistics, without quantizing
+    again (2.5 s per 8960 x 1536 layer on a loaded box, minutes for a model larger than the cache)."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    node = output.get_node()
+    if node.get_type_name() == "Constant":
+        if not node.shape or node.shape[0] != n:
+            return output
+        data = np.asarray(node.get_data())  # u4: two per byte, each row's bytes contiguous (K even)
+        tensor = ov.Tensor(node.get_element_type(), node.shape)  # owns its memory; packed for u4
+        np.asarray(tensor.data).reshape(n, -1)[:] = np.roll(data.reshape(n, -1), shift, 0)
+        return ops.constant(tensor).output(0)
+    inputs = [rolled(node.input_value(i), n, shift) for i in range(node.get_input_size())]
+    kind = node.get_type_name()
+    if kind == "Convert":
+        return ops.convert(inputs[0], node.get_output_element_type(0)).output(0)
+    if kind == "Reshape":
+        return ops.reshape(inputs[0], inputs[1], node.get_attributes()["special_zero"]).output(0)
+    return {"Subtract": ops.subtract, "Multiply": ops.multiply}[kind](*inputs).output(0)
+
+
 def model(n: int, k: int, fmt: str, layers: int) -> Any:
     import openvino as ov
     from openvino import opset13 as ops
 
     rng = np.random.default_rng(0)
     x = ops.parameter([-1, k], ov.Type.f32, name="x")
-    return ov.Model([ops.matmul(x, weights(n, k, fmt, rng), False, True) for _ in range(layers)], [x])
+    first = weights(n, k, fmt, rng)
+    chains = [first.output(0)] + [rolled(first.output(0), n, 1 + i) for i in range(layers - 1)]
+    return ov.Model([ops.matmul(x, w, False, True) for w in chains], [x])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -182,6 +182,15 @@ class EngineGauges:
             min(ready.values(), default=1),
             ready,
         )
+        kernels = GaugeMetricFamily(
+            PREFIX + "model_kernels",
+            "1 for the kernels running a loaded model's low-bit MatMuls: openvino, or appliance-<isa> for ours.",
+            labels=("model", "kernels"),
+        )
+        for name, s in stats.items():
+            if isinstance(s.get("kernels"), str):
+                kernels.add_metric((name, s["kernels"]), 1)
+        yield kernels
         for name, help, key in (
             ("queue_depth", "Sequences waiting for a sequence slot or KV blocks.", "queued"),
             ("running_sequences", "Sequences being decoded.", "running"),

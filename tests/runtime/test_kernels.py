@@ -14,7 +14,7 @@ import pytest
 from openvino import opset13 as ops
 
 from appliance.runtime import kernels
-from appliance.runtime.kernels.rewrite import OP, U8_ISAS, pair_layout, rewrite
+from appliance.runtime.kernels.rewrite import OP, U8_ISAS, pair_layout, rewrite, scale_table
 from tests.helpers import ours_missing
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -61,7 +61,7 @@ def _case(rng: np.random.Generator, n: int, k: int, group: int, zero: str, scale
     z = {"0": np.zeros((n, groups)), "15": np.full((n, groups), top), "f16": rng.uniform(0, top, (n, groups))}[zero]
     z = z.astype(np.float16)
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8) if bits == 4 else pair_layout(q)
-    sz = np.stack([s, z], -1).view(np.uint8).reshape(n, 4 * groups)
+    sz = scale_table(s, z)
     w = (q[:, :k].astype(np.float64) - np.repeat(z, group, 1)[:, :k]) * np.repeat(s, group, 1)[:, :k]
     return packed, sz, w
 

@@ -15,6 +15,7 @@ from appliance.server.metrics import ServerMetrics
 # name (as exposed, a counter's with _total) -> (type, label names of its series besides `le` and `model`)
 FAMILIES = {
     "appliance_ready": ("gauge", set()),
+    "appliance_model_kernels": ("gauge", {"kernels"}),
     "appliance_queue_depth": ("gauge", set()),
     "appliance_running_sequences": ("gauge", set()),
     "appliance_kv_cache_blocks_used": ("gauge", set()),
@@ -55,7 +56,14 @@ FAMILIES = {
     "appliance_encoder_batch_tokens": ("histogram", set()),
     "appliance_encoder_forward_seconds": ("histogram", set()),
 }
-STATS = {"queued": 2, "running": 3, "kv_blocks_used": 10, "kv_blocks_total": 40, "preemptions": 1}
+STATS = {
+    "queued": 2,
+    "running": 3,
+    "kv_blocks_used": 10,
+    "kv_blocks_total": 40,
+    "preemptions": 1,
+    "kernels": "openvino",
+}
 
 
 def filled() -> ServerMetrics:
@@ -104,8 +112,12 @@ def test_every_family_with_its_type_and_labels_and_no_created_samples():
 
 def test_engine_gauges_come_from_the_scraped_snapshot_per_model_and_summed():
     m = ServerMetrics()
-    text = m.render({"a": (True, STATS), "b": (False, None), "c": (True, {**STATS, "kv_blocks_used": 30})})
+    c = {**STATS, "kv_blocks_used": 30, "kernels": "appliance-avx2"}
+    text = m.render({"a": (True, STATS), "b": (False, None), "c": (True, c)})
     values = {(s.name, s.labels.get("model")): s.value for _, samples in parsed(text).values() for s in samples}
+    # which kernels run each loaded model's low-bit MatMuls, as a label (none for a model still loading)
+    kernels = {s.labels["model"]: s.labels["kernels"] for s in parsed(text)["appliance_model_kernels"][1]}
+    assert kernels == {"a": "openvino", "c": "appliance-avx2"}
     assert values[("appliance_ready", None)] == 0  # not every model is ready
     assert (values[("appliance_ready", "a")], values[("appliance_ready", "b")]) == (1, 0)
     assert values[("appliance_queue_depth", None)] == 4 and values[("appliance_queue_depth", "b")] == 0

@@ -134,6 +134,9 @@ def test_models_listed_routed_and_ready_each(setup):
     )
     assert alpha == 2 * beta and m["appliance_kv_cache_blocks_total"] == alpha + beta
     assert m['appliance_ready{model="alpha"}'] == m['appliance_ready{model="beta"}'] == m["appliance_ready"] == 1
+    kernels = {k: v for k, v in m.items() if k.startswith("appliance_model_kernels{")}  # which kernels run each
+    assert len(kernels) == 2 and set(kernels.values()) == {1}
+    assert all('kernels="openvino"' in k or 'kernels="appliance-' in k for k in kernels)
 
 
 def test_reload_adds_changes_and_removes_while_streams_run(setup):

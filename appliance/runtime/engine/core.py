@@ -153,6 +153,7 @@ class Engine(Admission, Liveness):
             "prefix_cache_hit_tokens": self.pool.hits,
             "prefix_cache_query_tokens": self.pool.queries,
             "preemptions": self.scheduler.preemptions,
+            "kernels": self.backend.kernels,  # openvino or appliance-<isa> (/metrics: appliance_model_kernels)
             **self.counters,
             **(self.pool.disk.stats() if self.pool.disk is not None else {}),
         }

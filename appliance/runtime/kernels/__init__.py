@@ -28,7 +28,9 @@ CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precis
 # shapes (8960 x 1536, 1536 x 8960; NNCF u4 g128 and the Q4_1 grid), 2 threads, ratio ours / native time (loaded
 # box, medians of interleaved reps). AVX2 against OpenVINO under ONEDNN_MAX_CPU_ISA=AVX2 (brgemm f32): 0.50-0.93 at
 # M = 2..16, 0.56-1.07 at M = 1. AVX512-VNNI against the plugin's dynamic quantization (VNNI int8 GEMM): 0.65-0.98 at
-# M = 1..4, 1.08 at 8, 2.6 / 5.2 at 32 / 128 (an earlier build): longer steps (prefill) keep OpenVINO's.
+# M = 1..4, 1.08 at 8, 2.6 / 5.2 at 32 / 128 (an earlier build): longer steps (prefill) keep OpenVINO's. With
+# several weight rows per pass, against OpenVINO's AMX bf16 (40 layers, load 6.6): 0.54-0.95 at M = 4, 0.60-1.22 at
+# 8 (1536 x 8960 u4 g128 slower), 1.00-1.49 at 16: VNNI stays at 4.
 KERNEL_ROWS = {"avx2": 16, "avxvnni": 4, "avx512vnni": 4}
 # Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
 # plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default

@@ -9,6 +9,7 @@ inline __m256i dot2_avx512vnni(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi)
     return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xlo), hi, xhi);
 }
 #define LOWBIT_DOT2 dot2_avx512vnni
+#define LOWBIT_CHAINS 8  // 32 ymm registers (lowbit_kernel.hpp)
 }  // namespace
 
 #include "lowbit_kernel.hpp"

@@ -6,7 +6,8 @@ struct LowbitArgs {
     const float* x;         // [M, K]
     const uint8_t* w;       // bits 4: [N, Kp / 2], u4 two per byte, low nibble first; Kp = K rounded up to 32.
                             // bits 8: [N, Kp] u8, each pair of 32-blocks as the activations are (lowbit_kernel.hpp)
-    const uint16_t* sz;     // [N, G, 2] f16: scale, zero point (u4 / u8 zero points widened at load)
+    const float* sz;        // [N, 2 G]: per row its G group scales, then the G products scale x zero point
+                            // (f32, made at load from the IR's f16 / u4 / u8: rewrite.scale_table)
     float* y;               // [M, N]
     int64_t M, N, K, Kp, gs, G;
     int64_t bits;           // 4 or 8 (8: VNNI paths only, maddubs would saturate u8 x s8 pairs in i16)

@@ -16,6 +16,11 @@
 // (a last unpaired block: [even 16, odd 16]). Against one block per 256-bit register (unpacked through 128-bit
 // halves), measured standalone on 1 thread at 1536 x 1536, g128, AVX2 path, best of 200 interleaved on a loaded
 // box: 2.2-2.3 -> 1.5 ns per block and weight row at M = 1, 1.21 -> 0.88 at M = 4.
+//
+// A pass takes MT rows of x and NR weight rows (tile): MT x NR independent accumulator chains, each activation load
+// shared by NR rows and each unpacked weight by MT. With one weight row per pass at M = 1 the op was latency-bound
+// on its single FMA chain and ran at OpenVINO's speed (0.93-0.96 of its AMX bf16 time at the Qwen2.5-1.5B MLP
+// shapes); with 8 rows per pass 0.67 (bench.kernels, 40 layers: docs/performance-log.md).
 #include <immintrin.h>
 
 #include <cmath>
@@ -26,6 +31,13 @@
 namespace {
 
 constexpr int BLOCK = 32;
+// Accumulator chains per pass (rows of x times weight rows): 4 fill AVX2's 16 ymm registers (with the group
+// accumulators, x and the unpacked weights); AVX-512VL's 32 take 8 (kernel_avx512vnni.cpp): at M = 1 eight weight
+// rows per pass took 0.88-0.95 of four's time (standalone, 1 thread, 8960x1536 / 1536x8960 / g32, loaded box).
+#ifndef LOWBIT_CHAINS
+#define LOWBIT_CHAINS 4
+#endif
+constexpr int CHAINS = LOWBIT_CHAINS;
 constexpr int MTILE = 4;  // rows of x per pass over a weight row: the row stays in L1, read from memory once
 
 // Quantizes blocks [b0, b1) of rows of x [M, K] to xq [M, Kp] (paired layout above), dxv [M, pairs, 8] (lanes 0-3:
@@ -75,13 +87,15 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// One pair of blocks of one weight row against rows [m0, m0 + MT) of x: acc += dot * dx (* the pair's scales sv
-// when SCALED). W8: u8 weights, stored at load in the activations' paired layout (rewrite.py), so the even and odd
-// halves are two plain loads instead of one load, a shift and two ANDs.
-template <int MT, bool SCALED, bool W8>
-inline void pair_step(const LowbitArgs& a, const int8_t* xq, const float* dxv, const uint8_t* w, int64_t m0,
-                      int64_t pairs, int64_t p, __m256 sv, __m256* acc) {
-    __m256i lo, hi;
+inline float hsum128(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// One pair of blocks of a weight row (32 bytes of u4, or 64 of u8 in the paired layout) as its even and odd halves.
+template <bool W8>
+inline void load_pair(const uint8_t* w, int64_t p, __m256i& lo, __m256i& hi) {
     if (W8) {
         lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * BLOCK));
         hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * BLOCK + BLOCK));
@@ -91,71 +105,128 @@ inline void pair_step(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
         lo = _mm256_and_si256(raw, mask);
         hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
     }
+}
+
+// Pair p of rows [0, MT) of the quantized x (xrow) as its even and odd halves, and their blocks' scales (drow).
+template <int MT>
+inline void load_x(const int8_t* xrow, const float* drow, int64_t Kp, int64_t pairs, int64_t p, __m256i* xl,
+                   __m256i* xh, __m256* dv) {
     for (int m = 0; m < MT; ++m) {
-        const int8_t* xp = xq + (m0 + m) * a.Kp + p * 2 * BLOCK;
-        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
-        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
-        const __m256i dot = LOWBIT_DOT2(lo, xlo, hi, xhi);
-        __m256 scale = _mm256_loadu_ps(dxv + ((m0 + m) * pairs + p) * 8);
-        if (SCALED) scale = _mm256_mul_ps(scale, sv);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
+        xl[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * Kp + p * 2 * BLOCK));
+        xh[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow + m * Kp + p * 2 * BLOCK + BLOCK));
+        dv[m] = _mm256_loadu_ps(drow + (m * pairs + p) * 8);
     }
 }
 
-// Rows [n0, n1) of the output for rows [m0, m0 + MT) of x.
-template <int MT, bool W8>
-inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
-                      int64_t n0, int64_t n1) {
+// Software prefetch PREFETCH bytes ahead in a weight row, once per 64-byte line: with NR rows per pass the hardware
+// prefetcher follows NR streams. At M = 1, weights from memory (48 layers), 1 thread, loaded box: 1024 bytes ahead
+// took 0.76-1.0 of the time without (8960x1536 / 1536x8960 g128, AVX2 and AVX512-VNNI), 512 ahead 0.81-0.95.
+constexpr int64_t PREFETCH = 1024;
+
+template <bool W8>
+inline void prefetch(const uint8_t* w, int64_t p) {
+    const int64_t at = p * (W8 ? 2 * BLOCK : BLOCK);
+    if (at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + at + PREFETCH), _MM_HINT_T0);
+}
+
+// A weight row's zero-point terms bias[m] = sum_g (s z)[g] xs[m, g] for rows [m0, m0 + MT) of x; sz: the row's
+// [G scales, G products s z] (f32, made at load). Converting the IR's f16 scale and zero point here instead, per
+// row and call, cost ~13% of a pass at K = 1536 (12 groups per row against 24 pairs of blocks).
+template <int MT>
+inline void row_bias(const LowbitArgs& a, const float* sz, const float* xs, int64_t m0, float* bias) {
+    const float* bz = sz + a.G;
+    __m256 bv[MT];
+    for (int m = 0; m < MT; ++m) bv[m] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= a.G; g += 8) {
+        const __m256 b = _mm256_loadu_ps(bz + g);
+        for (int m = 0; m < MT; ++m) bv[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xs + (m0 + m) * a.G + g), bv[m]);
+    }
+    for (int m = 0; m < MT; ++m) bias[m] = hsum(bv[m]);
+    for (; g < a.G; ++g)
+        for (int m = 0; m < MT; ++m) bias[m] += bz[g] * xs[(m0 + m) * a.G + g];
+}
+
+// Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x: MT x NR independent accumulator chains. One chain
+// (NR = 1 at M = 1) waits on its FMA's latency every pair of blocks; NR weight rows per pass share each activation
+// load and keep NR chains in flight. MT x NR <= CHAINS.
+template <int MT, int NR, bool W8>
+inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
     const int64_t blocks = a.Kp / BLOCK, pairs = (blocks + 1) / 2, full = blocks / 2;
     const int64_t row_bytes = W8 ? a.Kp : a.Kp / 2;
     const int64_t per_group = a.gs / BLOCK;  // blocks per group: 1 (Q4_1) or even (4: NNCF's g128)
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* w = a.w + n * row_bytes;
-        const uint16_t* sz = a.sz + n * 2 * a.G;
-        __m256 acc[MT];
-        float bias[MT];
-        for (int m = 0; m < MT; ++m) {
-            acc[m] = _mm256_setzero_ps();
-            bias[m] = 0.f;
-        }
-        for (int64_t g = 0; g < a.G; ++g) {
-            const float bz = _cvtsh_ss(sz[2 * g]) * _cvtsh_ss(sz[2 * g + 1]);
-            for (int m = 0; m < MT; ++m) bias[m] += bz * xs[(m0 + m) * a.G + g];
-        }
-        if (per_group == 1) {
-            // Groups of one block (Q4_1): the pair's two scales as lanes 0-3 / 4-7.
-            for (int64_t p = 0; p < full; ++p) {
-                const __m256 sv = _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(sz[4 * p + 2])), _mm_set1_ps(_cvtsh_ss(sz[4 * p])));
-                pair_step<MT, true, W8>(a, xq, dxv, w, m0, pairs, p, sv, acc);
-            }
-        } else {
-            // Groups of an even number of blocks: accumulate the group's pairs, then scale once.
-            const int64_t pairs_per_group = per_group / 2;
-            for (int64_t g = 0; g * pairs_per_group < full; ++g) {
-                __m256 gacc[MT];
-                for (int m = 0; m < MT; ++m) gacc[m] = _mm256_setzero_ps();
-                const int64_t p1 = (g + 1) * pairs_per_group < full ? (g + 1) * pairs_per_group : full;
-                for (int64_t p = g * pairs_per_group; p < p1; ++p)
-                    pair_step<MT, false, W8>(a, xq, dxv, w, m0, pairs, p, _mm256_setzero_ps(), gacc);
-                const __m256 vs = _mm256_set1_ps(_cvtsh_ss(sz[2 * g]));
-                for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(gacc[m], vs, acc[m]);
+    const uint8_t* w[NR];
+    const float* sf[NR];  // the row's group scales
+    float bias[NR][MT];
+    __m256 acc[MT][NR];
+    for (int r = 0; r < NR; ++r) {
+        w[r] = a.w + (n0 + r) * row_bytes;
+        sf[r] = a.sz + (n0 + r) * 2 * a.G;
+        row_bias<MT>(a, sf[r], xs, m0, bias[r]);
+        for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_setzero_ps();
+    }
+    const int8_t* xrow = xq + m0 * a.Kp;
+    const float* drow = dxv + m0 * pairs * 8;
+    if (per_group == 1) {
+        // Groups of one block (Q4_1): the pair's two scales as lanes 0-3 / 4-7.
+        for (int64_t p = 0; p < full; ++p) {
+            __m256i xl[MT], xh[MT];
+            __m256 dv[MT];
+            load_x<MT>(xrow, drow, a.Kp, pairs, p, xl, xh, dv);
+            for (int r = 0; r < NR; ++r) {
+                const float* s = sf[r] + 2 * p;
+                const __m256 sv = _mm256_set_m128(_mm_broadcast_ss(s + 1), _mm_broadcast_ss(s));
+                prefetch<W8>(w[r], p);
+                __m256i lo, hi;
+                load_pair<W8>(w[r], p, lo, hi);
+                for (int m = 0; m < MT; ++m)
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(LOWBIT_DOT2(lo, xl[m], hi, xh[m])),
+                                                _mm256_mul_ps(dv[m], sv), acc[m][r]);
             }
         }
-        if (blocks % 2) {  // the last block alone: [even 16, odd 16], 128-bit halves
-            const int64_t b = blocks - 1;
-            const float s = _cvtsh_ss(sz[2 * (b / per_group)]);
+    } else {
+        // Groups of an even number of blocks: accumulate the group's pairs, then scale once.
+        const int64_t pairs_per_group = per_group / 2;
+        for (int64_t g = 0; g * pairs_per_group < full; ++g) {
+            __m256 gacc[MT][NR];
+            for (int m = 0; m < MT; ++m)
+                for (int r = 0; r < NR; ++r) gacc[m][r] = _mm256_setzero_ps();
+            const int64_t p1 = (g + 1) * pairs_per_group < full ? (g + 1) * pairs_per_group : full;
+            for (int64_t p = g * pairs_per_group; p < p1; ++p) {
+                __m256i xl[MT], xh[MT];
+                __m256 dv[MT];
+                load_x<MT>(xrow, drow, a.Kp, pairs, p, xl, xh, dv);
+                for (int r = 0; r < NR; ++r) {
+                    prefetch<W8>(w[r], p);
+                    __m256i lo, hi;
+                    load_pair<W8>(w[r], p, lo, hi);
+                    for (int m = 0; m < MT; ++m)
+                        gacc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(LOWBIT_DOT2(lo, xl[m], hi, xh[m])), dv[m],
+                                                     gacc[m][r]);
+                }
+            }
+            for (int r = 0; r < NR; ++r) {
+                const __m256 vs = _mm256_broadcast_ss(sf[r] + g);
+                for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_fmadd_ps(gacc[m][r], vs, acc[m][r]);
+            }
+        }
+    }
+    if (blocks % 2) {  // the last block alone: [even 16, odd 16], 128-bit halves
+        const int64_t b = blocks - 1;
+        for (int r = 0; r < NR; ++r) {
+            const float s = sf[r][b / per_group];
             __m128i lo, hi;
             if (W8) {  // [even 16, odd 16], as the activations
-                lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * BLOCK));
-                hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * BLOCK + 16));
+                lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * BLOCK));
+                hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * BLOCK + 16));
             } else {
-                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * (BLOCK / 2)));
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * (BLOCK / 2)));
                 const __m128i m4 = _mm_set1_epi8(0x0f);
                 lo = _mm_and_si128(raw, m4);
                 hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
             }
             for (int m = 0; m < MT; ++m) {
-                const int8_t* xp = xq + (m0 + m) * a.Kp + b * BLOCK;
+                const int8_t* xp = xrow + m * a.Kp + b * BLOCK;
                 const __m128i xlo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp));
                 const __m128i xhi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp + 16));
                 // u8 weights through the ISA's dot (maddubs would saturate their i16 pair sums; W8 runs on VNNI only).
@@ -164,23 +235,36 @@ inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
                                                             _mm256_zextsi128_si256(hi), _mm256_zextsi128_si256(xhi)))
                        : _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, xlo), _mm_maddubs_epi16(hi, xhi)),
                                         _mm_set1_epi16(1));
-                const float d = dxv[((m0 + m) * pairs + pairs - 1) * 8];
+                const float d = drow[(m * pairs + pairs - 1) * 8];
                 const __m256 part = _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(d * s)));
-                acc[m] = _mm256_add_ps(acc[m], _mm256_insertf128_ps(part, _mm_setzero_ps(), 1));
+                acc[m][r] = _mm256_add_ps(acc[m][r], _mm256_insertf128_ps(part, _mm_setzero_ps(), 1));
             }
         }
-        for (int m = 0; m < MT; ++m) a.y[(m0 + m) * a.N + n] = hsum(acc[m]) - bias[m];
     }
+    for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < NR; ++r) a.y[(m0 + m) * a.N + n0 + r] = hsum(acc[m][r]) - bias[r][m];
 }
+
+// Rows [n0, n1) of the output for rows [m0, m0 + MT) of x, NR weight rows per pass (then one at a time).
+template <int MT, int NR, bool W8>
+inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
+                      int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) tile<MT, NR, W8>(a, xq, dxv, xs, m0, n);
+    for (; n < n1; ++n) tile<MT, 1, W8>(a, xq, dxv, xs, m0, n);
+}
+
+// Weight rows per pass for MT rows of x.
+constexpr int nr(int mt) { return CHAINS / mt > 1 ? CHAINS / mt : 1; }
 
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
     int64_t m0 = 0;
-    for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE, W8>(a, xq, dxv, xs, m0, n0, n1);
+    for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE, nr(MTILE), W8>(a, xq, dxv, xs, m0, n0, n1);
     switch (a.M - m0) {
-        case 3: rows_tile<3, W8>(a, xq, dxv, xs, m0, n0, n1); break;
-        case 2: rows_tile<2, W8>(a, xq, dxv, xs, m0, n0, n1); break;
-        case 1: rows_tile<1, W8>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 3: rows_tile<3, nr(3), W8>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 2: rows_tile<2, nr(2), W8>(a, xq, dxv, xs, m0, n0, n1); break;
+        case 1: rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m0, n0, n1); break;
         default: break;
     }
 }

@@ -1,9 +1,9 @@
 // LowBitMatMul: y = x . dequant(W)^T for u4 (or u8) weights with a per-group f16 scale and zero point, as an OpenVINO
 // custom op (evaluate() on the CPU plugin's reference path). Inputs: x f32 [..., K]; w u8 [N, Kp / 2] or u4 [N, ...]
 // (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order), or with bits = 8 u8
-// [N, Kp] in our paired layout (lowbit_kernel.hpp; rewrite.py repacks at load); sz u8 [N, 4 G]: per
-// group the f16 bits of the scale, then of the zero point (raw bytes, since the CPU plugin hands a custom op its f16
-// inputs converted to f32: twice the bytes to read per step). Attributes: group_size (32 or a multiple of 64), isa
+// [N, Kp] in our paired layout (lowbit_kernel.hpp; rewrite.py repacks at load); sz u8 [N, 8 G]: per
+// row the f32 bits of its G group scales, then of the G products scale x zero point (rewrite.scale_table; raw
+// bytes, so that no precision setting of the plugin converts them). Attributes: group_size (32 or a multiple of 64), isa
 // ("auto", "avx2", "avxvnni", "avx512vnni"), bits (4, or 8 on the VNNI paths). Output f32 [..., N]. Why, with measurements:
 // appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
@@ -95,7 +95,7 @@ public:
         a.K = static_cast<int64_t>(xs.back());
         a.M = static_cast<int64_t>(ov::shape_size(xs)) / (a.K ? a.K : 1);
         a.N = static_cast<int64_t>(inputs[2].get_shape()[0]);
-        a.G = static_cast<int64_t>(inputs[2].get_byte_size()) / 4 / (a.N ? a.N : 1);
+        a.G = static_cast<int64_t>(inputs[2].get_byte_size()) / 8 / (a.N ? a.N : 1);
         a.gs = m_group_size;
         a.Kp = (a.K + 31) / 32 * 32;
         a.bits = m_bits;
@@ -107,7 +107,7 @@ public:
         outputs[0].set_shape(ys);
         a.x = x.data<const float>();
         a.w = static_cast<const uint8_t*>(inputs[1].data());
-        a.sz = static_cast<const uint16_t*>(inputs[2].data());
+        a.sz = static_cast<const float*>(inputs[2].data());
         a.y = outputs[0].data<float>();
         if (a.M == 0 || a.N == 0) return true;
         const LowbitKernel kernel = kernel_for(resolved());
