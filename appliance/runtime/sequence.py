@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from appliance.runtime.detokenizer import IncrementalDetokenizer
     from appliance.runtime.kv_cache import BlockChain
+    from appliance.runtime.media import Media
     from appliance.runtime.sampling import SequenceSampler
     from appliance.runtime.speculative.state import SpecState
     from appliance.runtime.stopping import StopStringMatcher
@@ -81,6 +82,9 @@ class Sequence:
     draft: list[int] = field(default_factory=list)
     # what the caller's thread built for the engine thread's start (Admission._prebuild); None: build it there
     prebuilt: Prebuilt | None = None
+    # a vision-language prompt's images (runtime/media.py), kept until the sequence ends: a chunk of the prompt, or
+    # its recomputation after a preemption, feeds the same feature rows; its n > 1 choices and beams share it
+    media: Media | None = None
 
     @property
     def num_generated(self) -> int:
@@ -94,6 +98,12 @@ class Sequence:
         """The n tokens this step feeds: the uncomputed ones, then the draft's."""
         ids = self.token_ids[self.num_computed : self.num_computed + n]
         return ids + self.draft[: n - len(ids)] if len(ids) < n else ids
+
+    def cache_tokens(self, begin: int, end: int) -> tuple[int, ...]:
+        """What the prefix cache hashes for positions [begin, end): the token ids, with an image's placeholder
+        tokens keyed by the picture (Media.key_tokens), so only the same picture hits."""
+        tokens = self.token_ids[begin:end]
+        return self.media.key_tokens(tokens, begin) if self.media is not None else tuple(tokens)
 
     def emit(self, chunk: Chunk) -> None:
         self.out.put(chunk)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from appliance.config import EngineConfig
-from appliance.manifest import VLM_NOT_SERVED, Manifest
+from appliance.manifest import Manifest
 from appliance.outputs import Chunk
 from appliance.runtime.backends import StepBatch, load_backend
 from appliance.runtime.engine.admission import Admission
@@ -56,8 +56,6 @@ class Engine(Admission, Liveness):
         self.model_dir = Path(model_dir)
         self.config = config or EngineConfig()
         self.manifest = Manifest.load(self.model_dir)
-        if self.manifest.is_vlm:  # its language model takes embeddings, not token ids: it would fail unclearly
-            raise ValueError(f"{self.model_dir}: {VLM_NOT_SERVED}")
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         gen_path = self.model_dir / self.manifest.generation_config_file
         self.generation_defaults: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -195,6 +193,10 @@ class Engine(Admission, Liveness):
             [s.block_table for s, _ in plan],
             all_logits=flags if any(flags) else None,
         )
+        if any(s.media is not None for s, _ in plan):  # a vision-language prompt's image rows and 3-D positions
+            spans = [(s.media, s.num_computed, s.num_computed + n) for s, n in plan]
+            batch.image_rows = [m.rows(b, e) if m is not None else None for m, b, e in spans]
+            batch.mrope_positions = [m.position_ids(b, e) if m is not None else None for m, b, e in spans]
         try:
             self._injected("forward")
             return batch, self.backend.forward(batch)
