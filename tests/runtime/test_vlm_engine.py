@@ -188,8 +188,10 @@ def test_greedy_equals_transformers_batched_and_chunked(family: Family) -> None:
 def test_greedy_equals_transformers_preempted(family: Family) -> None:
     """A KV pool too small for the prompts together: sequences are preempted and recompute their image rows."""
     prompts = _prompts(family)
-    prompt_tokens = sum(len(p.ids) for p in prompts.values())  # the prompts fit, their answers do not
-    engine = Engine(family.out, EngineConfig(**F32, kv_cache_tokens=prompt_tokens, prefix_caching=False))
+    longest = max(len(p.ids) for p in prompts.values()) + NEW_TOKENS
+    # every sequence fits alone, two do not: prefills of 16 tokens admit the next one while the first decodes
+    cfg = EngineConfig(**F32, kv_cache_tokens=longest + 32, max_num_batched_tokens=16, prefix_caching=False)
+    engine = Engine(family.out, cfg)
     preempted = []
     preempt = engine.scheduler.preempt  # observed, not replaced: which sequences recompute their prompt
 
@@ -204,3 +206,52 @@ def test_greedy_equals_transformers_preempted(family: Family) -> None:
     finally:
         engine.shutdown()
     assert got == {k: family.generate(p) for k, p in prompts.items()}
+
+
+PREFIX = "Here is a photo from the boiler room camera, taken this morning before the shift started."
+
+
+def _cached(engine: Engine, prompt: Prompt) -> tuple[list[int], int]:
+    """Greedy tokens and the prompt tokens the prefix cache supplied (usage.prompt_tokens_details.cached_tokens)."""
+    handle = engine.submit(prompt.ids, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), media=prompt.media)
+    chunks = [chunk for _, chunk in handle.events()]
+    assert not chunks[-1].error
+    return [t for c in chunks for t in c.token_ids], chunks[-1].cached_tokens
+
+
+def test_prefix_cache_keys_images_by_picture(family: Family, tmp_path: Path) -> None:
+    """The same picture again is a hit through its image's full blocks; another picture behind the same token ids
+    hits only the text before it. A fresh engine on the same disk directory follows the same rule."""
+    message = {
+        "role": "user",
+        "content": [{"type": "text", "text": PREFIX}, {"type": "image"}, {"type": "text", "text": QUESTION}],
+    }
+    same = family.prompt([message], [tiny_vlms.image(1)])
+    other = family.prompt([message], [tiny_vlms.image(3)])
+    assert same.ids == other.ids and same.media is not None and other.media is not None
+    cfg = EngineConfig(**F32, kv_disk_dir=str(tmp_path))
+    engine = Engine(family.out, cfg)
+    bs = engine.pool.block_size
+    first, last = same.media.images[0].start, same.media.images[-1].end
+    assert first >= bs and len(same.ids) > last + 1  # a full block of text before the image, and text after it
+    before, through = first // bs * bs, (len(same.ids) - 1) // bs * bs  # what a hit can cover of each prompt
+    try:
+        want, cold = _cached(engine, same)
+        again, hit = _cached(engine, same)
+        changed, miss = _cached(engine, other)
+    finally:
+        engine.shutdown()
+    assert (cold, hit, miss) == (0, through, before) and through >= last > before  # the image, all of it, or none
+    assert again == want and want == family.generate(same) and changed == family.generate(other)
+    third = family.prompt([message], [tiny_vlms.image(4)])  # a picture the disk has never seen
+    restarted = Engine(family.out, cfg)  # RAM empty: what hits comes from the disk tier
+    try:
+        new, new_hit = _cached(restarted, third)
+        text_blocks = restarted.stats()["kv_disk_hit_blocks"]
+        again_disk, hit_disk = _cached(restarted, same)
+        stats = restarted.stats()
+    finally:
+        restarted.shutdown()
+    assert (new_hit, text_blocks) == (before, before // bs) and new == family.generate(third)
+    assert hit_disk == through and stats["kv_disk_hit_blocks"] == through // bs, stats  # the text blocks in RAM now
+    assert again_disk == want
