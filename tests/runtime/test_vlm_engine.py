@@ -108,20 +108,18 @@ class Family:
 
     def generate(self, prompt: Prompt, new_tokens: int = NEW_TOKENS) -> list[int]:
         """transformers' greedy tokens (eos ignored, as the engine's ignore_eos)."""
+        return self.sequences(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, eos_token_id=None)[0]
+
+    def sequences(self, prompt: Prompt, **options: Any) -> list[list[int]]:
+        """transformers' generate(**options) on the prompt, without sampling: each returned sequence's new tokens."""
         import torch
 
         ids = prompt.hf["input_ids"]
         with torch.no_grad():
             out = self.model.generate(
-                **prompt.hf,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
+                **prompt.hf, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, **options
             )
-        return out[0, ids.shape[1] :].tolist()
+        return [row[ids.shape[1] :].tolist() for row in out]
 
 
 def _spans(ids: list[int], manifest: Manifest, features: list[np.ndarray], images: list[Any]) -> tuple[ImageSpan, ...]:
@@ -255,3 +253,46 @@ def test_prefix_cache_keys_images_by_picture(family: Family, tmp_path: Path) -> 
     assert (new_hit, text_blocks) == (before, before // bs) and new == family.generate(third)
     assert hit_disk == through and stats["kv_disk_hit_blocks"] == through // bs, stats  # the text blocks in RAM now
     assert again_disk == want
+
+
+def test_choices_beams_and_prompt_lists_share_the_images(family: Family) -> None:
+    """n > 1 choices fork the leader's prompt (M-RoPE decode positions from the shared Media), beams fork each
+    other, a prompt list carries media per prompt: each equals transformers (greedy; beam search with eos)."""
+    prompts = _prompts(family)
+    image, text = prompts["one image"], prompts["text"]
+    assert image.media is not None
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = Engine(family.out, EngineConfig(**F32))
+    try:
+        eos = engine.eos_token_ids
+        choices = engine.submit_choices(image.ids, [greedy, greedy], media=image.media)
+        beams = engine.submit(image.ids, SamplingParams(max_tokens=NEW_TOKENS, best_of=3, n=2), media=image.media)
+        listed = engine.submit_prompts([(image.ids, [greedy], None), (text.ids, [greedy], None)], [image.media, None])
+        got_choices = [h.results()[0].token_ids for h in choices]
+        got_beams = [r.token_ids for r in beams.results()]
+        got_listed = [h[0].results()[0].token_ids for h in listed]
+        with pytest.raises(ValueError, match="laid out for"):
+            engine.submit(image.ids[:-1], greedy, media=image.media)
+        with pytest.raises(ValueError, match="1 media for 2 prompts"):
+            engine.submit_prompts([(image.ids, [greedy], None), (text.ids, [greedy], None)], [image.media])
+    finally:
+        engine.shutdown()
+    want = family.generate(image)
+    assert got_choices == [want, want] and got_listed == [want, family.generate(text)]
+    beam_options = dict(num_beams=3, num_return_sequences=2, max_new_tokens=NEW_TOKENS, eos_token_id=eos)
+    assert got_beams == [_until_eos(s, eos) for s in family.sequences(image, **beam_options)]
+
+
+def _until_eos(tokens: list[int], eos: list[int]) -> list[int]:
+    cut = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if cut is None else tokens[: cut + 1]
+
+
+def test_a_text_model_takes_no_images(model_dir: Path) -> None:
+    engine = Engine(model_dir)
+    try:
+        media = Media((), 3)
+        with pytest.raises(ValueError, match="reads text only"):
+            engine.submit([1, 2, 3], SamplingParams(max_tokens=1), media=media)
+    finally:
+        engine.shutdown()
