@@ -68,7 +68,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt position
                 seq.block_table, seq.block_hashes = self.pool.match_prefix(
-                    seq.cache_tokens(0, len(seq.token_ids)), seq.params.cache_scope, seq.prompt_chain
+                    seq.prefix_tokens, seq.params.cache_scope, seq.prompt_chain
                 )
                 seq.num_computed = len(seq.block_table) * self.pool.block_size
                 if seq.first_scheduled is None:  # its first admission: a preempted one's own blocks are no hit

@@ -17,6 +17,8 @@ from appliance.params import SamplingParams
 from appliance.runtime.beam_search import BeamSearch
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence as Sequence_
+
     import numpy as np
 
     from appliance.runtime.detokenizer import IncrementalDetokenizer
@@ -104,6 +106,11 @@ class Sequence:
         tokens keyed by the picture (Media.key_tokens), so only the same picture hits."""
         tokens = self.token_ids[begin:end]
         return self.media.key_tokens(tokens, begin) if self.media is not None else tuple(tokens)
+
+    @property
+    def prefix_tokens(self) -> Sequence_[int]:
+        """cache_tokens of every position; a text sequence's own token list, not copied (match_prefix, prefetch)."""
+        return self.token_ids if self.media is None else self.media.key_tokens(self.token_ids, 0)
 
     def emit(self, chunk: Chunk) -> None:
         self.out.put(chunk)

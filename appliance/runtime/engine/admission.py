@@ -188,9 +188,7 @@ class Admission(EngineState):
         count = sum(map(len, groups))
         for seqs in groups:  # the disk tier reads the prompt's blocks while it waits for admission
             if seqs[0].params.prompt_logprobs is None:  # those compute every position (Scheduler)
-                seqs[0].prompt_chain = self.pool.prefetch(
-                    seqs[0].cache_tokens(0, seqs[0].prompt_len), seqs[0].params.cache_scope
-                )
+                seqs[0].prompt_chain = self.pool.prefetch(seqs[0].prefix_tokens, seqs[0].params.cache_scope)
         with self._admit:
             if self.dead is not None:  # checked under the lock _die takes: nothing is queued after its drain
                 raise EngineDead(f"the engine stopped: internal error: {type(self.dead).__name__}")

@@ -193,7 +193,7 @@ class Engine(Admission, Liveness):
             [s.block_table for s, _ in plan],
             all_logits=flags if any(flags) else None,
         )
-        if any(s.media is not None for s, _ in plan):  # a vision-language prompt's image rows and 3-D positions
+        if self.manifest.is_vlm and any(s.media is not None for s, _ in plan):  # image rows, 3-D positions
             spans = [(s.media, s.num_computed, s.num_computed + n) for s, n in plan]
             batch.image_rows = [m.rows(b, e) if m is not None else None for m, b, e in spans]
             batch.mrope_positions = [m.position_ids(b, e) if m is not None else None for m, b, e in spans]
