@@ -296,3 +296,24 @@ def test_a_text_model_takes_no_images(model_dir: Path) -> None:
             engine.submit([1, 2, 3], SamplingParams(max_tokens=1), media=media)
     finally:
         engine.shutdown()
+
+
+def test_speculative_drafts_take_decode_positions(family: Family) -> None:
+    """Draft tokens past an image prompt (a predicted output, verified in one step) sit at index + rope_delta on
+    every M-RoPE axis: a right prediction is accepted and a wrong one rejected, the tokens unchanged."""
+    image = _prompts(family)["two images"]
+    want = family.generate(image)
+    engine = Engine(family.out, EngineConfig(**F32, speculation_max_batch=8))
+    engine.speculation.policy = None  # every step drafts, whatever the box's step costs
+    drafts = []
+    try:
+        for prediction in (want, want[:1] + [want[0] + 1] * (NEW_TOKENS - 1)):
+            before = engine.counters["draft_tokens"], engine.counters["accepted_draft_tokens"]
+            params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, prediction_ids=prediction)
+            assert engine.submit(image.ids, params, media=image.media).results()[0].token_ids == want
+            drafts.append(
+                (engine.counters["draft_tokens"] - before[0], engine.counters["accepted_draft_tokens"] - before[1])
+            )
+    finally:
+        engine.shutdown()
+    assert drafts[0][1] > 0 and drafts[1][0] > drafts[1][1], drafts
