@@ -10,7 +10,7 @@ The tiny models are built from configs and exported once per module (tests/tiny_
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -273,6 +273,14 @@ def test_choices_beams_and_prompt_lists_share_the_images(family: Family) -> None
         got_listed = [h[0].results()[0].token_ids for h in listed]
         with pytest.raises(ValueError, match="laid out for"):
             engine.submit(image.ids[:-1], greedy, media=image.media)
+        span = image.media.images[0]
+        with pytest.raises(ValueError, match="image tokens"):
+            engine.submit(
+                image.ids[: span.start] + image.ids[:1] + image.ids[span.start + 1 :], greedy, media=image.media
+            )
+        narrow = replace(span, features=span.features[:, :-1])
+        with pytest.raises(ValueError, match="image features must be"):
+            engine.submit(image.ids, greedy, media=replace(image.media, images=(narrow, *image.media.images[1:])))
         with pytest.raises(ValueError, match="1 media for 2 prompts"):
             engine.submit_prompts([(image.ids, [greedy], None), (text.ids, [greedy], None)], [image.media])
     finally:

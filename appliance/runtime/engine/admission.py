@@ -209,10 +209,7 @@ class Admission(EngineState):
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if media is not None:
-            if not self.manifest.is_vlm:
-                raise ValueError(f"the model {self.manifest.name!r} reads text only: it takes no images")
-            if media.prompt_len != len(prompt_ids):
-                raise ValueError(f"the images are laid out for {media.prompt_len} prompt tokens, not {len(prompt_ids)}")
+            self._check_media(prompt_ids, media)
         cap = self.backend.max_prompt
         if cap is not None and len(prompt_ids) > cap:  # static shapes (NPU): OVMS's max_prompt_len
             raise PromptTooLong(
@@ -238,6 +235,20 @@ class Admission(EngineState):
             Timing(created=time.time()),
             media=media,
         )
+
+    def _check_media(self, prompt_ids: list[int], media: Media) -> None:
+        """Images that fit the prompt and the model, checked on the caller's thread: rows of another width or
+        over other tokens would fail the whole step they are fed in, not only their own request."""
+        vision = self.manifest.vision
+        if vision is None:
+            raise ValueError(f"the model {self.manifest.name!r} reads text only: it takes no images")
+        if media.prompt_len != len(prompt_ids):
+            raise ValueError(f"the images are laid out for {media.prompt_len} prompt tokens, not {len(prompt_ids)}")
+        for image in media.images:
+            if image.features.ndim != 2 or image.features.shape[1] != self.manifest.hidden_size:
+                raise ValueError(f"image features must be [tokens, {self.manifest.hidden_size}]")
+            if any(t != vision.image_token_id for t in prompt_ids[image.start : image.end]):
+                raise ValueError("an image's span must hold the model's image tokens")
 
     def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int:
         """All beams of a search must fit in the KV pool and the sequence slots together, or they could wait on
