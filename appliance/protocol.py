@@ -253,6 +253,8 @@ class PromptSpec:
         None  # chat: the request's tools, passed to the template (appliance/server/tool_prompt.py)
     )
     thinking: bool | None = None  # chat: the template's `enable_thinking` (Qwen3's switch); None: its default
+    # chat, vision-language models: the image files of `messages`' {"type": "image"} parts, in their order
+    images: list[bytes] | None = None
 
 
 @dataclass
