@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import auth, cpu_isa, devices, limits, logs, state
-from appliance.manifest import MANIFEST_NAME, VLM_NOT_SERVED, Manifest
+from appliance.manifest import MANIFEST_NAME, VLM_PAGED_ONLY, Manifest
 from appliance.options import (
     GROUPS,
     SERVE_OPTIONS,
@@ -212,10 +212,10 @@ def _models(args: argparse.Namespace) -> list[ModelSpec]:
     except FileNotFoundError as exc:
         hint = " (build it with `make model` or `python -m export.default_model`)" if args.model == "default" else ""
         raise ConfigError(f"{exc}{hint}") from None
-    if manifest.is_vlm:
-        raise ConfigError(f"{model_dir}: {VLM_NOT_SERVED}")
     created = int((Path(model_dir) / MANIFEST_NAME).stat().st_mtime)
     engine = engine_config(args, manifest)
+    if manifest.is_vlm and (engine.static or engine.device.upper().startswith("NPU")):
+        raise ConfigError(f"{model_dir}: {VLM_PAGED_ONLY}")
     name = args.served_model_name or manifest.name
     chat = ModelSpec(name, str(model_dir), created, engine, args.tool_parser, args.reasoning_parser)
     return [chat, *filter(None, [embedding_spec(args, name)])]  # --embedding-model: beside it, under its own name

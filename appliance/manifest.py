@@ -19,8 +19,12 @@ MANIFEST_NAME = "appliance_manifest.json"
 TASKS = ("generate", "embed", "rerank")  # generate: a causal LM (chat, completions); embed/rerank: an encoder
 POOLINGS = ("mean", "cls", "last")
 FORMAT_VERSION = 1
-# What serving a vision-language export answers until the engine runs image parts (docs/vision.md)
-VLM_NOT_SERVED = "a vision-language export: exporting one works, serving it is not built yet (docs/vision.md)"
+# Why a vision-language export does not load with static shapes (NPU, --static): its prompts' image rows and 3-D
+# positions are fed per step by the paged OpenVINO backend only (docs/vision.md)
+VLM_PAGED_ONLY = (
+    "a vision-language model is served by the paged OpenVINO backend only (CPU, GPU): "
+    "not with static shapes (NPU, --static) or ONNX Runtime (docs/vision.md)"
+)
 IMAGE_SCHEMES = ("qwen2_vl", "idefics3")  # dynamic resolution + M-RoPE; fixed tiles + pixel shuffle
 
 

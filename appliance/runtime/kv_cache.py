@@ -29,6 +29,10 @@ RAM block with the stored bytes (the block is then named and taken like a RAM hi
 has the tier read those blocks on its own thread first, so the engine thread only copies them in. The salt then
 comes from the tier's directory, so names match across restarts of the same export.
 
+A vision-language prompt's image tokens are hashed as keys of the picture (Sequence.cache_tokens, runtime/media.py):
+every caller hands these functions the keyed tokens, so the same picture names the same blocks, in RAM and on disk,
+and another picture behind the same placeholder ids never does.
+
 A prompt's chain is hashed once: `prefetch` returns the names it computed (a `BlockChain`, carried on the
 Sequence), and `match_prefix` at admission takes them instead of hashing the blocks again (1.5 us a block, on the
 engine thread). A chain is reused only in the pool and namespace it was computed in; past its end (a preempted
@@ -43,7 +47,7 @@ import os
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -140,7 +144,7 @@ class BlockPool:
         return hashlib.blake2b(b"scope\0" + scope.encode(), digest_size=DIGEST_SIZE, key=self.salt).digest()
 
     def match_prefix(
-        self, tokens: list[int], scope: str = "", chain: BlockChain | None = None
+        self, tokens: Sequence[int], scope: str = "", chain: BlockChain | None = None
     ) -> tuple[list[int], list[bytes]]:
         """Cached blocks for the longest run of full blocks at the start of `tokens` in namespace `scope`, taken
         (ref + 1), and their chained hashes. At least one token is left to compute: its logits give the first
@@ -169,7 +173,7 @@ class BlockPool:
         self.hits += len(blocks) * bs
         return blocks, hashes
 
-    def prefetch(self, tokens: list[int], scope: str = "") -> BlockChain | None:
+    def prefetch(self, tokens: Sequence[int], scope: str = "") -> BlockChain | None:
         """Any thread, at submission: have the disk tier read ahead the blocks match_prefix will want from it
         (the full blocks after the run RAM holds now), so the engine thread only copies them in at admission.
         A hint: RAM's index is read without the engine thread's cooperation, and a miss still loads. Returns the

@@ -68,7 +68,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table and seq.params.prompt_logprobs is None:  # those need every prompt position
                 seq.block_table, seq.block_hashes = self.pool.match_prefix(
-                    seq.token_ids, seq.params.cache_scope, seq.prompt_chain
+                    seq.prefix_tokens, seq.params.cache_scope, seq.prompt_chain
                 )
                 seq.num_computed = len(seq.block_table) * self.pool.block_size
                 if seq.first_scheduled is None:  # its first admission: a preempted one's own blocks are no hit
@@ -122,13 +122,14 @@ class Scheduler:
             del seq.block_table[keep:]
 
     def computed(self, seq: Sequence) -> None:
-        """After a step: name the blocks that just became full so later prompts can reuse them."""
+        """After a step: name the blocks that just became full so later prompts can reuse them (an image's tokens
+        named by the picture: Sequence.cache_tokens)."""
         bs = self.pool.block_size
         while len(seq.block_hashes) < seq.num_computed // bs:
             j = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if j else self.pool.root(seq.params.cache_scope)  # the key's namespace
             seq.block_hashes.append(
-                self.pool.register(seq.block_table[j], parent, tuple(seq.token_ids[j * bs : (j + 1) * bs]))
+                self.pool.register(seq.block_table[j], parent, seq.cache_tokens(j * bs, (j + 1) * bs))
             )
 
     def preempt(self, seq: Sequence) -> None:

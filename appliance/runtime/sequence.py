@@ -17,10 +17,13 @@ from appliance.params import SamplingParams
 from appliance.runtime.beam_search import BeamSearch
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence as Sequence_
+
     import numpy as np
 
     from appliance.runtime.detokenizer import IncrementalDetokenizer
     from appliance.runtime.kv_cache import BlockChain
+    from appliance.runtime.media import Media
     from appliance.runtime.sampling import SequenceSampler
     from appliance.runtime.speculative.state import SpecState
     from appliance.runtime.stopping import StopStringMatcher
@@ -81,6 +84,9 @@ class Sequence:
     draft: list[int] = field(default_factory=list)
     # what the caller's thread built for the engine thread's start (Admission._prebuild); None: build it there
     prebuilt: Prebuilt | None = None
+    # a vision-language prompt's images (runtime/media.py), kept until the sequence ends: a chunk of the prompt, or
+    # its recomputation after a preemption, feeds the same feature rows; its n > 1 choices and beams share it
+    media: Media | None = None
 
     @property
     def num_generated(self) -> int:
@@ -94,6 +100,17 @@ class Sequence:
         """The n tokens this step feeds: the uncomputed ones, then the draft's."""
         ids = self.token_ids[self.num_computed : self.num_computed + n]
         return ids + self.draft[: n - len(ids)] if len(ids) < n else ids
+
+    def cache_tokens(self, begin: int, end: int) -> tuple[int, ...]:
+        """What the prefix cache hashes for positions [begin, end): the token ids, with an image's placeholder
+        tokens keyed by the picture (Media.key_tokens), so only the same picture hits."""
+        tokens = self.token_ids[begin:end]
+        return self.media.key_tokens(tokens, begin) if self.media is not None else tuple(tokens)
+
+    @property
+    def prefix_tokens(self) -> Sequence_[int]:
+        """cache_tokens of every position; a text sequence's own token list, not copied (match_prefix, prefetch)."""
+        return self.token_ids if self.media is None else self.media.key_tokens(self.token_ids, 0)
 
     def emit(self, chunk: Chunk) -> None:
         self.out.put(chunk)

@@ -172,8 +172,8 @@ def queue_choices(
     requests: list[tuple[list[int], list[SamplingParams], list[str] | None]] = [
         (ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)]) for i, ids in enumerate(prompts)
     ]
-    if media:  # (contract B: the engine's media= parameter, added on the engine's branch)
-        choices = engine.submit_prompts(requests, media=media)  # type: ignore[call-arg]
+    if media:
+        choices = engine.submit_prompts(requests, media=media)
     else:
         choices = engine.submit_prompts(requests)
     now = time.monotonic()

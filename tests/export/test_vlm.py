@@ -271,17 +271,19 @@ def test_manifest_vision_round_trip(tmp_path: Path) -> None:
     assert asdict(vlm)["vision"]["mrope_section"] == [2, 3, 3]
 
 
-def test_serving_refuses_a_vlm_export(exported: Exported, capsys: pytest.CaptureFixture[str]) -> None:
-    """Until the engine runs image parts, a VLM export is refused by name at start-up and by the engine itself (its
-    language model takes embeddings, not token ids, and would otherwise fail on a missing input)."""
+def test_static_shapes_refuse_a_vlm_export(exported: Exported, capsys: pytest.CaptureFixture[str]) -> None:
+    """A VLM is served by the paged backend only (tests/runtime/test_vlm_engine.py): static shapes (NPU, --static)
+    refuse it by name at start-up and in the engine itself, rather than failing on a missing input."""
     from appliance.cli import main
+    from appliance.config import EngineConfig
     from appliance.runtime.engine.core import Engine
 
     _, out, _ = exported("idefics3")
-    with pytest.raises(ValueError, match="vision-language export"):
-        Engine(out)
-    assert main(["config", "--model", str(out)]) == 78  # EX_CONFIG: `serve` checks the same settings first
-    assert "vision-language export" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="paged OpenVINO backend only"):
+        Engine(out, EngineConfig(static=True))
+    assert main(["config", "--model", str(out), "--static"]) == 78  # EX_CONFIG: `serve` checks the same settings
+    assert "paged OpenVINO backend only" in capsys.readouterr().err
+    assert main(["config", "--model", str(out)]) == 0
 
 
 class _Tokens:

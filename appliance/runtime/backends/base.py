@@ -25,6 +25,12 @@ class StepBatch:
     # the others); its return value is unchanged.
     all_logits: list[bool] | None = None
     position_logits: list[np.ndarray | None] | None = field(default=None, repr=False)
+    # Optional, per sequence (None for a text sequence; the lists None when no sequence has any), a vision-language
+    # model only: the image feature rows that replace the embeddings of some fed tokens, (offsets into
+    # token_ids[i], int64 [k]; rows, float32 [k, hidden]) (runtime/media.py Media.rows), and the M-RoPE positions
+    # of the fed tokens, int64 [3, len(token_ids[i])] (Media.position_ids). A text-only model never sees them.
+    image_rows: list[tuple[np.ndarray, np.ndarray] | None] | None = field(default=None, repr=False)
+    mrope_positions: list[np.ndarray | None] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

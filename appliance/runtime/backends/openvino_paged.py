@@ -21,6 +21,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from appliance.manifest import Manifest
 from appliance.runtime.backends.base import Backend, StepBatch
+from appliance.runtime.backends.image_inputs import load_text_embeddings, splice_text_embeddings, step_inputs
 from appliance.runtime.backends.kv_budget import pool_blocks
 from appliance.runtime.backends.openvino_common import (
     apply_kernels,
@@ -85,6 +86,12 @@ class OpenVINOPagedBackend(Backend):
             raise ValueError("paged attention needs the stateful OpenVINO IR (export with the default options)")
         model = read_model(model_dir, manifest.model_file)
         paged_attention_transformation(model)
+        # a vision-language model's language model: token ids in again, plus the step's image rows (image_inputs.py)
+        self.vlm, self.mrope = manifest.is_vlm, False
+        if self.vlm:
+            splice_text_embeddings(model, load_text_embeddings(model_dir, manifest, core()))
+            self.mrope = model.input("position_ids").get_partial_shape().rank.get_length() == 2  # [3, tokens]
+        self.hidden_size = manifest.hidden_size
         log.debug("fused %d groups of sibling projections", fuse_sibling_projections(model))
         _gather_last_tokens(model)
         native = model.clone()  # constants shared, not copied
@@ -165,9 +172,11 @@ class OpenVINOPagedBackend(Backend):
             flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
         request = self._small if self._small is not None and total <= self.kernel_rows else self.request
         views = self._inputs[id(request)]
+        feed = [("input_ids", ids), ("position_ids", positions)]
+        if self.vlm:  # the image rows (none: k = 0) and the positions, 3-D for M-RoPE
+            feed = [("input_ids", ids), *step_inputs(batch, begins, positions, self.hidden_size, self.mrope).items()]
         for name, value in (
-            ("input_ids", ids),
-            ("position_ids", positions),
+            *feed,
             ("past_lens", past),
             ("subsequence_begins", begins),
             ("block_indices", blocks),

@@ -33,6 +33,7 @@ from appliance.runtime.engine.handles import RequestHandle
 from appliance.runtime.engine.liveness import EngineDead
 from appliance.runtime.engine.logprobs import first_prompt_logprob
 from appliance.runtime.engine.state import EngineState
+from appliance.runtime.media import Media
 from appliance.runtime.sampling import SequenceSampler
 from appliance.runtime.sequence import BeamGroup, Prebuilt, Sequence, Status
 from appliance.runtime.stopping import StopStringMatcher, resolve_prompt_limits, stop_token_ids
@@ -73,15 +74,22 @@ class Admission(EngineState):
     """Engine's submission side (a part of Engine: see state.py for the state it uses)."""
 
     # ---- requester side (any thread) ----
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        media: Media | None = None,
+    ) -> RequestHandle:
         """One sequence (streaming Chunks), or with params.best_of > 1 a beam search (its params.n best beams
-        arrive together): either way one RequestHandle."""
+        arrive together): either way one RequestHandle. `media`: a vision-language prompt's images (its beams
+        share them)."""
         if params.best_of is not None and params.best_of > 1 and params.grammar is not None:
             raise ValueError(
                 "structured output (response_format / grammar) cannot be combined with beam search "
                 f"(best_of {params.best_of}): use n for several choices"
             )
-        seq = self._new_sequence(prompt_ids, params, request_id)
+        seq = self._new_sequence(prompt_ids, params, request_id, media)
         self._prebuild([seq])
         if params.best_of is not None and params.best_of > 1:
             seq.max_len = self._beam_max_len(len(prompt_ids), seq.params, seq.max_len)  # limits resolved
@@ -90,23 +98,32 @@ class Admission(EngineState):
         return RequestHandle(self._cancel, seq)
 
     def submit_choices(
-        self, prompt_ids: list[int], params: list[SamplingParams], request_ids: list[str] | None = None
+        self,
+        prompt_ids: list[int],
+        params: list[SamplingParams],
+        request_ids: list[str] | None = None,
+        media: Media | None = None,
     ) -> list[RequestHandle]:
         """n sampled choices of one prompt (params[j] for choice j, e.g. seeds apart). The prompt is computed
         once: the other choices then share its KV blocks (copy-on-write: full blocks by reference, the partly
         filled last one copied) and sample their first token from the same logits."""
-        return self.submit_prompts([(prompt_ids, params, request_ids)])[0]
+        return self.submit_prompts([(prompt_ids, params, request_ids)], [media])[0]
 
     def submit_prompts(
-        self, requests: list[tuple[list[int], list[SamplingParams], list[str] | None]]
+        self,
+        requests: list[tuple[list[int], list[SamplingParams], list[str] | None]],
+        media: list[Media | None] | None = None,
     ) -> list[list[RequestHandle]]:
         """Several prompts at once, each with its choices as in submit_choices (a completions request's prompt
         list, a burst of clients): all are queued or none (429), and they reach the scheduler in the same step,
-        so their prefills batch together instead of the first one starting alone."""
+        so their prefills batch together instead of the first one starting alone. `media[i]`: the images of
+        requests[i] (a vision-language model), shared by its choices."""
+        if media is not None and len(media) != len(requests):
+            raise ValueError(f"{len(media)} media for {len(requests)} prompts")
         groups = []
-        for prompt_ids, params, request_ids in requests:
+        for (prompt_ids, params, request_ids), images in zip(requests, media or [None] * len(requests)):
             ids: list[str] | list[None] = request_ids or [None] * len(params)
-            seqs = [self._new_sequence(prompt_ids, p, r) for p, r in zip(params, ids)]
+            seqs = [self._new_sequence(prompt_ids, p, r, images) for p, r in zip(params, ids)]
             self._prebuild(seqs)
             if len(seqs) > 1 and self.backend.max_batch is None and all(p.max_tokens != 0 for p in params):
                 seqs[0].followers = seqs[1:]
@@ -171,7 +188,7 @@ class Admission(EngineState):
         count = sum(map(len, groups))
         for seqs in groups:  # the disk tier reads the prompt's blocks while it waits for admission
             if seqs[0].params.prompt_logprobs is None:  # those compute every position (Scheduler)
-                seqs[0].prompt_chain = self.pool.prefetch(seqs[0].token_ids, seqs[0].params.cache_scope)
+                seqs[0].prompt_chain = self.pool.prefetch(seqs[0].prefix_tokens, seqs[0].params.cache_scope)
         with self._admit:
             if self.dead is not None:  # checked under the lock _die takes: nothing is queued after its drain
                 raise EngineDead(f"the engine stopped: internal error: {type(self.dead).__name__}")
@@ -185,10 +202,14 @@ class Admission(EngineState):
         """Sequences not started: in the inbox, or waiting in the scheduler (with their n > 1 choices)."""
         return self._inbox_seqs + self.scheduler.num_queued()
 
-    def _new_sequence(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None) -> Sequence:
+    def _new_sequence(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None, media: Media | None = None
+    ) -> Sequence:
         """The prompt's checks, made on the caller's thread (400 before anything is queued), then the Sequence."""
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        if media is not None:
+            self._check_media(prompt_ids, media)
         cap = self.backend.max_prompt
         if cap is not None and len(prompt_ids) > cap:  # static shapes (NPU): OVMS's max_prompt_len
             raise PromptTooLong(
@@ -212,7 +233,22 @@ class Admission(EngineState):
             max_len,
             queue.SimpleQueue(),
             Timing(created=time.time()),
+            media=media,
         )
+
+    def _check_media(self, prompt_ids: list[int], media: Media) -> None:
+        """Images that fit the prompt and the model, checked on the caller's thread: rows of another width or
+        over other tokens would fail the whole step they are fed in, not only their own request."""
+        vision = self.manifest.vision
+        if vision is None:
+            raise ValueError(f"the model {self.manifest.name!r} reads text only: it takes no images")
+        if media.prompt_len != len(prompt_ids):
+            raise ValueError(f"the images are laid out for {media.prompt_len} prompt tokens, not {len(prompt_ids)}")
+        for image in media.images:
+            if image.features.ndim != 2 or image.features.shape[1] != self.manifest.hidden_size:
+                raise ValueError(f"image features must be [tokens, {self.manifest.hidden_size}]")
+            if any(t != vision.image_token_id for t in prompt_ids[image.start : image.end]):
+                raise ValueError("an image's span must hold the model's image tokens")
 
     def _beam_max_len(self, prompt_len: int, params: SamplingParams, max_len: int) -> int:
         """All beams of a search must fit in the KV pool and the sequence slots together, or they could wait on

@@ -161,6 +161,7 @@ class BeamSearches:
             group=parent.group,
             beam_score=c.score,
             beam_logprobs=self._beam_logprobs(parent, entry),
+            media=parent.media,
         )
         child.sampler.append(c.token)
         computed, bs = parent.num_computed, self.pool.block_size

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from appliance.config import EngineConfig
-from appliance.manifest import VLM_NOT_SERVED, Manifest
+from appliance.manifest import Manifest
 from appliance.outputs import Chunk
 from appliance.runtime.backends import StepBatch, load_backend
 from appliance.runtime.engine.admission import Admission
@@ -60,8 +60,6 @@ class Engine(Admission, Liveness):
         self.model_dir = Path(model_dir)
         self.config = config or EngineConfig()
         self.manifest = Manifest.load(self.model_dir)
-        if self.manifest.is_vlm:  # its language model takes embeddings, not token ids: it would fail unclearly
-            raise ValueError(f"{self.model_dir}: {VLM_NOT_SERVED}")
         self.vision: VisionEncoder | None = None  # a VLM's image parts (runtime/vision/)
         if self.manifest.is_vlm:
             from appliance.runtime.vision.encoder import VisionEncoder  # Pillow and the parts: for a VLM only
@@ -205,6 +203,10 @@ class Engine(Admission, Liveness):
             [s.block_table for s, _ in plan],
             all_logits=flags if any(flags) else None,
         )
+        if self.manifest.is_vlm and any(s.media is not None for s, _ in plan):  # image rows, 3-D positions
+            spans = [(s.media, s.num_computed, s.num_computed + n) for s, n in plan]
+            batch.image_rows = [m.rows(b, e) if m is not None else None for m, b, e in spans]
+            batch.mrope_positions = [m.position_ids(b, e) if m is not None else None for m, b, e in spans]
         try:
             self._injected("forward")
             return batch, self.backend.forward(batch)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.config import EngineConfig
+from appliance.manifest import Manifest
 from appliance.outputs import Chunk
 from appliance.runtime.backends.base import Backend
 from appliance.runtime.engine.beams import BeamSearches
@@ -33,6 +34,7 @@ from appliance.runtime.tokenizer import Tokenizer
 class EngineState:
     model_dir: Path
     config: EngineConfig
+    manifest: Manifest
     tokenizer: Tokenizer
     grammars: GrammarCompiler  # structured output: compiles grammars, hands out per-sequence matchers
     eos_token_ids: list[int]
