@@ -53,7 +53,7 @@ class OpenAIRoutes:
         )
 
     def chat(self, dialect: Dialect):
-        req = parse_chat(self.api.json_body(), self.limits, dialect)
+        req = self.api.with_images(parse_chat(self.api.json_body(), self.limits, dialect))
         # its parsers: how this model writes tool calls and reasoning
         status = self.api.ready_status(req.edge.model, fresh=False)
         shape = ChatShape.for_request(req, status.tool_parser, status.reasoning_parser)
