@@ -62,10 +62,13 @@ class _Fetch:
         self.hosts, self.limits, self.seconds = hosts, limits, seconds
         self.deadline = time.monotonic() + seconds
 
+    def late(self) -> _Refused:
+        return _Refused(f"the image did not arrive within {self.seconds:g} s (--image-url-timeout)")
+
     def left(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise _Refused(f"the image did not arrive within {self.seconds:g} s (--image-url-timeout)")
+            raise self.late()
         return left
 
     def run(self, url: str) -> bytes:
@@ -144,7 +147,13 @@ class _Fetch:
         """One GET: (status, a redirect's Location or None, the body when 200)."""
         scheme, host, port, path = self.target(url)
         held = [self.connect(host, port)]  # the socket in use: TLS wraps it into another object
-        watchdog = threading.Timer(max(self.deadline - time.monotonic(), 0), lambda: _shut(held[-1]))
+        fired = threading.Event()  # the watchdog shut the socket: what was read by then is cut, not the file
+
+        def shut() -> None:
+            fired.set()
+            _shut(held[-1])
+
+        watchdog = threading.Timer(max(self.deadline - time.monotonic(), 0), shut)
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -177,12 +186,18 @@ class _Fetch:
                 data += chunk
                 if len(data) > self.limits.image_bytes:
                     raise _Refused(f"the image is larger than {self.limits.image_bytes} bytes (--max-image-bytes)")
+            if fired.is_set():
+                raise self.late()
             return 200, None, bytes(data)
         except ssl.SSLError as exc:
+            if fired.is_set():
+                raise self.late() from None
             self.left()
             raise _Refused(f"the image URL's TLS failed: {exc.reason or exc}") from None
         except (OSError, http.client.HTTPException) as exc:
-            self.left()  # past the deadline: say so (the watchdog closed the socket)
+            if fired.is_set():
+                raise self.late() from None
+            self.left()  # past the deadline: say so
             raise _Refused(f"fetching the image failed: {exc or type(exc).__name__}") from None
         finally:
             watchdog.cancel()
