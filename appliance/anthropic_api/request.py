@@ -428,20 +428,19 @@ def _image_schema(limits: Limits) -> dict:
 
 
 def _messages_schema(limits: Limits) -> dict:
+    image = _image_schema(limits)
     image_block = {
         "type": "object",
-        "required": ["type"],
-        "properties": {"type": {"const": "image"}},
-        **_image_schema(limits),
+        "required": ["type", *image["required"]],
+        "properties": {"type": {"const": "image"}, **image["properties"]},
     }
-    image_block["properties"] = {**image_block["properties"], "type": {"const": "image"}}
     result_blocks = {
         "type": "array",
         "maxItems": limits.content_parts,
         "items": {"anyOf": [_text_blocks_schema(limits)["anyOf"][1]["items"], image_block]},
     }
     kinds = {
-        "image": _image_schema(limits),
+        "image": image,
         "text": {"required": ["text"], "properties": {"text": {"type": "string"}}},
         "tool_use": {
             "required": ["id", "name", "input"],

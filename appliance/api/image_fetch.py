@@ -44,7 +44,7 @@ def listed_hosts(setting: str | None) -> frozenset[str]:
 
 def vetted(address: str) -> bool:
     """A global unicast address (what a public server has): not loopback, private, shared (100.64/10),
-    link-local, multicast, reserved or unspecified, nor an IPv4-mapped / NAT64 form of one."""
+    link-local, multicast, reserved or unspecified, nor the IPv4-mapped IPv6 form of one (::ffff:127.0.0.1)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
@@ -117,8 +117,7 @@ class _Fetch:
         thread.start()
         thread.join(self.left())
         if thread.is_alive():
-            self.left()
-            raise _Refused(f"the host {host!r} did not resolve within {self.seconds:g} s")
+            raise self.late()
         if failure or not found:
             raise _Refused(f"the host {host!r} does not resolve")
         for info in found:
@@ -165,7 +164,8 @@ class _Fetch:
             conn.sock = sock  # the vetted, connected socket: http.client never resolves the name again
             default = 443 if scheme == "https" else 80
             conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
-            conn.putheader("Host", host if port == default else f"{host}:{port}")
+            name = f"[{host}]" if ":" in host else host  # an IPv6 literal
+            conn.putheader("Host", name if port == default else f"{name}:{port}")
             conn.putheader("User-Agent", USER_AGENT)
             conn.putheader("Accept", "image/jpeg, image/png, image/webp")
             conn.putheader("Connection", "close")
