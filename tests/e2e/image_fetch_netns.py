@@ -19,7 +19,7 @@ from pathlib import Path
 
 import requests
 
-from tests.e2e.image_requests import picture
+from tests.e2e.image_requests import LiveStream, picture
 from tests.helpers import Server
 
 ADDRESS = "45.33.32.156"  # any global unicast address: inside this namespace it is the box's own
@@ -97,26 +97,6 @@ def main(model_dir: Path, log_dir: Path) -> dict:
     out: dict = {"cases": {}}
     with Server(model_dir, log_dir / "serve.log", *flags, *hosts) as srv:
         model = srv.model_id()
-        arrivals: list[float] = []
-        stop = threading.Event()
-
-        def stream() -> None:
-            body = {"model": model, "prompt": "Write a long story.", "max_tokens": 4000, "ignore_eos": True}
-            with requests.post(
-                srv.base + "/v3/completions", json={**body, "stream": True}, stream=True, timeout=300
-            ) as r:
-                for line in r.iter_lines():
-                    if line.startswith(b"data: {"):
-                        arrivals.append(time.monotonic())
-                    if stop.is_set():
-                        return
-
-        reader = threading.Thread(target=stream, daemon=True)
-        reader.start()
-        while len(arrivals) < 10:
-            assert reader.is_alive(), "the live stream did not run"
-            time.sleep(0.05)
-        start = time.monotonic()
 
         def ask(case: str) -> None:
             parts = [
@@ -134,22 +114,20 @@ def main(model_dir: Path, log_dir: Path) -> dict:
             }
 
         askers = [threading.Thread(target=ask, args=(case,)) for case in CASES]
-        for t in askers:
-            t.start()
-        for t in askers:
-            t.join()
-        end = time.monotonic()
-        stop.set()
-        during = [t for t in arrivals if start <= t <= end]
-        out["largest_gap"] = max((b - a for a, b in zip(during, during[1:])), default=end - start)
-        out["tokens_during"] = len(during)
+        with LiveStream(srv.base, model) as live:
+            start = time.monotonic()
+            for t in askers:
+                t.start()
+            for t in askers:
+                t.join()
+            end = time.monotonic()
+        out["largest_gap"] = live.largest_gap(start, end)
         after = requests.post(
             srv.base + "/v3/chat/completions",
             json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             timeout=120,
         )
         out["after"] = after.status_code
-        reader.join(timeout=30)
     out["asked"] = sorted(asked)
     images.shutdown()
     return out

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import anthropic
 import ollama
 import openai
+import requests
 
 QUESTION = "What is in this picture?"
 
@@ -26,6 +29,48 @@ def picture(width: int = 64, height: int = 48, color: tuple[int, int, int] = (20
     out = io.BytesIO()
     image.save(out, fmt)
     return out.getvalue()
+
+
+class LiveStream:
+    """`with LiveStream(base, model) as live:` a completion stream read token by token on its own thread, decoding
+    before the block starts; `live.largest_gap(start, end)`: the longest wait between two of its tokens then (a
+    stall is what its user sees)."""
+
+    def __init__(self, base: str, model: str):
+        self.body = {"model": model, "prompt": "Write a long story.", "max_tokens": 4000, "ignore_eos": True}
+        self.url = base + "/v3/completions"
+        self.arrivals: list[float] = []
+        self.status = 0
+        self.stop = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+
+    def _read(self) -> None:
+        with requests.post(self.url, json={**self.body, "stream": True}, stream=True, timeout=300) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith(b"data: {"):
+                    self.arrivals.append(time.monotonic())
+                if self.stop.is_set():
+                    return
+
+    def __enter__(self) -> LiveStream:
+        self.reader.start()
+        deadline = time.monotonic() + 300
+        while len(self.arrivals) < 10:
+            assert self.reader.is_alive() and time.monotonic() < deadline, (
+                f"the live stream did not run ({self.status})"
+            )
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.reader.join(timeout=60)
+
+    def largest_gap(self, start: float, end: float) -> float:
+        during = [t for t in self.arrivals if start <= t <= end]
+        assert len(during) >= 2, "the live stream made no progress"
+        return max(b - a for a, b in zip(during, during[1:]))
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:

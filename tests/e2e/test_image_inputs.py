@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from appliance.testing.loopback import ROOT
-from tests.e2e.image_requests import clients, data_url, picture, refusal, requests_by_api
+from tests.e2e.image_requests import LiveStream, clients, data_url, picture, refusal, requests_by_api
 from tests.helpers import Server
 
 pytestmark = pytest.mark.slow
@@ -187,40 +187,18 @@ def test_hostile_images_beside_a_live_stream(srv, name, loopback_images):
     """Every hostile input is a 400 in its API's shape while a stream runs; the stream never stalls past
     STALL_BOUND, nothing is fetched from loopback, and a plain request is answered afterwards."""
     port, asked = loopback_images
-    arrivals: list[float] = []
-    stop = threading.Event()
-
-    def stream() -> None:
-        body = {"model": name, "prompt": "Write a long story.", "max_tokens": 4000, "ignore_eos": True, "stream": True}
-        with requests.post(srv.base + "/v3/completions", json=body, stream=True, timeout=300) as r:
-            assert r.status_code == 200, r.text
-            for line in r.iter_lines():
-                if line.startswith(b"data: {"):
-                    arrivals.append(time.monotonic())
-                if stop.is_set():
-                    return
-
-    reader = threading.Thread(target=stream, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 300
-    while len(arrivals) < 10:
-        assert reader.is_alive() and time.monotonic() < deadline, "the live stream did not run"
-        time.sleep(0.05)
-    start = time.monotonic()
     failures = []
-    for _ in range(3):
-        for path, what, body, words in hostile_requests(name, port):
-            r = requests.post(srv.base + path, json=body, timeout=60)
-            if r.status_code != 400 or words not in message_of(path, r):
-                failures.append((path, what, r.status_code, r.text[:300]))
-    end = time.monotonic()
-    stop.set()
-    reader.join(timeout=60)
+    with LiveStream(srv.base, name) as live:
+        start = time.monotonic()
+        for _ in range(3):
+            for path, what, body, words in hostile_requests(name, port):
+                r = requests.post(srv.base + path, json=body, timeout=60)
+                if r.status_code != 400 or words not in message_of(path, r):
+                    failures.append((path, what, r.status_code, r.text[:300]))
+        end = time.monotonic()
     assert not failures, failures
     assert not asked, f"the worker fetched from loopback: {asked}"
-    during = [t for t in arrivals if start <= t <= end]
-    assert len(during) >= 2, "the stream made no progress while the hostile requests ran"
-    largest = max(b - a for a, b in zip(during, during[1:]))
+    largest = live.largest_gap(start, end)
     assert largest <= STALL_BOUND, f"the live stream stalled {largest:.2f} s"
     plain = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert requests.post(srv.base + "/v3/chat/completions", json=plain, timeout=120).status_code == 200
@@ -262,5 +240,5 @@ def test_listed_hosts_are_fetched_within_the_limits(model_dir, tmp_path):
         assert cases[case]["status"] == 400 and words in cases[case]["message"], (case, cases[case])
         assert cases[case]["seconds"] < 2.0 + 3.0, (case, cases[case])  # the timeout, and a loaded box's slack
     assert "/ok.png" in out["asked"] and "/to-ok" in out["asked"]
-    assert out["largest_gap"] <= STALL_BOUND and out["tokens_during"] >= 2, out
+    assert out["largest_gap"] <= STALL_BOUND, out
     assert out["after"] == 200
