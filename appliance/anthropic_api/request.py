@@ -42,7 +42,7 @@ from typing import Any
 from appliance.api import parsers as P
 from appliance.api import table as F
 from appliance.api.errors import ApiError, invalid
-from appliance.api.images import MEDIA_TYPES, Counter, base64_image, url_image
+from appliance.api.images import MEDIA_TYPES, ImageCount, base64_image, url_image
 from appliance.api.request import ChatRequest, EdgeOptions, ToolChoice
 from appliance.api.table import read_body, sampling_values
 from appliance.limits import Limits
@@ -110,7 +110,7 @@ class MessagesRequest:
     one_call: bool = False  # disable_parallel_tool_use
 
 
-def _blocks(value: Any, where: str, limits: Limits, images: Counter | None = None) -> list[dict]:
+def _blocks(value: Any, where: str, limits: Limits, images: ImageCount | None = None) -> list[dict]:
     """A string, or text blocks (and `image` blocks where `images` counts them: a tool_result's content) -> chat
     parts: {"type": "text", "text"} and {"type": "image", "image": Image}."""
     if isinstance(value, str):
@@ -145,7 +145,7 @@ def _chat_content(parts: list[dict]) -> str | list[dict]:
     return parts
 
 
-def _image(block: dict, where: str, limits: Limits, images: Counter) -> dict:
+def _image(block: dict, where: str, limits: Limits, images: ImageCount) -> dict:
     """An `image` block -> a chat image part: `source` base64 (with its media_type, which the file's bytes must
     match, as Anthropic checks) or url (fetched from a listed host only: appliance/api/image_fetch.py); a `file`
     source names a file this server does not store."""
@@ -195,7 +195,7 @@ def _id(value: Any, what: str, limits: Limits) -> str:
     return value
 
 
-def _user(content: list, out: list[dict], limits: Limits, images: Counter, m: int) -> None:
+def _user(content: list, out: list[dict], limits: Limits, images: ImageCount, m: int) -> None:
     parts: list[dict] = []
     for b, block in enumerate(content):
         kind = block["type"]
@@ -264,7 +264,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if len(value) > limits.messages:
         raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out: list[dict] = []
-    images = Counter(limits, "messages")
+    images = ImageCount(limits, "messages")
     for m, message in enumerate(value):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise invalid('messages: each message is an object whose role is "user" or "assistant"', "messages")

@@ -108,7 +108,7 @@ def url_image(url: Any, where: str, param: str, limits: Limits) -> Image:
     raise invalid(f"{where}: the image URL must be a data: URL (base64) or an http(s) URL", param)
 
 
-class Counter:
+class ImageCount:
     """Counts a request's images as its parts are read, refusing the one past `Limits.images` before it is
     decoded."""
 

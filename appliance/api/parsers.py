@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from appliance.api.errors import invalid
-from appliance.api.images import Counter, Image, url_image
+from appliance.api.images import Image, ImageCount, url_image
 from appliance.limits import Limits
 from appliance.params import Grammar
 
@@ -430,7 +430,7 @@ DETAILS = ("auto", "high")  # image_url.detail values honoured; "low" is refused
 IMAGE_ROLES = ("user", "tool")  # messages that may carry images (OpenAI: user; a tool result: Anthropic's)
 
 
-def _image_part(part: dict, where: str, role: str, limits: Limits, count: Counter) -> dict:
+def _image_part(part: dict, where: str, role: str, limits: Limits, count: ImageCount) -> dict:
     """An `image_url` part (OpenAI: {"url": data URL or http(s) URL, "detail"}) or an adapter's own Image part ->
     `{"type": "image", "image": Image}`. `detail`: "auto" and "high" are the model's own preprocessing (the export's
     processor: its resolution bounds and tiling), which is the most this model can see; "low" asks for a
@@ -456,7 +456,7 @@ def _image_part(part: dict, where: str, role: str, limits: Limits, count: Counte
     return {"type": "image", "image": url_image(spec.get("url"), f"{where}.image_url.url", "messages", limits)}
 
 
-def _content(content: list, where: str, role: str, limits: Limits, count: Counter) -> str | list[dict]:
+def _content(content: list, where: str, role: str, limits: Limits, count: ImageCount) -> str | list[dict]:
     """A list of content parts -> the text parts joined with newlines, or, when an image is among them, the parts
     in order (text `{"type": "text", "text"}`, images `{"type": "image", "image": Image}`)."""
     parts: list[dict] = []
@@ -486,7 +486,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if len(value) > limits.messages:
         raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out = []
-    count = Counter(limits, "messages")
+    count = ImageCount(limits, "messages")
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise invalid("message is not an object", "messages")

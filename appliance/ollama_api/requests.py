@@ -34,7 +34,7 @@ from typing import Any
 
 from appliance.api.context import json_body
 from appliance.api.errors import invalid
-from appliance.api.images import Counter, base64_image
+from appliance.api.images import ImageCount, base64_image
 from appliance.api.request import ChatRequest, CompletionRequest
 from appliance.keep_alive import parse_keep_alive
 from appliance.limits import Limits
@@ -194,7 +194,7 @@ def response_format(body: dict) -> dict | None:
     raise invalid('format must be "json" or a JSON schema (an object)', "format")
 
 
-def _images(value: Any, where: str, limits: Limits, count: Counter) -> list[dict]:
+def _images(value: Any, where: str, limits: Limits, count: ImageCount) -> list[dict]:
     """Ollama's `images` (base64 strings, JPEG, PNG or WebP) -> chat image parts (appliance/api/images.py)."""
     if value is None:
         return []
@@ -207,7 +207,7 @@ def _images(value: Any, where: str, limits: Limits, count: Counter) -> list[dict
     return parts
 
 
-def _message(m: Any, where: str, limits: Limits, count: Counter) -> Any:
+def _message(m: Any, where: str, limits: Limits, count: ImageCount) -> Any:
     """An Ollama message -> OpenAI's (tool calls' arguments stay objects: the chat template takes them so; images
     before the text, as chat parts)."""
     if not isinstance(m, dict):
@@ -257,7 +257,7 @@ def _chat(body: dict, limits: Limits) -> OllamaRequest:
     messages = body.get("messages")
     if not messages:
         return OllamaRequest(body["model"], stream, think, load_only=True)
-    count = Counter(limits, "images")
+    count = ImageCount(limits, "images")
     if isinstance(messages, list):
         openai["messages"] = [_message(m, f"messages[{i}]", limits, count) for i, m in enumerate(messages)]
     else:
@@ -286,7 +286,7 @@ def _generate(body: dict, limits: Limits) -> OllamaRequest:
     if not prompt:
         return OllamaRequest(body["model"], stream, think, load_only=True)
     model = body["model"]
-    images = _images(body.get("images"), "images", limits, Counter(limits, "images"))
+    images = _images(body.get("images"), "images", limits, ImageCount(limits, "images"))
     if raw or (template is not None and template.strip() == TEMPLATES[1]):
         if images:
             raise invalid(
