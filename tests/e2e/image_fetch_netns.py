@@ -1,8 +1,10 @@
 """The remote image URL drill, run by test_image_inputs.py in a network namespace of its own (`unshare -n`): there
 an image server can listen on a global address (`ADDRESS`, on the namespace's own loopback device), which is what a
 listed host must resolve to before the worker fetches from it (appliance/api/image_fetch.py), and nothing leaves
-the namespace. A real server (the default text model) runs beside it with a live stream; each case's answer and
-time, the paths the image server was asked for and the stream's largest gap are printed as one JSON object.
+the namespace. Beside it the same server over https twice, with a certificate the appliance trusts (its
+SSL_CERT_FILE) and with one it does not. A real server (the default text model) runs with a live stream; each
+case's answer and time, the paths the image servers were asked for and the stream's largest gap are printed as one
+JSON object.
 
 Usage: unshare -n python -m tests.e2e.image_fetch_netns MODEL_DIR LOG_DIR
 """
@@ -10,6 +12,8 @@ Usage: unshare -n python -m tests.e2e.image_fetch_netns MODEL_DIR LOG_DIR
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -82,16 +86,40 @@ class Images(BaseHTTPRequestHandler):
         self.end_headers()
 
 
-CASES = ("ok.png", "big.png", "big-declared.png", "drip.png", "silent.png", "to-loopback", "to-unlisted", "to-ok")
+PATHS = ("ok.png", "big.png", "big-declared.png", "drip.png", "silent.png", "to-loopback", "to-unlisted", "to-ok")
+
+
+def https_images(folder: Path, name: str) -> tuple[ThreadingHTTPServer, Path]:
+    """The image server over https with a new self-signed certificate for ADDRESS (`name`.pem)."""
+    cert, key = folder / f"{name}.pem", folder / f"{name}-key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={ADDRESS}"]
+        + ["-addext", f"subjectAltName=IP:{ADDRESS}"],
+        check=True,
+        capture_output=True,
+    )
+    server = ThreadingHTTPServer((ADDRESS, 0), Images)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    return server, cert
 
 
 def main(model_dir: Path, log_dir: Path) -> dict:
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
     subprocess.run(["ip", "addr", "add", f"{ADDRESS}/32", "dev", "lo"], check=True)
     images = ThreadingHTTPServer((ADDRESS, 0), Images)
-    images.daemon_threads = True
-    threading.Thread(target=images.serve_forever, daemon=True).start()
+    trusted, ca = https_images(log_dir, "trusted")
+    untrusted, _ = https_images(log_dir, "untrusted")
+    for server in (images, trusted, untrusted):
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://{ADDRESS}:{images.server_address[1]}"
+    urls = {path: f"{base}/{path}" for path in PATHS}
+    urls["https-trusted"] = f"https://{ADDRESS}:{trusted.server_address[1]}/ok.png"
+    urls["https-untrusted"] = f"https://{ADDRESS}:{untrusted.server_address[1]}/ok.png"
+    os.environ["SSL_CERT_FILE"] = str(ca)  # the server's CA store: the trusted certificate only
     flags = ("--workers", "2", "--max-image-bytes", str(IMAGE_BYTES), "--image-url-timeout", str(TIMEOUT))
     hosts = ("--image-url-hosts", f"{ADDRESS},localhost")
     out: dict = {"cases": {}}
@@ -101,7 +129,7 @@ def main(model_dir: Path, log_dir: Path) -> dict:
         def ask(case: str) -> None:
             parts = [
                 {"type": "text", "text": "What is it?"},
-                {"type": "image_url", "image_url": {"url": f"{base}/{case}"}},
+                {"type": "image_url", "image_url": {"url": urls[case]}},
             ]
             body = {"model": model, "messages": [{"role": "user", "content": parts}], "max_tokens": 4}
             began = time.monotonic()
@@ -113,7 +141,7 @@ def main(model_dir: Path, log_dir: Path) -> dict:
                 "seconds": time.monotonic() - began,
             }
 
-        askers = [threading.Thread(target=ask, args=(case,)) for case in CASES]
+        askers = [threading.Thread(target=ask, args=(case,)) for case in urls]
         with LiveStream(srv.base, model) as live:
             start = time.monotonic()
             for t in askers:
@@ -129,7 +157,8 @@ def main(model_dir: Path, log_dir: Path) -> dict:
         )
         out["after"] = after.status_code
     out["asked"] = sorted(asked)
-    images.shutdown()
+    for server in (images, trusted, untrusted):
+        server.shutdown()
     return out
 
 

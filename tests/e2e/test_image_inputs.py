@@ -206,9 +206,10 @@ def test_hostile_images_beside_a_live_stream(srv, name, loopback_images):
 
 def test_listed_hosts_are_fetched_within_the_limits(model_dir, tmp_path):
     """In a network namespace of its own (image_fetch_netns.py), a listed host with a global address serves a good
-    image, too-large ones, a dripping and a silent one, and redirects: the good one (and a redirect to it) is
-    fetched, every other is a 400 within the --image-url-timeout, a redirect to loopback or an unlisted host is
-    refused, and the live stream beside them never stalls."""
+    image, too-large ones, a dripping and a silent one, and redirects, over http and over https (a certificate the
+    server trusts, and one it does not): the good one (by a redirect too, and over trusted https) is fetched, every
+    other is a 400 within the --image-url-timeout, a redirect to loopback or an unlisted host is refused, and the
+    live stream beside them never stalls."""
     unshare = shutil.which("unshare")
     if unshare is None or subprocess.run([unshare, "-n", "true"], capture_output=True).returncode != 0:
         if os.environ.get("CI"):
@@ -226,7 +227,11 @@ def test_listed_hosts_are_fetched_within_the_limits(model_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-4000:] + (tmp_path / "serve.log").read_text()[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     cases = out["cases"]
-    for fetched in ("ok.png", "to-ok"):  # the file arrived: what follows is the engine's answer (a text model's
+    for fetched in (
+        "ok.png",
+        "to-ok",
+        "https-trusted",
+    ):  # the file arrived: what follows is the engine's answer (a text model's
         case = cases[fetched]  # refusal once the vision side serves), never a fetch refusal naming the URL
         assert "image_url.url" not in case["message"], (fetched, case)
     for case, words in (
@@ -236,9 +241,10 @@ def test_listed_hosts_are_fetched_within_the_limits(model_dir, tmp_path):
         ("silent.png", "did not arrive within 2 s"),
         ("to-loopback", "not a public address"),
         ("to-unlisted", "not one this server fetches"),
+        ("https-untrusted", "TLS failed"),
     ):
         assert cases[case]["status"] == 400 and words in cases[case]["message"], (case, cases[case])
         assert cases[case]["seconds"] < 2.0 + 3.0, (case, cases[case])  # the timeout, and a loaded box's slack
-    assert "/ok.png" in out["asked"] and "/to-ok" in out["asked"]
+    assert out["asked"].count("/ok.png") == 3 and "/to-ok" in out["asked"]  # http, its redirect, trusted https
     assert out["largest_gap"] <= STALL_BOUND, out
     assert out["after"] == 200
