@@ -6,6 +6,7 @@ then the issue's targets checked against the results: met / NOT met, written to 
     python -m bench.all --only concurrency prefix
     python -m bench.all --targets-only   # re-check the targets against the JSON already in bench/results/
     python -m bench.all --llamacpp-python /tmp/llama-venv/bin/python   # bench.http with llama.cpp's server too
+    python -m bench.all --only vlm   # images: not in the default set (it builds a 2B model on first use)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from bench.common import RESULTS, machine, print_table, write_json
 
 BENCHMARKS = ("batch1_paired", "concurrency", "prefix", "http", "memory", "startup")
+OPTIONAL = ("vlm",)  # run only when named in --only
 
 
 def command(name: str, quick: bool, out_dir: Path = RESULTS, llamacpp_python: str | None = None) -> list[str]:
@@ -89,13 +91,20 @@ def targets(out_dir: Path = RESULTS) -> list[dict]:
     if (p := _load("prefix", out_dir)) is not None:
         for t in p["summary"]:
             add("shared-prefix TTFT speedup (cache on)", f"{t['model']} median", t["ttft_speedup"], 3.0, True)
+    if (v := _load("vlm", out_dir)) is not None:
+        for t in v["summary"]:
+            if t.get("ttft_speedup") is not None:
+                add("VLM TTFT vs genai (genai / ours)", t["cell"], t["ttft_speedup"], 1.0, True)
+                add("VLM decode tok/s vs genai", t["cell"], t["decode_ratio"], 1.0, True)
+            if t.get("ours_repeat_ratio") is not None:
+                add("VLM repeated picture's TTFT / its first", "c=1", t["ours_repeat_ratio"], 0.3, False)
     return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", nargs="+", choices=BENCHMARKS, default=list(BENCHMARKS))
+    ap.add_argument("--only", nargs="+", choices=BENCHMARKS + OPTIONAL, default=list(BENCHMARKS))
     ap.add_argument("--targets-only", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=RESULTS, help="where the JSON goes (default bench/results)")
     ap.add_argument(

@@ -164,9 +164,15 @@ def genai_run(pipe, batch: list[list[int]], new_tokens: int) -> dict:
     cfg.max_new_tokens = cfg.min_new_tokens = new_tokens
     cfg.ignore_eos = True
     cfg.apply_chat_template = False
-    times: list[list[float]] = [[] for _ in batch]
     t0 = time.perf_counter()
     handles = [pipe.add_request(next(_request_ids), ov.Tensor(np.array([p], np.int64)), cfg) for p in batch]
+    return genai_steps(pipe, handles, t0, new_tokens)
+
+
+def genai_steps(pipe, handles: list, t0: float, new_tokens: int) -> dict:
+    """The pipeline's step loop until every request is done, each handle read after every step (token times on
+    the caller's clock), summarized from `t0`, when the requests were added."""
+    times: list[list[float]] = [[] for _ in handles]
 
     def drain(now: float) -> None:
         for i, h in enumerate(handles):

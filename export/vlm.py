@@ -8,7 +8,8 @@ optimum-intel splits a VLM the way openvino_genai's VLMPipeline reads it, and we
   -> patch embeddings; Idefics3: pixel_values [tiles, 3, H, W], patch_attention_mask, patch_position_ids -> the
   projected features [tiles, tokens_per_tile, hidden];
 - openvino_vision_embeddings_merger_model.xml (Qwen2-VL only): the vision transformer and 2x2 merger: hidden_states,
-  attention_mask [1, n, n] (0 within an image, -inf across), rotary_pos_emb -> one row per image token.
+  attention_mask [1, n, n] (0 within an image, -inf across), rotary_pos_emb -> one row per image token;
+- openvino_tokenizer.xml / openvino_detokenizer.xml: only for openvino_genai (the runtime reads tokenizer.json).
 The manifest's LLM fields describe the language model; `vision` (appliance/manifest.py Vision) is the image-token
 scheme and preprocessing, read from config.json and preprocessor_config.json, so the runtime needs neither
 transformers nor the processor. Weight formats: fp32/fp16 for every part; int8/int4 compress the language model as a
@@ -44,6 +45,7 @@ PARTS = {  # manifest role -> optimum-intel's file name
 }
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 TASK = "image-text-to-text"
+GENAI_TOKENIZER, GENAI_DETOKENIZER = "openvino_tokenizer.xml", "openvino_detokenizer.xml"  # for openvino_genai
 
 
 def is_vlm(src: Path) -> bool:
@@ -135,6 +137,7 @@ def _export(
         for file in PROCESSOR_FILES:
             if (source.folder / file).is_file():
                 shutil.copyfile(source.folder / file, staging / file)
+        genai_tokenizers(source.folder, staging, metadata.chat_template_file)
         progress.stage("verify")
         language_model = ov.Core().read_model(staging / LANGUAGE_MODEL)
         graph, dims = ir.verify(language_model, text)
@@ -155,6 +158,22 @@ def _export(
     manifest.vision = image_scheme(source.folder, source.config, parts, inputs)
     manifest.save(staging)
     return manifest
+
+
+def genai_tokenizers(src: Path, dest: Path, chat_template_file: str | None) -> None:
+    """openvino_tokenizer.xml and openvino_detokenizer.xml (openvino_tokenizers' conversion of the source's
+    tokenizer, the chat template in their rt_info): openvino_genai's VLMPipeline will not load a folder without them,
+    and it is what the benchmark compares us with on the same export. The appliance itself reads tokenizer.json."""
+    import openvino as ov
+    from openvino_tokenizers import convert_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src, local_files_only=True)
+    if chat_template_file is not None:  # Idefics3 ships its template with the processor, not the tokenizer
+        tokenizer.chat_template = (dest / chat_template_file).read_text()
+    encoder, decoder = convert_tokenizer(tokenizer, with_detokenizer=True)
+    ov.save_model(encoder, dest / GENAI_TOKENIZER)
+    ov.save_model(decoder, dest / GENAI_DETOKENIZER)
 
 
 def _load(folder: Path) -> Any:

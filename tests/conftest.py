@@ -129,6 +129,29 @@ def loopback_only(monkeypatch):
     monkeypatch.setattr(socket.socket, "connect", guarded)
 
 
+# ================================================================ tiny vision-language models and their fp32 exports
+# Used by tests/runtime/test_vision*.py: each tiny VLM family (tests/tiny_vlms.py) built and exported once a session.
+
+
+@pytest.fixture(scope="session")
+def vlm_export(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Path, Path, Manifest]]:
+    """family -> (its transformers folder, its OpenVINO fp32 export, the export's manifest)."""
+    from export.vlm import export_vlm
+    from tests import tiny_vlms
+
+    root = tmp_path_factory.mktemp("vlm-export")
+    done: dict[str, tuple[Path, Path, Manifest]] = {}
+
+    def get(family: str) -> tuple[Path, Path, Manifest]:
+        if family not in done:
+            src = tiny_vlms.build(family, root / family)
+            out = root / f"{family}-openvino-fp32"
+            done[family] = src, out, export_vlm(src, out, "openvino", "fp32")
+        return done[family]
+
+    return get
+
+
 # ================================================================ test tiers: what needs the default model
 # `make test-fast` runs `-m "not default_model and not slow"`: unit tests and tiny random models, no `make model`.
 # A test needs the default model when it uses one of these fixtures (directly or through another fixture); a test

@@ -1,13 +1,14 @@
 """A job's admission in the engine process: every check that can refuse it before anything is queued, one small
 function each, run in the order a client meets their messages (jobs.py queues what passes).
 
-Two steps, because of the set-up gate (setup_gate.py): `tokenize` (the slot ready, a generation model, stop-token
-ids in the vocabulary, the prompts' ids: prompts.py) runs outside it, since the tokenizer drops the GIL and a
-600,000-character prompt's 2 s of encoding held the gate, and so every other tenant's set-up (a victim's completion
-went from 0.08 to 1.17 s); `admit` (bad words and the prediction tokenized, the tenant's prefix-cache scope, the
-num_ctx window, the bounds on set-up work and logprob volume) runs inside it, one job at a time, tenants in turn.
-A refusal is `Rejected` with the Failed the worker answers: the request's fault a 400, a model that cannot serve
-a 503.
+Two steps, because of the set-up gate (setup_gate.py): `tokenize` (the slot ready, a generation model, images only
+for a vision-language model, stop-token ids in the vocabulary, the prompts' ids and their images' features:
+prompts.py) runs outside it, since the tokenizer drops the GIL and a 600,000-character prompt's 2 s of encoding
+held the gate, and so every other tenant's set-up (a victim's completion went from 0.08 to 1.17 s); an image's
+encoding (OpenVINO, also without the GIL) holds only its own model's vision lock. `admit` (bad words and the
+prediction tokenized, the tenant's prefix-cache scope, the num_ctx window, the bounds on set-up work and logprob
+volume) runs inside it, one job at a time, tenants in turn. A refusal is `Rejected` with the Failed the worker
+answers: the request's fault a 400, a model that cannot serve a 503.
 
 Ollama's num_ctx (Job.context_window, at most the model's context) bounds the prompt and the output together:
 max_tokens is capped to what is left of the window (a prompt over it: prompts.py).
@@ -22,11 +23,13 @@ from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.params import SamplingParams
 from appliance.runtime.engine.admission import ParamInvalid
-from appliance.server.prompts import echo_text, prompt_ids
+from appliance.runtime.vision.errors import ImageRejected
+from appliance.server.prompts import echo_text, fitted, image_parts, image_tokens, with_media
 from appliance.server.slots import Rejected, Slot, not_ready
 
 if TYPE_CHECKING:
     from appliance.runtime.engine import Engine
+    from appliance.runtime.media import Media
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Tokenized:
     prompts: list[list[int]]
     echo: list[str] | None
     window: int | None  # num_ctx, at most the model's context
+    media: list[Media | None]  # each prompt's images (vision-language models), None for a prompt without
 
 
 @dataclass(frozen=True)
@@ -49,20 +53,31 @@ class Admitted:
     engine: Engine
     prompts: list[list[int]]
     accepted: p.Accepted
+    media: list[Media | None]
 
 
-def tokenize(job: p.Job, slot: Slot, stopping: bool) -> Tokenized:
-    """The checks before the set-up gate, ending with the prompts' tokenization; Rejected at the first that fails."""
+def tokenize(job: p.Job, slot: Slot, stopping: bool, limits: Limits) -> Tokenized:
+    """The checks before the set-up gate, ending with the prompts' tokenization (and their images' encoding, each
+    checked against `limits.image_pixels`); Rejected at the first that fails."""
     engine = ready_engine(slot, stopping)
     check_task(engine, slot.spec.name)
+    check_images(job, engine, slot.spec.name)
     check_stop_token_ids(job.params, engine.manifest.vocab_size)
     window = min(job.context_window, engine.max_context) if job.context_window else None
+    pixels = limits.image_pixels
     try:
-        prompts = [prompt_ids(spec, slot, job.params.max_tokens, window) for spec in job.prompts]
+        fits = [
+            fitted(spec, slot, job.params.max_tokens, window, image_tokens(spec, engine, pixels))
+            for spec in job.prompts
+        ]
+        expanded = [with_media(ids, spec, engine, pixels) for ids, spec in fits]
         echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
+    except ImageRejected as exc:  # the client's image: its format, its pixels, a corrupt file
+        raise Rejected(p.Failed(400, str(exc), "messages")) from None
     except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
         raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
-    return Tokenized(job, slot, engine, prompts, echo, window)
+    prompts, media = [ids for ids, _ in expanded], [m for _, m in expanded]
+    return Tokenized(job, slot, engine, prompts, echo, window, media)
 
 
 def admit(t: Tokenized, limits: Limits) -> Admitted:
@@ -76,7 +91,7 @@ def admit(t: Tokenized, limits: Limits) -> Admitted:
     check_generated_logprobs(job, t.prompts, t.engine.max_context, limits)
     check_prompt_logprobs(job, t.prompts, limits)
     accepted = p.Accepted([len(ids) for ids in t.prompts], t.echo, t.slot.serial)
-    return Admitted(job, t.engine, t.prompts, accepted)
+    return Admitted(job, t.engine, t.prompts, accepted, t.media)
 
 
 def ready_engine(slot: Slot, stopping: bool) -> Engine:
@@ -99,6 +114,24 @@ def check_task(engine: Engine, model: str) -> None:
                 "model",
             )
         )
+
+
+def check_images(job: p.Job, engine: Engine, model: str) -> None:
+    """400 for images sent to a text-only model, or images that are not the parts of the chat's messages."""
+    for spec in job.prompts:
+        if not spec.images:
+            continue
+        if engine.vision is None:
+            raise Rejected(p.Failed(400, f"the model '{model}' reads text only: images are not supported", "messages"))
+        parts = len(image_parts(spec.messages)) if spec.messages is not None else 0
+        if parts != len(spec.images):
+            raise Rejected(
+                p.Failed(
+                    400,
+                    f"the request has {len(spec.images)} image(s) for {parts} image part(s) of its messages",
+                    "messages",
+                )
+            )
 
 
 def check_stop_token_ids(params: SamplingParams, vocab: int) -> None:

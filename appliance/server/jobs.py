@@ -33,6 +33,7 @@ from appliance.server.slots import Models, Rejected, Slot, model_not_found
 
 if TYPE_CHECKING:
     from appliance.runtime.engine import Engine
+    from appliance.runtime.media import Media
 
 
 class JobRunner:
@@ -119,7 +120,7 @@ class JobRunner:
         its set-up (bad words, the prediction, the grammar, the submission) one job at a time, tenants in turn
         (admit.py says why)."""
         slot = slot or self.models.slot(job.model)
-        tokenized = tokenize(job, slot, self.models.stopping)
+        tokenized = tokenize(job, slot, self.models.stopping, self.limits)
         with self.setup_gate.hold(job.tenant):
             return self.enqueue(admit(tokenized, self.limits))
 
@@ -132,7 +133,7 @@ class JobRunner:
             return [], accepted
         handles: list = []
         try:
-            queue_choices(admitted.engine, job, admitted.prompts, handles)
+            queue_choices(admitted.engine, job, admitted.prompts, handles, admitted.media)
         except (QueueFull, EngineDead, ValueError) as exc:  # GrammarError and PromptTooLong are ValueErrors
             cancel(handles)
             raise Rejected(self.refusal(exc, job)) from None
@@ -152,20 +153,29 @@ class JobRunner:
         return p.Failed(400, str(exc))  # PromptTooLong and other prompt problems the engine found
 
 
-def queue_choices(engine: Engine, job: p.Job, prompts: list[list[int]], handles: list) -> None:
+def queue_choices(
+    engine: Engine, job: p.Job, prompts: list[list[int]], handles: list, media: list[Media | None] | None = None
+) -> None:
     """Submits the job's choices, appending (choice index, handle, submitted) to `handles` as they are queued (the
-    caller cancels those if a later one is refused)."""
+    caller cancels those if a later one is refused). `media[i]`: prompt i's images (vision-language models); the
+    engine is given them only when a prompt has some, so a text job's submission is what it always was."""
+    media = media if media and any(m is not None for m in media) else None
     if job.params.best_of is not None and job.params.best_of > 1:
         # beam search: one search per prompt answers its n choices (events carry the choice offset)
         for i, ids in enumerate(prompts):
-            handle = engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}")
+            extra = {"media": media[i]} if media and media[i] is not None else {}
+            handle = engine.submit(ids, job.params, request_id=f"{job.request_id}-{i}", **extra)
             handles.append((i * job.n, handle, time.monotonic()))
         return
     # every prompt and choice in one submission: all queued or none, prefilled together
     params = choice_params(job)
-    choices = engine.submit_prompts(
-        [(ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)]) for i, ids in enumerate(prompts)]
-    )
+    requests: list[tuple[list[int], list[SamplingParams], list[str] | None]] = [
+        (ids, params, [f"{job.request_id}-{i * job.n + j}" for j in range(job.n)]) for i, ids in enumerate(prompts)
+    ]
+    if media:  # (contract B: the engine's media= parameter, added on the engine's branch)
+        choices = engine.submit_prompts(requests, media=media)  # type: ignore[call-arg]
+    else:
+        choices = engine.submit_prompts(requests)
     now = time.monotonic()
     handles.extend((k, h, now) for k, h in enumerate(h for hs in choices for h in hs))
 

@@ -1,8 +1,9 @@
 """The VLM export on tiny random Qwen2-VL and Idefics3 models: the manifest's vision record, and in f32 the exported
 parts against transformers: the image features for one random image, and the language model's logits on a chat
-prompt whose embeddings carry those features (built from the manifest's image-token scheme, as the engine will).
+prompt whose embeddings carry those features (built from the manifest's image-token scheme, as the engine will);
+and openvino_genai's VLMPipeline on the same export against transformers' greedy answer.
 
-Each family is built and exported once per module (about 40 s on 2 cores for both).
+Each family is built and exported once per session (about 40 s on 2 cores for both).
 """
 
 from __future__ import annotations
@@ -30,18 +31,9 @@ Exported = Callable[[str], tuple[Path, Path, Manifest]]
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
-    root = tmp_path_factory.mktemp("vlm")
-    done: dict[str, tuple[Path, Path, Manifest]] = {}
-
-    def get(family: str) -> tuple[Path, Path, Manifest]:
-        if family not in done:
-            src = tiny_vlms.build(family, root / family)
-            out = root / f"{family}-openvino-fp32"
-            done[family] = src, out, export_vlm(src, out, "openvino", "fp32")
-        return done[family]
-
-    return get
+def exported(vlm_export) -> Exported:
+    """Each family built and exported once a session (tests/conftest.py), shared with tests/runtime/test_vision*."""
+    return vlm_export
 
 
 def _infer(out: Path, file: str, feed: dict[str, Any]) -> np.ndarray:
@@ -290,3 +282,89 @@ def test_serving_refuses_a_vlm_export(exported: Exported, capsys: pytest.Capture
         Engine(out)
     assert main(["config", "--model", str(out)]) == 78  # EX_CONFIG: `serve` checks the same settings first
     assert "vision-language export" in capsys.readouterr().err
+
+
+class _Tokens:
+    """A genai streamer that keeps the generated token ids (genai hands them over one or a few at a time)."""
+
+    def __new__(cls) -> Any:
+        import openvino_genai as genai
+
+        class Tokens(genai.StreamerBase):
+            def __init__(self) -> None:
+                super().__init__()
+                self.ids: list[int] = []
+
+            def write(self, token: int | list[int]) -> Any:
+                self.ids += [token] if isinstance(token, int) else list(token)
+                return genai.StreamingStatus.RUNNING
+
+            def end(self) -> None:
+                pass
+
+        return Tokens()
+
+
+def _transformers_greedy(src: Path, new_tokens: int) -> list[int]:
+    """transformers' greedy tokens for the Qwen2-VL chat (one image, then QUESTION), exactly `new_tokens` of them."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessor
+
+    images = Qwen2VLImageProcessor.from_pretrained(src)(images=[tiny_vlms.image()], return_tensors="pt")
+    tokens = int(images["image_grid_thw"].prod()) // 4  # 2x2 merge
+    text = _prompt(src).replace("<|image_pad|>", "<|image_pad|>" * tokens)
+    input_ids = AutoTokenizer.from_pretrained(src)(text, return_tensors="pt")["input_ids"]
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pixel_values=images["pixel_values"],
+            image_grid_thw=images["image_grid_thw"],
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+        )
+    return [int(t) for t in out[0, input_ids.shape[1] :]]
+
+
+@pytest.mark.parametrize("family", tiny_vlms.FAMILIES)
+def test_genai_vlm_pipeline(family: str, exported: Exported) -> None:
+    """openvino_genai's VLMPipeline (what OVMS serves VLMs with, and what bench/vlm.py compares us with) loads the
+    export, tokenizer files included, and its greedy answer to an image and a question is transformers' token for
+    token in f32. genai 2026.4 has no Idefics3 pipeline: it refuses the model type by name (when it stops refusing,
+    extend the parity to it)."""
+    import openvino as ov
+    import openvino_genai as genai
+
+    from export.vlm import GENAI_DETOKENIZER, GENAI_TOKENIZER
+
+    src, out, _ = exported(family)
+    assert (out / GENAI_TOKENIZER).is_file() and (out / GENAI_DETOKENIZER).is_file()
+    if family == "idefics3":
+        with pytest.raises(RuntimeError, match="Unsupported 'idefics3' VLM model type"):
+            genai.VLMPipeline(str(out), "CPU", **F32)
+        return
+    new_tokens = 12
+    pipe = genai.VLMPipeline(str(out), "CPU", **F32)
+    config = genai.GenerationConfig()
+    config.max_new_tokens = config.min_new_tokens = new_tokens
+    streamer = _Tokens()
+    image = ov.Tensor(np.array(tiny_vlms.image())[None])
+    pipe.generate(QUESTION, images=[image], generation_config=config, streamer=streamer)
+    assert streamer.ids == _transformers_greedy(src, new_tokens)
+
+
+def test_bench_vlm_genai_side(exported: Exported, tmp_path: Path) -> None:
+    """bench/vlm.py's genai side runs on a VLM export (batch 1, 4 concurrent, the repeated picture) and writes its
+    table's rows; its other side, our server, is the same command without `--sides genai`."""
+    from bench import vlm
+
+    out = exported("qwen2_vl")[1]
+    result = tmp_path / "vlm.json"
+    assert vlm.main(["--model", str(out), "--sides", "genai", "--quick", "--out", str(result)]) == 0
+    data = json.loads(result.read_text())
+    assert [row["cell"] for row in data["summary"]] == ["c=1", "c=4", "repeat"]
+    assert all(row["genai_ttft_ms"] > 0 and row["genai_decode_tok_s"] > 0 for row in data["summary"])
+    assert data["summary"][-1]["genai_repeat_ratio"] > 0
+    assert {(r["side"], r["cell"]) for r in data["runs"]} == {("genai", 1), ("genai", 4), ("genai", "repeat")}

@@ -20,6 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,6 +44,9 @@ from appliance.runtime.sequence import Sequence
 from appliance.runtime.stopping import check_token_stop
 from appliance.runtime.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from appliance.runtime.vision.encoder import VisionEncoder
+
 log = logging.getLogger("appliance.runtime.engine")
 
 Plan = list[tuple[Sequence, int]]  # a step's (sequence, tokens it feeds)
@@ -58,6 +62,11 @@ class Engine(Admission, Liveness):
         self.manifest = Manifest.load(self.model_dir)
         if self.manifest.is_vlm:  # its language model takes embeddings, not token ids: it would fail unclearly
             raise ValueError(f"{self.model_dir}: {VLM_NOT_SERVED}")
+        self.vision: VisionEncoder | None = None  # a VLM's image parts (runtime/vision/)
+        if self.manifest.is_vlm:
+            from appliance.runtime.vision.encoder import VisionEncoder  # Pillow and the parts: for a VLM only
+
+            self.vision = VisionEncoder(self.model_dir, self.manifest, self.config)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         gen_path = self.model_dir / self.manifest.generation_config_file
         self.generation_defaults: dict = json.loads(gen_path.read_text()) if gen_path.is_file() else {}

@@ -1,0 +1,170 @@
+"""The vision side of a VLM: a prompt's image files -> its expanded token ids and the `Media` the engine splices in
+(runtime/media.py). Called from the engine process's job threads (server/admit.py), never the engine thread.
+
+`prepare` does the cheap checks for every image before the costly work for any: each header (format, pixel count),
+the token count it implies, the placeholders the chat template wrote (one per image). Only then is each image
+decoded, preprocessed (qwen2_vl.py, idefics3.py) and run through the exported vision parts, one image at a time,
+so a request holds one decoded picture at most. The parts run one encode at a time per model (a lock): an encode
+uses every core it is given, so two at once only interleave, and the lock bounds the memory of the activations to
+one image's. The parts are compiled once, with the engine's device and properties (precision f32 for parity).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from appliance.config import EngineConfig
+from appliance.manifest import Manifest, Vision
+from appliance.runtime.media import ImageSpan, Media
+from appliance.runtime.vision import idefics3, qwen2_vl
+from appliance.runtime.vision.decode import decode, open_header
+from appliance.runtime.vision.errors import ImageRejected
+
+
+class VisionEncoder:
+    """One VLM's vision parts, compiled, and the rules that turn its images into prompt tokens and feature rows."""
+
+    def __init__(self, model_dir: Path, manifest: Manifest, config: EngineConfig):
+        from appliance.runtime.backends.openvino_common import compile_properties, core
+
+        assert manifest.vision is not None, "a VLM's manifest"
+        self.vision: Vision = manifest.vision
+        self.hidden_size = manifest.hidden_size
+        props = compile_properties(config, kv_precision=False)
+        roles = ["vision_embeddings"] + (["vision_merger"] if self.vision.scheme == "qwen2_vl" else [])
+        self._requests: dict[str, Any] = {}
+        for role in roles:
+            compiled = core().compile_model(str(Path(model_dir) / self.vision.parts[role]), config.device, props)
+            self._requests[role] = compiled.create_infer_request()
+        self._lock = threading.Lock()  # one encode at a time (the module docstring says why)
+        self._tile_ids: dict[tuple[int, int], list[int]] = {}
+        self._tokenizer = None
+        if self.vision.scheme == "idefics3":
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(Path(model_dir) / manifest.tokenizer_file))
+
+    def prepare(self, prompt_ids: list[int], files: list[bytes], max_pixels: int) -> tuple[list[int], Media]:
+        """prompt_ids from the chat template (one placeholder per image, as the template writes it) -> the expanded
+        ids (each image's N tokens, Idefics3's tile text) and the Media (features, digests, M-RoPE).
+        ImageRejected for a file that cannot or must not be read, or images that do not match the placeholders."""
+        sizes = []
+        for data in files:
+            with open_header(data, max_pixels) as header:  # every image checked before any is decoded
+                sizes.append(header.size)
+        if self.vision.scheme == "qwen2_vl":
+            return self._qwen2_vl(prompt_ids, files, sizes, max_pixels)
+        return self._idefics3(prompt_ids, files, sizes, max_pixels)
+
+    def num_tokens(self, data: bytes, max_pixels: int) -> int:
+        """The prompt tokens one image file becomes (from its header alone; ImageRejected as prepare's check)."""
+        with open_header(data, max_pixels) as header:
+            width, height = header.size
+        if self.vision.scheme == "qwen2_vl":
+            return qwen2_vl.num_tokens(self.vision, width, height)
+        rows, cols = idefics3.layout(self.vision, width, height)
+        return len(self._tile_text(rows, cols))
+
+    def _qwen2_vl(
+        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int
+    ) -> tuple[list[int], Media]:
+        vision = self.vision
+        grids = [qwen2_vl.grid(vision, w, h) for w, h in sizes]
+        ids, starts = qwen2_vl.expand(vision, prompt_ids, [t * h * w // vision.merge_size**2 for t, h, w in grids])
+        spans = []
+        for data, start, grid in zip(files, starts, grids):
+            decoded = decode(data, max_pixels)
+            pixels, grid_thw = qwen2_vl.pixel_values(vision, decoded.image)
+            assert grid_thw == grid, "the grid from the header is the grid of the decoded picture"
+            features = self.encode_qwen2_vl(pixels, grid_thw)
+            spans.append(ImageSpan(start, len(features), decoded.digest, features))
+        positions, delta = qwen2_vl.mrope(len(ids), [(s, g) for s, g in zip(starts, grids)], vision.merge_size)
+        return ids, Media(tuple(spans), len(ids), positions, delta)
+
+    def _idefics3(
+        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int
+    ) -> tuple[list[int], Media]:
+        vision = self.vision
+        places = [i for i, token in enumerate(prompt_ids) if token == vision.image_token_id]
+        if len(places) != len(files):
+            raise ImageRejected.placeholders(len(files), len(places))
+        layouts = [idefics3.layout(vision, w, h) for w, h in sizes]
+        ids: list[int] = []
+        starts = []  # per image: where its tile text begins
+        for token in prompt_ids:
+            if token == vision.image_token_id:
+                starts.append(len(ids))
+                ids.extend(self._tile_text(*layouts[len(starts) - 1]))
+            else:
+                ids.append(token)
+        spans = []
+        for data, start, layout in zip(files, starts, layouts):
+            decoded = decode(data, max_pixels)
+            pixels, rows_cols = idefics3.pixel_values(vision, decoded.image)
+            assert rows_cols == layout, "the layout from the header is the layout of the decoded picture"
+            features = self.encode_idefics3(pixels)
+            text = self._tile_text(*layout)
+            runs = [
+                start + j for j, t in enumerate(text) if t == vision.image_token_id and (j == 0 or text[j - 1] != t)
+            ]
+            assert len(runs) == len(features), "one run of image tokens per tile"
+            for k, (run, rows) in enumerate(zip(runs, features)):  # one span per tile: tiles are not contiguous
+                spans.append(ImageSpan(run, len(rows), tile_digest(decoded.digest, k), rows))
+        return ids, Media(tuple(spans), len(ids))
+
+    def encode_qwen2_vl(self, pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
+        """float32 [tokens, hidden]: patch embeddings, then the vision transformer and 2x2 merger over one image
+        (its attention mask all zeros: the patches of one image see each other)."""
+        rotary = qwen2_vl.rotary_pos_emb(self.vision, grid_thw)
+        with self._lock:
+            patches = self._infer("vision_embeddings", {"hidden_states": pixels})
+            n = len(patches)
+            feed = {
+                "hidden_states": patches,
+                "attention_mask": np.zeros((1, n, n), np.float32),
+                "rotary_pos_emb": rotary,
+            }
+            return self._infer("vision_merger", feed)
+
+    def encode_idefics3(self, pixels: np.ndarray) -> np.ndarray:
+        """float32 [tiles, tokens_per_tile, hidden] for one image's tiles (all full: the mask is all ones)."""
+        assert self.vision.tile_size is not None
+        side = self.vision.tile_size // self.vision.patch_size
+        positions = idefics3.patch_positions(side)
+        feed = {
+            "pixel_values": pixels,
+            "patch_attention_mask": np.ones((len(pixels), side, side), bool),
+            "patch_position_ids": np.broadcast_to(positions, (len(pixels), side * side)).copy(),
+        }
+        with self._lock:
+            return self._infer("vision_embeddings", feed)
+
+    def _infer(self, role: str, feed: dict[str, np.ndarray]) -> np.ndarray:
+        request = self._requests[role]
+        request.infer(feed)
+        return np.array(request.get_output_tensor(0).data, dtype=np.float32)  # a copy: the request's buffer is reused
+
+    def _tile_text(self, rows: int, cols: int) -> list[int]:
+        """The ids of the text one image becomes (idefics3.image_text), from the model's own tokenizer: the text
+        begins and ends with the wrap token, a special token, so its ids are those it gets inside the prompt."""
+        ids = self._tile_ids.get((rows, cols))
+        if ids is None:
+            assert self._tokenizer is not None
+            text = idefics3.image_text(self.vision, rows, cols)
+            ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+            expected = (rows * cols + 1) * (self.vision.tokens_per_tile or 0)
+            if sum(1 for t in ids if t == self.vision.image_token_id) != expected:
+                raise RuntimeError(f"the tokenizer does not spell the image text as {expected} image tokens")
+            self._tile_ids[(rows, cols)] = ids
+        return ids
+
+
+def tile_digest(digest: bytes, tile: int) -> bytes:
+    """Tile k's own digest: an Idefics3 image is one span per tile, and the prefix cache's key of a span's token j
+    comes from its digest and j, so tiles must not share one."""
+    return hashlib.blake2b(digest + tile.to_bytes(4, "little"), digest_size=16).digest()

@@ -1,0 +1,153 @@
+"""A job's images in the engine process (appliance/server/admit.py, prompts.py, jobs.py): the chat's image parts go
+through the model's VisionEncoder in `tokenize`, outside the set-up gate; refusals are 400s on `messages`; num_ctx's
+message dropping drops the images of the messages it leaves out; the media reach the engine's submission.
+
+A unit test of the admission functions: the engine is a stand-in holding the real parts admission reads (the tiny
+VLM export's manifest, tokenizer and VisionEncoder), since the engine that runs a VLM is another part's."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from appliance import protocol as p
+from appliance.config import EngineConfig
+from appliance.limits import Limits
+from appliance.params import SamplingParams
+from appliance.runtime.tokenizer import Tokenizer
+from appliance.runtime.vision.decode import decode
+from appliance.runtime.vision.encoder import VisionEncoder
+from appliance.server.admit import Tokenized, admit, tokenize
+from appliance.server.jobs import queue_choices
+from appliance.server.slots import Rejected, Slot
+from appliance.settings import ModelSpec
+from tests import tiny_vlms
+
+QUESTION = "What does the gauge read?"
+
+
+def _png(seed: int) -> bytes:
+    out = io.BytesIO()
+    tiny_vlms.image(seed).save(out, "PNG")
+    return out.getvalue()
+
+
+def _slot(out, manifest, vision) -> Slot:
+    tokenizer = Tokenizer.from_dir(out)
+    engine = SimpleNamespace(
+        manifest=manifest,
+        tokenizer=tokenizer,
+        vision=vision,
+        max_context=manifest.max_context,
+        backend=SimpleNamespace(max_prompt=None),
+        config=EngineConfig(precision="f32"),
+        prepare=lambda params: params,
+    )
+    return Slot(ModelSpec(name="tiny-vlm", model_dir=str(out)), serial=1, state="ready", engine=engine)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def qwen(vlm_export) -> Slot:
+    _, out, manifest = vlm_export("qwen2_vl")
+    return _slot(out, manifest, VisionEncoder(out, manifest, EngineConfig(precision="f32")))
+
+
+def _job(messages: list[dict], images: list[bytes] | None, **fields) -> p.Job:
+    spec = p.PromptSpec(messages=messages, images=images)
+    return p.Job(request_id="r", prompts=[spec], params=SamplingParams(max_tokens=4), **fields)
+
+
+def _user(*images: int, text: str = QUESTION) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]}
+
+
+def _refusal(slot: Slot, job: p.Job, limits: Limits | None = None) -> p.Failed:
+    with pytest.raises(Rejected) as caught:
+        tokenize(job, slot, False, limits or Limits())
+    return caught.value.failed
+
+
+def test_images_become_expanded_ids_and_media(qwen: Slot):
+    assert qwen.engine is not None
+    messages = [_user(0), {"role": "assistant", "content": "Forty."}, _user(1, text="And now?")]
+    job = _job(messages, [_png(0), _png(1)])
+    tokenized = tokenize(job, qwen, False, Limits())
+    prompt = qwen.engine.tokenizer.encode_chat(messages)
+    ids, media = qwen.engine.vision.prepare(prompt, [_png(0), _png(1)], Limits().image_pixels)
+    assert tokenized.prompts == [ids] and tokenized.media[0] is not None
+    assert [s.digest for s in tokenized.media[0].images] == [decode(_png(i), 10**6).digest for i in (0, 1)]
+    assert all(np.array_equal(a.features, b.features) for a, b in zip(tokenized.media[0].images, media.images))
+    admitted = admit(tokenized, Limits())
+    assert admitted.media == tokenized.media and admitted.accepted.prompt_tokens == [len(ids)]  # images counted
+
+
+def test_a_text_prompt_has_no_media(qwen: Slot):
+    tokenized = tokenize(_job([{"role": "user", "content": QUESTION}], None), qwen, False, Limits())
+    assert tokenized.media == [None]
+
+
+def test_num_ctx_drops_the_images_of_the_messages_it_drops(qwen: Slot):
+    assert qwen.engine is not None
+    last = _user(1, text="And now?")
+    messages = [_user(0), {"role": "assistant", "content": "Forty."}, last]
+    alone = qwen.engine.vision.prepare(qwen.engine.tokenizer.encode_chat([last]), [_png(1)], 10**6)[0]
+    both = tokenize(_job(messages, [_png(0), _png(1)]), qwen, False, Limits()).prompts[0]
+    window = len(alone) + 1  # the last message with its image fits; not with the first one's too
+    assert len(both) >= window
+    tokenized = tokenize(_job(messages, [_png(0), _png(1)], context_window=window), qwen, False, Limits())
+    media = tokenized.media[0]
+    assert tokenized.prompts == [alone] and media is not None and len(media.images) == 1
+    assert media.images[0].digest == decode(_png(1), 10**6).digest  # the kept message's image, not the dropped one's
+    refused = _refusal(qwen, _job(messages, [_png(0), _png(1)], context_window=len(alone) - 1))
+    assert refused.status == 400 and refused.param == "num_ctx" and f"is {len(alone)} tokens" in refused.message
+
+
+def test_bad_images_are_400s_on_messages(qwen: Slot):
+    gif = io.BytesIO()
+    tiny_vlms.image().save(gif, "GIF")
+    failed = _refusal(qwen, _job([_user(0)], [gif.getvalue()]))
+    assert (failed.status, failed.param) == (400, "messages") and "GIF images are not accepted" in failed.message
+    failed = _refusal(qwen, _job([_user(0)], [_png(0)]), Limits(image_pixels=1000))
+    assert "more than the limit of 1000 pixels" in failed.message and failed.param == "messages"
+    failed = _refusal(qwen, _job([_user(0)], [_png(0)[:300]]))
+    assert "corrupt or truncated" in failed.message
+    failed = _refusal(qwen, _job([_user(0)], [_png(0), _png(1)]))
+    assert failed.message == "the request has 2 image(s) for 1 image part(s) of its messages"
+
+
+def test_a_prompt_its_images_push_past_the_context_is_refused_before_encoding(qwen: Slot, monkeypatch):
+    assert qwen.engine is not None
+    text = len(qwen.engine.tokenizer.encode_chat([_user(0)]))
+    assert qwen.engine.vision.num_tokens(_png(0), 10**6) > 3  # the image is more tokens than its placeholder
+    monkeypatch.setattr(qwen.engine.vision, "prepare", lambda *a: pytest.fail("an image encoded"))
+    slot = replace(qwen, engine=SimpleNamespace(**{**vars(qwen.engine), "max_context": text + 2}))
+    failed = _refusal(slot, _job([_user(0)], [_png(0)]))
+    assert failed.status == 400 and f"exceeds model max length: {text + 2}" in failed.message, failed.message
+
+
+def test_a_text_only_model_refuses_images(qwen: Slot):
+    text_only = replace(qwen, engine=SimpleNamespace(**{**vars(qwen.engine), "vision": None}))
+    failed = _refusal(text_only, _job([_user(0)], [_png(0)]))
+    assert failed == p.Failed(400, "the model 'tiny-vlm' reads text only: images are not supported", "messages")
+
+
+def test_media_reach_the_engine_submission(qwen: Slot):
+    tokenized: Tokenized = tokenize(_job([_user(0)], [_png(0)]), qwen, False, Limits())
+    calls: list[tuple] = []
+    engine = SimpleNamespace(
+        submit_prompts=lambda requests, **kw: calls.append(("prompts", kw)) or [[object()] for _ in requests],
+        submit=lambda ids, params, request_id=None, **kw: calls.append(("submit", kw)) or object(),
+    )
+    queue_choices(engine, tokenized.job, tokenized.prompts, [], tokenized.media)  # type: ignore[arg-type]
+    beams = replace(tokenized.job, params=replace(tokenized.job.params, best_of=2))
+    queue_choices(engine, beams, tokenized.prompts, [], tokenized.media)  # type: ignore[arg-type]
+    queue_choices(engine, tokenized.job, tokenized.prompts, [], [None])  # type: ignore[arg-type]
+    assert calls == [
+        ("prompts", {"media": tokenized.media}),
+        ("submit", {"media": tokenized.media[0]}),
+        ("prompts", {}),  # a text job's submission as it always was
+    ]

@@ -1,0 +1,176 @@
+"""Qwen2-VL's image path (appliance/runtime/vision: qwen2_vl.py, encoder.py) on the tiny random model's fp32 export,
+against transformers in f32: pixel values (Qwen2VLImageProcessor), image features (the model's vision tower), the
+expanded prompt ids (the processor's rule: N <|image_pad|> per image) and the M-RoPE positions (get_rope_index)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from appliance.config import EngineConfig
+from appliance.manifest import Manifest
+from appliance.runtime.tokenizer import Tokenizer
+from appliance.runtime.vision import qwen2_vl as scheme
+from appliance.runtime.vision.decode import decode
+from appliance.runtime.vision.encoder import VisionEncoder
+from appliance.runtime.vision.errors import ImageRejected
+from tests import tiny_vlms
+
+PIXEL_ATOL = 1e-5
+FEATURE_ATOL = 1e-4
+LIMIT = 16_777_216
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _png(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def _images() -> list:
+    """A non-square image (tiny_vlms.IMAGE_SIZE), a wide one of another size, and one with transparency."""
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    wide = Image.fromarray(rng.integers(0, 256, (30, 90, 3), dtype=np.uint8), "RGB")
+    clear = Image.fromarray(rng.integers(0, 256, (64, 48, 4), dtype=np.uint8), "RGBA")
+    return [tiny_vlms.image(), wide, clear]
+
+
+@pytest.fixture(scope="module")
+def qwen(vlm_export) -> tuple[Path, Path, Manifest, VisionEncoder]:
+    src, out, manifest = vlm_export("qwen2_vl")
+    return src, out, manifest, VisionEncoder(out, manifest, EngineConfig(precision="f32"))
+
+
+def _messages(images: int) -> list[dict]:
+    """A chat whose user turns carry `images` images (Hugging Face's content parts), with text between."""
+    first = [{"type": "image"}] * min(images, 2) + [{"type": "text", "text": "What does the gauge read?"}]
+    messages = [{"role": "user", "content": first}]
+    if images > 2:
+        messages += [
+            {"role": "assistant", "content": "About forty."},
+            {"role": "user", "content": [{"type": "text", "text": "And this one?"}, {"type": "image"}]},
+        ]
+    return messages
+
+
+def test_pixel_values_equal_the_image_processor(qwen):
+    from transformers import Qwen2VLImageProcessor
+
+    src, _, manifest, _ = qwen
+    processor = Qwen2VLImageProcessor.from_pretrained(src)
+    images = _images()
+    expected = processor(images=images, return_tensors="np")
+    ours = [scheme.pixel_values(manifest.vision, decode(_png(image), LIMIT).image) for image in images]
+    assert [list(grid) for _, grid in ours] == expected["image_grid_thw"].tolist()
+    pixels = np.concatenate([p for p, _ in ours])
+    assert pixels.shape == expected["pixel_values"].shape and pixels.dtype == np.float32
+    assert np.abs(pixels - expected["pixel_values"]).max() < PIXEL_ATOL
+
+
+def test_prepare_matches_transformers_ids_features_and_positions(qwen):
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessor
+
+    src, out, manifest, encoder = qwen
+    vision = manifest.vision
+    images = _images()
+    messages = _messages(len(images))
+    prompt = Tokenizer.from_dir(out).encode_chat(messages)  # the serving path's chat prompt, one placeholder per image
+    ids, media = encoder.prepare(prompt, [_png(image) for image in images], LIMIT)
+
+    inputs = Qwen2VLImageProcessor.from_pretrained(src)(images=images, return_tensors="pt")
+    grid = inputs["image_grid_thw"]
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.count(PLACEHOLDER) == len(images)
+    for n in (int(g.prod()) // vision.merge_size**2 for g in grid):  # Qwen2VLProcessor's expansion, image by image
+        text = text.replace(PLACEHOLDER, "<|vision_start|>" + "<|placeholder|>" * n + "<|vision_end|>", 1)
+    expected_ids = tokenizer(text.replace("<|placeholder|>", "<|image_pad|>"))["input_ids"]
+    assert ids == expected_ids and media.prompt_len == len(ids)
+
+    model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32).eval()
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        features = model.model.get_image_features(inputs["pixel_values"], grid)
+        positions, delta = model.model.get_rope_index(input_ids, grid, None, torch.ones_like(input_ids))
+    assert len(media.images) == len(images)
+    for span, expected in zip(media.images, features):
+        assert span.features.shape == tuple(expected.shape) and span.features.dtype == np.float32
+        assert np.abs(span.features - expected.numpy()).max() < FEATURE_ATOL
+        assert set(ids[span.start : span.end]) == {vision.image_token_id}
+        assert ids[span.start - 1] == vision.image_start_token_id and ids[span.end] == vision.image_end_token_id
+    assert media.mrope is not None and np.array_equal(media.mrope, positions[:, 0].numpy())
+    assert media.rope_delta == int(delta[0, 0])
+
+
+def test_placeholders_must_match_the_images(qwen):
+    _, out, _, encoder = qwen
+    tokenizer = Tokenizer.from_dir(out)
+    two = tokenizer.encode_chat(_messages(2))
+    image = _png(tiny_vlms.image())
+    with pytest.raises(ImageRejected, match="1 image.* but its chat prompt has 2 image place"):
+        encoder.prepare(two, [image], LIMIT)
+    with pytest.raises(ImageRejected, match="3 image.* but its chat prompt has 2 image place"):
+        encoder.prepare(two, [image] * 3, LIMIT)
+    # a user's text spelling the placeholder is text, not an image place (encode_chat keeps special-token text as text)
+    spoof = tokenizer.encode_chat([{"role": "user", "content": PLACEHOLDER + " hi"}])
+    with pytest.raises(ImageRejected, match="has 0 image place"):
+        encoder.prepare(spoof, [image], LIMIT)
+
+
+def test_every_header_is_checked_before_any_image_is_encoded(qwen, monkeypatch: pytest.MonkeyPatch):
+    _, out, _, encoder = qwen
+    prompt = Tokenizer.from_dir(out).encode_chat(_messages(2))
+    encoded = []
+    monkeypatch.setattr(encoder, "encode_qwen2_vl", lambda *a: encoded.append(a))
+    with pytest.raises(ImageRejected, match="GIF images are not accepted"):
+        encoder.prepare(prompt, [_png(tiny_vlms.image()), _gif()], LIMIT)
+    with pytest.raises(ImageRejected, match="more than the limit of 1000 pixels"):
+        encoder.prepare(prompt, [_png(tiny_vlms.image(1)), _png(tiny_vlms.image())], 1000)
+    assert encoded == []
+
+
+def test_a_needle_thin_image_is_refused():
+    from PIL import Image
+
+    manifest_vision = _vision()
+    with pytest.raises(ImageRejected, match="aspect ratio must be at most 200"):
+        scheme.pixel_values(manifest_vision, Image.new("RGB", (402, 2)))
+
+
+def _vision():
+    from appliance.manifest import Vision
+
+    return Vision(
+        scheme="qwen2_vl", parts={}, part_inputs={}, image_token_id=5, patch_size=14, merge_size=2,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3, temporal_patch_size=2, min_pixels=3136, max_pixels=12544,
+    )  # fmt: skip
+
+
+def _gif() -> bytes:
+    out = io.BytesIO()
+    tiny_vlms.image().save(out, "GIF")
+    return out.getvalue()
+
+
+def test_concurrent_prepares_equal_serial_ones(qwen):
+    """Job threads call prepare at once: the encodes take turns on the model's parts (one lock), each gets its own
+    rows, and the token counts from the headers are what prepare writes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, out, _, encoder = qwen
+    prompt = Tokenizer.from_dir(out).encode_chat([{"role": "user", "content": [{"type": "image"}]}])
+    files = [_png(image) for image in _images()] * 2
+    serial = [encoder.prepare(prompt, [data], LIMIT) for data in files]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda data: encoder.prepare(prompt, [data], LIMIT), files))
+    for (ids, media), (ids2, media2), data in zip(serial, together, files):
+        assert ids == ids2 and len(ids) == len(prompt) - 1 + encoder.num_tokens(data, LIMIT)
+        assert np.array_equal(media.images[0].features, media2.images[0].features)
+        assert media.images[0].digest == media2.images[0].digest
