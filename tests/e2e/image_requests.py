@@ -140,7 +140,7 @@ def requests_by_api(
             model=model, input=responses_input, max_output_tokens=max_tokens, temperature=0
         ),
         "anthropic messages": lambda: c["anthropic"].messages.create(
-            model=model, max_tokens=max_tokens, messages=anthropic_messages, temperature=0
+            model=model, max_tokens=max_tokens, messages=anthropic_messages, extra_body={"temperature": 0}
         ),
         "anthropic count_tokens": lambda: c["anthropic"].messages.count_tokens(
             model=model, messages=anthropic_messages
