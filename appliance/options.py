@@ -114,6 +114,8 @@ def check_server(args: argparse.Namespace) -> None:
         raise ConfigError("--client-max-connections and --client-max-generations must be at least 0")
     if min(args.request_timeout, args.send_timeout) <= 0 or args.keepalive_timeout < 0:
         raise ConfigError("--request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0")
+    if args.image_url_timeout <= 0:
+        raise ConfigError("--image-url-timeout must be positive")
     tracing.endpoint(args.otlp_endpoint)  # OpenTelemetry: a URL or OTEL_* setting it cannot export with
     try:
         parse_keep_alive(args.keep_alive)

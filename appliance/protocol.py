@@ -248,12 +248,16 @@ class PromptSpec:
 
     text: str | None = None
     token_ids: list[int] | None = None
-    messages: list[dict] | None = None  # chat: rendered with the model's chat template
+    # chat: rendered with the model's chat template. A message with images has list content in Hugging Face's
+    # chat-template convention: [{"type": "image"}, {"type": "text", "text": "..."}], in the client's order
+    messages: list[dict] | None = None
     tools: list[dict] | None = (
         None  # chat: the request's tools, passed to the template (appliance/server/tool_prompt.py)
     )
     thinking: bool | None = None  # chat: the template's `enable_thinking` (Qwen3's switch); None: its default
-    # chat, vision-language models: the image files of `messages`' {"type": "image"} parts, in their order
+    # chat: the image files (JPEG, PNG or WebP, base64-decoded or fetched by the worker, each at most
+    # Limits.image_bytes, at most Limits.images), in the order of the {"type": "image"} parts in `messages`; the
+    # engine process decodes them (pixels bounded by Limits.image_pixels). None: no images
     images: list[bytes] | None = None
 
 

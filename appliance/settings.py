@@ -131,6 +131,17 @@ class ServeSettings:
     max_body_bytes: int = setting(
         4 * 1024 * 1024, "largest request body accepted (413 above)", flag="max-body-bytes", show="4194304 (4 MiB)"
     )
+    image_url_hosts: str | None = setting(
+        None,
+        "comma-separated host names (or IP literals) whose http(s) image URLs the server fetches, each resolving to "
+        "public addresses only; none: remote image URLs are refused (data URLs and base64 only)",
+        flag="image-url-hosts",
+    )
+    image_url_timeout: float = setting(
+        10.0,
+        "seconds a remote image URL's fetch may take, resolving to the last byte (else 400)",
+        flag="image-url-timeout",
+    )
     limits: Limits = setting(
         default_factory=Limits,  # every request bound: their flags are Limits' own
         help_text="every request bound (appliance/limits.py)",

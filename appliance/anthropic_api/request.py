@@ -4,7 +4,9 @@ template, the tools prompt, the tool-call and reasoning parsers and the tool gra
 bound is the chat one from the limits table (messages, stop strings, tools, max_tokens, grammar size, depth).
 
 Fields: `model`, `max_tokens` (required), `system` (a string or text blocks), `messages` (user / assistant; content
-a string or blocks: `text`, `tool_use`, `tool_result` with string or text-block content and `is_error`; an
+a string or blocks: `text`, `image` (user turns and tool results: a `base64` source with its `media_type`, JPEG, PNG
+or WebP, or a `url` source fetched from a host the operator lists; appliance/api/images.py), `tool_use`,
+`tool_result` with string, text- or image-block content and `is_error`; an
 assistant's `thinking` blocks are dropped, as Anthropic drops earlier turns' thoughts), `stop_sequences`,
 `temperature` / `top_p` / `top_k` (the SDK no longer sends them; older clients do), `tools` (custom tools with
 `input_schema`), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`), `thinking`, `output_config`
@@ -17,7 +19,7 @@ Accepted and ignored, since none of them constrains the output (`IGNORED`): the 
 Refused (400) as Anthropic refuses them, "<path>: Extra inputs are not permitted": any other field, at the top
 level, in a message, a content block, a tool, tool_choice or thinking (a field this server does not know may
 constrain the output, and ignoring it would answer something the client did not ask for).
-Refused (400) with the reason: images, documents and other non-text blocks (the served models read text), server
+Refused (400) with the reason: documents and other blocks, GIF images and `file` image sources, server
 tools (web search, code execution, ...) and `mcp_servers`, a last message from the assistant (a prefill: the chat
 template starts a new assistant turn, so the answer would not continue it), a tool's `strict: true` unless
 tool_choice is any or tool (which constrain the calls to the tools' schemas: auto does not), and thinking's
@@ -40,12 +42,12 @@ from typing import Any
 from appliance.api import parsers as P
 from appliance.api import table as F
 from appliance.api.errors import ApiError, invalid
+from appliance.api.images import MEDIA_TYPES, ImageCount, base64_image, url_image
 from appliance.api.request import ChatRequest, EdgeOptions, ToolChoice
 from appliance.api.table import read_body, sampling_values
 from appliance.limits import Limits
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
-TEXT_ONLY = "the served models read text only"
 # top-level fields of the SDK's MessageCreateParams (and the beta context_management) that do not constrain the
 # output: accepted and ignored (the module docstring)
 IGNORED = (
@@ -73,6 +75,7 @@ _BLOCK_KEYS = {
     "tool_result": frozenset({"type", "tool_use_id", "content", "is_error", "cache_control", "toolset_name"}),
     "thinking": frozenset({"type", "thinking", "signature"}),
     "redacted_thinking": frozenset({"type", "data"}),
+    "image": frozenset({"type", "source", "cache_control"}),
 }
 _TOOL_KEYS = frozenset(
     {
@@ -107,25 +110,77 @@ class MessagesRequest:
     one_call: bool = False  # disable_parallel_tool_use
 
 
-def _text_blocks(value: Any, where: str, limits: Limits) -> str:
-    """A string, or text blocks joined (what `system` and a tool_result's content may be)."""
+def _blocks(value: Any, where: str, limits: Limits, images: ImageCount | None = None) -> list[dict]:
+    """A string, or text blocks (and `image` blocks where `images` counts them: a tool_result's content) -> chat
+    parts: {"type": "text", "text"} and {"type": "image", "image": Image}."""
     if isinstance(value, str):
-        return value
+        return [{"type": "text", "text": value}]
     if not isinstance(value, list):
-        raise invalid(f"{where} must be a string or an array of text blocks", where)
+        raise invalid(f"{where} must be a string or an array of text blocks", where.split(".")[0])
     if len(value) > limits.content_parts:
-        raise invalid(f"{where} must have no more than {limits.content_parts} blocks", where)
-    texts = []
+        raise invalid(f"{where} must have no more than {limits.content_parts} blocks", where.split(".")[0])
+    parts = []
     for i, block in enumerate(value):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise invalid(f"{where}: each block must be an object with a type", where)
+            raise invalid(f"{where}: each block must be an object with a type", where.split(".")[0])
+        if block["type"] == "image" and images is not None:
+            parts.append(_image(block, f"{where}.{i}", limits, images))
+            continue
         if block["type"] != "text":
-            raise invalid(f"{where}: blocks of type {block['type']!r} are not supported ({TEXT_ONLY})", where)
+            kinds = "text and image" if images is not None else "text"
+            raise invalid(
+                f"{where}: blocks of type {block['type']!r} are not supported here ({kinds} only)", where.split(".")[0]
+            )
         _extra(block, _BLOCK_KEYS["text"], f"{where}.{i}")
         if not isinstance(block.get("text"), str):
-            raise invalid(f"{where}: a text block needs a string text", where)
-        texts.append(block["text"])
-    return "\n".join(texts)
+            raise invalid(f"{where}: a text block needs a string text", where.split(".")[0])
+        parts.append({"type": "text", "text": block["text"]})
+    return parts
+
+
+def _chat_content(parts: list[dict]) -> str | list[dict]:
+    """Chat content: the text parts joined with newlines, or the parts in order when an image is among them."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def _image(block: dict, where: str, limits: Limits, images: ImageCount) -> dict:
+    """An `image` block -> a chat image part: `source` base64 (with its media_type, which the file's bytes must
+    match, as Anthropic checks) or url (fetched from a listed host only: appliance/api/image_fetch.py); a `file`
+    source names a file this server does not store."""
+    _extra(block, _BLOCK_KEYS["image"], where)
+    images.next(where)
+    source = block.get("source")
+    if not isinstance(source, dict):
+        source = {}
+    kind = source.get("type")
+    at = f"{where}.source"
+    if kind == "base64":
+        _extra(source, frozenset({"type", "media_type", "data"}), at)
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str):
+            raise invalid(f"{at}.media_type: Field required", "messages")
+        return {
+            "type": "image",
+            "image": base64_image(source.get("data"), f"{at}.data", "messages", limits, media_type),
+        }
+    if kind == "url":
+        _extra(source, frozenset({"type", "url"}), at)
+        url = source.get("url")
+        if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
+            raise invalid(f"{at}.url: an http(s) URL", "messages")
+        return {"type": "image", "image": url_image(url, f"{at}.url", "messages", limits)}
+    if kind == "file":
+        raise invalid(f"{at}: file sources are not supported (this server has no Files API): send base64", "messages")
+    raise invalid(
+        f'{at}: source must be {{"type": "base64", "media_type", "data"}} or {{"type": "url", "url"}}', "messages"
+    )
+
+
+def _text_blocks(value: Any, where: str, limits: Limits) -> str:
+    """A string, or text blocks joined (what `system` may be)."""
+    return "\n".join(p["text"] for p in _blocks(value, where, limits))
 
 
 def system(value: Any, limits: Limits, read: dict) -> str:
@@ -140,29 +195,34 @@ def _id(value: Any, what: str, limits: Limits) -> str:
     return value
 
 
-def _user(content: list, out: list[dict], limits: Limits) -> None:
-    texts: list[str] = []
-    for block in content:
+def _user(content: list, out: list[dict], limits: Limits, images: ImageCount, m: int) -> None:
+    parts: list[dict] = []
+    for b, block in enumerate(content):
         kind = block["type"]
         if kind == "text":
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image":
+            parts.append(_image(block, f"messages.{m}.content.{b}", limits, images))
         elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
-                texts = []
+            if parts:
+                out.append({"role": "user", "content": _chat_content(parts)})
+                parts = []
             tool_use_id = _id(block.get("tool_use_id"), "tool_result block needs its tool_use_id", limits)
             content = block.get("content")
-            result = "" if content is None else _text_blocks(content, "messages", limits)
+            where = f"messages.{m}.content.{b}.content"
+            result = [] if content is None else _blocks(content, where, limits, images)
             is_error = block.get("is_error")
             if is_error is not None and not isinstance(is_error, bool):
                 raise invalid("messages: a tool_result's is_error must be a boolean", "messages")
-            out.append(
-                {"role": "tool", "tool_call_id": tool_use_id, "content": f"Error: {result}" if is_error else result}
-            )
+            if is_error and result and result[0]["type"] == "text":
+                result[0] = {"type": "text", "text": "Error: " + result[0]["text"]}
+            elif is_error:
+                result.insert(0, {"type": "text", "text": "Error: "})
+            out.append({"role": "tool", "tool_call_id": tool_use_id, "content": _chat_content(result)})
         else:
             raise invalid(f"messages: a user message cannot hold a {kind!r} block", "messages")
-    if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if parts:
+        out.append({"role": "user", "content": _chat_content(parts)})
 
 
 def _assistant(content: list, out: list[dict], limits: Limits) -> None:
@@ -204,6 +264,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if len(value) > limits.messages:
         raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out: list[dict] = []
+    images = ImageCount(limits, "messages")
     for m, message in enumerate(value):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise invalid('messages: each message is an object whose role is "user" or "assistant"', "messages")
@@ -220,14 +281,17 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
                 raise invalid("messages: each content block must be an object with a type", "messages")
             if block["type"] not in _BLOCKS:
                 raise invalid(
-                    f"messages: content blocks of type {block['type']!r} are not supported ({TEXT_ONLY}; blocks: "
-                    "text, tool_use, tool_result, thinking)",
+                    f"messages: content blocks of type {block['type']!r} are not supported (blocks: text, image, "
+                    "tool_use, tool_result, thinking)",
                     "messages",
                 )
             _extra(block, _BLOCK_KEYS[block["type"]], f"messages.{m}.content.{b}")
             if block["type"] == "text" and not isinstance(block.get("text"), str):
                 raise invalid("messages: a text block needs a string text", "messages")
-        (_user if message["role"] == "user" else _assistant)(content, out, limits)
+        if message["role"] == "user":
+            _user(content, out, limits, images, m)
+        else:
+            _assistant(content, out, limits)
     if value[-1]["role"] == "assistant":
         raise invalid(
             "messages: the last message is the assistant's (a prefill), which this server cannot continue: end "
@@ -345,8 +409,38 @@ def _id_schema(limits: Limits) -> dict:
     return {"type": "string", "minLength": 1, "maxLength": limits.id_chars}
 
 
+def _image_schema(limits: Limits) -> dict:
+    base64 = {
+        "type": "object",
+        "required": ["type", "media_type", "data"],
+        "properties": {
+            "type": {"const": "base64"},
+            "media_type": {"enum": list(MEDIA_TYPES)},
+            "data": {"type": "string", "maxLength": 4 * -(-limits.image_bytes // 3)},
+        },
+    }
+    url = {
+        "type": "object",
+        "required": ["type", "url"],
+        "properties": {"type": {"const": "url"}, "url": {"type": "string"}},
+    }
+    return {"required": ["source"], "properties": {"source": {"anyOf": [base64, url]}}}
+
+
 def _messages_schema(limits: Limits) -> dict:
+    image = _image_schema(limits)
+    image_block = {
+        "type": "object",
+        "required": ["type", *image["required"]],
+        "properties": {"type": {"const": "image"}, **image["properties"]},
+    }
+    result_blocks = {
+        "type": "array",
+        "maxItems": limits.content_parts,
+        "items": {"anyOf": [_text_blocks_schema(limits)["anyOf"][1]["items"], image_block]},
+    }
     kinds = {
+        "image": image,
         "text": {"required": ["text"], "properties": {"text": {"type": "string"}}},
         "tool_use": {
             "required": ["id", "name", "input"],
@@ -356,7 +450,7 @@ def _messages_schema(limits: Limits) -> dict:
             "required": ["tool_use_id"],
             "properties": {
                 "tool_use_id": _id_schema(limits),
-                "content": {"anyOf": [*_text_blocks_schema(limits)["anyOf"], {"type": "null"}]},
+                "content": {"anyOf": [{"type": "string"}, result_blocks, {"type": "null"}]},
                 "is_error": {"type": ["boolean", "null"]},
             },
         },
@@ -379,7 +473,8 @@ def _messages_schema(limits: Limits) -> dict:
         "maxItems": limits.messages,
         "items": message,
         "description": "user / assistant turns, the last one the user's; content a string or blocks (text, "
-        "tool_use, tool_result, thinking: dropped).",
+        f"image: user turns and tool results, at most {limits.images} images per request (`--max-images`), each "
+        f"file at most {limits.image_bytes} bytes (`--max-image-bytes`); tool_use, tool_result, thinking: dropped).",
     }
 
 

@@ -28,6 +28,7 @@ from appliance.anthropic_api.shape import MessageShape, new_message_id
 from appliance.api.context import AppApi, error_handlers
 from appliance.api.errors import ApiError
 from appliance.api.generation import ClientGone, Generation
+from appliance.api.images import split_images
 from appliance.api.request import DEFAULT_TOOL_PARSER, chat_job
 from appliance.api.start import prompt_tokens, respond, start
 from appliance.params import SamplingParams
@@ -66,7 +67,7 @@ class Messages:
     def create(self):
         req = parse_messages(self.api.json_body(), self.api.limits)
         status = self._status(req)
-        chat = req.chat
+        chat = self.api.with_images(req.chat)
         parse_tools = bool(chat.tools) and chat.tool_choice != "none"
         shape = MessageShape(
             (status.tool_parser or DEFAULT_TOOL_PARSER) if parse_tools else None,
@@ -131,11 +132,12 @@ class Messages:
     def count_tokens(self):
         req = parse_messages(self.api.json_body(), self.api.limits, count_only=True)
         self._status(req)
-        chat = req.chat
+        chat = self.api.with_images(req.chat)
         tools = list(chat.tools) if chat.tools and chat.tool_choice != "none" else None
+        messages, images = split_images(chat.messages)  # each image counts the tokens the model reads it as
         job = p.Job(
             "count-" + uuid.uuid4().hex,
-            [p.PromptSpec(messages=[dict(m) for m in chat.messages], tools=tools)],
+            [p.PromptSpec(messages=messages, tools=tools, images=images)],
             SamplingParams(max_tokens=0),
             model=chat.edge.model,
             tenant=g.get("tenant", ""),

@@ -17,6 +17,9 @@ from werkzeug.exceptions import HTTPException
 from appliance import auth
 from appliance.api.errors import ApiError
 from appliance.api.generation import ClientGone
+from appliance.api.image_fetch import fetch_images, listed_hosts
+from appliance.api.images import images_of
+from appliance.api.request import ChatRequest
 from appliance.http.client import EngineClient, EngineUnavailable
 from appliance.protocol import EngineStatus
 from appliance.settings import ConfigError, ServeSettings
@@ -57,6 +60,15 @@ class AppApi:
         if keys is not None and not g.admin and not keys.accepts(header):
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
         g.tenant = auth.tenant_id(header) if keys is not None or g.admin else ""  # the key's own namespace
+
+    def with_images(self, req: ChatRequest, param: str = "messages") -> ChatRequest:
+        """`req` with its remote image URLs fetched (image_fetch.py: listed hosts only, bounded in bytes and time);
+        every route that builds a chat job calls it first (chat_job refuses an image still without its file)."""
+        if not any(image.url is not None for image in images_of(req.messages)):
+            return req
+        hosts = listed_hosts(self.settings.image_url_hosts)
+        fetched = fetch_images(req.messages, hosts, self.limits, self.settings.image_url_timeout, param)
+        return replace(req, messages=fetched)
 
     @staticmethod
     def json_body() -> Any:

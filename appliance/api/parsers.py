@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from appliance.api.errors import invalid
+from appliance.api.images import Image, ImageCount, url_image
 from appliance.limits import Limits
 from appliance.params import Grammar
 
@@ -425,10 +426,59 @@ def prompts(value: Any, limits: Limits, read: dict) -> tuple[Prompt, ...]:
     return tuple(out)
 
 
+DETAILS = ("auto", "high")  # image_url.detail values honoured; "low" is refused (_image_part says why)
+IMAGE_ROLES = ("user", "tool")  # messages that may carry images (OpenAI: user; a tool result: Anthropic's)
+
+
+def _image_part(part: dict, where: str, role: str, limits: Limits, count: ImageCount) -> dict:
+    """An `image_url` part (OpenAI: {"url": data URL or http(s) URL, "detail"}) or an adapter's own Image part ->
+    `{"type": "image", "image": Image}`. `detail`: "auto" and "high" are the model's own preprocessing (the export's
+    processor: its resolution bounds and tiling), which is the most this model can see; "low" asks for a
+    downscaled image (OpenAI: 512 x 512, fewer tokens), which the engine does not make, so it is refused rather
+    than answered from the full image."""
+    if role not in IMAGE_ROLES:
+        raise invalid(f"{where}: images go in user messages, not {role!r} ones", "messages")
+    count.next(where)
+    if part["type"] == "image":
+        return part
+    spec = part.get("image_url")
+    if not isinstance(spec, dict):
+        raise invalid(f'{where}: an image_url part needs "image_url": {{"url": ...}}', "messages")
+    detail = spec.get("detail")
+    if detail is not None and detail not in (*DETAILS, "low"):
+        raise invalid(f"{where}.image_url.detail must be auto, low or high", "messages")
+    if detail == "low":
+        raise invalid(
+            f'{where}.image_url.detail "low" is not supported: images are read at the model\'s own resolution '
+            '(send "auto" or "high")',
+            "messages",
+        )
+    return {"type": "image", "image": url_image(spec.get("url"), f"{where}.image_url.url", "messages", limits)}
+
+
+def _content(content: list, where: str, role: str, limits: Limits, count: ImageCount) -> str | list[dict]:
+    """A list of content parts -> the text parts joined with newlines, or, when an image is among them, the parts
+    in order (text `{"type": "text", "text"}`, images `{"type": "image", "image": Image}`)."""
+    parts: list[dict] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" or (kind == "image" and isinstance(part.get("image"), Image)):
+            parts.append(_image_part(part, at, role, limits, count))
+        else:
+            raise invalid(f"{at}: content parts must be text or image_url parts", "messages")
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
 def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
-    """Each message: an object with a string role; content a string, null or a list of text parts (joined).
-    Only what a chat template may use goes on: role, content, name and tool_call_id (strings), tool_calls (an
-    array of objects); other fields are dropped, so nothing unbounded reaches the template or the pickler."""
+    """Each message: an object with a string role; content a string, null or a list of parts: text parts only are
+    joined into one string, parts with images stay a list (_content). Only what a chat template may use goes on:
+    role, content, name and tool_call_id (strings), tool_calls (an array of objects); other fields are dropped, so
+    nothing unbounded reaches the template or the pickler. At most `Limits.images` images in all (images.py)."""
     if not isinstance(value, list):
         raise invalid("messages is not an array", "messages")
     if not value:
@@ -436,7 +486,8 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if len(value) > limits.messages:
         raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out = []
-    for message in value:
+    count = ImageCount(limits, "messages")
+    for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise invalid("message is not an object", "messages")
         role = message.get("role")
@@ -444,14 +495,9 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
             raise invalid("message role is missing or not a string", "messages")
         content = message.get("content")
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise invalid("only text content parts are supported", "messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+            content = _content(content, f"messages[{i}]", role, limits, count)
         elif content is not None and not isinstance(content, str):
-            raise invalid("message content is not a string or an array of text parts", "messages")
+            raise invalid("message content is not a string or an array of content parts", "messages")
         kept: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
         for name in MESSAGE_STRINGS:
             if message.get(name) is not None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from appliance.api.errors import invalid
+from appliance.api.images import split_images
 from appliance.api.parsers import Prompt
 from appliance.api.tool_calls import GrammarTooLong, tool_grammar
 from appliance.limits import Limits
@@ -31,6 +32,7 @@ ToolChoice = Literal["none", "auto", "required", "named"]
 class ChatRequest:
     edge: EdgeOptions
     sampling: dict[str, Any]
+    # chat messages; a message with images has list content, each image {"type": "image", "image": images.Image}
     messages: tuple[dict, ...]
     # each {"type": "function", "function": {"name", "description"?, "parameters"?: JSON schema, "strict"?}}
     tools: tuple[dict, ...] = ()
@@ -83,7 +85,8 @@ def chat_job(
         except ValueError as exc:
             raise invalid(str(exc), "tool_choice") from None
         params = replace(params, grammar=grammar)
-    spec = PromptSpec(messages=[dict(m) for m in req.messages], tools=tools)
+    messages, images = split_images(req.messages)  # each image a {"type": "image"} part, the files beside
+    spec = PromptSpec(messages=messages, tools=tools, images=images)
     return Job(request_id, [spec], params, n=req.edge.n)
 
 

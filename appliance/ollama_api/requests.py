@@ -19,8 +19,10 @@ appliance/limits.py are checked exactly as on the OpenAI side. What Ollama has a
   context ends), -2 (fill the context) and 0 (Ollama's runner: no limit) all mean "not set": until a stop condition
   or the end of the context, as OpenAI's unset max_tokens.
 - `format`: "json" -> any JSON object, a JSON schema -> that schema (constrained decoding, response_format).
-- `images`, `suffix`, a non-empty `context`, a custom `template`: 400 (no vision, fill-in-the-middle, context
-  continuation or per-request templates yet).
+- `images` (base64 JPEG, PNG or WebP files, appliance/api/images.py): a chat message's go before its text; on
+  `/api/generate` they go with the prompt through the chat template, so `raw` with images is a 400.
+- `suffix`, a non-empty `context`, a custom `template`: 400 (no fill-in-the-middle, context continuation or
+  per-request templates yet).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 from appliance.api.context import json_body
 from appliance.api.errors import invalid
+from appliance.api.images import ImageCount, base64_image
 from appliance.api.request import ChatRequest, CompletionRequest
 from appliance.keep_alive import parse_keep_alive
 from appliance.limits import Limits
@@ -191,17 +194,31 @@ def response_format(body: dict) -> dict | None:
     raise invalid('format must be "json" or a JSON schema (an object)', "format")
 
 
-def _no_images(message: dict, where: str) -> None:
-    if message.get("images"):
-        raise invalid("images are not supported: the served model has no vision", where)
+def _images(value: Any, where: str, limits: Limits, count: ImageCount) -> list[dict]:
+    """Ollama's `images` (base64 strings, JPEG, PNG or WebP) -> chat image parts (appliance/api/images.py)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid(f"{where} must be an array of base64 strings", "images")
+    parts = []
+    for j, text in enumerate(value):
+        count.next(f"{where}[{j}]")
+        parts.append({"type": "image", "image": base64_image(text, f"{where}[{j}]", "images", limits)})
+    return parts
 
 
-def _message(m: Any) -> Any:
-    """An Ollama message -> OpenAI's (tool calls' arguments stay objects: the chat template takes them so)."""
+def _message(m: Any, where: str, limits: Limits, count: ImageCount) -> Any:
+    """An Ollama message -> OpenAI's (tool calls' arguments stay objects: the chat template takes them so; images
+    before the text, as chat parts)."""
     if not isinstance(m, dict):
         return m  # validation says what is wrong
-    _no_images(m, "messages")
     out = {k: v for k, v in m.items() if k not in ("images", "thinking", "tool_name")}
+    images = _images(m.get("images"), f"{where}.images", limits, count)
+    if images:
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise invalid(f"{where}.content must be a string", "messages")
+        out["content"] = [*images, *([{"type": "text", "text": content}] if content else [])]
     if m.get("role") == "tool" and isinstance(m.get("tool_name"), str):
         out["name"] = m["tool_name"]
     calls = m.get("tool_calls")
@@ -240,7 +257,11 @@ def _chat(body: dict, limits: Limits) -> OllamaRequest:
     messages = body.get("messages")
     if not messages:
         return OllamaRequest(body["model"], stream, think, load_only=True)
-    openai["messages"] = [_message(m) for m in messages] if isinstance(messages, list) else messages
+    count = ImageCount(limits, "images")
+    if isinstance(messages, list):
+        openai["messages"] = [_message(m, f"messages[{i}]", limits, count) for i, m in enumerate(messages)]
+    else:
+        openai["messages"] = messages
     if body.get("tools"):
         openai["tools"] = body["tools"]
     return OllamaRequest(body["model"], stream, think, chat=parse_chat(openai, limits))
@@ -249,7 +270,6 @@ def _chat(body: dict, limits: Limits) -> OllamaRequest:
 def _generate(body: dict, limits: Limits) -> OllamaRequest:
     stream, think = _bool(body, "stream", True), _think(body)
     raw = _bool(body, "raw", False)
-    _no_images(body, "images")
     if body.get("suffix"):
         raise invalid("suffix is not supported: no fill-in-the-middle yet", "suffix")
     if body.get("context"):
@@ -266,14 +286,21 @@ def _generate(body: dict, limits: Limits) -> OllamaRequest:
     if not prompt:
         return OllamaRequest(body["model"], stream, think, load_only=True)
     model = body["model"]
+    images = _images(body.get("images"), "images", limits, ImageCount(limits, "images"))
     if raw or (template is not None and template.strip() == TEMPLATES[1]):
+        if images:
+            raise invalid(
+                "images need the model's chat template, which raw (or the template {{ .Prompt }}) leaves out: send "
+                "them without raw, or to /api/chat",
+                "images",
+            )
         if "logprobs" in openai or "top_logprobs" in openai:
             raise invalid("logprobs are not supported with raw (use /v3/completions)", "logprobs")
         openai["prompt"] = prompt
         return OllamaRequest(model, stream, think, completion=parse_completion(openai, limits))
     openai["messages"] = [
         *([{"role": "system", "content": system}] if system else []),
-        {"role": "user", "content": prompt},
+        {"role": "user", "content": [*images, {"type": "text", "text": prompt}] if images else prompt},
     ]
     return OllamaRequest(model, stream, think, chat=parse_chat(openai, limits))
 

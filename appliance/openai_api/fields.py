@@ -71,6 +71,30 @@ def _messages(limits: Limits) -> dict:
         "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     }
+    image_part = {
+        "type": "object",
+        "required": ["type", "image_url"],
+        "properties": {
+            "type": {"const": "image_url"},
+            "image_url": {
+                "type": "object",
+                "required": ["url"],
+                "properties": {
+                    "url": {
+                        "type": "string",
+                        "description": "A data URL (data:image/png;base64,...: JPEG, PNG or WebP, at most "
+                        f"{limits.image_bytes} bytes decoded, `--max-image-bytes`), or an http(s) URL on a host "
+                        "the operator lists (`--image-url-hosts`; none by default).",
+                    },
+                    "detail": {
+                        "enum": ["auto", "high", None],
+                        "description": "auto and high: the model's own resolution; low is refused (no downscaled "
+                        "reading).",
+                    },
+                },
+            },
+        },
+    }
     return {
         "type": "array",
         "minItems": 1,
@@ -80,8 +104,14 @@ def _messages(limits: Limits) -> dict:
             "properties": {
                 "role": {"type": "string", "minLength": 1},
                 "content": {
-                    "anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}],
-                    "description": "Text, or a list of text parts (joined with newlines); null = \"\".",
+                    "anyOf": [
+                        {"type": "string"},
+                        {"type": "array", "items": {"anyOf": [text_part, image_part]}},
+                        {"type": "null"},
+                    ],
+                    "description": "Text, or a list of text parts (joined with newlines) and image_url parts (user "
+                    f"and tool messages; at most {limits.images} images per request, `--max-images`: the model's "
+                    "chat template places each); null = \"\".",
                 },
                 "name": {"type": ["string", "null"]},
                 "tool_call_id": {"type": ["string", "null"]},

@@ -4,10 +4,11 @@ A Responses body is translated into a chat completions body (input items -> chat
 chat's nested ones, `text.format` -> `response_format`, `max_output_tokens` -> `max_tokens`) and then read by chat's
 own `parse_chat`: every bound, message and rule of chat applies unchanged (messages count, tools count, schema
 size, grammar compilation). What the Responses API has and chat lacks is refused here with a 400 when it would
-change the output (`background`, non-function tools, images and files, `top_logprobs`, `max_tool_calls`,
-`truncation: auto`, `conversation`, `prompt`) and accepted when it cannot (`metadata`, `user`, `include`,
-`service_tier`, `prompt_cache_key`, `safety_identifier`, `text.verbosity`); any other field is a 400, so a client
-never silently gets an output its request did not ask for.
+change the output (`background`, non-function tools, files and an `input_image`'s `file_id`, `top_logprobs`,
+`max_tool_calls`, `truncation: auto`, `conversation`, `prompt`) and accepted when it cannot (`metadata`, `user`,
+`include`, `service_tier`, `prompt_cache_key`, `safety_identifier`, `text.verbosity`); any other field is a 400, so
+a client never silently gets an output its request did not ask for. A user message's `input_image` parts become
+chat's `image_url` parts (data URLs, or a listed host's URL: appliance/api/images.py, image_fetch.py).
 
 `reasoning`: `effort` is the model's thinking switch (none / minimal off, low and up on, absent: the template's
 default), passed with the prompt (PromptSpec.thinking) to the chat template as `enable_thinking`, Qwen3's variable;
@@ -87,30 +88,46 @@ class ResponsesRequest:
     thinking: bool | None = None  # the template's thinking switch (reasoning.effort); None: the template's default
 
 
-def _text_of(content: Any, where: str, limits: Limits) -> str:
-    """A message's content: a string, or parts of text (input_text / output_text / refusal), joined."""
+def _parts(content: Any, where: str, limits: Limits, images: bool) -> list[dict]:
+    """A message's content as chat parts: a string, or parts of text (input_text / output_text / refusal) and, where
+    `images` may be, input_image (its image_url: a data URL or a listed host's URL, read by chat's parser;
+    `detail` as chat's image_url.detail; a `file_id` names a file this server does not store: 400)."""
     if isinstance(content, str):
-        return content
+        return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise invalid(f"{where}: content must be a string or an array of input_text parts", "input")
     if len(content) > limits.content_parts:
         raise invalid(f"{where}: content must have no more than {limits.content_parts} parts", "input")
-    texts = []
-    for part in content:
+    parts = []
+    for j, part in enumerate(content):
         if not isinstance(part, dict):
             raise invalid(f"{where}: each content part must be an object", "input")
         kind = part.get("type")
+        if kind == "input_image" and images:
+            if part.get("file_id") is not None:
+                raise invalid(
+                    f"{where}.content[{j}].file_id: this server stores no files (there is no Files API here); send "
+                    "the image in image_url as a data URL",
+                    "input",
+                )
+            spec = {"url": part.get("image_url")}
+            if part.get("detail") is not None:
+                spec["detail"] = part["detail"]
+            parts.append({"type": "image_url", "image_url": spec})
+            continue
         if kind not in TEXT_PARTS:
-            raise invalid(
-                f"{where}: content part type {kind!r} is not supported (this server takes text parts only: "
-                "input_text, output_text)",
-                "input",
-            )
+            allowed = "input_text, output_text, input_image" if images else "input_text, output_text"
+            raise invalid(f"{where}: content part type {kind!r} is not supported (parts: {allowed})", "input")
         text = part.get("refusal") if kind == "refusal" else part.get("text")
         if not isinstance(text, str):
             raise invalid(f"{where}: a {kind} part needs a string text", "input")
-        texts.append(text)
-    return "\n".join(texts)
+        parts.append({"type": "text", "text": text})
+    return parts
+
+
+def _text_of(content: Any, where: str, limits: Limits) -> str:
+    """A content without images: its text parts joined."""
+    return "\n".join(p["text"] for p in _parts(content, where, limits, images=False))
 
 
 def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]:
@@ -131,10 +148,24 @@ def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]
             role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise invalid(f"{where}: role must be user, system, developer or assistant", "input")
-            text = _text_of(item.get("content"), where, limits)
-            messages.append({"role": role, "content": text})
-            part = "output_text" if role == "assistant" else "input_text"
-            content = [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]
+            parts = _parts(item.get("content"), where, limits, images=role == "user")
+            text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+            if all(p["type"] == "text" for p in parts):
+                messages.append({"role": role, "content": text})
+                part = "output_text" if role == "assistant" else "input_text"
+                content = [{"type": part, "text": text, **({"annotations": []} if role == "assistant" else {})}]
+            else:  # images: chat's parts in order (its parser reads them); stored as the client gave them
+                messages.append({"role": role, "content": parts})
+                content = [
+                    {"type": "input_text", "text": p["text"]}
+                    if p["type"] == "text"
+                    else {
+                        "type": "input_image",
+                        "image_url": p["image_url"]["url"],
+                        "detail": p["image_url"].get("detail", "auto"),
+                    }
+                    for p in parts
+                ]
             stored.append(
                 {
                     "type": "message",

@@ -16,6 +16,7 @@ import json
 import logging
 import sqlite3
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,7 @@ class ResponsesApi:
                 param="store",
                 code="store_unavailable",
             )
+        req = replace(req, chat=api.with_images(req.chat, "input"))
         shape = ChatShape.for_request(req.chat, status.tool_parser, status.reasoning_parser)
         response_id = new_id("resp")
 

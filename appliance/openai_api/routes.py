@@ -56,6 +56,7 @@ class OpenAIRoutes:
         req = parse_chat(self.api.json_body(), self.limits, dialect)
         # its parsers: how this model writes tool calls and reasoning
         status = self.api.ready_status(req.edge.model, fresh=False)
+        req = self.api.with_images(req)  # remote image URLs, once the model is known to serve
         shape = ChatShape.for_request(req, status.tool_parser, status.reasoning_parser)
         return self.generate(
             req, lambda params, rid: chat_job(req, params, rid, status.tool_parser, self.limits), shape

@@ -320,7 +320,8 @@ def responses_request_schema(limits: Limits) -> dict:
                 },
             ],
             "description": "A string (one user message) or items: messages (role + content string or input_text "
-            "parts), function_call, function_call_output, reasoning (skipped). Required unless "
+            "parts; a user message's input_image parts as chat's image_url: a data URL or a listed host's URL, "
+            "file_id refused), function_call, function_call_output, reasoning (skipped). Required unless "
             "previous_response_id.",
         },
         "instructions": {"type": ["string", "null"]},

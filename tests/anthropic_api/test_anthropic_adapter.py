@@ -75,7 +75,8 @@ def test_blocks_become_chat_messages():
     [
         ({"max_tokens": None}, "max_tokens: Field required"),
         ({"tool_choice": {"type": {}}}, "tool_choice must be"),  # an unhashable type: a 400, not a 500 (fuzz)
-        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "'image' are not supported"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "source must be"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document' are not"),
         ({"messages": [*USER, {"role": "assistant", "content": "Sure"}]}, "prefill"),
         ({"messages": [{"role": "system", "content": "x"}]}, 'role is "user" or "assistant"'),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "not supported"),

@@ -237,10 +237,10 @@ CHAT_ERRORS = [
     ({"messages": []}, "messages array is empty"),
     ({"messages": ["hi"]}, "message is not an object"),
     ({"messages": [{"content": "hi"}]}, "message role is missing or not a string"),
-    ({"messages": [{"role": "user", "content": 5}]}, "message content is not a string or an array of text parts"),
+    ({"messages": [{"role": "user", "content": 5}]}, "message content is not a string or an array of content parts"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        "only text content parts are supported",
+        "messages[0].content[0].image_url.url: the image URL must be a data: URL (base64) or an http(s) URL",
     ),
 ]
 

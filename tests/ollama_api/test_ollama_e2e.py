@@ -191,7 +191,7 @@ def test_models(client, tag):
 def test_refusals(client, tag, srv):
     with pytest.raises(ollama.ResponseError) as err:
         client.chat(model=tag, messages=[{"role": "user", "content": "hi", "images": [b"\x89PNG"]}])
-    assert err.value.status_code == 400 and "images are not supported" in err.value.error
+    assert err.value.status_code == 400 and "not a JPEG, PNG or WebP image" in err.value.error
     for opts in ({"mirostat": 2}, {"tfs_z": 0.5}, {"no_such_option": 1}):
         with pytest.raises(ollama.ResponseError) as err:
             client.chat(model=tag, messages=ASK, options=opts)

@@ -275,6 +275,8 @@ FLAGS = {
     "tls-keyfile": (str, None),
     "allowed-hosts": (str, None),
     "max-body-bytes": (int, 4 * MiB),
+    "image-url-hosts": (str, None),
+    "image-url-timeout": (float, 10.0),
     "graceful-timeout": (int, 30),
     "request-timeout": (float, 30.0),
     "send-timeout": (float, 30.0),
