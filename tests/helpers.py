@@ -274,3 +274,16 @@ WEATHER_PARAMETERS = {
     "required": ["city", "unit"],
     "additionalProperties": False,
 }
+
+
+def self_signed_cert(cert: Path, key: Path, common_name: str, alt_names: str) -> tuple[Path, Path]:
+    """A new self-signed EC certificate and key for `common_name` (`alt_names`: openssl's subjectAltName value, e.g.
+    "DNS:host,IP:127.0.0.1"), valid for a day: what the TLS tests serve and trust."""
+    subprocess.run(
+        ["/usr/bin/openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={common_name}"]
+        + ["-addext", f"subjectAltName={alt_names}"],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key

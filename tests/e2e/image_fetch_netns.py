@@ -24,7 +24,7 @@ from pathlib import Path
 import requests
 
 from tests.e2e.image_requests import LiveStream, picture
-from tests.helpers import Server
+from tests.helpers import Server, self_signed_cert
 
 ADDRESS = "45.33.32.156"  # any global unicast address: inside this namespace it is the box's own
 IMAGE_BYTES = 65536
@@ -91,14 +91,7 @@ PATHS = ("ok.png", "big.png", "big-declared.png", "drip.png", "silent.png", "to-
 
 def https_images(folder: Path, name: str) -> tuple[ThreadingHTTPServer, Path]:
     """The image server over https with a new self-signed certificate for ADDRESS (`name`.pem)."""
-    cert, key = folder / f"{name}.pem", folder / f"{name}-key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={ADDRESS}"]
-        + ["-addext", f"subjectAltName=IP:{ADDRESS}"],
-        check=True,
-        capture_output=True,
-    )
+    cert, key = self_signed_cert(folder / f"{name}.pem", folder / f"{name}-key.pem", ADDRESS, f"IP:{ADDRESS}")
     server = ThreadingHTTPServer((ADDRESS, 0), Images)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)

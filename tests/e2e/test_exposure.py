@@ -25,7 +25,7 @@ import requests
 from appliance import auth
 from appliance.settings import ConfigError, ServeSettings
 from appliance.testing.loopback import ROOT
-from tests.helpers import Server
+from tests.helpers import Server, self_signed_cert
 
 KEYS = ["first-" + "a" * 24, "second-" + "b" * 24]
 NAME = "appliance.test"
@@ -33,15 +33,7 @@ REQUEST_TIMEOUT = 2  # the guarded server's: stalled TLS handshakes are closed a
 
 
 def make_cert(folder: Path) -> tuple[Path, Path]:
-    cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(
-        ["/usr/bin/openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-        + ["-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={NAME}"]
-        + ["-addext", f"subjectAltName=DNS:{NAME},IP:127.0.0.1"],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
+    return self_signed_cert(folder / "cert.pem", folder / "key.pem", NAME, f"DNS:{NAME},IP:127.0.0.1")
 
 
 class TlsServer(Server):
