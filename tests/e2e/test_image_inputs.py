@@ -243,13 +243,9 @@ def test_listed_hosts_are_fetched_within_the_limits(model_dir, tmp_path):
     assert run.returncode == 0, run.stderr[-4000:] + (tmp_path / "serve.log").read_text()[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     cases = out["cases"]
-    for fetched in (
-        "ok.png",
-        "to-ok",
-        "https-trusted",
-    ):  # the file arrived: what follows is the engine's answer (a text model's
-        case = cases[fetched]  # refusal once the vision side serves), never a fetch refusal naming the URL
-        assert "image_url.url" not in case["message"], (fetched, case)
+    for fetched in ("ok.png", "to-ok", "https-trusted"):  # the file arrived: what follows is the engine's answer
+        case = cases[fetched]  # (the text model's refusal, naming the image's field), never a fetch refusal
+        assert case["status"] == 400 and "reads text only" in case["message"], (fetched, case)
     for case, words in (
         ("big.png", "larger than 65536 bytes"),
         ("big-declared.png", "larger than 65536 bytes"),

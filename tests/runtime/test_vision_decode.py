@@ -149,6 +149,8 @@ def test_sixteen_bit_pngs_are_scaled_not_clipped():
     transparent.save(out, "PNG", transparency=1000)
     rgba = decode(out.getvalue(), LIMIT)
     assert rgba.image.mode == "RGBA" and np.asarray(rgba.image)[..., 3].tolist() == [[255, 255, 0], [255, 255, 255]]
+    every = np.arange(65536, dtype=np.uint16).reshape(256, 256)  # each 16-bit value, rounded as v / 257
+    assert np.array_equal(np.asarray(decode(_png16(every, 0), LIMIT).image)[..., 0], np.round(every / 257))
     colour = np.random.default_rng(1).integers(0, 65536, (4, 5, 3), dtype=np.uint16)
     assert np.array_equal(np.asarray(decode(_png16(colour, 2), LIMIT).image), colour >> 8)  # Pillow's own high byte
 

@@ -142,11 +142,18 @@ def _too_large(pixels: str, max_pixels: int) -> str:
 
 def _eight_bit(image: Image.Image) -> Image.Image:
     """A 16-bit greyscale picture (I;16, or I from a PNG) as 8-bit L (LA when its tRNS names a transparent value),
-    each value rounded from 0..65535 to 0..255; any other picture as it is."""
+    each value rounded from 0..65535 to 0..255: round(v / 257) is (v * 255 + 32895) >> 16 for every v (checked
+    over all 65536 in the test), in uint32 in place, no division; a 16M-pixel picture takes 64 MiB beside its own
+    32. Any other picture as it is."""
     if not image.mode.startswith("I"):
         return image
-    values = np.asarray(image).astype(np.int64)
-    grey = Image.fromarray(((np.clip(values, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8), "L")
+    values = np.asarray(image)
+    scaled = (values if values.dtype == np.uint16 else np.clip(values, 0, 65535)).astype(np.uint32)
+    scaled *= 255
+    scaled += 32895
+    scaled >>= 16
+    grey = Image.fromarray(scaled.astype(np.uint8), "L")
+    del scaled
     transparent = image.info.get("transparency")
     if not isinstance(transparent, int):
         return grey
