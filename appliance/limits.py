@@ -166,6 +166,23 @@ class Limits:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+# What a request body needs besides one image's base64 text (the question, the other fields, a conversation): an
+# image of --max-image-bytes must fit --max-body-bytes with this much room, or `appliance serve` refuses to start
+# (appliance/options.py check_server), since a client could never send the image the limit promises.
+IMAGE_BODY_ROOM = 1024 * 1024
+
+
+def base64_chars(size: int) -> int:
+    """The length of the standard, padded base64 text of `size` bytes: 4 characters per 3 bytes, rounded up."""
+    return 4 * -(-size // 3)
+
+
+def image_body_bytes(image_bytes: int) -> int:
+    """The smallest --max-body-bytes that carries one image of `image_bytes` as base64 (a data URL, Anthropic's and
+    Ollama's base64 fields) with IMAGE_BODY_ROOM for the rest of the request."""
+    return base64_chars(image_bytes) + IMAGE_BODY_ROOM
+
+
 def flag_fields(cls: type = Limits) -> tuple[Field, ...]:
     """The fields of a `setting` dataclass (Limits by default) that `appliance serve` makes flags of."""
     return tuple(f for f in fields(cls) if f.metadata.get("flag"))

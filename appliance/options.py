@@ -105,7 +105,8 @@ def options_table() -> str:
 
 def check_server(args: argparse.Namespace) -> None:
     """The ranges of the server's own settings (argparse checks only their types): worker and thread counts,
-    per-client caps, timeouts, the Responses API's store, the trace exporter's settings, the encoder's priority."""
+    per-client caps, timeouts, the Responses API's store, the trace exporter's settings, the encoder's priority,
+    and a body limit that carries one image at the image limit (limits.image_body_bytes)."""
     if args.responses_retention <= 0 or args.responses_max_bytes < 0:
         raise ConfigError("--responses-retention must be positive, --responses-max-bytes at least 0")
     if args.workers < 1 or args.threads < 1:
@@ -116,6 +117,15 @@ def check_server(args: argparse.Namespace) -> None:
         raise ConfigError("--request-timeout and --send-timeout must be positive, --keepalive-timeout at least 0")
     if args.image_url_timeout <= 0:
         raise ConfigError("--image-url-timeout must be positive")
+    if args.max_image_bytes >= 1 and args.max_body_bytes < limits.image_body_bytes(args.max_image_bytes):
+        most = (args.max_body_bytes - limits.IMAGE_BODY_ROOM) // 4 * 3
+        raise ConfigError(
+            f"--max-body-bytes {args.max_body_bytes} cannot carry one image of --max-image-bytes "
+            f"{args.max_image_bytes} (base64: {limits.base64_chars(args.max_image_bytes)} bytes, and "
+            f"{limits.IMAGE_BODY_ROOM} for the rest of the request): raise --max-body-bytes to at least "
+            f"{limits.image_body_bytes(args.max_image_bytes)}"
+            + (f" or lower --max-image-bytes to at most {most}" if most >= 1 else "")
+        )
     tracing.endpoint(args.otlp_endpoint)  # OpenTelemetry: a URL or OTEL_* setting it cannot export with
     try:
         parse_keep_alive(args.keep_alive)

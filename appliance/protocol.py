@@ -259,6 +259,10 @@ class PromptSpec:
     # Limits.image_bytes, at most Limits.images), in the order of the {"type": "image"} parts in `messages`; the
     # engine process decodes them (pixels bounded by Limits.image_pixels). None: no images
     images: list[bytes] | None = None
+    # each image's field in the client's request, in its API's spelling (messages[0].content[1].image_url.url,
+    # input[0].content[1].image_url, messages.0.content.0.source.data, messages[0].images[0]): what the engine's
+    # refusal of that image names (server/admit.py). None: no images
+    image_fields: list[str] | None = None
 
 
 @dataclass

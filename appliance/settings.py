@@ -128,8 +128,14 @@ class ServeSettings:
         "server without keys: localhost, 127.0.0.1, [::1]",
         flag="allowed-hosts",
     )
+    # 16 MiB: one image at --max-image-bytes' 10 MiB is 13.3 MiB of base64, and the rest of the request needs
+    # room (limits.image_body_bytes: `appliance serve` refuses a pair that cannot carry one image). OpenAI takes
+    # 50 MB bodies, Anthropic 32 MB; the worker buffers at most two bodies per client (http/edge.py)
     max_body_bytes: int = setting(
-        4 * 1024 * 1024, "largest request body accepted (413 above)", flag="max-body-bytes", show="4194304 (4 MiB)"
+        16 * 1024 * 1024,
+        "largest request body accepted (413 above); at least one --max-image-bytes image as base64 + 1 MiB",
+        flag="max-body-bytes",
+        show="16777216 (16 MiB)",
     )
     image_url_hosts: str | None = setting(
         None,

@@ -45,7 +45,7 @@ from appliance.api.errors import ApiError, invalid
 from appliance.api.images import MEDIA_TYPES, ImageCount, base64_image, url_image
 from appliance.api.request import ChatRequest, EdgeOptions, ToolChoice
 from appliance.api.table import read_body, sampling_values
-from appliance.limits import Limits
+from appliance.limits import Limits, base64_chars
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's smallest budget_tokens
 # top-level fields of the SDK's MessageCreateParams (and the beta context_management) that do not constrain the
@@ -163,14 +163,14 @@ def _image(block: dict, where: str, limits: Limits, images: ImageCount) -> dict:
             raise invalid(f"{at}.media_type: Field required", "messages")
         return {
             "type": "image",
-            "image": base64_image(source.get("data"), f"{at}.data", "messages", limits, media_type),
+            "image": base64_image(source.get("data"), f"{at}.data", limits, media_type),
         }
     if kind == "url":
         _extra(source, frozenset({"type", "url"}), at)
         url = source.get("url")
         if not isinstance(url, str) or not url.lower().startswith(("http://", "https://")):
             raise invalid(f"{at}.url: an http(s) URL", "messages")
-        return {"type": "image", "image": url_image(url, f"{at}.url", "messages", limits)}
+        return {"type": "image", "image": url_image(url, f"{at}.url", limits)}
     if kind == "file":
         raise invalid(f"{at}: file sources are not supported (this server has no Files API): send base64", "messages")
     raise invalid(
@@ -264,7 +264,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if len(value) > limits.messages:
         raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out: list[dict] = []
-    images = ImageCount(limits, "messages")
+    images = ImageCount(limits)
     for m, message in enumerate(value):
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
             raise invalid('messages: each message is an object whose role is "user" or "assistant"', "messages")
@@ -416,7 +416,7 @@ def _image_schema(limits: Limits) -> dict:
         "properties": {
             "type": {"const": "base64"},
             "media_type": {"enum": list(MEDIA_TYPES)},
-            "data": {"type": "string", "maxLength": 4 * -(-limits.image_bytes // 3)},
+            "data": {"type": "string", "maxLength": base64_chars(limits.image_bytes)},
         },
     }
     url = {

@@ -134,10 +134,10 @@ class Messages:
         self._status(req)
         chat = self.api.with_images(req.chat)
         tools = list(chat.tools) if chat.tools and chat.tool_choice != "none" else None
-        messages, images = split_images(chat.messages)  # each image counts the tokens the model reads it as
+        messages, images, fields = split_images(chat.messages)  # each image counts the tokens the model reads it as
         job = p.Job(
             "count-" + uuid.uuid4().hex,
-            [p.PromptSpec(messages=messages, tools=tools, images=images)],
+            [p.PromptSpec(messages=messages, tools=tools, images=images, image_fields=fields)],
             SamplingParams(max_tokens=0),
             model=chat.edge.model,
             tenant=g.get("tenant", ""),

@@ -61,13 +61,13 @@ class AppApi:
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
         g.tenant = auth.tenant_id(header) if keys is not None or g.admin else ""  # the key's own namespace
 
-    def with_images(self, req: ChatRequest, param: str = "messages") -> ChatRequest:
+    def with_images(self, req: ChatRequest) -> ChatRequest:
         """`req` with its remote image URLs fetched (image_fetch.py: listed hosts only, bounded in bytes and time);
         every route that builds a chat job calls it first (chat_job refuses an image still without its file)."""
         if not any(image.url is not None for image in images_of(req.messages)):
             return req
         hosts = listed_hosts(self.settings.image_url_hosts)
-        fetched = fetch_images(req.messages, hosts, self.limits, self.settings.image_url_timeout, param)
+        fetched = fetch_images(req.messages, hosts, self.limits, self.settings.image_url_timeout)
         return replace(req, messages=fetched)
 
     @staticmethod

@@ -212,9 +212,7 @@ def _shut(sock: socket.socket) -> None:
         pass
 
 
-def fetch_images(
-    messages: tuple[dict, ...], hosts: frozenset[str], limits: Limits, seconds: float, param: str
-) -> tuple[dict, ...]:
+def fetch_images(messages: tuple[dict, ...], hosts: frozenset[str], limits: Limits, seconds: float) -> tuple[dict, ...]:
     """The messages with each remote image's file fetched (the module docstring's rules), all of them within one
     deadline of `seconds`; the other images as they are."""
     fetch = _Fetch(hosts, limits, seconds)
@@ -225,7 +223,7 @@ def fetch_images(
         try:
             data = fetch.run(image.url)
         except _Refused as exc:
-            raise invalid(f"{image.where}: {exc}", param) from None
-        return Image(image.where, checked_file(data, image.where, param, limits))
+            raise invalid(f"{image.where}: {exc}", image.where) from None
+        return Image(image.where, checked_file(data, image.where, limits))
 
     return map_images(messages, get)

@@ -426,34 +426,40 @@ def prompts(value: Any, limits: Limits, read: dict) -> tuple[Prompt, ...]:
     return tuple(out)
 
 
-DETAILS = ("auto", "high")  # image_url.detail values honoured; "low" is refused (_image_part says why)
+DETAILS = ("auto", "high")  # image_url.detail values honoured; "low" is refused (linked_image says why)
 IMAGE_ROLES = ("user", "tool")  # messages that may carry images (OpenAI: user; a tool result: Anthropic's)
 
 
 def _image_part(part: dict, where: str, role: str, limits: Limits, count: ImageCount) -> dict:
     """An `image_url` part (OpenAI: {"url": data URL or http(s) URL, "detail"}) or an adapter's own Image part ->
-    `{"type": "image", "image": Image}`. `detail`: "auto" and "high" are the model's own preprocessing (the export's
-    processor: its resolution bounds and tiling), which is the most this model can see; "low" asks for a
-    downscaled image (OpenAI: 512 x 512, fewer tokens), which the engine does not make, so it is refused rather
-    than answered from the full image."""
+    `{"type": "image", "image": Image}`."""
     if role not in IMAGE_ROLES:
-        raise invalid(f"{where}: images go in user messages, not {role!r} ones", "messages")
+        raise invalid(f"{where}: images go in user messages, not {role!r} ones", where)
     count.next(where)
     if part["type"] == "image":
         return part
-    spec = part.get("image_url")
+    spec, at = part.get("image_url"), f"{where}.image_url"
     if not isinstance(spec, dict):
-        raise invalid(f'{where}: an image_url part needs "image_url": {{"url": ...}}', "messages")
-    detail = spec.get("detail")
+        raise invalid(f'{at}: an image_url part needs "image_url": {{"url": ...}}', at)
+    return linked_image(spec.get("url"), spec.get("detail"), f"{at}.url", f"{at}.detail", limits)
+
+
+def linked_image(url: Any, detail: Any, url_at: str, detail_at: str, limits: Limits) -> dict:
+    """An image given by its URL (a data URL or a listed host's: images.url_image) and `detail`, at the fields
+    `url_at` and `detail_at` (chat's image_url.url and image_url.detail, Responses' input_image image_url and
+    detail) -> `{"type": "image", "image": Image}`. `detail`: "auto" and "high" are the model's own preprocessing
+    (the export's processor: its resolution bounds and tiling), which is the most this model can see; "low" asks
+    for a downscaled image (OpenAI: 512 x 512, fewer tokens), which the engine does not make, so it is refused
+    rather than answered from the full image."""
     if detail is not None and detail not in (*DETAILS, "low"):
-        raise invalid(f"{where}.image_url.detail must be auto, low or high", "messages")
+        raise invalid(f"{detail_at} must be auto, low or high", detail_at)
     if detail == "low":
         raise invalid(
-            f'{where}.image_url.detail "low" is not supported: images are read at the model\'s own resolution '
-            '(send "auto" or "high")',
-            "messages",
+            f'{detail_at} "low" is not supported: images are read at the model\'s own resolution (send "auto" or '
+            '"high")',
+            detail_at,
         )
-    return {"type": "image", "image": url_image(spec.get("url"), f"{where}.image_url.url", "messages", limits)}
+    return {"type": "image", "image": url_image(url, url_at, limits)}
 
 
 def _content(content: list, where: str, role: str, limits: Limits, count: ImageCount) -> str | list[dict]:
@@ -486,7 +492,7 @@ def messages(value: Any, limits: Limits, read: dict) -> tuple[dict, ...]:
     if len(value) > limits.messages:
         raise invalid(f"messages array must have no more than {limits.messages} messages", "messages")
     out = []
-    count = ImageCount(limits, "messages")
+    count = ImageCount(limits)
     for i, message in enumerate(value):
         if not isinstance(message, dict):
             raise invalid("message is not an object", "messages")

@@ -85,8 +85,8 @@ def chat_job(
         except ValueError as exc:
             raise invalid(str(exc), "tool_choice") from None
         params = replace(params, grammar=grammar)
-    messages, images = split_images(req.messages)  # each image a {"type": "image"} part, the files beside
-    spec = PromptSpec(messages=messages, tools=tools, images=images)
+    messages, images, fields = split_images(req.messages)  # each image a {"type": "image"} part, the files beside
+    spec = PromptSpec(messages=messages, tools=tools, images=images, image_fields=fields)
     return Job(request_id, [spec], params, n=req.edge.n)
 
 

@@ -203,7 +203,7 @@ def _images(value: Any, where: str, limits: Limits, count: ImageCount) -> list[d
     parts = []
     for j, text in enumerate(value):
         count.next(f"{where}[{j}]")
-        parts.append({"type": "image", "image": base64_image(text, f"{where}[{j}]", "images", limits)})
+        parts.append({"type": "image", "image": base64_image(text, f"{where}[{j}]", limits)})
     return parts
 
 
@@ -257,7 +257,7 @@ def _chat(body: dict, limits: Limits) -> OllamaRequest:
     messages = body.get("messages")
     if not messages:
         return OllamaRequest(body["model"], stream, think, load_only=True)
-    count = ImageCount(limits, "images")
+    count = ImageCount(limits)
     if isinstance(messages, list):
         openai["messages"] = [_message(m, f"messages[{i}]", limits, count) for i, m in enumerate(messages)]
     else:
@@ -286,7 +286,7 @@ def _generate(body: dict, limits: Limits) -> OllamaRequest:
     if not prompt:
         return OllamaRequest(body["model"], stream, think, load_only=True)
     model = body["model"]
-    images = _images(body.get("images"), "images", limits, ImageCount(limits, "images"))
+    images = _images(body.get("images"), "images", limits, ImageCount(limits))
     if raw or (template is not None and template.strip() == TEMPLATES[1]):
         if images:
             raise invalid(

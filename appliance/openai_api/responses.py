@@ -7,8 +7,10 @@ size, grammar compilation). What the Responses API has and chat lacks is refused
 change the output (`background`, non-function tools, files and an `input_image`'s `file_id`, `top_logprobs`,
 `max_tool_calls`, `truncation: auto`, `conversation`, `prompt`) and accepted when it cannot (`metadata`, `user`,
 `include`, `service_tier`, `prompt_cache_key`, `safety_identifier`, `text.verbosity`); any other field is a 400, so
-a client never silently gets an output its request did not ask for. A user message's `input_image` parts become
-chat's `image_url` parts (data URLs, or a listed host's URL: appliance/api/images.py, image_fetch.py).
+a client never silently gets an output its request did not ask for. A user message's `input_image` parts are read
+here (data URLs, or a listed host's URL: appliance/api/images.py, image_fetch.py), so every refusal of an image,
+the engine's included, names its own field (`input[0].content[1].image_url`, as OpenAI's `param`), not the chat
+message it becomes; the conversation kept for `previous_response_id` holds them as chat's `image_url` parts.
 
 `reasoning`: `effort` is the model's thinking switch (none / minimal off, low and up on, absent: the template's
 default), passed with the prompt (PromptSpec.thinking) to the chat template as `enable_thinking`, Qwen3's variable;
@@ -33,7 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from appliance.api.errors import ApiError, invalid
-from appliance.api.parsers import is_int
+from appliance.api.images import ImageCount
+from appliance.api.parsers import is_int, linked_image
 from appliance.api.request import ChatRequest
 from appliance.api.table import read_body
 from appliance.limits import Limits
@@ -88,10 +91,11 @@ class ResponsesRequest:
     thinking: bool | None = None  # the template's thinking switch (reasoning.effort); None: the template's default
 
 
-def _parts(content: Any, where: str, limits: Limits, images: bool) -> list[dict]:
+def _parts(content: Any, where: str, limits: Limits, images: ImageCount | None) -> list[dict]:
     """A message's content as chat parts: a string, or parts of text (input_text / output_text / refusal) and, where
-    `images` may be, input_image (its image_url: a data URL or a listed host's URL, read by chat's parser;
-    `detail` as chat's image_url.detail; a `file_id` names a file this server does not store: 400)."""
+    `images` counts them, input_image: its image_url a data URL or a listed host's URL, `detail` as chat's
+    image_url.detail (parsers.linked_image), read here at its own field; a `file_id` names a file this server does
+    not store: 400. An image part is chat's Image part, with its `image_url` object beside it for the store."""
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
@@ -103,20 +107,21 @@ def _parts(content: Any, where: str, limits: Limits, images: bool) -> list[dict]
         if not isinstance(part, dict):
             raise invalid(f"{where}: each content part must be an object", "input")
         kind = part.get("type")
-        if kind == "input_image" and images:
+        at = f"{where}.content[{j}]"
+        if kind == "input_image" and images is not None:
+            images.next(at)
             if part.get("file_id") is not None:
                 raise invalid(
-                    f"{where}.content[{j}].file_id: this server stores no files (there is no Files API here); send "
-                    "the image in image_url as a data URL",
-                    "input",
+                    f"{at}.file_id: this server stores no files (there is no Files API here); send the image in "
+                    "image_url as a data URL",
+                    f"{at}.file_id",
                 )
-            spec = {"url": part.get("image_url")}
-            if part.get("detail") is not None:
-                spec["detail"] = part["detail"]
-            parts.append({"type": "image_url", "image_url": spec})
+            url, detail = part.get("image_url"), part.get("detail")
+            image = linked_image(url, detail, f"{at}.image_url", f"{at}.detail", limits)
+            parts.append({**image, "image_url": {"url": url, "detail": detail or "auto"}})
             continue
         if kind not in TEXT_PARTS:
-            allowed = "input_text, output_text, input_image" if images else "input_text, output_text"
+            allowed = "input_text, output_text, input_image" if images is not None else "input_text, output_text"
             raise invalid(f"{where}: content part type {kind!r} is not supported (parts: {allowed})", "input")
         text = part.get("refusal") if kind == "refusal" else part.get("text")
         if not isinstance(text, str):
@@ -127,10 +132,30 @@ def _parts(content: Any, where: str, limits: Limits, images: bool) -> list[dict]
 
 def _text_of(content: Any, where: str, limits: Limits) -> str:
     """A content without images: its text parts joined."""
-    return "\n".join(p["text"] for p in _parts(content, where, limits, images=False))
+    return "\n".join(p["text"] for p in _parts(content, where, limits, None))
 
 
-def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]:
+def _stored(message: dict) -> dict:
+    """A chat message as the store keeps it (JSON): an image part as chat's `image_url` part."""
+    content = message["content"]
+    if not isinstance(content, list):
+        return message
+    parts = [{"type": "image_url", "image_url": p["image_url"]} if p["type"] == "image" else p for p in content]
+    return {**message, "content": parts}
+
+
+def _image_count(messages: list[dict]) -> int:
+    """The images of a stored conversation (its image_url parts)."""
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if isinstance(p, dict) and p.get("type") == "image_url"
+    )
+
+
+def _item_messages(items: list, limits: Limits, images: ImageCount) -> tuple[list[dict], list[dict]]:
     """Input items -> (chat messages, the items as stored: with ids and content as parts)."""
     if len(items) > limits.messages:
         raise invalid(f"input must have no more than {limits.messages} items", "input")
@@ -148,7 +173,7 @@ def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]
             role = ROLES.get(str(item.get("role")))
             if role is None:
                 raise invalid(f"{where}: role must be user, system, developer or assistant", "input")
-            parts = _parts(item.get("content"), where, limits, images=role == "user")
+            parts = _parts(item.get("content"), where, limits, images if role == "user" else None)
             text = "\n".join(p["text"] for p in parts if p["type"] == "text")
             if all(p["type"] == "text" for p in parts):
                 messages.append({"role": role, "content": text})
@@ -162,7 +187,7 @@ def _item_messages(items: list, limits: Limits) -> tuple[list[dict], list[dict]]
                     else {
                         "type": "input_image",
                         "image_url": p["image_url"]["url"],
-                        "detail": p["image_url"].get("detail", "auto"),
+                        "detail": p["image_url"]["detail"],
                     }
                     for p in parts
                 ]
@@ -339,7 +364,7 @@ def parse_responses(
         raw_input = []
     elif not isinstance(raw_input, list):
         raise invalid("input must be a string or an array of items", "input")
-    messages, stored = _item_messages(raw_input, limits)
+    messages, stored = _item_messages(raw_input, limits, ImageCount(limits, _image_count(previous or [])))
     conversation = [*(previous or []), *messages]
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -378,7 +403,8 @@ def parse_responses(
     except ApiError as exc:  # chat's names of fields, said in this API's
         exc.param = CHAT_NAMES.get(exc.param or "", exc.param)
         raise
-    return ResponsesRequest(req, body, stored, conversation, store is not False, previous_id, reasoning, thinking)
+    kept = [*(previous or []), *map(_stored, messages)]
+    return ResponsesRequest(req, body, stored, kept, store is not False, previous_id, reasoning, thinking)
 
 
 # ---------------------------------------------------------------- output: chat deltas -> Responses items / events

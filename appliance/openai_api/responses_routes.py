@@ -93,7 +93,7 @@ class ResponsesApi:
                 param="store",
                 code="store_unavailable",
             )
-        req = replace(req, chat=api.with_images(req.chat, "input"))
+        req = replace(req, chat=api.with_images(req.chat))
         shape = ChatShape.for_request(req.chat, status.tool_parser, status.reasoning_parser)
         response_id = new_id("resp")
 

@@ -16,6 +16,7 @@ max_tokens is capped to what is left of the window (a prompt over it: prompts.py
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -65,15 +66,17 @@ def tokenize(job: p.Job, slot: Slot, stopping: bool, limits: Limits) -> Tokenize
     check_stop_token_ids(job.params, engine.manifest.vocab_size)
     window = min(job.context_window, engine.max_context) if job.context_window else None
     pixels = limits.image_pixels
+    spec: p.PromptSpec | None = None  # the prompt being read: an image's refusal names its field
     try:
-        fits = [
-            fitted(spec, slot, job.params.max_tokens, window, image_tokens(spec, engine, pixels))
-            for spec in job.prompts
-        ]
-        expanded = [with_media(ids, spec, engine, pixels) for ids, spec in fits]
+        fits = []
+        for spec in job.prompts:  # every prompt's images counted from their headers before any is encoded
+            fits.append(fitted(spec, slot, job.params.max_tokens, window, image_tokens(spec, engine, pixels)))
+        expanded = []
+        for ids, spec in fits:  # `spec` fitted to num_ctx: the images its kept messages have
+            expanded.append(with_media(ids, spec, engine, pixels))
         echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
     except ImageRejected as exc:  # the client's image: its format, its pixels, a corrupt file
-        raise Rejected(p.Failed(400, str(exc), "messages")) from None
+        raise Rejected(image_refusal(exc, spec)) from None
     except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
         raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
     prompts, media = [ids for ids, _ in expanded], [m for _, m in expanded]
@@ -117,21 +120,29 @@ def check_task(engine: Engine, model: str) -> None:
 
 
 def check_images(job: p.Job, engine: Engine, model: str) -> None:
-    """400 for images sent to a text-only model, or images that are not the parts of the chat's messages."""
+    """400 for images sent to a text-only model (naming the first image's field), or images that are not the parts
+    of the chat's messages."""
     for spec in job.prompts:
         if not spec.images:
             continue
         if engine.vision is None:
-            raise Rejected(p.Failed(400, f"the model '{model}' reads text only: images are not supported", "messages"))
+            message = f"the model '{model}' reads text only: images are not supported"
+            raise Rejected(image_refusal(ImageRejected(message, 0), spec))
         parts = len(image_parts(spec.messages)) if spec.messages is not None else 0
         if parts != len(spec.images):
-            raise Rejected(
-                p.Failed(
-                    400,
-                    f"the request has {len(spec.images)} image(s) for {parts} image part(s) of its messages",
-                    "messages",
-                )
-            )
+            message = f"the request has {len(spec.images)} image(s) for {parts} image part(s) of its messages"
+            raise Rejected(image_refusal(ImageRejected(message), spec))
+
+
+def image_refusal(exc: ImageRejected, spec: p.PromptSpec | None) -> p.Failed:
+    """The 400 of an image the engine will not read, naming its field in the client's request (the worker's
+    refusals do the same: api/images.py), as the message's start and OpenAI's `param`; a refusal of no one image
+    names the field the images are in (`messages`, Responses' `input`)."""
+    fields = (spec.image_fields if spec is not None else None) or []
+    if exc.image is not None and exc.image < len(fields):
+        return p.Failed(400, f"{fields[exc.image]}: {exc}", fields[exc.image])
+    root = re.match(r"\w+", fields[0]) if fields else None
+    return p.Failed(400, str(exc), root.group() if root else "messages")
 
 
 def check_stop_token_ids(params: SamplingParams, vocab: int) -> None:

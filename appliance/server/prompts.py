@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from appliance import protocol as p
 from appliance.runtime.engine import PromptTooLong
 from appliance.runtime.tokenizer import TextTooLong
+from appliance.runtime.vision.errors import image_at
 from appliance.server import tool_prompt
 from appliance.server.slots import Rejected, Slot
 
@@ -83,7 +84,11 @@ def image_tokens(spec: p.PromptSpec, engine: Engine, max_pixels: int) -> list[in
     past `max_pixels` or not an accepted format)."""
     if not spec.images or engine.vision is None:
         return []
-    return [engine.vision.num_tokens(data, max_pixels) - 1 for data in spec.images]
+    tokens = []
+    for i, data in enumerate(spec.images):
+        with image_at(i):
+            tokens.append(engine.vision.num_tokens(data, max_pixels) - 1)
+    return tokens
 
 
 def with_media(ids: list[int], spec: p.PromptSpec, engine: Engine, max_pixels: int) -> tuple[list[int], Media | None]:
@@ -108,7 +113,13 @@ def _fit_messages(
         gone = set(droppable[:k])
         kept = [m for i, m in enumerate(messages) if i not in gone]
         images = [data for data, i in zip(spec.images or [], owners) if i not in gone]
-        trimmed = replace(spec, messages=kept, images=images if spec.images is not None else None)
+        fields = [field for field, i in zip(spec.image_fields or [], owners) if i not in gone]
+        trimmed = replace(
+            spec,
+            messages=kept,
+            images=images if spec.images is not None else None,
+            image_fields=fields if spec.image_fields is not None else None,
+        )
         extra = sum(n for n, i in zip(extra_tokens, owners) if i not in gone)
         return _prompt_ids(trimmed, slot, max_tokens), trimmed, extra
 

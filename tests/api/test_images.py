@@ -40,6 +40,11 @@ def spec_of(req) -> tuple[list[dict], list[bytes] | None]:
     return job.prompts[0].messages, job.prompts[0].images
 
 
+def fields_of(req) -> list[str] | None:
+    """Each image's field in the client's request, which the engine's refusal of it names."""
+    return chat_job(req, to_sampling_params(req.sampling, {}), "r").prompts[0].image_fields
+
+
 def refused(fn, *args, words: str) -> ApiError:
     with pytest.raises(ApiError) as info:
         fn(*args)
@@ -68,6 +73,7 @@ def test_openai_parts_become_image_parts_in_order():
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}
     ]
     assert images == [PNG, JPEG]
+    assert fields_of(req) == ["messages[0].content[0].image_url.url", "messages[0].content[2].image_url.url"]
 
 
 def test_text_only_messages_are_unchanged():
@@ -98,8 +104,11 @@ def test_a_mislabelled_data_url_is_read_by_its_bytes():
     ],
 )
 def test_openai_refusals(part, words):
+    """Each names its field: the message starts with it and OpenAI's `param` is it (a part that is no image at
+    all: `messages`)."""
     error = refused(openai_chat, part, words=words)
-    assert error.param == "messages" and "messages[0].content[0]" in error.message
+    assert error.message.startswith(f"{error.param}") and error.message.startswith("messages[0].content[0]")
+    assert error.param == "messages" if "text or image_url parts" in words else error.param.startswith("messages[0]")
 
 
 def test_images_only_in_user_messages():
@@ -112,6 +121,7 @@ def test_count_and_size_bounds():
     with pytest.raises(ApiError) as info:
         openai_chat(*[image_url(data_url(PNG))] * 3, limits=limits)
     assert "messages[0].content[2]: a request may carry at most 2 images (--max-images)" in info.value.message
+    assert info.value.param == "messages[0].content[2]"
     with pytest.raises(ApiError) as info:
         openai_chat(image_url(data_url(PNG + b"x")), limits=limits)
     assert f"larger than {len(PNG)} bytes (--max-image-bytes)" in info.value.message
@@ -154,8 +164,53 @@ def test_responses_input_image():
         "image_url": data_url(WEBP, "image/webp"),
         "detail": "auto",
     }
-    file_body = {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]}
-    assert refused(parse_responses, file_body, Limits(), words="file_id").param == "input"
+    assert fields_of(req.chat) == ["input[0].content[1].image_url"]
+
+
+def responses_images(*images: dict, text: str = "what?") -> dict:
+    content = [{"type": "input_text", "text": text}, *images]
+    return {"model": "m", "input": [{"role": "user", "content": "hi"}, {"role": "user", "content": content}]}
+
+
+@pytest.mark.parametrize(
+    ("image", "param", "words"),
+    [
+        ({"type": "input_image", "file_id": "file_1"}, "input[1].content[1].file_id", "no Files API"),
+        ({"type": "input_image", "image_url": data_url(GIF)}, "input[1].content[1].image_url", "not a JPEG, PNG"),
+        ({"type": "input_image", "image_url": "data:image/png;base64,%%"}, "input[1].content[1].image_url", "base64"),
+        ({"type": "input_image", "image_url": 7}, "input[1].content[1].image_url", "non-empty string"),
+        ({"type": "input_image", "image_url": "ftp://a/b.png"}, "input[1].content[1].image_url", "http(s) URL"),
+        (
+            {"type": "input_image", "image_url": data_url(PNG), "detail": "low"},
+            "input[1].content[1].detail",
+            '"low" is not supported',
+        ),
+        (
+            {"type": "input_image", "image_url": data_url(PNG + bytes(64))},
+            "input[1].content[1].image_url",
+            "larger than",
+        ),
+    ],
+)
+def test_responses_refusals_name_the_responses_field(image, param, words):
+    """OpenAI's Responses API names `input[i].content[j]...` as its `param`, never chat's `messages[...]`."""
+    error = refused(parse_responses, responses_images(image), Limits(image_bytes=len(PNG) + 8), words=words)
+    assert error.param == param and error.message.startswith(param), error.message
+
+
+def test_responses_count_the_previous_responses_images():
+    """Images of the stored conversation (`previous_response_id`) count towards --max-images with this input's;
+    the stored conversation keeps them as chat's image_url parts (JSON)."""
+    one = {"type": "input_image", "image_url": data_url(PNG)}
+    first = parse_responses(responses_images(one, one), Limits(images=3))
+    kept = {"type": "image_url", "image_url": {"url": data_url(PNG), "detail": "auto"}}
+    assert first.messages[-1]["content"][1:] == [kept, kept]
+    error = refused(parse_responses, responses_images(one, one), Limits(images=3), first.messages, words="at most 3")
+    assert error.param == "input[1].content[2]"
+    again = parse_responses(responses_images(one), Limits(images=3), first.messages)
+    assert spec_of(again.chat)[1] == [PNG, PNG, PNG]
+    fields = fields_of(again.chat)
+    assert fields is not None and fields[2] == "input[1].content[1].image_url"  # this input's, in its own spelling
 
 
 def anthropic(*content):
@@ -171,6 +226,7 @@ def test_anthropic_image_blocks():
     messages, images = spec_of(req.chat)
     assert messages == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "describe"}]}]
     assert images == [JPEG]
+    assert fields_of(req.chat) == ["messages.0.content.0.source.data"]
 
 
 def test_anthropic_tool_result_images():
@@ -205,7 +261,7 @@ def test_anthropic_tool_result_images():
     ],
 )
 def test_anthropic_refusals(block, words):
-    refused(anthropic, block, words=words)
+    assert refused(anthropic, block, words=words).message.startswith("messages.0.content.0")
 
 
 def test_ollama_images():
@@ -215,6 +271,7 @@ def test_ollama_images():
         {"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "what?"}]}
     ]
     assert images == [PNG, JPEG]
+    assert fields_of(parse_ollama_chat(body, Limits()).chat) == ["messages[0].images[0]", "messages[0].images[1]"]
     req = parse_ollama_generate({"model": "m", "prompt": "what?", "images": [b64(WEBP)]}, Limits())
     messages, images = spec_of(req.chat)
     assert messages == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]

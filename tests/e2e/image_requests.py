@@ -33,11 +33,12 @@ def picture(width: int = 64, height: int = 48, color: tuple[int, int, int] = (20
 
 class LiveStream:
     """`with LiveStream(base, model) as live:` a completion stream read token by token on its own thread, decoding
-    before the block starts; `live.largest_gap(start, end)`: the longest wait between two of its tokens then (a
-    stall is what its user sees)."""
+    before the block starts, and another one as soon as one ends (a tiny model's context ends a stream within a
+    second); `live.largest_gap(start, end)`: the longest wait between two of its tokens then (a stall is what its
+    user sees)."""
 
-    def __init__(self, base: str, model: str):
-        self.body = {"model": model, "prompt": "Write a long story.", "max_tokens": 4000, "ignore_eos": True}
+    def __init__(self, base: str, model: str, max_tokens: int = 4000):
+        self.body = {"model": model, "prompt": "Write a long story.", "max_tokens": max_tokens, "ignore_eos": True}
         self.url = base + "/v3/completions"
         self.arrivals: list[float] = []
         self.status = 0
@@ -45,13 +46,16 @@ class LiveStream:
         self.reader = threading.Thread(target=self._read, daemon=True)
 
     def _read(self) -> None:
-        with requests.post(self.url, json={**self.body, "stream": True}, stream=True, timeout=300) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith(b"data: {"):
-                    self.arrivals.append(time.monotonic())
-                if self.stop.is_set():
+        while not self.stop.is_set():
+            with requests.post(self.url, json={**self.body, "stream": True}, stream=True, timeout=300) as r:
+                self.status = r.status_code
+                if r.status_code != 200:
                     return
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        self.arrivals.append(time.monotonic())
+                    if self.stop.is_set():
+                        return
 
     def __enter__(self) -> LiveStream:
         self.reader.start()

@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from appliance.manifest import Manifest
+from appliance.settings import ServeSettings
 from appliance.testing.procinfo import children, is_zombie
 from tests.helpers import NEAR_TIE_DEFAULT, Server, greedy_divergence, rss_mb, wait_idle, wait_until
 
@@ -372,7 +373,7 @@ def test_http_error_statuses(server, model_name):
         415,
     )
     error(requests.post(base + "/v3/completions", data=b"{not json", headers={"Content-Type": "application/json"}), 400)
-    huge = json.dumps({"model": model_name, "prompt": "x" * (5 * 1024 * 1024)})
+    huge = json.dumps({"model": model_name, "prompt": "x" * ServeSettings.max_body_bytes})  # past --max-body-bytes
     error(requests.post(base + "/v3/completions", data=huge, headers={"Content-Type": "application/json"}), 413)
     e = error(requests.post(base + "/v3/chat/completions", json={"model": model_name, "messages": []}), 400)
     assert e["message"] == "messages array is empty"

@@ -19,6 +19,7 @@ import time
 import pytest
 import requests
 
+from appliance.limits import IMAGE_BODY_ROOM
 from tests.helpers import Server, one_worker_server, wait_until
 
 THREADS = 4
@@ -28,6 +29,7 @@ REQUEST_TIMEOUT = 8.0
 SEND_TIMEOUT = 3.0
 MAX_GENERATIONS = 3
 MAX_CONNECTIONS = 80  # per client address (the expect test opens 72 from one)
+BODY = 4 * 1024 * 1024  # --max-body-bytes: the worker's 64 MiB read budget is 16 such bodies
 # murder_pending runs about once a second, a loaded 2-core box adds its own delays: how late a bound may act
 MARGIN = 4.0
 # The liveness probe answers in the worker: a few ms. The failures bounded here make it wait for the engine (stopped:
@@ -44,6 +46,10 @@ def srv(model_dir, tmp_path_factory):
         str(MAX_GENERATIONS),
         "--client-max-connections",
         str(MAX_CONNECTIONS),
+        "--max-body-bytes",  # the budget test's arithmetic is in bodies of BODY: a 16 MiB share per address
+        str(BODY),
+        "--max-image-bytes",  # the most a BODY carries (appliance serve refuses a body limit that cannot)
+        str((BODY - IMAGE_BODY_ROOM) // 4 * 3),
         threads=THREADS,
         request_timeout=REQUEST_TIMEOUT,
         send_timeout=SEND_TIMEOUT,
@@ -218,7 +224,7 @@ def test_unfinished_bodies_filling_the_budget_do_not_make_probes_503(srv, model_
     16 others. The largest (the oldest among equals) are shed with 503, never the newcomers: the probes and a
     normal completion answer 200 while the bodies are held. The address with 5 bodies keeps at most its 16 MiB
     share."""
-    length = 4 * 1024 * 1024
+    length = BODY
     request = post_head(length)
     request += b"x" * (length - len(request))  # 4 MiB buffered per connection, its body a head's length short
 

@@ -80,7 +80,10 @@ def test_tools_format_and_sampling_map_onto_chat():
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"max_tool_calls": 2}, "max_tool_calls"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),  # no reasoning parser on this model
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].image_url",  # as OpenAI's Responses API names it
+        ),
         ({"input": [{"type": "file_search_call"}]}, "input"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema"}}}, "text.format"),

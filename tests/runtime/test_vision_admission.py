@@ -1,6 +1,7 @@
 """A job's images in the engine process (appliance/server/admit.py, prompts.py, jobs.py): the chat's image parts go
-through the model's VisionEncoder in `tokenize`, outside the set-up gate; refusals are 400s on `messages`; num_ctx's
-message dropping drops the images of the messages it leaves out; the media reach the engine's submission.
+through the model's VisionEncoder in `tokenize`, outside the set-up gate; refusals are 400s naming the refused
+image's field in the client's request (PromptSpec.image_fields); num_ctx's message dropping drops the images of the
+messages it leaves out (and their fields); the media reach the engine's submission.
 
 A unit test of the admission functions: the engine is a stand-in holding the real parts admission reads (the tiny
 VLM export's manifest, tokenizer and VisionEncoder), since the engine that runs a VLM is another part's."""
@@ -57,7 +58,8 @@ def qwen(vlm_export) -> Slot:
 
 
 def _job(messages: list[dict], images: list[bytes] | None, **fields) -> p.Job:
-    spec = p.PromptSpec(messages=messages, images=images)
+    where = [f"input[{i}].content[0].image_url" for i in range(len(images))] if images else None  # Responses'
+    spec = p.PromptSpec(messages=messages, images=images, image_fields=where)
     return p.Job(request_id="r", prompts=[spec], params=SamplingParams(max_tokens=4), **fields)
 
 
@@ -102,21 +104,26 @@ def test_num_ctx_drops_the_images_of_the_messages_it_drops(qwen: Slot):
     media = tokenized.media[0]
     assert tokenized.prompts == [alone] and media is not None and len(media.images) == 1
     assert media.images[0].digest == decode(_png(1), 10**6).digest  # the kept message's image, not the dropped one's
+    cut = _refusal(qwen, _job(messages, [_png(0), _png(1)[:300]], context_window=window))  # its field kept too
+    assert cut.param == "input[1].content[0].image_url" and "corrupt or truncated" in cut.message, cut
     refused = _refusal(qwen, _job(messages, [_png(0), _png(1)], context_window=len(alone) - 1))
     assert refused.status == 400 and refused.param == "num_ctx" and f"is {len(alone)} tokens" in refused.message
 
 
-def test_bad_images_are_400s_on_messages(qwen: Slot):
+def test_bad_images_are_400s_naming_their_field(qwen: Slot):
     gif = io.BytesIO()
     tiny_vlms.image().save(gif, "GIF")
+    first, second = "input[0].content[0].image_url", "input[1].content[0].image_url"
     failed = _refusal(qwen, _job([_user(0)], [gif.getvalue()]))
-    assert (failed.status, failed.param) == (400, "messages") and "GIF images are not accepted" in failed.message
-    failed = _refusal(qwen, _job([_user(0)], [_png(0)]), Limits(image_pixels=1000))
-    assert "more than the limit of 1000 pixels" in failed.message and failed.param == "messages"
-    failed = _refusal(qwen, _job([_user(0)], [_png(0)[:300]]))
-    assert "corrupt or truncated" in failed.message
-    failed = _refusal(qwen, _job([_user(0)], [_png(0), _png(1)]))
-    assert failed.message == "the request has 2 image(s) for 1 image part(s) of its messages"
+    assert (failed.status, failed.param) == (400, first) and "GIF images are not accepted" in failed.message
+    assert failed.message.startswith(f"{first}: ")
+    two = [_user(0), {"role": "assistant", "content": "Forty."}, _user(1)]
+    failed = _refusal(qwen, _job(two, [_png(0), _png(1)]), Limits(image_pixels=1000))  # headers: the first
+    assert "more than the limit of 1000 pixels" in failed.message and failed.param == first
+    failed = _refusal(qwen, _job(two, [_png(0), _png(1)[:300]]))  # decoding: the second, after the first's header
+    assert "corrupt or truncated" in failed.message and failed.param == second, failed
+    failed = _refusal(qwen, _job([_user(0)], [_png(0), _png(1)]))  # about no one image: the field they are in
+    assert failed == p.Failed(400, "the request has 2 image(s) for 1 image part(s) of its messages", "input")
 
 
 def test_a_prompt_its_images_push_past_the_context_is_refused_before_encoding(qwen: Slot, monkeypatch):
@@ -132,7 +139,8 @@ def test_a_prompt_its_images_push_past_the_context_is_refused_before_encoding(qw
 def test_a_text_only_model_refuses_images(qwen: Slot):
     text_only = replace(qwen, engine=SimpleNamespace(**{**vars(qwen.engine), "vision": None}))
     failed = _refusal(text_only, _job([_user(0)], [_png(0)]))
-    assert failed == p.Failed(400, "the model 'tiny-vlm' reads text only: images are not supported", "messages")
+    at = "input[0].content[0].image_url"
+    assert failed == p.Failed(400, f"{at}: the model 'tiny-vlm' reads text only: images are not supported", at)
 
 
 def test_media_reach_the_engine_submission(qwen: Slot):

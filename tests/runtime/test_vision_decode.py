@@ -126,3 +126,68 @@ def test_the_digest_follows_the_pixels_not_the_file():
     assert decode(_file(Image.fromarray(changed), "PNG"), LIMIT).digest != png.digest
     rotated = decode(_file(image.transpose(Image.Transpose.ROTATE_90), "PNG"), LIMIT)
     assert rotated.digest != png.digest  # the same bytes in another shape are another picture
+
+
+def _png16(values: np.ndarray, colour: int) -> bytes:
+    """A 16-bit PNG of `values` (uint16, [h, w] grey or [h, w, 3] RGB: colour type 0 or 2), which Pillow cannot
+    write itself in colour."""
+    height, width = values.shape[:2]
+    rows = values.reshape(height, -1).astype(">u2")
+    raw = b"".join(b"\0" + row.tobytes() for row in rows)
+    header = struct.pack(">IIBBBBB", width, height, 16, colour, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", zlib.compress(raw)) + _chunk(b"IEND", b"")
+
+
+def test_sixteen_bit_pngs_are_scaled_not_clipped():
+    """Pillow's convert("RGB") clips a 16-bit grey value to 255: every such picture was white."""
+    grey = np.array([[0, 257, 1000], [32768, 40000, 65535]], np.uint16)
+    decoded = decode(_png16(grey, 0), LIMIT)
+    assert decoded.image.mode == "RGB"
+    assert np.asarray(decoded.image)[..., 0].tolist() == [[0, 1, 4], [128, 156, 255]]
+    transparent = Image.open(io.BytesIO(_png16(grey, 0)))
+    out = io.BytesIO()
+    transparent.save(out, "PNG", transparency=1000)
+    rgba = decode(out.getvalue(), LIMIT)
+    assert rgba.image.mode == "RGBA" and np.asarray(rgba.image)[..., 3].tolist() == [[255, 255, 0], [255, 255, 255]]
+    every = np.arange(65536, dtype=np.uint16).reshape(256, 256)  # each 16-bit value, rounded as v / 257
+    assert np.array_equal(np.asarray(decode(_png16(every, 0), LIMIT).image)[..., 0], np.round(every / 257))
+    colour = np.random.default_rng(1).integers(0, 65536, (4, 5, 3), dtype=np.uint16)
+    assert np.array_equal(np.asarray(decode(_png16(colour, 2), LIMIT).image), colour >> 8)  # Pillow's own high byte
+
+
+@pytest.mark.parametrize(
+    ("mode", "options", "expected"),
+    [("CMYK", {}, "RGB"), ("1", {}, "RGB"), ("LA", {}, "RGBA"), ("P", {"transparency": 3}, "RGBA")],
+)
+def test_other_modes_become_rgb_or_rgba(mode: str, options: dict, expected: str):
+    fmt = "JPEG" if mode == "CMYK" else "PNG"
+    image = _picture().convert(mode)
+    decoded = decode(_file(image, fmt, **options), LIMIT)
+    assert decoded.image.mode == expected and decoded.size == (56, 40)
+    if fmt == "PNG":
+        assert np.array_equal(np.asarray(decoded.image), np.asarray(image.convert(expected)))
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP"])
+def test_an_animation_is_read_as_its_first_frame(fmt: str):
+    frames = [_picture(seed) for seed in range(3)]
+    options = {"lossless": True} if fmt == "WEBP" else {}
+    animated = decode(_file(frames[0], fmt, save_all=True, append_images=frames[1:], **options), LIMIT)
+    assert np.array_equal(np.asarray(animated.image), np.asarray(frames[0]))
+
+
+def test_corrupt_webp_and_chunk_bombs_are_refused():
+    webp = _file(_picture(), "WEBP")
+    with pytest.raises(ImageRejected):
+        decode(webp[: len(webp) // 2], LIMIT)
+    broken = bytearray(webp)
+    broken[30:60] = b"\xff" * 30
+    with pytest.raises(ImageRejected, match="corrupt or truncated"):
+        decode(bytes(broken), LIMIT)
+    png = _file(_picture(), "PNG")
+    text_bomb = png[:-12] + _chunk(b"zTXt", b"k\0\0" + zlib.compress(b"a" * (64 << 20), 9)) + png[-12:]
+    with pytest.raises(ImageRejected):  # Pillow bounds decompressed text (MAX_TEXT_CHUNK)
+        decode(text_bomb, LIMIT)
+    profile_bomb = png[:33] + _chunk(b"iCCP", b"p\0\0" + zlib.compress(b"a" * (64 << 20), 9)) + png[33:]
+    with pytest.raises(ImageRejected):
+        decode(profile_bomb, LIMIT)

@@ -114,8 +114,9 @@ def test_placeholders_must_match_the_images(qwen):
     tokenizer = Tokenizer.from_dir(out)
     two = tokenizer.encode_chat(_messages(2))
     image = _png(tiny_vlms.image())
-    with pytest.raises(ImageRejected, match="1 image.* but its chat prompt has 2 image place"):
+    with pytest.raises(ImageRejected, match="1 image.* but its chat prompt has 2 image place") as caught:
         encoder.prepare(two, [image], LIMIT)
+    assert caught.value.image is None  # about no one image
     with pytest.raises(ImageRejected, match="3 image.* but its chat prompt has 2 image place"):
         encoder.prepare(two, [image] * 3, LIMIT)
     # a user's text spelling the placeholder is text, not an image place (encode_chat keeps special-token text as text)
@@ -129,11 +130,12 @@ def test_every_header_is_checked_before_any_image_is_encoded(qwen, monkeypatch: 
     prompt = Tokenizer.from_dir(out).encode_chat(_messages(2))
     encoded = []
     monkeypatch.setattr(encoder, "encode_qwen2_vl", lambda *a: encoded.append(a))
-    with pytest.raises(ImageRejected, match="GIF images are not accepted"):
+    with pytest.raises(ImageRejected, match="GIF images are not accepted") as gif:
         encoder.prepare(prompt, [_png(tiny_vlms.image()), _gif()], LIMIT)
-    with pytest.raises(ImageRejected, match="more than the limit of 1000 pixels"):
+    with pytest.raises(ImageRejected, match="more than the limit of 1000 pixels") as large:
         encoder.prepare(prompt, [_png(tiny_vlms.image(1)), _png(tiny_vlms.image())], 1000)
     assert encoded == []
+    assert (gif.value.image, large.value.image) == (1, 0)  # which image, so the refusal can name its field
 
 
 def test_a_needle_thin_image_is_refused():

@@ -274,7 +274,7 @@ FLAGS = {
     "tls-certfile": (str, None),
     "tls-keyfile": (str, None),
     "allowed-hosts": (str, None),
-    "max-body-bytes": (int, 4 * MiB),
+    "max-body-bytes": (int, 16 * MiB),
     "image-url-hosts": (str, None),
     "image-url-timeout": (float, 10.0),
     "graceful-timeout": (int, 30),
@@ -558,3 +558,26 @@ def test_unknown_environment_variables_far_from_any_setting_are_warned_about(cap
     cli.check_variables({**quiet, "APPLIANCE_BACKUP_BUCKET": "s3://x"})
     warned = [r.getMessage() for r in caplog.records]
     assert warned == ["APPLIANCE_BACKUP_BUCKET is not a setting of appliance serve: ignored"], warned
+
+
+def test_the_body_limit_must_carry_one_image_at_the_image_limit():
+    """An image of --max-image-bytes travels as base64 (4/3 of its bytes) inside a body of at most --max-body-bytes:
+    the defaults carry one with room for the rest of the request, and a pair that cannot is refused at start-up,
+    naming both ways out, instead of every such image answering 413."""
+    from appliance.limits import IMAGE_BODY_ROOM, base64_chars, image_body_bytes
+
+    defaults = cli.build_parser().parse_args(["serve"])
+    options.check_server(defaults)
+    assert defaults.max_body_bytes >= image_body_bytes(defaults.max_image_bytes) > defaults.max_image_bytes * 4 // 3
+    assert image_body_bytes(3 * MiB) == base64_chars(3 * MiB) + IMAGE_BODY_ROOM == 4 * MiB + IMAGE_BODY_ROOM
+    fits = ["serve", "--max-image-bytes", str(3 * MiB), "--max-body-bytes", str(image_body_bytes(3 * MiB))]
+    options.check_server(cli.build_parser().parse_args(fits))
+    with pytest.raises(ConfigError) as info:
+        options.check_server(cli.build_parser().parse_args([*fits[:-1], str(image_body_bytes(3 * MiB) - 1)]))
+    assert str(info.value) == (
+        f"--max-body-bytes {image_body_bytes(3 * MiB) - 1} cannot carry one image of --max-image-bytes {3 * MiB} "
+        f"(base64: {4 * MiB} bytes, and {IMAGE_BODY_ROOM} for the rest of the request): raise --max-body-bytes to "
+        f"at least {image_body_bytes(3 * MiB)} or lower --max-image-bytes to at most {3 * MiB - 3}"
+    )
+    with pytest.raises(ConfigError, match=r"raise --max-body-bytes to at least \d+$"):  # no image fits at all
+        options.check_server(cli.build_parser().parse_args(["serve", "--max-body-bytes", str(MiB)]))

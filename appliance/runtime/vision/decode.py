@@ -13,7 +13,11 @@ The picture is turned upright by its EXIF orientation (as transformers' load_ima
 any viewer shows it: a gauge photographed with a phone held upright is stored sideways), and normalised to one of
 two modes, RGB or (when the file has transparency) RGBA, because the two schemes' processors in transformers treat
 alpha differently (Qwen2-VL drops it, Idefics3 composites onto white after resizing): the preprocessing does either
-from these two. Its digest (BLAKE2b-128 over the mode, the
+from these two. A 16-bit greyscale PNG (Pillow's mode I;16) is scaled to 8 bits first: Pillow's convert("RGB")
+clips each value to 255, so every such picture became white (transformers' load_image does the same; one of the two
+places the pixels differ from its processors, docs/vision.md). 16-bit colour PNGs, CMYK JPEGs, palettes with
+transparency, animated PNG and WebP files (their first frame: a still picture is what the model reads) need
+nothing: Pillow reads them right. Its digest (BLAKE2b-128 over the mode, the
 size and the pixel bytes, never the file) names the picture in the prefix cache (runtime/media.py): the same
 picture re-encoded (another JPEG quality, PNG instead of WebP losslessly) is the same picture.
 """
@@ -103,7 +107,7 @@ def decode(data: bytes, max_pixels: int) -> Decoded:
     kind = image.format or "image"
     try:
         image.load()
-        picture = image.convert("RGBA" if _has_alpha(image) else "RGB")  # a copy, even of an RGB picture
+        picture = _eight_bit(image).convert("RGBA" if _has_alpha(image) else "RGB")  # a copy, even of RGB
         turn = _UPRIGHT.get(image.getexif().get(_ORIENTATION, 1))
         if turn is not None:
             picture = picture.transpose(turn)
@@ -134,6 +138,27 @@ def normalized(vision: Vision, image: Image.Image) -> np.ndarray:
 
 def _too_large(pixels: str, max_pixels: int) -> str:
     return f"the image is {pixels} pixels, more than the limit of {max_pixels} pixels per image; send a smaller image"
+
+
+def _eight_bit(image: Image.Image) -> Image.Image:
+    """A 16-bit greyscale picture (I;16, or I from a PNG) as 8-bit L (LA when its tRNS names a transparent value),
+    each value rounded from 0..65535 to 0..255: round(v / 257) is (v * 255 + 32895) >> 16 for every v (checked
+    over all 65536 in the test), in uint32 in place, no division; a 16M-pixel picture takes 64 MiB beside its own
+    32. Any other picture as it is."""
+    if not image.mode.startswith("I"):
+        return image
+    values = np.asarray(image)
+    scaled = (values if values.dtype == np.uint16 else np.clip(values, 0, 65535)).astype(np.uint32)
+    scaled *= 255
+    scaled += 32895
+    scaled >>= 16
+    grey = Image.fromarray(scaled.astype(np.uint8), "L")
+    del scaled
+    transparent = image.info.get("transparency")
+    if not isinstance(transparent, int):
+        return grey
+    alpha = Image.fromarray(np.where(values == transparent, 0, 255).astype(np.uint8), "L")
+    return Image.merge("LA", (grey, alpha))
 
 
 def _has_alpha(image: Image.Image) -> bool:

@@ -23,7 +23,7 @@ from appliance.manifest import Manifest, Vision
 from appliance.runtime.media import ImageSpan, Media
 from appliance.runtime.vision import idefics3, qwen2_vl
 from appliance.runtime.vision.decode import decode, open_header
-from appliance.runtime.vision.errors import ImageRejected
+from appliance.runtime.vision.errors import ImageRejected, image_at
 
 
 class VisionEncoder:
@@ -52,10 +52,11 @@ class VisionEncoder:
     def prepare(self, prompt_ids: list[int], files: list[bytes], max_pixels: int) -> tuple[list[int], Media]:
         """prompt_ids from the chat template (one placeholder per image, as the template writes it) -> the expanded
         ids (each image's N tokens, Idefics3's tile text) and the Media (features, digests, M-RoPE).
-        ImageRejected for a file that cannot or must not be read, or images that do not match the placeholders."""
+        ImageRejected for a file that cannot or must not be read (naming which: `image`), or images that do not
+        match the placeholders."""
         sizes = []
-        for data in files:
-            with open_header(data, max_pixels) as header:  # every image checked before any is decoded
+        for i, data in enumerate(files):
+            with image_at(i), open_header(data, max_pixels) as header:  # every image checked before any is decoded
                 sizes.append(header.size)
         if self.vision.scheme == "qwen2_vl":
             return self._qwen2_vl(prompt_ids, files, sizes, max_pixels)
@@ -74,11 +75,15 @@ class VisionEncoder:
         self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int
     ) -> tuple[list[int], Media]:
         vision = self.vision
-        grids = [qwen2_vl.grid(vision, w, h) for w, h in sizes]
+        grids = []
+        for i, (w, h) in enumerate(sizes):
+            with image_at(i):
+                grids.append(qwen2_vl.grid(vision, w, h))
         ids, starts = qwen2_vl.expand(vision, prompt_ids, [t * h * w // vision.merge_size**2 for t, h, w in grids])
         spans = []
-        for data, start, grid in zip(files, starts, grids):
-            decoded = decode(data, max_pixels)
+        for i, (data, start, grid) in enumerate(zip(files, starts, grids)):
+            with image_at(i):
+                decoded = decode(data, max_pixels)
             pixels, grid_thw = qwen2_vl.pixel_values(vision, decoded.image)
             assert grid_thw == grid, "the grid from the header is the grid of the decoded picture"
             features = self.encode_qwen2_vl(pixels, grid_thw)
@@ -103,8 +108,9 @@ class VisionEncoder:
             else:
                 ids.append(token)
         spans = []
-        for data, start, layout in zip(files, starts, layouts):
-            decoded = decode(data, max_pixels)
+        for i, (data, start, layout) in enumerate(zip(files, starts, layouts)):
+            with image_at(i):
+                decoded = decode(data, max_pixels)
             pixels, rows_cols = idefics3.pixel_values(vision, decoded.image)
             assert rows_cols == layout, "the layout from the header is the layout of the decoded picture"
             features = self.encode_idefics3(pixels)

@@ -3,9 +3,18 @@ every model, text-only ones included)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class ImageRejected(ValueError):
-    """An image the server will not read: the message is for the client (format, corrupt or truncated, too large)."""
+    """An image the server will not read: the message is for the client (format, corrupt or truncated, too large).
+    `image`: which of the prompt's images (its index in PromptSpec.images), so the refusal can name the client's
+    field; None when it is about all of them (the placeholders)."""
+
+    def __init__(self, message: str, image: int | None = None):
+        super().__init__(message)
+        self.image = image
 
     @classmethod
     def placeholders(cls, images: int, places: int) -> ImageRejected:
@@ -14,3 +23,14 @@ class ImageRejected(ValueError):
             f"the request has {images} image(s) but its chat prompt has {places} image place(s): each image must "
             "be a content part of a message"
         )
+
+
+@contextmanager
+def image_at(index: int) -> Iterator[None]:
+    """`with image_at(i):` an ImageRejected raised inside is about image `i` (unless it names one already)."""
+    try:
+        yield
+    except ImageRejected as exc:
+        if exc.image is None:
+            exc.image = index
+        raise
