@@ -39,11 +39,11 @@ $(VENV)/.installed: requirements/lock.txt pyproject.toml
 	touch $@
 
 # Our low-bit kernels (appliance/runtime/kernels/: a C++ OpenVINO extension), built against the serving venv's
-# openvino wheel whenever a source changes; one job under nice (install steps share their box). Needs g++ and cmake:
-# without them, or when the build fails, it says so in one line and OpenVINO's kernels serve (the tests fail under
-# CI=true instead).
+# openvino wheel whenever a source changes (or __init__.py, which declares the ABI compiled in, or build.py); one job
+# under nice (install steps share their box). Needs g++ and cmake: without them, or when the build fails, it says so
+# in one line and OpenVINO's kernels serve (the tests fail under CI=true instead).
 $(KERNELS_LIB): $(VENV)/.installed $(wildcard $(KERNELS_DIR)/*.cpp $(KERNELS_DIR)/*.h $(KERNELS_DIR)/*.hpp) \
-                $(KERNELS_DIR)/CMakeLists.txt
+                $(KERNELS_DIR)/CMakeLists.txt $(KERNELS_DIR)/__init__.py $(KERNELS_DIR)/build.py
 	nice $(BIN)/python -m appliance.runtime.kernels.build
 
 # The dev venv: torch's CPU build alone first (anything that lets pip choose a torch on the public index pulls the

@@ -6,7 +6,11 @@ under CI=true, where they fail: building it is ours."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import openvino as ov
@@ -14,7 +18,7 @@ import pytest
 from openvino import opset13 as ops
 
 from appliance.runtime import kernels
-from appliance.runtime.kernels.rewrite import OP, U8_ISAS, pair_layout, rewrite, scale_table
+from appliance.runtime.kernels.rewrite import OP, ROW_GROUPS, U8_ISAS, pair_layout, rewrite, row_groups, scale_table
 from tests.helpers import ours_missing
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -40,9 +44,12 @@ def _paths() -> list[str]:
     return list(kernels.ISAS)
 
 
-def _op_model(factory, k: int, packed: np.ndarray, sz: np.ndarray, group: int, isa: str, bits: int = 4) -> ov.Model:
+def _op_model(
+    factory, k: int, packed: np.ndarray, sz: np.ndarray, group: int, isa: str, bits: int = 4, row_group: int = 1
+) -> ov.Model:
+    """The op alone; `packed` row-major (row_group 1) or in row_groups' layout."""
     x = ops.parameter([-1, k], ov.Type.f32)
-    attrs = {"group_size": group, "isa": isa, "bits": bits}
+    attrs = {"group_size": group, "isa": isa, "bits": bits, "row_group": row_group}
     node = factory.create(OP, [x.output(0), ops.constant(packed).output(0), ops.constant(sz).output(0)], attrs)
     return ov.Model([node.output(0)], [x])
 
@@ -80,6 +87,7 @@ def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (amax / 254) @ wsum.T * (1 + 1e-3) + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
 
 
+@pytest.mark.parametrize("row_group", [1, 4, 8])  # row-major, what the rewrite makes on AVX2, two AVX2 passes
 @pytest.mark.parametrize("isa", _paths())
 @pytest.mark.parametrize(
     "n, k, group, zero, scale",
@@ -92,13 +100,15 @@ def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         (11, 320, 128, "15", "normal"),  # a last group of one pair and no unpaired block
     ],
 )
-def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale):
+def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale, row_group):
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
     rng = np.random.default_rng(n * 1000 + k)
     packed, sz, w = _case(rng, n, k, group, zero, scale)
-    compiled = core.compile_model(_op_model(got.factory, k, packed, sz, group, isa), "CPU", F32)
+    packed = row_groups(packed, row_group)  # N rounded up to row_group with zero rows past N
+    assert packed.shape == (-(-n // row_group) * row_group, -(-k // 32) * 16)
+    compiled = core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, row_group=row_group), "CPU", F32)
     for m in (1, 2, 3, 4, 5, 8, 16):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::7] *= 50  # outliers, as residual streams have
@@ -237,22 +247,79 @@ def test_rewrite_takes_u8_heads_on_vnni_paths_only(loaded, isa):
     assert np.abs(want - have).max() <= 0.02 * np.abs(want).max()
 
 
-def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded):
+@pytest.mark.parametrize("isa", _paths())
+def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
+    """Per path, with its weight layout (ROW_GROUPS: AVX2's rows in groups of 4; 97 rows: a padded last group)."""
     core, got = loaded
-    native, ours = _model(["u4", "f16", "i4"]), _model(["u4", "f16", "i4"])
-    assert rewrite(ours, got.factory) == 2
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}")
+    native, ours = _model(["u4", "f16", "i4"], n=97), _model(["u4", "f16", "i4"], n=97)
+    assert rewrite(ours, got.factory, isa) == 2
     kinds = [r.input_value(0).get_node().get_type_name() for r in ours.get_results()]
     assert kinds == [OP, OP, "MatMul"]
+    groups = [n.get_attributes()["row_group"] for n in ours.get_ordered_ops() if n.get_type_name() == OP]
+    assert groups == [ROW_GROUPS.get(isa, 1)] * 2
     x = np.random.default_rng(4).standard_normal((2, 3, 256)).astype(np.float32)
     want, have = core.compile_model(native, "CPU", F32)(x), core.compile_model(ours, "CPU", F32)(x)
     for i in range(3):
         a, b = want[i], have[i]
-        assert a.shape == b.shape == (2, 3, 96)
+        assert a.shape == b.shape == (2, 3, 97)
         assert np.abs(a - b).max() <= 0.02 * np.abs(a).max()  # int8 activations: ~0.5% measured
     np.testing.assert_array_equal(want[2], have[2])  # the i4 chain kept OpenVINO's kernel
 
 
 # ---------------------------------------------------------------- fallbacks
+
+
+@pytest.fixture(scope="module")
+def other_abi(tmp_path_factory) -> Path:
+    """The library built from these sources for another ABI, as a stale build beside newer Python code would be."""
+    from appliance.runtime.kernels import build
+
+    out = tmp_path_factory.mktemp("other-abi")
+    try:
+        return build.build(build.HERE, out, abi=kernels.ABI + 1)
+    except RuntimeError as exc:
+        ours_missing(f"the kernels library does not build here: {exc}")
+
+
+def test_the_library_reports_the_abi_this_code_needs(loaded):
+    _, got = loaded
+    assert kernels._abi(ctypes.CDLL(str(got.path))) == kernels.ABI
+
+
+def test_a_library_of_another_abi_is_refused_and_openvino_serves(loaded, other_abi, monkeypatch, caplog):
+    """A stale library is never handed to OpenVINO (an older one asserted at its first call): one log line says
+    why, and the model runs OpenVINO's kernels with their exact outputs."""
+    core, _ = loaded
+    caplog.set_level(logging.INFO, logger="appliance.runtime.kernels")
+    monkeypatch.setenv(kernels.LIBRARY_ENV, str(other_abi))
+    assert kernels._abi(ctypes.CDLL(str(other_abi))) == kernels.ABI + 1
+    got, why = kernels.load(core)
+    assert got is None and f"built for ABI {kernels.ABI + 1}, this code needs ABI {kernels.ABI}" in why
+    model = _model(["u4", "f16"])
+    assert kernels.apply(model, core, choice="ours", device="CPU", precision=None, name="m") == "openvino"
+    assert not any(n.get_type_name() == OP for n in model.get_ordered_ops())
+    x = np.random.default_rng(4).standard_normal((2, 3, 256)).astype(np.float32)
+    have, want = core.compile_model(model, "CPU", F32)(x), core.compile_model(_model(["u4", "f16"]), "CPU", F32)(x)
+    for i in range(2):
+        np.testing.assert_array_equal(have[i], want[i])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kernels: openvino")]
+    assert len(lines) == 1 and f"ABI {kernels.ABI + 1}" in lines[0], lines
+
+
+def test_a_library_from_before_the_abi_is_refused(loaded, monkeypatch, tmp_path):
+    """A build older than the version symbol (it exports only appliance_kernels_isas) is refused the same way."""
+    compiler = shutil.which("c++")
+    if compiler is None:
+        ours_missing("no c++ compiler (make venv needs one)")
+    src = tmp_path / "old.cpp"
+    src.write_text('extern "C" const char* appliance_kernels_isas() { return "avx2"; }\n')
+    old = tmp_path / "libold.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(old), str(src)], check=True)
+    monkeypatch.setenv(kernels.LIBRARY_ENV, str(old))
+    got, why = kernels.load(loaded[0])
+    assert got is None and "built for an older ABI (no version)" in why
 
 
 def test_apply_falls_back_to_openvino_and_says_so(loaded, monkeypatch, tmp_path, caplog):
@@ -377,9 +444,9 @@ def test_a_plugin_that_refuses_our_op_leaves_openvino_serving(loaded, monkeypatc
 
 def test_small_layers_keep_openvino(loaded, monkeypatch):
     """Under kernels.MIN_WEIGHTS our op's fixed cost per call outweighs what it saves: such MatMuls stay native."""
-    core, _ = loaded
+    core, got = loaded
     monkeypatch.delenv(kernels.MIN_WEIGHTS_ENV)
-    small, large = _model(["u4"]), _model(["u4"], n=kernels.MIN_WEIGHTS // 256, k=256)
+    small, large = _model(["u4"]), _model(["u4"], n=kernels.MIN_WEIGHTS[got.isa] // 256, k=256)
     assert kernels.apply(small, core, choice="auto", device="CPU", precision=None) == "openvino"
     assert kernels.apply(large, core, choice="auto", device="CPU", precision=None).startswith("appliance-")
 

@@ -4,8 +4,9 @@ int4 to f32 (AVX2 boxes: brgemm_avx2_f32) or needs integer zero points to quanti
 
 This module finds and loads the library and says which path runs; rewrite.py swaps the MatMuls at load; build.py
 compiles the library (what `make venv` and the Dockerfile run). Everything degrades to OpenVINO's own kernels: no
-library (no compiler at install time, a failed build), a CPU without AVX2+FMA, a library that does not load, or
-`--kernels openvino`; `appliance serve` never fails because of it.
+library (no compiler at install time, a failed build), a library built for another ABI (a stale build beside newer
+Python code), a CPU without AVX2+FMA, a library that does not load, or `--kernels openvino`; `appliance serve` never
+fails because of it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LIBRARY = "libappliance_kernels.so"
+# What rewrite.py and the library agree on (the op's inputs, attributes and their layouts, the exported symbols):
+# build.py compiles this number into the library and load() refuses a library that reports another one. A library
+# built from older sources once asserted at its first call ("sz must hold ceil(K / group_size)") instead of
+# falling back. Bump it with any change to that contract.
+ABI = 2
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
@@ -40,8 +46,12 @@ KERNEL_ROWS = {"avx2": 16, "avxvnni": 4, "avx512vnni": 4}
 # on ours at M = 1 on the AVX512-VNNI box: 1.14x OpenVINO's time (CPU time 1.05x; bench.kernels --shapes 1536x1536
 # --layers 200 --reps 7, load 4.4), and the decode step with them kept native (floor 2^22 instead of 2^21) took
 # 0.94x the wall and 0.99x the CPU time (bench.profile, 24 steps x 5 interleaved reps, load 4-5.5). Llama-3.2-1B's
-# q/o (2048 x 2048 = 2^22) still take ours: not measured. APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
-MIN_WEIGHTS = 1 << 22
+# q/o (2048 x 2048 = 2^22) still take ours: not measured. On AVX2 (against brgemm_avx2_f32, rows grouped by
+# rewrite.ROW_GROUPS) the q/o shape is well ahead per op at M = 1: 0.54 of OpenVINO's time (CPU time 0.53; 2-vCPU
+# EPYC Zen 3, bench.kernels --shapes 1536x1536 --layers 60 --reps 9, load 12), so there the floor is 2^21 and they
+# take ours; k/v (256 x 1536) measured 0.82 (CPU 0.86) but would bring the default model's layers along, not measured
+# end to end. APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
+MIN_WEIGHTS = {"avx2": 1 << 21, "avxvnni": 1 << 22, "avx512vnni": 1 << 22}
 MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
 
 
@@ -64,8 +74,17 @@ class Kernels:
         return f"appliance-{self.isa}"
 
 
-def _isas(path: Path) -> tuple[str, ...]:
-    lib = ctypes.CDLL(str(path))
+def _abi(lib: ctypes.CDLL) -> int | None:
+    """The ABI the library was built for; None for a library from before it said so."""
+    try:
+        fn = lib.appliance_kernels_abi
+    except AttributeError:
+        return None
+    fn.restype = ctypes.c_int
+    return int(fn())
+
+
+def _isas(lib: ctypes.CDLL) -> tuple[str, ...]:
     lib.appliance_kernels_isas.restype = ctypes.c_char_p
     return tuple(x for x in lib.appliance_kernels_isas().decode().split(",") if x)
 
@@ -80,7 +99,13 @@ def load(core: Any, choice: str = "auto") -> tuple[Kernels | None, str]:
     try:
         from openvino.utils.node_factory import NodeFactory
 
-        supported = _isas(path)  # loads openvino's own libraries first: openvino is imported by now
+        lib = ctypes.CDLL(str(path))  # loads openvino's own libraries first: openvino is imported by now
+        abi = _abi(lib)
+        if abi != ABI:
+            built = "an older ABI (no version)" if abi is None else f"ABI {abi}"
+            rebuild = "python -m appliance.runtime.kernels.build"
+            return None, f"{path} was built for {built}, this code needs ABI {ABI} (rebuild: {rebuild})"
+        supported = _isas(lib)
         if not supported:
             return None, "this CPU has no AVX2+FMA"
         isa = os.environ.get(ISA_ENV, "").strip().lower() or supported[0]
@@ -111,7 +136,7 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
         from appliance.runtime.kernels.rewrite import rewrite
 
         try:
-            floor = int(os.environ.get(MIN_WEIGHTS_ENV, MIN_WEIGHTS))
+            floor = int(os.environ.get(MIN_WEIGHTS_ENV, MIN_WEIGHTS[loaded.isa]))
             count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor)
         except Exception as exc:  # an IR shape we did not foresee: OpenVINO's kernels serve it
             why = f"rewrite failed: {exc}"

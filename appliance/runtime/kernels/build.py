@@ -18,14 +18,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from appliance.runtime.kernels import LIBRARY
+from appliance.runtime.kernels import ABI, LIBRARY
 
 HERE = Path(__file__).resolve().parent
 
 
-def build(source: Path, out_dir: Path) -> Path:
+def build(source: Path, out_dir: Path, abi: int = ABI) -> Path:
     """Configures and builds in a temporary directory (one job: install steps share their box), then copies the
-    library to out_dir. Raises RuntimeError saying why."""
+    library to out_dir. `abi`: the version compiled in (kernels.ABI; another only to test the loader's refusal).
+    Raises RuntimeError saying why."""
     import openvino
 
     for tool in ("cmake", "c++"):
@@ -34,7 +35,11 @@ def build(source: Path, out_dir: Path) -> Path:
     cmake_dir = Path(openvino.__file__).resolve().parent / "cmake"
     with tempfile.TemporaryDirectory(prefix="appliance-kernels-") as tmp:
         steps = [
-            ["cmake", "-S", str(source), "-B", tmp, f"-DOpenVINO_DIR={cmake_dir}", f"-DTBB_DIR={cmake_dir}"],
+            [
+                "cmake",
+                *("-S", str(source), "-B", tmp, f"-DOpenVINO_DIR={cmake_dir}", f"-DTBB_DIR={cmake_dir}"),
+                f"-DAPPLIANCE_KERNELS_ABI={abi}",
+            ],
             ["cmake", "--build", tmp, "--parallel", "1"],
         ]
         for step in steps:

@@ -10,8 +10,8 @@
 // scales with |q - z| (<= 15 - z) instead of q (<= 15). With the exact sum, Q4_1 grids (z ~ 7.5) measured a
 // 1.2-2.2% error of the largest output on the default model's layers, against 0.4-0.9% this way.
 //
-// Weights stay as OpenVINO stores u4 (no repacking): byte j of a 32-block holds elements 2j (low nibble) and 2j+1
-// (high nibble). One 32-byte load is two blocks; AND and shift+AND give their even and their odd elements. The
+// Weights keep OpenVINO's u4 byte order within a row: byte j of a 32-block holds elements 2j (low nibble) and 2j+1
+// (high nibble); rewrite.py interleaves rows by groups of rg at load (lowbit_kernel.h, rows_of below). One 32-byte load is two blocks; AND and shift+AND give their even and their odd elements. The
 // activations are stored to match, per pair of blocks (b, b+1): [b even 16, b+1 even 16, b odd 16, b+1 odd 16]
 // (a last unpaired block: [even 16, odd 16]). Against one block per 256-bit register (unpacked through 128-bit
 // halves), measured standalone on 1 thread at 1536 x 1536, g128, AVX2 path, best of 200 interleaved on a loaded
@@ -40,6 +40,50 @@ constexpr int BLOCK = 32;
 constexpr int CHAINS = LOWBIT_CHAINS;
 constexpr int MTILE = 4;  // rows of x per pass over a weight row: the row stays in L1, read from memory once
 
+inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline int hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// One block of 32 floats to int8 (d = max|v| / 127, q = round(v / d): the scalar code's division, rounded to
+// nearest even as nearbyint) as [its 16 even elements, its 16 odd ones]; returns the sum of q, sets d. Scalar, it
+// was serial work before the parallel rows worth ~12% of the op at M = 1 (41 us at K = 8960 against ~300 us of
+// rows on 2 threads); vectorized ~30 instructions per block.
+inline int quantize_block(const float* v, float& d, __m256i& out) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 f[4];
+    for (int i = 0; i < 4; ++i) f[i] = _mm256_loadu_ps(v + 8 * i);
+    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(f[0], abs_mask), _mm256_and_ps(f[1], abs_mask)),
+                                      _mm256_max_ps(_mm256_and_ps(f[2], abs_mask), _mm256_and_ps(f[3], abs_mask)));
+    d = hmax(amax) / 127.f;
+    if (!(d > 0.f)) {  // all zero (or denormals flushed): q = 0
+        out = _mm256_setzero_si256();
+        return 0;
+    }
+    // Division, not a multiplication by 1/d: 1/d overflows when d is denormal.
+    const __m256 dv = _mm256_set1_ps(d);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(f[i], dv));
+    const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    // packs (|q| <= 127: no saturation) leave dwords of 4 bytes as [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, ...]:
+    // back to natural order, then per 128-bit lane its evens and its odds, then the lanes' evens together.
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    out = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, split), 0xd8);
+    return sum;
+}
+
 // Quantizes blocks [b0, b1) of rows of x [M, K] to xq [M, Kp] (paired layout above), dxv [M, pairs, 8] (lanes 0-3:
 // the pair's first block's dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums xs [M, G] of
 // dx * sum xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel.
@@ -54,26 +98,23 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
         for (int64_t g = b0 * BLOCK / gs; g < (b1 * BLOCK + gs - 1) / gs && g < G; ++g) sr[g] = 0.f;
         for (int64_t i = b0 / 2 * 8; i < (b1 + 1) / 2 * 8; ++i) dr[i] = 0.f;
         for (int64_t b = b0; b < b1; ++b) {
-            float v[BLOCK];
-            for (int i = 0; i < BLOCK; ++i) {
-                const int64_t k = b * BLOCK + i;
-                v[i] = k < K ? xr[k] : 0.f;
+            const float* v = xr + b * BLOCK;
+            float tail[BLOCK];
+            if ((b + 1) * BLOCK > K) {  // the last block past K: zeros
+                for (int i = 0; i < BLOCK; ++i) tail[i] = b * BLOCK + i < K ? v[i] : 0.f;
+                v = tail;
             }
-            float amax = 0.f;
-            for (int i = 0; i < BLOCK; ++i) amax = std::fmax(amax, std::fabs(v[i]));
-            const float d = amax / 127.f;
+            float d;
+            __m256i q;
+            const int sum = quantize_block(v, d, q);
             const int64_t pair = b / 2, second = b % 2;
             for (int i = 0; i < 4; ++i) dr[pair * 8 + second * 4 + i] = d;
-            const bool paired = pair * 2 + 1 < blocks;
             int8_t* base = qr + pair * 2 * BLOCK;
-            int sum = 0;
-            for (int i = 0; i < BLOCK; ++i) {
-                // Division, not a multiplication by 1/d: 1/d overflows when d is denormal.
-                int q = d > 0.f ? static_cast<int>(std::nearbyint(v[i] / d)) : 0;
-                q = q < -127 ? -127 : (q > 127 ? 127 : q);
-                const int64_t at = paired ? (i & 1) * 32 + second * 16 + (i >> 1) : (i & 1) * 16 + (i >> 1);
-                base[at] = static_cast<int8_t>(q);
-                sum += q;
+            if (pair * 2 + 1 < blocks) {  // [first even 16, second even 16, first odd 16, second odd 16]
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(base + second * 16), _mm256_castsi256_si128(q));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 32 + second * 16), _mm256_extracti128_si256(q, 1));
+            } else {  // an unpaired last block: [even 16, odd 16]
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(base), q);
             }
             sr[(b * BLOCK) / gs] += d * static_cast<float>(sum);
         }
@@ -93,15 +134,16 @@ inline float hsum128(__m128 s) {
     return _mm_cvtss_f32(s);
 }
 
-// One pair of blocks of a weight row (32 bytes of u4, or 64 of u8 in the paired layout) as its even and odd halves.
+// Pair p of blocks of a weight row (32 bytes of u4, or 64 of u8 in the paired layout) as its even and odd halves;
+// `stride`: bytes from one pair of the row to the next (rg rows' pairs sit between: lowbit_kernel.h).
 template <bool W8>
-inline void load_pair(const uint8_t* w, int64_t p, __m256i& lo, __m256i& hi) {
+inline void load_pair(const uint8_t* w, int64_t p, int64_t stride, __m256i& lo, __m256i& hi) {
     if (W8) {
-        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * BLOCK));
-        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 2 * BLOCK + BLOCK));
+        lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * stride));
+        hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * stride + BLOCK));
     } else {
         const __m256i mask = _mm256_set1_epi8(0x0f);
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * BLOCK));
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * stride));
         lo = _mm256_and_si256(raw, mask);
         hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
     }
@@ -121,12 +163,13 @@ inline void load_x(const int8_t* xrow, const float* drow, int64_t Kp, int64_t pa
 // Software prefetch PREFETCH bytes ahead in a weight row, once per 64-byte line: with NR rows per pass the hardware
 // prefetcher follows NR streams. At M = 1, weights from memory (48 layers), 1 thread, loaded box: 1024 bytes ahead
 // took 0.76-1.0 of the time without (8960x1536 / 1536x8960 g128, AVX2 and AVX512-VNNI), 512 ahead 0.81-0.95.
+// With grouped rows (one contiguous run per pass) on the AVX2 EPYC (standalone, 1 thread, load 11): 256, 1024, 2048
+// and 4096 ahead within noise of each other (medians 1.1-1.8 ms a layer), none ahead 1.4-1.8 ms.
 constexpr int64_t PREFETCH = 1024;
 
-template <bool W8>
-inline void prefetch(const uint8_t* w, int64_t p) {
-    const int64_t at = p * (W8 ? 2 * BLOCK : BLOCK);
-    if (at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + at + PREFETCH), _MM_HINT_T0);
+// `off`: the row's first pair's offset in its group of rows (the lines are the group's).
+inline void prefetch(const uint8_t* w, int64_t p, int64_t stride, int64_t off) {
+    if ((p * stride + off) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + PREFETCH), _MM_HINT_T0);
 }
 
 // A weight row's zero-point terms bias[m] = sum_g (s z)[g] xs[m, g] for rows [m0, m0 + MT) of x; sz: the row's
@@ -153,14 +196,20 @@ inline void row_bias(const LowbitArgs& a, const float* sz, const float* xs, int6
 template <int MT, int NR, bool W8>
 inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
     const int64_t blocks = a.Kp / BLOCK, pairs = (blocks + 1) / 2, full = blocks / 2;
-    const int64_t row_bytes = W8 ? a.Kp : a.Kp / 2;
+    const int64_t pair_bytes = W8 ? 2 * BLOCK : BLOCK, stride = a.rg * pair_bytes;
     const int64_t per_group = a.gs / BLOCK;  // blocks per group: 1 (Q4_1) or even (4: NNCF's g128)
-    const uint8_t* w[NR];
-    const float* sf[NR];  // the row's group scales
+    const uint8_t* w[NR];     // the row's first pair
+    const uint8_t* last[NR];  // its unpaired last block
+    int64_t off[NR];          // w[r]'s offset in its group of rows
+    const float* sf[NR];      // the row's group scales
     float bias[NR][MT];
     __m256 acc[MT][NR];
     for (int r = 0; r < NR; ++r) {
-        w[r] = a.w + (n0 + r) * row_bytes;
+        const int64_t n = n0 + r, in_group = n % a.rg;
+        const uint8_t* group = a.w + (n - in_group) * (W8 ? a.Kp : a.Kp / 2);
+        off[r] = in_group * pair_bytes;
+        w[r] = group + off[r];
+        last[r] = group + full * stride + in_group * (pair_bytes / 2);
         sf[r] = a.sz + (n0 + r) * 2 * a.G;
         row_bias<MT>(a, sf[r], xs, m0, bias[r]);
         for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_setzero_ps();
@@ -176,9 +225,9 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
             for (int r = 0; r < NR; ++r) {
                 const float* s = sf[r] + 2 * p;
                 const __m256 sv = _mm256_set_m128(_mm_broadcast_ss(s + 1), _mm_broadcast_ss(s));
-                prefetch<W8>(w[r], p);
+                prefetch(w[r], p, stride, off[r]);
                 __m256i lo, hi;
-                load_pair<W8>(w[r], p, lo, hi);
+                load_pair<W8>(w[r], p, stride, lo, hi);
                 for (int m = 0; m < MT; ++m)
                     acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(LOWBIT_DOT2(lo, xl[m], hi, xh[m])),
                                                 _mm256_mul_ps(dv[m], sv), acc[m][r]);
@@ -197,9 +246,9 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                 __m256 dv[MT];
                 load_x<MT>(xrow, drow, a.Kp, pairs, p, xl, xh, dv);
                 for (int r = 0; r < NR; ++r) {
-                    prefetch<W8>(w[r], p);
+                    prefetch(w[r], p, stride, off[r]);
                     __m256i lo, hi;
-                    load_pair<W8>(w[r], p, lo, hi);
+                    load_pair<W8>(w[r], p, stride, lo, hi);
                     for (int m = 0; m < MT; ++m)
                         gacc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(LOWBIT_DOT2(lo, xl[m], hi, xh[m])), dv[m],
                                                      gacc[m][r]);
@@ -217,10 +266,10 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
             const float s = sf[r][b / per_group];
             __m128i lo, hi;
             if (W8) {  // [even 16, odd 16], as the activations
-                lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * BLOCK));
-                hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * BLOCK + 16));
+                lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(last[r]));
+                hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(last[r] + 16));
             } else {
-                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + b * (BLOCK / 2)));
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(last[r]));
                 const __m128i m4 = _mm_set1_epi8(0x0f);
                 lo = _mm_and_si128(raw, m4);
                 hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
@@ -257,8 +306,22 @@ inline void rows_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, c
 // Weight rows per pass for MT rows of x.
 constexpr int nr(int mt) { return CHAINS / mt > 1 ? CHAINS / mt : 1; }
 
+// Weights in groups of rg rows (lowbit_kernel.h) are read a whole group per pass (MT = 1, NR = CHAINS rows: one
+// contiguous run), once per row of x while the group sits in L1/L2. MT = 4 passes of one row each would read every
+// line of a group in four strided half-passes. Standalone on the 2-vCPU AVX2 EPYC (1 thread, 10 layers of NNCF u4
+// g128, thread CPU time, medians of 8, load 10; 8960x1536 / 1536x8960), this order against row-major weights with
+// MT = 4: M = 1 1.67 / 1.31 ms vs 2.63 / 1.50; M = 2 1.98 / 1.92 vs 2.72 / 2.11; M = 4 3.75 / 3.23 vs 3.10 / 2.36
+// (slower: compute-bound there, MT = 4 shares each unpacked weight); M = 16 12.9 / 9.3 vs 10.7 / 11.6.
+
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
+    if (a.rg > 1) {  // grouped rows (rewrite.py's u4): whole groups per pass, once per row of x (see above)
+        for (int64_t n = n0; n < n1; n += nr(1)) {
+            const int64_t e = n + nr(1) < n1 ? n + nr(1) : n1;
+            for (int64_t m = 0; m < a.M; ++m) rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m, n, e);
+        }
+        return;
+    }
     int64_t m0 = 0;
     for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE, nr(MTILE), W8>(a, xq, dxv, xs, m0, n0, n1);
     switch (a.M - m0) {

@@ -4,7 +4,8 @@
 // [N, Kp] in our paired layout (lowbit_kernel.hpp; rewrite.py repacks at load); sz u8 [N, 8 G]: per
 // row the f32 bits of its G group scales, then of the G products scale x zero point (rewrite.scale_table; raw
 // bytes, so that no precision setting of the plugin converts them). Attributes: group_size (32 or a multiple of 64), isa
-// ("auto", "avx2", "avxvnni", "avx512vnni"), bits (4, or 8 on the VNNI paths). Output f32 [..., N]. Why, with measurements:
+// ("auto", "avx2", "avxvnni", "avx512vnni"), bits (4, or 8 on the VNNI paths), row_group (w's rows interleaved by
+// groups of that many, lowbit_kernel.h; 1: row-major). Output f32 [..., N]. Why, with measurements:
 // appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -56,8 +57,9 @@ public:
     OPENVINO_OP("LowBitMatMul", "appliance");
 
     LowBitMatMul() = default;
-    LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa, int64_t bits = 4)
-        : Op(args), m_group_size(group_size), m_isa(std::move(isa)), m_bits(bits) {
+    LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa, int64_t bits = 4,
+                 int64_t row_group = 1)
+        : Op(args), m_group_size(group_size), m_isa(std::move(isa)), m_bits(bits), m_row_group(row_group) {
         constructor_validate_and_infer_types();
     }
 
@@ -69,6 +71,7 @@ public:
         OPENVINO_ASSERT(!best_isa().empty(), "LowBitMatMul: needs AVX2 and FMA");
         OPENVINO_ASSERT(m_bits == 4 || (m_bits == 8 && resolved() != "avx2"),
                         "LowBitMatMul: bits must be 4, or 8 on a VNNI path (avxvnni, avx512vnni)");
+        OPENVINO_ASSERT(m_row_group >= 1 && m_row_group <= 64, "LowBitMatMul: row_group must be 1..64");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
@@ -76,13 +79,14 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits);
+        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("group_size", m_group_size);
         visitor.on_attribute("isa", m_isa);
         visitor.on_attribute("bits", m_bits);
+        visitor.on_attribute("row_group", m_row_group);
         return true;
     }
 
@@ -99,8 +103,10 @@ public:
         a.gs = m_group_size;
         a.Kp = (a.K + 31) / 32 * 32;
         a.bits = m_bits;
-        OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == a.N * a.Kp * a.bits / 8,
-                        "LowBitMatMul: w must hold N x Kp x bits / 8 bytes");
+        a.rg = m_row_group;
+        const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
+        OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
+                        "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");
         OPENVINO_ASSERT(a.G == (a.K + a.gs - 1) / a.gs, "LowBitMatMul: sz must hold ceil(K / group_size) groups per row");
         ov::Shape ys = xs;
         ys.back() = static_cast<size_t>(a.N);
@@ -140,9 +146,10 @@ public:
             kernel.rows(a, q, d, sm, 0, a.N);
             return true;
         }
-        const int64_t grain = std::max<int64_t>(16, a.N / (4 * threads));
-        tbb::parallel_for(tbb::blocked_range<int64_t>(0, a.N, grain), [&](const tbb::blocked_range<int64_t>& r) {
-            kernel.rows(a, q, d, sm, r.begin(), r.end());
+        // Split by whole groups of rows (row_group): each task streams one contiguous run of w.
+        const int64_t grain = std::max<int64_t>(1, std::max<int64_t>(16, a.N / (4 * threads)) / a.rg);
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, padded / a.rg, grain), [&](const tbb::blocked_range<int64_t>& r) {
+            kernel.rows(a, q, d, sm, r.begin() * a.rg, std::min(a.N, r.end() * a.rg));
         });
         return true;
     }
@@ -153,9 +160,13 @@ private:
     int64_t m_group_size = 128;
     std::string m_isa = "auto";
     int64_t m_bits = 4;
+    int64_t m_row_group = 1;
 };
 
 }  // namespace appliance
+
+// For Python (ctypes): the ABI this library was built for (kernels.ABI, from build.py), checked before loading it.
+extern "C" __attribute__((visibility("default"))) int appliance_kernels_abi() { return APPLIANCE_KERNELS_ABI; }
 
 // For Python (ctypes): which paths this CPU runs, widest first, comma-separated ("" = none: the op refuses).
 extern "C" __attribute__((visibility("default"))) const char* appliance_kernels_isas() {

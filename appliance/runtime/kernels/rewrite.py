@@ -17,8 +17,9 @@ head on ours moves: next-token TVD against OpenVINO's kernels at Qwen2.5-1.5B (b
 --kernels auto openvino, 8 prompts) median 0.0137 / max 0.0169 with it, 0.0140 / 0.0162 with only the u4 layers on
 ours: within the noise of the u4 layers' own (above the 0.01 target either way).
 
-Memory: the op reads the u4 bytes as a u8 copy ([N, K/2]; OpenVINO's Python API cannot share a read-only constant's
-memory; the new Constant shares our copy, so it is made once) and a u8 [N, 8 G] of f32 scales and scale x zero point
+Memory: the op reads the u4 bytes as a u8 copy ([N, K/2], on AVX2 rows interleaved by groups of 4: row_groups;
+OpenVINO's Python API cannot share a read-only constant's memory, so a copy is made anyway, and the new Constant
+shares it) and a u8 [N, 8 G] of f32 scales and scale x zero point
 products (scale_table: 8 bytes per group, against the IR's 2-4; +36 MB at Qwen2.5-1.5B's u4 g128 layers).
 The backends keep a second, unrewritten graph for prefill (KERNEL_ROWS), which holds the plugin's own copy: the
 default model's engine RSS went 243 -> 371 MB with every layer on ours (386 before the Constants shared our copy).
@@ -35,20 +36,27 @@ import openvino as ov
 
 OP = "LowBitMatMul"
 U8_ISAS = ("avxvnni", "avx512vnni")  # vpdpbusd sums u8 x s8 in i32; AVX2's maddubs would saturate u8 pairs in i16
+# u4 weight rows per group of the op's interleaved layout (row_groups), per path: the rows one pass of the AVX2 kernel
+# reads at M = 1 (lowbit_kernel.hpp CHAINS), so that it streams one contiguous run instead of 4 rows' streams. On the
+# 2-vCPU AVX2 EPYC (Zen 3) it took the op from 0.84 / 0.48 of OpenVINO's time to 0.52 / 0.56 at M = 1 (8960x1536 /
+# 1536x8960; CPU time 0.85 / 0.61 -> 0.51 / 0.45; bench.kernels --layers 10, load 9-12: docs/performance.md). The
+# VNNI paths keep row-major weights (rg 1) until measured on a VNNI box: grouped rows run passes of one row of x.
+ROW_GROUPS = {"avx2": 4}
 
 
 @dataclass(frozen=True)
 class Chain:
     """A matched u4 decompression chain, as arrays for the op."""
 
-    packed: np.ndarray  # u8 [N, K/2] (u4) or [N, K] (u8, in the op's paired layout: pair_layout)
+    packed: np.ndarray  # u8 [N, K/2] (u4: row_groups) or [N, K] (u8, in the op's paired layout: pair_layout)
     sz: np.ndarray  # u8 [N, 8 G]: scale_table
     group_size: int
     bits: int = 4
+    row_group: int = 1  # the packed rows' interleaving (row_groups)
 
     @property
     def weights(self) -> int:
-        return self.packed.size * 8 // self.bits
+        return self.sz.shape[0] * self.packed.shape[1] * 8 // self.bits
 
 
 def pair_layout(q: np.ndarray) -> np.ndarray:
@@ -62,6 +70,22 @@ def pair_layout(q: np.ndarray) -> np.ndarray:
         last = q[:, -32:]
         out.append(np.concatenate([last[:, 0::2], last[:, 1::2]], 1))
     return np.ascontiguousarray(np.concatenate([o.reshape(n, -1) for o in out], 1))
+
+
+def row_groups(packed: np.ndarray, rows: int) -> np.ndarray:
+    """u4 weights [N, Kp / 2] (two per byte, each row's pairs of 32-blocks 32 bytes) in the op's interleaved layout
+    (lowbit_kernel.h): N rounded up to `rows` with zero rows, then per group of `rows` rows their first pairs one after
+    the other, their second pairs, ..., and their unpaired last blocks (16 bytes each). A pass over `rows` weight rows
+    then reads one contiguous run instead of `rows` interleaved streams. Same size (plus the padding rows)."""
+    n, nb = packed.shape
+    padded = -(-n // rows) * rows
+    full = nb // 32
+    p = np.zeros((padded, nb), np.uint8)
+    p[:n] = packed
+    groups = padded // rows
+    head = p[:, : full * 32].reshape(groups, rows, full, 32).transpose(0, 2, 1, 3).reshape(groups, -1)
+    tail = p[:, full * 32 :].reshape(groups, -1)
+    return np.ascontiguousarray(np.concatenate([head, tail], 1).reshape(padded, nb))
 
 
 def scale_table(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
@@ -96,9 +120,9 @@ def _is(output: ov.Output, kind: str) -> bool:
     return output.get_node().get_type_name() == kind
 
 
-def match(matmul: ov.Node, u8: bool = False) -> Chain | None:
+def match(matmul: ov.Node, u8: bool = False, row_group: int = 1) -> Chain | None:
     """The u4 chain (or with `u8`, also a u8 one) feeding `matmul`'s weight input, or None when it is anything
-    else."""
+    else; u4 rows grouped by `row_group` (row_groups)."""
     attrs = matmul.get_attributes()
     if attrs.get("transpose_a") or not attrs.get("transpose_b"):
         return None
@@ -140,8 +164,9 @@ def match(matmul: ov.Node, u8: bool = False) -> Chain | None:
         return None
     sz = scale_table(s.astype(np.float16), z.astype(np.float16))
     data = np.asarray(values.get_data()).view(np.uint8)
-    packed = data.reshape(n, k // 2).copy() if bits == 4 else pair_layout(data.reshape(n, k))
-    return Chain(packed, sz, group_size, bits)
+    if bits == 8:
+        return Chain(pair_layout(data.reshape(n, k)), sz, group_size, bits)
+    return Chain(row_groups(data.reshape(n, k // 2), row_group), sz, group_size, bits, row_group)
 
 
 def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0) -> int:
@@ -154,7 +179,7 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
     found = []
     for node in model.get_ordered_ops():
         if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32:
-            chain = match(node, u8=isa in U8_ISAS)
+            chain = match(node, u8=isa in U8_ISAS, row_group=ROW_GROUPS.get(isa, 1))
             if chain is not None and chain.weights >= min_weights:
                 found.append((node, chain))
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
@@ -167,7 +192,7 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
                 ops.constant(chain.packed, shared_memory=True).output(0),  # our copy, not copied again
                 ops.constant(chain.sz, shared_memory=True).output(0),
             ],
-            {"group_size": chain.group_size, "isa": isa, "bits": chain.bits},
+            {"group_size": chain.group_size, "isa": isa, "bits": chain.bits, "row_group": chain.row_group},
         )
         new.set_friendly_name(node.get_friendly_name())
         swaps.append((node, new))
