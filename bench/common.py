@@ -75,9 +75,10 @@ def paired_ratio(
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]], title: str | None = None) -> str:
-    """columns: (key, header, format spec). Prints and returns the table."""
+    """columns: (key, header, format spec). Prints and returns the table (its header alone when there are no rows:
+    e.g. bench.deployed's batch-1 limits in a run without concurrency 1)."""
     widths = [
-        max(len(h), *(len(format(r.get(k, ""), f) if r.get(k) is not None else "-") for r in rows))
+        max([len(h)] + [len(format(r.get(k, ""), f) if r.get(k) is not None else "-") for r in rows])
         for k, h, f in columns
     ]
     lines = [title] if title else []
