@@ -89,6 +89,16 @@ class EngineConfig:
         "key what another sent); `shared`: all keys reuse each other's prefixes (one tenant)",
         flag="prefix-cache-sharing",
     )
+    # The vision feature cache (runtime/vision/feature_cache.py): an image file seen before skips its decode and
+    # vision encode (the prefix cache then skips its prefill). A budget per prefix-cache scope, so one API key never
+    # evicts another's images: the memory is at most this x (API keys + 1). 64 MiB holds 42 Qwen2-VL-2B images of
+    # 448 x 448 (1.5 MiB of features each).
+    image_cache_bytes: int = setting(
+        64 << 20,
+        "vision-language models: bytes of encoded images kept per API key (per prefix-cache scope), so the same "
+        "image file again skips its decode and vision encode (least recently used evicted); 0 turns it off",
+        flag="image-cache-bytes",
+    )
     # The prefix cache's disk tier (runtime/kv_disk.py, docs/kv-cache.md): off unless given a directory. Off by
     # default because it writes every full prompt block (a 2,000-token prompt of the default model: 27 MB) to the
     # disk, wear and bandwidth an edge box's flash should not pay for a deployment that does not reuse prefixes

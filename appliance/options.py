@@ -356,6 +356,9 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
     size = _kv_size(args)
     if getattr(args, "kv_disk_bytes", 1) < 1 or not getattr(args, "kv_disk_max_age", 1) > 0:
         raise ConfigError("--kv-disk-bytes must be at least 1 and --kv-disk-max-age positive")
+    image_cache = getattr(args, "image_cache_bytes", EngineConfig.image_cache_bytes)
+    if image_cache < 0:
+        raise ConfigError("--image-cache-bytes must be at least 0 (0 turns the cache off)")
     slots, knobs = _static_knobs(args, manifest, paged_only=size is not None or precision != "auto")
     cache_dir = _cache_dir(args.cache_dir, manifest)
     speculation = _speculation(args, slots)
@@ -377,6 +380,7 @@ def engine_config(args: argparse.Namespace | Mapping[str, Any], manifest) -> Eng
         kv_disk_dir=str(Path(args.kv_disk_dir).expanduser()) if getattr(args, "kv_disk_dir", None) else None,
         kv_disk_bytes=getattr(args, "kv_disk_bytes", EngineConfig.kv_disk_bytes),
         kv_disk_max_age=getattr(args, "kv_disk_max_age", EngineConfig.kv_disk_max_age),
+        image_cache_bytes=image_cache,
         static=bool(args.static),
         num_threads=args.num_threads,
         cache_dir=str(cache_dir) if cache_dir else None,

@@ -92,6 +92,12 @@ def http_run(base: str, model: str, batch: list, new_tokens: int, server_pid: in
     errors = [r["error"] for r in results if r["error"]]
     if errors or any(r["tokens"] != new_tokens for r in results):
         raise RuntimeError(f"HTTP run failed: tokens {[r['tokens'] for r in results]}, errors {errors[:3]}")
+    silent = [i for i, r in enumerate(results) if not r["times"]]
+    if silent:  # usage counted the tokens, yet no event carried a choice: nothing to time
+        raise RuntimeError(
+            f"HTTP run failed: request(s) {silent} of {len(results)} streamed no choice event "
+            f"(usage: {[results[i]['tokens'] for i in silent]} tokens)"
+        )
     end = max(r["times"][-1] for r in results)
     gaps = [b - a for r in results for a, b in zip(r["times"][1:], r["times"][2:])]  # after the opening event
     return {

@@ -3,7 +3,9 @@ interleaved (rotating which side goes first in every cell), one 448x448 picture 
 
 - ours (`--sides ours`): `appliance serve --model DIR` on loopback; OpenAI chat on /v3/chat/completions with the
   picture as an `image_url` data URL (JPEG) before the question, `stream: true`, `ignore_eos`, temperature 0.
-  TTFT = request sent -> first content event; decode tok/s = (tokens - 1) / (last content event - first).
+  TTFT = request sent -> the first chunk (the role, sent with the first token); decode tok/s = (tokens - 1) /
+  (the finish chunk, sent with the last token, - the first). Not the text deltas: a random-weight model's greedy
+  tokens may all be special tokens, whose text is empty (an answer of 64 `<|im_end|>` has no content event).
 - genai (`--sides genai`): at batch 1 `VLMPipeline.generate` (TTFT and decode from a token streamer on the same
   clock); at 4 concurrent requests its `ContinuousBatchingPipeline` (the one genai pipeline that batches VLM requests
   in 2026.4: `add_request(id, prompt, images, config)` for each, then its step loop, each handle read after every
@@ -90,17 +92,19 @@ def chat_stream(base: str, model: str, request: tuple[bytes, str], new_tokens: i
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    times, tokens, error = [], 0, None
+    times, tokens, text_events, error = [], 0, 0, None
     for now, event in sse_events(base + "/v3/chat/completions", body, session):
         if "error" in event:
             error = str(event["error"])
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
-        if any(c.get("delta", {}).get("content") for c in event.get("choices") or ()):
+        choices = event.get("choices") or ()
+        if choices:  # the role chunk (sent with the first token), each text delta, the finish chunk (the last token)
             times.append(now)
+            text_events += any(c.get("delta", {}).get("content") for c in choices)
     span = times[-1] - times[0] if len(times) > 1 else 0.0
     decode = (tokens - 1) / span if span > 0 else float("nan")
-    return {"times": times, "tokens": tokens, "text_events": len(times), "error": error, "decode_tok_s": decode}
+    return {"times": times, "tokens": tokens, "text_events": text_events, "error": error, "decode_tok_s": decode}
 
 
 def ours_run(server: ServerProcess, model: str, requests: list[tuple[bytes, str]], new_tokens: int) -> dict:

@@ -5,7 +5,8 @@ Two steps, because of the set-up gate (setup_gate.py): `tokenize` (the slot read
 for a vision-language model, stop-token ids in the vocabulary, the prompts' ids and their images' features:
 prompts.py) runs outside it, since the tokenizer drops the GIL and a 600,000-character prompt's 2 s of encoding
 held the gate, and so every other tenant's set-up (a victim's completion went from 0.08 to 1.17 s); an image's
-encoding (OpenVINO, also without the GIL) holds only its own model's vision lock. `admit` (bad words and the
+encoding (OpenVINO, also without the GIL) holds only its own model's vision lock, and is skipped for a file the
+tenant sent before (the vision feature cache, in the tenant's prefix-cache scope). `admit` (bad words and the
 prediction tokenized, the tenant's prefix-cache scope, the num_ctx window, the bounds on set-up work and logprob
 volume) runs inside it, one job at a time, tenants in turn. A refusal is `Rejected` with the Failed the worker
 answers: the request's fault a 400, a model that cannot serve a 503.
@@ -65,7 +66,7 @@ def tokenize(job: p.Job, slot: Slot, stopping: bool, limits: Limits) -> Tokenize
     check_images(job, engine, slot.spec.name)
     check_stop_token_ids(job.params, engine.manifest.vocab_size)
     window = min(job.context_window, engine.max_context) if job.context_window else None
-    pixels = limits.image_pixels
+    pixels, scope = limits.image_pixels, cache_scope(job.tenant, engine)
     spec: p.PromptSpec | None = None  # the prompt being read: an image's refusal names its field
     try:
         fits = []
@@ -73,7 +74,7 @@ def tokenize(job: p.Job, slot: Slot, stopping: bool, limits: Limits) -> Tokenize
             fits.append(fitted(spec, slot, job.params.max_tokens, window, image_tokens(spec, engine, pixels)))
         expanded = []
         for ids, spec in fits:  # `spec` fitted to num_ctx: the images its kept messages have
-            expanded.append(with_media(ids, spec, engine, pixels))
+            expanded.append(with_media(ids, spec, engine, pixels, scope))
         echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
     except ImageRejected as exc:  # the client's image: its format, its pixels, a corrupt file
         raise Rejected(image_refusal(exc, spec)) from None
@@ -164,9 +165,14 @@ def prepared(params: SamplingParams, engine: Engine) -> SamplingParams:
 
 def scoped(params: SamplingParams, tenant: str | None, engine: Engine) -> SamplingParams:
     """API keys kept apart in the prefix cache when the engine is configured so."""
-    if tenant and engine.config.prefix_cache_sharing == "keys":
-        return replace(params, cache_scope=tenant)
-    return params
+    scope = cache_scope(tenant, engine)
+    return replace(params, cache_scope=scope) if scope else params
+
+
+def cache_scope(tenant: str | None, engine: Engine) -> str:
+    """The request's namespace in the engine's caches (the prefix cache, the vision feature cache): its API key
+    with `--prefix-cache-sharing keys`, else "" (one namespace)."""
+    return tenant if tenant and engine.config.prefix_cache_sharing == "keys" else ""
 
 
 def windowed(params: SamplingParams, prompts: list[list[int]], window: int | None) -> SamplingParams:

@@ -117,6 +117,15 @@ KV_DISK_COUNTERS = (
     ("kv_disk_expired_blocks_total", "Disk tier blocks deleted by the age limit.", "kv_disk_expired_blocks"),
 )
 
+IMAGE_COUNTERS = (
+    ("image_encodes_total", "Images run through the vision encoder.", "image_encodes"),
+    (
+        "image_cache_hits_total",
+        "Images found in the vision feature cache (their decode and encode skipped).",
+        "image_cache_hits",
+    ),
+)
+
 
 def _family(name: str, help: str, total: float, per_model: Mapping[str, float], counter: bool = False) -> Metric:
     """The server-wide series, then one per model (label `model`)."""
@@ -219,6 +228,13 @@ class EngineGauges:
             yield _family(name, help, sum(values.values()), values, counter=True)
         disk = each("kv_disk_bytes")
         yield _family("kv_disk_bytes", "Bytes of KV blocks in the disk tier.", sum(disk.values()), disk)
+        for name, help, key in IMAGE_COUNTERS:  # vision-language models (runtime/vision/)
+            values = each(key)
+            yield _family(name, help, sum(values.values()), values, counter=True)
+        held = each("image_cache_bytes")
+        yield _family(
+            "image_cache_bytes", "Bytes of encoded images in the vision feature cache.", sum(held.values()), held
+        )
 
 
 class ServerMetrics:

@@ -91,12 +91,15 @@ def image_tokens(spec: p.PromptSpec, engine: Engine, max_pixels: int) -> list[in
     return tokens
 
 
-def with_media(ids: list[int], spec: p.PromptSpec, engine: Engine, max_pixels: int) -> tuple[list[int], Media | None]:
+def with_media(
+    ids: list[int], spec: p.PromptSpec, engine: Engine, max_pixels: int, scope: str = ""
+) -> tuple[list[int], Media | None]:
     """The prompt's ids with its images expanded, and their Media (features encoded here, in the job's thread, off
-    the engine thread); (ids, None) for a prompt without images."""
+    the engine thread, or found in the vision feature cache under `scope`); (ids, None) for a prompt without
+    images."""
     if not spec.images or engine.vision is None:
         return ids, None
-    return engine.vision.prepare(ids, spec.images, max_pixels)
+    return engine.vision.prepare(ids, spec.images, max_pixels, scope)
 
 
 def _fit_messages(

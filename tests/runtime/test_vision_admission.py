@@ -159,3 +159,21 @@ def test_media_reach_the_engine_submission(qwen: Slot):
         ("submit", {"media": tokenized.media[0]}),
         ("prompts", {}),  # a text job's submission as it always was
     ]
+
+
+def test_a_tenant_repeating_an_image_skips_its_encode_and_another_tenant_does_not(vlm_export):
+    """The vision feature cache in the request's prefix-cache scope: with `keys` sharing (the default) the same file
+    from the same API key is encoded once, from another key (or without a key) anew; with `shared`, every key hits."""
+    _, out, manifest = vlm_export("qwen2_vl")
+    for sharing, encodes in (("keys", [1, 1, 2, 3]), ("shared", [1, 1, 1, 1])):
+        config = EngineConfig(precision="f32", prefix_cache_sharing=sharing)
+        slot = _slot(out, manifest, VisionEncoder(out, manifest, config))
+        slot.engine.config = config  # type: ignore[union-attr]
+        vision = slot.engine.vision  # type: ignore[union-attr]
+        counts, prompts = [], []
+        for tenant in ("key-a", "key-a", "key-b", ""):
+            tokenized = tokenize(_job([_user(0)], [_png(0)], tenant=tenant), slot, False, Limits())
+            counts.append(vision.encodes)
+            prompts.append((tokenized.prompts, tokenized.media[0].images[0].digest))  # type: ignore[union-attr]
+        assert counts == encodes, sharing
+        assert all(p == prompts[0] for p in prompts)  # a hit is the same prompt as an encode

@@ -113,3 +113,21 @@ def test_num_tokens_is_what_prepare_writes(idefics):
     for image in _images():
         ids, _ = encoder.prepare(prompt, [_png(image)], LIMIT)
         assert len(ids) == len(prompt) - 1 + encoder.num_tokens(_png(image), LIMIT)
+
+
+def test_a_repeated_file_is_encoded_once_and_tiled_alike(idefics):
+    """The same file twice in one prompt (and again in the next request): one encode; every copy gets the same
+    tile rows and the same per-tile digests, so the prefix cache keys the copies alike."""
+    _, out, manifest, _ = idefics
+    encoder = VisionEncoder(out, manifest, EngineConfig(precision="f32"))
+    message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Again:"}, {"type": "image"}]}
+    prompt = Tokenizer.from_dir(out).encode_chat([message])
+    wide = _png(_images()[1])  # split into tiles: several spans an image
+    _, media = encoder.prepare(prompt, [wide, wide], LIMIT)
+    tiles = len(media.images) // 2
+    assert tiles > 1 and encoder.encodes == 1
+    first, second = media.images[:tiles], media.images[tiles:]
+    assert [s.digest for s in first] == [s.digest for s in second]
+    assert all(np.array_equal(a.features, b.features) for a, b in zip(first, second))
+    _, later = encoder.prepare(prompt, [wide, wide], LIMIT)
+    assert encoder.encodes == 1 and [s.digest for s in later.images] == [s.digest for s in media.images]

@@ -17,6 +17,7 @@ from appliance.runtime.vision import qwen2_vl as scheme
 from appliance.runtime.vision.decode import decode
 from appliance.runtime.vision.encoder import VisionEncoder
 from appliance.runtime.vision.errors import ImageRejected
+from appliance.runtime.vision.feature_cache import OVERHEAD
 from tests import tiny_vlms
 
 PIXEL_ATOL = 1e-5
@@ -163,10 +164,12 @@ def _gif() -> bytes:
 
 def test_concurrent_prepares_equal_serial_ones(qwen):
     """Job threads call prepare at once: the encodes take turns on the model's parts (one lock), each gets its own
-    rows, and the token counts from the headers are what prepare writes."""
+    rows, and the token counts from the headers are what prepare writes. (The feature cache off: every prepare
+    encodes.)"""
     from concurrent.futures import ThreadPoolExecutor
 
-    _, out, _, encoder = qwen
+    _, out, manifest, _ = qwen
+    encoder = VisionEncoder(out, manifest, EngineConfig(precision="f32", image_cache_bytes=0))
     prompt = Tokenizer.from_dir(out).encode_chat([{"role": "user", "content": [{"type": "image"}]}])
     files = [_png(image) for image in _images()] * 2
     serial = [encoder.prepare(prompt, [data], LIMIT) for data in files]
@@ -176,3 +179,44 @@ def test_concurrent_prepares_equal_serial_ones(qwen):
         assert ids == ids2 and len(ids) == len(prompt) - 1 + encoder.num_tokens(data, LIMIT)
         assert np.array_equal(media.images[0].features, media2.images[0].features)
         assert media.images[0].digest == media2.images[0].digest
+    assert encoder.encodes == 2 * len(files)
+
+
+def test_a_repeated_file_skips_its_decode_and_encode_in_its_scope_only(qwen, monkeypatch: pytest.MonkeyPatch):
+    """The same file again in the same scope: no decode, no encode, the same ids, digest and features; its header
+    is still checked (a lower pixel limit refuses it). Another scope encodes it anew; so does the same picture in
+    another file (the prefix cache still knows it by its pixel digest)."""
+    from appliance.runtime.vision import encoder as module
+
+    _, out, manifest, _ = qwen
+    encoder = VisionEncoder(out, manifest, EngineConfig(precision="f32"))
+    prompt = Tokenizer.from_dir(out).encode_chat(_messages(1))
+    data = _png(tiny_vlms.image())
+    ids, media = encoder.prepare(prompt, [data], LIMIT, "key-a")
+    assert encoder.encodes == 1
+
+    def no_decode(*args):
+        raise AssertionError("a cached file decoded")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "decode", no_decode)
+        again_ids, again = encoder.prepare(prompt, [data], LIMIT, "key-a")
+        with pytest.raises(ImageRejected, match="more than the limit of 1000 pixels"):
+            encoder.prepare(prompt, [data], 1000, "key-a")
+    assert encoder.encodes == 1 and again_ids == ids and again.images[0].digest == media.images[0].digest
+    assert np.array_equal(again.images[0].features, media.images[0].features)
+    assert np.array_equal(again.mrope, media.mrope) and again.rope_delta == media.rope_delta
+    other_ids, other = encoder.prepare(prompt, [data], LIMIT, "key-b")
+    assert encoder.encodes == 2 and other_ids == ids
+    assert np.array_equal(other.images[0].features, media.images[0].features)
+    recompressed = io.BytesIO()
+    tiny_vlms.image().save(recompressed, "PNG", compress_level=1)
+    assert recompressed.getvalue() != data
+    _, copy = encoder.prepare(prompt, [recompressed.getvalue()], LIMIT, "key-a")
+    assert encoder.encodes == 3 and copy.images[0].digest == media.images[0].digest
+    assert encoder.stats() == {
+        "image_encodes": 3,
+        "image_cache_hits": 1,  # the refusal never looked: its header failed first
+        "image_cache_misses": 3,
+        "image_cache_bytes": 3 * (media.images[0].features.nbytes + OVERHEAD),
+    }

@@ -309,6 +309,7 @@ FLAGS = {
     "max-queued": (int, 256),
     "enable-prefix-caching": (bool, True),
     "prefix-cache-sharing": (str, "keys"),
+    "image-cache-bytes": (int, 64 << 20),
     "static": (bool, None),
     "static-context": (int, None),
     "static-batch": (int, None),

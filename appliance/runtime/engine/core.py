@@ -154,6 +154,7 @@ class Engine(Admission, Liveness):
             "kernels": self.backend.kernels,  # openvino or appliance-<isa> (/metrics: appliance_model_kernels)
             **self.counters,
             **(self.pool.disk.stats() if self.pool.disk is not None else {}),
+            **(self.vision.stats() if self.vision is not None else {}),
         }
 
     def token_text(self, token: int) -> str:

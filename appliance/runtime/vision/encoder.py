@@ -6,13 +6,20 @@ the token count it implies, the placeholders the chat template wrote (one per im
 decoded, preprocessed (qwen2_vl.py, idefics3.py) and run through the exported vision parts, one image at a time,
 so a request holds one decoded picture at most. The parts run one encode at a time per model (a lock): an encode
 uses every core it is given, so two at once only interleave, and the lock bounds the memory of the activations to
-one image's. The parts are compiled once, with the engine's device and properties (precision f32 for parity).
+one image's. The parts are compiled once, with the engine's device and properties (its precision: f32 under
+--precision f32, which the parity tests pin; else the device's default, bf16 on a bf16-capable CPU, as
+openvino_genai's VLMPipeline compiles its vision parts with the properties it is given).
+
+A file seen before in the request's prefix-cache scope skips decoding, preprocessing and the encode: the feature
+cache (feature_cache.py) hands back its digest and features after its header checks (`prepare` runs them for every
+file, cached or not). `counters` counts the encodes run and the cache's hits.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +29,11 @@ from appliance.config import EngineConfig
 from appliance.manifest import Manifest, Vision
 from appliance.runtime.media import ImageSpan, Media
 from appliance.runtime.vision import idefics3, qwen2_vl
-from appliance.runtime.vision.decode import decode, open_header
+from appliance.runtime.vision.decode import Decoded, decode, open_header
 from appliance.runtime.vision.errors import ImageRejected, image_at
+from appliance.runtime.vision.feature_cache import Encoded, FeatureCache, file_key
+
+Featurize = Callable[[Decoded], tuple[np.ndarray, tuple[int, ...]]]  # a decoded picture -> (features, layout)
 
 
 class VisionEncoder:
@@ -42,6 +52,8 @@ class VisionEncoder:
             compiled = core().compile_model(str(Path(model_dir) / self.vision.parts[role]), config.device, props)
             self._requests[role] = compiled.create_infer_request()
         self._lock = threading.Lock()  # one encode at a time (the module docstring says why)
+        self.encodes = 0  # images run through the vision parts (under the lock)
+        self.cache = FeatureCache(config.image_cache_bytes)
         self._tile_ids: dict[tuple[int, int], list[int]] = {}
         self._tokenizer = None
         if self.vision.scheme == "idefics3":
@@ -49,18 +61,25 @@ class VisionEncoder:
 
             self._tokenizer = Tokenizer.from_file(str(Path(model_dir) / manifest.tokenizer_file))
 
-    def prepare(self, prompt_ids: list[int], files: list[bytes], max_pixels: int) -> tuple[list[int], Media]:
+    def prepare(
+        self, prompt_ids: list[int], files: list[bytes], max_pixels: int, scope: str = ""
+    ) -> tuple[list[int], Media]:
         """prompt_ids from the chat template (one placeholder per image, as the template writes it) -> the expanded
         ids (each image's N tokens, Idefics3's tile text) and the Media (features, digests, M-RoPE).
         ImageRejected for a file that cannot or must not be read (naming which: `image`), or images that do not
-        match the placeholders."""
+        match the placeholders. `scope`: the request's prefix-cache scope (SamplingParams.cache_scope), the feature
+        cache's namespace."""
         sizes = []
         for i, data in enumerate(files):
             with image_at(i), open_header(data, max_pixels) as header:  # every image checked before any is decoded
                 sizes.append(header.size)
         if self.vision.scheme == "qwen2_vl":
-            return self._qwen2_vl(prompt_ids, files, sizes, max_pixels)
-        return self._idefics3(prompt_ids, files, sizes, max_pixels)
+            return self._qwen2_vl(prompt_ids, files, sizes, max_pixels, scope)
+        return self._idefics3(prompt_ids, files, sizes, max_pixels, scope)
+
+    def stats(self) -> dict[str, int]:
+        """Encodes run and the feature cache's hits, misses and bytes (Engine.stats())."""
+        return {"image_encodes": self.encodes, **self.cache.stats()}
 
     def num_tokens(self, data: bytes, max_pixels: int) -> int:
         """The prompt tokens one image file becomes (from its header alone; ImageRejected as prepare's check)."""
@@ -72,7 +91,7 @@ class VisionEncoder:
         return len(self._tile_text(rows, cols))
 
     def _qwen2_vl(
-        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int
+        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int, scope: str
     ) -> tuple[list[int], Media]:
         vision = self.vision
         grids = []
@@ -83,16 +102,14 @@ class VisionEncoder:
         spans = []
         for i, (data, start, grid) in enumerate(zip(files, starts, grids)):
             with image_at(i):
-                decoded = decode(data, max_pixels)
-            pixels, grid_thw = qwen2_vl.pixel_values(vision, decoded.image)
-            assert grid_thw == grid, "the grid from the header is the grid of the decoded picture"
-            features = self.encode_qwen2_vl(pixels, grid_thw)
-            spans.append(ImageSpan(start, len(features), decoded.digest, features))
+                image = self._encoded(data, max_pixels, scope, self._qwen2_vl_features)
+            assert image.layout == grid, "the grid from the header is the grid of the decoded picture"
+            spans.append(ImageSpan(start, len(image.features), image.digest, image.features))
         positions, delta = qwen2_vl.mrope(len(ids), [(s, g) for s, g in zip(starts, grids)], vision.merge_size)
         return ids, Media(tuple(spans), len(ids), positions, delta)
 
     def _idefics3(
-        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int
+        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int, scope: str
     ) -> tuple[list[int], Media]:
         vision = self.vision
         places = [i for i, token in enumerate(prompt_ids) if token == vision.image_token_id]
@@ -110,24 +127,46 @@ class VisionEncoder:
         spans = []
         for i, (data, start, layout) in enumerate(zip(files, starts, layouts)):
             with image_at(i):
-                decoded = decode(data, max_pixels)
-            pixels, rows_cols = idefics3.pixel_values(vision, decoded.image)
-            assert rows_cols == layout, "the layout from the header is the layout of the decoded picture"
-            features = self.encode_idefics3(pixels)
+                image = self._encoded(data, max_pixels, scope, self._idefics3_features)
+            assert image.layout == layout, "the layout from the header is the layout of the decoded picture"
+            features = image.features
             text = self._tile_text(*layout)
             runs = [
                 start + j for j, t in enumerate(text) if t == vision.image_token_id and (j == 0 or text[j - 1] != t)
             ]
             assert len(runs) == len(features), "one run of image tokens per tile"
             for k, (run, rows) in enumerate(zip(runs, features)):  # one span per tile: tiles are not contiguous
-                spans.append(ImageSpan(run, len(rows), tile_digest(decoded.digest, k), rows))
+                spans.append(ImageSpan(run, len(rows), tile_digest(image.digest, k), rows))
         return ids, Media(tuple(spans), len(ids))
+
+    def _encoded(self, data: bytes, max_pixels: int, scope: str, features: Featurize) -> Encoded:
+        """One file's digest and features: from the feature cache in `scope`, else decoded, preprocessed and
+        encoded by `features` (Decoded -> (features, layout)) and kept there."""
+        key = file_key(data) if self.cache.budget > 0 else None
+        cached = self.cache.get(scope, key) if key is not None else None
+        if cached is not None:
+            return cached
+        decoded = decode(data, max_pixels)
+        rows, layout = features(decoded)
+        image = Encoded(decoded.digest, rows, layout)
+        if key is not None:
+            self.cache.put(scope, key, image)
+        return image
+
+    def _qwen2_vl_features(self, decoded: Decoded) -> tuple[np.ndarray, tuple[int, ...]]:
+        pixels, grid_thw = qwen2_vl.pixel_values(self.vision, decoded.image)
+        return self.encode_qwen2_vl(pixels, grid_thw), grid_thw
+
+    def _idefics3_features(self, decoded: Decoded) -> tuple[np.ndarray, tuple[int, ...]]:
+        pixels, rows_cols = idefics3.pixel_values(self.vision, decoded.image)
+        return self.encode_idefics3(pixels), rows_cols
 
     def encode_qwen2_vl(self, pixels: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
         """float32 [tokens, hidden]: patch embeddings, then the vision transformer and 2x2 merger over one image
         (its attention mask all zeros: the patches of one image see each other)."""
         rotary = qwen2_vl.rotary_pos_emb(self.vision, grid_thw)
         with self._lock:
+            self.encodes += 1
             patches = self._infer("vision_embeddings", {"hidden_states": pixels})
             n = len(patches)
             feed = {
@@ -148,6 +187,7 @@ class VisionEncoder:
             "patch_position_ids": np.broadcast_to(positions, (len(pixels), side * side)).copy(),
         }
         with self._lock:
+            self.encodes += 1
             return self._infer("vision_embeddings", feed)
 
     def _infer(self, role: str, feed: dict[str, np.ndarray]) -> np.ndarray:
