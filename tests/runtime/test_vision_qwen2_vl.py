@@ -220,3 +220,35 @@ def test_a_repeated_file_skips_its_decode_and_encode_in_its_scope_only(qwen, mon
         "image_cache_misses": 3,
         "image_cache_bytes": 3 * (media.images[0].features.nbytes + OVERHEAD),
     }
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_a_sideways_photo_is_read_upright(qwen, fmt: str):
+    """A phone's portrait photo is stored landscape with EXIF orientation 6: its token count, settled from the
+    header before any decode, is the upright picture's, and the features are the upright picture's (the same
+    digest as the picture stored upright without EXIF)."""
+    from PIL import Image
+
+    _, out, manifest, _ = qwen
+    encoder = VisionEncoder(out, manifest, EngineConfig(precision="f32", image_cache_bytes=0))
+    rng = np.random.default_rng(11)
+    upright = Image.fromarray(rng.integers(0, 256, (90, 30, 3), dtype=np.uint8), "RGB")  # 30 wide, 90 tall
+    stored = upright.transpose(Image.Transpose.ROTATE_90)  # 90 wide, 30 tall, as the camera wrote it
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    sideways, plain = io.BytesIO(), io.BytesIO()
+    lossless = {"JPEG": {"quality": 100}, "PNG": {}, "WEBP": {"lossless": True}}[fmt]
+    stored.save(sideways, fmt, exif=exif, **lossless)
+    (
+        upright if fmt != "JPEG" else Image.open(io.BytesIO(sideways.getvalue())).transpose(Image.Transpose.ROTATE_270)
+    ).save(plain, "PNG")
+    prompt = Tokenizer.from_dir(out).encode_chat([{"role": "user", "content": [{"type": "image"}]}])
+    ids, media = encoder.prepare(prompt, [sideways.getvalue()], LIMIT)
+    grid = scheme.grid(manifest.vision, 30, 90)
+    assert (
+        encoder.num_tokens(sideways.getvalue(), LIMIT) == grid[0] * grid[1] * grid[2] // manifest.vision.merge_size**2
+    )
+    assert len(ids) == len(prompt) - 1 + encoder.num_tokens(sideways.getvalue(), LIMIT)
+    _, again = encoder.prepare(prompt, [plain.getvalue()], LIMIT)
+    assert media.images[0].digest == again.images[0].digest
+    assert np.array_equal(media.images[0].features, again.images[0].features)

@@ -100,15 +100,40 @@ def open_header(data: bytes, max_pixels: int) -> Image.Image:
     return image
 
 
+def orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1-8) of an opened, not yet decoded image, from the metadata its header carries: a
+    JPEG's APP1, a WebP's EXIF chunk, a PNG's eXIf chunk when it comes before the pixel data. Not from
+    `getexif()`, which decodes a PNG whose eXIf chunk follows its pixels: the token count of every image is settled
+    from headers before any is decoded, and decode() turns the picture by this same value, so the two agree (such a
+    rare PNG is read as stored)."""
+    raw = image.info.get("exif")
+    if not raw:
+        return 1
+    try:
+        exif = Image.Exif()
+        exif.load(raw)
+        value = int(exif.get(_ORIENTATION, 1))
+    except Exception:  # an EXIF block Pillow cannot parse: read as stored, as decode() then does too
+        return 1
+    return value if value in _UPRIGHT else 1
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) of the picture as decode() returns it: turned upright, so a phone's portrait photo stored
+    sideways (orientation 5-8) is taller than wide."""
+    width, height = image.size
+    return (height, width) if orientation(image) in (5, 6, 7, 8) else (width, height)
+
+
 def decode(data: bytes, max_pixels: int) -> Decoded:
     """`data` (a client's file) decoded, checked first against `max_pixels` from its header; ImageRejected when it
     cannot or must not be read."""
     image = open_header(data, max_pixels)
     kind = image.format or "image"
+    turn = _UPRIGHT.get(orientation(image))  # from the header, before load: as upright_size saw it
     try:
         image.load()
         picture = _eight_bit(image).convert("RGBA" if _has_alpha(image) else "RGB")  # a copy, even of RGB
-        turn = _UPRIGHT.get(image.getexif().get(_ORIENTATION, 1))
         if turn is not None:
             picture = picture.transpose(turn)
     except Exception as exc:  # OSError (truncated), SyntaxError (broken PNG chunk), zlib, struct, ValueError, ...

@@ -29,7 +29,7 @@ from appliance.config import EngineConfig
 from appliance.manifest import Manifest, Vision
 from appliance.runtime.media import ImageSpan, Media
 from appliance.runtime.vision import idefics3, qwen2_vl
-from appliance.runtime.vision.decode import Decoded, decode, open_header
+from appliance.runtime.vision.decode import Decoded, decode, open_header, upright_size
 from appliance.runtime.vision.errors import ImageRejected, image_at
 from appliance.runtime.vision.feature_cache import Encoded, FeatureCache, file_key
 
@@ -72,7 +72,7 @@ class VisionEncoder:
         sizes = []
         for i, data in enumerate(files):
             with image_at(i), open_header(data, max_pixels) as header:  # every image checked before any is decoded
-                sizes.append(header.size)
+                sizes.append(upright_size(header))  # as decode() turns it: EXIF orientation
         if self.vision.scheme == "qwen2_vl":
             return self._qwen2_vl(prompt_ids, files, sizes, max_pixels, scope)
         return self._idefics3(prompt_ids, files, sizes, max_pixels, scope)
@@ -84,7 +84,7 @@ class VisionEncoder:
     def num_tokens(self, data: bytes, max_pixels: int) -> int:
         """The prompt tokens one image file becomes (from its header alone; ImageRejected as prepare's check)."""
         with open_header(data, max_pixels) as header:
-            width, height = header.size
+            width, height = upright_size(header)
         if self.vision.scheme == "qwen2_vl":
             return qwen2_vl.num_tokens(self.vision, width, height)
         rows, cols = idefics3.layout(self.vision, width, height)
