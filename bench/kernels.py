@@ -9,9 +9,9 @@ Qwen2.5-1.5B MLP shape). Give it more layers than the last-level cache holds, as
 AVX512-VNNI box's L3 is 300 MB, where 4 layers sit in cache (its 8960x1536 M = 1 ratio, 64 layers: 0.84, CPU
 time 0.81 at load 4; in the decode graph the MLP measured 1.03x). Formats: `u4a:128` (NNCF's int4 asym
 group 128 with u4 zero points: bench.models' exports) and `q4_1` (export/grid.py's exact Q4_1 grid: u4, group 32,
-f16 zero points: the default model's served int4), `u8` (NNCF's int8 LM head, per output channel: our VNNI paths
-only; 151936x1536 is Qwen2.5-1.5B's). Native runs with the compile properties the server would use
-for the precision (`--precision default`: the box's default, dynamic quantization where the CPU has VNNI;
+f16 zero points: the default model's served int4), `u8` (NNCF's int8 LM head, per output channel: on AVX2 as
+s8 = u8 - 128, rewrite.U8_ISAS; 151936x1536 is Qwen2.5-1.5B's). Native runs with the compile properties the server
+would use for the precision (`--precision default`: the box's default, dynamic quantization where the CPU has VNNI;
 `f32`: none); ours always computes in f32 with int8 activations, on `--isa` (default: the widest the CPU has).
 
     python -m bench.kernels [--shapes 8960x1536 1536x8960] [--rows 1 2 4 8 16] [--formats u4a:128 q4_1] \\

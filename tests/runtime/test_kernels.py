@@ -18,7 +18,16 @@ import pytest
 from openvino import opset13 as ops
 
 from appliance.runtime import kernels
-from appliance.runtime.kernels.rewrite import OP, ROW_GROUPS, U8_ISAS, pair_layout, rewrite, row_groups, scale_table
+from appliance.runtime.kernels.rewrite import (
+    OP,
+    ROW_GROUPS,
+    U8_ISAS,
+    pair_layout,
+    rewrite,
+    row_groups,
+    scale_table,
+    u8_layout,
+)
 from tests.helpers import ours_missing
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
@@ -54,9 +63,11 @@ def _op_model(
     return ov.Model([node.output(0)], [x])
 
 
-def _case(rng: np.random.Generator, n: int, k: int, group: int, zero: str, scale: str, bits: int = 4):
+def _case(
+    rng: np.random.Generator, n: int, k: int, group: int, zero: str, scale: str, bits: int = 4, isa: str = "avx2"
+):
     """Random u4 (or u8) weights [N, Kp] (zero beyond K), f16 scale and zero point per group, and their packed
-    forms. Zero point "15" is the grid's top (255 for u8)."""
+    forms (u8: in `isa`'s u8_layout). Zero point "15" is the grid's top (255 for u8), "128" u8's middle."""
     kp, groups, top = -(-k // 32) * 32, -(-k // group), (1 << bits) - 1
     q = rng.integers(0, top + 1, (n, kp)).astype(np.uint8)
     q[:, k:] = 0
@@ -65,10 +76,19 @@ def _case(rng: np.random.Generator, n: int, k: int, group: int, zero: str, scale
         "huge": rng.uniform(1e3, 6e4, (n, groups)),
         "denormal": rng.uniform(1e-7, 5e-6, (n, groups)),
     }[scale].astype(np.float16)
-    z = {"0": np.zeros((n, groups)), "15": np.full((n, groups), top), "f16": rng.uniform(0, top, (n, groups))}[zero]
+    z = {
+        "0": np.zeros((n, groups)),
+        "15": np.full((n, groups), top),
+        "128": np.full((n, groups), 128),
+        "f16": rng.uniform(0, top, (n, groups)),
+        "u8": rng.integers(0, 256, (n, groups)),
+    }[zero]
     z = z.astype(np.float16)
-    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8) if bits == 4 else pair_layout(q)
-    sz = scale_table(s, z)
+    if bits == 4:
+        packed, sz = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8), scale_table(s, z)
+    else:
+        packed, z8 = u8_layout(q, z, isa)
+        sz = scale_table(s, z8)
     w = (q[:, :k].astype(np.float64) - np.repeat(z, group, 1)[:, :k]) * np.repeat(s, group, 1)[:, :k]
     return packed, sz, w
 
@@ -120,28 +140,36 @@ def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, 
         assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
 
 
-@pytest.mark.parametrize("isa", U8_ISAS)
+@pytest.mark.parametrize("row_group", [1, 4])  # row-major (what the rewrite makes), grouped (the kernel takes it)
+@pytest.mark.parametrize("isa", list(U8_ISAS))
 @pytest.mark.parametrize(
     "n, k, group, zero, scale",
     [
-        (67, 200, 64, "f16", "normal"),  # K not a multiple of 32 (an unpaired last block), N odd
-        (33, 1536, 1536, "f16", "normal"),  # per output channel, as NNCF's int8 LM head
-        (5, 96, 32, "15", "huge"),
-        (129, 256, 256, "0", "denormal"),
+        (67, 200, 64, "f16", "normal"),  # K not a multiple of 64 (an unpaired last block), N odd
+        (33, 1536, 1536, "u8", "normal"),  # per output channel, as NNCF's int8 LM head
+        (5, 96, 32, "15", "huge"),  # zero point 255: w - z down to -255
+        (129, 256, 256, "0", "denormal"),  # zero point 0: w - z up to 255
+        (31, 352, 32, "128", "huge"),  # zero point 128 (0 in AVX2's s8), 11 blocks
+        (7, 1600, 64, "0", "normal"),  # 25 blocks: u8 0 (s8 -128) against negative x in every block
     ],
 )
-def test_u8_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale):
-    """bits=8 (u8 weights in the paired layout) on the VNNI paths: u8 x s8 products summed in i32 by vpdpbusd."""
+def test_u8_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale, row_group):
+    """bits=8 in each path's u8_layout: VNNI sums u8 x s8 in i32 (vpdpbusd); AVX2 takes s8 = u8 - 128 through
+    maddubs(|w|, sign(x, w)), whose i16 pairs (at most 2 x 128 x 127) cannot saturate."""
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
     rng = np.random.default_rng(n * 1000 + k + 8)
-    packed, sz, w = _case(rng, n, k, group, zero, scale, bits=8)
-    compiled = core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, bits=8), "CPU", F32)
+    packed, sz, w = _case(rng, n, k, group, zero, scale, bits=8, isa=isa)
+    packed = row_groups(packed, row_group, pair_bytes=64)
+    compiled = core.compile_model(
+        _op_model(got.factory, k, packed, sz, group, isa, bits=8, row_group=row_group), "CPU", F32
+    )
     for m in (1, 3, 4, 7):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::7] *= 50
         x[0, :3] = [1e-40, -3e-39, 0.0]
+        x[-1] = -np.abs(x[-1])  # every product of an s8 -128 against a negative x
         y = compiled(x)[0]
         exact = x.astype(np.float64) @ w.T
         assert y.shape == (m, n) and np.isfinite(y).all()
@@ -149,12 +177,14 @@ def test_u8_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zer
         assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
 
 
-def test_u8_is_refused_on_avx2(loaded):
-    """AVX2's maddubs sums pairs of u8 x s8 products in i16: 2 x 255 x 127 saturates, so bits=8 is VNNI only."""
+def test_u8_needs_a_named_path(loaded):
+    """bits=8 weights are laid out for one path (u8 on VNNI, s8 on AVX2): "auto" could run another's."""
     _, got = loaded
     packed, sz, _ = _case(np.random.default_rng(5), 4, 64, 64, "0", "normal", bits=8)
-    with pytest.raises(Exception, match="bits must be 4, or 8 on a VNNI path"):
-        _op_model(got.factory, 64, packed, sz, 64, "avx2", bits=8)
+    with pytest.raises(Exception, match="bits 8 needs a named isa"):
+        _op_model(got.factory, 64, packed, sz, 64, "auto", bits=8)
+    with pytest.raises(Exception, match="bits must be 4 or 8"):
+        _op_model(got.factory, 64, packed, sz, 64, "avx2", bits=6)
 
 
 def test_every_path_gives_the_same_answer(loaded):
@@ -231,7 +261,7 @@ def _u8_head(rng, n: int, k: int) -> ov.Node:
 
 
 @pytest.mark.parametrize("isa", _paths())
-def test_rewrite_takes_u8_heads_on_vnni_paths_only(loaded, isa):
+def test_rewrite_takes_u8_heads_in_each_paths_layout(loaded, isa):
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa}")
@@ -242,6 +272,12 @@ def test_rewrite_takes_u8_heads_on_vnni_paths_only(loaded, isa):
 
     native, ours = head(), head()
     assert rewrite(ours, got.factory, isa) == (1 if isa in U8_ISAS else 0)
+    [op] = [n for n in ours.get_ordered_ops() if n.get_type_name() == OP]
+    packed = op.input_value(1).get_node().get_data()
+    q = np.random.default_rng(6).integers(0, 256, (200, 320)).astype(np.uint8)  # _u8_head's first draw
+    want = row_groups(pair_layout(q) ^ np.uint8(U8_ISAS[isa]), ROW_GROUPS.get(isa, 1), pair_bytes=64)
+    assert np.array_equal(packed, want)  # AVX2: s8 = u8 - 128, rows grouped by 4
+    assert op.get_attributes()["row_group"] == ROW_GROUPS.get(isa, 1)
     x = np.random.default_rng(4).standard_normal((3, 320)).astype(np.float32)
     want, have = core.compile_model(native, "CPU", F32)(x)[0], core.compile_model(ours, "CPU", F32)(x)[0]
     assert np.abs(want - have).max() <= 0.02 * np.abs(want).max()

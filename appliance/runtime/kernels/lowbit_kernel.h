@@ -5,7 +5,7 @@
 struct LowbitArgs {
     const float* x;         // [M, K]
     const uint8_t* w;       // bits 4: rows of Kp / 2 bytes, u4 two per byte, low nibble first; Kp = K rounded up
-                            // to 32. bits 8: rows of Kp u8, each pair of 32-blocks as the activations are
+                            // to 32. bits 8: rows of Kp bytes, each pair of 32-blocks as the activations are
                             // (lowbit_kernel.hpp). Rows in groups of rg (N rounded up to rg, zero rows past N): a
                             // group holds its rows' first pairs of blocks one after the other, then their second
                             // pairs, ..., then their unpaired last blocks; rg = 1 is plain row-major.
@@ -13,7 +13,7 @@ struct LowbitArgs {
                             // (f32, made at load from the IR's f16 / u4 / u8: rewrite.scale_table)
     float* y;               // [M, N]
     int64_t M, N, K, Kp, gs, G;
-    int64_t bits;           // 4 or 8 (8: VNNI paths only, maddubs would saturate u8 x s8 pairs in i16)
+    int64_t bits;           // 4 or 8 (8: u8 on the VNNI paths, s8 = u8 - 128 on AVX2: rewrite.U8_ISAS)
     int64_t rg;             // weight rows per group (w)
 };
 

@@ -28,7 +28,18 @@
 
 #include "lowbit_kernel.h"
 
+// The dot of u8 (bits = 8) weights: the ISA's own unless it defines one (AVX2: s8 weights, kernel_avx2.cpp).
+#ifndef LOWBIT_DOT2_W8
+#define LOWBIT_DOT2_W8 LOWBIT_DOT2
+#endif
+
 namespace {
+
+// The dot of a pair of blocks (even halves, odd halves) as 8 i32 lanes, for u4 or u8 weights.
+template <bool W8>
+inline __m256i dot2(__m256i lo, __m256i xlo, __m256i hi, __m256i xhi) {
+    return W8 ? LOWBIT_DOT2_W8(lo, xlo, hi, xhi) : LOWBIT_DOT2(lo, xlo, hi, xhi);
+}
 
 constexpr int BLOCK = 32;
 // Accumulator chains per pass (rows of x times weight rows): 4 fill AVX2's 16 ymm registers (with the group
@@ -229,7 +240,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                 __m256i lo, hi;
                 load_pair<W8>(w[r], p, stride, lo, hi);
                 for (int m = 0; m < MT; ++m)
-                    acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(LOWBIT_DOT2(lo, xl[m], hi, xh[m])),
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2<W8>(lo, xl[m], hi, xh[m])),
                                                 _mm256_mul_ps(dv[m], sv), acc[m][r]);
             }
         }
@@ -250,7 +261,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                     __m256i lo, hi;
                     load_pair<W8>(w[r], p, stride, lo, hi);
                     for (int m = 0; m < MT; ++m)
-                        gacc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(LOWBIT_DOT2(lo, xl[m], hi, xh[m])), dv[m],
+                        gacc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2<W8>(lo, xl[m], hi, xh[m])), dv[m],
                                                      gacc[m][r]);
                 }
             }
@@ -278,9 +289,9 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                 const int8_t* xp = xrow + m * a.Kp + b * BLOCK;
                 const __m128i xlo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp));
                 const __m128i xhi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xp + 16));
-                // u8 weights through the ISA's dot (maddubs would saturate their i16 pair sums; W8 runs on VNNI only).
+                // u8 weights through their dot (zero upper halves add nothing).
                 const __m128i dot =
-                    W8 ? _mm256_castsi256_si128(LOWBIT_DOT2(_mm256_zextsi128_si256(lo), _mm256_zextsi128_si256(xlo),
+                    W8 ? _mm256_castsi256_si128(LOWBIT_DOT2_W8(_mm256_zextsi128_si256(lo), _mm256_zextsi128_si256(xlo),
                                                             _mm256_zextsi128_si256(hi), _mm256_zextsi128_si256(xhi)))
                        : _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, xlo), _mm_maddubs_epi16(hi, xhi)),
                                         _mm_set1_epi16(1));

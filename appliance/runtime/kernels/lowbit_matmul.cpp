@@ -1,11 +1,12 @@
 // LowBitMatMul: y = x . dequant(W)^T for u4 (or u8) weights with a per-group f16 scale and zero point, as an OpenVINO
 // custom op (evaluate() on the CPU plugin's reference path). Inputs: x f32 [..., K]; w u8 [N, Kp / 2] or u4 [N, ...]
-// (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order), or with bits = 8 u8
-// [N, Kp] in our paired layout (lowbit_kernel.hpp; rewrite.py repacks at load); sz u8 [N, 8 G]: per
-// row the f32 bits of its G group scales, then of the G products scale x zero point (rewrite.scale_table; raw
-// bytes, so that no precision setting of the plugin converts them). Attributes: group_size (32 or a multiple of 64), isa
-// ("auto", "avx2", "avxvnni", "avx512vnni"), bits (4, or 8 on the VNNI paths), row_group (w's rows interleaved by
-// groups of that many, lowbit_kernel.h; 1: row-major). Output f32 [..., N]. Why, with measurements:
+// (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order), or with bits = 8 bytes
+// [N, Kp] in our paired layout (lowbit_kernel.hpp; rewrite.py repacks at load: u8 on the VNNI paths, s8 = u8 - 128
+// on AVX2, rewrite.U8_ISAS); sz u8 [N, 8 G]: per row the f32 bits of its G group scales, then of the G products
+// scale x zero point (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
+// Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
+// named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
+// lowbit_kernel.h; 1: row-major). Output f32 [..., N]. Why, with measurements:
 // appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -69,8 +70,8 @@ public:
                         "LowBitMatMul: group_size must be 32 or a multiple of 64");
         OPENVINO_ASSERT(m_isa == "auto" || supported(m_isa), "LowBitMatMul: this CPU cannot run isa=", m_isa);
         OPENVINO_ASSERT(!best_isa().empty(), "LowBitMatMul: needs AVX2 and FMA");
-        OPENVINO_ASSERT(m_bits == 4 || (m_bits == 8 && resolved() != "avx2"),
-                        "LowBitMatMul: bits must be 4, or 8 on a VNNI path (avxvnni, avx512vnni)");
+        OPENVINO_ASSERT(m_bits == 4 || m_bits == 8, "LowBitMatMul: bits must be 4 or 8");
+        OPENVINO_ASSERT(m_bits == 4 || m_isa != "auto", "LowBitMatMul: bits 8 needs a named isa (its layout)");
         OPENVINO_ASSERT(m_row_group >= 1 && m_row_group <= 64, "LowBitMatMul: row_group must be 1..64");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);

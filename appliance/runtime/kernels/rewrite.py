@@ -4,9 +4,9 @@ read, before compiling; the export on disk stays standard IR that OVMS and genai
 The chain, as NNCF writes it (u4 zero point) and as export/grid.py writes the exact Q4_1 grid (f16 zero point):
     Constant u4 [N, G, gs] -> Convert -> Subtract(zero point) -> Multiply(scale) -> Reshape [N, K] -> (Convert f32)
     -> MatMul(x, ., transpose_b=True)
-or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 with gs 32 or a multiple of 64 is taken, and
-on the VNNI paths also u8 (NNCF's int8 LM head, per output channel); anything else (i4 symmetric, u8 on AVX2, a
-group of 16, transpose_b=False) keeps OpenVINO's kernels.
+or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 and u8 (NNCF's int8 LM head, per output
+channel) with gs 32 or a multiple of 64 are taken; anything else (i4 symmetric, a group of 16, transpose_b=False)
+keeps OpenVINO's kernels.
 
 The u8 LM head: Qwen2.5-1.5B's (151936 x 1536, 19% of a decode step on OpenVINO's brgemm_avx512_bf16) ran at 0.68
 of OpenVINO's time on our AVX512-VNNI path at M = 1 (0.71 at M = 2; CPU time 0.76 / 0.78; bench.kernels --shapes
@@ -17,13 +17,20 @@ head on ours moves: next-token TVD against OpenVINO's kernels at Qwen2.5-1.5B (b
 --kernels auto openvino, 8 prompts) median 0.0137 / max 0.0169 with it, 0.0140 / 0.0162 with only the u4 layers on
 ours: within the noise of the u4 layers' own (above the 0.01 target either way).
 
+On AVX2 (no VNNI) the head is stored as s8 = u8 - 128 with zero points z - 128 (u8_layout: an xor folded into the
+repack made anyway) and multiplied as maddubs(|w|, sign(x, w)) (kernel_avx2.cpp), its rows grouped by 4 as u4's
+(ROW_GROUPS). Against OpenVINO's brgemm_avx2_f32 on the 2-vCPU Zen 3 EPYC (bench.kernels --shapes 151936x1536
+--formats u8 --rows 1 2 4 --layers 2 --reps 9 --precision default, load 5.2): 0.62 / 0.69 / 0.96 of its time at
+M = 1 / 2 / 4 (CPU time 0.69 / 0.74 / 1.06). Grouped rows against row-major, same op interleaved: 0.50 / 0.73 of
+the time at M = 1 / 2, 1.35 at M = 4 (row-major shares each weight by 4 rows of x there).
+
 Memory: the op reads the u4 bytes as a u8 copy ([N, K/2], on AVX2 rows interleaved by groups of 4: row_groups;
 OpenVINO's Python API cannot share a read-only constant's memory, so a copy is made anyway, and the new Constant
 shares it) and a u8 [N, 8 G] of f32 scales and scale x zero point
 products (scale_table: 8 bytes per group, against the IR's 2-4; +36 MB at Qwen2.5-1.5B's u4 g128 layers).
 The backends keep a second, unrewritten graph for prefill (KERNEL_ROWS), which holds the plugin's own copy: the
 default model's engine RSS went 243 -> 371 MB with every layer on ours (386 before the Constants shared our copy).
-A u8 head is repacked (pair_layout) into a copy of its size: +233 MB at Qwen2.5-1.5B.
+A u8 head is repacked (pair_layout, row_groups) into a copy of its size: +233 MB at Qwen2.5-1.5B.
 """
 
 from __future__ import annotations
@@ -35,12 +42,17 @@ import numpy as np
 import openvino as ov
 
 OP = "LowBitMatMul"
-U8_ISAS = ("avxvnni", "avx512vnni")  # vpdpbusd sums u8 x s8 in i32; AVX2's maddubs would saturate u8 pairs in i16
-# u4 weight rows per group of the op's interleaved layout (row_groups), per path: the rows one pass of the AVX2 kernel
-# reads at M = 1 (lowbit_kernel.hpp CHAINS), so that it streams one contiguous run instead of 4 rows' streams. On the
-# 2-vCPU AVX2 EPYC (Zen 3) it took the op from 0.84 / 0.48 of OpenVINO's time to 0.52 / 0.56 at M = 1 (8960x1536 /
-# 1536x8960; CPU time 0.85 / 0.61 -> 0.51 / 0.45; bench.kernels --layers 10, load 9-12: docs/performance.md). The
-# VNNI paths keep row-major weights (rg 1) until measured on a VNNI box: grouped rows run passes of one row of x.
+# The paths that take u8 weights (NNCF's int8 LM head), each with the offset its layout subtracts from them and from
+# their zero points at load (u8_layout). VNNI: vpdpbusd sums u8 x s8 in i32, u8 as read. AVX2's maddubs(u8 w, s8 x)
+# would saturate its i16 pair sums (2 x 255 x 127): it takes s8 = u8 - 128 and multiplies maddubs(|w|, sign(x, w))
+# (pairs at most 2 x 128 x 127, kernel_avx2.cpp).
+U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
+# Weight rows (u4 and u8) per group of the op's interleaved layout (row_groups), per path: the rows one pass of the
+# AVX2 kernel reads at M = 1 (lowbit_kernel.hpp CHAINS), so that it streams one contiguous run instead of 4 rows'
+# streams. On the 2-vCPU AVX2 EPYC (Zen 3) it took the op from 0.84 / 0.48 of OpenVINO's time to 0.52 / 0.56 at
+# M = 1 (8960x1536 / 1536x8960; CPU time 0.85 / 0.61 -> 0.51 / 0.45; bench.kernels --layers 10, load 9-12:
+# docs/performance.md), the u8 head to 0.50 of its row-major time at M = 1 (above). The VNNI paths keep row-major
+# weights (rg 1) until measured on a VNNI box: grouped rows run passes of one row of x.
 ROW_GROUPS = {"avx2": 4}
 
 
@@ -72,19 +84,29 @@ def pair_layout(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([o.reshape(n, -1) for o in out], 1))
 
 
-def row_groups(packed: np.ndarray, rows: int) -> np.ndarray:
-    """u4 weights [N, Kp / 2] (two per byte, each row's pairs of 32-blocks 32 bytes) in the op's interleaved layout
-    (lowbit_kernel.h): N rounded up to `rows` with zero rows, then per group of `rows` rows their first pairs one after
-    the other, their second pairs, ..., and their unpaired last blocks (16 bytes each). A pass over `rows` weight rows
-    then reads one contiguous run instead of `rows` interleaved streams. Same size (plus the padding rows)."""
+def u8_layout(q: np.ndarray, zero: np.ndarray, isa: str) -> tuple[np.ndarray, np.ndarray]:
+    """u8 weights [N, K] and their zero points [N, G] as `isa`'s op reads them: the weights in pair_layout, both
+    minus U8_ISAS[isa] (128 on AVX2: s8 bytes, u8 ^ 0x80; the zero points stay exact integers in f16)."""
+    offset = U8_ISAS[isa]
+    packed = pair_layout(q)
+    if offset:
+        packed ^= np.uint8(offset)
+    return packed, (zero.astype(np.float32) - offset).astype(np.float16)
+
+
+def row_groups(packed: np.ndarray, rows: int, pair_bytes: int = 32) -> np.ndarray:
+    """Weights [N, bytes] (each row's pairs of 32-blocks `pair_bytes`: 32 of u4, 64 of u8) in the op's interleaved
+    layout (lowbit_kernel.h): N rounded up to `rows` with zero rows, then per group of `rows` rows their first pairs one
+    after the other, their second pairs, ..., and their unpaired last blocks (half a pair each). A pass over `rows`
+    weight rows then reads one contiguous run instead of `rows` interleaved streams. Same size (plus padding rows)."""
     n, nb = packed.shape
     padded = -(-n // rows) * rows
-    full = nb // 32
+    full = nb // pair_bytes
     p = np.zeros((padded, nb), np.uint8)
     p[:n] = packed
     groups = padded // rows
-    head = p[:, : full * 32].reshape(groups, rows, full, 32).transpose(0, 2, 1, 3).reshape(groups, -1)
-    tail = p[:, full * 32 :].reshape(groups, -1)
+    head = p[:, : full * pair_bytes].reshape(groups, rows, full, pair_bytes).transpose(0, 2, 1, 3).reshape(groups, -1)
+    tail = p[:, full * pair_bytes :].reshape(groups, -1)
     return np.ascontiguousarray(np.concatenate([head, tail], 1).reshape(padded, nb))
 
 
@@ -120,9 +142,9 @@ def _is(output: ov.Output, kind: str) -> bool:
     return output.get_node().get_type_name() == kind
 
 
-def match(matmul: ov.Node, u8: bool = False, row_group: int = 1) -> Chain | None:
-    """The u4 chain (or with `u8`, also a u8 one) feeding `matmul`'s weight input, or None when it is anything
-    else; u4 rows grouped by `row_group` (row_groups)."""
+def match(matmul: ov.Node, isa: str = "avx2", row_group: int = 1) -> Chain | None:
+    """The u4 chain (or on a path of U8_ISAS, also a u8 one, in its u8_layout) feeding `matmul`'s weight input, or
+    None when it is anything else; rows grouped by `row_group` (row_groups)."""
     attrs = matmul.get_attributes()
     if attrs.get("transpose_a") or not attrs.get("transpose_b"):
         return None
@@ -144,7 +166,7 @@ def match(matmul: ov.Node, u8: bool = False, row_group: int = 1) -> Chain | None
     if not _is(values_out, "Convert"):
         return None
     values = values_out.get_node().input_value(0).get_node()
-    kinds = (ov.Type.u4, ov.Type.u8) if u8 else (ov.Type.u4,)
+    kinds = (ov.Type.u4, ov.Type.u8) if isa in U8_ISAS else (ov.Type.u4,)
     if values.get_type_name() != "Constant" or values.get_element_type() not in kinds:
         return None
     bits = 4 if values.get_element_type() == ov.Type.u4 else 8
@@ -162,24 +184,27 @@ def match(matmul: ov.Node, u8: bool = False, row_group: int = 1) -> Chain | None
         z = np.broadcast_to(zero, (n, groups, 1) if len(shape) == 3 else (n, 1)).reshape(n, groups)
     except ValueError:
         return None
-    sz = scale_table(s.astype(np.float16), z.astype(np.float16))
     data = np.asarray(values.get_data()).view(np.uint8)
     if bits == 8:
-        return Chain(pair_layout(data.reshape(n, k)), sz, group_size, bits)
+        packed, z8 = u8_layout(data.reshape(n, k), z, isa)
+        if row_group > 1:  # pair_layout made the copy already
+            packed = row_groups(packed, row_group, pair_bytes=64)
+        return Chain(packed, scale_table(s.astype(np.float16), z8), group_size, bits, row_group)
+    sz = scale_table(s.astype(np.float16), z.astype(np.float16))
     return Chain(row_groups(data.reshape(n, k // 2), row_group), sz, group_size, bits, row_group)
 
 
 def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0) -> int:
     """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
     NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many. The op
-    computes in f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the VNNI
-    paths only (U8_ISAS)."""
+    computes in f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of
+    U8_ISAS."""
     from openvino import opset13 as ops
 
     found = []
     for node in model.get_ordered_ops():
         if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32:
-            chain = match(node, u8=isa in U8_ISAS, row_group=ROW_GROUPS.get(isa, 1))
+            chain = match(node, isa, row_group=ROW_GROUPS.get(isa, 1))
             if chain is not None and chain.weights >= min_weights:
                 found.append((node, chain))
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
