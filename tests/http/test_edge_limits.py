@@ -41,7 +41,9 @@ LIVE_BOUND = 5.0
 # The slow-reader test reads its streams at full speed until each brought this much (~30 SSE events) to measure the
 # generation's pace on this box, then reads them at a third of it (at most SLOW_READ_RATE), a read every READ_EVERY s.
 # A third: the reader stays the bottleneck if the pace drops meanwhile (the victim's request joins the batch, the box's
-# load moves), and a 4 KB receive window still opens every second or two, so no single write waits the send timeout.
+# load moves). On a loaded 2-core Zen 3 (2.3 KB/s of SSE) single writes then waited over 3 s at times (a blocked write
+# waits for the kernel to drain a share of the send buffer), so there a per-write timeout alone cut them too; at half
+# the pace it never did in 88 s, but that reader is not yet shown to be cut reliably by the total bound.
 PACE_BYTES = 8 * 1024
 SLOWER = 3
 SLOW_READ_RATE = 2048  # bytes/s: on a box that generates faster, the reader stays at 2 KB/s
@@ -218,11 +220,11 @@ def slow_read_bound(pace: float, rate: float, buffered: int, sent: int) -> float
 
 def test_a_stream_read_slowly_loses_its_connection(srv, model_name):
     """Two streams whose clients (with a small receive buffer) read at a third of the generation's pace, measured
-    first on these streams: each write waits less than the send timeout (a read frees the window every second or
-    two), but the response's total wait does not, so the server resets them once the buffers are full and about the
-    send timeout was waited (slow_read_bound), and cancels their sequences; meanwhile a normal completion and the
-    liveness probe are answered. A fixed reading pace proved nothing on a box whose generation is no faster than it
-    (7 tokens/s, 2 KB/s of SSE, on a loaded 2-core Zen 3): no write ever waited, the client kept up."""
+    first on these streams: the response's total wait on them passes its budget, so the server resets them once
+    the buffers are full and about the send timeout was waited (slow_read_bound), and cancels their sequences;
+    meanwhile a normal completion and the liveness probe are answered. A fixed reading pace proved nothing on a box
+    whose generation is no faster than it (7 tokens/s, 2 KB/s of SSE, on a loaded 2-core Zen 3): no write ever
+    waited, the client kept up."""
     cancelled = srv.metrics().get("appliance_sequences_cancelled_total", 0)
     body = generation_body(model_name, max_tokens=4000, ignore_eos=True, stream=True)
     socks = [connect(srv, "127.0.0.3", rcvbuf=2048) for _ in range(2)]
