@@ -1,20 +1,26 @@
 """Random-weight models for the benchmarks, built without downloading anything: a ~250M Llama large enough that
 the matmuls, not Python, dominate a step (the default model has 135M parameters), and models with the exact
-shapes of the ones edge boxes really serve (Qwen2.5-0.5B / 1.5B, Llama-3.2-1B: the config.json geometry, vocabulary
-width, tied embeddings, Qwen's QKV bias through the Qwen2 architecture, RoPE theta, max positions), exported int8 /
-int4 for bench/sizes.py. Random weights time the same kernels as trained ones; they only say nothing about quality
-or speculative acceptance.
+shapes of the ones edge boxes really serve (Qwen2.5-0.5B / 1.5B, Llama-3.2-1B / 3B: the config.json geometry,
+vocabulary width, tied embeddings, Qwen's QKV bias through the Qwen2 architecture, RoPE theta and Llama 3's
+scaling, max positions), exported int8 / int4 for bench/sizes.py. Random weights time the same kernels as trained
+ones; they only say nothing about quality or speculative acceptance.
 
 Every model gets the same byte-level BPE tokenizer, trained once with `tokenizers` on a synthetic corpus (as
 tests/tiny_models.py does) with 32000 tokens, 3 of them special (ids 0-2): a tokenizer smaller than the model's
 vocabulary is fine (Qwen2.5's own is 151665 of 151936), the LM head width is what matters for speed. Everything
-lives under `appliance.paths.data_dir()/bench/<name>/`: `hf/` (bf16 safetensors: half the disk and build memory of
-fp32; the exporter loads fp32 anyway) and `openvino-<format>/`. Built once, then cached; never in `make test`.
+lives under `appliance.paths.data_dir()/bench/<name>/`: `hf/` (bf16 safetensors in 1 GB shards: half the disk and
+build memory of fp32, and the exporter, which loads fp32 anyway, has one shard mapped at a time) and
+`openvino-<format>/`. Built once, then cached; never in `make test`.
 Measured on the 2-vCPU box: qwen2.5-1.5b 2.5-4.5 min per format at 9.1 GiB peak RSS (the exporter's fp32 load and
-trace), qwen2.5-0.5b both formats in 2.5 min at 3.3 GiB: build one model at a time.
+trace), qwen2.5-0.5b both formats in 2.5 min at 3.3 GiB. llama-3.2-3b: random weights 3.1 min at 7.1 GiB; int4
+export 5.9 min of CPU (18.6 min wall, ~8 of them paused by another job's benchmark) at 14.3 GiB peak RSS: 12.9 GiB
+while loading (the fp32 model; 0.7 GiB of it the mapped shard), 12.9 while tracing, 14.3 while NNCF compresses
+(the fp32 IR read back mapped, 12.1 GiB of clean file pages the kernel can drop, + 2.1 GiB). Build one model at a
+time.
 
     python -m bench.models [fp16] [int8]                      # random-llama-250m (both formats by default)
     python -m bench.models --model qwen2.5-1.5b int8 int4     # a family shape (--drop-hf: delete hf/ after)
+    python -m bench.models --model llama-3.2-3b int4          # then its GGUF: bench/gguf.py --model llama-3.2-3b
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from appliance.paths import data_dir
 
 NAME = "random-llama-250m"
 SEED = 1234
+# The exporter loads a checkpoint shard by shard; a mapped shard's pages count in its RSS until the shard is done.
+SHARD_SIZE = "1GB"
 VOCAB_SIZE = 32000  # the tokenizer's (and random-llama-250m's LM head)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID = 0, 2
@@ -52,6 +60,20 @@ CONFIG = dict(
     tie_word_embeddings=False,
 )
 _QWEN2 = dict(rms_norm_eps=1e-6, rope_theta=1000000.0, use_sliding_window=False, hidden_act="silu")
+_LLAMA32 = dict(  # what Llama-3.2-1B and -3B share: vocabulary width, llama3 RoPE scaling, tied embeddings
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    tie_word_embeddings=True,
+)
 # name -> (transformers architecture, config): the geometry of each model's published config.json (the Instruct
 # variants); token ids are our tokenizer's. Qwen2 adds the q/k/v projection bias by architecture.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -91,24 +113,25 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama-3.2-1b": (
         "llama",
         dict(
+            _LLAMA32,
             hidden_size=2048,
             intermediate_size=8192,
             num_hidden_layers=16,
             num_attention_heads=32,
             num_key_value_heads=8,
             head_dim=64,
-            vocab_size=128256,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            rope_scaling={
-                "factor": 32.0,
-                "high_freq_factor": 4.0,
-                "low_freq_factor": 1.0,
-                "original_max_position_embeddings": 8192,
-                "rope_type": "llama3",
-            },
-            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-3.2-3b": (
+        "llama",
+        dict(
+            _LLAMA32,
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
         ),
     ),
 }
@@ -209,7 +232,7 @@ def ensure_hf_folder(name: str = NAME) -> Path:
     print(f"{name}: creating random {arch} weights ({dtype})", file=sys.stderr, flush=True)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
-    model.save_pretrained(staging)
+    model.save_pretrained(staging, max_shard_size=SHARD_SIZE)
     del model
     gc.collect()
     _write_tokenizer(staging, config["max_position_embeddings"])  # last: its presence marks a complete folder

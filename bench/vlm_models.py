@@ -8,10 +8,11 @@ The tokenizer is bench/models.py's 32000-token BPE plus each family's image toke
 template and preprocessor_config.json are the published ones (pixel limits, mean and std). Everything lives under
 `appliance.paths.data_dir()/bench/<name>/`: `hf/` (bf16 safetensors) and `openvino-<format>/`, the latter written by
 `python -m export` in a child process (the build prints its wall time and peak RSS; one model at a time).
-Measured, Qwen2-VL-2B int4 on the 2-vCPU box under other agents' load: random weights 3 min, export 17.4 min (15 of
-them optimum's conversion), peak RSS 19.5 GiB: the exporter's fp32 model (8.8 GB) stays loaded while optimum
-converts and transforms the parts; the text exporter's 1.5B peaks at 9.1 GiB. It needs a 24 GB box with little else
-running. SmolVLM-256M int4: export 5 min, peak RSS 3.0 GiB.
+Measured, Qwen2-VL-2B int4 on the 2-vCPU box under other agents' load: random weights 3 min; export peak RSS 12.8
+GiB (the fp32 model, 8.8 GB, loaded from its one 4.4 GB shard, then traced), conversion 3.4 min, 15.6 min wall
+in all with ~8 min of it paused by another job's benchmark. It was 19.5 GiB and 17.4 min (15 in conversion) while
+the exporter let torch.jit.trace check its trace, which re-ran the 32-layer vision transformer
+(export/vlm.py _no_trace_check). SmolVLM-256M int4: export 5 min, peak RSS 3.0 GiB.
 
     nice python -m bench.vlm_models                            # qwen2-vl-2b, int4
     nice python -m bench.vlm_models --model smolvlm-256m int4 int8
