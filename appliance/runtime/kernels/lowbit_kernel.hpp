@@ -51,11 +51,21 @@ constexpr int BLOCK = 32;
 constexpr int CHAINS = LOWBIT_CHAINS;
 constexpr int MTILE = 4;  // rows of x per pass over a weight row: the row stays in L1, read from memory once
 
-inline float hmax(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+// The 8 lanes of v folded by `op` (an __m128 lane-wise add or max) to one float.
+template <typename Op>
+inline float fold(__m256 v, Op op) {
+    __m128 s = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = op(s, _mm_movehl_ps(s, s));
+    s = op(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+inline float hmax(__m256 v) {
+    return fold(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
+}
+
+inline float hsum(__m256 v) {
+    return fold(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
 }
 
 inline int hsum_epi32(__m256i v) {
@@ -130,19 +140,6 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
             sr[(b * BLOCK) / gs] += d * static_cast<float>(sum);
         }
     }
-}
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-inline float hsum128(__m128 s) {
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 // Pair p of blocks of a weight row (32 bytes of u4, or 64 of u8 in the paired layout) as its even and odd halves;
