@@ -66,10 +66,6 @@ class Chain:
     bits: int = 4
     row_group: int = 1  # the packed rows' interleaving (row_groups)
 
-    @property
-    def weights(self) -> int:
-        return self.sz.shape[0] * self.packed.shape[1] * 8 // self.bits
-
 
 def pair_layout(q: np.ndarray) -> np.ndarray:
     """u8 weights [N, K] (K a multiple of 32) in the order the op quantizes activations (lowbit_kernel.hpp): per pair
@@ -142,6 +138,12 @@ def _is(output: ov.Output, kind: str) -> bool:
     return output.get_node().get_type_name() == kind
 
 
+def _weights(matmul: ov.Node) -> int:
+    """The values of `matmul`'s weight input ([N, K]), or 0 when its shape is not static (match refuses those)."""
+    shape = matmul.input_value(1).get_partial_shape()
+    return int(np.prod(shape.to_shape())) if shape.is_static else 0
+
+
 def match(matmul: ov.Node, isa: str = "avx2", row_group: int = 1) -> Chain | None:
     """The u4 chain (or on a path of U8_ISAS, also a u8 one, in its u8_layout) feeding `matmul`'s weight input, or
     None when it is anything else; rows grouped by `row_group` (row_groups)."""
@@ -204,8 +206,10 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
     found = []
     for node in model.get_ordered_ops():
         if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32:
+            if _weights(node) < min_weights:  # before match: it copies and repacks the weights it takes
+                continue
             chain = match(node, isa, row_group=ROW_GROUPS.get(isa, 1))
-            if chain is not None and chain.weights >= min_weights:
+            if chain is not None:
                 found.append((node, chain))
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
     swaps = []
