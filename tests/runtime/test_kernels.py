@@ -118,6 +118,7 @@ def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         (129, 1536, 128, "f16", "denormal"),
         (16, 4096, 128, "f16", "normal"),  # a group that spans four blocks, many groups
         (11, 320, 128, "15", "normal"),  # a last group of one pair and no unpaired block
+        (9, 1120, 32, "f16", "normal"),  # Q4_1's groups of one block: 35 scales, read eight at a time, and a tail
     ],
 )
 def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale, row_group):

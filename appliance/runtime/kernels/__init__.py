@@ -25,7 +25,7 @@ LIBRARY = "libappliance_kernels.so"
 # build.py compiles this number into the library and load() refuses a library that reports another one. A library
 # built from older sources once asserted at its first call ("sz must hold ceil(K / group_size)") instead of
 # falling back. Bump it with any change to that contract.
-ABI = 3
+ABI = 4
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

@@ -9,8 +9,8 @@ struct LowbitArgs {
                             // (lowbit_kernel.hpp). Rows in groups of rg (N rounded up to rg, zero rows past N): a
                             // group holds its rows' first pairs of blocks one after the other, then their second
                             // pairs, ..., then their unpaired last blocks; rg = 1 is plain row-major.
-    const float* sz;        // [N, 2 G]: per row its G group scales, then the G products scale x zero point
-                            // (f32, made at load from the IR's f16 / u4 / u8: rewrite.scale_table)
+    const uint16_t* sz;     // [N, 2 G] f16: per row its G group scales, then its G zero points (the IR's values,
+                            // rewrite.scale_table: a u4 / u8 zero point is exact in f16)
     float* y;               // [M, N]
     int64_t M, N, K, Kp, gs, G;
     int64_t bits;           // 4 or 8 (8: u8 on the VNNI paths, s8 = u8 - 128 on AVX2: rewrite.U8_ISAS)

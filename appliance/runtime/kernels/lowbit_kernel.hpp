@@ -180,22 +180,31 @@ inline void prefetch(const uint8_t* w, int64_t p, int64_t stride, int64_t off) {
     if ((p * stride + off) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + PREFETCH), _MM_HINT_T0);
 }
 
-// A weight row's zero-point terms bias[m] = sum_g (s z)[g] xs[m, g] for rows [m0, m0 + MT) of x; sz: the row's
-// [G scales, G products s z] (f32, made at load). Converting the IR's f16 scale and zero point here instead, per
-// row and call, cost ~13% of a pass at K = 1536 (12 groups per row against 24 pairs of blocks).
+// Eight f16 values from h[g] on as floats, lanes at or past `end` zero (never read past the row's table).
+inline __m256 f16x8(const uint16_t* h, int64_t g, int64_t end) {
+    if (g + 8 <= end) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g)));
+    alignas(16) uint16_t t[8] = {};
+    for (int64_t i = g; i < end; ++i) t[i - g] = h[i];
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+}
+
+// A weight row's zero-point terms bias[m] = sum_g s[g] z[g] xs[m, g] for rows [m0, m0 + MT) of x; sz: the row's
+// [G scales, G zero points], f16 as the IR has them (lowbit_kernel.h). Eight groups per step: the products cost a
+// multiply per 8 groups, against the 4 bytes per group a stored f32 product added to every pass's reads.
 template <int MT>
-inline void row_bias(const LowbitArgs& a, const float* sz, const float* xs, int64_t m0, float* bias) {
-    const float* bz = sz + a.G;
+inline void row_bias(const LowbitArgs& a, const uint16_t* sz, const float* xs, int64_t m0, float* bias) {
     __m256 bv[MT];
     for (int m = 0; m < MT; ++m) bv[m] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= a.G; g += 8) {
-        const __m256 b = _mm256_loadu_ps(bz + g);
+        const __m256 b = _mm256_mul_ps(f16x8(sz, g, a.G), f16x8(sz + a.G, g, a.G));
         for (int m = 0; m < MT; ++m) bv[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xs + (m0 + m) * a.G + g), bv[m]);
     }
     for (int m = 0; m < MT; ++m) bias[m] = hsum(bv[m]);
-    for (; g < a.G; ++g)
-        for (int m = 0; m < MT; ++m) bias[m] += bz[g] * xs[(m0 + m) * a.G + g];
+    for (; g < a.G; ++g) {
+        const float b = _cvtsh_ss(sz[g]) * _cvtsh_ss(sz[a.G + g]);
+        for (int m = 0; m < MT; ++m) bias[m] += b * xs[(m0 + m) * a.G + g];
+    }
 }
 
 // Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x: MT x NR independent accumulator chains. One chain
@@ -209,7 +218,8 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
     const uint8_t* w[NR];     // the row's first pair
     const uint8_t* last[NR];  // its unpaired last block
     int64_t off[NR];          // w[r]'s offset in its group of rows
-    const float* sf[NR];      // the row's group scales
+    const uint16_t* sf[NR];   // the row's group scales (f16)
+    alignas(32) float sb[NR][8];  // eight of them as floats: groups [g - g % 8, g - g % 8 + 8) of the pass
     float bias[NR][MT];
     __m256 acc[MT][NR];
     for (int r = 0; r < NR; ++r) {
@@ -230,8 +240,10 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
             __m256i xl[MT], xh[MT];
             __m256 dv[MT];
             load_x<MT>(xrow, drow, a.Kp, pairs, p, xl, xh, dv);
+            if (p % 4 == 0)
+                for (int r = 0; r < NR; ++r) _mm256_store_ps(sb[r], f16x8(sf[r], 2 * p, a.G));
             for (int r = 0; r < NR; ++r) {
-                const float* s = sf[r] + 2 * p;
+                const float* s = sb[r] + 2 * (p % 4);
                 const __m256 sv = _mm256_set_m128(_mm_broadcast_ss(s + 1), _mm_broadcast_ss(s));
                 prefetch(w[r], p, stride, off[r]);
                 __m256i lo, hi;
@@ -262,8 +274,10 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                                                      gacc[m][r]);
                 }
             }
+            if (g % 8 == 0)
+                for (int r = 0; r < NR; ++r) _mm256_store_ps(sb[r], f16x8(sf[r], g, a.G));
             for (int r = 0; r < NR; ++r) {
-                const __m256 vs = _mm256_broadcast_ss(sf[r] + g);
+                const __m256 vs = _mm256_broadcast_ss(sb[r] + g % 8);
                 for (int m = 0; m < MT; ++m) acc[m][r] = _mm256_fmadd_ps(gacc[m][r], vs, acc[m][r]);
             }
         }
@@ -271,7 +285,7 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
     if (blocks % 2) {  // the last block alone: [even 16, odd 16], 128-bit halves
         const int64_t b = blocks - 1;
         for (int r = 0; r < NR; ++r) {
-            const float s = sf[r][b / per_group];
+            const float s = _cvtsh_ss(sf[r][b / per_group]);
             __m128i lo, hi;
             if (W8) {  // [even 16, odd 16], as the activations
                 lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(last[r]));

@@ -2,8 +2,8 @@
 // custom op (evaluate() on the CPU plugin's reference path). Inputs: x f32 [..., K]; w u8 [N, Kp / 2] or u4 [N, ...]
 // (Kp = K rounded up to 32, two values per byte, low nibble first: OpenVINO's own u4 order), or with bits = 8 bytes
 // [N, Kp] in our paired layout (lowbit_kernel.hpp; rewrite.py repacks at load: u8 on the VNNI paths, s8 = u8 - 128
-// on AVX2, rewrite.U8_ISAS); sz u8 [N, 8 G]: per row the f32 bits of its G group scales, then of the G products
-// scale x zero point (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
+// on AVX2, rewrite.U8_ISAS); sz u8 [N, 4 G]: per row the f16 bits of its G group scales, then of its G zero points
+// (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
 // lowbit_kernel.h; 1: row-major). Output f32 [..., N]. Why, with measurements:
@@ -27,7 +27,7 @@ namespace {
 
 bool supported(const std::string& isa) {
     __builtin_cpu_init();
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     if (isa == "avx2") return avx2;
     if (isa == "avxvnni") return avx2 && __builtin_cpu_supports("avxvnni");
     if (isa == "avx512vnni")
@@ -100,7 +100,7 @@ public:
         a.K = static_cast<int64_t>(xs.back());
         a.M = static_cast<int64_t>(ov::shape_size(xs)) / (a.K ? a.K : 1);
         a.N = static_cast<int64_t>(inputs[2].get_shape()[0]);
-        a.G = static_cast<int64_t>(inputs[2].get_byte_size()) / 8 / (a.N ? a.N : 1);
+        a.G = static_cast<int64_t>(inputs[2].get_byte_size()) / 4 / (a.N ? a.N : 1);
         a.gs = m_group_size;
         a.Kp = (a.K + 31) / 32 * 32;
         a.bits = m_bits;
@@ -114,7 +114,7 @@ public:
         outputs[0].set_shape(ys);
         a.x = x.data<const float>();
         a.w = static_cast<const uint8_t*>(inputs[1].data());
-        a.sz = static_cast<const float*>(inputs[2].data());
+        a.sz = static_cast<const uint16_t*>(inputs[2].data());
         a.y = outputs[0].data<float>();
         if (a.M == 0 || a.N == 0) return true;
         const LowbitKernel kernel = kernel_for(resolved());

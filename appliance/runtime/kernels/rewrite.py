@@ -26,8 +26,9 @@ the time at M = 1 / 2, 1.35 at M = 4 (row-major shares each weight by 4 rows of 
 
 Memory: the op reads the u4 bytes as a u8 copy ([N, K/2], on AVX2 rows interleaved by groups of 4: row_groups;
 OpenVINO's Python API cannot share a read-only constant's memory, so a copy is made anyway, and the new Constant
-shares it) and a u8 [N, 8 G] of f32 scales and scale x zero point
-products (scale_table: 8 bytes per group, against the IR's 2-4; +36 MB at Qwen2.5-1.5B's u4 g128 layers).
+shares it) and a u8 [N, 4 G] of f16 scales and zero points
+(scale_table: 4 bytes per group, against the IR's 2.5-4; 40 MB at Qwen2.5-1.5B's rewritten u4 g128 layers, 80 MB as
+the f32 scales and products it replaced).
 The backends keep a second, unrewritten graph for prefill (KERNEL_ROWS), which holds the plugin's own copy: the
 default model's engine RSS went 243 -> 371 MB with every layer on ours (386 before the Constants shared our copy).
 A u8 head is repacked (pair_layout, row_groups) into a copy of its size: +233 MB at Qwen2.5-1.5B.
@@ -40,6 +41,8 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
+
+from appliance.runtime.kernels import hugepages
 
 OP = "LowBitMatMul"
 # The paths that take u8 weights (NNCF's int8 LM head), each with the offset its layout subtracts from them and from
@@ -94,24 +97,26 @@ def row_groups(packed: np.ndarray, rows: int, pair_bytes: int = 32) -> np.ndarra
     """Weights [N, bytes] (each row's pairs of 32-blocks `pair_bytes`: 32 of u4, 64 of u8) in the op's interleaved
     layout (lowbit_kernel.h): N rounded up to `rows` with zero rows, then per group of `rows` rows their first pairs one
     after the other, their second pairs, ..., and their unpaired last blocks (half a pair each). A pass over `rows`
-    weight rows then reads one contiguous run instead of `rows` interleaved streams. Same size (plus padding rows)."""
+    weight rows then reads one contiguous run instead of `rows` interleaved streams. Same size (plus padding rows), in
+    whole huge pages (hugepages.py)."""
     n, nb = packed.shape
     padded = -(-n // rows) * rows
-    full = nb // pair_bytes
-    p = np.zeros((padded, nb), np.uint8)
-    p[:n] = packed
-    groups = padded // rows
-    head = p[:, : full * pair_bytes].reshape(groups, rows, full, pair_bytes).transpose(0, 2, 1, 3).reshape(groups, -1)
-    tail = p[:, full * pair_bytes :].reshape(groups, -1)
-    return np.ascontiguousarray(np.concatenate([head, tail], 1).reshape(padded, nb))
+    full, groups = nb // pair_bytes, padded // rows
+    p = packed if padded == n else np.concatenate([packed, np.zeros((padded - n, nb), np.uint8)])
+    out = hugepages.empty((padded, nb))
+    grouped = out.reshape(groups, rows * nb)  # a view: `out` is contiguous
+    head = p[:, : full * pair_bytes].reshape(groups, rows, full, pair_bytes).transpose(0, 2, 1, 3)
+    grouped[:, : rows * full * pair_bytes] = head.reshape(groups, -1)
+    grouped[:, rows * full * pair_bytes :] = p[:, full * pair_bytes :].reshape(groups, -1)
+    return out
 
 
 def scale_table(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
-    """The op's per-group table from f16 scales and zero points [N, G]: per row the G scales, then the G products
-    scale x zero point, f32, as u8 bytes [N, 8 G]. The kernel then reads them as they are: converting the f16 pair per
-    group and row of every call cost ~13% of a pass over a 1536-wide row (12 groups against 24 pairs of blocks)."""
-    s = scale.astype(np.float32)
-    return np.ascontiguousarray(np.concatenate([s, s * zero.astype(np.float32)], 1)).view(np.uint8)
+    """The op's per-group table from f16 scales and zero points [N, G]: per row the G scales, then the G zero points,
+    f16 as the IR has them, as u8 bytes [N, 4 G]. A pass reads the table beside the weights: at u4 g128 its 4 bytes a
+    group are 6% of the bytes (12% as f32 scales and products, the layout before), at Q4_1's g32 25% (50%); the
+    kernel converts eight groups at a time (lowbit_kernel.hpp row_bias)."""
+    return np.ascontiguousarray(np.concatenate([scale, zero], 1).astype(np.float16)).view(np.uint8)
 
 
 def _u4_values(node: ov.Node) -> np.ndarray:
