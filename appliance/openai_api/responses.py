@@ -406,6 +406,10 @@ def parse_responses(
     except ApiError as exc:  # chat's names of fields, said in this API's
         exc.param = CHAT_NAMES.get(exc.param or "", exc.param)
         raise
+    grammar = req.sampling.get("grammar")
+    if grammar is not None:  # the engine's refusal of a schema names `text.format`, not chat's `response_format`
+        renamed = replace(grammar, param=CHAT_NAMES.get(grammar.param, grammar.param))
+        req = replace(req, sampling={**req.sampling, "grammar": renamed})
     kept = [*(previous or []), *map(_stored, messages)]
     return ResponsesRequest(req, body, stored, kept, store is not False, previous_id, reasoning, thinking)
 
