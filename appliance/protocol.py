@@ -263,6 +263,15 @@ class PromptSpec:
     # input[0].content[1].image_url, messages.0.content.0.source.data, messages[0].images[0]): what the engine's
     # refusal of that image names (server/admit.py). None: no images
     image_fields: list[str] | None = None
+    # chat: the request field that holds the conversation in the client's API (chat's and Anthropic's `messages`,
+    # Responses' `input`, Ollama generate's `prompt`), declared by its adapter (ChatRequest.conversation): what a
+    # refusal of the conversation names (server/prompts.py, server/admit.py), as OpenAI's `param`
+    conversation_field: str = "messages"
+
+    @property
+    def prompt_field(self) -> str:
+        """The request field this prompt came from: the conversation's for a chat prompt, else `prompt`."""
+        return self.conversation_field if self.messages is not None else "prompt"
 
 
 @dataclass

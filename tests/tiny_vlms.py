@@ -141,6 +141,12 @@ def image(seed: int = 0) -> Any:
     return Image.fromarray(pixels, "RGB")
 
 
+def prepared(encoder: Any, prompt_ids: list[int], files: list[bytes], max_pixels: int, scope: str = "") -> Any:
+    """VisionEncoder.prepare as the engine's admission runs it: the files' plans (each header read once), then the
+    prompt expanded and the images encoded from those plans."""
+    return encoder.prepare(prompt_ids, encoder.plans(files, max_pixels), max_pixels, scope)
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1])
     for name in FAMILIES:

@@ -46,7 +46,14 @@ class Image:
 
 def sniff(data: bytes) -> str | None:
     """The media type the file's first bytes say (JPEG's SOI marker, PNG's signature, WebP's RIFF....WEBP header),
-    None for anything else."""
+    None for anything else.
+
+    The engine process reads each header again (Pillow, restricted to the same three formats), and this check stays
+    anyway: the two run in different processes. Here a file that is no image is refused before its bytes (up to
+    image_bytes each) are carried to the engine, in the API's own words (Anthropic's declared `media_type`), by a
+    worker that never loads Pillow; there, where the C decoder runs, nothing a worker checked is taken on trust.
+    Twelve bytes compared, not a parse: the header itself is read once, in the engine (runtime/vision/encoder.py's
+    ImagePlan)."""
     if data.startswith(b"\xff\xd8\xff"):
         return "image/jpeg"
     if data.startswith(b"\x89PNG\r\n\x1a\n"):

@@ -39,6 +39,9 @@ class ChatRequest:
     tool_choice: ToolChoice = "auto"  # "auto" when tools are given and tool_choice is not
     tool_name: str | None = None  # tool_choice "named": the function that must be called
     parallel_tool_calls: bool = True
+    # the client's field that holds `messages` (Responses: `input`, Ollama generate: `prompt`), which the engine's
+    # refusals of the conversation name (PromptSpec.conversation_field)
+    conversation: str = "messages"
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,9 @@ def chat_job(
             raise invalid(str(exc), "tool_choice") from None
         params = replace(params, grammar=grammar)
     messages, images, fields = split_images(req.messages)  # each image a {"type": "image"} part, the files beside
-    spec = PromptSpec(messages=messages, tools=tools, images=images, image_fields=fields)
+    spec = PromptSpec(
+        messages=messages, tools=tools, images=images, image_fields=fields, conversation_field=req.conversation
+    )
     return Job(request_id, [spec], params, n=req.edge.n)
 
 

@@ -302,7 +302,8 @@ def _generate(body: dict, limits: Limits) -> OllamaRequest:
         *([{"role": "system", "content": system}] if system else []),
         {"role": "user", "content": [*images, {"type": "text", "text": prompt}] if images else prompt},
     ]
-    return OllamaRequest(model, stream, think, chat=parse_chat(openai, limits))
+    chat = dataclasses.replace(parse_chat(openai, limits), conversation="prompt")  # the conversation is `prompt`
+    return OllamaRequest(model, stream, think, chat=chat)
 
 
 def with_model(req: OllamaRequest, served: str) -> OllamaRequest:

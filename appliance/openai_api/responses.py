@@ -10,7 +10,9 @@ change the output (`background`, non-function tools, files and an `input_image`'
 a client never silently gets an output its request did not ask for. A user message's `input_image` parts are read
 here (data URLs, or a listed host's URL: appliance/api/images.py, image_fetch.py), so every refusal of an image,
 the engine's included, names its own field (`input[0].content[1].image_url`, as OpenAI's `param`), not the chat
-message it becomes; the conversation kept for `previous_response_id` holds them as chat's `image_url` parts.
+message it becomes; the conversation kept for `previous_response_id` holds them as chat's `image_url` parts. The
+engine's refusals of the conversation as a whole (its chat template's error, a text too long to encode, an image
+refusal about no one image) name `input` (`CONVERSATION`, which the job's PromptSpec carries), as the worker's do.
 
 `reasoning`: `effort` is the model's thinking switch (none / minimal off, low and up on, absent: the template's
 default), passed with the prompt (PromptSpec.thinking) to the chat template as `enable_thinking`, Qwen3's variable;
@@ -31,7 +33,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from appliance.api.errors import ApiError, invalid
@@ -72,7 +74,8 @@ TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning.effort values
 THINKING_OFF = ("none", "minimal")  # the efforts that turn the model's thinking off
 SUMMARIES = ("auto", "concise", "detailed", "none")
-CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+CONVERSATION = "input"  # the field that holds the conversation (chat's `messages`): what its refusals name
+CHAT_NAMES = {"max_tokens": "max_output_tokens", "messages": CONVERSATION, "response_format": "text.format"}
 
 
 def new_id(prefix: str) -> str:
@@ -399,10 +402,14 @@ def parse_responses(
         raise invalid("store must be a boolean", "store")
     previous_id = body.get("previous_response_id")
     try:
-        req = parse_chat(chat, limits)
+        req = replace(parse_chat(chat, limits), conversation=CONVERSATION)  # the engine's refusals name `input` too
     except ApiError as exc:  # chat's names of fields, said in this API's
         exc.param = CHAT_NAMES.get(exc.param or "", exc.param)
         raise
+    grammar = req.sampling.get("grammar")
+    if grammar is not None:  # the engine's refusal of a schema names `text.format`, not chat's `response_format`
+        renamed = replace(grammar, param=CHAT_NAMES.get(grammar.param, grammar.param))
+        req = replace(req, sampling={**req.sampling, "grammar": renamed})
     kept = [*(previous or []), *map(_stored, messages)]
     return ResponsesRequest(req, body, stored, kept, store is not False, previous_id, reasoning, thinking)
 

@@ -17,7 +17,6 @@ max_tokens is capped to what is left of the window (a prompt over it: prompts.py
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -26,7 +25,7 @@ from appliance.limits import Limits
 from appliance.params import SamplingParams
 from appliance.runtime.engine.admission import ParamInvalid
 from appliance.runtime.vision.errors import ImageRejected
-from appliance.server.prompts import echo_text, fitted, image_parts, image_tokens, with_media
+from appliance.server.prompts import echo_text, fitted, image_parts, image_plans, with_media
 from appliance.server.slots import Rejected, Slot, not_ready
 
 if TYPE_CHECKING:
@@ -67,19 +66,21 @@ def tokenize(job: p.Job, slot: Slot, stopping: bool, limits: Limits) -> Tokenize
     check_stop_token_ids(job.params, engine.manifest.vocab_size)
     window = min(job.context_window, engine.max_context) if job.context_window else None
     pixels, scope = limits.image_pixels, cache_scope(job.tenant, engine)
-    spec: p.PromptSpec | None = None  # the prompt being read: an image's refusal names its field
+    spec: p.PromptSpec | None = None  # the prompt being read: a refusal names its field
     try:
         fits = []
         for spec in job.prompts:  # every prompt's images counted from their headers before any is encoded
-            fits.append(fitted(spec, slot, job.params.max_tokens, window, image_tokens(spec, engine, pixels)))
+            fits.append(fitted(spec, slot, job.params.max_tokens, window, image_plans(spec, engine, pixels)))
         expanded = []
-        for ids, spec in fits:  # `spec` fitted to num_ctx: the images its kept messages have
-            expanded.append(with_media(ids, spec, engine, pixels, scope))
+        for ids, spec, images in fits:  # noqa: B007 (`spec`, fitted to num_ctx, names the images' fields on refusal)
+            expanded.append(with_media(ids, images, engine, pixels, scope))
         echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
     except ImageRejected as exc:  # the client's image: its format, its pixels, a corrupt file
+        assert spec is not None, "raised while a prompt was read"
         raise Rejected(image_refusal(exc, spec)) from None
     except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
-        raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", "prompt")) from None
+        field = spec.prompt_field if spec is not None else "prompt"
+        raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", field)) from None
     prompts, media = [ids for ids, _ in expanded], [m for _, m in expanded]
     return Tokenized(job, slot, engine, prompts, echo, window, media)
 
@@ -135,15 +136,14 @@ def check_images(job: p.Job, engine: Engine, model: str) -> None:
             raise Rejected(image_refusal(ImageRejected(message), spec))
 
 
-def image_refusal(exc: ImageRejected, spec: p.PromptSpec | None) -> p.Failed:
+def image_refusal(exc: ImageRejected, spec: p.PromptSpec) -> p.Failed:
     """The 400 of an image the engine will not read, naming its field in the client's request (the worker's
     refusals do the same: api/images.py), as the message's start and OpenAI's `param`; a refusal of no one image
-    names the field the images are in (`messages`, Responses' `input`)."""
-    fields = (spec.image_fields if spec is not None else None) or []
+    names the field that holds the conversation (PromptSpec.conversation_field: `messages`, Responses' `input`)."""
+    fields = spec.image_fields or []
     if exc.image is not None and exc.image < len(fields):
         return p.Failed(400, f"{fields[exc.image]}: {exc}", fields[exc.image])
-    root = re.match(r"\w+", fields[0]) if fields else None
-    return p.Failed(400, str(exc), root.group() if root else "messages")
+    return p.Failed(400, str(exc), spec.conversation_field)
 
 
 def check_stop_token_ids(params: SamplingParams, vocab: int) -> None:

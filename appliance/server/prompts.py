@@ -8,8 +8,10 @@ chat does; a prompt still over it (a raw prompt, or a last message alone too lon
 its start, as Ollama's runner does, would cut the chat template's own start.
 
 Images (vision-language models): a chat prompt's images are counted at the length they expand to (from their
-headers, before any is decoded), a message left out leaves its images out too, and only then are the images that
-remain encoded (`with_media`: runtime/vision/ expands the template's placeholders and computes the features).
+headers, each read once into a plan, before any is decoded), a message left out leaves its images out too, and only
+then are the images that remain encoded (`with_media`: runtime/vision/ expands the template's placeholders from the
+plans and computes the features). A refusal of the conversation names the client's field for it
+(PromptSpec.conversation_field: Responses' `input`, chat's `messages`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from typing import TYPE_CHECKING
 from appliance import protocol as p
 from appliance.runtime.engine import PromptTooLong
 from appliance.runtime.tokenizer import TextTooLong
-from appliance.runtime.vision.errors import image_at
 from appliance.server import tool_prompt
 from appliance.server.slots import Rejected, Slot
 
 if TYPE_CHECKING:
     from appliance.runtime.engine import Engine
     from appliance.runtime.media import Media
+    from appliance.runtime.vision.encoder import ImagePlan
 
 
 def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None, window: int | None = None) -> list[int]:
@@ -40,23 +42,25 @@ def fitted(
     slot: Slot,
     max_tokens: int | None = None,
     window: int | None = None,
-    extra_tokens: Sequence[int] = (),
-) -> tuple[list[int], p.PromptSpec]:
-    """The prompt's token ids (chat: templated) and the spec they are of. `window` (num_ctx): a chat prompt loses its
-    oldest messages, and their images, until it leaves room for one token; a prompt still too long is a 400.
-    `max_tokens` is the request's cap on generated tokens, named in the message for a prompt past the context (the
-    tokenizer's bound is the context itself). `extra_tokens`: the tokens each of spec.images adds to the prompt
-    beyond its placeholder (`image_tokens`), so the length checked is the prompt's once its images are expanded."""
+    images: Sequence[ImagePlan] = (),
+) -> tuple[list[int], p.PromptSpec, list[ImagePlan]]:
+    """The prompt's token ids (chat: templated), the spec they are of and the plans of its images. `window`
+    (num_ctx): a chat prompt loses its oldest messages, and their images, until it leaves room for one token; a
+    prompt still too long is a 400. `max_tokens` is the request's cap on generated tokens, named in the message for
+    a prompt past the context (the tokenizer's bound is the context itself). `images`: the plans of spec.images
+    (`image_plans`), whose tokens beyond their placeholders count, so the length checked is the prompt's once its
+    images are expanded."""
     ids = _prompt_ids(spec, slot, max_tokens)
-    extra = sum(extra_tokens)
+    extra = _extra(images)
     if window is None:  # (a window is at most the context: fitting it is enough)
         if extra:
             _check_context(len(ids) + extra, slot, max_tokens)  # refused here, before any image is encoded
-        return ids, spec
+        return ids, spec, list(images)
     if len(ids) + extra < window:
-        return ids, spec
+        return ids, spec, list(images)
     if spec.messages is not None:
-        ids, spec, extra = _fit_messages(spec, slot, max_tokens, window, extra_tokens)
+        ids, spec, images = _fit_messages(spec, slot, max_tokens, window, images)
+        extra = _extra(images)
     if len(ids) + extra >= window:
         raise Rejected(
             p.Failed(
@@ -66,7 +70,7 @@ def fitted(
                 "num_ctx",
             )
         )
-    return ids, spec
+    return ids, spec, list(images)
 
 
 def image_parts(messages: Sequence[object]) -> list[int]:
@@ -79,40 +83,36 @@ def image_parts(messages: Sequence[object]) -> list[int]:
     return owners
 
 
-def image_tokens(spec: p.PromptSpec, engine: Engine, max_pixels: int) -> list[int]:
-    """The tokens each image of the prompt adds beyond its placeholder token, from its header (ImageRejected for one
-    past `max_pixels` or not an accepted format)."""
+def image_plans(spec: p.PromptSpec, engine: Engine, max_pixels: int) -> list[ImagePlan]:
+    """Each image of the prompt as its header says, read once (ImageRejected for one past `max_pixels` or not an
+    accepted format): the tokens it becomes, which `fitted` counts and `with_media` expands."""
     if not spec.images or engine.vision is None:
         return []
-    tokens = []
-    for i, data in enumerate(spec.images):
-        with image_at(i):
-            tokens.append(engine.vision.num_tokens(data, max_pixels) - 1)
-    return tokens
+    return engine.vision.plans(spec.images, max_pixels)
 
 
 def with_media(
-    ids: list[int], spec: p.PromptSpec, engine: Engine, max_pixels: int, scope: str = ""
+    ids: list[int], images: Sequence[ImagePlan], engine: Engine, max_pixels: int, scope: str = ""
 ) -> tuple[list[int], Media | None]:
-    """The prompt's ids with its images expanded, and their Media (features encoded here, in the job's thread, off
-    the engine thread, or found in the vision feature cache under `scope`); (ids, None) for a prompt without
-    images."""
-    if not spec.images or engine.vision is None:
+    """The prompt's ids with its images (their plans, as `fitted` kept them) expanded, and their Media (features
+    encoded here, in the job's thread, off the engine thread, or found in the vision feature cache under `scope`);
+    (ids, None) for a prompt without images."""
+    if not images or engine.vision is None:
         return ids, None
-    return engine.vision.prepare(ids, spec.images, max_pixels, scope)
+    return engine.vision.prepare(ids, images, max_pixels, scope)
 
 
 def _fit_messages(
-    spec: p.PromptSpec, slot: Slot, max_tokens: int | None, window: int, extra_tokens: Sequence[int]
-) -> tuple[list[int], p.PromptSpec, int]:
+    spec: p.PromptSpec, slot: Slot, max_tokens: int | None, window: int, plans: Sequence[ImagePlan]
+) -> tuple[list[int], p.PromptSpec, list[ImagePlan]]:
     """The prompt with the fewest oldest droppable messages (not system, not the last) left out that fits the
-    window, with the images of those left out, and its images' extra tokens; binary search (the prompt shrinks as
-    more are left out), each probe one templating."""
+    window, with the images of those left out, and the plans of the images it keeps; binary search (the prompt
+    shrinks as more are left out), each probe one templating."""
     messages = spec.messages or []
     droppable = [i for i, m in enumerate(messages[:-1]) if not (isinstance(m, dict) and m.get("role") == "system")]
     owners = image_parts(messages)
 
-    def without(k: int) -> tuple[list[int], p.PromptSpec, int]:
+    def without(k: int) -> tuple[list[int], p.PromptSpec, list[ImagePlan]]:
         gone = set(droppable[:k])
         kept = [m for i, m in enumerate(messages) if i not in gone]
         images = [data for data, i in zip(spec.images or [], owners) if i not in gone]
@@ -123,19 +123,19 @@ def _fit_messages(
             images=images if spec.images is not None else None,
             image_fields=fields if spec.image_fields is not None else None,
         )
-        extra = sum(n for n, i in zip(extra_tokens, owners) if i not in gone)
-        return _prompt_ids(trimmed, slot, max_tokens), trimmed, extra
+        planned = [plan for plan, i in zip(plans, owners) if i not in gone]
+        return _prompt_ids(trimmed, slot, max_tokens), trimmed, planned
 
     if not droppable:
-        return _prompt_ids(spec, slot, max_tokens), spec, sum(extra_tokens)
+        return _prompt_ids(spec, slot, max_tokens), spec, list(plans)
     lo, hi = 1, len(droppable)  # without(hi) fits once checked; the least k in [lo, hi] that fits is wanted
     best = without(hi)
-    if len(best[0]) + best[2] >= window:
+    if len(best[0]) + _extra(best[2]) >= window:
         return best
     while lo < hi:
         mid = (lo + hi) // 2
         probe = without(mid)
-        if len(probe[0]) + probe[2] < window:
+        if len(probe[0]) + _extra(probe[2]) < window:
             hi, best = mid, probe
         else:
             lo = mid + 1
@@ -164,7 +164,7 @@ def _prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) -
                 kwargs["enable_thinking"] = spec.thinking
             ids = tok.encode_chat(messages, add_generation_prompt=True, token_budget=limit, **kwargs)
         except Exception as exc:  # no template, a broken one, or its raise_exception (roles must alternate)
-            raise Rejected(p.Failed(400, str(exc), "messages")) from None
+            raise Rejected(p.Failed(400, str(exc), spec.conversation_field)) from None
     else:
         assert spec.text is not None, "a PromptSpec holds text, token ids or messages"
         try:  # as OVMS: a raw prompt gets BOS if the model has one
@@ -177,6 +177,11 @@ def _prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) -
         raise Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
     _check_context(len(ids), slot, max_tokens)
     return ids
+
+
+def _extra(images: Sequence[ImagePlan]) -> int:
+    """The tokens the images add to the prompt beyond their placeholders (one token each)."""
+    return sum(image.tokens - 1 for image in images)
 
 
 def _check_context(length: int, slot: Slot, max_tokens: int | None) -> None:

@@ -45,6 +45,11 @@ def fields_of(req) -> list[str] | None:
     return chat_job(req, to_sampling_params(req.sampling, {}), "r").prompts[0].image_fields
 
 
+def conversation_of(req) -> str:
+    """The field that holds the conversation in the client's request, which the engine's refusals of it name."""
+    return chat_job(req, to_sampling_params(req.sampling, {}), "r").prompts[0].conversation_field
+
+
 def refused(fn, *args, words: str) -> ApiError:
     with pytest.raises(ApiError) as info:
         fn(*args)
@@ -159,6 +164,7 @@ def test_responses_input_image():
     messages, images = spec_of(req.chat)
     assert messages[-1]["content"] == [{"type": "text", "text": "what is it?"}, {"type": "image"}]
     assert images == [WEBP]
+    assert conversation_of(req.chat) == "input" and conversation_of(openai_chat(image_url(data_url(PNG)))) == "messages"
     assert req.input_items[0]["content"][1] == {
         "type": "input_image",
         "image_url": data_url(WEBP, "image/webp"),
@@ -276,6 +282,7 @@ def test_ollama_images():
     messages, images = spec_of(req.chat)
     assert messages == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
     assert images == [WEBP]
+    assert [conversation_of(r.chat) for r in (parse_ollama_chat(body, Limits()), req)] == ["messages", "prompt"]
 
 
 def test_ollama_refusals():

@@ -64,7 +64,8 @@ def test_tools_format_and_sampling_map_onto_chat():
     assert req.chat.tool_name == "f" and not req.chat.parallel_tool_calls
     fmt = {"type": "json_schema", "name": "x", "schema": schema, "strict": True}
     req = parse_responses({"model": M, "input": "x", "text": {"format": fmt}}, Limits())
-    assert req.chat.sampling["grammar"] is not None
+    assert req.chat.sampling["grammar"].param == "text.format"  # what the engine's refusal of the schema names
+    assert req.chat.conversation == "input"  # and of the conversation
 
 
 @pytest.mark.parametrize(

@@ -253,6 +253,27 @@ def test_refusals(client, model_name):
     assert len(client.responses.input_items.list(r.id, limit=Limits().input_items_page).data) == 1
 
 
+def test_the_engines_refusals_name_the_responses_fields(client, model_name):
+    """A refusal the engine process makes of the conversation itself (here a text too long to be encoded within the
+    model's context) names the client's own field: `input` on Responses, `messages` on chat; a schema the engine's
+    grammar compiler refuses names `text.format`."""
+    text = "x" * 10**6  # more characters than the context's tokens can hold: refused before it is encoded
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=model_name, input=text, max_output_tokens=4)
+    assert info.value.body["param"] == "input" and "characters" in info.value.body["message"], info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=model_name, input=[{"role": "user", "content": text}], stream=True)
+    assert info.value.body["param"] == "input", info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": text}], max_tokens=4)
+    assert info.value.body["param"] == "messages", info.value.body
+    bogus = {"type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}}  # the engine's compiler's
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": bogus}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=model_name, input="Hi", max_output_tokens=4, text=fmt)  # type: ignore[arg-type]
+    assert info.value.body["param"] == "text.format" and "bogus" in info.value.body["message"], info.value.body
+
+
 def test_survives_a_restart(setup, client, model_name):
     r = client.responses.create(model=model_name, input="Remember me.", max_output_tokens=8)
     setup["server"].close()

@@ -20,7 +20,7 @@ from appliance.config import EngineConfig
 from appliance.limits import Limits
 from appliance.params import SamplingParams
 from appliance.runtime.tokenizer import Tokenizer
-from appliance.runtime.vision.decode import decode
+from appliance.runtime.vision.decode import decode, open_header
 from appliance.runtime.vision.encoder import VisionEncoder
 from appliance.server.admit import Tokenized, admit, tokenize
 from appliance.server.jobs import queue_choices
@@ -59,7 +59,7 @@ def qwen(vlm_export) -> Slot:
 
 def _job(messages: list[dict], images: list[bytes] | None, **fields) -> p.Job:
     where = [f"input[{i}].content[0].image_url" for i in range(len(images))] if images else None  # Responses'
-    spec = p.PromptSpec(messages=messages, images=images, image_fields=where)
+    spec = p.PromptSpec(messages=messages, images=images, image_fields=where, conversation_field="input")
     return p.Job(request_id="r", prompts=[spec], params=SamplingParams(max_tokens=4), **fields)
 
 
@@ -79,7 +79,7 @@ def test_images_become_expanded_ids_and_media(qwen: Slot):
     job = _job(messages, [_png(0), _png(1)])
     tokenized = tokenize(job, qwen, False, Limits())
     prompt = qwen.engine.tokenizer.encode_chat(messages)
-    ids, media = qwen.engine.vision.prepare(prompt, [_png(0), _png(1)], Limits().image_pixels)
+    ids, media = tiny_vlms.prepared(qwen.engine.vision, prompt, [_png(0), _png(1)], Limits().image_pixels)
     assert tokenized.prompts == [ids] and tokenized.media[0] is not None
     assert [s.digest for s in tokenized.media[0].images] == [decode(_png(i), 10**6).digest for i in (0, 1)]
     assert all(np.array_equal(a.features, b.features) for a, b in zip(tokenized.media[0].images, media.images))
@@ -96,7 +96,7 @@ def test_num_ctx_drops_the_images_of_the_messages_it_drops(qwen: Slot):
     assert qwen.engine is not None
     last = _user(1, text="And now?")
     messages = [_user(0), {"role": "assistant", "content": "Forty."}, last]
-    alone = qwen.engine.vision.prepare(qwen.engine.tokenizer.encode_chat([last]), [_png(1)], 10**6)[0]
+    alone = tiny_vlms.prepared(qwen.engine.vision, qwen.engine.tokenizer.encode_chat([last]), [_png(1)], 10**6)[0]
     both = tokenize(_job(messages, [_png(0), _png(1)]), qwen, False, Limits()).prompts[0]
     window = len(alone) + 1  # the last message with its image fits; not with the first one's too
     assert len(both) >= window
@@ -122,14 +122,32 @@ def test_bad_images_are_400s_naming_their_field(qwen: Slot):
     assert "more than the limit of 1000 pixels" in failed.message and failed.param == first
     failed = _refusal(qwen, _job(two, [_png(0), _png(1)[:300]]))  # decoding: the second, after the first's header
     assert "corrupt or truncated" in failed.message and failed.param == second, failed
-    failed = _refusal(qwen, _job([_user(0)], [_png(0), _png(1)]))  # about no one image: the field they are in
+    failed = _refusal(qwen, _job([_user(0)], [_png(0), _png(1)]))  # about no one image: the conversation's field
     assert failed == p.Failed(400, "the request has 2 image(s) for 1 image part(s) of its messages", "input")
+    generate = _job([_user(0)], [_png(0), _png(1)])  # Ollama generate: its images at `images[i]`, its text `prompt`
+    generate.prompts[0] = replace(
+        generate.prompts[0], image_fields=["images[0]", "images[1]"], conversation_field="prompt"
+    )
+    assert _refusal(qwen, generate).param == "prompt"  # the declared field, not the images' root
+    too_long = _refusal(qwen, _job([{"role": "user", "content": "x" * 10**6}], None))  # refused before it is encoded
+    assert too_long.param == "input" and "characters" in too_long.message, too_long
+
+
+def test_each_header_is_read_once(qwen: Slot, monkeypatch):
+    """Admission reads each image's header once: the plan it makes fits the prompt and then expands it, and only
+    the decode opens the file again (decode.py's own parse)."""
+    from appliance.runtime.vision import encoder
+
+    reads: list[bytes] = []
+    monkeypatch.setattr(encoder, "open_header", lambda data, pixels: reads.append(data) or open_header(data, pixels))
+    tokenized = tokenize(_job([_user(0, 1)], [_png(0), _png(1)]), qwen, False, Limits())
+    assert reads == [_png(0), _png(1)] and len(tokenized.media[0].images) == 2  # type: ignore[union-attr]
 
 
 def test_a_prompt_its_images_push_past_the_context_is_refused_before_encoding(qwen: Slot, monkeypatch):
     assert qwen.engine is not None
     text = len(qwen.engine.tokenizer.encode_chat([_user(0)]))
-    assert qwen.engine.vision.num_tokens(_png(0), 10**6) > 3  # the image is more tokens than its placeholder
+    assert qwen.engine.vision.plans([_png(0)], 10**6)[0].tokens > 3  # the image is more tokens than its placeholder
     monkeypatch.setattr(qwen.engine.vision, "prepare", lambda *a: pytest.fail("an image encoded"))
     slot = replace(qwen, engine=SimpleNamespace(**{**vars(qwen.engine), "max_context": text + 2}))
     failed = _refusal(slot, _job([_user(0)], [_png(0)]))

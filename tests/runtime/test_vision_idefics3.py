@@ -82,7 +82,7 @@ def test_prepare_matches_the_processor_ids_and_the_model_features(idefics):
     vision = manifest.vision
     images = _images()
     prompt = Tokenizer.from_dir(out).encode_chat(_messages())  # the serving path: one <image> per image
-    ids, media = encoder.prepare(prompt, [_png(image) for image in images], LIMIT)
+    ids, media = tiny_vlms.prepared(encoder, prompt, [_png(image) for image in images], LIMIT)
 
     processor = AutoProcessor.from_pretrained(src)
     text = processor.apply_chat_template(_messages(), add_generation_prompt=True)
@@ -104,15 +104,15 @@ def test_placeholders_must_match_the_images(idefics):
     _, out, _, encoder = idefics
     prompt = Tokenizer.from_dir(out).encode_chat(_messages())
     with pytest.raises(ImageRejected, match="3 image.* but its chat prompt has 4 image place"):
-        encoder.prepare(prompt, [_png(tiny_vlms.image())] * 3, LIMIT)
+        tiny_vlms.prepared(encoder, prompt, [_png(tiny_vlms.image())] * 3, LIMIT)
 
 
 def test_num_tokens_is_what_prepare_writes(idefics):
     _, out, _, encoder = idefics
     prompt = Tokenizer.from_dir(out).encode_chat([{"role": "user", "content": [{"type": "image"}]}])
     for image in _images():
-        ids, _ = encoder.prepare(prompt, [_png(image)], LIMIT)
-        assert len(ids) == len(prompt) - 1 + encoder.num_tokens(_png(image), LIMIT)
+        ids, _ = tiny_vlms.prepared(encoder, prompt, [_png(image)], LIMIT)
+        assert len(ids) == len(prompt) - 1 + encoder.plans([_png(image)], LIMIT)[0].tokens
 
 
 def test_a_repeated_file_is_encoded_once_and_tiled_alike(idefics):
@@ -123,11 +123,11 @@ def test_a_repeated_file_is_encoded_once_and_tiled_alike(idefics):
     message = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Again:"}, {"type": "image"}]}
     prompt = Tokenizer.from_dir(out).encode_chat([message])
     wide = _png(_images()[1])  # split into tiles: several spans an image
-    _, media = encoder.prepare(prompt, [wide, wide], LIMIT)
+    _, media = tiny_vlms.prepared(encoder, prompt, [wide, wide], LIMIT)
     tiles = len(media.images) // 2
     assert tiles > 1 and encoder.encodes == 1
     first, second = media.images[:tiles], media.images[tiles:]
     assert [s.digest for s in first] == [s.digest for s in second]
     assert all(np.array_equal(a.features, b.features) for a, b in zip(first, second))
-    _, later = encoder.prepare(prompt, [wide, wide], LIMIT)
+    _, later = tiny_vlms.prepared(encoder, prompt, [wide, wide], LIMIT)
     assert encoder.encodes == 1 and [s.digest for s in later.images] == [s.digest for s in media.images]

@@ -83,7 +83,7 @@ def test_prepare_matches_transformers_ids_features_and_positions(qwen):
     images = _images()
     messages = _messages(len(images))
     prompt = Tokenizer.from_dir(out).encode_chat(messages)  # the serving path's chat prompt, one placeholder per image
-    ids, media = encoder.prepare(prompt, [_png(image) for image in images], LIMIT)
+    ids, media = tiny_vlms.prepared(encoder, prompt, [_png(image) for image in images], LIMIT)
 
     inputs = Qwen2VLImageProcessor.from_pretrained(src)(images=images, return_tensors="pt")
     grid = inputs["image_grid_thw"]
@@ -116,14 +116,14 @@ def test_placeholders_must_match_the_images(qwen):
     two = tokenizer.encode_chat(_messages(2))
     image = _png(tiny_vlms.image())
     with pytest.raises(ImageRejected, match="1 image.* but its chat prompt has 2 image place") as caught:
-        encoder.prepare(two, [image], LIMIT)
+        tiny_vlms.prepared(encoder, two, [image], LIMIT)
     assert caught.value.image is None  # about no one image
     with pytest.raises(ImageRejected, match="3 image.* but its chat prompt has 2 image place"):
-        encoder.prepare(two, [image] * 3, LIMIT)
+        tiny_vlms.prepared(encoder, two, [image] * 3, LIMIT)
     # a user's text spelling the placeholder is text, not an image place (encode_chat keeps special-token text as text)
     spoof = tokenizer.encode_chat([{"role": "user", "content": PLACEHOLDER + " hi"}])
     with pytest.raises(ImageRejected, match="has 0 image place"):
-        encoder.prepare(spoof, [image], LIMIT)
+        tiny_vlms.prepared(encoder, spoof, [image], LIMIT)
 
 
 def test_every_header_is_checked_before_any_image_is_encoded(qwen, monkeypatch: pytest.MonkeyPatch):
@@ -132,9 +132,9 @@ def test_every_header_is_checked_before_any_image_is_encoded(qwen, monkeypatch: 
     encoded = []
     monkeypatch.setattr(encoder, "encode_qwen2_vl", lambda *a: encoded.append(a))
     with pytest.raises(ImageRejected, match="GIF images are not accepted") as gif:
-        encoder.prepare(prompt, [_png(tiny_vlms.image()), _gif()], LIMIT)
+        tiny_vlms.prepared(encoder, prompt, [_png(tiny_vlms.image()), _gif()], LIMIT)
     with pytest.raises(ImageRejected, match="more than the limit of 1000 pixels") as large:
-        encoder.prepare(prompt, [_png(tiny_vlms.image(1)), _png(tiny_vlms.image())], 1000)
+        tiny_vlms.prepared(encoder, prompt, [_png(tiny_vlms.image(1)), _png(tiny_vlms.image())], 1000)
     assert encoded == []
     assert (gif.value.image, large.value.image) == (1, 0)  # which image, so the refusal can name its field
 
@@ -172,11 +172,11 @@ def test_concurrent_prepares_equal_serial_ones(qwen):
     encoder = VisionEncoder(out, manifest, EngineConfig(precision="f32", image_cache_bytes=0))
     prompt = Tokenizer.from_dir(out).encode_chat([{"role": "user", "content": [{"type": "image"}]}])
     files = [_png(image) for image in _images()] * 2
-    serial = [encoder.prepare(prompt, [data], LIMIT) for data in files]
+    serial = [tiny_vlms.prepared(encoder, prompt, [data], LIMIT) for data in files]
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda data: encoder.prepare(prompt, [data], LIMIT), files))
+        together = list(pool.map(lambda data: tiny_vlms.prepared(encoder, prompt, [data], LIMIT), files))
     for (ids, media), (ids2, media2), data in zip(serial, together, files):
-        assert ids == ids2 and len(ids) == len(prompt) - 1 + encoder.num_tokens(data, LIMIT)
+        assert ids == ids2 and len(ids) == len(prompt) - 1 + encoder.plans([data], LIMIT)[0].tokens
         assert np.array_equal(media.images[0].features, media2.images[0].features)
         assert media.images[0].digest == media2.images[0].digest
     assert encoder.encodes == 2 * len(files)
@@ -192,7 +192,7 @@ def test_a_repeated_file_skips_its_decode_and_encode_in_its_scope_only(qwen, mon
     encoder = VisionEncoder(out, manifest, EngineConfig(precision="f32"))
     prompt = Tokenizer.from_dir(out).encode_chat(_messages(1))
     data = _png(tiny_vlms.image())
-    ids, media = encoder.prepare(prompt, [data], LIMIT, "key-a")
+    ids, media = tiny_vlms.prepared(encoder, prompt, [data], LIMIT, "key-a")
     assert encoder.encodes == 1
 
     def no_decode(*args):
@@ -200,19 +200,19 @@ def test_a_repeated_file_skips_its_decode_and_encode_in_its_scope_only(qwen, mon
 
     with monkeypatch.context() as patch:
         patch.setattr(module, "decode", no_decode)
-        again_ids, again = encoder.prepare(prompt, [data], LIMIT, "key-a")
+        again_ids, again = tiny_vlms.prepared(encoder, prompt, [data], LIMIT, "key-a")
         with pytest.raises(ImageRejected, match="more than the limit of 1000 pixels"):
-            encoder.prepare(prompt, [data], 1000, "key-a")
+            tiny_vlms.prepared(encoder, prompt, [data], 1000, "key-a")
     assert encoder.encodes == 1 and again_ids == ids and again.images[0].digest == media.images[0].digest
     assert np.array_equal(again.images[0].features, media.images[0].features)
     assert np.array_equal(again.mrope, media.mrope) and again.rope_delta == media.rope_delta
-    other_ids, other = encoder.prepare(prompt, [data], LIMIT, "key-b")
+    other_ids, other = tiny_vlms.prepared(encoder, prompt, [data], LIMIT, "key-b")
     assert encoder.encodes == 2 and other_ids == ids
     assert np.array_equal(other.images[0].features, media.images[0].features)
     recompressed = io.BytesIO()
     tiny_vlms.image().save(recompressed, "PNG", compress_level=1)
     assert recompressed.getvalue() != data
-    _, copy = encoder.prepare(prompt, [recompressed.getvalue()], LIMIT, "key-a")
+    _, copy = tiny_vlms.prepared(encoder, prompt, [recompressed.getvalue()], LIMIT, "key-a")
     assert encoder.encodes == 3 and copy.images[0].digest == media.images[0].digest
     assert encoder.stats() == {
         "image_encodes": 3,
@@ -243,12 +243,13 @@ def test_a_sideways_photo_is_read_upright(qwen, fmt: str):
         upright if fmt != "JPEG" else Image.open(io.BytesIO(sideways.getvalue())).transpose(Image.Transpose.ROTATE_270)
     ).save(plain, "PNG")
     prompt = Tokenizer.from_dir(out).encode_chat([{"role": "user", "content": [{"type": "image"}]}])
-    ids, media = encoder.prepare(prompt, [sideways.getvalue()], LIMIT)
+    ids, media = tiny_vlms.prepared(encoder, prompt, [sideways.getvalue()], LIMIT)
     grid = scheme.grid(manifest.vision, 30, 90)
     assert (
-        encoder.num_tokens(sideways.getvalue(), LIMIT) == grid[0] * grid[1] * grid[2] // manifest.vision.merge_size**2
+        encoder.plans([sideways.getvalue()], LIMIT)[0].tokens
+        == grid[0] * grid[1] * grid[2] // manifest.vision.merge_size**2
     )
-    assert len(ids) == len(prompt) - 1 + encoder.num_tokens(sideways.getvalue(), LIMIT)
-    _, again = encoder.prepare(prompt, [plain.getvalue()], LIMIT)
+    assert len(ids) == len(prompt) - 1 + encoder.plans([sideways.getvalue()], LIMIT)[0].tokens
+    _, again = tiny_vlms.prepared(encoder, prompt, [plain.getvalue()], LIMIT)
     assert media.images[0].digest == again.images[0].digest
     assert np.array_equal(media.images[0].features, again.images[0].features)

@@ -1,25 +1,28 @@
 """The vision side of a VLM: a prompt's image files -> its expanded token ids and the `Media` the engine splices in
 (runtime/media.py). Called from the engine process's job threads (server/admit.py), never the engine thread.
 
-`prepare` does the cheap checks for every image before the costly work for any: each header (format, pixel count),
-the token count it implies, the placeholders the chat template wrote (one per image). Only then is each image
-decoded, preprocessed (qwen2_vl.py, idefics3.py) and run through the exported vision parts, one image at a time,
-so a request holds one decoded picture at most. The parts run one encode at a time per model (a lock): an encode
-uses every core it is given, so two at once only interleave, and the lock bounds the memory of the activations to
-one image's. The parts are compiled once, with the engine's device and properties (its precision: f32 under
---precision f32, which the parity tests pin; else the device's default, bf16 on a bf16-capable CPU, as
+The cheap checks for every image come before the costly work for any, in two steps: `plans` reads each header once
+(format, pixel count) into an ImagePlan, the layout and token count it implies, with which the engine's admission
+fits the prompt to the context (server/prompts.py); `prepare` then checks the placeholders the chat template wrote
+(one per image) and only then decodes each image, preprocesses it (qwen2_vl.py, idefics3.py) and runs it through the
+exported vision parts, one image at a time, so a request holds one decoded picture at most. Both steps attribute
+a refusal to its image in one place (errors.py's `each_image`). The parts run one encode at a time per model (a
+lock): an encode uses every core it is given, so two at once only interleave, and the lock bounds the memory of the
+activations to one image's. The parts are compiled once, with the engine's device and properties (its precision:
+f32 under --precision f32, which the parity tests pin; else the device's default, bf16 on a bf16-capable CPU, as
 openvino_genai's VLMPipeline compiles its vision parts with the properties it is given).
 
 A file seen before in the request's prefix-cache scope skips decoding, preprocessing and the encode: the feature
-cache (feature_cache.py) hands back its digest and features after its header checks (`prepare` runs them for every
-file, cached or not). `counters` counts the encodes run and the cache's hits.
+cache (feature_cache.py) hands back its digest and features after its header checks (`plans` runs them for every
+file, cached or not). `stats` counts the encodes run and the cache's hits.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,22 @@ from appliance.manifest import Manifest, Vision
 from appliance.runtime.media import ImageSpan, Media
 from appliance.runtime.vision import idefics3, qwen2_vl
 from appliance.runtime.vision.decode import Decoded, decode, open_header, upright_size
-from appliance.runtime.vision.errors import ImageRejected, image_at
+from appliance.runtime.vision.errors import ImageRejected, each_image
 from appliance.runtime.vision.feature_cache import Encoded, FeatureCache, file_key
 
-Featurize = Callable[[Decoded], tuple[np.ndarray, tuple[int, ...]]]  # a decoded picture -> (features, layout)
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """One image file as the engine's admission read it from its header, once (nothing decoded): the layout its
+    upright size gives (Qwen2-VL's grid (t, h, w), Idefics3's tiles (rows, cols)) and the prompt tokens it becomes,
+    which fit the prompt to the context and then expand it (`prepare`) without reading the header again. No parser
+    is kept open between the two: Pillow's WebP parser holds a copy of the file and allocates the picture's canvas
+    when it opens, so one per image of a request would hold every image's pixels at once; decode() opens the file
+    for its own decoding, one image at a time."""
+
+    data: bytes  # the file
+    layout: tuple[int, ...]
+    tokens: int  # prompt tokens, its placeholder's included
 
 
 class VisionEncoder:
@@ -61,97 +76,91 @@ class VisionEncoder:
 
             self._tokenizer = Tokenizer.from_file(str(Path(model_dir) / manifest.tokenizer_file))
 
+    def plans(self, files: Sequence[bytes], max_pixels: int) -> list[ImagePlan]:
+        """Each file's ImagePlan, from its header alone: every image checked (format, pixel count, Qwen2-VL's aspect
+        ratio) before any is decoded; ImageRejected for the first that fails, naming which (`image`)."""
+        return each_image(lambda data: self._plan(data, max_pixels), files)
+
     def prepare(
-        self, prompt_ids: list[int], files: list[bytes], max_pixels: int, scope: str = ""
+        self, prompt_ids: list[int], images: Sequence[ImagePlan], max_pixels: int, scope: str = ""
     ) -> tuple[list[int], Media]:
         """prompt_ids from the chat template (one placeholder per image, as the template writes it) -> the expanded
-        ids (each image's N tokens, Idefics3's tile text) and the Media (features, digests, M-RoPE).
-        ImageRejected for a file that cannot or must not be read (naming which: `image`), or images that do not
-        match the placeholders. `scope`: the request's prefix-cache scope (SamplingParams.cache_scope), the feature
-        cache's namespace."""
-        sizes = []
-        for i, data in enumerate(files):
-            with image_at(i), open_header(data, max_pixels) as header:  # every image checked before any is decoded
-                sizes.append(upright_size(header))  # as decode() turns it: EXIF orientation
-        if self.vision.scheme == "qwen2_vl":
-            return self._qwen2_vl(prompt_ids, files, sizes, max_pixels, scope)
-        return self._idefics3(prompt_ids, files, sizes, max_pixels, scope)
+        ids (each image's N tokens, Idefics3's tile text) and the Media (features, digests, M-RoPE), the images
+        encoded one at a time. ImageRejected for a file that cannot be decoded (naming which: `image`), or images
+        that do not match the placeholders. `scope`: the request's prefix-cache scope (SamplingParams.cache_scope),
+        the feature cache's namespace."""
+        vision = self.vision
+        if vision.scheme == "qwen2_vl":
+            ids, starts = qwen2_vl.expand(vision, prompt_ids, [image.tokens for image in images])
+        else:
+            ids, starts = self._idefics3_text(prompt_ids, images)
+        encoded = each_image(lambda image: self._encoded(image, max_pixels, scope), images)
+        spans: list[ImageSpan] = []
+        for image, start, features in zip(images, starts, encoded):
+            assert features.layout == image.layout, "the layout from the header is the layout of the decoded picture"
+            spans += self._spans(image, start, features)
+        if vision.scheme == "qwen2_vl":
+            grids = [(start, image.layout) for start, image in zip(starts, images)]
+            positions, delta = qwen2_vl.mrope(len(ids), grids, vision.merge_size)  # type: ignore[arg-type]
+            return ids, Media(tuple(spans), len(ids), positions, delta)
+        return ids, Media(tuple(spans), len(ids))
 
     def stats(self) -> dict[str, int]:
         """Encodes run and the feature cache's hits, misses and bytes (Engine.stats())."""
         return {"image_encodes": self.encodes, **self.cache.stats()}
 
-    def num_tokens(self, data: bytes, max_pixels: int) -> int:
-        """The prompt tokens one image file becomes (from its header alone; ImageRejected as prepare's check)."""
+    def _plan(self, data: bytes, max_pixels: int) -> ImagePlan:
         with open_header(data, max_pixels) as header:
-            width, height = upright_size(header)
+            width, height = upright_size(header)  # as decode() turns it: EXIF orientation
         if self.vision.scheme == "qwen2_vl":
-            return qwen2_vl.num_tokens(self.vision, width, height)
-        rows, cols = idefics3.layout(self.vision, width, height)
-        return len(self._tile_text(rows, cols))
+            grid = qwen2_vl.grid(self.vision, width, height)
+            return ImagePlan(data, grid, qwen2_vl.num_tokens(self.vision, grid))
+        layout = idefics3.layout(self.vision, width, height)
+        return ImagePlan(data, layout, len(self._tile_text(*layout)))
 
-    def _qwen2_vl(
-        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int, scope: str
-    ) -> tuple[list[int], Media]:
-        vision = self.vision
-        grids = []
-        for i, (w, h) in enumerate(sizes):
-            with image_at(i):
-                grids.append(qwen2_vl.grid(vision, w, h))
-        ids, starts = qwen2_vl.expand(vision, prompt_ids, [t * h * w // vision.merge_size**2 for t, h, w in grids])
-        spans = []
-        for i, (data, start, grid) in enumerate(zip(files, starts, grids)):
-            with image_at(i):
-                image = self._encoded(data, max_pixels, scope, self._qwen2_vl_features)
-            assert image.layout == grid, "the grid from the header is the grid of the decoded picture"
-            spans.append(ImageSpan(start, len(image.features), image.digest, image.features))
-        positions, delta = qwen2_vl.mrope(len(ids), [(s, g) for s, g in zip(starts, grids)], vision.merge_size)
-        return ids, Media(tuple(spans), len(ids), positions, delta)
-
-    def _idefics3(
-        self, prompt_ids: list[int], files: list[bytes], sizes: list[tuple[int, int]], max_pixels: int, scope: str
-    ) -> tuple[list[int], Media]:
-        vision = self.vision
-        places = [i for i, token in enumerate(prompt_ids) if token == vision.image_token_id]
-        if len(places) != len(files):
-            raise ImageRejected.placeholders(len(files), len(places))
-        layouts = [idefics3.layout(vision, w, h) for w, h in sizes]
+    def _idefics3_text(self, prompt_ids: list[int], images: Sequence[ImagePlan]) -> tuple[list[int], list[int]]:
+        """The prompt with each image's placeholder replaced by its tile text, and where each tile text begins."""
+        places = [i for i, token in enumerate(prompt_ids) if token == self.vision.image_token_id]
+        if len(places) != len(images):
+            raise ImageRejected.placeholders(len(images), len(places))
         ids: list[int] = []
-        starts = []  # per image: where its tile text begins
+        starts = []
         for token in prompt_ids:
-            if token == vision.image_token_id:
+            if token == self.vision.image_token_id:
                 starts.append(len(ids))
-                ids.extend(self._tile_text(*layouts[len(starts) - 1]))
+                ids.extend(self._tile_text(*images[len(starts) - 1].layout))
             else:
                 ids.append(token)
-        spans = []
-        for i, (data, start, layout) in enumerate(zip(files, starts, layouts)):
-            with image_at(i):
-                image = self._encoded(data, max_pixels, scope, self._idefics3_features)
-            assert image.layout == layout, "the layout from the header is the layout of the decoded picture"
-            features = image.features
-            text = self._tile_text(*layout)
-            runs = [
-                start + j for j, t in enumerate(text) if t == vision.image_token_id and (j == 0 or text[j - 1] != t)
-            ]
-            assert len(runs) == len(features), "one run of image tokens per tile"
-            for k, (run, rows) in enumerate(zip(runs, features)):  # one span per tile: tiles are not contiguous
-                spans.append(ImageSpan(run, len(rows), tile_digest(image.digest, k), rows))
-        return ids, Media(tuple(spans), len(ids))
+        return ids, starts
 
-    def _encoded(self, data: bytes, max_pixels: int, scope: str, features: Featurize) -> Encoded:
-        """One file's digest and features: from the feature cache in `scope`, else decoded, preprocessed and
-        encoded by `features` (Decoded -> (features, layout)) and kept there."""
-        key = file_key(data) if self.cache.budget > 0 else None
+    def _spans(self, image: ImagePlan, start: int, encoded: Encoded) -> list[ImageSpan]:
+        """The image's spans in the expanded prompt: Qwen2-VL's one run of tokens; Idefics3's one per tile (its
+        tiles are not contiguous: row and wrap tokens between), each with its own digest."""
+        if self.vision.scheme == "qwen2_vl":
+            return [ImageSpan(start, len(encoded.features), encoded.digest, encoded.features)]
+        text = self._tile_text(*image.layout)
+        token = self.vision.image_token_id
+        runs = [start + j for j, t in enumerate(text) if t == token and (j == 0 or text[j - 1] != t)]
+        assert len(runs) == len(encoded.features), "one run of image tokens per tile"
+        return [
+            ImageSpan(run, len(rows), tile_digest(encoded.digest, k), rows)
+            for k, (run, rows) in enumerate(zip(runs, encoded.features))
+        ]
+
+    def _encoded(self, image: ImagePlan, max_pixels: int, scope: str) -> Encoded:
+        """One file's digest and features (and the layout they have): from the feature cache in `scope`, else
+        decoded, preprocessed and encoded by the scheme's parts, and kept there."""
+        key = file_key(image.data) if self.cache.budget > 0 else None
         cached = self.cache.get(scope, key) if key is not None else None
         if cached is not None:
             return cached
-        decoded = decode(data, max_pixels)
-        rows, layout = features(decoded)
-        image = Encoded(decoded.digest, rows, layout)
+        decoded = decode(image.data, max_pixels)  # its own parse: the plan kept no parser (ImagePlan says why)
+        featurize = self._qwen2_vl_features if self.vision.scheme == "qwen2_vl" else self._idefics3_features
+        rows, layout = featurize(decoded)
+        encoded = Encoded(decoded.digest, rows, layout)
         if key is not None:
-            self.cache.put(scope, key, image)
-        return image
+            self.cache.put(scope, key, encoded)
+        return encoded
 
     def _qwen2_vl_features(self, decoded: Decoded) -> tuple[np.ndarray, tuple[int, ...]]:
         pixels, grid_thw = qwen2_vl.pixel_values(self.vision, decoded.image)

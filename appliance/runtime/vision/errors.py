@@ -3,8 +3,11 @@ every model, text-only ones included)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class ImageRejected(ValueError):
@@ -25,12 +28,15 @@ class ImageRejected(ValueError):
         )
 
 
-@contextmanager
-def image_at(index: int) -> Iterator[None]:
-    """`with image_at(i):` an ImageRejected raised inside is about image `i` (unless it names one already)."""
-    try:
-        yield
-    except ImageRejected as exc:
-        if exc.image is None:
-            exc.image = index
-        raise
+def each_image(read: Callable[[T], R], images: Iterable[T]) -> list[R]:
+    """[read(image) for image in images], an ImageRejected raised for the i-th made about image i (unless it names
+    one already): the one place a refusal is attributed to its image, so the client's field can be named."""
+    out = []
+    for i, image in enumerate(images):
+        try:
+            out.append(read(image))
+        except ImageRejected as exc:
+            if exc.image is None:
+                exc.image = i
+            raise
+    return out

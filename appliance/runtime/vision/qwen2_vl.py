@@ -46,8 +46,9 @@ def grid(vision: Vision, width: int, height: int) -> tuple[int, int, int]:
     return 1, h // vision.patch_size, w // vision.patch_size
 
 
-def num_tokens(vision: Vision, width: int, height: int) -> int:
-    t, h, w = grid(vision, width, height)
+def num_tokens(vision: Vision, grid_thw: tuple[int, int, int]) -> int:
+    """The prompt tokens of an image of this grid: one per merge_size**2 patches."""
+    t, h, w = grid_thw
     return t * h * w // vision.merge_size**2
 
 
