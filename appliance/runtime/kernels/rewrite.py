@@ -64,7 +64,7 @@ class Chain:
     """A matched u4 decompression chain, as arrays for the op."""
 
     packed: np.ndarray  # u8 [N, K/2] (u4: row_groups) or [N, K] (u8, in the op's paired layout: pair_layout)
-    sz: np.ndarray  # u8 [N, 8 G]: scale_table
+    sz: np.ndarray  # u8 [N, 4 G]: scale_table
     group_size: int
     bits: int = 4
     row_group: int = 1  # the packed rows' interleaving (row_groups)
