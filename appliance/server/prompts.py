@@ -50,14 +50,14 @@ def fitted(
     a prompt past the context (the tokenizer's bound is the context itself). `images`: the plans of spec.images
     (`image_plans`), whose tokens beyond their placeholders count, so the length checked is the prompt's once its
     images are expanded."""
-    ids = _prompt_ids(spec, slot, max_tokens)
+    ids, images = _prompt_ids(spec, slot, max_tokens), list(images)
     extra = _extra(images)
     if window is None:  # (a window is at most the context: fitting it is enough)
         if extra:
             _check_context(len(ids) + extra, slot, max_tokens)  # refused here, before any image is encoded
-        return ids, spec, list(images)
+        return ids, spec, images
     if len(ids) + extra < window:
-        return ids, spec, list(images)
+        return ids, spec, images
     if spec.messages is not None:
         ids, spec, images = _fit_messages(spec, slot, max_tokens, window, images)
         extra = _extra(images)
@@ -70,7 +70,7 @@ def fitted(
                 "num_ctx",
             )
         )
-    return ids, spec, list(images)
+    return ids, spec, images
 
 
 def image_parts(messages: Sequence[object]) -> list[int]:

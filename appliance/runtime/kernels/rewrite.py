@@ -196,8 +196,8 @@ def match(matmul: ov.Node, isa: str = "avx2", row_group: int = 1) -> Chain | Non
         packed, z8 = u8_layout(data.reshape(n, k), z, isa)
         if row_group > 1:  # pair_layout made the copy already
             packed = row_groups(packed, row_group, pair_bytes=64)
-        return Chain(packed, scale_table(s.astype(np.float16), z8), group_size, bits, row_group)
-    sz = scale_table(s.astype(np.float16), z.astype(np.float16))
+        return Chain(packed, scale_table(s, z8), group_size, bits, row_group)
+    sz = scale_table(s, z)
     return Chain(row_groups(data.reshape(n, k // 2), row_group), sz, group_size, bits, row_group)
 
 
