@@ -46,9 +46,11 @@ NOT_SERVED = {
 # METRICS waits at most this long for the HTTP records sent before it (a record is counted microseconds after its
 # thread wakes; a loaded box delays the wake by milliseconds, a 2-core box running a test suite beside the server
 # by up to a few hundred, and once, in a full CI run on a 2-vCPU VM, past 1 s). It waits only while a record is
-# pending, unread on a listened connection or being counted: a scrape with none pays nothing, and a peer that stops
-# mid-message does not hold it (its thread has read what came; nothing more is readable). The bound is the
-# handshake's: a thread that has not woken for that long is wedged, not slow.
+# pending (unread on a listened connection, being read, or being counted): a scrape with none pays nothing. A thread
+# is "reading" from the moment its socket turns readable until its message is taken apart, so the moment between
+# the bytes leaving the socket and the record being counted is covered too (a full CI run hit that gap). The bound is
+# the handshake's: a thread that has not woken for that long is wedged, not slow, and a worker that stops mid-message
+# (it is authenticated: ours) holds a scrape no longer than that.
 SETTLE_SECONDS = p.HANDSHAKE_SECONDS
 SETTLE_POLL_SECONDS = 0.001
 LISTEN_BACKLOG = 128  # workers x their pools reconnecting at once after a restart
@@ -67,9 +69,10 @@ class EngineService:
         # pulled models' SERVE_PULLED and DELETE_PULLED; until it registers them, `NOT_SERVED`'s answers
         self.calls: dict[str, Callable[..., p.Reply]] = {}
         self._listener: Listener | None = None
-        # connection threads waiting for their next message, and HTTP records being counted: what METRICS waits
-        # for (_settle)
+        # connection threads waiting for their next message, those reading one, and HTTP records being counted:
+        # what METRICS waits for (_settle)
         self._listening: set[Connection] = set()
+        self._reading = 0
         self._recording = 0
         self._conns_lock = threading.Lock()
         self._authkey = b""
@@ -165,12 +168,19 @@ class EngineService:
             while True:
                 with self._conns_lock:
                     self._listening.add(conn)
+                try:  # readable: the next message's bytes sit on the socket, where _settle sees them
+                    conn.poll(None)
+                except (EOFError, OSError):
+                    pass
+                with self._conns_lock:  # never neither listening nor reading: _settle sees every record
+                    self._listening.discard(conn)
+                    self._reading += 1
                 try:
                     message = conn.recv()
                 except (EOFError, OSError):
                     message = None
-                with self._conns_lock:  # never neither listening nor counted: _settle sees every record
-                    self._listening.discard(conn)
+                with self._conns_lock:  # never neither reading nor counted
+                    self._reading -= 1
                     recording = message is not None and message[0] == p.RECORD_HTTP
                     self._recording += recording
                 if message is None:
@@ -208,7 +218,7 @@ class EngineService:
         deadline = time.monotonic() + SETTLE_SECONDS
         while True:
             with self._conns_lock:
-                busy = self._recording > 0
+                busy = self._reading + self._recording > 0
                 fds = [c.fileno() for c in self._listening if not c.closed]
             if not busy:
                 waiting = select.poll()
