@@ -17,6 +17,8 @@ max_tokens is capped to what is left of the window (a prompt over it: prompts.py
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -66,23 +68,34 @@ def tokenize(job: p.Job, slot: Slot, stopping: bool, limits: Limits) -> Tokenize
     check_stop_token_ids(job.params, engine.manifest.vocab_size)
     window = min(job.context_window, engine.max_context) if job.context_window else None
     pixels, scope = limits.image_pixels, cache_scope(job.tenant, engine)
-    spec: p.PromptSpec | None = None  # the prompt being read: a refusal names its field
-    try:
-        fits = []
-        for spec in job.prompts:  # every prompt's images counted from their headers before any is encoded
+    fits = []
+    for spec in job.prompts:  # every prompt's images counted from their headers before any is encoded
+        with refusals_named(spec):
             fits.append(fitted(spec, slot, job.params.max_tokens, window, image_plans(spec, engine, pixels)))
-        expanded = []
-        for ids, spec, images in fits:  # noqa: B007 (`spec`, fitted to num_ctx, names the images' fields on refusal)
+    expanded = []
+    for ids, spec, images in fits:  # `spec`: the prompt as fitted to num_ctx
+        with refusals_named(spec):
             expanded.append(with_media(ids, images, engine, pixels, scope))
-        echo = [echo_text(spec, engine) for spec in job.prompts] if job.echo else None
-    except ImageRejected as exc:  # the client's image: its format, its pixels, a corrupt file
-        assert spec is not None, "raised while a prompt was read"
-        raise Rejected(image_refusal(exc, spec)) from None
-    except (TypeError, ValueError) as exc:  # the tokenizer refused the text: the request's fault, not ours
-        field = spec.prompt_field if spec is not None else "prompt"
-        raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", field)) from None
+    echo: list[str] | None = None
+    if job.echo:
+        echo = []
+        for spec in job.prompts:
+            with refusals_named(spec):
+                echo.append(echo_text(spec, engine))
     prompts, media = [ids for ids, _ in expanded], [m for _, m in expanded]
     return Tokenized(job, slot, engine, prompts, echo, window, media)
+
+
+@contextmanager
+def refusals_named(spec: p.PromptSpec) -> Iterator[None]:
+    """The client's input refused while `spec` is read, as a 400 naming that prompt's own field: an image (its
+    format, its pixels, a corrupt file), or text the tokenizer cannot take (the request's fault, not ours)."""
+    try:
+        yield
+    except ImageRejected as exc:
+        raise Rejected(image_refusal(exc, spec)) from None
+    except (TypeError, ValueError) as exc:
+        raise Rejected(p.Failed(400, f"the prompt cannot be tokenized: {exc}", spec.prompt_field)) from None
 
 
 def admit(t: Tokenized, limits: Limits) -> Admitted:

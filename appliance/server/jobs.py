@@ -22,12 +22,13 @@ from appliance import protocol as p
 from appliance.limits import Limits
 from appliance.outputs import Chunk, Timing
 from appliance.params import SamplingParams
-from appliance.runtime.engine import EngineDead, QueueFull
+from appliance.runtime.engine import EngineDead, PromptTooLong, QueueFull
 from appliance.runtime.grammar import GrammarError
 from appliance.server import tracing
 from appliance.server.admit import Admitted, admit, tokenize
 from appliance.server.job_pumps import JobPumps, cancel
 from appliance.server.metrics import ServerMetrics
+from appliance.server.prompts import CONTEXT_EXCEEDED
 from appliance.server.setup_gate import SetupGate
 from appliance.server.slots import Models, Rejected, Slot, model_not_found
 
@@ -150,7 +151,9 @@ class JobRunner:
         if isinstance(exc, GrammarError):  # the response_format's (or the tools') schema / regex / grammar
             grammar = job.params.grammar
             return p.Failed(400, str(exc), grammar.param if grammar else "response_format")
-        return p.Failed(400, str(exc))  # PromptTooLong and other prompt problems the engine found
+        if isinstance(exc, PromptTooLong):  # token ids past the context (a text was refused before it was encoded)
+            return p.Failed(400, str(exc), job.prompts[0].prompt_field if job.prompts else None, CONTEXT_EXCEEDED)
+        return p.Failed(400, str(exc))  # other prompt problems the engine found
 
 
 def queue_choices(

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from appliance.runtime.media import Media
     from appliance.runtime.vision.encoder import ImagePlan
 
+CONTEXT_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a prompt past the context (clients match it)
+
 
 def prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None, window: int | None = None) -> list[int]:
     """The prompt's token ids (chat: templated), fitted to `window` as `fitted` does."""
@@ -54,7 +56,7 @@ def fitted(
     extra = _extra(images)
     if window is None:  # (a window is at most the context: fitting it is enough)
         if extra:
-            _check_context(len(ids) + extra, slot, max_tokens)  # refused here, before any image is encoded
+            _check_context(len(ids) + extra, spec, slot, max_tokens)  # refused here, before any image is encoded
         return ids, spec, images
     if len(ids) + extra < window:
         return ids, spec, images
@@ -175,7 +177,7 @@ def _prompt_ids(spec: p.PromptSpec, slot: Slot, max_tokens: int | None = None) -
             ) from None
     if not ids:
         raise Rejected(p.Failed(400, "prompt is empty after tokenization", "prompt"))
-    _check_context(len(ids), slot, max_tokens)
+    _check_context(len(ids), spec, slot, max_tokens)
     return ids
 
 
@@ -184,15 +186,16 @@ def _extra(images: Sequence[ImagePlan]) -> int:
     return sum(image.tokens - 1 for image in images)
 
 
-def _check_context(length: int, slot: Slot, max_tokens: int | None) -> None:
+def _check_context(length: int, spec: p.PromptSpec, slot: Slot, max_tokens: int | None) -> None:
     """400 for a prompt of `length` tokens past the model's context, refused now, not after the request's other
-    prompts were tokenized (or its images encoded) too, in the engine's words. (Static shapes: a prompt past
-    max_prompt gets the engine's own message for that.)"""
+    prompts were tokenized (or its images encoded) too, in the engine's words, naming the prompt's field with
+    OpenAI's code for it. (Static shapes: a prompt past max_prompt gets the engine's own message for that.)"""
     engine = slot.engine
     assert engine is not None, "submit checked it"
     limit = engine.max_context
     if length >= limit and (engine.backend.max_prompt is None or length <= engine.backend.max_prompt):
-        raise Rejected(p.Failed(400, str(PromptTooLong.over_context(length, max_tokens, limit))))
+        message = str(PromptTooLong.over_context(length, max_tokens, limit))
+        raise Rejected(p.Failed(400, message, spec.prompt_field, CONTEXT_EXCEEDED))
 
 
 def echo_text(spec: p.PromptSpec, engine: Engine) -> str:

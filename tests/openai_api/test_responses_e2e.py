@@ -255,8 +255,9 @@ def test_refusals(client, model_name):
 
 def test_the_engines_refusals_name_the_responses_fields(client, model_name):
     """A refusal the engine process makes of the conversation itself (here a text too long to be encoded within the
-    model's context) names the client's own field: `input` on Responses, `messages` on chat; a schema the engine's
-    grammar compiler refuses names `text.format`."""
+    model's context) names the client's own field: `input` on Responses, `messages` on chat; token ids past the
+    context name `prompt` with OpenAI's code for it; a schema the engine's grammar compiler refuses names
+    `text.format`."""
     text = "x" * 10**6  # more characters than the context's tokens can hold: refused before it is encoded
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(model=model_name, input=text, max_output_tokens=4)
@@ -267,6 +268,10 @@ def test_the_engines_refusals_name_the_responses_fields(client, model_name):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": text}], max_tokens=4)
     assert info.value.body["param"] == "messages", info.value.body
+    with pytest.raises(openai.BadRequestError) as info:  # token ids past the context: the engine's own check
+        client.completions.create(model=model_name, prompt=[1] * 40000, max_tokens=4)
+    body = info.value.body
+    assert body["param"] == "prompt" and body["code"] == "context_length_exceeded", body
     bogus = {"type": "object", "properties": {"a": {"type": "string", "format": "bogus"}}}  # the engine's compiler's
     fmt = {"format": {"type": "json_schema", "name": "x", "schema": bogus}}
     with pytest.raises(openai.BadRequestError) as info:

@@ -180,9 +180,14 @@ inline void prefetch(const uint8_t* w, int64_t p, int64_t stride, int64_t off) {
     if ((p * stride + off) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + p * stride + PREFETCH), _MM_HINT_T0);
 }
 
-// Eight f16 values from h[g] on as floats, lanes at or past `end` zero (never read past the row's table).
+// Eight f16 values h[g .. g + 8) as floats.
+inline __m256 f16x8(const uint16_t* h, int64_t g) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g)));
+}
+
+// The same, lanes at or past `end` zero (never read past the row's table).
 inline __m256 f16x8(const uint16_t* h, int64_t g, int64_t end) {
-    if (g + 8 <= end) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g)));
+    if (g + 8 <= end) return f16x8(h, g);
     alignas(16) uint16_t t[8] = {};
     for (int64_t i = g; i < end; ++i) t[i - g] = h[i];
     return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
@@ -197,7 +202,7 @@ inline void row_bias(const LowbitArgs& a, const uint16_t* sz, const float* xs, i
     for (int m = 0; m < MT; ++m) bv[m] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= a.G; g += 8) {
-        const __m256 b = _mm256_mul_ps(f16x8(sz, g, a.G), f16x8(sz + a.G, g, a.G));
+        const __m256 b = _mm256_mul_ps(f16x8(sz, g), f16x8(sz + a.G, g));
         for (int m = 0; m < MT; ++m) bv[m] = _mm256_fmadd_ps(b, _mm256_loadu_ps(xs + (m0 + m) * a.G + g), bv[m]);
     }
     for (int m = 0; m < MT; ++m) bias[m] = hsum(bv[m]);
