@@ -39,9 +39,10 @@ CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precis
 # 8 (1536 x 8960 u4 g128 slower), 1.00-1.49 at 16: VNNI stays at 4. AVX2 again on a quiet box whose memory read
 # 27-31 GB/s (the loaded one above: 11-19), where OpenVINO's compute-bound f32 kernels catch up sooner (8 layers,
 # 7 reps; 8960x1536 / 1536x8960 / 1536x1536): M = 4 0.70 / 0.58 / 0.83, M = 8 1.09 / 0.81 / 1.11 (the MLP's three
-# together 1.00), M = 12 1.20 / 0.90 / 1.24, M = 16 1.23 / 0.98; M = 64 and 256 1.10-1.57. So AVX2 stops at 8: past
-# it ours lost up to 1.24x here and won at most 7% on the slow box.
-KERNEL_ROWS = {"avx2": 8, "avxvnni": 4, "avx512vnni": 4}
+# together 1.00), M = 12 1.20 / 0.90 / 1.24, M = 16 1.23 / 0.98; M = 64 and 256 1.10-1.57. With four rows of x per
+# pass from M = 4 (lowbit_kernel.hpp GEMM_ROWS): M = 8 0.84 / 0.80 / 0.87, M = 12 0.99 / 0.89 / 0.97, M = 16 1.06 /
+# 0.94 / 1.04. So AVX2 stops at 12.
+KERNEL_ROWS = {"avx2": 12, "avxvnni": 4, "avx512vnni": 4}
 # Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
 # plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
 # 135M model (every layer under 1M weights) decoded 1.24x slower at batch 1 with all 210 of its u4 MatMuls on ours

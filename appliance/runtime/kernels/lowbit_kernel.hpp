@@ -340,12 +340,25 @@ constexpr int nr(int mt) { return CHAINS / mt > 1 ? CHAINS / mt : 1; }
 // MT = 4: M = 1 1.67 / 1.31 ms vs 2.63 / 1.50; M = 2 1.98 / 1.92 vs 2.72 / 2.11; M = 4 3.75 / 3.23 vs 3.10 / 2.36
 // (slower: compute-bound there, MT = 4 shares each unpacked weight); M = 16 12.9 / 9.3 vs 10.7 / 11.6.
 
+// From GEMM_ROWS rows of x on, a group's weight rows meet MTILE rows of x per pass, GEMM_NR weight rows at a time
+// (the rest one row of x per pass): each unpacked weight serves 4 rows of x, each loaded row of x 2 weight rows.
+// Quiet AVX2 EPYC (bench.kernels, 8 layers, 7 reps; ours / OpenVINO's time at 8960x1536 / 1536x8960 / 1536x1536),
+// one row of x per pass -> this: M = 4 0.74 / 0.57 / 0.82 -> 0.62 / 0.66 / 0.66; M = 8 1.09 / 0.81 / 1.11 ->
+// 0.84 / 0.80 / 0.87; M = 12 1.20 / 0.90 / 1.24 -> 0.99 / 0.89 / 0.97; M = 16 1.23 / 0.98 -> 1.06 / 0.94 / 1.04;
+// M = 64 / 256 still 1.1-1.3 (prefill stays OpenVINO's). Unpacking the pair's weight rows first and taking each row
+// of x against them (x in 3 registers, not 12) measured the same in the op, though 76 against 55 MAC/ns standalone
+// (L2-resident, 1 thread; a 4 x 3 f32 FMA tile: 41): the compiled tile spills either way.
+constexpr int64_t GEMM_ROWS = 4;
+constexpr int GEMM_NR = 2;
+
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
     if (a.rg > 1) {  // grouped rows (rewrite.py's u4): whole groups per pass, once per row of x (see above)
+        const int64_t tiled = a.M >= GEMM_ROWS ? a.M / MTILE * MTILE : 0;
         for (int64_t n = n0; n < n1; n += nr(1)) {
             const int64_t e = n + nr(1) < n1 ? n + nr(1) : n1;
-            for (int64_t m = 0; m < a.M; ++m) rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m, n, e);
+            for (int64_t m = 0; m < tiled; m += MTILE) rows_tile<MTILE, GEMM_NR, W8>(a, xq, dxv, xs, m, n, e);
+            for (int64_t m = tiled; m < a.M; ++m) rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m, n, e);
         }
         return;
     }
