@@ -130,7 +130,7 @@ def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, 
     packed = row_groups(packed, row_group)  # N rounded up to row_group with zero rows past N
     assert packed.shape == (-(-n // row_group) * row_group, -(-k // 32) * 16)
     compiled = core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, row_group=row_group), "CPU", F32)
-    for m in (1, 2, 3, 4, 5, 8, 11, 16):  # from 8: MTILE rows of x per pass (11: and 3 one at a time)
+    for m in (1, 2, 3, 4, 5, 8, 11, 16):  # from 4: MTILE rows of x per pass (5, 11: and the rest one at a time)
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::7] *= 50  # outliers, as residual streams have
         x[0, :3] = [1e-40, -3e-39, 0.0]  # denormals
@@ -166,7 +166,7 @@ def test_u8_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zer
     compiled = core.compile_model(
         _op_model(got.factory, k, packed, sz, group, isa, bits=8, row_group=row_group), "CPU", F32
     )
-    for m in (1, 3, 4, 7, 9):  # 9: 8 rows of x in MTILE passes over grouped rows, then one
+    for m in (1, 3, 4, 7, 9):  # from 4: MTILE rows of x per pass over grouped rows (7, 9: and the rest one at a time)
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::7] *= 50
         x[0, :3] = [1e-40, -3e-39, 0.0]
