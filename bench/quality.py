@@ -116,7 +116,8 @@ def engine_logits(
 ) -> tuple[list[np.ndarray], str]:
     """Last-position logits of each prompt and which kernels ran the low-bit MatMuls: all but the last token
     prefilled in one forward, the last one fed as a decode step, since steps of a few tokens are where our kernels
-    run (appliance/runtime/kernels KERNEL_ROWS) and that last step is the one whose logits are compared."""
+    run on every path (appliance/runtime/kernels KERNEL_ROWS; on AVX2 the prefill too, PREFILL_ISAS) and that last
+    step is the one whose logits are compared."""
     from appliance.config import EngineConfig
     from appliance.runtime.backends import StepBatch
     from appliance.runtime.engine import Engine

@@ -119,6 +119,9 @@ def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         (16, 4096, 128, "f16", "normal"),  # a group that spans four blocks, many groups
         (11, 320, 128, "15", "normal"),  # a last group of one pair and no unpaired block
         (9, 1120, 32, "f16", "normal"),  # Q4_1's groups of one block: 35 scales, read eight at a time, and a tail
+        (21, 448, 64, "f16", "normal"),  # groups of one pair of blocks through the prefill tile, N odd
+        (7, 1024, 256, "f16", "normal"),  # groups of four pairs
+        (14, 640, 32, "f16", "normal"),  # Q4_1's groups of one block through the prefill tile: two scales a pair
     ],
 )
 def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale, row_group):
@@ -130,7 +133,9 @@ def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, 
     packed = row_groups(packed, row_group)  # N rounded up to row_group with zero rows past N
     assert packed.shape == (-(-n // row_group) * row_group, -(-k // 32) * 16)
     compiled = core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, row_group=row_group), "CPU", F32)
-    for m in (1, 2, 3, 4, 5, 8, 11, 16):  # from 4: MTILE rows of x per pass (5, 11: and the rest one at a time)
+    # From 4: MTILE rows of x per pass (5, 11, 37: and the rest one at a time); grouped u4 with an even number of blocks
+    # runs the prefill tile, over blocks of rows (129 x 1536: two).
+    for m in (1, 2, 3, 4, 5, 8, 11, 16, 37):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::7] *= 50  # outliers, as residual streams have
         x[0, :3] = [1e-40, -3e-39, 0.0]  # denormals
@@ -305,6 +310,37 @@ def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
     np.testing.assert_array_equal(want[2], have[2])  # the i4 chain kept OpenVINO's kernel
 
 
+def _with_logits(model: ov.Model, head: ov.Output | None = None) -> ov.Model:
+    """`model` with a `logits` output: `head`'s MatMul of its first input, or its first result renamed."""
+    if head is not None:
+        out = ops.matmul(model.get_parameters()[0], head, False, True).output(0)
+        model = ov.Model([out, *[r.input_value(0) for r in model.get_results()]], model.get_parameters())
+    model.outputs[0].get_tensor().set_names({"logits"})
+    return model
+
+
+def test_prefill_fits_names_the_models_ours_serve_at_every_row_count(loaded):
+    """rewrite.prefill_fits (the backends run ours alone, prefill too, where it holds): grouped u4 of a group the
+    prefill tile takes and K a multiple of 64; a u8 op only as the LM head; a model with none of our ops never."""
+    from appliance.runtime.kernels.rewrite import prefill_fits
+
+    _, got = loaded
+
+    def rewritten(model: ov.Model) -> ov.Model:
+        rewrite(model, got.factory, "avx2")
+        return model
+
+    assert prefill_fits(rewritten(_model(["u4", "f16"])))  # g128, K = 256
+    assert prefill_fits(rewritten(_model(["f16"], group=32)))  # Q4_1's g32
+    assert not prefill_fits(rewritten(_model(["u4"], k=96, group=32)))  # three 32-blocks: an unpaired last one
+    assert not prefill_fits(_model(["i4"]))  # nothing of ours
+    rng = np.random.default_rng(5)
+    assert prefill_fits(rewritten(_with_logits(_model(["u4"]), _u8_head(rng, 200, 256))))
+    x = ops.parameter([-1, 256], ov.Type.f32)
+    u4, u8 = (ops.matmul(x, w, False, True) for w in (_chain(rng, 64, 256, 128, "u4"), _u8_head(rng, 200, 256)))
+    assert not prefill_fits(rewritten(_with_logits(ov.Model([u4, u8], [x]))))  # a u8 op that is not the head
+
+
 # ---------------------------------------------------------------- fallbacks
 
 
@@ -427,7 +463,8 @@ def _decode(
             fed = feed[i] if feed else tokens[-1]
             logits.append(backend.forward(StepBatch([[fed]], [len(prompt) + i], [table]))[0].copy())
             tokens.append(int(logits[-1].argmax()))
-        return backend.kernels, tokens, np.array(logits)
+        graphs = 1 if backend._small is None else 2  # compiled models: ours alone, or ours beside OpenVINO's
+        return backend.kernels, tokens, np.array(logits), graphs
     finally:
         backend.close()
 
@@ -439,23 +476,30 @@ def _tvd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def test_f32_keeps_openvino_kernels_and_its_exact_outputs(loaded):
     """--precision f32 is transformers parity: the kernel stays off and greedy tokens and logits are OpenVINO's."""
-    label, tokens, logits = _decode("auto", "f32")
-    base_label, base_tokens, base_logits = _decode("openvino", "f32")
+    label, tokens, logits, _ = _decode("auto", "f32")
+    base_label, base_tokens, base_logits, _ = _decode("openvino", "f32")
     assert label == base_label == "openvino"
     assert tokens == base_tokens
     np.testing.assert_array_equal(logits, base_logits)
 
 
-def test_default_model_runs_our_kernels_close_to_f32(loaded):
-    """On: decode steps run our op on every u4 layer of the default model (7 per layer), a prefill OpenVINO's
-    kernels; next-token distributions stay close to OpenVINO's f32 on the same contexts (measured: TVD
-    0.014-0.040 per step, the same greedy tokens)."""
+@pytest.mark.parametrize("prefill_tile", [True, False])
+def test_default_model_runs_our_kernels_close_to_f32(loaded, monkeypatch, prefill_tile):
+    """On: decode steps run our op on every u4 layer of the default model (7 per layer). A prefill runs ours too
+    where the path has a prefill tile (kernels.PREFILL_ISAS): one compiled model; on a path without one (as the VNNI
+    paths), OpenVINO's kernels, bit for bit, from a second compiled model. Next-token distributions stay close to
+    OpenVINO's f32 on the same contexts (measured: TVD 0.014-0.040 per step, the same greedy tokens)."""
     _, got = loaded
-    _, base_tokens, base_logits = _decode("openvino", "f32")
-    label, tokens, logits = _decode("ours", "f32", feed=base_tokens)
+    if prefill_tile and got.isa not in kernels.PREFILL_ISAS:
+        pytest.skip(f"the {got.isa} path has no prefill tile")
+    if not prefill_tile:
+        monkeypatch.setattr(kernels, "PREFILL_ISAS", ())
+    _, base_tokens, base_logits, _ = _decode("openvino", "f32")
+    label, tokens, logits, graphs = _decode("ours", "f32", feed=base_tokens)
     assert label == got.label
-    # The 40-token prefill is longer than kernel_rows: OpenVINO's kernels, bit for bit; the decode steps are ours.
-    np.testing.assert_array_equal(logits[0], base_logits[0])
+    # The 40-token prefill: ours with a prefill tile, else OpenVINO's; the decode steps are ours either way.
+    assert graphs == (1 if prefill_tile else 2)
+    assert np.array_equal(logits[0], base_logits[0]) != prefill_tile
     assert not np.array_equal(logits[1:], base_logits[1:])
     tvd = _tvd(logits, base_logits)
     assert np.median(tvd) <= 0.05 and tvd.max() <= 0.15, tvd
@@ -475,7 +519,7 @@ def test_a_plugin_that_refuses_our_op_leaves_openvino_serving(loaded, monkeypatc
     assert compile_with_kernels(model, "NO_SUCH_DEVICE", {}) is None
     assert any("compiling our kernels failed" in r.getMessage() for r in caplog.records)
     monkeypatch.setattr(paged, "compile_with_kernels", lambda *a: None)
-    label, tokens, _ = _decode("ours", None, steps=2)
+    label, tokens, _, _ = _decode("ours", None, steps=2)
     assert label == "openvino" and len(tokens) == 3
 
 
@@ -508,12 +552,19 @@ def _layer_types(request: ov.InferRequest) -> dict[str, int]:
     return counts
 
 
-def test_static_shapes_run_ours_for_decode_and_openvino_for_prefill(loaded):
+@pytest.mark.parametrize("prefill_tile", [True, False])
+def test_static_shapes_run_ours_for_decode_and_for_prefill_where_the_path_has_a_prefill_tile(
+    loaded, monkeypatch, prefill_tile
+):
     from appliance.config import EngineConfig
     from appliance.manifest import Manifest
     from appliance.runtime.backends.openvino_static import OpenVINOStaticBackend
     from export.default_model import ensure_export
 
+    if prefill_tile and loaded[1].isa not in kernels.PREFILL_ISAS:
+        pytest.skip(f"the {loaded[1].isa} path has no prefill tile")
+    if not prefill_tile:
+        monkeypatch.setattr(kernels, "PREFILL_ISAS", ())
     path = ensure_export("openvino", "int4")
     backend = OpenVINOStaticBackend(path, Manifest.load(path), EngineConfig(kernels="ours", static=True))
     try:
@@ -522,5 +573,6 @@ def test_static_shapes_run_ours_for_decode_and_openvino_for_prefill(loaded):
         backend.close()
     layers = Manifest.load(path).num_layers * 7  # q, k, v, o, gate, up, down
     assert backend.kernels == loaded[1].label and backend.kernel_rows >= backend.max_batch
-    assert decode.get("Reference") == layers and prefill.get("Reference", 0) == 0
-    assert prefill.get("FullyConnected") == layers + 1  # and the LM head (i8 symmetric: OpenVINO's either way)
+    assert decode.get("Reference") == layers and prefill.get("Reference", 0) == (layers if prefill_tile else 0)
+    # and the LM head (i8 symmetric: OpenVINO's either way)
+    assert prefill.get("FullyConnected") == (1 if prefill_tile else layers + 1)

@@ -12,6 +12,7 @@ import openvino as ov
 from appliance import cpu_isa, devices
 from appliance.runtime import kernels
 from appliance.runtime.backends.base import DeviceError
+from appliance.runtime.kernels.rewrite import prefill_fits
 
 if TYPE_CHECKING:
     from appliance.config import EngineConfig
@@ -84,9 +85,12 @@ def compile_with_kernels(model: ov.Model, device: str, props: dict[str, Any]) ->
         return None
 
 
-def kernel_rows(label: str) -> int:
-    """Steps of up to this many tokens run our kernels (0: none do)."""
-    return kernels.KERNEL_ROWS.get(label.removeprefix("appliance-"), 0)
+def kernel_rows(label: str, model: ov.Model) -> int:
+    """Steps of up to this many tokens run our kernels: 0 none, kernels.EVERY_ROW all (prefill too: the rewritten
+    `model` is the only graph the backend needs)."""
+    isa = label.removeprefix("appliance-")
+    rows = kernels.KERNEL_ROWS.get(isa, 0)
+    return kernels.EVERY_ROW if rows and isa in kernels.PREFILL_ISAS and prefill_fits(model) else rows
 
 
 def apply_kernels(model: ov.Model, config: EngineConfig, model_dir: Path) -> str:

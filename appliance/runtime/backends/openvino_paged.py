@@ -20,6 +20,7 @@ import openvino.opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from appliance.manifest import Manifest
+from appliance.runtime import kernels
 from appliance.runtime.backends.base import Backend, StepBatch
 from appliance.runtime.backends.image_inputs import load_text_embeddings, splice_text_embeddings, step_inputs
 from appliance.runtime.backends.kv_budget import pool_blocks
@@ -97,16 +98,20 @@ class OpenVINOPagedBackend(Backend):
         native = model.clone()  # constants shared, not copied
         self.kernels = apply_kernels(model, config, model_dir)
         props = compile_properties(config)
-        self.compiled = core().compile_model(native, config.device, props)
-        self.request = self.compiled.create_infer_request()
         # Steps of at most `kernel_rows` tokens (decode, speculative verification, small batches) run our kernels;
-        # longer ones (prefill) OpenVINO's, which win there (kernels.KERNEL_ROWS). Each compiled model holds its own
-        # weights: our copy beside the plugin's (kernels/rewrite.py states the cost).
-        small = compile_with_kernels(model, config.device, props) if kernel_rows(self.kernels) else None
-        self.kernels = self.kernels if small is not None else "openvino"
-        self.kernel_rows = kernel_rows(self.kernels)
+        # longer ones (prefill) OpenVINO's where they win there (kernels.KERNEL_ROWS), each compiled model holding
+        # its own weights (kernels/rewrite.py states the cost). Where ours win at every row count
+        # (kernels.EVERY_ROW), ours alone: one compiled model.
+        rows = kernel_rows(self.kernels, model)
+        ours = compile_with_kernels(model, config.device, props) if rows else None
+        self.kernels, self.kernel_rows = (self.kernels, rows) if ours is not None else ("openvino", 0)
+        if ours is not None and rows >= kernels.EVERY_ROW:
+            self.compiled, small = ours, None
+        else:
+            self.compiled, small = core().compile_model(native, config.device, props), ours
+        self.request = self.compiled.create_infer_request()
         self._small = small.create_infer_request() if small is not None else None
-        del native, model
+        del native, model, ours, small
         cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
         # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.
         values = next(i for i in cache_inputs if i.get_any_name().startswith("value_cache."))

@@ -75,7 +75,7 @@ class OpenVINOStaticBackend(StaticSlotBackend):
         gather_row(model)
         self._native = model.clone()  # constants shared, not copied
         self.kernels = apply_kernels(model, config, model_dir)
-        self.kernel_rows = kernel_rows(self.kernels)  # shapes of more tokens per call compile OpenVINO's kernels
+        self.kernel_rows = kernel_rows(self.kernels, model)  # shapes of more tokens per call compile OpenVINO's kernels
         length = min(config.static_context, manifest.max_context)
         self.kv_names = [p.get_any_name() for p in model.inputs if p.get_any_name().startswith("past_key_values")]
         past = next(p for p in model.inputs if p.get_any_name() == self.kv_names[0])

@@ -24,8 +24,9 @@ LIBRARY = "libappliance_kernels.so"
 # What rewrite.py and the library agree on (the op's inputs, attributes and their layouts, the exported symbols):
 # build.py compiles this number into the library and load() refuses a library that reports another one. A library
 # built from older sources once asserted at its first call ("sz must hold ceil(K / group_size)") instead of
-# falling back. Bump it with any change to that contract.
-ABI = 4
+# falling back. Bump it with any change to that contract (5: the backends run prefill on ours where PREFILL_ISAS says
+# the library has a prefill tile; an older one would run it on the slower general tile).
+ABI = 5
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
@@ -43,6 +44,13 @@ CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precis
 # pass from M = 4 (lowbit_kernel.hpp GEMM_ROWS): M = 8 0.84 / 0.80 / 0.87, M = 12 0.99 / 0.89 / 0.97, M = 16 1.06 /
 # 0.94 / 1.04. So AVX2 stops at 12.
 KERNEL_ROWS = {"avx2": 12, "avxvnni": 4, "avx512vnni": 4}
+# Paths with a prefill tile (lowbit_kernel.hpp prefill_tile): where it takes every op of a model (rewrite.prefill_fits),
+# ours win at every row count and the model runs ours alone, prefill included: one compiled model, no copy of the
+# weights in the plugin's layout beside ours. Quiet AVX2 EPYC, 2 threads (bench.kernels --formats u4a:128 --layers 8
+# --reps 7; ours / OpenVINO's time at 8960x1536 / 1536x8960 / 1536x1536): M = 16 0.73 / 0.68 / 0.77, M = 64 0.88 /
+# 0.78 / 0.90, M = 256 0.83 / 0.75 / 0.87; the general tile there: 1.09 / 0.93 / 1.05 and 1.24 / 1.14 / 1.28.
+PREFILL_ISAS = ("avx2",)
+EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
 # Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
 # plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
 # 135M model (every layer under 1M weights) decoded 1.24x slower at batch 1 with all 210 of its u4 MatMuls on ours

@@ -345,14 +345,119 @@ constexpr int nr(int mt) { return CHAINS / mt > 1 ? CHAINS / mt : 1; }
 // Quiet AVX2 EPYC (bench.kernels, 8 layers, 7 reps; ours / OpenVINO's time at 8960x1536 / 1536x8960 / 1536x1536),
 // one row of x per pass -> this: M = 4 0.74 / 0.57 / 0.82 -> 0.62 / 0.66 / 0.66; M = 8 1.09 / 0.81 / 1.11 ->
 // 0.84 / 0.80 / 0.87; M = 12 1.20 / 0.90 / 1.24 -> 0.99 / 0.89 / 0.97; M = 16 1.23 / 0.98 -> 1.06 / 0.94 / 1.04;
-// M = 64 / 256 still 1.1-1.3 (prefill stays OpenVINO's). Unpacking the pair's weight rows first and taking each row
-// of x against them (x in 3 registers, not 12) measured the same in the op, though 76 against 55 MAC/ns standalone
-// (L2-resident, 1 thread; a 4 x 3 f32 FMA tile: 41): the compiled tile spills either way.
+// M = 64 / 256 still 1.1-1.3. This general tile spills its accumulators (prefill_tile below does not); it now runs
+// only the grouped weights prefill_fits refuses (u8, an unpaired last block).
 constexpr int64_t GEMM_ROWS = 4;
 constexpr int GEMM_NR = 2;
+// From this many rows of x on, weights prefill_fits takes run prefill_rows rather than the general tile above.
+// Quiet AVX2 EPYC, bench.kernels as above, ours / OpenVINO's time, general tile -> prefill tile: M = 4 0.58 / 0.56 /
+// 0.66 -> 0.45 / 0.48 / 0.51, M = 8 0.93 / 0.77 / 0.88 -> 0.61 / 0.61 / 0.65, M = 16 1.09 / 0.93 / 1.05 -> 0.73 /
+// 0.68 / 0.77, M = 64 1.24 / 1.14 / 1.28 -> 0.88 / 0.78 / 0.90 (one run each, the scratch aligned in both).
+constexpr int64_t PREFILL_ROWS = 4;
+
+// The prefill tile: rows [m0, m0 + 4) of x against weight rows [n0, n0 + NR) of one group of rows (u4), an even
+// number of blocks, groups of PPG pairs of blocks (1, 2, 4: g64, g128, g256) or, PPG = 0, of one block (Q4_1's g32:
+// a pair's two scales as lanes 0-3 / 4-7, as dxv). Each pair's NR weight rows are unpacked first and every row of x
+// (2 registers and its scales) meets them; the 4 x NR group sums fold into an L1 array once per group. The general
+// tile keeps 4 x NR group sums, 4 x NR totals and 12 registers of x live, twice AVX2's 16: the compiler spilled
+// the accumulators and every FMA went through the stack. Standalone (1 thread, weights in L2, 64-byte aligned
+// scratch, M = 64, u4 g128; quiet AVX2 EPYC): 1536 / 8960 long rows 36 / 41 -> 54 / 64 MAC/ns, where OpenVINO's
+// f32 GEMM runs 40-43 per thread. PPG is a compile-time count: unrolling the group's two pairs took 50 -> 53 MAC/ns
+// at K = 8960 (before the aligned scratch). Left: the per-pass row_bias and horizontal sums, ~8% at K = 1536.
+template <int NR, int PPG>
+inline void prefill_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
+                         int64_t n0) {
+    constexpr int MT = 4;
+    const int64_t pairs = a.Kp / (2 * BLOCK), stride = a.rg * BLOCK;
+    const uint8_t* w[NR];
+    const uint16_t* sf[NR];
+    float bias[NR][MT];
+    for (int r = 0; r < NR; ++r) {
+        const int64_t n = n0 + r, in_group = n % a.rg;
+        w[r] = a.w + (n - in_group) * (a.Kp / 2) + in_group * BLOCK;
+        sf[r] = a.sz + n * 2 * a.G;
+        row_bias<MT>(a, sf[r], xs, m0, bias[r]);
+    }
+    const int8_t* xr[MT];
+    const float* dr[MT];
+    for (int m = 0; m < MT; ++m) {
+        xr[m] = xq + (m0 + m) * a.Kp;
+        dr[m] = dxv + (m0 + m) * pairs * 8;
+    }
+    alignas(32) float acc[MT][NR][8] = {};
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    for (int64_t g = 0, p = 0; p < pairs; ++g) {
+        __m256 gacc[MT][NR];
+        for (int m = 0; m < MT; ++m)
+            for (int r = 0; r < NR; ++r) gacc[m][r] = _mm256_setzero_ps();
+        constexpr int64_t STEP = PPG ? PPG : 1;
+        const int64_t p1 = p + STEP < pairs ? p + STEP : pairs;
+        for (; p < p1; ++p) {
+            __m256i lo[NR], hi[NR];
+            for (int r = 0; r < NR; ++r) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + p * stride));
+                lo[r] = _mm256_and_si256(raw, mask);
+                hi[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            }
+            for (int m = 0; m < MT; ++m) {
+                const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m] + p * 2 * BLOCK));
+                const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr[m] + p * 2 * BLOCK + BLOCK));
+                const __m256 dv = _mm256_loadu_ps(dr[m] + p * 8);
+                for (int r = 0; r < NR; ++r)
+                    gacc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2<false>(lo[r], xl, hi[r], xh)), dv, gacc[m][r]);
+            }
+        }
+        for (int r = 0; r < NR; ++r) {
+            const __m256 s = PPG ? _mm256_set1_ps(_cvtsh_ss(sf[r][g]))
+                                 : _mm256_set_m128(_mm_set1_ps(_cvtsh_ss(sf[r][2 * g + 1])),
+                                                   _mm_set1_ps(_cvtsh_ss(sf[r][2 * g])));
+            for (int m = 0; m < MT; ++m)
+                _mm256_store_ps(acc[m][r], _mm256_fmadd_ps(gacc[m][r], s, _mm256_load_ps(acc[m][r])));
+        }
+    }
+    for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < NR; ++r) a.y[(m0 + m) * a.N + n0 + r] = hsum(_mm256_load_ps(acc[m][r])) - bias[r][m];
+}
+
+// Whether prefill_tile takes these weights: u4 in groups of an even number of rows, groups of 32, 64, 128 or 256
+// values, an even number of blocks (rewrite.prefill_fits says the same for the backends).
+inline bool prefill_fits(const LowbitArgs& a) {
+    return a.bits == 4 && a.rg % 2 == 0 && (a.gs == 32 || a.gs == 64 || a.gs == 128 || a.gs == 256) &&
+           (a.Kp / BLOCK) % 2 == 0;
+}
+
+// Weight rows per block of prefill passes: every 4 rows of x sweep one block, which stays in L2 (~64 KB of u4).
+inline int64_t prefill_block_rows(const LowbitArgs& a) {
+    const int64_t rows = (int64_t{64} << 10) / (a.Kp / 2) / a.rg * a.rg;
+    return rows > a.rg ? rows : a.rg;
+}
+
+template <int PPG>
+inline void prefill_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0,
+                         int64_t n1) {
+    const int64_t tiled = a.M / MTILE * MTILE, block = prefill_block_rows(a);
+    for (int64_t nb = n0; nb < n1; nb += block) {
+        const int64_t ne = nb + block < n1 ? nb + block : n1;
+        for (int64_t m = 0; m < tiled; m += MTILE) {
+            int64_t n = nb;
+            for (; n + GEMM_NR <= ne; n += GEMM_NR) prefill_tile<GEMM_NR, PPG>(a, xq, dxv, xs, m, n);
+            if (n < ne) tile<MTILE, 1, false>(a, xq, dxv, xs, m, n);  // an odd last row (N odd)
+        }
+        for (int64_t m = tiled; m < a.M; ++m) rows_tile<1, nr(1), false>(a, xq, dxv, xs, m, nb, ne);
+    }
+}
 
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
+    if (a.M >= PREFILL_ROWS && prefill_fits(a)) {
+        switch (a.gs) {
+            case 32: prefill_rows<0>(a, xq, dxv, xs, n0, n1); break;
+            case 64: prefill_rows<1>(a, xq, dxv, xs, n0, n1); break;
+            case 128: prefill_rows<2>(a, xq, dxv, xs, n0, n1); break;
+            default: prefill_rows<4>(a, xq, dxv, xs, n0, n1); break;
+        }
+        return;
+    }
     if (a.rg > 1) {  // grouped rows (rewrite.py's u4): whole groups per pass, once per row of x (see above)
         const int64_t tiled = a.M >= GEMM_ROWS ? a.M / MTILE * MTILE : 0;
         for (int64_t n = n0; n < n1; n += nr(1)) {

@@ -43,6 +43,13 @@ std::string best_isa() {
     return "";
 }
 
+// The first 64-byte boundary at or after p (the scratch holds 64 bytes more than it needs).
+template <typename T>
+T* aligned(T* p) {
+    const auto at = reinterpret_cast<uintptr_t>(p);
+    return reinterpret_cast<T*>((at + 63) / 64 * 64);
+}
+
 LowbitKernel kernel_for(const std::string& isa) {
     if (isa == "avx512vnni") return lowbit_kernel_avx512vnni();
     if (isa == "avxvnni") return lowbit_kernel_avxvnni();
@@ -122,8 +129,8 @@ public:
         // small layer's cost (the op's fixed cost per call was ~20 us against native's ~10 us at 256 x 256).
         thread_local std::vector<int8_t> xq;
         thread_local std::vector<float> dx, sums;
-        xq.resize(static_cast<size_t>(a.M * a.Kp));
-        dx.resize(static_cast<size_t>(lowbit_dx_floats(a.M, a.Kp)));
+        xq.resize(static_cast<size_t>(a.M * a.Kp + 64));
+        dx.resize(static_cast<size_t>(lowbit_dx_floats(a.M, a.Kp) + 16));
         sums.resize(static_cast<size_t>(a.M * a.G));
         const int64_t threads = tbb::this_task_arena::max_concurrency(), blocks = a.Kp / 32;
         // Quantizing x is serial work before the parallel rows: 41 us at K = 8960 (M = 1) against ~300 us of rows on
@@ -132,8 +139,10 @@ public:
         const int64_t chunk = std::max(align, (blocks / threads + align - 1) / align * align);
         // Plain pointers into the calling thread's scratch: inside a TBB task, the thread_local names would be the
         // worker's own (empty) vectors.
-        int8_t* q = xq.data();
-        float *d = dx.data(), *sm = sums.data();
+        // On 64-byte lines: a 32-byte load that straddles two lines costs twice (the prefill tile ran 52 -> 58-60
+        // MAC/ns standalone with its activations aligned, M = 64).
+        int8_t* q = aligned(xq.data());
+        float *d = aligned(dx.data()), *sm = sums.data();
         if (threads <= 1 || a.M * a.Kp < 4096 || chunk >= blocks) {
             kernel.quantize(a, q, d, sm, 0, blocks);
         } else {

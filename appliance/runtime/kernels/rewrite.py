@@ -29,8 +29,10 @@ OpenVINO's Python API cannot share a read-only constant's memory, so a copy is m
 shares it) and a u8 [N, 4 G] of f16 scales and zero points
 (scale_table: 4 bytes per group, against the IR's 2.5-4; 40 MB at Qwen2.5-1.5B's rewritten u4 g128 layers, 80 MB as
 the f32 scales and products it replaced).
-The backends keep a second, unrewritten graph for prefill (KERNEL_ROWS), which holds the plugin's own copy: the
-default model's engine RSS went 243 -> 371 MB with every layer on ours (386 before the Constants shared our copy).
+Where a path's kernels lose at many rows (KERNEL_ROWS), the backends keep a second, unrewritten graph for prefill,
+which holds the plugin's own copy: the default model's engine RSS went 243 -> 371 MB with every layer on ours (386
+before the Constants shared our copy). Where the prefill tile takes every op (prefill_fits: AVX2, NNCF's u4 g128,
+the Q4_1 grid) ours run alone: Qwen2.5-1.5B's engine RSS after load 2026 -> 1899 MB.
 A u8 head is repacked (pair_layout, row_groups) into a copy of its size: +233 MB at Qwen2.5-1.5B.
 """
 
@@ -57,6 +59,8 @@ U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
 # docs/performance.md), the u8 head to 0.50 of its row-major time at M = 1 (above). The VNNI paths keep row-major
 # weights (rg 1) until measured on a VNNI box: grouped rows run passes of one row of x.
 ROW_GROUPS = {"avx2": 4}
+# Group sizes the prefill tile takes (lowbit_kernel.hpp prefill_fits: grouped u4 rows, an even number of 32-blocks).
+PREFILL_GROUPS = (32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -236,3 +240,35 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
     if swaps:
         model.validate_nodes_and_infer_types()
     return len(swaps)
+
+
+def _head(model: ov.Model) -> ov.Node | None:
+    """The op that produces the logits (the LM head), walking up from the `logits` result through single-input ops
+    (a Convert); None when the model has no such output."""
+    try:
+        node = model.output("logits").get_node().input_value(0).get_node()
+    except RuntimeError:
+        return None
+    while node.get_type_name() not in (OP, "MatMul") and node.get_input_size() == 1:
+        node = node.input_value(0).get_node()
+    return node
+
+
+def prefill_fits(model: ov.Model) -> bool:
+    """Whether every LowBitMatMul in `model` runs the prefill tile at many rows, so that ours win at every row count
+    (kernels.EVERY_ROW): u4 in grouped rows, a group size of PREFILL_GROUPS, K a multiple of 64. A u8 op fits only as
+    the LM head, which the backends feed one row per sequence (their gather of the last tokens); elsewhere it would
+    run the general tile at many rows, slower than OpenVINO's there."""
+    head = _head(model)
+    ops = [n for n in model.get_ordered_ops() if n.get_type_name() == OP]
+    for op in ops:
+        attrs = op.get_attributes()
+        k = op.input_value(0).get_partial_shape()[-1]
+        if attrs["bits"] == 8:
+            fits = head is not None and op.get_friendly_name() == head.get_friendly_name()
+        else:
+            grouped = attrs["row_group"] % 2 == 0 and attrs["group_size"] in PREFILL_GROUPS
+            fits = grouped and k.is_static and k.get_length() % 64 == 0
+        if not fits:
+            return False
+    return bool(ops)
