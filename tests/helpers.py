@@ -287,3 +287,13 @@ def self_signed_cert(cert: Path, key: Path, common_name: str, alt_names: str) ->
         capture_output=True,
     )
     return cert, key
+
+
+def many_scans(jpeg: bytes, repeats: int) -> bytes:
+    """A progressive JPEG with its first scan (SOS header and entropy-coded data) repeated before EOI: a file of
+    more scans than encoders write (the vision decoder refuses those before decoding)."""
+    start = jpeg.index(b"\xff\xda")
+    end = start + 2 + int.from_bytes(jpeg[start + 2 : start + 4], "big")
+    while jpeg[end] != 0xFF or jpeg[end + 1] == 0x00 or 0xD0 <= jpeg[end + 1] <= 0xD7:  # stuffed FF 00, RSTn
+        end += 1
+    return jpeg[:-2] + jpeg[start:end] * repeats + jpeg[-2:]

@@ -34,7 +34,7 @@ from appliance.api.images import sniff
 from appliance.limits import image_body_bytes
 from appliance.testing.loopback import ROOT
 from tests.e2e.image_requests import LiveStream, clients, data_url, picture, refusal, requests_by_api
-from tests.helpers import Server
+from tests.helpers import Server, many_scans
 
 pytestmark = pytest.mark.slow
 
@@ -309,6 +309,7 @@ def engine_refused_files() -> list[tuple[str, bytes, str]]:
     webp = bytearray(picture(64, 48, fmt="WEBP"))
     webp[30:60] = b"\xff" * 30
     rows = (b"\0" + bytes(64 * 3)) * 48
+    progressive = _saved(Image.open(io.BytesIO(jpeg)), "JPEG", progressive=True)
     return [
         ("truncated JPEG", jpeg[: len(jpeg) // 2], "corrupt or truncated"),
         ("decompression bomb", _png(20000, 20000, bytes(64)), "more than the limit of 16777216 pixels"),
@@ -316,6 +317,7 @@ def engine_refused_files() -> list[tuple[str, bytes, str]]:
         ("IHDR lies", _png(2000, 2000, rows), "corrupt or truncated"),
         ("text chunk bomb", _png(64, 48, rows, _chunk(b"zTXt", b"k\0\0" + zlib.compress(bytes(64 << 20)))), "PNG"),
         ("GIF under a PNG signature", PNG_HEAD + _saved(Image.new("RGB", (8, 8)), "GIF")[6:], "not a JPEG, PNG"),
+        ("JPEG of many scans", many_scans(progressive, 200), "scans, more than the limit"),
     ]
 
 

@@ -13,6 +13,7 @@ from PIL import Image, ImageFile
 
 from appliance.runtime.vision.decode import decode
 from appliance.runtime.vision.errors import ImageRejected
+from tests.helpers import many_scans
 
 LIMIT = 16_777_216
 
@@ -76,6 +77,20 @@ def test_a_decompression_bomb_is_refused_from_its_header_without_decoding(monkey
         decode(_file(_picture(size=(100, 100)), "PNG"), 9999)
     assert loads == []  # neither was decoded
     assert decode(_file(_picture(size=(100, 100)), "PNG"), 10_000).size == (100, 100) and loads
+
+
+def test_a_jpeg_of_more_scans_than_encoders_write_is_refused_before_decoding(monkeypatch: pytest.MonkeyPatch):
+    """Each scan is a pass over every pixel (decode.MAX_JPEG_SCANS); a progressive file as encoders write it reads."""
+    from appliance.runtime.vision import decode as module
+
+    jpeg = _file(_picture(size=(64, 64)), "JPEG", progressive=True)
+    assert 5 <= jpeg.count(b"\xff\xda") <= module.MAX_JPEG_SCANS
+    assert decode(jpeg, LIMIT).size == (64, 64)
+    assert decode(many_scans(jpeg, 3), LIMIT).size == (64, 64)  # repeated scans are still a readable file
+    monkeypatch.setattr(Image.Image, "load", lambda self: pytest.fail("decoded a file refused by its scans"))
+    scans = jpeg.count(b"\xff\xda") + 200
+    with pytest.raises(ImageRejected, match=f"has {scans} scans, more than the limit of 64"):
+        decode(many_scans(jpeg, 200), LIMIT)
 
 
 def test_truncated_and_corrupt_files_are_refused():
