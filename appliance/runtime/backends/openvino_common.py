@@ -12,7 +12,7 @@ import openvino as ov
 from appliance import cpu_isa, devices
 from appliance.runtime import kernels
 from appliance.runtime.backends.base import DeviceError
-from appliance.runtime.kernels.rewrite import prefill_fits
+from appliance.runtime.kernels.rewrite import logits_op, prefill_fits
 
 if TYPE_CHECKING:
     from appliance.config import EngineConfig
@@ -103,11 +103,8 @@ def apply_kernels(model: ov.Model, config: EngineConfig, model_dir: Path) -> str
 
 
 def logits_matmul(model: ov.Model) -> ov.Node:
-    """The MatMul that produces the logits (the LM head): walk up from the `logits` result through
-    element-wise / convert ops."""
-    node = model.output("logits").get_node().input_value(0).get_node()
-    while node.get_type_name() != "MatMul":
-        if node.get_input_size() == 0:
-            raise RuntimeError("could not find the LM head MatMul above the logits output")
-        node = node.input_value(0).get_node()
+    """The MatMul that produces the logits (the LM head), before our kernels' rewrite (rewrite.logits_op)."""
+    node = logits_op(model)
+    if node is None or node.get_type_name() != "MatMul":
+        raise RuntimeError("could not find the LM head MatMul above the logits output")
     return node

@@ -242,14 +242,16 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
     return len(swaps)
 
 
-def _head(model: ov.Model) -> ov.Node | None:
-    """The op that produces the logits (the LM head), walking up from the `logits` result through single-input ops
-    (a Convert); None when the model has no such output."""
+def logits_op(model: ov.Model) -> ov.Node | None:
+    """The LM head: the MatMul (or, rewritten, our op) that produces the logits, walking up from the `logits` result
+    through each node's first input (element-wise ops, a Convert); None when there is no such output or op."""
     try:
         node = model.output("logits").get_node().input_value(0).get_node()
     except RuntimeError:
         return None
-    while node.get_type_name() not in (OP, "MatMul") and node.get_input_size() == 1:
+    while node.get_type_name() not in (OP, "MatMul"):
+        if node.get_input_size() == 0:
+            return None
         node = node.input_value(0).get_node()
     return node
 
@@ -259,7 +261,7 @@ def prefill_fits(model: ov.Model) -> bool:
     (kernels.EVERY_ROW): u4 in grouped rows, a group size of PREFILL_GROUPS, K a multiple of 64. A u8 op fits only as
     the LM head, which the backends feed one row per sequence (their gather of the last tokens); elsewhere it would
     run the general tile at many rows, slower than OpenVINO's there."""
-    head = _head(model)
+    head = logits_op(model)
     ops = [n for n in model.get_ordered_ops() if n.get_type_name() == OP]
     for op in ops:
         attrs = op.get_attributes()
