@@ -63,8 +63,12 @@ EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
 # rewrite.ROW_GROUPS) the q/o shape is well ahead per op at M = 1: 0.54 of OpenVINO's time (CPU time 0.53; 2-vCPU
 # EPYC Zen 3, bench.kernels --shapes 1536x1536 --layers 60 --reps 9, load 12), so there the floor is 2^21 and they
 # take ours; k/v (256 x 1536) measured 0.82 (CPU 0.86) but would bring the default model's layers along, not measured
-# end to end. APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
-MIN_WEIGHTS = {"avx2": 1 << 21, "avxvnni": 1 << 22, "avx512vnni": 1 << 22}
+# end to end. With the 512-bit decode tile (lowbit_kernel.hpp tile_zmm) on a 2-vCPU AVX-512 Zen 5 EPYC the q/o shape
+# took 0.54 of OpenVINO's time at M = 1 (bench.kernels --layers 8 --reps 9), and the Qwen2.5-1.5B decode step's
+# attention projections 5.3 / 5.0 ms with them on ours against 8.6 / 6.7 with them native (bench.profile, two
+# interleaved pairs): the AVX512-VNNI floor is 2^21 as AVX2's (the AMX box's 1.14 was the 256-bit tile; not
+# measured there since). APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
+MIN_WEIGHTS = {"avx2": 1 << 21, "avxvnni": 1 << 22, "avx512vnni": 1 << 21}
 MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
 
 
