@@ -297,10 +297,12 @@ def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
         pytest.skip(f"this CPU has no {isa}")
     native, ours = _model(["u4", "f16", "i4"], n=97), _model(["u4", "f16", "i4"], n=97)
     assert rewrite(ours, got.factory, isa) == 2
-    kinds = [r.input_value(0).get_node().get_type_name() for r in ours.get_results()]
+    kinds = [_producer(r).get_type_name() for r in ours.get_results()]
     assert kinds == [OP, OP, "MatMul"]
     groups = [n.get_attributes()["row_group"] for n in ours.get_ordered_ops() if n.get_type_name() == OP]
-    assert groups == [ROW_GROUPS.get(isa, 1)] * 2
+    # The two u4 siblings share one op where their rows need no padding (row-major: the VNNI paths), one each where
+    # AVX2's groups of 4 rows would pad 97.
+    assert groups == [ROW_GROUPS.get(isa, 1)] * (2 if 97 % ROW_GROUPS.get(isa, 1) else 1)
     x = np.random.default_rng(4).standard_normal((2, 3, 256)).astype(np.float32)
     want, have = core.compile_model(native, "CPU", F32)(x), core.compile_model(ours, "CPU", F32)(x)
     for i in range(3):
@@ -308,6 +310,42 @@ def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
         assert a.shape == b.shape == (2, 3, 97)
         assert np.abs(a - b).max() <= 0.02 * np.abs(a).max()  # int8 activations: ~0.5% measured
     np.testing.assert_array_equal(want[2], have[2])  # the i4 chain kept OpenVINO's kernel
+
+
+def _producer(result: ov.Node) -> ov.Node:
+    """The op behind a model output, through the VariadicSplit of a shared op."""
+    node = result.input_value(0).get_node()
+    return node.input_value(0).get_node() if node.get_type_name() == "VariadicSplit" else node
+
+
+@pytest.mark.parametrize("isa", _paths())
+def test_siblings_share_one_op_under_one_floor(loaded, isa):
+    """q/k/v-like siblings (one activation, u4 g128) become one op over their rows and a split, even where k/v alone
+    are under the weight floor; a sibling of another group size keeps its own op (or, under the floor alone,
+    OpenVINO's kernel); siblings whose weights together are under the floor stay native."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}")
+
+    def model() -> ov.Model:
+        rng = np.random.default_rng(8)
+        x = ops.parameter([-1, 256], ov.Type.f32)
+        shapes = [(64, 128), (16, 128), (16, 128), (32, 64)]  # q, k, v: 96 rows together; one of group 64
+        return ov.Model([ops.matmul(x, _chain(rng, n, 256, g, "u4"), False, True) for n, g in shapes], [x])
+
+    native, ours = model(), model()
+    assert rewrite(ours, got.factory, isa, min_weights=64 * 256) == 3
+    [op] = [n for n in ours.get_ordered_ops() if n.get_type_name() == OP]
+    assert op.get_output_partial_shape(0)[-1].get_length() == 96
+    kinds = [r.input_value(0).get_node().get_type_name() for r in ours.get_results()]
+    assert kinds == ["VariadicSplit"] * 3 + ["MatMul"]
+    x = np.random.default_rng(9).standard_normal((3, 256)).astype(np.float32)
+    want, have = core.compile_model(native, "CPU", F32)(x), core.compile_model(ours, "CPU", F32)(x)
+    for i in range(4):
+        assert want[i].shape == have[i].shape
+        assert np.abs(want[i] - have[i]).max() <= 0.02 * np.abs(want[i]).max()
+    assert rewrite(model(), got.factory, isa, min_weights=0) == 4  # the group-64 sibling on an op of its own
+    assert rewrite(model(), got.factory, isa, min_weights=160 * 256 + 1) == 0  # all four together under it
 
 
 def _with_logits(model: ov.Model, head: ov.Output | None = None) -> ov.Model:
@@ -571,8 +609,8 @@ def test_static_shapes_run_ours_for_decode_and_for_prefill_where_the_path_has_a_
         decode, prefill = _layer_types(backend.requests["decode"]), _layer_types(backend.requests["prefill"])
     finally:
         backend.close()
-    layers = Manifest.load(path).num_layers * 7  # q, k, v, o, gate, up, down
+    layers = Manifest.load(path).num_layers * 4  # q/k/v (one op: rewrite._plan), o, gate/up (one op), down
     assert backend.kernels == loaded[1].label and backend.kernel_rows >= backend.max_batch
     assert decode.get("Reference") == layers and prefill.get("Reference", 0) == (layers if prefill_tile else 0)
     # and the LM head (i8 symmetric: OpenVINO's either way)
-    assert prefill.get("FullyConnected") == (1 if prefill_tile else layers + 1)
+    assert prefill.get("FullyConnected") == (1 if prefill_tile else Manifest.load(path).num_layers * 7 + 1)

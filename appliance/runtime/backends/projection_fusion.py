@@ -15,6 +15,8 @@ Quantized weights (int8, int4) are left alone: concatenating them copies the wei
 the IR's originals stay mapped and unused (+92 MB RSS at the Qwen2.5-1.5B shape in int8, +41 MB at 0.5B:
 bench/sizes.py), and 0.5B int8 decoded no faster fused (3 paired runs at batch 1: 14.3 / 20.0 / 32.0
 tok/s fused vs 16.6 / 18.1 / 32.7 unfused, the box's load moving underneath). f16 and f32 weights are fused.
+(Our low-bit kernels share one op among u4 siblings in their own rewrite, from the copy they make anyway:
+appliance/runtime/kernels/rewrite.py.)
 
 The weights keep their compressed form: the decompression chain (Convert / Subtract zero point / Multiply
 scale) of the first projection is rewired to concatenated constants, so its nodes keep the runtime marks that

@@ -34,6 +34,12 @@ which holds the plugin's own copy: the default model's engine RSS went 243 -> 37
 before the Constants shared our copy). Where the prefill tile takes every op (prefill_fits: AVX2, NNCF's u4 g128,
 the Q4_1 grid) ours run alone: Qwen2.5-1.5B's engine RSS after load 2026 -> 1899 MB.
 A u8 head is repacked (pair_layout, row_groups) into a copy of its size: +233 MB at Qwen2.5-1.5B.
+
+Siblings (u4 MatMuls reading one activation: q/k/v, gate/up) share one op over their rows, its output split (_plan):
+one call and one quantization of the activations instead of three or two, and k/v (under the weight floor alone)
+on ours. 28 layers of the Qwen2.5-1.5B shapes, ours fused / unfused time (interleaved, medians; the fused copy is
+made from the parts, then they are freed): AVX512-VNNI on Zen 5 q/k/v 0.60 and gate/up 0.95 at M = 1, 0.55 / 0.71
+at M = 4; the AVX2 path 0.61 / 0.89 at M = 1, 0.92 / 0.90 at M = 256 (the prefill tile and the split).
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
 # streams. On the 2-vCPU AVX2 EPYC (Zen 3) it took the op from 0.84 / 0.48 of OpenVINO's time to 0.52 / 0.56 at
 # M = 1 (8960x1536 / 1536x8960; CPU time 0.85 / 0.61 -> 0.51 / 0.45; bench.kernels --layers 10, load 9-12:
 # docs/performance.md), the u8 head to 0.50 of its row-major time at M = 1 (above). The VNNI paths keep row-major
-# weights (rg 1) until measured on a VNNI box: grouped rows run passes of one row of x.
+# weights (rg 1): on a Zen 5 EPYC rows grouped by 8 (avx512vnni) and 4 (avxvnni) gave no gain at M = 1 and took
+# 1.0-1.4x the row-major time at M = 2-4 (bench.kernels, docs/performance-log.md).
 ROW_GROUPS = {"avx2": 4}
 # Group sizes the prefill tile takes (lowbit_kernel.hpp prefill_fits: grouped u4 rows, an even number of 32-blocks).
 PREFILL_GROUPS = (32, 64, 128, 256)
@@ -205,38 +212,83 @@ def match(matmul: ov.Node, isa: str = "avx2", row_group: int = 1) -> Chain | Non
     return Chain(row_groups(data.reshape(n, k // 2), row_group), sz, group_size, bits, row_group)
 
 
-def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0) -> int:
-    """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
-    NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many. The op
-    computes in f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of
-    U8_ISAS."""
-    from openvino import opset13 as ops
-
-    found = []
+def _siblings(model: ov.Model) -> list[list[ov.Node]]:
+    """The model's f32 MatMuls grouped by the activation they read (attention's q/k/v, the MLP's gate/up), in graph
+    order."""
+    groups: dict[tuple[str, int], list[ov.Node]] = {}
     for node in model.get_ordered_ops():
         if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32:
-            if _weights(node) < min_weights:  # before match: it copies and repacks the weights it takes
+            x = node.input_value(0)
+            groups.setdefault((x.get_node().get_name(), x.get_index()), []).append(node)
+    return list(groups.values())
+
+
+def _fused(chains: list[Chain]) -> Chain:
+    """One op's chain for sibling u4 chains of one group size, K and row group, none with padding rows: their rows
+    one after the other (each part's groups of rows stay whole), in whole huge pages."""
+    packed = hugepages.empty((sum(c.packed.shape[0] for c in chains), chains[0].packed.shape[1]))
+    np.concatenate([c.packed for c in chains], out=packed)
+    sz = np.concatenate([c.sz for c in chains])
+    first = chains[0]
+    return Chain(packed, sz, first.group_size, first.bits, first.row_group)
+
+
+def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Node], Chain]]:
+    """Which MatMuls become which op: sibling u4 MatMuls that agree on the group size, K and row group share one
+    (their outputs split after it); the rest one op each. A group's floor is its siblings' weights together, so
+    q/k/v take ours together where k/v alone are under it."""
+    row_group = ROW_GROUPS.get(isa, 1)
+    plan = []
+    for siblings in _siblings(model):
+        if sum(_weights(n) for n in siblings) < min_weights:  # before match: it copies and repacks the weights
+            continue
+        shares: dict[tuple[int, int], list[tuple[ov.Node, Chain]]] = {}
+        for node in siblings:
+            chain = match(node, isa, row_group=row_group)
+            if chain is None:
                 continue
-            chain = match(node, isa, row_group=ROW_GROUPS.get(isa, 1))
-            if chain is not None:
-                found.append((node, chain))
+            rows = node.get_output_partial_shape(0)[-1].get_length()
+            if chain.bits == 4 and chain.packed.shape[0] == rows:  # no padding rows
+                shares.setdefault((chain.group_size, chain.sz.shape[1]), []).append((node, chain))
+            elif _weights(node) >= min_weights:
+                plan.append(([node], chain))
+        for members in shares.values():
+            if len(members) > 1:
+                plan.append(([n for n, _ in members], _fused([c for _, c in members])))
+            else:
+                plan += [([n], c) for n, c in members if _weights(n) >= min_weights]
+    return plan
+
+
+def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0) -> int:
+    """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
+    NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many MatMuls.
+    Siblings that read one activation share one op and a VariadicSplit of its output (_plan). The op computes in
+    f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of U8_ISAS."""
+    from openvino import opset13 as ops
+
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
     swaps = []
-    for node, chain in found:
+    for nodes, chain in _plan(model, isa, min_weights):
         new = factory.create(
             OP,
             [
-                node.input_value(0),
+                nodes[0].input_value(0),
                 ops.constant(chain.packed, shared_memory=True).output(0),  # our copy, not copied again
                 ops.constant(chain.sz, shared_memory=True).output(0),
             ],
             {"group_size": chain.group_size, "isa": isa, "bits": chain.bits, "row_group": chain.row_group},
         )
-        new.set_friendly_name(node.get_friendly_name())
-        swaps.append((node, new))
-    for node, new in swaps:
+        new.set_friendly_name(nodes[0].get_friendly_name())  # q_proj's, gate_proj's: bench.profile's roles
+        outputs = [new.output(0)]
+        if len(nodes) > 1:
+            widths = [n.get_output_partial_shape(0)[-1].get_length() for n in nodes]
+            split = ops.variadic_split(new.output(0), ops.constant(np.int64(-1)), ops.constant(np.array(widths)))
+            outputs = list(split.outputs())
+        swaps += list(zip(nodes, outputs))
+    for node, output in swaps:
         for target in list(node.output(0).get_target_inputs()):
-            target.replace_source_output(new.output(0))
+            target.replace_source_output(output)
     if swaps:
         model.validate_nodes_and_infer_types()
     return len(swaps)
