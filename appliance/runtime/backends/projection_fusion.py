@@ -16,7 +16,7 @@ the IR's originals stay mapped and unused (+92 MB RSS at the Qwen2.5-1.5B shape 
 bench/sizes.py), and 0.5B int8 decoded no faster fused (3 paired runs at batch 1: 14.3 / 20.0 / 32.0
 tok/s fused vs 16.6 / 18.1 / 32.7 unfused, the box's load moving underneath). f16 and f32 weights are fused.
 (Our low-bit kernels share one op among u4 siblings in their own rewrite, from the copy they make anyway:
-appliance/runtime/kernels/rewrite.py.)
+appliance/runtime/kernels/rewrite.py; both group and split through appliance/runtime/siblings.py.)
 
 The weights keep their compressed form: the decompression chain (Convert / Subtract zero point / Multiply
 scale) of the first projection is rewired to concatenated constants, so its nodes keep the runtime marks that
@@ -27,11 +27,10 @@ with a Reshape) is left alone.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import openvino as ov
-import openvino.opset13 as ops
+
+from appliance.runtime.siblings import siblings, split_last, width
 
 _CHAIN = ("Convert", "Subtract", "Multiply")
 _ACTIVATIONS = {"Swish", "Gelu", "Sigmoid", "Relu", "HSwish", "HSigmoid", "Mish", "Elu", "Tanh", "SoftPlus"}
@@ -64,31 +63,29 @@ def _merge(consumers: list[ov.Node], index: int) -> None:
     parts[0].validate_and_infer_types()
 
 
+def _key(node: ov.Node) -> tuple | None:
+    """A fusable projection's weight signature (siblings must agree on it), or None."""
+    if node.get_attributes() != {"transpose_a": False, "transpose_b": True}:
+        return None
+    rows = node.get_output_partial_shape(0)[-1]
+    return _signature(node.input_value(1).get_node(), rows.get_length()) if rows.is_static else None
+
+
 def fuse_sibling_projections(model: ov.Model) -> int:
     """Returns the number of groups fused."""
-    groups: dict[tuple, list[ov.Node]] = defaultdict(list)
-    for node in model.get_ordered_ops():
-        if node.get_type_name() != "MatMul" or node.get_attributes() != {"transpose_a": False, "transpose_b": True}:
-            continue
-        width = node.get_output_partial_shape(0)[-1]
-        sig = _signature(node.input_value(1).get_node(), width.get_length()) if width.is_static else None
-        if sig is not None:
-            x = node.input_value(0)
-            groups[(x.get_node().get_friendly_name(), x.get_index(), sig)].append(node)
     fused = 0
-    for mms in groups.values():
+    for mms in siblings(model, _key):
         if len(mms) < 2 or any(
             t.get_node().get_type_name() in _ACTIVATIONS for m in mms for t in m.output(0).get_target_inputs()
         ):
             continue
-        widths = [m.get_output_partial_shape(0)[-1].get_length() for m in mms]
+        widths = [width(m) for m in mms]
         consumers = [list(m.output(0).get_target_inputs()) for m in mms]
         _merge(mms, 1)
         mms[0].validate_and_infer_types()
-        split = ops.variadic_split(mms[0].output(0), ops.constant(np.int64(-1)), ops.constant(np.array(widths)))
-        for i, inputs in enumerate(consumers):
+        for part, inputs in zip(split_last(mms[0].output(0), widths), consumers):
             for target in inputs:
-                target.replace_source_output(split.output(i))
+                target.replace_source_output(part)
         fused += 1
     model.validate_nodes_and_infer_types()
     return fused

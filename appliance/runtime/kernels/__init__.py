@@ -25,8 +25,9 @@ LIBRARY = "libappliance_kernels.so"
 # build.py compiles this number into the library and load() refuses a library that reports another one. A library
 # built from older sources once asserted at its first call ("sz must hold ceil(K / group_size)") instead of
 # falling back. Bump it with any change to that contract (5: the backends run prefill on ours where PREFILL_ISAS says
-# the library has a prefill tile; an older one would run it on the slower general tile).
-ABI = 5
+# the library has a prefill tile; an older one would run it on the slower general tile. 6: KERNEL_ROWS 8 on
+# AVX512-VNNI, where an older library runs 3-8 rows slower than OpenVINO's).
+ABI = 6
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
@@ -42,8 +43,12 @@ CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precis
 # 7 reps; 8960x1536 / 1536x8960 / 1536x1536): M = 4 0.70 / 0.58 / 0.83, M = 8 1.09 / 0.81 / 1.11 (the MLP's three
 # together 1.00), M = 12 1.20 / 0.90 / 1.24, M = 16 1.23 / 0.98; M = 64 and 256 1.10-1.57. With four rows of x per
 # pass from M = 4 (lowbit_kernel.hpp GEMM_ROWS): M = 8 0.84 / 0.80 / 0.87, M = 12 0.99 / 0.89 / 0.97, M = 16 1.06 /
-# 0.94 / 1.04. So AVX2 stops at 12.
-KERNEL_ROWS = {"avx2": 12, "avxvnni": 4, "avx512vnni": 4}
+# 0.94 / 1.04. So AVX2 stops at 12. AVX512-VNNI with rows of x on 512-bit registers (lowbit_kernel.hpp rows_zmm) on
+# a 2-vCPU Zen 5 EPYC, against the plugin's brgemm_avx512_bf16: the MLP shapes 0.55-0.77 at M = 3-6 and 0.76 / 0.85
+# at 8, q/k/v together (2048 x 1536) and o (1536 x 1536) 1.13 / 1.12 at 8, the u8 head 1.04; the Qwen2.5-1.5B
+# decode step of 4 / 8 sequences took 40 / 74 ms against 66 / 85 on OpenVINO's kernels alone (engines side by
+# side, interleaved). So it stops at 8 (not measured on the AMX box since, whose bf16 GEMM won from 8 above).
+KERNEL_ROWS = {"avx2": 12, "avxvnni": 4, "avx512vnni": 8}
 # Paths with a prefill tile (lowbit_kernel.hpp prefill_tile): where it takes every op of a model (rewrite.prefill_fits),
 # ours win at every row count and the model runs ours alone, prefill included: one compiled model, no copy of the
 # weights in the plugin's layout beside ours. Quiet AVX2 EPYC, 2 threads (bench.kernels --formats u4a:128 --layers 8

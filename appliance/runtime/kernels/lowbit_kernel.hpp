@@ -23,6 +23,7 @@
 // shapes); with 8 rows per pass 0.67 (bench.kernels, 40 layers: docs/performance-log.md).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -107,9 +108,11 @@ inline int quantize_block(const float* v, float& d, __m256i& out) {
 
 // Quantizes blocks [b0, b1) of rows of x [M, K] to xq [M, Kp] (paired layout above), dxv [M, pairs, 8] (lanes 0-3:
 // the pair's first block's dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums xs [M, G] of
-// dx * sum xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel.
+// dx * sum xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel. `wide`
+// (tile_zmm's u4, whose K is a multiple of 128): each two pairs' halves as one 512-bit register reads them, [even
+// halves of both pairs, odd halves of both], b0 a multiple of 4 blocks.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t gs, int64_t G, int8_t* xq,
-                          float* dxv, float* xs, int64_t b0, int64_t b1) {
+                          float* dxv, float* xs, int64_t b0, int64_t b1, bool wide = false) {
     const int64_t blocks = Kp / BLOCK, pairs = (blocks + 1) / 2;
     for (int64_t m = 0; m < M; ++m) {
         const float* xr = x + m * K;
@@ -130,10 +133,11 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
             const int sum = quantize_block(v, d, q);
             const int64_t pair = b / 2, second = b % 2;
             for (int i = 0; i < 4; ++i) dr[pair * 8 + second * 4 + i] = d;
-            int8_t* base = qr + pair * 2 * BLOCK;
+            int8_t* base = wide ? qr + pair / 2 * 4 * BLOCK + pair % 2 * BLOCK : qr + pair * 2 * BLOCK;
+            const int64_t odd = wide ? 2 * BLOCK : BLOCK;  // where the odd halves start
             if (pair * 2 + 1 < blocks) {  // [first even 16, second even 16, first odd 16, second odd 16]
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(base + second * 16), _mm256_castsi256_si128(q));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(base + 32 + second * 16), _mm256_extracti128_si256(q, 1));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(base + odd + second * 16), _mm256_extracti128_si256(q, 1));
             } else {  // an unpaired last block: [even 16, odd 16]
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(base), q);
             }
@@ -448,79 +452,139 @@ inline void prefill_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv
 }
 
 #ifdef LOWBIT_ZMM
-// One row of x on 512-bit registers (kernel_avx512vnni.cpp defines LOWBIT_ZMM): each step reads 64 bytes of a
-// weight row into one zmm, two pairs of blocks of u4 or one pair of u8 (the LM head), so each unpack, dot, convert
-// and FMA covers twice the weights of the 256-bit tile. Row-major rows (rg = 1, what the rewrite makes on the VNNI
-// paths), groups of a multiple of 128 (u4) or 64 (u8: one group per row) values, K a multiple of the group. On a
-// 2-vCPU AVX-512 Zen 5 EPYC (a standalone harness over kernel_avx512vnni.cpp, 1 thread, M = 1, u4 g128, weights
-// in L3) 1536 / 8960 long rows ran 25-28 -> 45 GB/s; from memory (40 layers, 2 threads, medians of 8 interleaved
-// runs) no faster until the prefetch changed, below.
+// Rows of x on 512-bit registers (kernel_avx512vnni.cpp defines LOWBIT_ZMM): each step reads 64 bytes of a weight
+// row into one zmm, two pairs of blocks of u4 or one pair of u8 (the LM head), so each unpack, dot, convert and FMA
+// covers twice the weights of the 256-bit tile. Row-major rows (rg = 1, what the rewrite makes on the VNNI paths),
+// groups of a multiple of 128 (u4) or 64 (u8) values, K a multiple of the group. On a 2-vCPU AVX-512 Zen 5 EPYC (a
+// standalone harness over kernel_avx512vnni.cpp, 1 thread, M = 1, u4 g128, weights in L3) 1536 / 8960 long rows
+// ran 25-28 -> 45 GB/s; from memory (40 layers, 2 threads, medians of 8 interleaved runs) no faster until the
+// prefetch changed, below.
 inline bool zmm_fits(const LowbitArgs& a) {
     const int64_t step = a.bits == 4 ? 128 : 64;  // weights per zmm step
-    return a.rg == 1 && a.gs % step == 0 && a.K % a.gs == 0 && (a.bits == 4 || a.bits == 8);
+    return a.rg == 1 && a.gs % step == 0 && a.K % a.gs == 0;
 }
 
-// Weight rows [n0, n0 + NR) against row m0 of x. The tile's rows are one contiguous run of row-major weights read
-// across (NR rows, 64 bytes each per step), so neither the hardware prefetcher nor a fixed distance ahead in each
-// row (PREFETCH: at K = 1536 a u4 row is 768 bytes) keeps the lines coming: each step prefetches NR lines of the
-// next tile's run in order, one tile ahead. Same harness from memory, 2 threads: 8960 x 1536 / 1536 x 8960 388 /
-// 419 us a layer (256-bit tile) -> 361 / 350 (zmm, PREFETCH) -> 288 / 329 (zmm, the next tile); one tile ahead was
-// as fast as two or three.
-template <int NR, bool W8>
+// Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x. The tile's rows are one contiguous run of row-major
+// weights read across (NR rows, 64 bytes each per step), so neither the hardware prefetcher nor a fixed distance
+// ahead in each row (PREFETCH: at K = 1536 a u4 row is 768 bytes) keeps the lines coming: each step prefetches NR
+// lines of the next tile's run in order, one tile ahead. Same harness from memory, 2 threads, M = 1: 8960 x 1536 /
+// 1536 x 8960 388 / 419 us a layer (256-bit tile) -> 361 / 350 (zmm, PREFETCH) -> 288 / 329 (zmm, the next tile);
+// one tile ahead was as fast as two or three. Each weight step is unpacked once for the MT rows of x.
+template <int MT, int NR, bool W8>
 inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
     constexpr int64_t STEP = W8 ? 64 : 128;  // weights per step
     const int64_t steps = a.Kp / STEP, per_group = a.gs / STEP, row_bytes = W8 ? a.Kp : a.Kp / 2;
     const uint8_t* w[NR];
     const uint16_t* sf[NR];
-    float bias[NR][1];
-    __m512 acc[NR];
+    float bias[NR][MT];
+    __m512 acc[MT][NR];
     for (int r = 0; r < NR; ++r) {
         w[r] = a.w + (n0 + r) * row_bytes;
         sf[r] = a.sz + (n0 + r) * 2 * a.G;
-        row_bias<1>(a, sf[r], xs, m0, bias[r]);
-        acc[r] = _mm512_setzero_ps();
+        row_bias<MT>(a, sf[r], xs, m0, bias[r]);
+        for (int m = 0; m < MT; ++m) acc[m][r] = _mm512_setzero_ps();
     }
     const uint8_t* next = a.w + (n0 + NR) * row_bytes;  // past the last row: a prefetch never faults
-    const int8_t* xr = xq + m0 * a.Kp;
-    const float* dr = dxv + m0 * (a.Kp / 64) * 8;
+    const int64_t xstride = a.Kp, dstride = a.Kp / 64 * 8;
+    const int8_t* xr = xq + m0 * xstride;
+    const float* dr = dxv + m0 * dstride;
     const __m512i mask = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0, q = 0; q < steps; ++g) {
-        __m512 gacc[NR];
-        for (int r = 0; r < NR; ++r) gacc[r] = _mm512_setzero_ps();
+        __m512 gacc[MT][NR];
+        for (int m = 0; m < MT; ++m)
+            for (int r = 0; r < NR; ++r) gacc[m][r] = _mm512_setzero_ps();
         for (const int64_t end = q + per_group; q < end; ++q) {
-            __m512i xl, xh;
-            __m512 dv;
-            if (W8) {  // pair q of x as it is stored (even halves, odd halves), its 8 scales in both halves
-                xl = _mm512_loadu_si512(xr + q * 64);
-                dv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(dr + q * 8))));
-            } else {  // pairs 2q, 2q + 1 as [even 2q, even 2q + 1] and [odd 2q, odd 2q + 1], 16 scales in a row
-                const __m256i* xp = reinterpret_cast<const __m256i*>(xr + q * 128);
-                xl = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(xp)), _mm256_loadu_si256(xp + 2), 1);
-                xh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(xp + 1)), _mm256_loadu_si256(xp + 3), 1);
-                dv = _mm512_loadu_ps(dr + q * 16);
+            __m512i xl[MT], xh[MT];
+            __m512 dv[MT];
+            for (int m = 0; m < MT; ++m) {
+                const int8_t* xm = xr + m * xstride;
+                const float* dm = dr + m * dstride;
+                if (W8) {  // pair q of x as it is stored (even halves, odd halves), its 8 scales in both halves
+                    xl[m] = _mm512_loadu_si512(xm + q * 64);
+                    dv[m] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(dm + q * 8))));
+                } else {  // pairs 2q, 2q + 1 as quantize_rows' `wide` layout: [even 2q, even 2q + 1], [odd 2q, odd 2q + 1]
+                    xl[m] = _mm512_loadu_si512(xm + q * 128);
+                    xh[m] = _mm512_loadu_si512(xm + q * 128 + 64);
+                    dv[m] = _mm512_loadu_ps(dm + q * 16);  // their 16 scales in a row
+                }
+                // At M = 1, x held in registers: g++ otherwise folds its loads into every row's dot, 3 loads per
+                // row and step beside the weights' and the prefetches, 2-3% slower standalone (2 threads, medians
+                // of 16 interleaved runs at 8960 x 1536 and 1536 x 1536); at M = 2-8 no different either way.
+                if (MT == 1 && W8) __asm__("" : "+v"(xl[m]), "+v"(dv[m]));
+                if (MT == 1 && !W8) __asm__("" : "+v"(xl[m]), "+v"(xh[m]), "+v"(dv[m]));
             }
             for (int r = 0; r < NR; ++r) {
                 _mm_prefetch(reinterpret_cast<const char*>(next + (q * NR + r) * 64), _MM_HINT_T0);
                 const __m512i raw = _mm512_loadu_si512(w[r] + q * 64);
-                const __m512i dot =
-                    W8 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xl)
-                       : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(raw, mask), xl),
-                                             _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask), xh);
-                gacc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv, gacc[r]);
+                if (W8) {
+                    for (int m = 0; m < MT; ++m)
+                        gacc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xl[m])),
+                                                     dv[m], gacc[m][r]);
+                } else {
+                    const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+                    for (int m = 0; m < MT; ++m) {
+                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl[m]), hi, xh[m]);
+                        gacc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv[m], gacc[m][r]);
+                    }
+                }
             }
         }
-        for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(_cvtsh_ss(sf[r][g])), acc[r]);
+        for (int r = 0; r < NR; ++r) {
+            const __m512 s = _mm512_set1_ps(_cvtsh_ss(sf[r][g]));
+            for (int m = 0; m < MT; ++m) acc[m][r] = _mm512_fmadd_ps(gacc[m][r], s, acc[m][r]);
+        }
     }
-    for (int r = 0; r < NR; ++r) a.y[m0 * a.N + n0 + r] = _mm512_reduce_add_ps(acc[r]) - bias[r][0];
+    for (int m = 0; m < MT; ++m)
+        for (int r = 0; r < NR; ++r) a.y[(m0 + m) * a.N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) - bias[r][m];
 }
+
+// Weight rows [n0, n1) against rows [m0, m0 + MT) of x, NR at a time (MT x NR accumulator chains: CHAINS at M = 1).
+template <int MT, bool W8>
+inline void zmm_pass(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0,
+                     int64_t n1) {
+    constexpr int NR = MT == 1 ? CHAINS : MT == 2 ? 4 : 2;
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) tile_zmm<MT, NR, W8>(a, xq, dxv, xs, m0, n);
+    for (; n < n1; ++n) tile_zmm<MT, 1, W8>(a, xq, dxv, xs, m0, n);
+}
+
+// Rows of x up to ZMM_MT per pass (MT x NR accumulators and group accumulators, MT rows of x and their scales fill
+// the 32 zmm registers); past that, the passes sweep blocks of weight rows that stay in L2 (ZMM_BLOCK bytes), so
+// the weights come from memory once. Against OpenVINO's kernels on a 2-vCPU Zen 5 EPYC (bench.kernels --formats
+// u4a:128 --layers 8 --reps 7 --isa avx512vnni --precision default; 8960x1536 / 1536x8960 / 1536x1536), where the
+// 256-bit tile took 0.78 / 0.84 / 0.73 at M = 2, 1.07 / 0.92 / 0.90 at M = 4 and 1.55 / 1.52 / 1.12 at M = 8:
+// M = 2 0.44 / 0.59 / 0.63, M = 4 0.58 / 0.55 / 0.77, M = 8 0.76 / 0.85 / 1.12; at M = 64 1.47 / 1.31 (prefill
+// keeps OpenVINO's there: kernels.KERNEL_ROWS). x in quantize_rows' `wide` layout (one load per 512-bit operand
+// instead of two and an insert) took the standalone harness 0.90 / 0.89 of the time at M = 4 / 8.
+constexpr int64_t ZMM_MT = 4, ZMM_BLOCK = int64_t{256} << 10;
 
 template <bool W8>
 inline void rows_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    for (; n + CHAINS <= n1; n += CHAINS) tile_zmm<CHAINS, W8>(a, xq, dxv, xs, 0, n);
-    for (; n < n1; ++n) tile_zmm<1, W8>(a, xq, dxv, xs, 0, n);
+    const int64_t row_bytes = W8 ? a.Kp : a.Kp / 2;
+    const int64_t block = a.M <= ZMM_MT ? n1 - n0 : std::max<int64_t>(CHAINS, ZMM_BLOCK / row_bytes);
+    for (int64_t nb = n0; nb < n1; nb += block) {
+        const int64_t ne = std::min(n1, nb + block);
+        for (int64_t m = 0; m < a.M; m += ZMM_MT) {
+            switch (std::min(ZMM_MT, a.M - m)) {
+                case 1: zmm_pass<1, W8>(a, xq, dxv, xs, m, nb, ne); break;
+                case 2: zmm_pass<2, W8>(a, xq, dxv, xs, m, nb, ne); break;
+                case 3: zmm_pass<3, W8>(a, xq, dxv, xs, m, nb, ne); break;
+                default: zmm_pass<4, W8>(a, xq, dxv, xs, m, nb, ne); break;
+            }
+        }
+    }
 }
 #endif
+
+// Whether x is quantized in the `wide` layout (quantize_rows) for tile_zmm's u4.
+inline bool wide_x(const LowbitArgs& a) {
+#ifdef LOWBIT_ZMM
+    return a.bits == 4 && zmm_fits(a);
+#else
+    (void)a;
+    return false;
+#endif
+}
 
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
@@ -543,7 +607,7 @@ inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, con
         return;
     }
 #ifdef LOWBIT_ZMM
-    if (a.M == 1 && zmm_fits(a)) {
+    if (zmm_fits(a)) {
         rows_zmm<W8>(a, xq, dxv, xs, n0, n1);
         return;
     }
@@ -572,7 +636,7 @@ inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
     LowbitKernel lowbit_kernel_##NAME() {                                                       \
         return {#NAME,                                                                          \
                 [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs, int64_t b0, int64_t b1) { \
-                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1);          \
+                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1, wide_x(a)); \
                 },                                                                              \
                 rows};                                                                          \
     }

@@ -35,9 +35,9 @@ before the Constants shared our copy). Where the prefill tile takes every op (pr
 the Q4_1 grid) ours run alone: Qwen2.5-1.5B's engine RSS after load 2026 -> 1899 MB.
 A u8 head is repacked (pair_layout, row_groups) into a copy of its size: +233 MB at Qwen2.5-1.5B.
 
-Siblings (u4 MatMuls reading one activation: q/k/v, gate/up) share one op over their rows, its output split (_plan):
-one call and one quantization of the activations instead of three or two, and k/v (under the weight floor alone)
-on ours. 28 layers of the Qwen2.5-1.5B shapes, ours fused / unfused time (interleaved, medians; the fused copy is
+Siblings (u4 MatMuls reading one activation: q/k/v, gate/up; appliance/runtime/siblings.py) share one op over their
+rows, its output split (_plan): one call and one quantization of the activations instead of three or two, and k/v
+(under the weight floor alone) on ours. 28 layers of the Qwen2.5-1.5B shapes, ours fused / unfused time (interleaved, medians; the fused copy is
 made from the parts, then they are freed): AVX512-VNNI on Zen 5 q/k/v 0.60 and gate/up 0.95 at M = 1, 0.55 / 0.71
 at M = 4; the AVX2 path 0.61 / 0.89 at M = 1, 0.92 / 0.90 at M = 256 (the prefill tile and the split).
 """
@@ -51,6 +51,7 @@ import numpy as np
 import openvino as ov
 
 from appliance.runtime.kernels import hugepages
+from appliance.runtime.siblings import siblings, split_last, width
 
 OP = "LowBitMatMul"
 # The paths that take u8 weights (NNCF's int8 LM head), each with the offset its layout subtracts from them and from
@@ -212,17 +213,6 @@ def match(matmul: ov.Node, isa: str = "avx2", row_group: int = 1) -> Chain | Non
     return Chain(row_groups(data.reshape(n, k // 2), row_group), sz, group_size, bits, row_group)
 
 
-def _siblings(model: ov.Model) -> list[list[ov.Node]]:
-    """The model's f32 MatMuls grouped by the activation they read (attention's q/k/v, the MLP's gate/up), in graph
-    order."""
-    groups: dict[tuple[str, int], list[ov.Node]] = {}
-    for node in model.get_ordered_ops():
-        if node.get_type_name() == "MatMul" and node.get_output_element_type(0) == ov.Type.f32:
-            x = node.input_value(0)
-            groups.setdefault((x.get_node().get_name(), x.get_index()), []).append(node)
-    return list(groups.values())
-
-
 def _fused(chains: list[Chain]) -> Chain:
     """One op's chain for sibling u4 chains of one group size, K and row group, none with padding rows: their rows
     one after the other (each part's groups of rows stay whole), in whole huge pages."""
@@ -239,24 +229,25 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
     q/k/v take ours together where k/v alone are under it."""
     row_group = ROW_GROUPS.get(isa, 1)
     plan = []
-    for siblings in _siblings(model):
-        if sum(_weights(n) for n in siblings) < min_weights:  # before match: it copies and repacks the weights
+    for group in siblings(model, lambda node: () if node.get_output_element_type(0) == ov.Type.f32 else None):
+        if sum(_weights(n) for n in group) < min_weights:  # before match: it copies and repacks the weights
             continue
         shares: dict[tuple[int, int], list[tuple[ov.Node, Chain]]] = {}
-        for node in siblings:
+        alone = []
+        for node in group:
             chain = match(node, isa, row_group=row_group)
             if chain is None:
                 continue
-            rows = node.get_output_partial_shape(0)[-1].get_length()
-            if chain.bits == 4 and chain.packed.shape[0] == rows:  # no padding rows
+            if chain.bits == 4 and chain.packed.shape[0] == width(node):  # no padding rows
                 shares.setdefault((chain.group_size, chain.sz.shape[1]), []).append((node, chain))
-            elif _weights(node) >= min_weights:
-                plan.append(([node], chain))
+            else:
+                alone.append((node, chain))
         for members in shares.values():
             if len(members) > 1:
                 plan.append(([n for n, _ in members], _fused([c for _, c in members])))
             else:
-                plan += [([n], c) for n, c in members if _weights(n) >= min_weights]
+                alone += members
+        plan += [([n], c) for n, c in alone if _weights(n) >= min_weights]
     return plan
 
 
@@ -280,11 +271,7 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
             {"group_size": chain.group_size, "isa": isa, "bits": chain.bits, "row_group": chain.row_group},
         )
         new.set_friendly_name(nodes[0].get_friendly_name())  # q_proj's, gate_proj's: bench.profile's roles
-        outputs = [new.output(0)]
-        if len(nodes) > 1:
-            widths = [n.get_output_partial_shape(0)[-1].get_length() for n in nodes]
-            split = ops.variadic_split(new.output(0), ops.constant(np.int64(-1)), ops.constant(np.array(widths)))
-            outputs = list(split.outputs())
+        outputs = split_last(new.output(0), [width(n) for n in nodes]) if len(nodes) > 1 else [new.output(0)]
         swaps += list(zip(nodes, outputs))
     for node, output in swaps:
         for target in list(node.output(0).get_target_inputs()):
