@@ -201,7 +201,9 @@ def test_every_path_gives_the_same_answer(loaded):
     rng = np.random.default_rng(7)
     packed, sz, _ = _case(rng, 77, 640, 128, "f16", "normal")
     x = rng.standard_normal((11, 640)).astype(np.float32)
-    compiled = {isa: core.compile_model(_op_model(got.factory, 640, packed, sz, 128, isa), "CPU", F32) for isa in got.supported}
+    compiled = {
+        isa: core.compile_model(_op_model(got.factory, 640, packed, sz, 128, isa), "CPU", F32) for isa in got.supported
+    }
     for rows in (1, 2, 3, 4, 5, 6, 8, 11):
         outs = {isa: c(x[:rows])[0] for isa, c in compiled.items()}
         first = next(iter(outs.values()))

@@ -37,9 +37,10 @@ A u8 head is repacked (pair_layout, row_groups) into a copy of its size: +233 MB
 
 Siblings (u4 MatMuls reading one activation: q/k/v, gate/up; appliance/runtime/siblings.py) share one op over their
 rows, its output split (_plan): one call and one quantization of the activations instead of three or two, and k/v
-(under the weight floor alone) on ours. 28 layers of the Qwen2.5-1.5B shapes, ours fused / unfused time (interleaved, medians; the fused copy is
-made from the parts, then they are freed): AVX512-VNNI on Zen 5 q/k/v 0.60 and gate/up 0.95 at M = 1, 0.55 / 0.71
-at M = 4; the AVX2 path 0.61 / 0.89 at M = 1, 0.92 / 0.90 at M = 256 (the prefill tile and the split).
+(under the weight floor alone) on ours. 28 layers of the Qwen2.5-1.5B shapes, ours fused / unfused time
+(interleaved, medians; the fused copy is made from the parts, then they are freed): AVX512-VNNI on Zen 5 q/k/v 0.60
+and gate/up 0.95 at M = 1, 0.55 / 0.71 at M = 4; the AVX2 path 0.61 / 0.89 at M = 1, 0.92 / 0.90 at M = 256 (the
+prefill tile and the split).
 """
 
 from __future__ import annotations
