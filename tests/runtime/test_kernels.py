@@ -93,18 +93,35 @@ def _case(
     return packed, sz, w
 
 
-def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """The most int8 activations can move y: each x moves by at most half its block's step (max|x| / 127 / 2),
-    so |dy| <= sum over blocks of (max|x_b| / 254) * sum |w_b|; plus f32 rounding of the sums."""
+def _octets(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """x [M, K] zero-padded to whole blocks of 32, as [M, octets, 8] (the op scales each octet of 8 values on its
+    own: lowbit_kernel.hpp quantize_block), and K padded."""
     m, k = x.shape
     kp = -(-k // 32) * 32
-    xb = np.zeros((m, kp))
-    xb[:, :k] = np.abs(x)
-    amax = xb.reshape(m, -1, 32).max(-1)  # [M, blocks]
+    xb = np.zeros((m, kp), x.dtype)
+    xb[:, :k] = x
+    return xb.reshape(m, -1, 8), kp
+
+
+def _bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The most int8 activations can move y: each x moves by at most half its octet's step (max|x| / 127 / 2),
+    so |dy| <= sum over octets of (max|x_o| / 254) * sum |w_o|; plus f32 rounding of the sums."""
+    xo, kp = _octets(np.abs(x))
+    amax = xo.max(-1)  # [M, octets]
     wb = np.zeros((w.shape[0], kp))
-    wb[:, :k] = np.abs(w)
-    wsum = wb.reshape(w.shape[0], -1, 32).sum(-1)  # [N, blocks]
+    wb[:, : w.shape[1]] = np.abs(w)
+    wsum = wb.reshape(w.shape[0], -1, 8).sum(-1)  # [N, octets]
     return (amax / 254) @ wsum.T * (1 + 1e-3) + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
+
+
+def _int8(x: np.ndarray, width: int) -> np.ndarray:
+    """x (f32) through int8 per run of `width` values as the op rounds it (d = max|x| / 127 in f32, q = x / d rounded
+    to nearest even), back to f64."""
+    xo, _ = _octets(x.astype(np.float32))
+    runs = xo.reshape(x.shape[0], -1, width)
+    d = np.abs(runs).max(-1, keepdims=True) / np.float32(127)
+    q = np.rint(runs / np.where(d > 0, d, np.float32(1)))
+    return (q.astype(np.float64) * d).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 
 @pytest.mark.parametrize("row_group", [1, 4, 8])  # row-major, what the rewrite makes on AVX2, two AVX2 passes
@@ -182,6 +199,31 @@ def test_u8_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zer
         assert y.shape == (m, n) and np.isfinite(y).all()
         over = np.abs(y - exact) - _bound(x.astype(np.float64), w)
         assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
+
+
+@pytest.mark.parametrize("isa", _paths())
+def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa):
+    """An outlier coarsens only its own octet's int8 step: y is the exact product with x rounded per 8 values, and far
+    from x rounded per block of 32, where the unit values beside a 1e3 in every block would round to 0. At the row
+    counts of the decode tiles, the prefill tile and the 512-bit tile's several rows, in the rewrite's row layout."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
+    rng = np.random.default_rng(23)
+    n, k, group = 40, 1024, 128
+    packed, sz, w = _case(rng, n, k, group, "f16", "normal")
+    rg = ROW_GROUPS.get(isa, 1)
+    compiled = core.compile_model(_op_model(got.factory, k, row_groups(packed, rg), sz, group, isa, row_group=rg), "CPU", F32)
+    for m in (1, 3, 4, 8):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, ::32] = 1e3  # each block's first octet: an outlier and ...
+        for i in range(1, 8):
+            x[:, i::32] = 0.0  # ... zeros, which the octet's coarse step keeps exact
+        y = compiled(x)[0].astype(np.float64)
+        per_octet, per_block = _int8(x, 8) @ w.T, _int8(x, 32) @ w.T
+        sums = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)  # f32 rounding of the sums
+        assert (np.abs(y - per_octet) <= sums).all(), f"M={m}: not x rounded per octet"
+        assert np.median(np.abs(per_block - per_octet) / sums) > 10, "the case does not tell the two apart"
 
 
 def test_u8_needs_a_named_path(loaded):

@@ -4,11 +4,12 @@
 // into the AVX2 path (the one-definition-rule trap of per-ISA builds).
 //
 // y[m, n] = sum_g s[n,g] * sum_{k in g} (q[n,k] - z[n,g]) * x[m,k]
-//         ~ sum_g s[n,g] * (sum_{b in g} dx[m,b] * <q[n,b], xq[m,b]>  -  z[n,g] * sum_{b in g} dx[m,b] * sum xq[m,b])
-// x is quantized per block of 32 values to int8 (dx = max|x| / 127). The zero-point term sums the quantized x, not
-// the exact x: then the two terms are exactly the dot of (q - z) with the quantized x, and the rounding error
-// scales with |q - z| (<= 15 - z) instead of q (<= 15). With the exact sum, Q4_1 grids (z ~ 7.5) measured a
-// 1.2-2.2% error of the largest output on the default model's layers, against 0.4-0.9% this way.
+//         ~ sum_g s[n,g] * (sum_{o in g} dx[m,o] * <q[n,o], xq[m,o]>  -  z[n,g] * sum_{o in g} dx[m,o] * sum xq[m,o])
+// x is quantized to int8 per octet o of 8 values (dx = max|x| / 127: quantize_block), stored in blocks of 32. The
+// zero-point term sums the quantized x, not the exact x: then the two terms are exactly the dot of (q - z) with the
+// quantized x, and the rounding error scales with |q - z| (<= 15 - z) instead of q (<= 15). With the exact sum, Q4_1
+// grids (z ~ 7.5) measured a 1.2-2.2% error of the largest output on the default model's layers, against 0.4-0.9%
+// this way (both with one scale per block of 32).
 //
 // Weights keep OpenVINO's u4 byte order within a row: byte j of a 32-block holds elements 2j (low nibble) and 2j+1
 // (high nibble); rewrite.py interleaves rows by groups of rg at load (lowbit_kernel.h, rows_of below). One 32-byte load is two blocks; AND and shift+AND give their even and their odd elements. The
@@ -52,50 +53,49 @@ constexpr int BLOCK = 32;
 constexpr int CHAINS = LOWBIT_CHAINS;
 constexpr int MTILE = 4;  // rows of x per pass over a weight row: the row stays in L1, read from memory once
 
-// The 8 lanes of v folded by `op` (an __m128 lane-wise add or max) to one float.
-template <typename Op>
-inline float fold(__m256 v, Op op) {
-    __m128 s = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = op(s, _mm_movehl_ps(s, s));
-    s = op(s, _mm_movehdup_ps(s));
+// The sum of the 8 lanes of v.
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ps(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
-inline float hmax(__m256 v) {
-    return fold(v, [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
-}
-
-inline float hsum(__m256 v) {
-    return fold(v, [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
-}
-
-inline int hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-// One block of 32 floats to int8 (d = max|v| / 127, q = round(v / d): the scalar code's division, rounded to
-// nearest even as nearbyint) as [its 16 even elements, its 16 odd ones]; returns the sum of q, sets d. Scalar, it
-// was serial work before the parallel rows worth ~12% of the op at M = 1 (41 us at K = 8960 against ~300 us of
-// rows on 2 threads); vectorized ~30 instructions per block.
-inline int quantize_block(const float* v, float& d, __m256i& out) {
+// One block of 32 floats to int8 as [its 16 even elements, its 16 odd ones], each octet (elements 8i .. 8i + 7)
+// on its own scale d[i] = max|octet| / 127, q = round(v / d[i]) (division, rounded to nearest even as nearbyint);
+// returns the block's sum of d[i] * q. An octet is what one i32 lane of every path's dot sums (maddubs + madd,
+// vpdpbusd: the layout above), so per-octet scales cost the dot nothing (the scale vectors were 8 lanes already)
+// and bound each value's rounding by its octet's largest instead of its block's. Per block of 32, the kernels moved
+// Qwen2.5-1.5B's next-token distribution by TVD 0.012-0.014 from OpenVINO's (docs/performance-log.md).
+// Vectorized: the scalar loop was ~12% of the op at M = 1 (41 us at K = 8960 against ~300 us of rows on 2 threads).
+inline float quantize_block(const float* v, __m128& d, __m256i& out) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 f[4];
-    for (int i = 0; i < 4; ++i) f[i] = _mm256_loadu_ps(v + 8 * i);
-    const __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(f[0], abs_mask), _mm256_and_ps(f[1], abs_mask)),
-                                      _mm256_max_ps(_mm256_and_ps(f[2], abs_mask), _mm256_and_ps(f[3], abs_mask)));
-    d = hmax(amax) / 127.f;
-    if (!(d > 0.f)) {  // all zero (or denormals flushed): q = 0
-        out = _mm256_setzero_si256();
-        return 0;
+    __m128 t[4];
+    for (int i = 0; i < 4; ++i) {
+        f[i] = _mm256_loadu_ps(v + 8 * i);
+        const __m256 a = _mm256_and_ps(f[i], abs_mask);
+        t[i] = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     }
+    // The four octets' maxima as one vector: [max t0, max t1, max t2, max t3].
+    const __m128 u01 = _mm_max_ps(_mm_unpacklo_ps(t[0], t[1]), _mm_unpackhi_ps(t[0], t[1]));
+    const __m128 u23 = _mm_max_ps(_mm_unpacklo_ps(t[2], t[3]), _mm_unpackhi_ps(t[2], t[3]));
+    d = _mm_div_ps(_mm_max_ps(_mm_movelh_ps(u01, u23), _mm_movehl_ps(u23, u01)), _mm_set1_ps(127.f));
+    // An octet of zeros (or denormals flushed, or a NaN): d = 0, q = 0.
+    const __m128 live = _mm_cmpgt_ps(d, _mm_setzero_ps());
+    d = _mm_and_ps(d, live);
     // Division, not a multiplication by 1/d: 1/d overflows when d is denormal.
-    const __m256 dv = _mm256_set1_ps(d);
+    const __m256 div = _mm256_castps128_ps256(_mm_blendv_ps(_mm_set1_ps(1.f), d, live));
+    const __m256 keep = _mm256_castps128_ps256(live);
     __m256i q[4];
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(f[i], dv));
-    const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    __m256 sum = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        const __m256i lane = _mm256_set1_epi32(i);
+        const __m256 di = _mm256_permutevar8x32_ps(div, lane);
+        q[i] = _mm256_and_si256(_mm256_cvtps_epi32(_mm256_div_ps(f[i], di)),
+                                _mm256_castps_si256(_mm256_permutevar8x32_ps(keep, lane)));
+        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), di, sum);
+    }
     // packs (|q| <= 127: no saturation) leave dwords of 4 bytes as [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, ...]:
     // back to natural order, then per 128-bit lane its evens and its odds, then the lanes' evens together.
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
@@ -103,12 +103,12 @@ inline int quantize_block(const float* v, float& d, __m256i& out) {
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     out = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, split), 0xd8);
-    return sum;
+    return hsum(sum);
 }
 
 // Quantizes blocks [b0, b1) of rows of x [M, K] to xq [M, Kp] (paired layout above), dxv [M, pairs, 8] (lanes 0-3:
-// the pair's first block's dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums xs [M, G] of
-// dx * sum xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel. `wide`
+// the pair's first block's four octets' dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums
+// xs [M, G] of dx * xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel. `wide`
 // (tile_zmm's u4, whose K is a multiple of 128): each two pairs' halves as one 512-bit register reads them, [even
 // halves of both pairs, odd halves of both], b0 a multiple of 4 blocks.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t gs, int64_t G, int8_t* xq,
@@ -128,11 +128,11 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
                 for (int i = 0; i < BLOCK; ++i) tail[i] = b * BLOCK + i < K ? v[i] : 0.f;
                 v = tail;
             }
-            float d;
+            __m128 d;
             __m256i q;
-            const int sum = quantize_block(v, d, q);
+            const float sum = quantize_block(v, d, q);
             const int64_t pair = b / 2, second = b % 2;
-            for (int i = 0; i < 4; ++i) dr[pair * 8 + second * 4 + i] = d;
+            _mm_storeu_ps(dr + pair * 8 + second * 4, d);
             int8_t* base = wide ? qr + pair / 2 * 4 * BLOCK + pair % 2 * BLOCK : qr + pair * 2 * BLOCK;
             const int64_t odd = wide ? 2 * BLOCK : BLOCK;  // where the odd halves start
             if (pair * 2 + 1 < blocks) {  // [first even 16, second even 16, first odd 16, second odd 16]
@@ -141,7 +141,7 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
             } else {  // an unpaired last block: [even 16, odd 16]
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(base), q);
             }
-            sr[(b * BLOCK) / gs] += d * static_cast<float>(sum);
+            sr[(b * BLOCK) / gs] += sum;
         }
     }
 }
@@ -315,8 +315,8 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                                                             _mm256_zextsi128_si256(hi), _mm256_zextsi128_si256(xhi)))
                        : _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, xlo), _mm_maddubs_epi16(hi, xhi)),
                                         _mm_set1_epi16(1));
-                const float d = drow[(m * pairs + pairs - 1) * 8];
-                const __m256 part = _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(d * s)));
+                const __m128 d = _mm_loadu_ps(drow + (m * pairs + pairs - 1) * 8);  // its octets' scales
+                const __m256 part = _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_mul_ps(d, _mm_set1_ps(s))));
                 acc[m][r] = _mm256_add_ps(acc[m][r], _mm256_insertf128_ps(part, _mm_setzero_ps(), 1));
             }
         }
