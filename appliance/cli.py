@@ -48,16 +48,16 @@ PATH_FIELDS = ("config_file", "api_key_file", "admin_key_file", "tls_certfile", 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 # APPLIANCE_* variables that are not serve flags: the data dir (appliance/paths.py), the server's own plumbing
-# (settings.RUNTIME_DIR_ENV, protocol.FAULT_INJECTION_ENV, ollama_api/pull.py PARENT_ENV) and the test suite's
-# knobs; and the ones Kubernetes injects for a Service named `appliance` (APPLIANCE_SERVICE_HOST,
-# APPLIANCE_PORT_8000_TCP_ADDR, ...).
+# (settings.RUNTIME_DIR_ENV, protocol.FAULT_INJECTION_ENV, ollama_api/pull.py PARENT_ENV), the test suite's knobs
+# and the kernels' (runtime/kernels/__init__.py); and the ones Kubernetes injects for a Service named `appliance`
+# (APPLIANCE_SERVICE_HOST, APPLIANCE_PORT_8000_TCP_ADDR, ...).
 OTHER_VARIABLES = frozenset(
     "APPLIANCE_" + name
     for name in (
         "DATA_DIR RUNTIME_DIR FAULT_INJECTION PULL_PARENT "
         "SERVING_VENV ARTIFACTS_DIR FUZZ_SEED FUZZ_EXAMPLES FUZZ_DOC RAW_FUZZ_REQUESTS"
     ).split()
-) | {kernels.LIBRARY_ENV, kernels.ISA_ENV, kernels.MIN_WEIGHTS_ENV}
+) | {kernels.LIBRARY_ENV, kernels.ISA_ENV, kernels.MIN_WEIGHTS_ENV, kernels.RESIDUAL_ENV}
 KUBERNETES_LINKS = re.compile(r"APPLIANCE_(SERVICE_[A-Z0-9_]+|PORT_\d+_(TCP|UDP|SCTP)(_[A-Z]+)?)")
 TYPO_CUTOFF = 0.85  # difflib's ratio: APPLIANCE_WORKRES ~ APPLIANCE_WORKERS 0.94, APPLIANCE_KV_CACHE ~ _SIZE 0.88
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from appliance.runtime.kernels.rewrite import ATTENTION_PROJ
 from bench.common import (
     arg_parser,
     isa_cap_option,
@@ -48,7 +49,7 @@ EFFECTIVE = (
     "INFERENCE_NUM_THREADS",
 )
 ROLES = ("LM head", "attention projections", "MLP", "attention", "embedding", "norms/rope/elementwise", "other")
-_PROJ = re.compile(r"(?:^|[./])(?:q|k|v|o|qkv)_proj\b")  # a fused q/k/v keeps q_proj's name (projection_fusion.py)
+_PROJ = ATTENTION_PROJ  # a fused q/k/v keeps q_proj's name (projection_fusion.py, kernels/rewrite.py)
 _MLP = re.compile(r"(?:^|[./])(?:gate|up|down|gate_up)_proj\b")
 _ELEMENTWISE = {"RMS", "RoPE", "Eltwise", "Subgraph", "Add", "Multiply", "Subtract", "Divide", "Power", "Sqrt"}
 _ELEMENTWISE |= {"ReduceMean", "MVN", "Swish", "Sigmoid", "Exp", "Cos", "Sin", "Concat"}

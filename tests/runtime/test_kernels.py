@@ -54,11 +54,19 @@ def _paths() -> list[str]:
 
 
 def _op_model(
-    factory, k: int, packed: np.ndarray, sz: np.ndarray, group: int, isa: str, bits: int = 4, row_group: int = 1
+    factory,
+    k: int,
+    packed: np.ndarray,
+    sz: np.ndarray,
+    group: int,
+    isa: str,
+    bits: int = 4,
+    row_group: int = 1,
+    residual: int = 0,
 ) -> ov.Model:
     """The op alone; `packed` row-major (row_group 1) or in row_groups' layout."""
     x = ops.parameter([-1, k], ov.Type.f32)
-    attrs = {"group_size": group, "isa": isa, "bits": bits, "row_group": row_group}
+    attrs = {"group_size": group, "isa": isa, "bits": bits, "row_group": row_group, "residual": residual}
     node = factory.create(OP, [x.output(0), ops.constant(packed).output(0), ops.constant(sz).output(0)], attrs)
     return ov.Model([node.output(0)], [x])
 
@@ -213,7 +221,8 @@ def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa):
     n, k, group = 40, 1024, 128
     packed, sz, w = _case(rng, n, k, group, "f16", "normal")
     rg = ROW_GROUPS.get(isa, 1)
-    compiled = core.compile_model(_op_model(got.factory, k, row_groups(packed, rg), sz, group, isa, row_group=rg), "CPU", F32)
+    model = _op_model(got.factory, k, row_groups(packed, rg), sz, group, isa, row_group=rg)
+    compiled = core.compile_model(model, "CPU", F32)
     for m in (1, 3, 4, 8):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::32] = 1e3  # each block's first octet: an outlier and ...
@@ -224,6 +233,38 @@ def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa):
         sums = 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)  # f32 rounding of the sums
         assert (np.abs(y - per_octet) <= sums).all(), f"M={m}: not x rounded per octet"
         assert np.median(np.abs(per_block - per_octet) / sums) > 10, "the case does not tell the two apart"
+
+
+@pytest.mark.parametrize("isa", _paths())
+@pytest.mark.parametrize(
+    "n, k, group",
+    [
+        (37, 1100, 64),  # a last octet of 4 values, an odd number of blocks (the general tile)
+        (96, 1536, 128),  # the prefill tile from 2 rows of x (4 with the residual's), the 512-bit tile
+    ],
+)
+def test_residual_runs_x_rounding_error_too(loaded, isa, n, k, group):
+    """residual=1 (the attention projections' option: kernels.RESIDUAL_ENV): y's error is what the residual's own
+    int8 rounding leaves, ~127x under one pass's, which the case checks it could not meet."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
+    rng = np.random.default_rng(k + n)
+    packed, sz, w = _case(rng, n, k, group, "f16", "normal")
+    rg = ROW_GROUPS.get(isa, 1)
+    packed = row_groups(packed, rg)
+    once, twice = (
+        core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, row_group=rg, residual=r), "CPU", F32)
+        for r in (0, 1)
+    )
+    for m in (1, 2, 3, 5):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, ::7] *= 50
+        exact = x.astype(np.float64) @ w.T
+        bound = _bound((x - _int8(x, 8)).astype(np.float64), w) + 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+        y = twice(x)[0]
+        assert y.shape == (m, n) and (np.abs(y - exact) <= bound).all(), f"M={m}: beyond the residual's bound"
+        assert np.median(np.abs(once(x)[0] - exact) / bound) > 2, "one pass would meet the bound too"
 
 
 def test_u8_needs_a_named_path(loaded):
@@ -356,6 +397,31 @@ def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
         assert a.shape == b.shape == (2, 3, 97)
         assert np.abs(a - b).max() <= 0.02 * np.abs(a).max()  # int8 activations: ~0.5% measured
     np.testing.assert_array_equal(want[2], have[2])  # the i4 chain kept OpenVINO's kernel
+
+
+def test_attention_projections_run_their_residual(loaded):
+    """With residual (kernels.RESIDUAL_ENV), the ops of q/k/v (one op together) and o run x's int8 rounding error
+    too (rewrite.ATTENTION_PROJ, by the export's module names); the MLP's do not; without it, none does."""
+    _, got = loaded
+    assert _attention_model(got, residual=False) == {"q_proj": 0, "up_proj": 0, "o_proj": 0}
+    assert _attention_model(got, residual=True) == {"q_proj": 1, "up_proj": 0, "o_proj": 1}
+
+
+def _attention_model(got: kernels.Kernels, residual: bool) -> dict[str, int]:
+    """q/k/v and o, and an MLP up_proj on another activation, rewritten: each op's `residual` by its module."""
+    rng = np.random.default_rng(9)
+    x, h = ops.parameter([-1, 256], ov.Type.f32), ops.parameter([-1, 256], ov.Type.f32)
+    outputs = []
+    for source, name in ((x, "self_attn.q_proj"), (x, "self_attn.k_proj"), (x, "self_attn.v_proj"), (h, "mlp.up_proj")):
+        mm = ops.matmul(source, _chain(rng, 64, 256, 128, "u4"), False, True)
+        mm.set_friendly_name(f"__module.model.layers.0.{name}/aten::linear/MatMul")
+        outputs.append(mm)
+    o = ops.matmul(outputs[0], _chain(rng, 64, 64, 64, "u4"), False, True)
+    o.set_friendly_name("__module.model.layers.0.self_attn.o_proj/aten::linear/MatMul")
+    model = ov.Model([*outputs[1:], o], [x, h])
+    assert rewrite(model, got.factory, got.isa, residual=residual) == 5
+    ops_ = [n for n in model.get_ordered_ops() if n.get_type_name() == OP]
+    return {n.get_friendly_name().split(".")[-1].split("/")[0]: n.get_attributes()["residual"] for n in ops_}
 
 
 def _producer(result: ov.Node) -> ov.Node:

@@ -27,7 +27,7 @@ LIBRARY = "libappliance_kernels.so"
 # falling back. Bump it with any change to that contract (5: the backends run prefill on ours where PREFILL_ISAS says
 # the library has a prefill tile; an older one would run it on the slower general tile. 6: KERNEL_ROWS 8 on
 # AVX512-VNNI, where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not
-# per 32, which the tests' error bound assumes).
+# per 32, which the tests' error bound assumes, and the op's `residual` attribute).
 ABI = 7
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
@@ -76,6 +76,12 @@ EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
 # measured there since). APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
 MIN_WEIGHTS = {"avx2": 1 << 21, "avxvnni": 1 << 22, "avx512vnni": 1 << 21}
 MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
+# 1: the attention projections' ops also run their activations' int8 rounding error (rewrite.ATTENTION_PROJ, the
+# op's `residual`). Off by default: at Qwen2.5-1.5B on the AVX2 Zen 1 box it took the next-token TVD from OpenVINO's
+# kernels 0.0137 -> 0.0079 (median, bench.quality --prompts 8), under the 0.01 goal, but cost batch-1 decode 7% and
+# time to first token 12% (bench.deployed --native-side, 512-token prompt, interleaved runs): every projection then
+# runs twice the rows. A quality-first box sets it in the service's environment file.
+RESIDUAL_ENV = "APPLIANCE_KERNELS_RESIDUAL"
 
 
 def library_path() -> Path:
@@ -160,7 +166,8 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
 
         try:
             floor = int(os.environ.get(MIN_WEIGHTS_ENV, MIN_WEIGHTS[loaded.isa]))
-            count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor)
+            residual = os.environ.get(RESIDUAL_ENV, "0").strip() == "1"
+            count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor, residual=residual)
         except Exception as exc:  # an IR shape we did not foresee: OpenVINO's kernels serve it
             why = f"rewrite failed: {exc}"
         else:

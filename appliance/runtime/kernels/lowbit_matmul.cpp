@@ -6,14 +6,14 @@
 // (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
-// lowbit_kernel.h; 1: row-major). Output f32 [..., N]. Why, with measurements:
-// appliance/runtime/kernels/__init__.py.
+// lowbit_kernel.h; 1: row-major), residual (1: x's int8 rounding error runs too, below). Output f32 [..., N]. Why,
+// with measurements: appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
-
+#include <cmath>
 #include <memory>
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
@@ -50,6 +50,26 @@ T* aligned(T* p) {
     return reinterpret_cast<T*>((at + 63) / 64 * 64);
 }
 
+// Rows [M, 2M) of xr: what x's rows lose to int8 as the kernels round them (lowbit_kernel.hpp quantize_block: per
+// octet of 8 values, d = max|x| / 127, q = x / d rounded to nearest even; zero where d is not positive), so that
+// quantized again as M more rows of x, the two rows' outputs add up to y with each value's rounding error ~127x
+// smaller (the residual's step is its own octet's max / 127, at most half the first's). Scalar: it runs only on
+// the attention projections, and only where asked (kernels.RESIDUAL_ENV); their K is the hidden size.
+void residual_rows(const float* x, int64_t M, int64_t K, float* xr) {
+    std::copy(x, x + M * K, xr);
+    for (int64_t m = 0; m < M; ++m) {
+        const float* row = x + m * K;
+        float* r = xr + (M + m) * K;
+        for (int64_t o = 0; o < K; o += 8) {
+            const int64_t end = std::min(o + 8, K);
+            float amax = 0.f;
+            for (int64_t j = o; j < end; ++j) amax = std::max(amax, std::fabs(row[j]));
+            const float d = amax / 127.f;
+            for (int64_t j = o; j < end; ++j) r[j] = d > 0.f ? row[j] - std::nearbyint(row[j] / d) * d : row[j];
+        }
+    }
+}
+
 LowbitKernel kernel_for(const std::string& isa) {
     if (isa == "avx512vnni") return lowbit_kernel_avx512vnni();
     if (isa == "avxvnni") return lowbit_kernel_avxvnni();
@@ -66,8 +86,13 @@ public:
 
     LowBitMatMul() = default;
     LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa, int64_t bits = 4,
-                 int64_t row_group = 1)
-        : Op(args), m_group_size(group_size), m_isa(std::move(isa)), m_bits(bits), m_row_group(row_group) {
+                 int64_t row_group = 1, int64_t residual = 0)
+        : Op(args),
+          m_group_size(group_size),
+          m_isa(std::move(isa)),
+          m_bits(bits),
+          m_row_group(row_group),
+          m_residual(residual) {
         constructor_validate_and_infer_types();
     }
 
@@ -80,6 +105,7 @@ public:
         OPENVINO_ASSERT(m_bits == 4 || m_bits == 8, "LowBitMatMul: bits must be 4 or 8");
         OPENVINO_ASSERT(m_bits == 4 || m_isa != "auto", "LowBitMatMul: bits 8 needs a named isa (its layout)");
         OPENVINO_ASSERT(m_row_group >= 1 && m_row_group <= 64, "LowBitMatMul: row_group must be 1..64");
+        OPENVINO_ASSERT(m_residual == 0 || m_residual == 1, "LowBitMatMul: residual must be 0 or 1");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
@@ -87,7 +113,7 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group);
+        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group, m_residual);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -95,6 +121,7 @@ public:
         visitor.on_attribute("isa", m_isa);
         visitor.on_attribute("bits", m_bits);
         visitor.on_attribute("row_group", m_row_group);
+        visitor.on_attribute("residual", m_residual);
         return true;
     }
 
@@ -124,6 +151,27 @@ public:
         a.sz = static_cast<const uint16_t*>(inputs[2].data());
         a.y = outputs[0].data<float>();
         if (a.M == 0 || a.N == 0) return true;
+        // residual: x's int8 rounding error as M more rows of x (residual_rows), the two outputs added at the end.
+        const int64_t rows = a.M;
+        float* const y = a.y;
+        thread_local std::vector<float> xr, yr;
+        if (m_residual) {
+            xr.resize(static_cast<size_t>(2 * a.M * a.K));
+            yr.resize(static_cast<size_t>(2 * a.M * a.N));
+            residual_rows(a.x, a.M, a.K, xr.data());
+            a.x = xr.data();
+            a.y = yr.data();
+            a.M *= 2;
+        }
+        run(a, padded);
+        if (m_residual)
+            for (int64_t i = 0; i < rows * a.N; ++i) y[i] = a.y[i] + a.y[rows * a.N + i];
+        return true;
+    }
+
+private:
+    // The kernel over a's rows, split across the arena's threads.
+    void run(const LowbitArgs& a, int64_t padded) const {
         const LowbitKernel kernel = kernel_for(resolved());
         // Scratch per calling thread, kept between calls: allocating it each time was a measurable part of a
         // small layer's cost (the op's fixed cost per call was ~20 us against native's ~10 us at 256 x 256).
@@ -154,23 +202,22 @@ public:
         // layer under ~64 K weights runs on the calling thread alone.
         if (threads <= 1 || a.N * a.Kp < (int64_t{1} << 16)) {
             kernel.rows(a, q, d, sm, 0, a.N);
-            return true;
+            return;
         }
         // Split by whole groups of rows (row_group): each task streams one contiguous run of w.
         const int64_t grain = std::max<int64_t>(1, std::max<int64_t>(16, a.N / (4 * threads)) / a.rg);
         tbb::parallel_for(tbb::blocked_range<int64_t>(0, padded / a.rg, grain), [&](const tbb::blocked_range<int64_t>& r) {
             kernel.rows(a, q, d, sm, r.begin() * a.rg, std::min(a.N, r.end() * a.rg));
         });
-        return true;
     }
 
-private:
     std::string resolved() const { return m_isa == "auto" ? best_isa() : m_isa; }
 
     int64_t m_group_size = 128;
     std::string m_isa = "auto";
     int64_t m_bits = 4;
     int64_t m_row_group = 1;
+    int64_t m_residual = 0;
 };
 
 }  // namespace appliance

@@ -45,6 +45,7 @@ prefill tile and the split).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,15 @@ U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
 # weights (rg 1): on a Zen 5 EPYC rows grouped by 8 (avx512vnni) and 4 (avxvnni) gave no gain at M = 1 and took
 # 1.0-1.4x the row-major time at M = 2-4 (bench.kernels, docs/performance-log.md).
 ROW_GROUPS = {"avx2": 4}
+# The attention projections (q/k/v, o: HF's module names, which the exports keep; a fused q/k/v keeps q_proj's): with
+# `residual` (kernels.RESIDUAL_ENV, off by default: its cost is there) their ops also run the activations' int8
+# rounding error (the op's `residual`: x minus its int8 value as M more rows of x,
+# lowbit_matmul.cpp), so their error is what that second rounding leaves. Why these: at Qwen2.5-1.5B (bench.quality
+# --prompts 8 --precision default --kernels auto openvino, AVX2 on Zen 1) our kernels moved the next-token
+# distribution from OpenVINO's by TVD 0.0137 (median; activations per octet), 0.0086 with q/k/v left on OpenVINO's
+# kernels, 0.0078 with o_proj too, 0.0126-0.0127 with down_proj or gate/up instead. They hold ~12% of a layer's
+# weights there, so the extra row costs the step little.
+ATTENTION_PROJ = re.compile(r"(?:^|[./])(?:q|k|v|o|qkv)_proj\b")
 # Group sizes the prefill tile takes (lowbit_kernel.hpp prefill_fits: grouped u4 rows, an even number of 32-blocks).
 PREFILL_GROUPS = (32, 64, 128, 256)
 
@@ -252,9 +262,10 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
     return plan
 
 
-def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0) -> int:
+def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0, residual: bool = False) -> int:
     """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
     NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many MatMuls.
+    `residual`: the attention projections' ops also run x's int8 rounding error (ATTENTION_PROJ).
     Siblings that read one activation share one op and a VariadicSplit of its output (_plan). The op computes in
     f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of U8_ISAS."""
     from openvino import opset13 as ops
@@ -269,7 +280,13 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
                 ops.constant(chain.packed, shared_memory=True).output(0),  # our copy, not copied again
                 ops.constant(chain.sz, shared_memory=True).output(0),
             ],
-            {"group_size": chain.group_size, "isa": isa, "bits": chain.bits, "row_group": chain.row_group},
+            {
+                "group_size": chain.group_size,
+                "isa": isa,
+                "bits": chain.bits,
+                "row_group": chain.row_group,
+                "residual": int(residual and any(ATTENTION_PROJ.search(n.get_friendly_name()) for n in nodes)),
+            },
         )
         new.set_friendly_name(nodes[0].get_friendly_name())  # q_proj's, gate_proj's: bench.profile's roles
         outputs = split_last(new.output(0), [width(n) for n in nodes]) if len(nodes) > 1 else [new.output(0)]
