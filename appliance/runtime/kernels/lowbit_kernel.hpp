@@ -65,8 +65,8 @@ inline float hsum(__m256 v) {
 // on its own scale d[i] = max|octet| / 127, q = round(v / d[i]) (division, rounded to nearest even as nearbyint);
 // returns the block's sum of d[i] * q. An octet is what one i32 lane of every path's dot sums (maddubs + madd,
 // vpdpbusd: the layout above), so per-octet scales cost the dot nothing (the scale vectors were 8 lanes already)
-// and bound each value's rounding by its octet's largest instead of its block's. Per block of 32, the kernels moved
-// Qwen2.5-1.5B's next-token distribution by TVD 0.012-0.014 from OpenVINO's (docs/performance-log.md).
+// and bound each value's rounding by its octet's largest instead of its block's: on a Zen 1 box our kernels' TVD
+// from OpenVINO's next-token distribution at Qwen2.5-1.5B went 0.0180 -> 0.0137 (docs/performance-log.md).
 // Vectorized: the scalar loop was ~12% of the op at M = 1 (41 us at K = 8960 against ~300 us of rows on 2 threads).
 inline float quantize_block(const float* v, __m128& d, __m256i& out) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -108,9 +108,9 @@ inline float quantize_block(const float* v, __m128& d, __m256i& out) {
 
 // Quantizes blocks [b0, b1) of rows of x [M, K] to xq [M, Kp] (paired layout above), dxv [M, pairs, 8] (lanes 0-3:
 // the pair's first block's four octets' dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums
-// xs [M, G] of dx * xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel. `wide`
-// (tile_zmm's u4, whose K is a multiple of 128): each two pairs' halves as one 512-bit register reads them, [even
-// halves of both pairs, odd halves of both], b0 a multiple of 4 blocks.
+// xs [M, G] of dx * xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel.
+// `wide` (tile_zmm's u4, whose K is a multiple of 128): each two pairs' halves as one 512-bit register reads them,
+// [even halves of both pairs, odd halves of both], b0 a multiple of 4 blocks.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t gs, int64_t G, int8_t* xq,
                           float* dxv, float* xs, int64_t b0, int64_t b1, bool wide = false) {
     const int64_t blocks = Kp / BLOCK, pairs = (blocks + 1) / 2;
@@ -316,7 +316,8 @@ inline void tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
                        : _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(lo, xlo), _mm_maddubs_epi16(hi, xhi)),
                                         _mm_set1_epi16(1));
                 const __m128 d = _mm_loadu_ps(drow + (m * pairs + pairs - 1) * 8);  // its octets' scales
-                const __m256 part = _mm256_castps128_ps256(_mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_mul_ps(d, _mm_set1_ps(s))));
+                const __m128 scaled = _mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_mul_ps(d, _mm_set1_ps(s)));
+                const __m256 part = _mm256_castps128_ps256(scaled);
                 acc[m][r] = _mm256_add_ps(acc[m][r], _mm256_insertf128_ps(part, _mm_setzero_ps(), 1));
             }
         }

@@ -70,13 +70,13 @@ U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
 # 1.0-1.4x the row-major time at M = 2-4 (bench.kernels, docs/performance-log.md).
 ROW_GROUPS = {"avx2": 4}
 # The attention projections (q/k/v, o: HF's module names, which the exports keep; a fused q/k/v keeps q_proj's): with
-# `residual` (kernels.RESIDUAL_ENV, off by default: its cost is there) their ops also run the activations' int8
-# rounding error (the op's `residual`: x minus its int8 value as M more rows of x,
-# lowbit_matmul.cpp), so their error is what that second rounding leaves. Why these: at Qwen2.5-1.5B (bench.quality
-# --prompts 8 --precision default --kernels auto openvino, AVX2 on Zen 1) our kernels moved the next-token
-# distribution from OpenVINO's by TVD 0.0137 (median; activations per octet), 0.0086 with q/k/v left on OpenVINO's
-# kernels, 0.0078 with o_proj too, 0.0126-0.0127 with down_proj or gate/up instead. They hold ~12% of a layer's
-# weights there, so the extra row costs the step little.
+# `residual` (kernels.RESIDUAL_ENV, off by default) their ops also run the activations' int8 rounding error (the
+# op's `residual`: x minus its int8 value as M more rows of x, lowbit_matmul.cpp), so their error is what that
+# second rounding leaves. Why these: at Qwen2.5-1.5B (bench.quality --prompts 8 --precision default --kernels auto
+# openvino, AVX2 on Zen 1) our kernels moved the next-token distribution from OpenVINO's by TVD 0.0137 (median;
+# activations per octet), 0.0086 with q/k/v left on OpenVINO's kernels, 0.0078 with o_proj too, 0.0126-0.0127 with
+# down_proj or gate/up instead. They hold ~12% of a layer's weights there, yet twice their rows cost 7% of batch-1
+# decode and 12% of time to first token on that core: hence an option.
 ATTENTION_PROJ = re.compile(r"(?:^|[./])(?:q|k|v|o|qkv)_proj\b")
 # Group sizes the prefill tile takes (lowbit_kernel.hpp prefill_fits: grouped u4 rows, an even number of 32-blocks).
 PREFILL_GROUPS = (32, 64, 128, 256)
