@@ -305,6 +305,30 @@ def test_zero_rows_and_denormal_only_activations(loaded):
     assert np.isfinite(y).all() and np.abs(y - x.astype(np.float64) @ w.T).max() < 1e-30
 
 
+@pytest.mark.parametrize("isa", _paths())
+def test_a_row_of_x_with_inf_or_nan_leaves_the_other_rows_alone(loaded, isa):
+    """Rows of x are different requests of a batch: one whose activations overflowed (inf, NaN) must not reach
+    another's output. The decode tile reads a row's group sums 8 at a time, past the row's last group into the next
+    row's, and masks them off: 12 groups (K = 1536, g128) put 4 of the next row's sums in each row's last read."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
+    rng = np.random.default_rng(11)
+    n, k, group = 24, 1536, 128
+    packed, sz, w = _case(rng, n, k, group, "f16", "normal")
+    rg = ROW_GROUPS.get(isa, 1)
+    model = _op_model(got.factory, k, row_groups(packed, rg), sz, group, isa, row_group=rg)
+    compiled = core.compile_model(model, "CPU", F32)
+    for m in (3, 6):  # decode tiles only; the prefill tile's 4 rows and 2 more
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[1, 5], x[m - 2, 700] = np.inf, np.nan
+        y = compiled(x)[0]
+        good = [i for i in range(m) if i not in (1, m - 2)]
+        xg = x[good].astype(np.float64)
+        assert np.isfinite(y[good]).all(), f"M={m}: a bad row reached another"
+        assert (np.abs(y[good] - xg @ w.T) - _bound(xg, w)).max() <= 0, f"M={m}"
+
+
 def test_an_isa_the_cpu_lacks_is_refused_at_build_time(loaded):
     _, got = loaded
     missing = [isa for isa in kernels.ISAS if isa not in got.supported]

@@ -20,7 +20,8 @@ struct LowbitArgs {
 // Floats of the per-block activation scales (dxv [M, pairs of blocks, 8]) the scratch needs.
 inline int64_t lowbit_dx_floats(int64_t M, int64_t Kp) { return M * ((Kp / 32 + 1) / 2) * 8; }
 
-// Quantizes blocks [b0, b1) of x into the scratch buffers (xq [M, Kp], dxv, xs [M, G]); runs rows [n0, n1).
+// Quantizes blocks [b0, b1) of x into the scratch buffers (xq [M, Kp], dxv, xs [M, G] and 8 floats more: the decode
+// tile reads 8 groups' sums at a time); runs rows [n0, n1).
 using QuantizeFn = void (*)(const LowbitArgs&, int8_t*, float*, float*, int64_t, int64_t);
 using RowsFn = void (*)(const LowbitArgs&, const int8_t*, const float*, const float*, int64_t, int64_t);
 

@@ -189,9 +189,18 @@ inline __m256 f16x8(const uint16_t* h, int64_t g) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + g)));
 }
 
-// The same, lanes at or past `end` zero (never read past the row's table).
+// The same, lanes at or past `end` zero (never read past the row's table). A short tail loads the table's last 8
+// values and moves them down: copying it through the stack (a store-forwarding stall per call) took 20% of the
+// decode tile at K = 1536 (12 groups of 128: a tail at every refresh of its scales, zero points and bias).
 inline __m256 f16x8(const uint16_t* h, int64_t g, int64_t end) {
     if (g + 8 <= end) return f16x8(h, g);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    if (end >= 8) {
+        const int shift = static_cast<int>(g + 8 - end);  // 1 .. 7: lane i takes the loaded lane i + shift
+        const __m256i from = _mm256_add_epi32(lane, _mm256_set1_epi32(shift));
+        const __m256 moved = _mm256_permutevar8x32_ps(f16x8(h, end - 8), from);
+        return _mm256_and_ps(moved, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8 - shift), lane)));
+    }
     alignas(16) uint16_t t[8] = {};
     for (int64_t i = g; i < end; ++i) t[i - g] = h[i];
     return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
@@ -437,6 +446,112 @@ inline int64_t prefill_block_rows(const LowbitArgs& a) {
     return rows > a.rg ? rows : a.rg;
 }
 
+// The decode tile: one row of x against the CHAINS (4 on AVX2) weight rows of one group of rows (u4, an even number of
+// blocks, groups of PPG pairs of blocks or, PPG = 0, of one block, as prefill_tile). The general tile with MT = 1
+// does the same dots, but its group loop (a runtime count of pairs, a prefetch test per row and pair, accumulators
+// spilled across groups, a pass of its own for the zero-point terms) cost as much again as the dots on a Zen 1 EPYC,
+// whose vpmaddubsw and vpmaddwd share one 128-bit pipe: there the dots alone, looped in registers, ran 7.7 MAC per
+// cycle, the general tile 4.2 (standalone, 1 thread, weights in L2). Here a group's pairs are unrolled, each pair
+// prefetches the group's lines once, and the group scales are converted 8 at a time along with the zero-point
+// terms. Quiet Zen 1, bench.kernels (u4 g128, 2 threads, 8 layers, 7 reps), this / the general tile's time at M = 1
+// / 2 / 3: 8960 x 1536 0.80 / 0.79 / 0.78, 1536 x 8960 0.90 / 0.87 / 0.84, 1536 x 1536 0.91 / 0.71 / 0.83, 2048 x
+// 1536 0.85 / 0.81 / 0.83; the Qwen2.5-1.5B decode step (bench.profile) 91 -> 80 ms, its MLP 58 -> 49 ms. Four rows
+// of x still go to the prefill tile (at M = 4-16 this tile row by row took 1.11-1.16x its time). Runs every row of
+// x the prefill tile leaves: decode steps (M = 1 .. 3), the rows past a multiple of 4, the residual's rows.
+template <int PPG>
+inline void decode_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m,
+                        int64_t n0) {
+    constexpr int NR = CHAINS;
+    const int64_t pairs = a.Kp / (2 * BLOCK), stride = a.rg * BLOCK;
+    const int64_t in_group = n0 % a.rg;
+    const uint8_t* w = a.w + (n0 - in_group) * (a.Kp / 2) + in_group * BLOCK;  // the pass's rows are adjacent
+    const uint16_t* sf[NR];
+    for (int r = 0; r < NR; ++r) sf[r] = a.sz + (n0 + r) * 2 * a.G;
+    const int8_t* xr = xq + m * a.Kp;
+    const float* dr = dxv + m * pairs * 8;
+    const float* xsr = xs + m * a.G;
+    const __m256i mask = _mm256_set1_epi8(0x0f);
+    __m256 acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+    alignas(32) float sb[NR][8];  // the scales of groups [g, g + 8) as floats
+    // Groups [g, g + 8): their scales to sb, and their zero-point terms s z xs subtracted from the accumulators (which
+    // are summed at the end) rather than in a pass of their own (row_bias): at K = 1536 that pass took 8% of the tile.
+    const auto refresh = [&](int64_t g) {
+        const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(a.G - g)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 sums = _mm256_and_ps(_mm256_loadu_ps(xsr + g), _mm256_castsi256_ps(live));  // xs: 8 spare floats
+        for (int r = 0; r < NR; ++r) {
+            const __m256 sv = f16x8(sf[r], g, a.G);
+            _mm256_store_ps(sb[r], sv);
+            acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(sv, f16x8(sf[r] + a.G, g, a.G)), sums, acc[r]);
+        }
+    };
+    // Pair p's dots of the NR rows, each times the pair's octet scales (dv, or dv * the two groups' scales, PPG = 0).
+    const auto pair = [&](int64_t p, __m256* sums) {
+        const uint8_t* wp = w + p * stride;
+        for (int line = 0; line < NR * BLOCK; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH + line), _MM_HINT_T0);
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + p * 2 * BLOCK));
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + p * 2 * BLOCK + BLOCK));
+        const __m256 dv = _mm256_loadu_ps(dr + p * 8);
+        for (int r = 0; r < NR; ++r) {
+            const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + r * BLOCK));
+            const __m256i lo = _mm256_and_si256(raw, mask), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            const __m256 d = PPG ? dv
+                                 : _mm256_mul_ps(dv, _mm256_set_m128(_mm_broadcast_ss(sb[r] + 2 * (p % 4) + 1),
+                                                                     _mm_broadcast_ss(sb[r] + 2 * (p % 4))));
+            sums[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2<false>(lo, xl, hi, xh)), d, sums[r]);
+        }
+    };
+    if (PPG == 0) {  // groups of one block: a pair's two scales as lanes 0-3 / 4-7, as dv's
+        for (int64_t p = 0; p < pairs; ++p) {
+            if (p % 4 == 0) refresh(2 * p);
+            pair(p, acc);
+        }
+    } else {  // groups of PPG pairs, each scaled once (the last one may be short: K not a multiple of the group)
+        const auto fold = [&](int64_t g, const __m256* gacc) {
+            if (g % 8 == 0) refresh(g);
+            for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(gacc[r], _mm256_broadcast_ss(sb[r] + g % 8), acc[r]);
+        };
+        constexpr int STEP = PPG ? PPG : 1;
+        const int64_t full = pairs / STEP;
+        for (int64_t g = 0; g < full; ++g) {
+            __m256 gacc[NR];
+            for (int r = 0; r < NR; ++r) gacc[r] = _mm256_setzero_ps();
+            for (int i = 0; i < STEP; ++i) pair(g * STEP + i, gacc);
+            fold(g, gacc);
+        }
+        if (full * STEP < pairs) {
+            __m256 gacc[NR];
+            for (int r = 0; r < NR; ++r) gacc[r] = _mm256_setzero_ps();
+            for (int64_t p = full * STEP; p < pairs; ++p) pair(p, gacc);
+            fold(full, gacc);
+        }
+    }
+    for (int r = 0; r < NR; ++r) a.y[m * a.N + n0 + r] = hsum(acc[r]);
+}
+
+// Rows [n0, n1) (n0 a multiple of a.rg) for row m of x: decode tiles where the weights take them, CHAINS rows at a
+// time, else the general tile.
+template <bool W8>
+inline void decode_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m,
+                        int64_t n0, int64_t n1) {
+    if (W8 || !prefill_fits(a) || a.rg % CHAINS || n1 - n0 < CHAINS) {
+        rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m, n0, n1);
+        return;
+    }
+    int64_t n = n0;
+    for (; n + CHAINS <= n1; n += CHAINS) {
+        switch (a.gs) {
+            case 32: decode_tile<0>(a, xq, dxv, xs, m, n); break;
+            case 64: decode_tile<1>(a, xq, dxv, xs, m, n); break;
+            case 128: decode_tile<2>(a, xq, dxv, xs, m, n); break;
+            default: decode_tile<4>(a, xq, dxv, xs, m, n); break;
+        }
+    }
+    if (n < n1) rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m, n, n1);
+}
+
 template <int PPG>
 inline void prefill_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0,
                          int64_t n1) {
@@ -448,7 +563,7 @@ inline void prefill_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv
             for (; n + GEMM_NR <= ne; n += GEMM_NR) prefill_tile<GEMM_NR, PPG>(a, xq, dxv, xs, m, n);
             if (n < ne) tile<MTILE, 1, false>(a, xq, dxv, xs, m, n);  // an odd last row (N odd)
         }
-        for (int64_t m = tiled; m < a.M; ++m) rows_tile<1, nr(1), false>(a, xq, dxv, xs, m, nb, ne);
+        for (int64_t m = tiled; m < a.M; ++m) decode_rows<false>(a, xq, dxv, xs, m, nb, ne);
     }
 }
 
@@ -603,7 +718,7 @@ inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, con
         for (int64_t n = n0; n < n1; n += nr(1)) {
             const int64_t e = n + nr(1) < n1 ? n + nr(1) : n1;
             for (int64_t m = 0; m < tiled; m += MTILE) rows_tile<MTILE, GEMM_NR, W8>(a, xq, dxv, xs, m, n, e);
-            for (int64_t m = tiled; m < a.M; ++m) rows_tile<1, nr(1), W8>(a, xq, dxv, xs, m, n, e);
+            for (int64_t m = tiled; m < a.M; ++m) decode_rows<W8>(a, xq, dxv, xs, m, n, e);
         }
         return;
     }

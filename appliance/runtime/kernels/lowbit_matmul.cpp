@@ -179,7 +179,7 @@ private:
         thread_local std::vector<float> dx, sums;
         xq.resize(static_cast<size_t>(a.M * a.Kp + 64));
         dx.resize(static_cast<size_t>(lowbit_dx_floats(a.M, a.Kp) + 16));
-        sums.resize(static_cast<size_t>(a.M * a.G));
+        sums.resize(static_cast<size_t>(a.M * a.G + 8));  // + 8: the decode tile loads 8 groups' sums at a time
         const int64_t threads = tbb::this_task_arena::max_concurrency(), blocks = a.Kp / 32;
         // Quantizing x is serial work before the parallel rows: 41 us at K = 8960 (M = 1) against ~300 us of rows on
         // 2 threads. Long rows are split into chunks that start a pair of blocks and a group, one per thread.
