@@ -20,8 +20,9 @@ from openvino import opset13 as ops
 from appliance.runtime import kernels
 from appliance.runtime.kernels.rewrite import (
     OP,
-    ROW_GROUPS,
     U8_ISAS,
+    ZMM_ROWS,
+    layout,
     pair_layout,
     rewrite,
     row_groups,
@@ -53,6 +54,13 @@ def _paths() -> list[str]:
     return list(kernels.ISAS)
 
 
+def _rewrite_layout(factory, k: int, packed: np.ndarray, sz: np.ndarray, group: int, isa: str, **attrs) -> ov.Model:
+    """The op alone on u4 weights [N, Kp / 2] laid out as the rewrite does for `isa` (rewrite.layout)."""
+    rg, slot = layout(isa, 4, k, group)
+    packed = row_groups(packed, rg, pair_bytes=32 * slot)
+    return _op_model(factory, k, packed, sz, group, isa, row_group=rg, slot_pairs=slot, **attrs)
+
+
 def _op_model(
     factory,
     k: int,
@@ -63,10 +71,18 @@ def _op_model(
     bits: int = 4,
     row_group: int = 1,
     residual: int = 0,
+    slot_pairs: int = 1,
 ) -> ov.Model:
     """The op alone; `packed` row-major (row_group 1) or in row_groups' layout."""
     x = ops.parameter([-1, k], ov.Type.f32)
-    attrs = {"group_size": group, "isa": isa, "bits": bits, "row_group": row_group, "residual": residual}
+    attrs = {
+        "group_size": group,
+        "isa": isa,
+        "bits": bits,
+        "row_group": row_group,
+        "residual": residual,
+        "slot_pairs": slot_pairs,
+    }
     node = factory.create(OP, [x.output(0), ops.constant(packed).output(0), ops.constant(sz).output(0)], attrs)
     return ov.Model([node.output(0)], [x])
 
@@ -132,7 +148,8 @@ def _int8(x: np.ndarray, width: int) -> np.ndarray:
     return (q.astype(np.float64) * d).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 
-@pytest.mark.parametrize("row_group", [1, 4, 8])  # row-major, what the rewrite makes on AVX2, two AVX2 passes
+# row-major, what the rewrite makes on AVX2, two AVX2 passes, and the 512-bit tile's (rewrite.layout: avx512vnni)
+@pytest.mark.parametrize("row_group, slot_pairs", [(1, 1), (4, 1), (8, 1), (ZMM_ROWS, 2)])
 @pytest.mark.parametrize("isa", _paths())
 @pytest.mark.parametrize(
     "n, k, group, zero, scale",
@@ -150,15 +167,18 @@ def _int8(x: np.ndarray, width: int) -> np.ndarray:
         (600, 8192, 128, "f16", "normal"),  # the 512-bit tile past 4 rows of x: blocks of 64 rows, several a call
     ],
 )
-def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale, row_group):
+def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, scale, row_group, slot_pairs):
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
+    if slot_pairs == 2 and layout(isa, 4, k, group) != (row_group, slot_pairs):
+        pytest.skip(f"two-pair slots are the 512-bit tile's layout, not {isa}'s at K {k}, group {group}")
     rng = np.random.default_rng(n * 1000 + k)
     packed, sz, w = _case(rng, n, k, group, zero, scale)
-    packed = row_groups(packed, row_group)  # N rounded up to row_group with zero rows past N
+    packed = row_groups(packed, row_group, pair_bytes=32 * slot_pairs)  # N rounded up to row_group, zero rows past N
     assert packed.shape == (-(-n // row_group) * row_group, -(-k // 32) * 16)
-    compiled = core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, row_group=row_group), "CPU", F32)
+    model = _op_model(got.factory, k, packed, sz, group, isa, row_group=row_group, slot_pairs=slot_pairs)
+    compiled = core.compile_model(model, "CPU", F32)
     # From 4: MTILE rows of x per pass (5, 11, 37: and the rest one at a time); grouped u4 with an even number of blocks
     # runs the prefill tile, over blocks of rows (129 x 1536: two).
     for m in (1, 2, 3, 4, 5, 8, 11, 16, 37):
@@ -172,7 +192,8 @@ def test_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zero, 
         assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
 
 
-@pytest.mark.parametrize("row_group", [1, 4])  # row-major (what the rewrite makes), grouped (the kernel takes it)
+# row-major (what the rewrite makes on AVX2 and AVX-VNNI), grouped (the kernel takes it; AVX512-VNNI's layout at 8)
+@pytest.mark.parametrize("row_group", [1, 4, ZMM_ROWS])
 @pytest.mark.parametrize("isa", list(U8_ISAS))
 @pytest.mark.parametrize(
     "n, k, group, zero, scale",
@@ -220,9 +241,7 @@ def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa):
     rng = np.random.default_rng(23)
     n, k, group = 40, 1024, 128
     packed, sz, w = _case(rng, n, k, group, "f16", "normal")
-    rg = ROW_GROUPS.get(isa, 1)
-    model = _op_model(got.factory, k, row_groups(packed, rg), sz, group, isa, row_group=rg)
-    compiled = core.compile_model(model, "CPU", F32)
+    compiled = core.compile_model(_rewrite_layout(got.factory, k, packed, sz, group, isa), "CPU", F32)
     for m in (1, 3, 4, 8):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::32] = 1e3  # each block's first octet: an outlier and ...
@@ -251,10 +270,8 @@ def test_residual_runs_x_rounding_error_too(loaded, isa, n, k, group):
         pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
     rng = np.random.default_rng(k + n)
     packed, sz, w = _case(rng, n, k, group, "f16", "normal")
-    rg = ROW_GROUPS.get(isa, 1)
-    packed = row_groups(packed, rg)
     once, twice = (
-        core.compile_model(_op_model(got.factory, k, packed, sz, group, isa, row_group=rg, residual=r), "CPU", F32)
+        core.compile_model(_rewrite_layout(got.factory, k, packed, sz, group, isa, residual=r), "CPU", F32)
         for r in (0, 1)
     )
     for m in (1, 2, 3, 5):
@@ -275,6 +292,33 @@ def test_u8_needs_a_named_path(loaded):
         _op_model(got.factory, 64, packed, sz, 64, "auto", bits=8)
     with pytest.raises(Exception, match="bits must be 4 or 8"):
         _op_model(got.factory, 64, packed, sz, 64, "avx2", bits=6)
+
+
+def test_two_pair_slots_only_where_the_512_bit_tile_reads_them(loaded):
+    """slot_pairs 2 is AVX512-VNNI's u4 layout at groups of a multiple of 128 (rewrite.layout): any other path or
+    group would read the weights in another order, so the op refuses it."""
+    _, got = loaded
+    packed, sz, _ = _case(np.random.default_rng(5), 8, 256, 128, "0", "normal")
+    for isa, group in (("avx2", 128), ("avx512vnni", 64), ("auto", 128)):
+        with pytest.raises(Exception, match="slot_pairs 2 needs"):
+            _op_model(got.factory, 256, packed, sz, group, isa, row_group=ZMM_ROWS, slot_pairs=2)
+
+
+def test_the_512_bit_tiles_grouped_rows_give_the_row_major_answer(loaded):
+    """At g128 a step is a group: the grouped rows' tiles (decode_zmm, pair_zmm) do the row-major tiles' f32
+    operations in the same order, so the layout changes the speed only: equal outputs at every row count."""
+    core, got = loaded
+    if "avx512vnni" not in got.supported:
+        pytest.skip(f"this CPU has no avx512vnni (it has {', '.join(got.supported)})")
+    rng = np.random.default_rng(12)
+    n, k = 100, 1536  # 12 full groups of 8 rows and 4 rows past them
+    packed, sz, _ = _case(rng, n, k, 128, "f16", "normal")
+    grouped = _rewrite_layout(got.factory, k, packed, sz, 128, "avx512vnni")
+    row_major = _op_model(got.factory, k, packed, sz, 128, "avx512vnni")
+    grouped, row_major = (core.compile_model(m, "CPU", F32) for m in (grouped, row_major))
+    for m in (1, 2, 3, 4, 5, 8):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        np.testing.assert_array_equal(grouped(x)[0], row_major(x)[0], err_msg=f"M={m}")
 
 
 def test_every_path_gives_the_same_answer(loaded):
@@ -316,9 +360,7 @@ def test_a_row_of_x_with_inf_or_nan_leaves_the_other_rows_alone(loaded, isa):
     rng = np.random.default_rng(11)
     n, k, group = 24, 1536, 128
     packed, sz, w = _case(rng, n, k, group, "f16", "normal")
-    rg = ROW_GROUPS.get(isa, 1)
-    model = _op_model(got.factory, k, row_groups(packed, rg), sz, group, isa, row_group=rg)
-    compiled = core.compile_model(model, "CPU", F32)
+    compiled = core.compile_model(_rewrite_layout(got.factory, k, packed, sz, group, isa), "CPU", F32)
     for m in (3, 6):  # decode tiles only; the prefill tile's 4 rows and 2 more
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[1, 5], x[m - 2, 700] = np.inf, np.nan
@@ -392,9 +434,10 @@ def test_rewrite_takes_u8_heads_in_each_paths_layout(loaded, isa):
     [op] = [n for n in ours.get_ordered_ops() if n.get_type_name() == OP]
     packed = op.input_value(1).get_node().get_data()
     q = np.random.default_rng(6).integers(0, 256, (200, 320)).astype(np.uint8)  # _u8_head's first draw
-    want = row_groups(pair_layout(q) ^ np.uint8(U8_ISAS[isa]), ROW_GROUPS.get(isa, 1), pair_bytes=64)
-    assert np.array_equal(packed, want)  # AVX2: s8 = u8 - 128, rows grouped by 4
-    assert op.get_attributes()["row_group"] == ROW_GROUPS.get(isa, 1)
+    rg, slot = layout(isa, 8, 320, 320)  # AVX2: rows grouped by 4; AVX512-VNNI: by 8, a pair a slot
+    want = row_groups(pair_layout(q) ^ np.uint8(U8_ISAS[isa]), rg, pair_bytes=64 * slot)
+    assert np.array_equal(packed, want)  # AVX2: s8 = u8 - 128
+    assert (op.get_attributes()["row_group"], op.get_attributes()["slot_pairs"]) == (rg, slot)
     x = np.random.default_rng(4).standard_normal((3, 320)).astype(np.float32)
     want, have = core.compile_model(native, "CPU", F32)(x)[0], core.compile_model(ours, "CPU", F32)(x)[0]
     assert np.abs(want - have).max() <= 0.02 * np.abs(want).max()
@@ -402,7 +445,8 @@ def test_rewrite_takes_u8_heads_in_each_paths_layout(loaded, isa):
 
 @pytest.mark.parametrize("isa", _paths())
 def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
-    """Per path, with its weight layout (ROW_GROUPS: AVX2's rows in groups of 4; 97 rows: a padded last group)."""
+    """Per path, with its weight layout (rewrite.layout: AVX2's rows in groups of 4, AVX512-VNNI's of 8; 97 rows: a
+    padded last group)."""
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa}")
@@ -411,9 +455,10 @@ def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
     kinds = [_producer(r).get_type_name() for r in ours.get_results()]
     assert kinds == [OP, OP, "MatMul"]
     groups = [n.get_attributes()["row_group"] for n in ours.get_ordered_ops() if n.get_type_name() == OP]
-    # The two u4 siblings share one op where their rows need no padding (row-major: the VNNI paths), one each where
-    # AVX2's groups of 4 rows would pad 97.
-    assert groups == [ROW_GROUPS.get(isa, 1)] * (2 if 97 % ROW_GROUPS.get(isa, 1) else 1)
+    # The two u4 siblings share one op where their rows need no padding (row-major: AVX-VNNI), one each where groups
+    # of rows would pad 97.
+    rg, _ = layout(isa, 4, 256, 128)  # _model's K and group
+    assert groups == [rg] * (2 if 97 % rg else 1)
     x = np.random.default_rng(4).standard_normal((2, 3, 256)).astype(np.float32)
     want, have = core.compile_model(native, "CPU", F32)(x), core.compile_model(ours, "CPU", F32)(x)
     for i in range(3):

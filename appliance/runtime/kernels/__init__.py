@@ -27,8 +27,9 @@ LIBRARY = "libappliance_kernels.so"
 # falling back. Bump it with any change to that contract (5: the backends run prefill on ours where PREFILL_ISAS says
 # the library has a prefill tile; an older one would run it on the slower general tile. 6: KERNEL_ROWS 8 on
 # AVX512-VNNI, where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not
-# per 32, which the tests' error bound assumes, and the op's `residual` attribute).
-ABI = 7
+# per 32, which the tests' error bound assumes, and the op's `residual` attribute. 8: the op's `slot_pairs` attribute,
+# AVX512-VNNI's grouped rows).
+ABI = 8
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

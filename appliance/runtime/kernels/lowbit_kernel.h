@@ -8,13 +8,16 @@ struct LowbitArgs {
                             // to 32. bits 8: rows of Kp bytes, each pair of 32-blocks as the activations are
                             // (lowbit_kernel.hpp). Rows in groups of rg (N rounded up to rg, zero rows past N): a
                             // group holds its rows' first pairs of blocks one after the other, then their second
-                            // pairs, ..., then their unpaired last blocks; rg = 1 is plain row-major.
+                            // pairs (or `slot` pairs at a time), ..., then their unpaired last blocks; rg = 1 is
+                            // plain row-major.
     const uint16_t* sz;     // [N, 2 G] f16: per row its G group scales, then its G zero points (the IR's values,
                             // rewrite.scale_table: a u4 / u8 zero point is exact in f16)
     float* y;               // [M, N]
     int64_t M, N, K, Kp, gs, G;
     int64_t bits;           // 4 or 8 (8: u8 on the VNNI paths, s8 = u8 - 128 on AVX2: rewrite.U8_ISAS)
     int64_t rg;             // weight rows per group (w)
+    int64_t slot;           // pairs of 32-blocks a row keeps together in each slot of its group (w): 1, or 2 for
+                            // the 512-bit tile's u4 steps (lowbit_kernel.hpp tile_zmm: 64 bytes a row and step)
 };
 
 // Floats of the per-block activation scales (dxv [M, pairs of blocks, 8]) the scratch needs.

@@ -570,23 +570,50 @@ inline void prefill_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv
 #ifdef LOWBIT_ZMM
 // Rows of x on 512-bit registers (kernel_avx512vnni.cpp defines LOWBIT_ZMM): each step reads 64 bytes of a weight
 // row into one zmm, two pairs of blocks of u4 or one pair of u8 (the LM head), so each unpack, dot, convert and FMA
-// covers twice the weights of the 256-bit tile. Row-major rows (rg = 1, what the rewrite makes on the VNNI paths),
-// groups of a multiple of 128 (u4) or 64 (u8) values, K a multiple of the group. On a 2-vCPU AVX-512 Zen 5 EPYC (a
-// standalone harness over kernel_avx512vnni.cpp, 1 thread, M = 1, u4 g128, weights in L3) 1536 / 8960 long rows
-// ran 25-28 -> 45 GB/s; from memory (40 layers, 2 threads, medians of 8 interleaved runs) no faster until the
-// prefetch changed, below.
+// covers twice the weights of the 256-bit tile. Row-major rows, or rows grouped by ZMM_GROUP with a 64-byte slot
+// (rewrite.layout: what the rewrite makes for u4 on this path), groups of a multiple of 128 (u4) or 64 (u8) values,
+// K a multiple of the group. On a 2-vCPU AVX-512 Zen 5 EPYC (a standalone harness over kernel_avx512vnni.cpp, 1
+// thread, M = 1, u4 g128, weights in L3) 1536 / 8960 long rows ran 25-28 -> 45 GB/s; from memory (40 layers, 2
+// threads, medians of 8 interleaved runs) no faster until the prefetch changed, below.
+constexpr int64_t ZMM_GROUP = 8;  // rows per group of the grouped layout (rewrite.ZMM_ROWS)
+
 inline bool zmm_fits(const LowbitArgs& a) {
     const int64_t step = a.bits == 4 ? 128 : 64;  // weights per zmm step
-    return a.rg == 1 && a.gs % step == 0 && a.K % a.gs == 0;
+    const bool slots = a.rg == ZMM_GROUP && a.slot * 32 * a.bits / 4 == 64;  // a row's step in each slot
+    return (a.rg == 1 || slots) && a.gs % step == 0 && a.K % a.gs == 0;
 }
 
-// Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x. The tile's rows are one contiguous run of row-major
-// weights read across (NR rows, 64 bytes each per step), so neither the hardware prefetcher nor a fixed distance
-// ahead in each row (PREFETCH: at K = 1536 a u4 row is 768 bytes) keeps the lines coming: each step prefetches NR
-// lines of the next tile's run in order, one tile ahead. Same harness from memory, 2 threads, M = 1: 8960 x 1536 /
-// 1536 x 8960 388 / 419 us a layer (256-bit tile) -> 361 / 350 (zmm, PREFETCH) -> 288 / 329 (zmm, the next tile);
-// one tile ahead was as fast as two or three. Each weight step is unpacked once for the MT rows of x.
-template <int MT, int NR, bool W8>
+// Where row n's steps start: row-major, or in its group's slots (GROUPED).
+template <bool GROUPED>
+inline const uint8_t* zmm_row(const LowbitArgs& a, int64_t n, int64_t row_bytes) {
+    return GROUPED ? a.w + n / ZMM_GROUP * ZMM_GROUP * row_bytes + n % ZMM_GROUP * 64 : a.w + n * row_bytes;
+}
+
+// Step q (64 bytes) of a tile's row r, with a line ahead prefetched: on grouped rows 2 KB ahead in their run, on
+// row-major rows the next tile's (`next`, the row after the tile's last) in order (tile_zmm).
+template <int NR, bool GROUPED>
+inline __m512i zmm_step(const uint8_t* const* w, const uint8_t* next, int64_t q, int r) {
+    constexpr int64_t stride = GROUPED ? ZMM_GROUP * 64 : 64;  // bytes from a row's step to its next
+    if (GROUPED)
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + q * stride + 2048), _MM_HINT_T0);
+    else
+        _mm_prefetch(reinterpret_cast<const char*>(next + (q * NR + r) * 64), _MM_HINT_T0);
+    return _mm512_loadu_si512(w[r] + q * stride);
+}
+
+// Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x. Row-major weights (GROUPED false): the tile's rows are
+// one contiguous run read across (NR rows, 64 bytes each per step), so neither the hardware prefetcher nor a fixed
+// distance ahead in each row (PREFETCH: at K = 1536 a u4 row is 768 bytes) keeps the lines coming: each step
+// prefetches NR lines of the next tile's run in order, one tile ahead. Same harness from memory, 2 threads, M = 1:
+// 8960 x 1536 / 1536 x 8960 388 / 419 us a layer (256-bit tile) -> 361 / 350 (zmm, PREFETCH) -> 288 / 329 (zmm,
+// the next tile); one tile ahead was as fast as two or three.
+// Grouped rows (GROUPED: each row's 64-byte step one after the other in a slot of its group of 8): a pass over 8
+// rows reads one run front to back. On a 2-vCPU Zen 4 EPYC (AVX-512 on 256-bit units, L1D 32 KB), standalone, 1
+// thread, M = 1, 16 layers from memory: 1536 x 8960 13.3 -> 16.2 GB/s, 8960 x 1536 22.8 -> 24.8 (with decode_zmm's
+// scales); row-major, a tile's run at K = 8960 (35 KB) outgrew L1 before the step that read its prefetched lines,
+// and no distance ahead (0 to 16 KB, L1 or L2 hints) changed that. On grouped rows one prefetch 2 KB ahead (as fast
+// as none or 16 KB there). Each weight step is unpacked once for the MT rows of x.
+template <int MT, int NR, bool W8, bool GROUPED>
 inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
     constexpr int64_t STEP = W8 ? 64 : 128;  // weights per step
     const int64_t steps = a.Kp / STEP, per_group = a.gs / STEP, row_bytes = W8 ? a.Kp : a.Kp / 2;
@@ -595,7 +622,7 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
     float bias[NR][MT];
     __m512 acc[MT][NR];
     for (int r = 0; r < NR; ++r) {
-        w[r] = a.w + (n0 + r) * row_bytes;
+        w[r] = zmm_row<GROUPED>(a, n0 + r, row_bytes);
         sf[r] = a.sz + (n0 + r) * 2 * a.G;
         row_bias<MT>(a, sf[r], xs, m0, bias[r]);
         for (int m = 0; m < MT; ++m) acc[m][r] = _mm512_setzero_ps();
@@ -630,8 +657,7 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
                 if (MT == 1 && !W8) __asm__("" : "+v"(xl[m]), "+v"(xh[m]), "+v"(dv[m]));
             }
             for (int r = 0; r < NR; ++r) {
-                _mm_prefetch(reinterpret_cast<const char*>(next + (q * NR + r) * 64), _MM_HINT_T0);
-                const __m512i raw = _mm512_loadu_si512(w[r] + q * 64);
+                const __m512i raw = zmm_step<NR, GROUPED>(w, next, q, r);
                 if (W8) {
                     for (int m = 0; m < MT; ++m)
                         gacc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xl[m])),
@@ -654,18 +680,130 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
         for (int r = 0; r < NR; ++r) a.y[(m0 + m) * a.N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) - bias[r][m];
 }
 
+// One row of x (decode) against NR u4 weight rows, grouped or row-major. The group scales come 16 at a time per row
+// (a masked load and convert, then a permute per group) instead of a scalar load, insert, convert and broadcast per
+// row and group, which at g128 (a step a group) is per row and step: standalone on the Zen 4 EPYC, weights in L2 /
+// L3, 23.8 -> 31.3 GB/s (row-major). More rows of x leave no registers for the scales (tile_zmm), and u8 weights (a
+// group per row: the head) lost with it (bench.kernels at M = 1: 1.0 of OpenVINO's time against 0.81-0.87).
+template <int NR, bool GROUPED>
+inline void decode_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
+                       int64_t n0) {
+    const int64_t steps = a.Kp / 128, per_group = a.gs / 128, row_bytes = a.Kp / 2;
+    const uint8_t* w[NR];
+    const uint16_t* sf[NR];
+    float bias[NR][1];
+    __m512 acc[NR];
+    for (int r = 0; r < NR; ++r) {
+        const int64_t n = n0 + r;
+        w[r] = zmm_row<GROUPED>(a, n, row_bytes);
+        sf[r] = a.sz + n * 2 * a.G;
+        row_bias<1>(a, sf[r], xs, m0, bias[r]);
+        acc[r] = _mm512_setzero_ps();
+    }
+    const uint8_t* next = a.w + (n0 + NR) * row_bytes;  // row-major: the next tile's run (tile_zmm)
+    const int8_t* xr = xq + m0 * a.Kp;
+    const float* dr = dxv + m0 * (a.Kp / 64 * 8);
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    __m512 s16[NR];
+    for (int64_t g = 0, q = 0; q < steps; ++g) {
+        if (g % 16 == 0) {
+            const __mmask16 k = a.G - g >= 16 ? __mmask16(0xffff) : __mmask16((1u << (a.G - g)) - 1);
+            for (int r = 0; r < NR; ++r) s16[r] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, sf[r] + g));
+        }
+        __m512 gacc[NR];
+        for (const int64_t end = q + per_group; q < end; ++q) {
+            __m512i xl = _mm512_loadu_si512(xr + q * 128), xh = _mm512_loadu_si512(xr + q * 128 + 64);
+            __m512 dv = _mm512_loadu_ps(dr + q * 16);
+            __asm__("" : "+v"(xl), "+v"(xh), "+v"(dv));  // in registers, as tile_zmm's at M = 1
+            const bool first = q + per_group == end;  // the group's first step
+            for (int r = 0; r < NR; ++r) {
+                const __m512i raw = zmm_step<NR, GROUPED>(w, next, q, r);
+                const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+                const __m512 d = _mm512_cvtepi32_ps(
+                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
+                gacc[r] = first ? _mm512_mul_ps(d, dv) : _mm512_fmadd_ps(d, dv, gacc[r]);
+            }
+        }
+        const __m512i lane = _mm512_set1_epi32(static_cast<int>(g % 16));
+        for (int r = 0; r < NR; ++r) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_permutexvar_ps(lane, s16[r]), acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) a.y[m0 * a.N + n0 + r] = _mm512_reduce_add_ps(acc[r]) - bias[r][0];
+}
+
+// Two rows of x against a whole group of grouped rows (ZMM_GROUP): the tiles above take 4 or 2 weight rows with 2-4
+// rows of x, which on grouped rows reads part of each step's 512 bytes per pass (1.1-1.5x the row-major time at M =
+// 2-8, standalone on the Zen 4 EPYC). Each step's group scale goes on as the step ends (no group accumulators: 16
+// accumulators, x and its scales fit the 32 registers); at a step per group (u4 g128) the same f32 operations as
+// tile_zmm's.
+template <bool W8>
+inline void pair_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
+    constexpr int NR = ZMM_GROUP;
+    const int64_t steps = a.Kp / (W8 ? 64 : 128), per_group = a.gs / (W8 ? 64 : 128), row_bytes = W8 ? a.Kp : a.Kp / 2;
+    const uint8_t* w = a.w + n0 / NR * NR * row_bytes;
+    const uint16_t* sf[NR];
+    float bias[NR][2];
+    __m512 acc[2][NR];
+    for (int r = 0; r < NR; ++r) {
+        sf[r] = a.sz + (n0 + r) * 2 * a.G;
+        row_bias<2>(a, sf[r], xs, m0, bias[r]);
+        acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+    }
+    const int64_t xstride = a.Kp, dstride = a.Kp / 64 * 8;
+    const int8_t* xr = xq + m0 * xstride;
+    const float* dr = dxv + m0 * dstride;
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    for (int64_t q = 0; q < steps; ++q) {
+        __m512i xl[2], xh[2];
+        __m512 dv[2];
+        for (int m = 0; m < 2; ++m) {
+            if (W8) {
+                xl[m] = _mm512_loadu_si512(xr + m * xstride + q * 64);
+                dv[m] = _mm512_castpd_ps(
+                    _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(dr + m * dstride + q * 8))));
+            } else {
+                xl[m] = _mm512_loadu_si512(xr + m * xstride + q * 128);
+                xh[m] = _mm512_loadu_si512(xr + m * xstride + q * 128 + 64);
+                dv[m] = _mm512_loadu_ps(dr + m * dstride + q * 16);
+            }
+        }
+        for (int r = 0; r < NR; ++r) {
+            const uint8_t* at = w + q * NR * 64 + r * 64;
+            _mm_prefetch(reinterpret_cast<const char*>(at + 2048), _MM_HINT_T0);
+            const __m512i raw = _mm512_loadu_si512(at);
+            const __m512 s = _mm512_set1_ps(_cvtsh_ss(sf[r][q / per_group]));
+            __m512i lo = raw, hi = raw;
+            if (!W8) lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+            for (int m = 0; m < 2; ++m) {
+                const __m512i zero = _mm512_setzero_si512();
+                const __m512i dot = W8 ? _mm512_dpbusd_epi32(zero, raw, xl[m])
+                                       : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl[m]), hi, xh[m]);
+                acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dv[m]), s, acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < 2; ++m)
+        for (int r = 0; r < NR; ++r) a.y[(m0 + m) * a.N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) - bias[r][m];
+}
+
 // Weight rows [n0, n1) against rows [m0, m0 + MT) of x, NR at a time (MT x NR accumulator chains: CHAINS at M = 1).
-template <int MT, bool W8>
+template <int MT, bool W8, bool GROUPED>
 inline void zmm_pass(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0,
                      int64_t n1) {
     constexpr int NR = MT == 1 ? CHAINS : MT == 2 ? 4 : 2;
     int64_t n = n0;
-    for (; n + NR <= n1; n += NR) tile_zmm<MT, NR, W8>(a, xq, dxv, xs, m0, n);
-    for (; n < n1; ++n) tile_zmm<MT, 1, W8>(a, xq, dxv, xs, m0, n);
+    if (MT == 1 && !W8) {
+        for (; n + NR <= n1; n += NR) decode_zmm<NR, GROUPED>(a, xq, dxv, xs, m0, n);
+        for (; n < n1; ++n) decode_zmm<1, GROUPED>(a, xq, dxv, xs, m0, n);
+        return;
+    }
+    if (GROUPED && MT == 2)  // whole groups (n0 starts one: the split is by groups)
+        for (; n + ZMM_GROUP <= n1; n += ZMM_GROUP) pair_zmm<W8>(a, xq, dxv, xs, m0, n);
+    for (; n + NR <= n1; n += NR) tile_zmm<MT, NR, W8, GROUPED>(a, xq, dxv, xs, m0, n);
+    for (; n < n1; ++n) tile_zmm<MT, 1, W8, GROUPED>(a, xq, dxv, xs, m0, n);
 }
 
 // Rows of x up to ZMM_MT per pass (MT x NR accumulators and group accumulators, MT rows of x and their scales fill
-// the 32 zmm registers); past that, the passes sweep blocks of weight rows that stay in L2 (ZMM_BLOCK bytes), so
+// the 32 zmm registers; on grouped rows 2, pair_zmm); past that, the passes sweep blocks of weight rows that stay in L2 (ZMM_BLOCK bytes), so
 // the weights come from memory once. Against OpenVINO's kernels on a 2-vCPU Zen 5 EPYC (bench.kernels --formats
 // u4a:128 --layers 8 --reps 7 --isa avx512vnni --precision default; 8960x1536 / 1536x8960 / 1536x1536), where the
 // 256-bit tile took 0.78 / 0.84 / 0.73 at M = 2, 1.07 / 0.92 / 0.90 at M = 4 and 1.55 / 1.52 / 1.12 at M = 8:
@@ -674,18 +812,20 @@ inline void zmm_pass(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
 // instead of two and an insert) took the standalone harness 0.90 / 0.89 of the time at M = 4 / 8.
 constexpr int64_t ZMM_MT = 4, ZMM_BLOCK = int64_t{256} << 10;
 
-template <bool W8>
+template <bool W8, bool GROUPED>
 inline void rows_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
     const int64_t row_bytes = W8 ? a.Kp : a.Kp / 2;
-    const int64_t block = a.M <= ZMM_MT ? n1 - n0 : std::max<int64_t>(CHAINS, ZMM_BLOCK / row_bytes);
+    const int64_t rows = std::max<int64_t>(CHAINS, ZMM_BLOCK / row_bytes) / a.rg * a.rg;  // whole groups of rows
+    const int64_t mt = GROUPED ? 2 : ZMM_MT;  // grouped rows: rows of x two at a time (pair_zmm)
+    const int64_t block = a.M <= mt ? n1 - n0 : std::max(rows, a.rg);
     for (int64_t nb = n0; nb < n1; nb += block) {
         const int64_t ne = std::min(n1, nb + block);
-        for (int64_t m = 0; m < a.M; m += ZMM_MT) {
-            switch (std::min(ZMM_MT, a.M - m)) {
-                case 1: zmm_pass<1, W8>(a, xq, dxv, xs, m, nb, ne); break;
-                case 2: zmm_pass<2, W8>(a, xq, dxv, xs, m, nb, ne); break;
-                case 3: zmm_pass<3, W8>(a, xq, dxv, xs, m, nb, ne); break;
-                default: zmm_pass<4, W8>(a, xq, dxv, xs, m, nb, ne); break;
+        for (int64_t m = 0; m < a.M; m += mt) {
+            switch (std::min(mt, a.M - m)) {
+                case 1: zmm_pass<1, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
+                case 2: zmm_pass<2, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
+                case 3: zmm_pass<3, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
+                default: zmm_pass<4, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
             }
         }
     }
@@ -704,6 +844,15 @@ inline bool wide_x(const LowbitArgs& a) {
 
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
+#ifdef LOWBIT_ZMM
+    if (zmm_fits(a)) {  // first: its grouped rows (a slot of 64 bytes) are not the layout of the tiles below
+        if (a.rg > 1)
+            rows_zmm<W8, true>(a, xq, dxv, xs, n0, n1);
+        else
+            rows_zmm<W8, false>(a, xq, dxv, xs, n0, n1);
+        return;
+    }
+#endif
     if (a.M >= PREFILL_ROWS && prefill_fits(a)) {
         switch (a.gs) {
             case 32: prefill_rows<0>(a, xq, dxv, xs, n0, n1); break;
@@ -722,12 +871,6 @@ inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, con
         }
         return;
     }
-#ifdef LOWBIT_ZMM
-    if (zmm_fits(a)) {
-        rows_zmm<W8>(a, xq, dxv, xs, n0, n1);
-        return;
-    }
-#endif
     int64_t m0 = 0;
     for (; m0 + MTILE <= a.M; m0 += MTILE) rows_tile<MTILE, nr(MTILE), W8>(a, xq, dxv, xs, m0, n0, n1);
     switch (a.M - m0) {

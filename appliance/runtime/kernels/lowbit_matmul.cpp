@@ -6,7 +6,9 @@
 // (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
-// lowbit_kernel.h; 1: row-major), residual (1: x's int8 rounding error runs too, below). Output f32 [..., N]. Why,
+// lowbit_kernel.h; 1: row-major), slot_pairs (pairs of 32-blocks a row keeps together in each slot of its group: 1,
+// or 2, the 512-bit tile's u4 step, only on avx512vnni where that tile takes the op), residual (1: x's int8 rounding
+// error runs too, below). Output f32 [..., N]. Why,
 // with measurements: appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -86,13 +88,14 @@ public:
 
     LowBitMatMul() = default;
     LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa, int64_t bits = 4,
-                 int64_t row_group = 1, int64_t residual = 0)
+                 int64_t row_group = 1, int64_t residual = 0, int64_t slot_pairs = 1)
         : Op(args),
           m_group_size(group_size),
           m_isa(std::move(isa)),
           m_bits(bits),
           m_row_group(row_group),
-          m_residual(residual) {
+          m_residual(residual),
+          m_slot_pairs(slot_pairs) {
         constructor_validate_and_infer_types();
     }
 
@@ -106,6 +109,10 @@ public:
         OPENVINO_ASSERT(m_bits == 4 || m_isa != "auto", "LowBitMatMul: bits 8 needs a named isa (its layout)");
         OPENVINO_ASSERT(m_row_group >= 1 && m_row_group <= 64, "LowBitMatMul: row_group must be 1..64");
         OPENVINO_ASSERT(m_residual == 0 || m_residual == 1, "LowBitMatMul: residual must be 0 or 1");
+        // Only the 512-bit tile reads 2-pair slots; every other tile would misread them.
+        OPENVINO_ASSERT(m_slot_pairs == 1 || (m_slot_pairs == 2 && m_bits == 4 && m_isa == "avx512vnni" &&
+                                              m_group_size % 128 == 0),
+                        "LowBitMatMul: slot_pairs 2 needs bits 4, isa avx512vnni and a group_size multiple of 128");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
@@ -113,7 +120,7 @@ public:
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group, m_residual);
+        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group, m_residual, m_slot_pairs);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -122,6 +129,7 @@ public:
         visitor.on_attribute("bits", m_bits);
         visitor.on_attribute("row_group", m_row_group);
         visitor.on_attribute("residual", m_residual);
+        visitor.on_attribute("slot_pairs", m_slot_pairs);
         return true;
     }
 
@@ -139,6 +147,8 @@ public:
         a.Kp = (a.K + 31) / 32 * 32;
         a.bits = m_bits;
         a.rg = m_row_group;
+        a.slot = m_slot_pairs;
+        OPENVINO_ASSERT(a.slot == 1 || a.K % a.gs == 0, "LowBitMatMul: slot_pairs 2 needs K a multiple of group_size");
         const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
                         "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");
@@ -218,6 +228,7 @@ private:
     int64_t m_bits = 4;
     int64_t m_row_group = 1;
     int64_t m_residual = 0;
+    int64_t m_slot_pairs = 1;
 };
 
 }  // namespace appliance

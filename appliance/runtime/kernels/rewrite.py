@@ -65,10 +65,29 @@ U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
 # AVX2 kernel reads at M = 1 (lowbit_kernel.hpp CHAINS), so that it streams one contiguous run instead of 4 rows'
 # streams. On the 2-vCPU AVX2 EPYC (Zen 3) it took the op from 0.84 / 0.48 of OpenVINO's time to 0.52 / 0.56 at
 # M = 1 (8960x1536 / 1536x8960; CPU time 0.85 / 0.61 -> 0.51 / 0.45; bench.kernels --layers 10, load 9-12:
-# docs/performance.md), the u8 head to 0.50 of its row-major time at M = 1 (above). The VNNI paths keep row-major
-# weights (rg 1): on a Zen 5 EPYC rows grouped by 8 (avx512vnni) and 4 (avxvnni) gave no gain at M = 1 and took
-# 1.0-1.4x the row-major time at M = 2-4 (bench.kernels, docs/performance-log.md).
+# docs/performance.md), the u8 head to 0.50 of its row-major time at M = 1 (above). AVX-VNNI keeps row-major weights
+# (rg 1): on a Zen 5 EPYC rows grouped by 4 gave no gain at M = 1 and took 1.0-1.4x the row-major time at M = 2-4
+# (bench.kernels, docs/performance-log.md). AVX512-VNNI: ZMM_ROWS.
 ROW_GROUPS = {"avx2": 4}
+# AVX512-VNNI's u4 where the 512-bit tile takes it (lowbit_kernel.hpp tile_zmm: groups of a multiple of 128 values, K
+# a multiple of the group): rows grouped by 8, each row's 64-byte step (two pairs of blocks) one after the other in a
+# slot of its group (the op's slot_pairs 2), so that a pass over 8 rows reads one run. On a 2-vCPU Zen 4 EPYC, whose
+# L1D (32 KB) a row-major tile's run at K = 8960 outgrew, with the tiles for these rows (decode_zmm, pair_zmm): the
+# op's time against row-major, standalone, 2 threads, from memory, paired: 0.74-0.80 at 1536 x 8960, 0.86-1.04 at
+# the other Qwen2.5-1.5B shapes at M = 1, 0.82-1.03 at M = 2, 0.95-1.10 at M = 4 and 8 (docs/performance-log.md).
+# Grouped on the Zen 5 box with the 256-bit tile: no gain. The u8 head stays row-major: grouped, its rows one pass
+# each, it took 0.93-1.0 of OpenVINO's time at M = 1 against 0.80-0.84, 1.04-1.17 at M = 4 against 0.85-0.86.
+ZMM_ROWS = 8
+
+
+def layout(isa: str, bits: int, k: int, group_size: int) -> tuple[int, int]:
+    """The op's row_group and slot_pairs for weights of `bits` with K `k` and `group_size` on `isa`'s path."""
+    if isa == "avx512vnni":
+        fits = bits == 4 and group_size % 128 == 0 and k % group_size == 0  # 128 values of a row per 512-bit step
+        return (ZMM_ROWS, 2) if fits else (1, 1)
+    return ROW_GROUPS.get(isa, 1), 1
+
+
 # The attention projections (q/k/v, o: HF's module names, which the exports keep; a fused q/k/v keeps q_proj's): with
 # `residual` (kernels.RESIDUAL_ENV, off by default) their ops also run the activations' int8 rounding error (the
 # op's `residual`: x minus its int8 value as M more rows of x, lowbit_matmul.cpp), so their error is what that
@@ -91,6 +110,7 @@ class Chain:
     group_size: int
     bits: int = 4
     row_group: int = 1  # the packed rows' interleaving (row_groups)
+    slot_pairs: int = 1  # pairs of 32-blocks of a row per slot of its group (row_groups)
 
 
 def pair_layout(q: np.ndarray) -> np.ndarray:
@@ -117,11 +137,11 @@ def u8_layout(q: np.ndarray, zero: np.ndarray, isa: str) -> tuple[np.ndarray, np
 
 
 def row_groups(packed: np.ndarray, rows: int, pair_bytes: int = 32) -> np.ndarray:
-    """Weights [N, bytes] (each row's pairs of 32-blocks `pair_bytes`: 32 of u4, 64 of u8) in the op's interleaved
-    layout (lowbit_kernel.h): N rounded up to `rows` with zero rows, then per group of `rows` rows their first pairs one
-    after the other, their second pairs, ..., and their unpaired last blocks (half a pair each). A pass over `rows`
-    weight rows then reads one contiguous run instead of `rows` interleaved streams. Same size (plus padding rows), in
-    whole huge pages (hugepages.py)."""
+    """Weights [N, bytes] (each row's pairs of 32-blocks `pair_bytes`: 32 of u4, 64 of u8; or the bytes of a slot of
+    slot_pairs pairs) in the op's interleaved layout (lowbit_kernel.h): N rounded up to `rows` with zero rows, then
+    per group of `rows` rows their first slots one after the other, their second slots, ..., and their unpaired last
+    blocks (half a pair each). A pass over `rows` weight rows then reads one contiguous run instead of `rows`
+    interleaved streams. Same size (plus padding rows), in whole huge pages (hugepages.py)."""
     n, nb = packed.shape
     padded = -(-n // rows) * rows
     full, groups = nb // pair_bytes, padded // rows
@@ -172,9 +192,9 @@ def _weights(matmul: ov.Node) -> int:
     return int(np.prod(shape.to_shape())) if shape.is_static else 0
 
 
-def match(matmul: ov.Node, isa: str = "avx2", row_group: int = 1) -> Chain | None:
+def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
     """The u4 chain (or on a path of U8_ISAS, also a u8 one, in its u8_layout) feeding `matmul`'s weight input, or
-    None when it is anything else; rows grouped by `row_group` (row_groups)."""
+    None when it is anything else; rows grouped as `isa`'s path reads them (layout, row_groups)."""
     attrs = matmul.get_attributes()
     if attrs.get("transpose_a") or not attrs.get("transpose_b"):
         return None
@@ -215,42 +235,42 @@ def match(matmul: ov.Node, isa: str = "avx2", row_group: int = 1) -> Chain | Non
     except ValueError:
         return None
     data = np.asarray(values.get_data()).view(np.uint8)
+    row_group, slot = layout(isa, bits, k, group_size)
     if bits == 8:
         packed, z8 = u8_layout(data.reshape(n, k), z, isa)
         if row_group > 1:  # pair_layout made the copy already
-            packed = row_groups(packed, row_group, pair_bytes=64)
-        return Chain(packed, scale_table(s, z8), group_size, bits, row_group)
-    sz = scale_table(s, z)
-    return Chain(row_groups(data.reshape(n, k // 2), row_group), sz, group_size, bits, row_group)
+            packed = row_groups(packed, row_group, pair_bytes=64 * slot)
+        return Chain(packed, scale_table(s, z8), group_size, bits, row_group, slot)
+    packed = row_groups(data.reshape(n, k // 2), row_group, pair_bytes=32 * slot)
+    return Chain(packed, scale_table(s, z), group_size, bits, row_group, slot)
 
 
 def _fused(chains: list[Chain]) -> Chain:
-    """One op's chain for sibling u4 chains of one group size, K and row group, none with padding rows: their rows
+    """One op's chain for sibling u4 chains of one group size, K and layout, none with padding rows: their rows
     one after the other (each part's groups of rows stay whole), in whole huge pages."""
     packed = hugepages.empty((sum(c.packed.shape[0] for c in chains), chains[0].packed.shape[1]))
     np.concatenate([c.packed for c in chains], out=packed)
     sz = np.concatenate([c.sz for c in chains])
     first = chains[0]
-    return Chain(packed, sz, first.group_size, first.bits, first.row_group)
+    return Chain(packed, sz, first.group_size, first.bits, first.row_group, first.slot_pairs)
 
 
 def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Node], Chain]]:
-    """Which MatMuls become which op: sibling u4 MatMuls that agree on the group size, K and row group share one
+    """Which MatMuls become which op: sibling u4 MatMuls that agree on the group size, K and layout share one
     (their outputs split after it); the rest one op each. A group's floor is its siblings' weights together, so
     q/k/v take ours together where k/v alone are under it."""
-    row_group = ROW_GROUPS.get(isa, 1)
     plan = []
     for group in siblings(model, lambda node: () if node.get_output_element_type(0) == ov.Type.f32 else None):
         if sum(_weights(n) for n in group) < min_weights:  # before match: it copies and repacks the weights
             continue
-        shares: dict[tuple[int, int], list[tuple[ov.Node, Chain]]] = {}
+        shares: dict[tuple[int, int, int], list[tuple[ov.Node, Chain]]] = {}
         alone = []
         for node in group:
-            chain = match(node, isa, row_group=row_group)
+            chain = match(node, isa)
             if chain is None:
                 continue
             if chain.bits == 4 and chain.packed.shape[0] == width(node):  # no padding rows
-                shares.setdefault((chain.group_size, chain.sz.shape[1]), []).append((node, chain))
+                shares.setdefault((chain.group_size, chain.sz.shape[1], chain.slot_pairs), []).append((node, chain))
             else:
                 alone.append((node, chain))
         for members in shares.values():
@@ -285,6 +305,7 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
                 "isa": isa,
                 "bits": chain.bits,
                 "row_group": chain.row_group,
+                "slot_pairs": chain.slot_pairs,
                 "residual": int(residual and any(ATTENTION_PROJ.search(n.get_friendly_name()) for n in nodes)),
             },
         )
