@@ -589,16 +589,46 @@ inline const uint8_t* zmm_row(const LowbitArgs& a, int64_t n, int64_t row_bytes)
     return GROUPED ? a.w + n / ZMM_GROUP * ZMM_GROUP * row_bytes + n % ZMM_GROUP * 64 : a.w + n * row_bytes;
 }
 
-// Step q (64 bytes) of a tile's row r, with a line ahead prefetched: on grouped rows 2 KB ahead in their run, on
-// row-major rows the next tile's (`next`, the row after the tile's last) in order (tile_zmm).
+// Step q (64 bytes) of a tile's row r (its steps from `row`: zmm_row), with a line ahead prefetched: on grouped rows
+// 2 KB ahead in their run, on row-major rows the next tile's (`next`, the row after the tile's last) in order.
 template <int NR, bool GROUPED>
-inline __m512i zmm_step(const uint8_t* const* w, const uint8_t* next, int64_t q, int r) {
+inline __m512i zmm_step(const uint8_t* row, const uint8_t* next, int64_t q, int r) {
     constexpr int64_t stride = GROUPED ? ZMM_GROUP * 64 : 64;  // bytes from a row's step to its next
     if (GROUPED)
-        _mm_prefetch(reinterpret_cast<const char*>(w[r] + q * stride + 2048), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(row + q * stride + 2048), _MM_HINT_T0);
     else
         _mm_prefetch(reinterpret_cast<const char*>(next + (q * NR + r) * 64), _MM_HINT_T0);
-    return _mm512_loadu_si512(w[r] + q * stride);
+    return _mm512_loadu_si512(row + q * stride);
+}
+
+// Step q of a row of x (xm, its scales dm): u8, pair q as it is stored (even halves, odd halves) and its 8 scales in
+// both halves; u4, pairs 2q and 2q + 1 in quantize_rows' `wide` layout ([even 2q, even 2q + 1], [odd 2q, odd 2q + 1])
+// and their 16 scales in a row.
+template <bool W8>
+inline void zmm_x(const int8_t* xm, const float* dm, int64_t q, __m512i& xl, __m512i& xh, __m512& dv) {
+    if (W8) {
+        xl = xh = _mm512_loadu_si512(xm + q * 64);  // xh: unused by u8's dot
+        dv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(dm + q * 8))));
+    } else {
+        xl = _mm512_loadu_si512(xm + q * 128);
+        xh = _mm512_loadu_si512(xm + q * 128 + 64);
+        dv = _mm512_loadu_ps(dm + q * 16);
+    }
+}
+
+// A weight step's halves: u4 its low and high nibbles, u8 the bytes as read (lo; hi unused).
+template <bool W8>
+inline void zmm_unpack(__m512i raw, __m512i& lo, __m512i& hi) {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    lo = W8 ? raw : _mm512_and_si512(raw, mask);
+    hi = W8 ? raw : _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+}
+
+// The step's dot with a row of x's step as 16 i32 lanes (one per octet of x).
+template <bool W8>
+inline __m512i zmm_dot(__m512i lo, __m512i hi, __m512i xl, __m512i xh) {
+    const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl);
+    return W8 ? d : _mm512_dpbusd_epi32(d, hi, xh);
 }
 
 // Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x. Row-major weights (GROUPED false): the tile's rows are
@@ -631,7 +661,6 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
     const int64_t xstride = a.Kp, dstride = a.Kp / 64 * 8;
     const int8_t* xr = xq + m0 * xstride;
     const float* dr = dxv + m0 * dstride;
-    const __m512i mask = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0, q = 0; q < steps; ++g) {
         __m512 gacc[MT][NR];
         for (int m = 0; m < MT; ++m)
@@ -640,16 +669,7 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
             __m512i xl[MT], xh[MT];
             __m512 dv[MT];
             for (int m = 0; m < MT; ++m) {
-                const int8_t* xm = xr + m * xstride;
-                const float* dm = dr + m * dstride;
-                if (W8) {  // pair q of x as it is stored (even halves, odd halves), its 8 scales in both halves
-                    xl[m] = _mm512_loadu_si512(xm + q * 64);
-                    dv[m] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(dm + q * 8))));
-                } else {  // pairs 2q, 2q + 1 as quantize_rows' `wide` layout: [even 2q, even 2q + 1], [odd 2q, odd 2q + 1]
-                    xl[m] = _mm512_loadu_si512(xm + q * 128);
-                    xh[m] = _mm512_loadu_si512(xm + q * 128 + 64);
-                    dv[m] = _mm512_loadu_ps(dm + q * 16);  // their 16 scales in a row
-                }
+                zmm_x<W8>(xr + m * xstride, dr + m * dstride, q, xl[m], xh[m], dv[m]);
                 // At M = 1, x held in registers: g++ otherwise folds its loads into every row's dot, 3 loads per
                 // row and step beside the weights' and the prefetches, 2-3% slower standalone (2 threads, medians
                 // of 16 interleaved runs at 8960 x 1536 and 1536 x 1536); at M = 2-8 no different either way.
@@ -657,17 +677,11 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
                 if (MT == 1 && !W8) __asm__("" : "+v"(xl[m]), "+v"(xh[m]), "+v"(dv[m]));
             }
             for (int r = 0; r < NR; ++r) {
-                const __m512i raw = zmm_step<NR, GROUPED>(w, next, q, r);
-                if (W8) {
-                    for (int m = 0; m < MT; ++m)
-                        gacc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), raw, xl[m])),
-                                                     dv[m], gacc[m][r]);
-                } else {
-                    const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-                    for (int m = 0; m < MT; ++m) {
-                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl[m]), hi, xh[m]);
-                        gacc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dv[m], gacc[m][r]);
-                    }
+                __m512i lo, hi;
+                zmm_unpack<W8>(zmm_step<NR, GROUPED>(w[r], next, q, r), lo, hi);
+                for (int m = 0; m < MT; ++m) {
+                    const __m512 d = _mm512_cvtepi32_ps(zmm_dot<W8>(lo, hi, xl[m], xh[m]));
+                    gacc[m][r] = _mm512_fmadd_ps(d, dv[m], gacc[m][r]);
                 }
             }
         }
@@ -703,7 +717,6 @@ inline void decode_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     const uint8_t* next = a.w + (n0 + NR) * row_bytes;  // row-major: the next tile's run (tile_zmm)
     const int8_t* xr = xq + m0 * a.Kp;
     const float* dr = dxv + m0 * (a.Kp / 64 * 8);
-    const __m512i mask = _mm512_set1_epi8(0x0f);
     __m512 s16[NR];
     for (int64_t g = 0, q = 0; q < steps; ++g) {
         if (g % 16 == 0) {
@@ -712,15 +725,15 @@ inline void decode_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
         }
         __m512 gacc[NR];
         for (const int64_t end = q + per_group; q < end; ++q) {
-            __m512i xl = _mm512_loadu_si512(xr + q * 128), xh = _mm512_loadu_si512(xr + q * 128 + 64);
-            __m512 dv = _mm512_loadu_ps(dr + q * 16);
+            __m512i xl, xh;
+            __m512 dv;
+            zmm_x<false>(xr, dr, q, xl, xh, dv);
             __asm__("" : "+v"(xl), "+v"(xh), "+v"(dv));  // in registers, as tile_zmm's at M = 1
             const bool first = q + per_group == end;  // the group's first step
             for (int r = 0; r < NR; ++r) {
-                const __m512i raw = zmm_step<NR, GROUPED>(w, next, q, r);
-                const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-                const __m512 d = _mm512_cvtepi32_ps(
-                    _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh));
+                __m512i lo, hi;
+                zmm_unpack<false>(zmm_step<NR, GROUPED>(w[r], next, q, r), lo, hi);
+                const __m512 d = _mm512_cvtepi32_ps(zmm_dot<false>(lo, hi, xl, xh));
                 gacc[r] = first ? _mm512_mul_ps(d, dv) : _mm512_fmadd_ps(d, dv, gacc[r]);
             }
         }
@@ -739,7 +752,7 @@ template <bool W8>
 inline void pair_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
     constexpr int NR = ZMM_GROUP;
     const int64_t steps = a.Kp / (W8 ? 64 : 128), per_group = a.gs / (W8 ? 64 : 128), row_bytes = W8 ? a.Kp : a.Kp / 2;
-    const uint8_t* w = a.w + n0 / NR * NR * row_bytes;
+    const uint8_t* w = zmm_row<true>(a, n0, row_bytes);  // the group's run: row r's steps 64 bytes on
     const uint16_t* sf[NR];
     float bias[NR][2];
     __m512 acc[2][NR];
@@ -751,33 +764,18 @@ inline void pair_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
     const int64_t xstride = a.Kp, dstride = a.Kp / 64 * 8;
     const int8_t* xr = xq + m0 * xstride;
     const float* dr = dxv + m0 * dstride;
-    const __m512i mask = _mm512_set1_epi8(0x0f);
     for (int64_t q = 0; q < steps; ++q) {
         __m512i xl[2], xh[2];
         __m512 dv[2];
-        for (int m = 0; m < 2; ++m) {
-            if (W8) {
-                xl[m] = _mm512_loadu_si512(xr + m * xstride + q * 64);
-                dv[m] = _mm512_castpd_ps(
-                    _mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(dr + m * dstride + q * 8))));
-            } else {
-                xl[m] = _mm512_loadu_si512(xr + m * xstride + q * 128);
-                xh[m] = _mm512_loadu_si512(xr + m * xstride + q * 128 + 64);
-                dv[m] = _mm512_loadu_ps(dr + m * dstride + q * 16);
-            }
-        }
+        for (int m = 0; m < 2; ++m) zmm_x<W8>(xr + m * xstride, dr + m * dstride, q, xl[m], xh[m], dv[m]);
+        const int64_t g = q / per_group;
         for (int r = 0; r < NR; ++r) {
-            const uint8_t* at = w + q * NR * 64 + r * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(at + 2048), _MM_HINT_T0);
-            const __m512i raw = _mm512_loadu_si512(at);
-            const __m512 s = _mm512_set1_ps(_cvtsh_ss(sf[r][q / per_group]));
-            __m512i lo = raw, hi = raw;
-            if (!W8) lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+            __m512i lo, hi;
+            zmm_unpack<W8>(zmm_step<NR, true>(w + r * 64, nullptr, q, r), lo, hi);
+            const __m512 s = _mm512_set1_ps(_cvtsh_ss(sf[r][g]));
             for (int m = 0; m < 2; ++m) {
-                const __m512i zero = _mm512_setzero_si512();
-                const __m512i dot = W8 ? _mm512_dpbusd_epi32(zero, raw, xl[m])
-                                       : _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, lo, xl[m]), hi, xh[m]);
-                acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dv[m]), s, acc[m][r]);
+                const __m512 d = _mm512_cvtepi32_ps(zmm_dot<W8>(lo, hi, xl[m], xh[m]));
+                acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dv[m]), s, acc[m][r]);
             }
         }
     }
@@ -802,14 +800,14 @@ inline void zmm_pass(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
     for (; n < n1; ++n) tile_zmm<MT, 1, W8, GROUPED>(a, xq, dxv, xs, m0, n);
 }
 
-// Rows of x up to ZMM_MT per pass (MT x NR accumulators and group accumulators, MT rows of x and their scales fill
-// the 32 zmm registers; on grouped rows 2, pair_zmm); past that, the passes sweep blocks of weight rows that stay in L2 (ZMM_BLOCK bytes), so
-// the weights come from memory once. Against OpenVINO's kernels on a 2-vCPU Zen 5 EPYC (bench.kernels --formats
-// u4a:128 --layers 8 --reps 7 --isa avx512vnni --precision default; 8960x1536 / 1536x8960 / 1536x1536), where the
-// 256-bit tile took 0.78 / 0.84 / 0.73 at M = 2, 1.07 / 0.92 / 0.90 at M = 4 and 1.55 / 1.52 / 1.12 at M = 8:
-// M = 2 0.44 / 0.59 / 0.63, M = 4 0.58 / 0.55 / 0.77, M = 8 0.76 / 0.85 / 1.12; at M = 64 1.47 / 1.31 (prefill
-// keeps OpenVINO's there: kernels.KERNEL_ROWS). x in quantize_rows' `wide` layout (one load per 512-bit operand
-// instead of two and an insert) took the standalone harness 0.90 / 0.89 of the time at M = 4 / 8.
+// Rows of x up to ZMM_MT per pass (MT x NR accumulators and group accumulators, MT rows of x and their scales fill the
+// 32 zmm registers; on grouped rows 2: pair_zmm); past that, the passes sweep blocks of weight rows that stay in L2
+// (ZMM_BLOCK bytes), so the weights come from memory once. Against OpenVINO's kernels on a 2-vCPU Zen 5 EPYC
+// (bench.kernels --formats u4a:128 --layers 8 --reps 7 --isa avx512vnni --precision default; 8960x1536 / 1536x8960 /
+// 1536x1536), where the 256-bit tile took 0.78 / 0.84 / 0.73 at M = 2, 1.07 / 0.92 / 0.90 at M = 4 and 1.55 / 1.52 /
+// 1.12 at M = 8: M = 2 0.44 / 0.59 / 0.63, M = 4 0.58 / 0.55 / 0.77, M = 8 0.76 / 0.85 / 1.12; at M = 64 1.47 / 1.31
+// (prefill keeps OpenVINO's there: kernels.KERNEL_ROWS). x in quantize_rows' `wide` layout (one load per 512-bit
+// operand instead of two and an insert) took the standalone harness 0.90 / 0.89 of the time at M = 4 / 8.
 constexpr int64_t ZMM_MT = 4, ZMM_BLOCK = int64_t{256} << 10;
 
 template <bool W8, bool GROUPED>
@@ -824,8 +822,8 @@ inline void rows_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
             switch (std::min(mt, a.M - m)) {
                 case 1: zmm_pass<1, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
                 case 2: zmm_pass<2, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
-                case 3: zmm_pass<3, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
-                default: zmm_pass<4, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
+                case 3: if constexpr (!GROUPED) zmm_pass<3, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
+                default: if constexpr (!GROUPED) zmm_pass<4, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
             }
         }
     }

@@ -111,8 +111,9 @@ public:
         OPENVINO_ASSERT(m_residual == 0 || m_residual == 1, "LowBitMatMul: residual must be 0 or 1");
         // Only the 512-bit tile reads 2-pair slots; every other tile would misread them.
         OPENVINO_ASSERT(m_slot_pairs == 1 || (m_slot_pairs == 2 && m_bits == 4 && m_isa == "avx512vnni" &&
-                                              m_group_size % 128 == 0),
-                        "LowBitMatMul: slot_pairs 2 needs bits 4, isa avx512vnni and a group_size multiple of 128");
+                                              m_group_size % 128 == 0 && m_row_group == 8),
+                        "LowBitMatMul: slot_pairs 2 needs bits 4, isa avx512vnni, row_group 8 and a group_size "
+                        "multiple of 128");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];

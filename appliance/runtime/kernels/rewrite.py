@@ -239,7 +239,7 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
     if bits == 8:
         packed, z8 = u8_layout(data.reshape(n, k), z, isa)
         if row_group > 1:  # pair_layout made the copy already
-            packed = row_groups(packed, row_group, pair_bytes=64 * slot)
+            packed = row_groups(packed, row_group, pair_bytes=64)
         return Chain(packed, scale_table(s, z8), group_size, bits, row_group, slot)
     packed = row_groups(data.reshape(n, k // 2), row_group, pair_bytes=32 * slot)
     return Chain(packed, scale_table(s, z), group_size, bits, row_group, slot)
