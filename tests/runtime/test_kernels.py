@@ -468,6 +468,45 @@ def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
     np.testing.assert_array_equal(want[2], have[2])  # the i4 chain kept OpenVINO's kernel
 
 
+def _layers(count: int, n: int = 256) -> ov.Model:
+    """`count` u4 layers (n x n, group 128) one after another, a ReLU between them."""
+    rng = np.random.default_rng(5)
+    x = ops.parameter([-1, n], ov.Type.f32)
+    out = x.output(0)
+    for _ in range(count):
+        out = ops.relu(ops.matmul(out, _chain(rng, n, n, 128, "u4"), False, True)).output(0)
+    return ov.Model([out], [x])
+
+
+def test_each_op_reads_the_next_ones_weights_ahead_and_answers_the_same(loaded):
+    """rewrite.link_ahead: every op but the last takes the next op's weights (the same constant) as its fourth
+    input and reads them ahead between the two calls; the outputs are those of the ops without it, bit for bit."""
+    core, got = loaded
+    linked, plain = _layers(4), _layers(4)
+    assert rewrite(linked, got.factory, got.isa) == rewrite(plain, got.factory, got.isa, ahead=False) == 4
+    ours = [n for n in linked.get_ordered_ops() if n.get_type_name() == OP]
+    assert [op.get_input_size() for op in ours] == [4, 4, 4, 3]
+    for op, after in zip(ours, ours[1:]):
+        ahead, weights = op.input_value(3).get_node(), after.input_value(1).get_node()
+        assert ahead.get_friendly_name() == weights.get_friendly_name()
+    assert all(op.get_input_size() == 3 for op in plain.get_ordered_ops() if op.get_type_name() == OP)
+    a, b = core.compile_model(linked, "CPU", F32), core.compile_model(plain, "CPU", F32)
+    for rows in (1, 3, 1):
+        x = np.random.default_rng(rows).standard_normal((rows, 256)).astype(np.float32)
+        np.testing.assert_array_equal(a(x)[0], b(x)[0])
+
+
+def test_the_weights_read_ahead_must_be_bytes(loaded):
+    _, got = loaded
+    packed, sz, _ = _case(np.random.default_rng(5), 8, 256, 128, "0", "normal")
+    x = ops.parameter([-1, 256], ov.Type.f32)
+    inputs = [x.output(0), ops.constant(packed).output(0), ops.constant(sz).output(0)]
+    attrs = {"group_size": 128, "isa": "avx2", "bits": 4, "row_group": 1, "residual": 0, "slot_pairs": 1}
+    with pytest.raises(Exception, match="next op's w must be u8"):
+        got.factory.create(OP, [*inputs, ops.constant(np.zeros(4, np.float32)).output(0)], attrs)
+    assert got.factory.create(OP, [*inputs, ops.constant(packed).output(0)], attrs).get_input_size() == 4
+
+
 def test_attention_projections_run_their_residual(loaded):
     """With residual (kernels.RESIDUAL_ENV), the ops of q/k/v (one op together) and o run x's int8 rounding error
     too (rewrite.ATTENTION_PROJ, by the export's module names); the MLP's do not; without it, none does."""
@@ -658,22 +697,28 @@ def test_isa_env_forces_a_path(loaded, monkeypatch, isa):
 # ---------------------------------------------------------------- the served default model
 
 
-def _decode(
-    kernels_choice: str, precision: str | None, feed: list[int] | None = None, steps: int = 8
-) -> tuple[str, list[int], np.ndarray]:
-    """Greedy decode of a fixed prompt on the default int4 export: (kernels label, tokens, logits per step). `feed`:
-    the tokens to feed instead of its own (teacher forcing, so two runs compare the same contexts)."""
+def _paged_backend(kernels_choice: str, precision: str | None):
+    """The paged backend on the default int4 export, and its vocabulary size."""
     import appliance.runtime.backends.openvino_paged as paged
     from appliance.config import EngineConfig
     from appliance.manifest import Manifest
-    from appliance.runtime.backends.base import StepBatch
     from export.default_model import ensure_export
 
     path = ensure_export("openvino", "int4")
     manifest = Manifest.load(path)
     config = EngineConfig(kernels=kernels_choice, precision=precision, kv_cache_tokens=512)
-    backend = paged.OpenVINOPagedBackend(path, manifest, config)
-    prompt = np.random.default_rng(0).integers(100, manifest.vocab_size, 40).tolist()
+    return paged.OpenVINOPagedBackend(path, manifest, config), manifest.vocab_size
+
+
+def _decode(
+    kernels_choice: str, precision: str | None, feed: list[int] | None = None, steps: int = 8
+) -> tuple[str, list[int], np.ndarray]:
+    """Greedy decode of a fixed prompt on the default int4 export: (kernels label, tokens, logits per step). `feed`:
+    the tokens to feed instead of its own (teacher forcing, so two runs compare the same contexts)."""
+    from appliance.runtime.backends.base import StepBatch
+
+    backend, vocab = _paged_backend(kernels_choice, precision)
+    prompt = np.random.default_rng(0).integers(100, vocab, 40).tolist()
     try:
         table = list(range(3))
         logits = [backend.forward(StepBatch([prompt], [0], [table]))[0].copy()]
@@ -723,6 +768,40 @@ def test_default_model_runs_our_kernels_close_to_f32(loaded, monkeypatch, prefil
     tvd = _tvd(logits, base_logits)
     assert np.median(tvd) <= 0.05 and tvd.max() <= 0.15, tvd
     assert sum(a == b for a, b in zip(tokens, base_tokens)) >= len(tokens) - 2, (tokens, base_tokens)
+
+
+def test_single_token_steps_run_a_graph_of_static_shapes(loaded):
+    """A step of one token (batch-1 decode) runs a compiled model of the rewritten graph with one token's static
+    shapes (openvino_paged._one_token), answering as the graph of dynamic shapes does; longer steps run that one."""
+    from appliance.runtime.backends.base import StepBatch
+
+    backend, vocab = _paged_backend("ours", "f32")
+    try:
+        assert backend._one is not None and backend.kernels == loaded[1].label
+        shapes = {port.get_any_name(): port.get_partial_shape() for port in backend._one.model_inputs}
+        assert shapes["input_ids"].is_static and shapes["block_indices"].is_dynamic
+        prompt = np.random.default_rng(1).integers(100, vocab, 40).tolist()
+        tables = [[0, 1, 2], [3, 4, 5]]
+        first = int(backend.forward(StepBatch([prompt], [0], tables[:1]))[0].argmax())
+        backend.forward(StepBatch([prompt], [0], tables[1:]))
+        step = StepBatch([[first]], [len(prompt)], tables[:1])
+        one = backend.forward(step)
+        assert np.shares_memory(one, backend._one.get_tensor("logits").data)
+        one = one.copy()
+        # The graph of dynamic shapes: beside OpenVINO's for prefill, or alone where ours take prefill too.
+        dynamic_request = backend._small if backend._small is not None else backend.request
+        kept, backend._one = backend._one, None  # the same step again on the dynamic graph
+        try:
+            dynamic = backend.forward(step)
+            assert np.shares_memory(dynamic, dynamic_request.get_tensor("logits").data)
+        finally:
+            backend._one = kept
+        np.testing.assert_allclose(one, dynamic[0:1], rtol=0, atol=1e-4 * np.abs(dynamic).max())
+        assert one.argmax() == dynamic.argmax()
+        two = backend.forward(StepBatch([[first], [first]], [len(prompt)] * 2, tables))  # two sequences: 2 tokens
+        assert np.shares_memory(two, dynamic_request.get_tensor("logits").data) and two.shape[0] == 2
+    finally:
+        backend.close()
 
 
 def test_a_plugin_that_refuses_our_op_leaves_openvino_serving(loaded, monkeypatch, caplog):

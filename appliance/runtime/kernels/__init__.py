@@ -28,8 +28,8 @@ LIBRARY = "libappliance_kernels.so"
 # the library has a prefill tile; an older one would run it on the slower general tile. 6: KERNEL_ROWS 8 on
 # AVX512-VNNI, where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not
 # per 32, which the tests' error bound assumes, and the op's `residual` attribute. 8: the op's `slot_pairs` attribute,
-# AVX512-VNNI's grouped rows).
-ABI = 8
+# AVX512-VNNI's grouped rows. 9: the op's optional fourth input, the next op's weights to read ahead).
+ABI = 9
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
@@ -83,6 +83,9 @@ MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
 # time to first token 12% (bench.deployed --native-side, 512-token prompt, interleaved runs): every projection then
 # runs twice the rows. A quality-first box sets it in the service's environment file.
 RESIDUAL_ENV = "APPLIANCE_KERNELS_RESIDUAL"
+# 0: the ops do not read the next op's weights ahead (rewrite.link_ahead; lowbit_matmul.cpp read_ahead says why and
+# what it measured). For side-by-side measurements; outputs are the same either way.
+READ_AHEAD_ENV = "APPLIANCE_KERNELS_READ_AHEAD"
 
 
 def library_path() -> Path:
@@ -168,7 +171,8 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
         try:
             floor = int(os.environ.get(MIN_WEIGHTS_ENV, MIN_WEIGHTS[loaded.isa]))
             residual = os.environ.get(RESIDUAL_ENV, "0").strip() == "1"
-            count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor, residual=residual)
+            ahead = os.environ.get(READ_AHEAD_ENV, "1").strip() != "0"
+            count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor, residual=residual, ahead=ahead)
         except Exception as exc:  # an IR shape we did not foresee: OpenVINO's kernels serve it
             why = f"rewrite failed: {exc}"
         else:

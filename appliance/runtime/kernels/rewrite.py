@@ -282,12 +282,15 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
     return plan
 
 
-def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0, residual: bool = False) -> int:
+def rewrite(
+    model: ov.Model, factory: Any, isa: str = "auto", min_weights: int = 0, residual: bool = False, ahead: bool = True
+) -> int:
     """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
     NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many MatMuls.
     `residual`: the attention projections' ops also run x's int8 rounding error (ATTENTION_PROJ).
     Siblings that read one activation share one op and a VariadicSplit of its output (_plan). The op computes in
-    f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of U8_ISAS."""
+    f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of U8_ISAS.
+    `ahead`: each op also takes the next one's weights to read ahead (link_ahead)."""
     from openvino import opset13 as ops
 
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
@@ -315,9 +318,20 @@ def rewrite(model: ov.Model, factory: Any, isa: str = "auto", min_weights: int =
     for node, output in swaps:
         for target in list(node.output(0).get_target_inputs()):
             target.replace_source_output(output)
+    if swaps and ahead:
+        link_ahead(model)
     if swaps:
         model.validate_nodes_and_infer_types()
     return len(swaps)
+
+
+def link_ahead(model: ov.Model) -> None:
+    """Gives each LowBitMatMul the next one's weights (in the model's execution order) as its fourth input, which
+    it reads ahead while the nodes between them run (lowbit_matmul.cpp read_ahead). The constant is shared, not
+    copied: the plugin binds both inputs to one memory."""
+    ours = [node for node in model.get_ordered_ops() if node.get_type_name() == OP]
+    for op, after in zip(ours, ours[1:]):
+        op.set_arguments([*(op.input_value(i) for i in range(3)), after.input_value(1)])
 
 
 def logits_op(model: ov.Model) -> ov.Node | None:
