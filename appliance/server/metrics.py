@@ -193,7 +193,8 @@ class EngineGauges:
         )
         kernels = GaugeMetricFamily(
             PREFIX + "model_kernels",
-            "1 for the kernels running a loaded model's low-bit MatMuls: openvino, or appliance-<isa> for ours.",
+            "1 for the kernels running a loaded model's low-bit MatMuls: openvino, or appliance-<isa> for ours "
+            "(appliance-<isa>/one-token: ours in single-token steps alone).",
             labels=("model", "kernels"),
         )
         for name, s in stats.items():

@@ -733,6 +733,21 @@ def _decode(
         backend.close()
 
 
+def test_a_model_under_the_floor_runs_ours_in_single_token_steps_alone(loaded, monkeypatch):
+    """The default model's layers are all under kernels.MIN_WEIGHTS: its single-token steps run ours in the graph
+    of static shapes (kernels.ONE_TOKEN), every other step OpenVINO's kernels (the prefill's logits bit for bit)."""
+    _, got = loaded
+    monkeypatch.delenv(kernels.MIN_WEIGHTS_ENV)
+    _, base_tokens, base_logits, _ = _decode("openvino", "f32")
+    label, tokens, logits, graphs = _decode("ours", "f32", feed=base_tokens)
+    assert label == got.label + kernels.ONE_TOKEN and graphs == 1  # no dynamic graph of ours
+    np.testing.assert_array_equal(logits[0], base_logits[0])
+    assert not np.array_equal(logits[1:], base_logits[1:])
+    tvd = _tvd(logits, base_logits)
+    assert np.median(tvd) <= 0.05 and tvd.max() <= 0.15, tvd
+    assert sum(a == b for a, b in zip(tokens, base_tokens)) >= len(tokens) - 2, (tokens, base_tokens)
+
+
 def _tvd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     pa, pb = (np.exp(v - v.max(-1, keepdims=True)) for v in (a, b))
     return 0.5 * np.abs(pa / pa.sum(-1, keepdims=True) - pb / pb.sum(-1, keepdims=True)).sum(-1)
@@ -828,6 +843,12 @@ def test_small_layers_keep_openvino(loaded, monkeypatch):
     small, large = _model(["u4"]), _model(["u4"], n=kernels.MIN_WEIGHTS[got.isa] // 256, k=256)
     assert kernels.apply(small, core, choice="auto", device="CPU", precision=None) == "openvino"
     assert kernels.apply(large, core, choice="auto", device="CPU", precision=None).startswith("appliance-")
+    # A caller that runs single-token steps on a graph of their own: a model all under the floor takes ours there.
+    small, large = _model(["u4"]), _model(["u4"], n=kernels.MIN_WEIGHTS[got.isa] // 256, k=256)
+    assert kernels.apply(small, core, choice="auto", device="CPU", precision=None, one_token=True) == (
+        got.label + kernels.ONE_TOKEN
+    )
+    assert kernels.apply(large, core, choice="auto", device="CPU", precision=None, one_token=True) == got.label
 
 
 def test_build_without_a_compiler_says_so_and_does_not_fail_the_install(monkeypatch, capsys):

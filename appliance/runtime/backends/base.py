@@ -46,7 +46,7 @@ class Backend(ABC):
     max_batch: int | None = None  # fixed number of sequences per call (static shapes), None if dynamic
     max_context: int  # longest sequence the KV layout can hold
     max_prompt: int | None = None  # longest prompt (static shapes: OVMS's max_prompt_len), None: max_context's
-    kernels: str = "openvino"  # which kernels run the low-bit MatMuls: "openvino" or "appliance-<isa>"
+    kernels: str = "openvino"  # which kernels run the low-bit MatMuls: "openvino" or "appliance-<isa>[/one-token]"
 
     @abstractmethod
     def forward(self, batch: StepBatch) -> np.ndarray: ...

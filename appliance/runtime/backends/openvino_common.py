@@ -87,18 +87,28 @@ def compile_with_kernels(model: ov.Model, device: str, props: dict[str, Any]) ->
 
 def kernel_rows(label: str, model: ov.Model) -> int:
     """Steps of up to this many tokens run our kernels: 0 none, kernels.EVERY_ROW all (prefill too: the rewritten
-    `model` is the only graph the backend needs)."""
+    `model` is the only graph the backend needs), 1 where ours took the model for single-token steps alone
+    (kernels.ONE_TOKEN)."""
+    if label.endswith(kernels.ONE_TOKEN):
+        return 1
     isa = label.removeprefix("appliance-")
     rows = kernels.KERNEL_ROWS.get(isa, 0)
     return kernels.EVERY_ROW if rows and isa in kernels.PREFILL_ISAS and prefill_fits(model) else rows
 
 
-def apply_kernels(model: ov.Model, config: EngineConfig, model_dir: Path) -> str:
+def apply_kernels(model: ov.Model, config: EngineConfig, model_dir: Path, *, one_token: bool = False) -> str:
     """Our low-bit kernels where they apply (appliance/runtime/kernels), after every rewrite that looks for the
-    graph's MatMuls (the LM head's Gather) and before compiling; returns which kernels run, for the backend."""
+    graph's MatMuls (the LM head's Gather) and before compiling; returns which kernels run, for the backend.
+    `one_token`: the backend can run the rewritten model on single-token steps alone (kernels.ONE_TOKEN)."""
     name = f"{Path(model_dir).parent.name}/{Path(model_dir).name}"
     return kernels.apply(
-        model, core(), choice=config.kernels, device=config.device, precision=config.precision, name=name
+        model,
+        core(),
+        choice=config.kernels,
+        device=config.device,
+        precision=config.precision,
+        name=name,
+        one_token=one_token,
     )
 
 

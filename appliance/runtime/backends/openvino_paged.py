@@ -110,16 +110,17 @@ class OpenVINOPagedBackend(Backend):
         log.debug("fused %d groups of sibling projections", fuse_sibling_projections(model))
         _gather_last_tokens(model)
         native = model.clone()  # constants shared, not copied
-        self.kernels = apply_kernels(model, config, model_dir)
+        self.kernels = apply_kernels(model, config, model_dir, one_token=not self.vlm)
         props = compile_properties(config)
         # Steps of at most `kernel_rows` tokens (decode, speculative verification, small batches) run our kernels;
         # longer ones (prefill) OpenVINO's where they win there (kernels.KERNEL_ROWS), each compiled model holding
         # its own weights (kernels/rewrite.py states the cost). Where ours win at every row count
         # (kernels.EVERY_ROW), ours alone: one compiled model. Steps of one token: ours again, with static shapes
-        # (_one_token).
+        # (_one_token); a model whose layers are all under the kernels' floor runs ours there alone
+        # (kernels.ONE_TOKEN).
         rows = kernel_rows(self.kernels, model)
-        ours = compile_with_kernels(model, config.device, props) if rows else None
-        self.kernels, self.kernel_rows = (self.kernels, rows) if ours is not None else ("openvino", 0)
+        one_only = self.kernels.endswith(kernels.ONE_TOKEN)
+        ours = compile_with_kernels(model, config.device, props) if rows and not one_only else None
         if ours is not None and rows >= kernels.EVERY_ROW:
             self.compiled, small = ours, None
         else:
@@ -127,12 +128,15 @@ class OpenVINOPagedBackend(Backend):
         self.request = self.compiled.create_infer_request()
         self._small = small.create_infer_request() if small is not None else None
         one = None
-        if ours is not None and not self.vlm:  # single-token steps: our kernels in a graph of static shapes
+        if (ours is not None or one_only) and not self.vlm:  # single-token steps: ours in a graph of static shapes
             try:
                 one = core().compile_model(_one_token(model), config.device, props)
-            except Exception as exc:  # an optimisation: the dynamic graph takes those steps instead
-                log.warning("one-token graph not compiled (%s): the dynamic one takes single-token steps", exc)
+            except Exception as exc:  # an optimisation: the graph of dynamic shapes takes those steps instead
+                log.warning("one-token graph not compiled (%s): single-token steps run the dynamic one", exc)
         self._one = one.create_infer_request() if one is not None else None
+        if ours is None and one is None:
+            self.kernels, rows = "openvino", 0
+        self.kernel_rows = rows
         del native, model, ours, small, one
         cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
         # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.

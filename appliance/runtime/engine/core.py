@@ -151,7 +151,7 @@ class Engine(Admission, Liveness):
             "prefix_cache_hit_tokens": self.pool.hits,
             "prefix_cache_query_tokens": self.pool.queries,
             "preemptions": self.scheduler.preemptions,
-            "kernels": self.backend.kernels,  # openvino or appliance-<isa> (/metrics: appliance_model_kernels)
+            "kernels": self.backend.kernels,  # openvino, appliance-<isa>[/one-token] (/metrics)
             **self.counters,
             **(self.pool.disk.stats() if self.pool.disk is not None else {}),
             **(self.vision.stats() if self.vision is not None else {}),

@@ -61,7 +61,8 @@ EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
 # Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
 # plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
 # 135M model (every layer under 1M weights) decoded 1.24x slower at batch 1 with all 210 of its u4 MatMuls on ours
-# (bf16 default precision, VNNI box, 15 interleaved reps); with this floor it keeps OpenVINO's kernels, while
+# (bf16 default precision, VNNI box, 15 interleaved reps); with this floor it keeps OpenVINO's kernels (but in
+# single-token steps: ONE_TOKEN), while
 # Qwen2.5-1.5B's MLP (13.8M) and u8 LM head (233M) take ours. Its q/o projections (1536 x 1536, 2.4M) were slower
 # on ours at M = 1 on the AVX512-VNNI box: 1.14x OpenVINO's time (CPU time 1.05x; bench.kernels --shapes 1536x1536
 # --layers 200 --reps 7, load 4.4), and the decode step with them kept native (floor 2^22 instead of 2^21) took
@@ -77,6 +78,15 @@ EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
 # measured there since). APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
 MIN_WEIGHTS = {"avx2": 1 << 21, "avxvnni": 1 << 22, "avx512vnni": 1 << 21}
 MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
+# Where a backend runs single-token steps on a graph of static shapes (openvino_paged._one_token), the plugin no
+# longer infers our op's shape per call, and the floor's cost is mostly gone there: a model with no MatMul at the
+# floor (the default 135M model, every layer under 1M weights) takes ours on all of them in that graph alone
+# (apply's `one_token`), its label ending in ONE_TOKEN; steps of more tokens keep OpenVINO's. The default model's
+# batch-1 decode step, ours in that graph / OpenVINO's: 0.674 on AVX512-VNNI, 0.613 on AVX-VNNI, 0.570 on AVX2
+# (2-vCPU Zen 5 EPYC, the plugin capped to AVX2_VNNI / AVX2 for the last two; two engines interleaved, medians of
+# 12-16 reps of 32 steps); the same graph with OpenVINO's kernels 0.942. Ours on every layer in the dynamic graph
+# instead: 1.05 / 1.08 of OpenVINO's time at steps of 2 / 8 tokens (AVX512-VNNI), hence the graph of one token only.
+ONE_TOKEN = "/one-token"
 # 1: the attention projections' ops also run their activations' int8 rounding error (rewrite.ATTENTION_PROJ, the
 # op's `residual`). Off by default: at Qwen2.5-1.5B on the AVX2 Zen 1 box it took the next-token TVD from OpenVINO's
 # kernels 0.0137 -> 0.0079 (median, bench.quality --prompts 8), under the 0.01 goal, but cost batch-1 decode 7% and
@@ -152,10 +162,14 @@ def load(core: Any, choice: str = "auto") -> tuple[Kernels | None, str]:
     return Kernels(path, isa, supported, factory), ""
 
 
-def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | None, name: str = "") -> str:
+def apply(
+    model: Any, core: Any, *, choice: str, device: str, precision: str | None, name: str = "", one_token: bool = False
+) -> str:
     """Rewrites `model`'s u4 MatMuls to our op when that applies; logs one line saying which kernels run and
     returns it as a label: "appliance-<isa>" or "openvino". Never raises: any failure leaves `model` as read (the
-    rewrite swaps nodes only after every match was made) and OpenVINO's kernels serve."""
+    rewrite swaps nodes only after every match was made) and OpenVINO's kernels serve. `one_token`: the caller can
+    run the rewritten model on single-token steps alone; where no MatMul reaches the floor, every one takes ours
+    and the label ends in ONE_TOKEN (above)."""
     why = ""
     if device.upper() != "CPU":
         why = f"device {device}"
@@ -164,7 +178,7 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
     loaded = None
     if not why:
         loaded, why = load(core, choice)
-    count = 0
+    count, scope = 0, ""
     if loaded is not None:
         from appliance.runtime.kernels.rewrite import rewrite
 
@@ -173,6 +187,9 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
             residual = os.environ.get(RESIDUAL_ENV, "0").strip() == "1"
             ahead = os.environ.get(READ_AHEAD_ENV, "1").strip() != "0"
             count = rewrite(model, loaded.factory, loaded.isa, min_weights=floor, residual=residual, ahead=ahead)
+            if not count and one_token:
+                scope = ONE_TOKEN
+                count = rewrite(model, loaded.factory, loaded.isa, min_weights=0, residual=residual, ahead=ahead)
         except Exception as exc:  # an IR shape we did not foresee: OpenVINO's kernels serve it
             why = f"rewrite failed: {exc}"
         else:
@@ -180,7 +197,6 @@ def apply(model: Any, core: Any, *, choice: str, device: str, precision: str | N
     if loaded is None or not count:
         log.info("kernels: openvino (%s)", why, extra={"model": name, "kernels": "openvino", "reason": why})
         return "openvino"
-    log.info(
-        "kernels: %s on %d MatMuls", loaded.label, count, extra={"model": name, "kernels": loaded.label, "ops": count}
-    )
-    return loaded.label
+    label = loaded.label + scope
+    log.info("kernels: %s on %d MatMuls", label, count, extra={"model": name, "kernels": label, "ops": count})
+    return label
