@@ -105,22 +105,15 @@ class Recorder:
         # steps of at most `kernel_rows` tokens); `request` then runs only prefill. Reading `request` profiled the
         # prefill graph (OpenVINO's brgemm kernels, 892 ms of nodes "per step" against a 132 ms step at
         # Qwen2.5-1.5B int4), not the graph that decoded.
-        # A batch-1 decode step runs the graph of static shapes for one token (`_one`) where the backend has one.
-        one, small = getattr(backend, "_one", None), getattr(backend, "_small", None)
-        self.request = one if one is not None else small if small is not None else backend.request
-
-        def ran_here(tokens: int) -> bool:
-            """Whether a step of `tokens` ran on self.request (the backend's own choice of request)."""
-            if one is not None:
-                return tokens == 1
-            return small is None or tokens <= backend.kernel_rows
+        # A batch-1 decode step runs the graph of static shapes for one token where the backend has one (request_for).
+        self.request = backend.request_for(1)
 
         def timed_forward(batch):
             t, c = time.perf_counter(), time.process_time()
             out = forward(batch)
             dt, dc = time.perf_counter() - t, time.process_time() - c
             tokens = sum(map(len, batch.token_ids))
-            if ran_here(tokens):
+            if backend.request_for(tokens) is self.request:  # the backend's own choice of request
                 self.infers += 1  # inferences of self.request only: its profile is an average over them
             if self.active and len(batch.token_ids) == 1 and len(batch.token_ids[0]) == 1:
                 self._pending = {"forward_ms": dt * 1e3, "forward_cpu_ms": dc * 1e3}

@@ -712,8 +712,9 @@ def _paged_backend(kernels_choice: str, precision: str | None):
 
 def _decode(
     kernels_choice: str, precision: str | None, feed: list[int] | None = None, steps: int = 8
-) -> tuple[str, list[int], np.ndarray]:
-    """Greedy decode of a fixed prompt on the default int4 export: (kernels label, tokens, logits per step). `feed`:
+) -> tuple[str, list[int], np.ndarray, int]:
+    """Greedy decode of a fixed prompt on the default int4 export: (kernels label, tokens, logits per step, dynamic
+    compiled models: 1 or 2). `feed`:
     the tokens to feed instead of its own (teacher forcing, so two runs compare the same contexts)."""
     from appliance.runtime.backends.base import StepBatch
 

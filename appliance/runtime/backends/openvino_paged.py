@@ -174,6 +174,15 @@ class OpenVINOPagedBackend(Backend):
             self.cache_bytes / 2**20,
         )
 
+    def request_for(self, tokens: int) -> ov.InferRequest:
+        """The compiled model a step of `tokens` tokens runs: the graph of static shapes for one token, ours of
+        dynamic shapes up to kernel_rows, else the one for every step (prefill)."""
+        if tokens == 1 and self._one is not None:
+            return self._one
+        if self._small is not None and tokens <= self.kernel_rows:
+            return self._small
+        return self.request
+
     def forward(self, batch: StepBatch) -> np.ndarray:
         """The returned logits are a view of the output tensor: valid until the next forward call."""
         n, bs = len(batch.token_ids), self.block_size
@@ -201,12 +210,7 @@ class OpenVINOPagedBackend(Backend):
             logits_indices = np.repeat(begins[1:] - counts, counts) + _ranges(counts)
         else:
             flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
-        if total == 1 and self._one is not None:
-            request = self._one
-        elif self._small is not None and total <= self.kernel_rows:
-            request = self._small
-        else:
-            request = self.request
+        request = self.request_for(total)
         views = self._inputs[id(request)]
         feed = [("input_ids", ids), ("position_ids", positions)]
         if self.vlm:  # the image rows (none: k = 0) and the positions, 3-D for M-RoPE
