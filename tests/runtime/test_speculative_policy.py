@@ -5,7 +5,8 @@
 - Its decisions: where a verification step costs what a plain one does (memory-bound), it drafts the most tokens at
   any acceptance; where every fed token costs the same (compute-bound), it never speculates; between (the AVX2
   box's measured table) it drafts more as acceptance rises, fewer as the batch grows, and within the token budget;
-  a near-tie does not change the step's shape.
+  a near-tie does not change the step's shape; no plan makes a decoding sequence slower than plain decoding; the
+  engine's decode steps as they run correct the table, per batch and kind of step.
 - In the engine's Speculation (with a fake proposer): the sequences the plan leaves out get a shadow draft that is
   checked against the token the step produced, so their running acceptance keeps up and they speculate again.
 """
@@ -86,8 +87,18 @@ def test_measured_table_drafts_more_as_acceptance_rises_and_less_as_the_batch_gr
     # extra positions cost more at batch 4: fewer drafts at the same acceptance, none where batch 1 still drafts
     assert 0 < policy.plan(4, [0.7] * 4, max_k=5, budget=256).k < policy.plan(1, [0.7], max_k=5, budget=256).k
     assert policy.plan(1, [0.4], max_k=5, budget=256).k > 0 and policy.plan(4, [0.4] * 4, max_k=5, budget=256).k == 0
-    # of mixed sequences, only the accepting ones draft
-    plan = policy.plan(4, [0.99, 0.99, 0.1, 0.1], max_k=5, budget=256)
+
+
+def test_a_plan_never_slows_the_sequences_it_leaves_out():
+    # the AVX2 table: drafts for two of four sequences would make the step 22-90% longer for the other two
+    avx2 = SpeculationPolicy(AVX2)
+    assert avx2.plan(4, [0.99, 0.99, 0.1, 0.1], max_k=5, budget=256).k == 0
+    assert avx2.plan(4, [0.99] * 4, max_k=5, budget=256).k > 0
+    unfair = SpeculationPolicy(AVX2, fair=0.0)  # the batch's tokens per second alone
+    assert unfair.plan(4, [0.99, 0.99, 0.1, 0.1], max_k=5, budget=256).m in (1, 2)
+    # where fed tokens cost little (2% a token per sequence at batch 4), only the accepting ones draft
+    gentle = StepCosts((1, 2, 4), (1, 3), ((0.100, 0.104),) * 3)
+    plan = SpeculationPolicy(gentle).plan(4, [0.99, 0.99, 0.1, 0.1], max_k=5, budget=256)
     assert 1 <= plan.m <= 2 and plan.k > 0
 
 
@@ -115,6 +126,42 @@ def test_a_near_tie_keeps_the_last_shape():
     policy.fed(2)  # the last step speculated
     assert policy.plan(1, [0.5], max_k=1, budget=256).k == 1
     assert policy.plan(1, [0.9], max_k=1, budget=256).k == 1  # a clear gain switches whatever the last shape
+
+
+def test_observed_steps_correct_the_table_by_kind():
+    # timed at load: one token 10 ms, three 15 ms; k = 2 at acceptance 0.7 makes 2.19 tokens in 15 ms: speculate
+    policy = SpeculationPolicy(StepCosts((1, 2), (1, 3), ((0.010, 0.015), (0.012, 0.020))))
+    assert policy.plan(1, [0.7], max_k=2, budget=256).k == 2
+    for _ in range(60):  # the engine's plain steps now take 7 ms: verifying 2.19 in 15 loses to 1 in 7
+        policy.observe(1, 1, 0.007)
+    assert policy.cost(1, 1) == pytest.approx(0.007, rel=0.05) and policy.cost(1, 3) == pytest.approx(0.015)
+    assert policy.plan(1, [0.7], max_k=2, budget=256).k == 0
+    assert policy.cost(2, 1) == pytest.approx(0.012)  # another batch's steps keep their own scale
+    for _ in range(60):  # verifying steps got cheaper too
+        policy.observe(1, 3, 0.009)
+    assert policy.plan(1, [0.7], max_k=2, budget=256).k == 2
+    before = policy.cost(1, 1)
+    policy.observe(1, 1, 5.0)  # a stalled process is not the step's cost: one step moves the scale by a tenth at most
+    assert before < policy.cost(1, 1) < 1.1 * before
+
+
+def test_only_a_decode_step_as_planned_is_observed():
+    sched = make_scheduler()
+    spec = Speculation(
+        {"fake": FakeProposer([51, 52, 53])},
+        sched,
+        EngineConfig(),
+        {"draft_tokens": 0, "accepted_draft_tokens": 0},
+        costs=flat(),
+    )
+    (seq,) = decoding(sched, "s")
+    spec.propose()
+    assert spec.planned == (1, 1 + len(seq.draft)) and spec.policy is not None
+    spec.observe(2, 1 + len(seq.draft) + 7, 0.5)  # a prompt chunk ran beside it
+    spec.observe(1, 2, 0.5)  # the schedule cut the draft short
+    assert spec.policy.scale == {}
+    spec.observe(1, 1 + len(seq.draft), 0.03)
+    assert spec.policy.scale == {(0, True): pytest.approx(1 + 0.05 * 0.5)}
 
 
 def test_measured_costs_are_made_monotone():

@@ -210,7 +210,10 @@ class Engine(Admission, Liveness):
             batch.mrope_positions = [m.position_ids(b, e) if m is not None else None for m, b, e in spans]
         try:
             self._injected("forward")
-            return batch, self.backend.forward(batch)
+            t0 = time.perf_counter()
+            logits = self.backend.forward(batch)
+            self.speculation.observe(len(plan), batch.num_tokens, time.perf_counter() - t0)
+            return batch, logits
         except Exception as exc:
             log.exception("backend forward failed: failing the step's %d sequences", len(plan))
             self.counters["failed"] += len(plan)

@@ -24,8 +24,8 @@ steps with more than speculation_max_batch decoding sequences.
 
 Whether a step speculates, which sequences and with how many drafts, is the SpeculationPolicy's decision
 (speculative/policy.py): the step costs by batch and tokens fed, timed on the engine's own backend (`measure`, at
-load, only when the model speculates: timed later it would stall every running stream), against each sequence's running
-acceptance (SpecState.rate). The sequences it leaves out still get a one-token prompt-lookup draft that is not fed
+load, only when the model speculates: timed later it would stall every running stream; then scaled by what the
+engine's decode steps take, `observe`), against each sequence's running acceptance (SpecState.rate). The sequences it leaves out still get a one-token prompt-lookup draft that is not fed
 (a "shadow", free to make): the token the step produces tells whether it would have been kept, so their rate keeps
 up with the text and they speculate again when a copy starts. A draft model's drafts cost its own steps: the time of
 its propose calls per drafted token is part of the cost (`draft_cost`).
@@ -136,6 +136,7 @@ class Speculation:
         self.proposers, self.scheduler, self.config, self.counters = proposers, scheduler, config, counters
         self.policy = SpeculationPolicy(costs) if costs is not None and proposers else None
         self.draft_cost: dict[str, float] = {}  # proposer -> seconds per drafted token (adaptive proposers)
+        self.planned = (0, 0)  # this step's decoding sequences and the tokens they feed, as `propose` left them
 
     def check(self, p: SamplingParams) -> None:
         """A request's speculation parameters, on the caller's thread (ValueError: 400). `prediction` is a hint:
@@ -196,8 +197,7 @@ class Speculation:
             if seq.num_computed == len(seq.token_ids) - 1:
                 decoding.append(seq)
         if not decoding or len(decoding) > self.config.speculation_max_batch:
-            if self.policy is not None:
-                self.policy.fed(len(decoding))
+            self._planned(len(decoding), len(decoding))
             return
         candidates: list[tuple[Sequence, int]] = []
         for seq in decoding:
@@ -213,8 +213,7 @@ class Speculation:
             if k > 0 and spec.ready():
                 candidates.append((seq, k))
         if not candidates:
-            if self.policy is not None:
-                self.policy.fed(len(decoding))
+            self._planned(len(decoding), len(decoding))
             return
         policy = self.policy
         fed, shadows = len(decoding), []
@@ -259,8 +258,20 @@ class Speculation:
                 if seq.draft or not proposer.adaptive:  # the same fed shape every step (module docstring)
                     seq.draft += [seq.draft[-1] if seq.draft else seq.token_ids[-1]] * (k - len(seq.draft))
                 fed += len(seq.draft)
-        if policy is not None:
-            policy.fed(fed)
+        self._planned(len(decoding), fed)
+
+    def _planned(self, b: int, fed: int) -> None:
+        """This step's b decoding sequences feed `fed` tokens in all (for the policy's next shape, and to
+        `observe` the step's time if the schedule runs them alone and uncut)."""
+        self.planned = (b, fed)
+        if self.policy is not None:
+            self.policy.fed(fed)
+
+    def observe(self, sequences: int, tokens: int, seconds: float) -> None:
+        """The step's forward ran `sequences` sequences feeding `tokens` in `seconds`: a decode step as planned
+        (no prompt chunk beside it, no draft cut short) tells the policy what such steps cost now."""
+        if self.policy is not None and (sequences, tokens) == self.planned and sequences:
+            self.policy.observe(sequences, tokens, seconds)
 
     def _adaptive(self, seq: Sequence) -> bool:
         return seq.spec is not None and self.proposers[seq.spec.proposer].adaptive

@@ -9,14 +9,20 @@ plain step and pays only above ~60% acceptance; the same fixed k there ran at 0.
 grounded prompts, 1-4 concurrent: docs/performance.md, "Speculation that never costs").
 
 So `measure_step_costs` times backend.forward once, at load, on a small grid: batch b in 1, 2, 4, 8 (up to
-speculation_max_batch, 4 by default) by tokens fed per sequence n in 1, 3 and 6 (n > 1 with the logits of every
+speculation_max_batch, 4 by default) by tokens fed per sequence n in 1, 2, 3 and 6 (n > 1 with the logits of every
 position, as verification asks; more tokens are extrapolated linearly), each point after one call that takes the
 new shape (the CPU plugin re-plans when the fed shape changes: that call minus the steady one is the `switch`
 cost, 15-30 ms on a quiet box) and then one timed call, in two rounds over the grid (the median per point: one
 timed call per point was not enough on the shared box, it once timed 3 tokens at batch 1 as cheap as 1 where the
 bench shows +47%); the grid is made monotone (more never costs less). The KV contents do not matter for timing, so
-the sequences share one block table at a 256-token past and nothing is prefilled. That is 36 forwards of at most
+the sequences share one block table at a 256-token past and nothing is prefilled. That is 48 forwards of at most
 24 tokens; the engine logs the time and the table (docs/performance.md has the measured load times).
+
+n = 2 is timed, not interpolated, because the cost is not linear across it where a backend runs a step of one
+token on another compiled model than a step of more (the paged backend's single-token graph on our kernels,
+kernels.ONE_TOKEN): on the default 135M model on a Zen 5 box, one token fed cost 7.4 ms, three 13.7, and two 13.8
+(`python -m bench.speculative --only profile`), not the 10.5 the line through 1 and 3 says; the policy took k = 1
+for it at acceptances above ~0.57 and those steps made 1.35 tokens in 14.3 ms against plain's 1 in 8.5.
 
 `SpeculationPolicy.plan` then decides per step, from that table, the current batch and each sequence's running
 acceptance a_i (SpecState.rate: decayed counts of accepted / rejected draft positions): with a draft accepted
@@ -24,7 +30,27 @@ position by position at rate a, a sequence keeps a (1 - a^k) / (1 - a) drafts pe
 with the m most accepting of b decoding sequences drafting k each the step makes b + sum_i<m g(a_i, k) tokens in
 cost(b, 1 + m k / b) (+ the proposer's own time per drafted token, for a draft model). The plan is the (k, m) with
 the most tokens per second, or none unless it beats plain decoding (b tokens in cost(b, 1)) by MARGIN; k is capped
-by the requests' num_assistant_tokens and the engine's token budget. A change of the fed shape costs `switch` once,
+by the requests' num_assistant_tokens and the engine's token budget.
+
+A plan is also fair: no decoding sequence may expect fewer tokens per second than plain decoding gives it (FAIR of
+it, for the table's noise). The longer step is everyone's: a sequence left out of the plan, or drafting at a low
+acceptance, pays for the others' drafts. Where the fed tokens cost little (the AVX-512 box's fp16 export) that is
+nothing; where they cost (our kernels' default model on a Zen 5 box: 4 sequences 13.3 ms plain, 19.5 ms with one
+more token each), speculating for the best of them made the batch's own tokens per second higher and every other
+stream slower, and four chat requests ended later: 0.92-0.99 of plain decoding's aggregate tok/s in six of six
+runs (`python -m bench.speculative --only concurrency --concurrency 4`).
+
+The table is timed once, but the box's speed is not constant and not alike for every step: on a 2-vCPU Zen 5 VM
+the default model's one-token step (our kernels, memory-bound) swung 5.4-9.9 ms within minutes while its
+three-token step (OpenVINO's graph) moved less, and the table taken at load put the one-token step 10-25% above
+what the engine's own decode steps took a minute later; the policy then drafted at acceptances where verifying
+lost, and prompt lookup ran 0.90x plain decoding on chat prompts at batch 1. So every decode step the engine runs
+is `observe`d: its backend time against the table's, per measured batch and per kind (plain or verifying), a
+running ratio (OBSERVED per step) that scales the table from then on. Plain steps run all the time and keep their
+scale current; a verifying kind is corrected whenever it runs, so a table that flatters speculation corrects
+itself within a few steps, and one that undersells it stays as cautious as it was timed.
+
+A change of the fed shape costs `switch` once,
 so a plan that changes the step's shape must beat keeping the last one by that cost spread over the next
 `horizon` steps: the plan does not flicker between two near-equal shapes.
 """
@@ -37,10 +63,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 BATCHES = (1, 2, 4, 8)  # batch sizes timed at load (up to speculation_max_batch)
-FED = (1, 3, 6)  # tokens fed per sequence timed at load: plain, k = 2, k = 5 (more: extrapolated linearly)
+FED = (1, 2, 3, 6)  # tokens fed per sequence timed at load: plain, k = 1, 2, 5 (more: extrapolated linearly)
 ROUNDS = 2  # passes over the grid (the median per point)
 CONTEXT = 256  # past tokens of every timed sequence
 MARGIN = 1.1  # speculate only for a predicted gain above 10%: the costs are timed once, on a box with other work
+OBSERVED = 0.05  # weight of one observed step in its kind's running ratio (~20 steps of memory)
+FAIR = 0.95  # the least share of plain decoding's tokens per second a plan may predict for any decoding sequence
 
 
 @dataclass(frozen=True)
@@ -140,31 +168,53 @@ class SpeculationPolicy:
     (module docstring). `horizon`: steps a changed shape is expected to last (the switch cost is spread over them).
     """
 
-    def __init__(self, costs: StepCosts, horizon: int = 8, margin: float = MARGIN):
-        self.costs, self.horizon, self.margin = costs, horizon, margin
+    def __init__(self, costs: StepCosts, horizon: int = 8, margin: float = MARGIN, fair: float = FAIR):
+        self.costs, self.horizon, self.margin, self.fair = costs, horizon, margin, fair
         self.last_fed = 0  # tokens the last step fed for its decoding sequences
+        # (index of the measured batch at or below b, verifying?) -> running ratio of observed to tabled seconds
+        self.scale: dict[tuple[int, bool], float] = {}
+
+    def _kind(self, b: int, n: float) -> tuple[int, bool]:
+        batches = self.costs.batches
+        return max([i for i, x in enumerate(batches) if x <= b] or [0]), n > 1
+
+    def cost(self, b: int, n: float) -> float:
+        """Seconds of a step of b sequences feeding n tokens each: the table's, scaled by what such steps took."""
+        return self.costs.cost(b, n) * self.scale.get(self._kind(b, n), 1.0)
+
+    def observe(self, b: int, fed: int, seconds: float) -> None:
+        """A decode step of b sequences feeding `fed` tokens in all took `seconds` in the backend. One step's ratio
+        is clamped to [0.5, 2]: a pause of the whole process (a collection, a swap-in) is not the step's cost."""
+        kind = self._kind(b, fed / b)
+        ratio = min(2.0, max(0.5, seconds / max(1e-9, self.costs.cost(b, fed / b))))
+        self.scale[kind] = (1 - OBSERVED) * self.scale.get(kind, 1.0) + OBSERVED * ratio
 
     def plan(self, b: int, rates: Sequence[float], max_k: int, budget: int, draft_cost: float = 0.0) -> Plan:
         """b: sequences decoding this step; rates: the running acceptance of those that may speculate, highest
         first (len(rates) <= b); max_k: the most drafts any of them allows; budget: the step's token budget (at
         most b + m k fed); draft_cost: the proposer's seconds per drafted token."""
-        cost = self.costs.cost
+        cost = self.cost
         switch = self.costs.switch / max(1, self.horizon)
 
         def penalty(fed: int) -> float:
             return switch if self.last_fed and fed != self.last_fed else 0.0
 
-        plain_rate = b / (cost(b, 1) + penalty(b))
+        plain_step = cost(b, 1) + penalty(b)
+        plain_rate = b / plain_step
         best = Plan(0, 0, plain_rate, plain_rate)
         gains = [0.0] * (len(rates) + 1)
         for k in range(1, max_k + 1):
             for m in range(1, len(rates) + 1):
-                gains[m] = gains[m - 1] + expected_drafts(rates[m - 1], k)
+                kept = expected_drafts(rates[m - 1], k)  # the least accepting of the m drafting sequences
+                gains[m] = gains[m - 1] + kept
                 fed = b + m * k
                 if fed > budget:
                     break
-                rate = (b + gains[m]) / (cost(b, fed / b) + draft_cost * m * k + penalty(fed))
-                if rate > best.rate and rate > self.margin * plain_rate:
+                step = cost(b, fed / b) + draft_cost * m * k + penalty(fed)
+                rate = (b + gains[m]) / step
+                least = 1.0 if m < b else 1.0 + kept  # tokens this step of the sequence that gains least
+                fair = least / step >= self.fair / plain_step
+                if fair and rate > best.rate and rate > self.margin * plain_rate:
                     best = Plan(k, m, rate, plain_rate)
         return best
 
