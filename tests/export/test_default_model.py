@@ -213,3 +213,28 @@ def test_ensure_export_stages_then_caches(hf_dir, tmp_path, monkeypatch):
     assert default_model.ensure_export("openvino", "int4") == stale
     assert default_model.ensure_export("openvino", "int4") == stale
     assert [c[3] for c in calls] == ["fp16", "int4"]
+
+
+def test_a_crashed_embedding_export_is_said_and_tried_once_more(monkeypatch, capsys):
+    """The embedding exports run in a child process; one killed by a signal runs again, twice is a failure, an
+    error the exporter reports is not retried."""
+    codes: list[int] = []
+    calls: list[list[str]] = []
+
+    class Done:
+        def __init__(self, code: int):
+            self.returncode = code
+
+    def run(cmd, **_):
+        calls.append(cmd)
+        return Done(codes.pop(0))
+
+    monkeypatch.setattr(default_model.subprocess, "run", run)
+    codes[:] = [-11, 0]
+    assert default_model._embedding_child(force=False) == 0 and len(calls) == 2
+    assert calls[0][-2:] == ["export.default_model", "--embedding-only"]
+    assert "died of signal 11 (attempt 1 of 2)" in capsys.readouterr().err
+    codes[:], calls[:] = [-11, -6], []
+    assert default_model._embedding_child(force=True) == 1 and calls[0][-1] == "--force"
+    codes[:], calls[:] = [2], []
+    assert default_model._embedding_child(force=False) == 2 and len(calls) == 1
