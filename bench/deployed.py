@@ -23,7 +23,10 @@ request runs to `--new-tokens` (ignore_eos / finish_reason length).
 Columns: aggregate tok/s (tokens / (last token - start)), decode tok/s (decode_rate: after the first token), TTFT;
 ratios are medians of per-repetition ours / theirs. The limit table: bytes per token (bench.bandwidth), the best
 bandwidth of the probes (a loaded box lowers every probe), limit tok/s, and each side's share of it at batch 1 (its
-decode tok/s / limit tok/s).
+decode tok/s / limit tok/s); beside it the paired share: per repetition, the side's bytes per second over the
+probe taken just before that repetition, the median over repetitions. On a VM whose probe swings 32-56 GB/s
+within minutes, the best probe's moment is seldom a decode's; the paired share says how much of what the box gave
+at the time a side used, the best-probe share (the target's) how far it is from the best the box ever gave.
 
     python -m bench.deployed --export /tmp/basedata/bench/qwen2.5-1.5b/openvino-int4 \\
         --gguf /tmp/basedata/bench/qwen2.5-1.5b/qwen2.5-1.5b-q4_k_m.gguf --llamacpp-python /tmp/llama-venv/bin/python \\
@@ -83,6 +86,7 @@ LIMIT_COLUMNS = [
     ("limit_tok_s", "limit tok/s", ".1f"),
     ("decode_tok_s", "batch-1 decode", ".1f"),
     ("share_of_limit", "share", ".2f"),
+    ("share_paired", "share (paired)", ".2f"),
 ]
 
 
@@ -268,13 +272,39 @@ def main(argv=None) -> int:
     limits = []
     b1 = next((r for r in rows if r["concurrency"] == 1), {})
     ours_bytes = bandwidth.export_bytes_per_token(args.export, context)
+
+    def paired(side: str, bytes_per_token: float) -> float | None:
+        shares = [
+            bytes_per_token * r["decode_tok_s"] / (probes[r["rep"]]["gbps"] * 1e9)
+            for r in runs
+            if r["side"] == side and r["concurrency"] == 1 and r["decode_tok_s"]
+        ]
+        return round(median(shares), 3) if shares else None
+
     for side in ("ours", "native", "genai"):
         if f"{side}_decode_tok_s" in b1:
             lim = bandwidth.limit_row(ours_bytes, gbps, 1e3 / b1[f"{side}_decode_tok_s"])
-            limits.append({"side": side, "what": args.export.name, "decode_tok_s": b1[f"{side}_decode_tok_s"], **lim})
+            limits.append(
+                {
+                    "side": side,
+                    "what": args.export.name,
+                    "decode_tok_s": b1[f"{side}_decode_tok_s"],
+                    **lim,
+                    "share_paired": paired(side, ours_bytes),
+                }
+            )
     if use_llama and "llamacpp_decode_tok_s" in b1:
-        lim = bandwidth.limit_row(bandwidth.gguf_bytes_per_token(args.gguf), gbps, 1e3 / b1["llamacpp_decode_tok_s"])
-        limits.append({"side": "llamacpp", "what": args.gguf.name, "decode_tok_s": b1["llamacpp_decode_tok_s"], **lim})
+        gguf_bytes = bandwidth.gguf_bytes_per_token(args.gguf)
+        lim = bandwidth.limit_row(gguf_bytes, gbps, 1e3 / b1["llamacpp_decode_tok_s"])
+        limits.append(
+            {
+                "side": "llamacpp",
+                "what": args.gguf.name,
+                "decode_tok_s": b1["llamacpp_decode_tok_s"],
+                **lim,
+                "share_paired": paired("llamacpp", gguf_bytes),
+            }
+        )
     isa_lines = isa_report(cpu_isa.detect(), llama_info["system_info"] if llama_info else None)
     print_table(
         rows,

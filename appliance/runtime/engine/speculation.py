@@ -25,9 +25,10 @@ steps with more than speculation_max_batch decoding sequences.
 Whether a step speculates, which sequences and with how many drafts, is the SpeculationPolicy's decision
 (speculative/policy.py): the step costs by batch and tokens fed, timed on the engine's own backend (`measure`, at
 load, only when the model speculates: timed later it would stall every running stream; then scaled by what the
-engine's decode steps take, `observe`), against each sequence's running acceptance (SpecState.rate). The sequences it leaves out still get a one-token prompt-lookup draft that is not fed
-(a "shadow", free to make): the token the step produces tells whether it would have been kept, so their rate keeps
-up with the text and they speculate again when a copy starts. A draft model's drafts cost its own steps: the time of
+engine's decode steps take, `observe`), against each sequence's running acceptance (SpecState.rate). The sequences
+it leaves out still get a one-token prompt-lookup draft that is not fed (a "shadow", free to make): the token the
+step produces tells whether it would have been kept, so their rate keeps up with the text and they speculate again
+when a copy starts. A draft model's drafts cost its own steps: the time of
 its propose calls per drafted token is part of the cost (`draft_cost`).
 
 Speculation is an object of the engine's (Engine.speculation), built with what it uses: the proposers, the
