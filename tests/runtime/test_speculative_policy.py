@@ -156,7 +156,12 @@ def test_only_a_decode_step_as_planned_is_observed():
     )
     (seq,) = decoding(sched, "s")
     spec.propose()
-    assert spec.planned == (1, 1 + len(seq.draft)) and spec.policy is not None
+    assert spec.planned == (0, 0)  # the first step in a new shape: its time is the table's `switch`, not observed
+    fed = 1 + len(seq.draft)
+    seq.num_computed += 1
+    seq.token_ids.append(51)
+    spec.propose()
+    assert spec.planned == (1, fed) == (1, 1 + len(seq.draft)) and spec.policy is not None
     spec.observe(2, 1 + len(seq.draft) + 7, 0.5)  # a prompt chunk ran beside it
     spec.observe(1, 2, 0.5)  # the schedule cut the draft short
     assert spec.policy.scale == {}

@@ -263,10 +263,11 @@ class Speculation:
 
     def _planned(self, b: int, fed: int) -> None:
         """This step's b decoding sequences feed `fed` tokens in all (for the policy's next shape, and to
-        `observe` the step's time if the schedule runs them alone and uncut)."""
-        self.planned = (b, fed)
-        if self.policy is not None:
-            self.policy.fed(fed)
+        `observe` the step's time if the schedule runs them alone and uncut, in the last step's shape)."""
+        if self.policy is None:
+            return
+        self.planned = (b, fed) if fed == self.policy.last_fed else (0, 0)
+        self.policy.fed(fed)
 
     def observe(self, sequences: int, tokens: int, seconds: float) -> None:
         """The step's forward ran `sequences` sequences feeding `tokens` in `seconds`: a decode step as planned

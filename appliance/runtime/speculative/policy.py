@@ -20,9 +20,10 @@ the sequences share one block table at a 256-token past and nothing is prefilled
 
 n = 2 is timed, not interpolated, because the cost is not linear across it where a backend runs a step of one
 token on another compiled model than a step of more (the paged backend's single-token graph on our kernels,
-kernels.ONE_TOKEN): on the default 135M model on a Zen 5 box, one token fed cost 7.4 ms, three 13.7, and two 13.8
-(`python -m bench.speculative --only profile`), not the 10.5 the line through 1 and 3 says; the policy took k = 1
-for it at acceptances above ~0.57 and those steps made 1.35 tokens in 14.3 ms against plain's 1 in 8.5.
+kernels.ONE_TOKEN): on the default 135M model on a Zen 5 box the table had one token at 7.4 ms and three at 13.7,
+so the line put two at 10.5, while the engine's steps of two took 13.8 (`python -m bench.speculative --only
+profile`); the policy took k = 1 at acceptances above ~0.57 and those steps made 1.35 tokens in 14.3 ms against
+plain's 1 in 8.5.
 
 `SpeculationPolicy.plan` then decides per step, from that table, the current batch and each sequence's running
 acceptance a_i (SpecState.rate: decayed counts of accepted / rejected draft positions): with a draft accepted
@@ -45,8 +46,9 @@ the default model's one-token step (our kernels, memory-bound) swung 5.4-9.9 ms 
 three-token step (OpenVINO's graph) moved less, and the table taken at load put the one-token step 10-25% above
 what the engine's own decode steps took a minute later; the policy then drafted at acceptances where verifying
 lost, and prompt lookup ran 0.90x plain decoding on chat prompts at batch 1. So every decode step the engine runs
-is `observe`d: its backend time against the table's, per measured batch and per kind (plain or verifying), a
-running ratio (OBSERVED per step) that scales the table from then on. Plain steps run all the time and keep their
+is `observe`d (unless it changed the fed shape: that step's extra is `switch`, counted apart): its backend time
+against the table's, per measured batch and per kind (plain or verifying), a running ratio (OBSERVED per step)
+that scales the table from then on. Plain steps run all the time and keep their
 scale current; a verifying kind is corrected whenever it runs, so a table that flatters speculation corrects
 itself within a few steps, and one that undersells it stays as cautious as it was timed.
 
