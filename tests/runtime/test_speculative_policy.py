@@ -90,7 +90,7 @@ def test_measured_table_drafts_more_as_acceptance_rises_and_less_as_the_batch_gr
 
 
 def test_a_plan_never_slows_the_sequences_it_leaves_out():
-    # the AVX2 table: drafts for two of four sequences would make the step 22-90% longer for the other two
+    # the AVX2 table: drafts for two of four sequences would make the step 22-110% longer for the other two
     avx2 = SpeculationPolicy(AVX2)
     assert avx2.plan(4, [0.99, 0.99, 0.1, 0.1], max_k=5, budget=256).k == 0
     assert avx2.plan(4, [0.99] * 4, max_k=5, budget=256).k > 0
