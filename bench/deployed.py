@@ -281,30 +281,16 @@ def main(argv=None) -> int:
         ]
         return round(median(shares), 3) if shares else None
 
-    for side in ("ours", "native", "genai"):
+    measured = [(side, args.export.name, ours_bytes) for side in ("ours", "native", "genai")]
+    if use_llama:
+        measured.append(("llamacpp", args.gguf.name, bandwidth.gguf_bytes_per_token(args.gguf)))
+    for side, what, per_token in measured:
         if f"{side}_decode_tok_s" in b1:
-            lim = bandwidth.limit_row(ours_bytes, gbps, 1e3 / b1[f"{side}_decode_tok_s"])
+            rate = b1[f"{side}_decode_tok_s"]
+            lim = bandwidth.limit_row(per_token, gbps, 1e3 / rate)
             limits.append(
-                {
-                    "side": side,
-                    "what": args.export.name,
-                    "decode_tok_s": b1[f"{side}_decode_tok_s"],
-                    **lim,
-                    "share_paired": paired(side, ours_bytes),
-                }
+                {"side": side, "what": what, "decode_tok_s": rate, **lim, "share_paired": paired(side, per_token)}
             )
-    if use_llama and "llamacpp_decode_tok_s" in b1:
-        gguf_bytes = bandwidth.gguf_bytes_per_token(args.gguf)
-        lim = bandwidth.limit_row(gguf_bytes, gbps, 1e3 / b1["llamacpp_decode_tok_s"])
-        limits.append(
-            {
-                "side": "llamacpp",
-                "what": args.gguf.name,
-                "decode_tok_s": b1["llamacpp_decode_tok_s"],
-                **lim,
-                "share_paired": paired("llamacpp", gguf_bytes),
-            }
-        )
     isa_lines = isa_report(cpu_isa.detect(), llama_info["system_info"] if llama_info else None)
     print_table(
         rows,

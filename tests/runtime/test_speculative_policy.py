@@ -17,6 +17,7 @@ import pytest
 
 from appliance.config import EngineConfig
 from appliance.runtime.engine.speculation import Speculation
+from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.speculative.policy import (
     SpeculationPolicy,
     StepCosts,
@@ -39,6 +40,13 @@ def flat(seconds: float = 0.02) -> StepCosts:
 def per_token(seconds: float = 0.01) -> StepCosts:
     """Compute-bound: every fed token costs the same."""
     return StepCosts((1, 2, 4), (1, 3), tuple(tuple(seconds * b * n for n in (1, 3)) for b in (1, 2, 4)))
+
+
+def speculation(costs: StepCosts) -> tuple[Scheduler, Speculation]:
+    """The engine's Speculation over a fresh scheduler, one fake proposer drafting 51, 52, 53, and `costs`."""
+    sched = make_scheduler()
+    counters = {"draft_tokens": 0, "accepted_draft_tokens": 0}
+    return sched, Speculation({"fake": FakeProposer([51, 52, 53])}, sched, EngineConfig(), counters, costs=costs)
 
 
 def test_expected_drafts():
@@ -146,14 +154,7 @@ def test_observed_steps_correct_the_table_by_kind():
 
 
 def test_only_a_decode_step_as_planned_is_observed():
-    sched = make_scheduler()
-    spec = Speculation(
-        {"fake": FakeProposer([51, 52, 53])},
-        sched,
-        EngineConfig(),
-        {"draft_tokens": 0, "accepted_draft_tokens": 0},
-        costs=flat(),
-    )
+    sched, spec = speculation(flat())
     (seq,) = decoding(sched, "s")
     spec.propose()
     assert spec.planned == (0, 0)  # the first step in a new shape: its time is the table's `switch`, not observed
@@ -188,14 +189,7 @@ def test_rate_follows_recent_verifications():
 def test_left_out_sequences_keep_a_shadow_and_come_back():
     """A compute-bound table: nobody speculates, every sequence gets a one-token shadow draft; once the shadows
     keep being right on a memory-bound table, the sequence drafts again."""
-    sched = make_scheduler()
-    spec = Speculation(
-        {"fake": FakeProposer([51, 52, 53])},
-        sched,
-        EngineConfig(),
-        {"draft_tokens": 0, "accepted_draft_tokens": 0},
-        costs=per_token(),
-    )
+    sched, spec = speculation(per_token())
     (seq,) = decoding(sched, "s")
     spec.propose()
     assert seq.draft == [] and seq.spec is not None and seq.spec.shadow == (len(seq.token_ids), 51)

@@ -59,6 +59,7 @@ so a plan that changes the step's shape must beat keeping the last one by that c
 
 from __future__ import annotations
 
+import bisect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -177,8 +178,7 @@ class SpeculationPolicy:
         self.scale: dict[tuple[int, bool], float] = {}
 
     def _kind(self, b: int, n: float) -> tuple[int, bool]:
-        batches = self.costs.batches
-        return max([i for i, x in enumerate(batches) if x <= b] or [0]), n > 1
+        return max(0, bisect.bisect_right(self.costs.batches, b) - 1), n > 1
 
     def cost(self, b: int, n: float) -> float:
         """Seconds of a step of b sequences feeding n tokens each: the table's, scaled by what such steps took."""
