@@ -64,6 +64,8 @@ def role(name: str, node_type: str, head: str) -> str:
         return "MLP"
     if node_type in ("PagedAttentionExtension", "ScaledDotProductAttention"):
         return "attention"
+    if node_type == "Reference" and name.startswith("PagedAttentionExtension"):  # ours in its place (attention.py)
+        return "attention"
     if node_type.startswith("Gather"):
         return "embedding"
     if node_type in _ELEMENTWISE or "rotary_emb" in name:

@@ -96,18 +96,22 @@ def kernel_rows(label: str, model: ov.Model) -> int:
     return kernels.EVERY_ROW if rows and isa in kernels.PREFILL_ISAS and prefill_fits(model) else rows
 
 
+def model_name(model_dir: Path) -> str:
+    """How the kernels' log lines name a model: <model>/<format>."""
+    return f"{Path(model_dir).parent.name}/{Path(model_dir).name}"
+
+
 def apply_kernels(model: ov.Model, config: EngineConfig, model_dir: Path, *, one_token: bool = False) -> str:
     """Our low-bit kernels where they apply (appliance/runtime/kernels), after every rewrite that looks for the
     graph's MatMuls (the LM head's Gather) and before compiling; returns which kernels run, for the backend.
     `one_token`: the backend can run the rewritten model on single-token steps alone (kernels.ONE_TOKEN)."""
-    name = f"{Path(model_dir).parent.name}/{Path(model_dir).name}"
     return kernels.apply(
         model,
         core(),
         choice=config.kernels,
         device=config.device,
         precision=config.precision,
-        name=name,
+        name=model_name(model_dir),
         one_token=one_token,
     )
 

@@ -32,9 +32,11 @@ from appliance.runtime.backends.openvino_common import (
     core,
     kernel_rows,
     logits_matmul,
+    model_name,
     read_model,
 )
 from appliance.runtime.backends.projection_fusion import fuse_sibling_projections
+from appliance.runtime.kernels import attention
 
 if TYPE_CHECKING:
     from appliance.config import EngineConfig
@@ -55,17 +57,20 @@ def _gather_last_tokens(model: ov.Model) -> None:
     model.validate_nodes_and_infer_types()
 
 
-def _one_token(model: ov.Model) -> ov.Model:
+def _one_token(model: ov.Model, caches: dict[str, list[int]], table: int) -> ov.Model:
     """The rewritten graph for steps of one token (batch-1 decode, the commonest step on an edge box) with static
-    shapes but for the KV blocks'. The CPU plugin runs our op as a reference node, and with x's shape dynamic it infers
-    the op's output shape at every call, from a clone of the op (~7 us, 113 calls a step at Qwen2.5-1.5B); static,
-    that and the plugin's per-node shape checks go. Compiled as a third model beside the one for 1..kernel_rows tokens:
-    it shares their constants (the process's RSS did not grow) and took 3.5 s more to load at Qwen2.5-1.5B, whose
-    decode step it took to 0.923-0.952 of the time on the graph of dynamic shapes (Zen 4 EPYC, engines side by side,
-    interleaved, medians of 6-12 pairs)."""
+    shapes: `caches` (input name -> its full shape: the pool is allocated once) and a block table of `table` entries
+    (forward pads a sequence's). The CPU plugin runs our ops as reference nodes, and where an input's shape is
+    dynamic it infers the op's output shape at every call, from a clone of the op (~7 us, 113 calls a step at
+    Qwen2.5-1.5B); static, that and the plugin's per-node shape checks go. Compiled as a third model beside the one
+    for 1..kernel_rows tokens: it shares their constants (the process's RSS did not grow) and took 3.5 s more to load
+    at Qwen2.5-1.5B, whose decode step it took to 0.923-0.952 of the time on the graph of dynamic shapes (Zen 4 EPYC,
+    engines side by side, interleaved, medians of 6-12 pairs). Our decode attention (kernels/attention.py) took 1.15
+    ms a step at a 512-token context with the pool's shape static, 1.6-1.9 with it dynamic (Zen 5; the plugin's own
+    attention 2.03 / 2.05 either way)."""
     one = model.clone()  # constants shared, not copied
-    shapes = {"input_ids": [1], "position_ids": [1], "past_lens": [1], "logits_indices": [1]}
-    one.reshape({**shapes, "subsequence_begins": [2], "block_indices_begins": [2]})
+    shapes = {"input_ids": [1], "position_ids": [1], "past_lens": [1], "logits_indices": [1], "block_indices": [table]}
+    one.reshape({**shapes, "subsequence_begins": [2], "block_indices_begins": [2], **caches})
     return one
 
 
@@ -112,12 +117,14 @@ class OpenVINOPagedBackend(Backend):
         native = model.clone()  # constants shared, not copied
         self.kernels = apply_kernels(model, config, model_dir, one_token=not self.vlm)
         props = compile_properties(config)
+        if attention.wanted(self.kernels) and not self.vlm:  # one cache layout for the plugin's attention and ours
+            props.update(attention.cache_mode(manifest.head_dim))
         # Steps of at most `kernel_rows` tokens (decode, speculative verification, small batches) run our kernels;
         # longer ones (prefill) OpenVINO's where they win there (kernels.KERNEL_ROWS), each compiled model holding
         # its own weights (kernels/rewrite.py states the cost). Where ours win at every row count
         # (kernels.EVERY_ROW), ours alone: one compiled model. Steps of one token: ours again, with static shapes
-        # (_one_token); a model whose layers are all under the kernels' floor runs ours there alone
-        # (kernels.ONE_TOKEN).
+        # (_one_token), and our attention (kernels/attention.py); a model whose layers are all under the kernels'
+        # floor runs ours there alone (kernels.ONE_TOKEN).
         rows = kernel_rows(self.kernels, model)
         one_only = self.kernels.endswith(kernels.ONE_TOKEN)
         ours = compile_with_kernels(model, config.device, props) if rows and not one_only else None
@@ -127,19 +134,8 @@ class OpenVINOPagedBackend(Backend):
             self.compiled, small = core().compile_model(native, config.device, props), ours
         self.request = self.compiled.create_infer_request()
         self._small = small.create_infer_request() if small is not None else None
-        one = None
-        if (ours is not None or one_only) and not self.vlm:  # single-token steps: ours in a graph of static shapes
-            try:
-                one = core().compile_model(_one_token(model), config.device, props)
-            except Exception as exc:  # an optimisation: the graph of dynamic shapes takes those steps instead
-                log.warning("one-token graph not compiled (%s): single-token steps run the dynamic one", exc)
-        self._one = one.create_infer_request() if one is not None else None
-        if ours is None and one is None:
-            self.kernels, rows = "openvino", 0
-        self.kernel_rows = rows
-        del native, model, ours, small, one
         cache_inputs = [i for i in self.compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))]
-        # value_cache's dim 2 is the block size; a u8 key_cache adds rows for its per-channel scales.
+        # value_cache's dim 2 is the block size; a u8 key_cache by channel adds rows for its per-channel scales.
         values = next(i for i in cache_inputs if i.get_any_name().startswith("value_cache."))
         self.block_size = values.get_partial_shape()[2].get_length()
         block_dims = [
@@ -151,6 +147,23 @@ class OpenVINOPagedBackend(Backend):
         )
         self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
         self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
+        one, self.attention = None, False
+        self._table = -(-self.max_context // self.block_size)  # a one-token step's block table, padded
+        if (ours is not None or one_only) and not self.vlm:  # single-token steps: ours in a graph of static shapes
+            pool = {p.get_any_name(): [self.num_blocks, *dims] for p, dims in zip(cache_inputs, block_dims)}
+            single = _one_token(model, pool, self._table)
+            if attention.wanted(self.kernels):
+                self.attention = attention.apply(single, core(), config.kernels, cache_inputs, model_name(model_dir))
+            try:
+                one = core().compile_model(single, config.device, props)
+            except Exception as exc:  # an optimisation: the graph of dynamic shapes takes those steps instead
+                log.warning("one-token graph not compiled (%s): single-token steps run the dynamic one", exc)
+                self.attention = False
+        self._one = one.create_infer_request() if one is not None else None
+        if ours is None and one is None:
+            self.kernels, rows = "openvino", 0
+        self.kernel_rows = rows
+        del native, model, ours, small, one
         # per request: input name -> numpy view of the tensor bound to it
         self._inputs: dict[int, dict[str, np.ndarray]] = {id(r): {} for r in (self.request, self._small, self._one)}
         self._blocks = []  # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
@@ -211,6 +224,8 @@ class OpenVINOPagedBackend(Backend):
         else:
             flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
         request = self.request_for(total)
+        if request is self._one:  # its block table has a static length
+            blocks = np.concatenate([blocks, np.zeros(self._table - len(blocks), np.int32)])
         views = self._inputs[id(request)]
         feed = [("input_ids", ids), ("position_ids", positions)]
         if self.vlm:  # the image rows (none: k = 0) and the positions, 3-D for M-RoPE

@@ -1,6 +1,7 @@
 """Our own low-bit decode kernels inside OpenVINO: an extension library (LowBitMatMul, C++ in this directory) that
 multiplies int8-quantized activations by u4 weights with integer dot products, where OpenVINO's CPU plugin expands
-int4 to f32 (AVX2 boxes: brgemm_avx2_f32) or needs integer zero points to quantize activations (VNNI boxes).
+int4 to f32 (AVX2 boxes: brgemm_avx2_f32) or needs integer zero points to quantize activations (VNNI boxes); and
+the single-token steps' paged attention over the u8 KV cache (DecodeAttention, attention.py says why).
 
 This module finds and loads the library and says which path runs; rewrite.py swaps the MatMuls at load; build.py
 compiles the library (what `make venv` and the Dockerfile run). Everything degrades to OpenVINO's own kernels: no
@@ -21,15 +22,16 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 LIBRARY = "libappliance_kernels.so"
-# What rewrite.py and the library agree on (the op's inputs, attributes and their layouts, the exported symbols):
-# build.py compiles this number into the library and load() refuses a library that reports another one. A library
-# built from older sources once asserted at its first call ("sz must hold ceil(K / group_size)") instead of
+# What rewrite.py, attention.py and the library agree on (the ops' inputs, attributes and their layouts, the exported
+# symbols): build.py compiles this number into the library and load() refuses a library that reports another one. A
+# library built from older sources once asserted at its first call ("sz must hold ceil(K / group_size)") instead of
 # falling back. Bump it with any change to that contract (5: the backends run prefill on ours where PREFILL_ISAS says
-# the library has a prefill tile; an older one would run it on the slower general tile. 6: KERNEL_ROWS 8 on
-# AVX512-VNNI, where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not
-# per 32, which the tests' error bound assumes, and the op's `residual` attribute. 8: the op's `slot_pairs` attribute,
-# AVX512-VNNI's grouped rows. 9: the op's optional fourth input, the next op's weights to read ahead).
-ABI = 9
+# the library has a prefill tile; an older one would run it on the slower general tile. 6: KERNEL_ROWS 8 on AVX512-VNNI,
+# where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not per 32, which the
+# tests' error bound assumes, and the op's `residual` attribute. 8: the op's `slot_pairs` attribute, AVX512-VNNI's
+# grouped rows. 9: the op's optional fourth input, the next op's weights to read ahead. 10: the DecodeAttention op,
+# attention.py).
+ABI = 10
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

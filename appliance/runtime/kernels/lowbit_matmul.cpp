@@ -114,6 +114,14 @@ void read_ahead(const ov::Tensor& next, uint64_t call) {
     });
 }
 
+}  // namespace
+
+// Ends a read-ahead still running (read_ahead): another op of ours that parallelises (DecodeAttention) calls it, so
+// that the arena's other thread joins that op instead of reading weights beside it.
+void appliance_end_read_ahead() { g_calls.fetch_add(1, std::memory_order_relaxed); }
+
+namespace {
+
 LowbitKernel kernel_for(const std::string& isa) {
     if (isa == "avx512vnni") return lowbit_kernel_avx512vnni();
     if (isa == "avxvnni") return lowbit_kernel_avxvnni();
@@ -294,4 +302,7 @@ extern "C" __attribute__((visibility("default"))) const char* appliance_kernels_
     return isas.c_str();
 }
 
-OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<appliance::LowBitMatMul>>()}));
+ov::Extension::Ptr decode_attention_extension();  // decode_attention.cpp
+
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>(
+    {std::make_shared<ov::OpExtension<appliance::LowBitMatMul>>(), decode_attention_extension()}));

@@ -1,0 +1,182 @@
+"""At load: the single-token graph's PagedAttentionExtension nodes become our DecodeAttention op
+(decode_attention.cpp). It reads and writes the same u8 cache, quantized by token, that the plugin's paged attention
+uses in the other graphs (prefill, verification, batches).
+
+Why: at Qwen2.5-1.5B batch-1 decode on a 2-vCPU Zen 5 EPYC, the plugin's paged attention over its u8 cache took
+0.95 / 2.96 / 5.04 ms of a 19-28 ms step at 64 / 512 / 1500-token contexts (bench.profile), ~120-200 ns per token and
+layer, bound by its per-token work, not by memory. A bf16 cache made it faster there but the step was not. Ours
+dequantizes each cached key in registers once per group of up to 4 query heads and keeps the values' weighted sums
+in registers across a run of tokens. In that step (bench.profile --steps 32 --reps 3, runs alternated with ENV=0) it
+took 1.34 / 1.32 ms against 2.26 / 2.09 at 512 tokens, and 2.36 / 2.64 against 4.99 / 5.70 at 1500. The graph's
+static shapes matter: with the pool's dimension dynamic the plugin infers the op's shape at every call, and it took
+1.6-1.9 ms at 512 (openvino_paged._one_token).
+
+The layout: KEY_CACHE_QUANT_MODE=BY_TOKEN with KEY_CACHE_GROUP_SIZE=32 (cache_mode, set by the backend on every
+graph it compiles when ours run) makes each token's key row head / 32 groups of (f32 scale, f32 zero point, 32 u8).
+The value cache is by token already, one group a row. The plugin's default keeps keys by channel, with scales in
+extra rows of each block. Groups of 32 cost what those rows do (8 bytes per 32 values), and they were as accurate:
+next-token TVD against an f32 cache, over the default model's prefill, 6 single-token steps and a 2-token step
+(tests/runtime/test_decode_attention.py's steps), averaged 0.0147 by channel, 0.0188 by token in one group a row,
+0.0121 in groups of 32 on the plugin's attention, and 0.0145 with ours in the single-token steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import openvino as ov
+
+from appliance.runtime import kernels
+
+log = logging.getLogger(__name__)
+
+OP = "DecodeAttention"
+# 0: single-token steps keep the plugin's paged attention (and the plugin's default key cache layout), for
+# side-by-side measurements.
+ENV = "APPLIANCE_KERNELS_ATTENTION"
+PAGED = "PagedAttentionExtension"
+KEY_GROUP = 32
+# PagedAttentionExtension's inputs: 0-2 q, k, v; 3-4 the caches; 5 past_lens; 6 subsequence_begins; 7 block_indices;
+# 8 block_indices_begins; 9 scale; 10 sliding_window; 11 alibi_slopes; 12 max_context_len; the rest serve cache
+# eviction, rotation, sparse attention and sinks. Ours takes a model that uses none of those (every one empty),
+# no sliding window and no ALiBi.
+SCALE, WINDOW, ALIBI, FIRST_EXTRA = 9, 10, 11, 13
+
+
+def _constant(output: ov.Output) -> np.ndarray | None:
+    node = output.get_node()
+    return np.asarray(node.get_data()) if node.get_type_name() == "Constant" else None
+
+
+def _plain(node: ov.Node) -> bool:
+    """Attention our op computes the same: a constant scale, no window, no ALiBi, no eviction scores read, and
+    every optional input past max_context_len empty or a scalar."""
+    scale, window, alibi = (_constant(node.input_value(i)) for i in (SCALE, WINDOW, ALIBI))
+    if scale is None or scale.size != 1 or window is None or int(window.ravel()[0]) != 0:
+        return False
+    if alibi is None or alibi.size:
+        return False
+    for i in range(FIRST_EXTRA, node.get_input_size()):
+        shape = node.input_value(i).get_partial_shape()
+        if shape.rank.is_dynamic or (shape.rank.get_length() and not (shape.is_static and shape[0].get_length() == 0)):
+            return False
+    return all(not node.output(i).get_target_inputs() for i in range(1, node.get_output_size()))
+
+
+def _group(head: int, row: int) -> int:
+    """The group size whose rows of `head` values take `row` bytes (head / group groups of 8 + group), or 0."""
+    extra = row - head
+    if extra <= 0 or extra % 8 or head % (extra // 8):
+        return 0
+    group = head // (extra // 8)
+    return group if group % 8 == 0 else 0
+
+
+def rewrite(model: ov.Model, factory: Any, caches: dict[str, list[int]]) -> int:
+    """Replaces `model`'s paged attention nodes with DecodeAttention where every one of them fits (else none: one
+    layer on each would still read one cache); returns how many. `caches`: per cache input name (key_cache.N,
+    value_cache.N) the compiled graphs' block dims [kv heads, block size, row bytes], all u8 by token."""
+    nodes = [n for n in model.get_ordered_ops() if n.get_type_name() == PAGED]
+    swaps = []
+    for node in nodes:
+        if not _plain(node):
+            return 0
+        ports = [node.input_value(i).get_node() for i in (3, 4)]
+        key_dims, value_dims = (caches.get(p.get_friendly_name()) for p in ports)
+        if key_dims is None or value_dims is None or any(p.get_type_name() != "Parameter" for p in ports):
+            return 0
+        (kv_heads, block, key_row), (kv_heads_v, block_v, value_row) = key_dims, value_dims
+        q, k = (node.input_value(i).get_partial_shape() for i in (0, 1))
+        if (kv_heads, block) != (kv_heads_v, block_v) or q[1].is_dynamic or k[1].is_dynamic:
+            return 0
+        head, rest = divmod(k[1].get_length(), kv_heads)
+        groups = [_group(head, row) for row in (key_row, value_row)]
+        heads, rest_q = divmod(q[1].get_length(), head) if head else (0, 1)
+        if rest or rest_q or not all(groups) or heads % kv_heads or heads // kv_heads > 64:
+            return 0
+        attrs: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head_size": head, "block_size": block}
+        attrs |= {"key_group": groups[0], "value_group": groups[1]}
+        attrs["scale"] = float(np.asarray(_constant(node.input_value(SCALE))).ravel()[0])  # _plain: a constant
+        swaps.append((node, ports, [key_row, value_row], attrs))
+    made = []
+    for node, ports, rows, attrs in swaps:
+        for port, row in zip(ports, rows):
+            shape = port.get_partial_shape()
+            pool = shape[0] if shape.rank.is_static else ov.Dimension()  # the pool's size where the graph fixed it
+            port.set_element_type(ov.Type.u8)
+            port.set_partial_shape(ov.PartialShape([pool, attrs["kv_heads"], attrs["block_size"], row]))
+            port.validate_and_infer_types()
+        inputs = [node.input_value(i) for i in (0, 1, 2, 3, 4, 5, 7, 8)]
+        made.append((node, factory.create(OP, inputs, attrs)))
+    for node, new in made:
+        new.set_friendly_name(node.get_friendly_name())
+        for target in list(node.output(0).get_target_inputs()):
+            target.replace_source_output(new.output(0))
+    if made:
+        model.validate_nodes_and_infer_types()
+    return len(made)
+
+
+def by_token(ports: list[ov.Output]) -> dict[str, list[int]]:
+    """The compiled model's cache inputs as rewrite's `caches`, or {} unless every one is u8 [?, kv heads, block
+    size, row] (by token: the key caches alike, the value caches alike)."""
+    caches = {}
+    for port in ports:
+        shape = port.get_partial_shape()
+        if (
+            port.get_element_type() != ov.Type.u8
+            or shape.rank.get_length() != 4
+            or any(shape[d].is_dynamic for d in (1, 2, 3))
+        ):
+            return {}
+        caches[port.get_any_name()] = [shape[d].get_length() for d in (1, 2, 3)]
+    kinds: dict[str, set[tuple[int, ...]]] = {}
+    for name, dims in caches.items():
+        kinds.setdefault(name.split(".")[0], set()).add(tuple(dims))
+    return caches if all(len(d) == 1 for d in kinds.values()) else {}
+
+
+def wanted(label: str) -> bool:
+    """Whether a backend whose MatMuls run `label` ("openvino" or ours) should lay its cache out for our attention
+    (cache_mode) and try it: ours are loaded and ENV does not say 0."""
+    return label != "openvino" and os.environ.get(ENV, "1").strip() != "0"
+
+
+def cache_mode(head_dim: int) -> dict[str, Any]:
+    """The compile properties that lay the KV cache out for our attention (the module's docstring): keys by token
+    in groups of KEY_GROUP, or in one group a row where the head does not split into them; {} where ours cannot
+    take the head at all (a multiple of 8 values, the kernels' narrowest vector)."""
+    if head_dim % 8:
+        return {}
+    mode: dict[str, Any] = {"KEY_CACHE_QUANT_MODE": "BY_TOKEN"}
+    if head_dim % KEY_GROUP == 0:
+        mode["KEY_CACHE_GROUP_SIZE"] = KEY_GROUP
+    return mode
+
+
+def apply(model: ov.Model, core: Any, choice: str, ports: list[ov.Output], name: str = "") -> bool:
+    """Our attention in `model` (the single-token graph, before compiling) where the compiled cache inputs `ports`
+    are u8 by token and every attention node fits; one log line says which attention runs. Never raises."""
+    caches = by_token(ports)
+    why, count = "", 0
+    if not caches:
+        why = "the KV cache is not u8 by token"
+    else:
+        loaded, why = kernels.load(core, choice)
+        if loaded is not None:
+            try:
+                count = rewrite(model, loaded.factory, caches)
+            except Exception as exc:  # a graph we did not foresee: the plugin's attention serves it
+                why = f"rewrite failed: {exc}"
+            else:
+                why = "" if count else "an attention node uses what ours does not (window, ALiBi, eviction)"
+    if not count:
+        log.info("decode attention: openvino (%s)", why, extra={"model": name, "attention": "openvino", "reason": why})
+        return False
+    log.info(
+        "decode attention: ours on %d layers", count, extra={"model": name, "attention": "appliance", "ops": count}
+    )
+    return True

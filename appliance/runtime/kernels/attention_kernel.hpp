@@ -1,0 +1,170 @@
+// The DecodeAttention kernels (attention_kernel.h) for one vector width, included by attention_avx2.cpp and
+// attention_avx512.cpp, each compiled for its ISA with a traits struct V: the float vector type and its width W,
+// zero, load, store, load_u8 (W u8 values as floats), fmadd, add, sub, set1, hsum, hsum4 (four sums at once),
+// exp_neg (exp of x <= 0).
+// Group sizes are multiples of W (decode_attention.cpp picks the width).
+//
+// Per token and kv head the key row is dequantized in registers for each group of up to 4 query heads of the kv
+// head; the values' weighted sums stay in registers (up to 4 heads x CHUNKS vectors of dims) over every token of the
+// part, so that a token costs its conversions and its FMAs, not loads and stores of the sums.
+#include <algorithm>
+#include <cmath>
+
+#include "attention_kernel.h"
+
+namespace {
+
+// Tokens ahead whose rows part() fetches while it scores the current one.
+constexpr int64_t AHEAD = 8;
+
+inline float f32_at(const uint8_t* p) {
+    float f;
+    std::copy_n(p, 4, reinterpret_cast<uint8_t*>(&f));
+    return f;
+}
+
+// Dots of NR query heads with one key row, each W values dequantized in registers as (u8 - zp) * scale of its group.
+template <int NR>
+inline void dots(const float* const* q, const uint8_t* row, int64_t hs, int64_t group, float* out) {
+    typename V::vec acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = V::zero();
+    for (int64_t g0 = 0; g0 < hs; g0 += group, row += 8 + group) {
+        const float sc = f32_at(row);
+        const auto s = V::set1(sc), c = V::set1(-f32_at(row + 4) * sc);
+        for (int64_t d = 0; d < group; d += V::W) {
+            const auto k = V::fmadd(V::load_u8(row + 8 + d), s, c);
+            for (int r = 0; r < NR; ++r) acc[r] = V::fmadd(V::load(q[r] + g0 + d), k, acc[r]);
+        }
+    }
+    if constexpr (NR == 4) {
+        V::hsum4(acc[0], acc[1], acc[2], acc[3], out);
+    } else {
+        for (int r = 0; r < NR; ++r) out[r] = V::hsum(acc[r]);
+    }
+}
+
+// acc[r][d0 .. d0 + C W) = sum over the part's tokens of w[i, r] * v_i for NR heads from r0, the C W dims inside one
+// group of the row: sum w s u - sum w s zp, the second a scalar per head subtracted at the end.
+template <int NR, int C>
+inline void weigh(const AttentionArgs& a, const uint8_t* const* rows, const float* w, int64_t n, int64_t R, int64_t r0,
+                  int64_t d0, float* acc) {
+    const int64_t group = a.value_group, head = d0 / group * (8 + group), at = head + 8 + d0 % group;
+    typename V::vec s[NR][C];
+    float corr[NR] = {};
+    for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < C; ++c) s[r][c] = V::zero();
+#pragma GCC unroll 1
+    for (int64_t i = 0; i < n; ++i) {
+        const uint8_t* row = rows[i];
+        const float sc = f32_at(row + head), zp = f32_at(row + head + 4);
+        typename V::vec u[C];
+        for (int c = 0; c < C; ++c) u[c] = V::load_u8(row + at + c * V::W);
+        for (int r = 0; r < NR; ++r) {
+            const float ws = w[i * R + r0 + r] * sc;
+            corr[r] += ws * zp;
+            const auto b = V::set1(ws);
+            for (int c = 0; c < C; ++c) s[r][c] = V::fmadd(b, u[c], s[r][c]);
+        }
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int c = 0; c < C; ++c)
+            V::store(acc + (r0 + r) * a.hs + d0 + c * V::W, V::sub(s[r][c], V::set1(corr[r])));
+}
+
+template <int C>
+void weigh_heads(const AttentionArgs& a, const uint8_t* const* rows, const float* w, int64_t n, int64_t R, int64_t d0,
+                 float* acc) {
+    for (int64_t r = 0; r < R;) {
+        switch (std::min<int64_t>(R - r, 4)) {
+            case 4: weigh<4, C>(a, rows, w, n, R, r, d0, acc); r += 4; break;
+            case 3: weigh<3, C>(a, rows, w, n, R, r, d0, acc); r += 3; break;
+            case 2: weigh<2, C>(a, rows, w, n, R, r, d0, acc); r += 2; break;
+            default: weigh<1, C>(a, rows, w, n, R, r, d0, acc); r += 1; break;
+        }
+    }
+}
+
+void part(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to, float* m, float* l, float* acc,
+          float* scores, const uint8_t** keys) {
+    const int64_t R = a.H / a.Hkv, hs = a.hs, n = to - from;
+    const int64_t krow = attention_row(hs, a.key_group), kblock = attention_block(a, a.key_group);
+    const int64_t vrow = attention_row(hs, a.value_group), vblock = attention_block(a, a.value_group);
+    const int32_t* blocks = a.block_indices + a.block_begins[t];
+    const float* q[64];
+    float d[64];
+    for (int64_t r = 0; r < R; ++r) q[r] = a.q + t * a.H * hs + (g * R + r) * hs;
+    // Row pointers of the part's tokens, block by block (no division per token).
+    const uint8_t** rows = keys + n;
+    for (int64_t i = 0, b = from / a.bs, at = from % a.bs; i < n; ++i) {
+        const int64_t slot = g * a.bs + at;
+        keys[i] = a.key_cache + int64_t{blocks[b]} * kblock + slot * krow;
+        rows[i] = a.value_cache + int64_t{blocks[b]} * vblock + slot * vrow;
+        if (++at == a.bs) at = 0, ++b;
+    }
+    // Scores [n, R]. The rows AHEAD tokens on, key and value, are fetched meanwhile: between two layers the weights
+    // (tens of MB) push the cache out of L3.
+    for (int64_t r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+        if (i + AHEAD < n) {
+            const uint8_t *kn = keys[i + AHEAD], *vn = rows[i + AHEAD];  // i + AHEAD < n
+            for (int64_t at = 0; at < krow; at += 64) __builtin_prefetch(kn + at);
+            for (int64_t at = 0; at < vrow; at += 64) __builtin_prefetch(vn + at);
+        }
+        for (int64_t r = 0; r < R;) {
+            switch (std::min<int64_t>(R - r, 4)) {
+                case 4: dots<4>(q + r, keys[i], hs, a.key_group, d + r); r += 4; break;
+                case 3: dots<3>(q + r, keys[i], hs, a.key_group, d + r); r += 3; break;
+                case 2: dots<2>(q + r, keys[i], hs, a.key_group, d + r); r += 2; break;
+                default: dots<1>(q + r, keys[i], hs, a.key_group, d + r); r += 1; break;
+            }
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const float x = a.scale * d[r];
+            scores[i * R + r] = x;
+            m[r] = std::max(m[r], x);
+        }
+    }
+    // Weights exp(score - max) in place ([n, R] as one flat run), summed per head.
+    {
+        int64_t i = 0;
+        const int64_t total = n * R;
+        alignas(64) float mx[2 * 64 + 16];  // the maxima repeated with period R, for a vector at any offset
+        for (int64_t j = 0; j < 2 * 64 + 16; ++j) mx[j] = m[j % R];
+        for (; i + V::W <= total; i += V::W) V::store(scores + i, V::exp_neg(V::sub(V::load(scores + i), V::load(mx + i % R))));
+        for (; i < total; ++i) scores[i] = std::exp(scores[i] - m[i % R]);
+        for (int64_t r = 0; r < R; ++r)
+            for (int64_t j = r; j < total; j += R) l[r] += scores[j];
+    }
+    constexpr int64_t C = V::CHUNKS;
+    if (a.value_group % (C * V::W) == 0) {
+        for (int64_t d0 = 0; d0 < hs; d0 += C * V::W) weigh_heads<C>(a, rows, scores, n, R, d0, acc);
+    } else {
+        for (int64_t d0 = 0; d0 < hs; d0 += V::W) weigh_heads<1>(a, rows, scores, n, R, d0, acc);
+    }
+}
+
+// Quantizes n floats into a row of groups as the plugin does: per group scale = (max - min) / 255, zp = -min /
+// scale, u8 = round(x / scale + zp); a constant group (or NaN) gets scale 1e-4.
+void store(const float* x, int64_t n, int64_t group, uint8_t* row) {
+    for (int64_t g0 = 0; g0 < n; g0 += group, row += 8 + group) {
+        float lo = x[g0], hi = x[g0];
+        for (int64_t i = g0 + 1; i < g0 + group; ++i) {
+            lo = std::min(lo, x[i]);
+            hi = std::max(hi, x[i]);
+        }
+        float scale = (hi - lo) / 255.f;
+        if (!(scale > 0.f)) scale = 1e-4f;
+        const float zp = -lo / scale;
+        for (int64_t i = 0; i < group; ++i) {
+            const float y = std::nearbyint(x[g0 + i] / scale + zp);
+            row[8 + i] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, y)));
+        }
+        std::copy_n(reinterpret_cast<const uint8_t*>(&scale), 4, row);
+        std::copy_n(reinterpret_cast<const uint8_t*>(&zp), 4, row + 4);
+    }
+}
+
+}  // namespace
+
+#define ATTENTION_ENTRY(name) \
+    AttentionKernel attention_kernel_##name() { return {#name, store, part}; }

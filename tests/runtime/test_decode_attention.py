@@ -1,0 +1,248 @@
+"""Our decode attention (kernels/decode_attention.cpp, kernels/attention.py): the op against a numpy reference over
+the u8 cache quantized by token, its writes in the plugin's own layout, and the rewrite of the single-token graph,
+whose logits must match the plugin's paged attention over the same cache.
+
+The library is built by `make venv`; when it is missing these tests skip, except under CI=true, where they fail."""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import pytest
+from openvino import opset13 as ops
+from openvino._offline_transformations import paged_attention_transformation
+
+from appliance.runtime import kernels
+from appliance.runtime.kernels import attention
+from tests.helpers import ours_missing
+
+BY_TOKEN = {"KV_CACHE_PRECISION": "u8", "KEY_CACHE_QUANT_MODE": "BY_TOKEN", "INFERENCE_PRECISION_HINT": "f32"}
+
+
+@pytest.fixture(scope="module")
+def loaded() -> tuple[ov.Core, kernels.Kernels]:
+    core = ov.Core()
+    got, why = kernels.load(core)
+    if got is None:
+        ours_missing(f"our kernels are not available: {why} (make venv builds them)")
+    return core, got
+
+
+def _quantize(x: np.ndarray, group: int) -> np.ndarray:
+    """Rows of x as the cache holds them: per group of `group` values an f32 scale, an f32 zero point and the u8
+    values (the plugin's formula and layout)."""
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    scale = ((hi - lo) / np.float32(255)).astype(np.float32)
+    scale[~(scale > 0)] = np.float32(1e-4)
+    zp = (-lo / scale).astype(np.float32)
+    u = np.clip(np.rint(g / scale + zp), 0, 255).astype(np.uint8)
+    rows = np.concatenate([scale.view(np.uint8), zp.view(np.uint8), u], -1)
+    return rows.reshape(*x.shape[:-1], rows.shape[-2] * (8 + group))
+
+
+def _dequantize(rows: np.ndarray, group: int) -> np.ndarray:
+    g = rows.reshape(*rows.shape[:-1], rows.shape[-1] // (8 + group), 8 + group)
+    scale = g[..., 0:4].copy().view(np.float32)
+    zp = g[..., 4:8].copy().view(np.float32)
+    values = (g[..., 8:].astype(np.float32) - zp) * scale
+    return values.reshape(*rows.shape[:-1], values.shape[-2] * group)
+
+
+def _op(factory, heads: int, kv_heads: int, head: int, block: int, scale: float, groups=(0, 0)) -> ov.Model:
+    key_group, value_group = (g or head for g in groups)
+    rows = [head // g * (8 + g) for g in (key_group, value_group)]
+    params = [
+        ops.parameter([-1, heads * head], ov.Type.f32),
+        ops.parameter([-1, kv_heads * head], ov.Type.f32),
+        ops.parameter([-1, kv_heads * head], ov.Type.f32),
+        ops.parameter([-1, kv_heads, block, rows[0]], ov.Type.u8),
+        ops.parameter([-1, kv_heads, block, rows[1]], ov.Type.u8),
+        ops.parameter([-1], ov.Type.i32),
+        ops.parameter([-1], ov.Type.i32),
+        ops.parameter([-1], ov.Type.i32),
+    ]
+    attrs = {"heads": heads, "kv_heads": kv_heads, "head_size": head, "block_size": block, "scale": scale}
+    attrs |= {"key_group": key_group, "value_group": value_group}
+    node = factory.create(attention.OP, [p.output(0) for p in params], attrs)
+    return ov.Model([node.output(0)], params)
+
+
+def _reference(q, keys, values, scale, heads, kv_heads, head):
+    """One sequence: q [heads * head], keys / values [tokens, kv_heads, head] -> [heads * head]."""
+    group = heads // kv_heads
+    out = np.empty((heads, head), np.float64)
+    for h in range(heads):
+        k, v = keys[:, h // group].astype(np.float64), values[:, h // group].astype(np.float64)
+        s = k @ q[h * head : (h + 1) * head].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        out[h] = p @ v / p.sum()
+    return out.ravel()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head", "lens", "groups"),
+    [
+        (9, 3, 64, [0, 31, 32, 700], (32, 0)),  # the default model's heads, keys in groups of 32 as served
+        (9, 3, 64, [40], (0, 0)),  # one group a row
+        (12, 2, 128, [511, 5], (32, 0)),  # Qwen2.5-1.5B's
+        (12, 2, 128, [77], (16, 8)),  # groups under a 512-bit vector: the 256-bit kernels
+        (4, 4, 8, [33], (0, 0)),  # no sharing, a tiny head
+        (24, 8, 128, [1500], (32, 32)),  # Llama-3.2-3B's, a long context
+        (2, 1, 64, [5000], (32, 0)),  # parts of the longest run
+    ],
+)
+def test_op_matches_numpy_and_writes_the_new_token(loaded, heads, kv_heads, head, lens, groups):
+    core, got = loaded
+    rng = np.random.default_rng(heads * 1000 + sum(lens))
+    block, scale = 32, 1 / np.sqrt(head)
+    key_group, value_group = (g or head for g in groups)
+    seqs = len(lens)
+    used = [(n + 1 + block - 1) // block for n in lens]
+    pool = sum(used) + 3
+    order = rng.permutation(pool).astype(np.int32)  # each sequence's blocks scattered over the pool
+    tables = np.split(order[: sum(used)], np.cumsum(used)[:-1])
+    caches = [np.zeros((pool, kv_heads, block, head // g * (8 + g)), np.uint8) for g in (key_group, value_group)]
+    past = []
+    for n, table in zip(lens, tables):
+        x = [rng.standard_normal((n, kv_heads, head), np.float32) * 3 for _ in range(2)]
+        x[0][..., 5] *= 20  # an outlier channel in the keys, as models have
+        rows = [_quantize(v, g) for v, g in zip(x, (key_group, value_group))]
+        for cache, r in zip(caches, rows):
+            for i in range(n):
+                cache[table[i // block], :, i % block] = r[i]
+        past.append(rows)
+    q = rng.standard_normal((seqs, heads * head), np.float32)
+    k = rng.standard_normal((seqs, kv_heads * head), np.float32) * 2
+    v = rng.standard_normal((seqs, kv_heads * head), np.float32)
+    begins = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
+    model = _op(got.factory, heads, kv_heads, head, block, float(scale), groups)
+    request = core.compile_model(model, "CPU", BY_TOKEN).create_infer_request()
+    tensors = [ov.Tensor(c, shared_memory=True) for c in caches]
+    out = request.infer(
+        [q, k, v, *tensors, np.asarray(lens, np.int32), np.concatenate(tables).astype(np.int32), begins]
+    )[0]
+    for s, (n, table) in enumerate(zip(lens, tables)):
+        at = table[n // block], slice(None), n % block
+        cached = []
+        for cache, x, g, old in zip(caches, (k, v), (key_group, value_group), past[s]):
+            want = _quantize(x[s].reshape(kv_heads, head), g).reshape(kv_heads, -1, 8 + g)
+            written = cache[at].reshape(kv_heads, -1, 8 + g)
+            assert np.array_equal(written[..., :8], want[..., :8])  # scales and zero points bit for bit
+            assert np.abs(written[..., 8:].astype(int) - want[..., 8:]).max() <= 1  # a tie may round either way
+            cached.append(_dequantize(np.concatenate([old, cache[at][None]]), g))
+        want = _reference(q[s], *cached, scale, heads, kv_heads, head)
+        np.testing.assert_allclose(out[s], want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_a_block_table_too_short_or_outside_the_pool_is_refused(loaded):
+    core, got = loaded
+    compiled = core.compile_model(_op(got.factory, 2, 1, 8, 4, 1.0), "CPU", BY_TOKEN)
+    cache = np.zeros((2, 1, 4, 16), np.uint8)
+    x = np.ones((1, 16), np.float32), np.ones((1, 8), np.float32), np.ones((1, 8), np.float32)
+    for past, table in (([4], [0]), ([1], [2]), ([1], [-1])):
+        with pytest.raises(RuntimeError, match="DecodeAttention"):
+            compiled.create_infer_request().infer(
+                [
+                    *x,
+                    cache,
+                    cache.copy(),
+                    np.asarray(past, np.int32),
+                    np.asarray(table, np.int32),
+                    np.array([0, 1], np.int32),
+                ]
+            )
+
+
+def _backend(monkeypatch, on: bool, kv: str = "u8"):
+    """The paged backend on the default int4 export, ours in its single-token graph, f32 but for the KV cache."""
+    import appliance.runtime.backends.openvino_paged as paged
+    from appliance.config import EngineConfig
+    from appliance.manifest import Manifest
+    from export.default_model import ensure_export
+
+    monkeypatch.setenv(attention.ENV, "1" if on else "0")
+    path = ensure_export("openvino", "int4")
+    manifest = Manifest.load(path)
+    config = EngineConfig(kernels="ours", precision="f32", kv_cache_precision=kv, kv_cache_tokens=512)
+    return paged.OpenVINOPagedBackend(path, manifest, config), manifest.vocab_size
+
+
+def _run(backend, vocab: int, feed: list[int] | None = None, steps: int = 6):
+    """Prefill of a fixed 40-token prompt (the plugin's attention), `steps` single-token steps (the one-token graph),
+    then one step of two tokens (the plugin's again, reading what the single-token steps wrote); each step's logits
+    and the greedy tokens. `feed`: tokens to feed instead (teacher forcing, so two backends see one context)."""
+    from appliance.runtime.backends.base import StepBatch
+
+    prompt = np.random.default_rng(0).integers(100, vocab, 40).tolist()
+    table = [4, 1, 6]  # scattered over the pool
+    logits = [backend.forward(StepBatch([prompt], [0], [table]))[0].copy()]
+    tokens = [int(logits[-1].argmax())]
+    for i in range(steps + 1):
+        fed = feed[i] if feed else tokens[-1]
+        step = [fed, fed] if i == steps else [fed]
+        logits.append(backend.forward(StepBatch([step], [len(prompt) + i], [table]))[0].copy())
+        tokens.append(int(logits[-1].argmax()))
+    return np.array(logits), tokens
+
+
+def _tvd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    pa, pb = (np.exp(v - v.max(-1, keepdims=True)) for v in (a, b))
+    return 0.5 * np.abs(pa / pa.sum(-1, keepdims=True) - pb / pb.sum(-1, keepdims=True)).sum(-1)
+
+
+def test_single_token_steps_run_ours_over_the_plugins_cache(loaded, monkeypatch):
+    """The single-token graph runs DecodeAttention over the u8 cache by token (keys in groups of 32) with the pool's
+    static shape, and decodes as the plugin's attention over an f32 cache does, within the u8 cache's rounding; the
+    step of the plugin's after ours reads the rows ours wrote."""
+    base, vocab = _backend(monkeypatch, on=True, kv="f32")  # f32: the plugin's attention, no rounding of K/V
+    try:
+        assert not base.attention
+        base_logits, base_tokens = _run(base, vocab)
+    finally:
+        base.close()
+    ours, _ = _backend(monkeypatch, on=True)
+    try:
+        assert ours.attention
+        ports = {p.get_any_name(): p for p in ours._one.get_compiled_model().inputs}
+        key, value = (ports[f"{kind}_cache.0"].get_partial_shape() for kind in ("key", "value"))
+        assert key.is_static and key[0].get_length() == ours.num_blocks and key[3].get_length() == 2 * (8 + 32)
+        assert value.is_static and value[3].get_length() == 8 + 64
+        logits, tokens = _run(ours, vocab, feed=base_tokens)
+    finally:
+        ours.close()
+    tvd = _tvd(logits, base_logits)
+    assert np.median(tvd) <= 0.02 and tvd.max() <= 0.05, tvd
+    assert tokens == base_tokens, (tokens, base_tokens)
+
+
+def test_cache_mode_groups_keys_by_32_where_the_head_splits():
+    assert attention.cache_mode(128) == {"KEY_CACHE_QUANT_MODE": "BY_TOKEN", "KEY_CACHE_GROUP_SIZE": 32}
+    assert attention.cache_mode(80) == {"KEY_CACHE_QUANT_MODE": "BY_TOKEN"}  # one group a row: ours take it
+    assert attention.cache_mode(100) == {}
+
+
+def test_a_cache_not_u8_keeps_the_plugins_attention(loaded, monkeypatch, caplog):
+    caplog.set_level("INFO", logger="appliance.runtime.kernels.attention")
+    backend, _ = _backend(monkeypatch, on=True, kv="f16")
+    try:
+        assert not backend.attention and backend._one is not None
+    finally:
+        backend.close()
+    assert "decode attention: openvino (the KV cache is not u8 by token)" in caplog.text
+
+
+def test_rewrite_leaves_attention_it_does_not_compute(loaded):
+    """A sliding window (or ALiBi, eviction, sinks) keeps the plugin's attention on every layer: none is rewritten."""
+    core, got = loaded
+    from export.default_model import ensure_export
+
+    model = core.read_model(str(ensure_export("openvino", "int4") / "openvino_model.xml"))
+    paged_attention_transformation(model)
+    caches = {f"{kind}_cache.{i}": [3, 32, 72] for kind in ("key", "value") for i in range(30)}
+    nodes = [n for n in model.get_ordered_ops() if n.get_type_name() == attention.PAGED]
+    window = nodes[3].input_value(attention.WINDOW).get_node()
+    nodes[3].input(attention.WINDOW).replace_source_output(ops.constant(np.int32(64)).output(0))
+    assert attention.rewrite(model, got.factory, caches) == 0
+    nodes[3].input(attention.WINDOW).replace_source_output(window.output(0))
+    assert attention.rewrite(model, got.factory, caches) == len(nodes) == 30
