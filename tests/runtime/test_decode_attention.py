@@ -12,20 +12,9 @@ import pytest
 from openvino import opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
-from appliance.runtime import kernels
 from appliance.runtime.kernels import attention
-from tests.helpers import ours_missing
 
 BY_TOKEN = {"KV_CACHE_PRECISION": "u8", "KEY_CACHE_QUANT_MODE": "BY_TOKEN", "INFERENCE_PRECISION_HINT": "f32"}
-
-
-@pytest.fixture(scope="module")
-def loaded() -> tuple[ov.Core, kernels.Kernels]:
-    core = ov.Core()
-    got, why = kernels.load(core)
-    if got is None:
-        ours_missing(f"our kernels are not available: {why} (make venv builds them)")
-    return core, got
 
 
 def _quantize(x: np.ndarray, group: int) -> np.ndarray:

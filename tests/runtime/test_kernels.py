@@ -41,15 +41,6 @@ def _every_size(monkeypatch):
     monkeypatch.setenv(kernels.MIN_WEIGHTS_ENV, "0")
 
 
-@pytest.fixture(scope="module")
-def loaded() -> tuple[ov.Core, kernels.Kernels]:
-    core = ov.Core()
-    got, why = kernels.load(core)
-    if got is None:
-        ours_missing(f"our kernels are not available: {why} (make venv builds them)")
-    return core, got
-
-
 def _paths() -> list[str]:
     return list(kernels.ISAS)
 

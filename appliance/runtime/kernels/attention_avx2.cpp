@@ -28,18 +28,12 @@ struct V {
         const vec x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
         _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)));
     }
-    // exp(x) for x <= 0: 2^n * p(r), x = n ln 2 + r, p Cephes' expf polynomial (relative error ~2e-7); 0 under -87.
-    static vec exp_neg(vec x) {
-        x = _mm256_max_ps(x, set1(-87.f));
-        const vec n = _mm256_round_ps(_mm256_mul_ps(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const vec r = _mm256_fnmadd_ps(n, set1(-2.12194440e-4f), _mm256_fnmadd_ps(n, set1(0.693359375f), x));
-        vec p = set1(1.9875691500e-4f);
-        p = fmadd(p, r, set1(1.3981999507e-3f));
-        p = fmadd(p, r, set1(8.3334519073e-3f));
-        p = fmadd(p, r, set1(4.1665795894e-2f));
-        p = fmadd(p, r, set1(1.6666665459e-1f));
-        p = fmadd(p, r, set1(5.0000001201e-1f));
-        p = fmadd(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, set1(1.f)));
+    static vec fnmadd(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
+    static vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+    static vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+    static vec round(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    // p 2^n for integral n in [-126, 127]: n + 127 as a float's exponent bits.
+    static vec scale2(vec p, vec n) {
         const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
         return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     }

@@ -1,5 +1,5 @@
 // The avx512 instance of attention_kernel.hpp (compiled with -mavx512f -mavx512bw -mavx512vl: CMakeLists.txt), for
-// head sizes a multiple of 16 on the paths that run the 512-bit matmul tiles (decode_attention.cpp picks it).
+// groups of a multiple of 16 values on a CPU with AVX-512 (decode_attention.cpp picks it).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -25,25 +25,17 @@ struct V {
         const vec ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
         const vec cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
         const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
-        vec x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)), _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+        vec x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                              _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
         x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
         x = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
         _mm_storeu_ps(out, _mm512_castps512_ps128(x));
     }
-    // exp(x) for x <= 0 as attention_avx2.cpp's, 16 lanes (scalef applies 2^n).
-    static vec exp_neg(vec x) {
-        x = _mm512_max_ps(x, set1(-87.f));
-        const vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, set1(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const vec r = _mm512_fnmadd_ps(n, set1(-2.12194440e-4f), _mm512_fnmadd_ps(n, set1(0.693359375f), x));
-        vec p = set1(1.9875691500e-4f);
-        p = fmadd(p, r, set1(1.3981999507e-3f));
-        p = fmadd(p, r, set1(8.3334519073e-3f));
-        p = fmadd(p, r, set1(4.1665795894e-2f));
-        p = fmadd(p, r, set1(1.6666665459e-1f));
-        p = fmadd(p, r, set1(5.0000001201e-1f));
-        p = fmadd(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, set1(1.f)));
-        return _mm512_scalef_ps(p, n);
-    }
+    static vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+    static vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+    static vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+    static vec round(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+    static vec scale2(vec p, vec n) { return _mm512_scalef_ps(p, n); }
 };
 }  // namespace
 

@@ -1,7 +1,7 @@
 // The DecodeAttention kernels (attention_kernel.h) for one vector width, included by attention_avx2.cpp and
 // attention_avx512.cpp, each compiled for its ISA with a traits struct V: the float vector type and its width W,
-// zero, load, store, load_u8 (W u8 values as floats), fmadd, add, sub, set1, hsum, hsum4 (four sums at once),
-// exp_neg (exp of x <= 0).
+// zero, load, store, load_u8 (W u8 values as floats), fmadd, fnmadd, add, sub, mul, max, round (to nearest), scale2
+// (x 2^n), set1, hsum, hsum4 (four sums at once).
 // Group sizes are multiples of W (decode_attention.cpp picks the width).
 //
 // Per token and kv head the key row is dequantized in registers for each group of up to 4 query heads of the kv
@@ -16,6 +16,19 @@ namespace {
 
 // Tokens ahead whose rows part() fetches while it scores the current one.
 constexpr int64_t AHEAD = 8;
+
+// exp(x) for x <= 0 (scores minus their max): x = n ln 2 + r, exp(r) by Cephes' expf polynomial (relative error
+// ~2e-7), times 2^n; 0 below -87.
+inline typename V::vec exp_neg(typename V::vec x) {
+    x = V::max(x, V::set1(-87.f));
+    const auto n = V::round(V::mul(x, V::set1(1.44269504f)));
+    const auto r = V::fnmadd(n, V::set1(-2.12194440e-4f), V::fnmadd(n, V::set1(0.693359375f), x));
+    auto p = V::set1(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = V::fmadd(p, r, V::set1(c));
+    p = V::fmadd(V::mul(p, r), r, V::add(r, V::set1(1.f)));
+    return V::scale2(p, n);
+}
 
 inline float f32_at(const uint8_t* p) {
     float f;
@@ -130,7 +143,7 @@ void part(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to
         const int64_t total = n * R;
         alignas(64) float mx[2 * 64 + 16];  // the maxima repeated with period R, for a vector at any offset
         for (int64_t j = 0; j < 2 * 64 + 16; ++j) mx[j] = m[j % R];
-        for (; i + V::W <= total; i += V::W) V::store(scores + i, V::exp_neg(V::sub(V::load(scores + i), V::load(mx + i % R))));
+        for (; i + V::W <= total; i += V::W) V::store(scores + i, exp_neg(V::sub(V::load(scores + i), V::load(mx + i % R))));
         for (; i < total; ++i) scores[i] = std::exp(scores[i] - m[i % R]);
         for (int64_t r = 0; r < R; ++r)
             for (int64_t j = r; j < total; j += R) l[r] += scores[j];
