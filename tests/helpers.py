@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import numpy as np
 import pytest
 import requests
 
@@ -210,6 +211,15 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# ================================================================ logits compared as distributions
+
+
+def logits_tvd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Total-variation distance between the softmaxes of logits `a` and `b` along the last axis (0 = identical)."""
+    pa, pb = (np.exp(v - v.max(-1, keepdims=True)) for v in (a, b))
+    return 0.5 * np.abs(pa / pa.sum(-1, keepdims=True) - pb / pb.sum(-1, keepdims=True)).sum(-1)
 
 
 # ================================================================ greedy runs that may part at a near-tie

@@ -13,6 +13,7 @@ from openvino import opset13 as ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from appliance.runtime.kernels import attention
+from tests.helpers import logits_tvd
 
 BY_TOKEN = {"KV_CACHE_PRECISION": "u8", "KEY_CACHE_QUANT_MODE": "BY_TOKEN", "INFERENCE_PRECISION_HINT": "f32"}
 
@@ -175,11 +176,6 @@ def _run(backend, vocab: int, feed: list[int] | None = None, steps: int = 6):
     return np.array(logits), tokens
 
 
-def _tvd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    pa, pb = (np.exp(v - v.max(-1, keepdims=True)) for v in (a, b))
-    return 0.5 * np.abs(pa / pa.sum(-1, keepdims=True) - pb / pb.sum(-1, keepdims=True)).sum(-1)
-
-
 def test_single_token_steps_run_ours_over_the_plugins_cache(loaded, monkeypatch):
     """The single-token graph runs DecodeAttention over the u8 cache by token (keys in groups of 32) with the pool's
     static shape, and decodes as the plugin's attention over an f32 cache does, within the u8 cache's rounding; the
@@ -200,7 +196,7 @@ def test_single_token_steps_run_ours_over_the_plugins_cache(loaded, monkeypatch)
         logits, tokens = _run(ours, vocab, feed=base_tokens)
     finally:
         ours.close()
-    tvd = _tvd(logits, base_logits)
+    tvd = logits_tvd(logits, base_logits)
     assert np.median(tvd) <= 0.02 and tvd.max() <= 0.05, tvd
     assert tokens == base_tokens, (tokens, base_tokens)
 

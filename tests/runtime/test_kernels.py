@@ -29,7 +29,7 @@ from appliance.runtime.kernels.rewrite import (
     scale_table,
     u8_layout,
 )
-from tests.helpers import ours_missing
+from tests.helpers import logits_tvd, ours_missing
 
 F32 = {"INFERENCE_PRECISION_HINT": "f32"}
 
@@ -735,14 +735,9 @@ def test_a_model_under_the_floor_runs_ours_in_single_token_steps_alone(loaded, m
     assert label == got.label + kernels.ONE_TOKEN and graphs == 1  # no dynamic graph of ours
     np.testing.assert_array_equal(logits[0], base_logits[0])
     assert not np.array_equal(logits[1:], base_logits[1:])
-    tvd = _tvd(logits, base_logits)
+    tvd = logits_tvd(logits, base_logits)
     assert np.median(tvd) <= 0.05 and tvd.max() <= 0.15, tvd
     assert sum(a == b for a, b in zip(tokens, base_tokens)) >= len(tokens) - 2, (tokens, base_tokens)
-
-
-def _tvd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    pa, pb = (np.exp(v - v.max(-1, keepdims=True)) for v in (a, b))
-    return 0.5 * np.abs(pa / pa.sum(-1, keepdims=True) - pb / pb.sum(-1, keepdims=True)).sum(-1)
 
 
 def test_f32_keeps_openvino_kernels_and_its_exact_outputs(loaded):
@@ -772,7 +767,7 @@ def test_default_model_runs_our_kernels_close_to_f32(loaded, monkeypatch, prefil
     assert graphs == (1 if prefill_tile else 2)
     assert np.array_equal(logits[0], base_logits[0]) != prefill_tile
     assert not np.array_equal(logits[1:], base_logits[1:])
-    tvd = _tvd(logits, base_logits)
+    tvd = logits_tvd(logits, base_logits)
     assert np.median(tvd) <= 0.05 and tvd.max() <= 0.15, tvd
     assert sum(a == b for a, b in zip(tokens, base_tokens)) >= len(tokens) - 2, (tokens, base_tokens)
 

@@ -117,7 +117,8 @@ class OpenVINOPagedBackend(Backend):
         native = model.clone()  # constants shared, not copied
         self.kernels = apply_kernels(model, config, model_dir, one_token=not self.vlm)
         props = compile_properties(config)
-        if attention.wanted(self.kernels) and not self.vlm:  # one cache layout for the plugin's attention and ours
+        attend = attention.wanted(self.kernels) and not self.vlm
+        if attend:  # one cache layout for the plugin's attention and ours
             props.update(attention.cache_mode(manifest.head_dim))
         # Steps of at most `kernel_rows` tokens (decode, speculative verification, small batches) run our kernels;
         # longer ones (prefill) OpenVINO's where they win there (kernels.KERNEL_ROWS), each compiled model holding
@@ -152,7 +153,7 @@ class OpenVINOPagedBackend(Backend):
         if (ours is not None or one_only) and not self.vlm:  # single-token steps: ours in a graph of static shapes
             pool = {p.get_any_name(): [self.num_blocks, *dims] for p, dims in zip(cache_inputs, block_dims)}
             single = _one_token(model, pool, self._table)
-            if attention.wanted(self.kernels):
+            if attend:
                 self.attention = attention.apply(single, core(), config.kernels, cache_inputs, model_name(model_dir))
             try:
                 one = core().compile_model(single, config.device, props)

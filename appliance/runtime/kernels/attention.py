@@ -30,6 +30,7 @@ import numpy as np
 import openvino as ov
 
 from appliance.runtime import kernels
+from appliance.runtime.kernels.rewrite import constant_value
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +47,10 @@ KEY_GROUP = 32
 SCALE, WINDOW, ALIBI, FIRST_EXTRA = 9, 10, 11, 13
 
 
-def _constant(output: ov.Output) -> np.ndarray | None:
-    node = output.get_node()
-    return np.asarray(node.get_data()) if node.get_type_name() == "Constant" else None
-
-
 def _plain(node: ov.Node) -> bool:
     """Attention our op computes the same: a constant scale, no window, no ALiBi, no eviction scores read, and
     every optional input past max_context_len empty or a scalar."""
-    scale, window, alibi = (_constant(node.input_value(i)) for i in (SCALE, WINDOW, ALIBI))
+    scale, window, alibi = (constant_value(node.input_value(i)) for i in (SCALE, WINDOW, ALIBI))
     if scale is None or scale.size != 1 or window is None or int(window.ravel()[0]) != 0:
         return False
     if alibi is None or alibi.size:
@@ -99,7 +95,7 @@ def rewrite(model: ov.Model, factory: Any, caches: dict[str, list[int]]) -> int:
             return 0
         attrs: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head_size": head, "block_size": block}
         attrs |= {"key_group": groups[0], "value_group": groups[1]}
-        attrs["scale"] = float(np.asarray(_constant(node.input_value(SCALE))).ravel()[0])  # _plain: a constant
+        attrs["scale"] = float(np.asarray(constant_value(node.input_value(SCALE))).ravel()[0])  # _plain: a constant
         swaps.append((node, ports, [key_row, value_row], attrs))
     made = []
     for node, ports, rows, attrs in swaps:

@@ -23,12 +23,15 @@ void appliance_end_read_ahead();  // lowbit_matmul.cpp
 
 namespace {
 
-// The 512-bit kernels where the CPU has them and a group is whole vectors of 16, else the 256-bit ones.
+// The 512-bit kernels where the CPU has them and a group is whole vectors of 16, else the 256-bit ones (the CPU
+// asked once: every layer of every step calls this).
 AttentionKernel kernel_for(int64_t group) {
-    __builtin_cpu_init();
-    const bool wide = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && group % 16 == 0;
-    return wide ? attention_kernel_avx512() : attention_kernel_avx2();
+    static const bool avx512 = [] {
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+    }();
+    return avx512 && group % 16 == 0 ? attention_kernel_avx512() : attention_kernel_avx2();
 }
 
 }  // namespace

@@ -170,7 +170,7 @@ def _u4_values(node: ov.Node) -> np.ndarray:
     return values[: int(np.prod(node.shape))].reshape(tuple(node.shape))
 
 
-def _constant(output: ov.Output) -> np.ndarray | None:
+def constant_value(output: ov.Output) -> np.ndarray | None:
     """The value of a Constant, or of Convert(Constant) (a u4/u8 zero point), as float32; else None."""
     node = output.get_node()
     if node.get_type_name() == "Convert":
@@ -209,7 +209,7 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
     if not _is(w, "Multiply"):
         return None
     sub, scale_out = w.get_node().input_value(0), w.get_node().input_value(1)
-    scale = _constant(scale_out)
+    scale = constant_value(scale_out)
     if scale is None or not _is(sub, "Subtract"):
         return None
     values_out, zero_out = sub.get_node().input_value(0), sub.get_node().input_value(1)
@@ -220,7 +220,7 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
     if values.get_type_name() != "Constant" or values.get_element_type() not in kinds:
         return None
     bits = 4 if values.get_element_type() == ov.Type.u4 else 8
-    zero = _constant(zero_out)
+    zero = constant_value(zero_out)
     shape = tuple(values.shape)
     n, k = n_k
     if zero is None or shape[0] != n or int(np.prod(shape)) != n * k or k % 32:
