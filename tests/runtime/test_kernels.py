@@ -23,6 +23,7 @@ from appliance.runtime.kernels.rewrite import (
     U8_ISAS,
     ZMM_ROWS,
     layout,
+    native_matmuls,
     pair_layout,
     rewrite,
     row_groups,
@@ -457,6 +458,16 @@ def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa):
         assert a.shape == b.shape == (2, 3, 97)
         assert np.abs(a - b).max() <= 0.02 * np.abs(a).max()  # int8 activations: ~0.5% measured
     np.testing.assert_array_equal(want[2], have[2])  # the i4 chain kept OpenVINO's kernel
+    assert [_producer(r).get_friendly_name() for r in ours.get_results()][2:] == [
+        n.get_friendly_name() for n in native_matmuls(ours, floor=0)
+    ]
+    assert len(native_matmuls(native, floor=0)) == 3 and not native_matmuls(native)  # under the floor: 97 x 256
+
+
+def test_native_matmuls_are_those_with_a_weight(loaded):
+    """A MatMul of two activations (attention's scores) is no weight left on OpenVINO's kernels."""
+    x, y = ops.parameter([300, 400], ov.Type.f32), ops.parameter([300, 400], ov.Type.f32)
+    assert not native_matmuls(ov.Model([ops.matmul(x, y, False, True)], [x, y]))
 
 
 def _layers(count: int, n: int = 256) -> ov.Model:
@@ -807,6 +818,30 @@ def test_single_token_steps_run_a_graph_of_static_shapes(loaded):
         assert np.shares_memory(two, dynamic_request.get_tensor("logits").data) and two.shape[0] == 2
     finally:
         backend.close()
+
+
+def test_single_token_steps_infer_in_f32_where_ours_take_every_matmul_but_the_head(loaded):
+    """Our ops compute in f32: at the plugin's default precision the graph of one token, whose MatMuls are all ours
+    but the default model's i8 LM head, infers in f32 (no bf16 Reorders around each op); the graphs of more tokens
+    keep the plugin's default (bf16 where the CPU has it). A precision asked for is kept."""
+    core, _ = loaded
+    backend, _ = _paged_backend("ours", None)
+    try:
+        assert backend._one.get_compiled_model().get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+        x = ops.parameter([4], ov.Type.f32)
+        default = core.compile_model(ov.Model([ops.relu(x)], [x]), "CPU")
+        precision = backend.compiled.get_property("INFERENCE_PRECISION_HINT")
+        assert precision == default.get_property("INFERENCE_PRECISION_HINT")
+    finally:
+        backend.close()
+    ours = _model(["u4", "i4"], n=512)  # weights of 2^17 values
+    rewrite(ours, loaded[1].factory)
+    assert kernels.one_token_properties(ours, None) == {}  # the i4 MatMul is left on OpenVINO's kernels
+    ours = _model(["u4"], n=512)
+    assert kernels.one_token_properties(ours, None) == {}
+    rewrite(ours, loaded[1].factory)
+    assert kernels.one_token_properties(ours, None) == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert kernels.one_token_properties(ours, "bf16") == {}
 
 
 def test_a_plugin_that_refuses_our_op_leaves_openvino_serving(loaded, monkeypatch, caplog):

@@ -156,7 +156,9 @@ class OpenVINOPagedBackend(Backend):
             if attend:
                 self.attention = attention.apply(single, core(), config.kernels, cache_inputs, model_name(model_dir))
             try:
-                one = core().compile_model(single, config.device, props)
+                one = core().compile_model(
+                    single, config.device, {**props, **kernels.one_token_properties(single, config.precision)}
+                )
             except Exception as exc:  # an optimisation: the graph of dynamic shapes takes those steps instead
                 log.warning("one-token graph not compiled (%s): single-token steps run the dynamic one", exc)
                 self.attention = False

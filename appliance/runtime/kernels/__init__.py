@@ -100,6 +100,25 @@ RESIDUAL_ENV = "APPLIANCE_KERNELS_RESIDUAL"
 READ_AHEAD_ENV = "APPLIANCE_KERNELS_READ_AHEAD"
 
 
+def one_token_properties(model: Any, precision: str | None) -> dict[str, Any]:
+    """Compile properties of the single-token graph (openvino_paged._one_token) over the plugin's defaults: f32
+    inference where our ops take every MatMul but the LM head and no precision was asked for. Our ops compute in f32;
+    under the plugin's default bf16 (CPUs with AVX512-BF16 or AMX) each sat between Reorders to and from bf16 and the
+    RoPE nodes ran the plugin's reference bf16 path: 113 of the 431 nodes a step ran at Qwen2.5-1.5B. Measured as two
+    compiled models of one rewritten graph in one backend (the same weights' memory: two engines' steps differed by up
+    to 13% whatever they ran), interleaved, medians of 4-12 pairs of 32 steps, 2-vCPU Zen 5 EPYC
+    (AVX512-BF16, no AMX): the bf16 step took 1.021-1.045x the f32 one at Qwen2.5-1.5B (five processes, 128- and
+    512-token contexts, every pair above 1), 1.011-1.015x with the plugin's attention in the graph, 1.105 / 1.072x at
+    the default 135M model (64 / 512 tokens), whose LM head stays OpenVINO's. Logits come nearer f32's. Steps of
+    more tokens keep the plugin's precision: f32 took 0.96x bf16's time at 4 sequences, 1.00x at 8, 1.01x
+    verifying 5 tokens. Boxes without bf16 infer in f32 already (cpu_isa.plugin_properties)."""
+    from appliance.runtime.kernels.rewrite import native_matmuls
+
+    if precision is None and not native_matmuls(model):
+        return {"INFERENCE_PRECISION_HINT": "f32"}
+    return {}
+
+
 def library_path() -> Path:
     override = os.environ.get(LIBRARY_ENV)
     return Path(override) if override else Path(__file__).resolve().parent / LIBRARY

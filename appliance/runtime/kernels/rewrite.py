@@ -348,6 +348,32 @@ def logits_op(model: ov.Model) -> ov.Node | None:
     return node
 
 
+def _from_constants(output: ov.Output) -> bool:
+    """Whether `output` is computed from constants alone (a weight, however decompressed), no Parameter above it."""
+    stack, seen = [output.get_node()], set()
+    while stack:
+        node = stack.pop()
+        if node.get_type_name() == "Parameter":
+            return False
+        if node.get_instance_id() not in seen:
+            seen.add(node.get_instance_id())
+            stack += [node.input_value(i).get_node() for i in range(node.get_input_size())]
+    return True
+
+
+def native_matmuls(model: ov.Model, floor: int = 1 << 16) -> list[ov.Node]:
+    """The MatMuls of `model` left on OpenVINO's kernels whose weight (an input computed from constants alone) holds
+    `floor` values or more, the LM head excepted (kernels.one_token_properties)."""
+    head = logits_op(model)
+    found = []
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "MatMul" or (head is not None and node.get_instance_id() == head.get_instance_id()):
+            continue
+        if _weights(node) >= floor and _from_constants(node.input_value(1)):
+            found.append(node)
+    return found
+
+
 def prefill_fits(model: ov.Model) -> bool:
     """Whether every LowBitMatMul in `model` runs the prefill tile at many rows, so that ours win at every row count
     (kernels.EVERY_ROW): u4 in grouped rows, a group size of PREFILL_GROUPS, K a multiple of 64. A u8 op fits only as
