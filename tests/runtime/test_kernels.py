@@ -824,7 +824,7 @@ def test_single_token_steps_infer_in_f32_where_ours_take_every_matmul_but_the_he
     """Our ops compute in f32: at the plugin's default precision the graph of one token, whose MatMuls are all ours
     but the default model's i8 LM head, infers in f32 (no bf16 Reorders around each op); the graphs of more tokens
     keep the plugin's default (bf16 where the CPU has it). A precision asked for is kept."""
-    core, _ = loaded
+    core, got = loaded
     backend, _ = _paged_backend("ours", None)
     try:
         assert backend._one.get_compiled_model().get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
@@ -835,11 +835,11 @@ def test_single_token_steps_infer_in_f32_where_ours_take_every_matmul_but_the_he
     finally:
         backend.close()
     ours = _model(["u4", "i4"], n=512)  # weights of 2^17 values
-    rewrite(ours, loaded[1].factory)
+    rewrite(ours, got.factory)
     assert kernels.one_token_properties(ours, None) == {}  # the i4 MatMul is left on OpenVINO's kernels
     ours = _model(["u4"], n=512)
     assert kernels.one_token_properties(ours, None) == {}
-    rewrite(ours, loaded[1].factory)
+    rewrite(ours, got.factory)
     assert kernels.one_token_properties(ours, None) == {"INFERENCE_PRECISION_HINT": "f32"}
     assert kernels.one_token_properties(ours, "bf16") == {}
 
