@@ -6,6 +6,8 @@ The library is built by `make venv`; when it is missing these tests skip, except
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import openvino as ov
 import pytest
@@ -39,7 +41,9 @@ def _dequantize(rows: np.ndarray, group: int) -> np.ndarray:
     return values.reshape(*rows.shape[:-1], values.shape[-2] * group)
 
 
-def _op(factory, heads: int, kv_heads: int, head: int, block: int, scale: float, groups=(0, 0)) -> ov.Model:
+def _op(
+    factory, heads: int, kv_heads: int, head: int, block: int, scale: float, groups=(0, 0), wide: int = 1
+) -> ov.Model:
     key_group, value_group = (g or head for g in groups)
     rows = [head // g * (8 + g) for g in (key_group, value_group)]
     params = [
@@ -53,7 +57,7 @@ def _op(factory, heads: int, kv_heads: int, head: int, block: int, scale: float,
         ops.parameter([-1], ov.Type.i32),
     ]
     attrs = {"heads": heads, "kv_heads": kv_heads, "head_size": head, "block_size": block, "scale": scale}
-    attrs |= {"key_group": key_group, "value_group": value_group}
+    attrs |= {"key_group": key_group, "value_group": value_group, "wide": wide}
     node = factory.create(attention.OP, [p.output(0) for p in params], attrs)
     return ov.Model([node.output(0)], params)
 
@@ -82,7 +86,8 @@ def _reference(q, keys, values, scale, heads, kv_heads, head):
         (2, 1, 64, [5000], (32, 0)),  # parts of the longest run
     ],
 )
-def test_op_matches_numpy_and_writes_the_new_token(loaded, heads, kv_heads, head, lens, groups):
+@pytest.mark.parametrize("wide", [1, 0])  # 0: the 256-bit kernels, which an AVX2 box runs, on any CPU
+def test_op_matches_numpy_and_writes_the_new_token(loaded, heads, kv_heads, head, lens, groups, wide):
     core, got = loaded
     rng = np.random.default_rng(heads * 1000 + sum(lens))
     block, scale = 32, 1 / np.sqrt(head)
@@ -106,7 +111,7 @@ def test_op_matches_numpy_and_writes_the_new_token(loaded, heads, kv_heads, head
     k = rng.standard_normal((seqs, kv_heads * head), np.float32) * 2
     v = rng.standard_normal((seqs, kv_heads * head), np.float32)
     begins = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
-    model = _op(got.factory, heads, kv_heads, head, block, float(scale), groups)
+    model = _op(got.factory, heads, kv_heads, head, block, float(scale), groups, wide)
     request = core.compile_model(model, "CPU", BY_TOKEN).create_infer_request()
     tensors = [ov.Tensor(c, shared_memory=True) for c in caches]
     out = request.infer(
@@ -231,3 +236,14 @@ def test_rewrite_leaves_attention_it_does_not_compute(loaded):
     assert attention.rewrite(model, got.factory, caches) == 0
     nodes[3].input(attention.WINDOW).replace_source_output(window.output(0))
     assert attention.rewrite(model, got.factory, caches) == len(nodes) == 30
+    assert {n.get_attributes()["wide"] for n in model.get_ordered_ops() if n.get_type_name() == attention.OP} == {1}
+
+
+def test_a_forced_narrower_path_keeps_the_attention_to_256_bits(loaded):
+    """APPLIANCE_KERNELS_ISA=avx2 (or avxvnni) on an AVX-512 CPU: the attention's ops are made narrow too."""
+    _, got = loaded
+    widest = replace(got, isa=got.supported[0])
+    assert not attention.narrow_only(widest)
+    assert [attention.narrow_only(replace(got, isa=isa)) for isa in widest.supported[1:]] == [True] * (
+        len(widest.supported) - 1
+    )

@@ -30,8 +30,8 @@ LIBRARY = "libappliance_kernels.so"
 # where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not per 32, which the
 # tests' error bound assumes, and the op's `residual` attribute. 8: the op's `slot_pairs` attribute, AVX512-VNNI's
 # grouped rows. 9: the op's optional fourth input, the next op's weights to read ahead. 10: the DecodeAttention op,
-# attention.py).
-ABI = 10
+# attention.py. 11: its `wide` attribute).
+ABI = 11
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

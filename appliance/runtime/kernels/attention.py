@@ -71,10 +71,11 @@ def _group(head: int, row: int) -> int:
     return group if group % 8 == 0 else 0
 
 
-def rewrite(model: ov.Model, factory: Any, caches: dict[str, list[int]]) -> int:
+def rewrite(model: ov.Model, factory: Any, caches: dict[str, list[int]], wide: bool = True) -> int:
     """Replaces `model`'s paged attention nodes with DecodeAttention where every one of them fits (else none: one
     layer on each would still read one cache); returns how many. `caches`: per cache input name (key_cache.N,
-    value_cache.N) the compiled graphs' block dims [kv heads, block size, row bytes], all u8 by token."""
+    value_cache.N) the compiled graphs' block dims [kv heads, block size, row bytes], all u8 by token. `wide`: the
+    op may run its 512-bit kernels where the CPU has them (narrow_only)."""
     nodes = [n for n in model.get_ordered_ops() if n.get_type_name() == PAGED]
     swaps = []
     for node in nodes:
@@ -96,6 +97,7 @@ def rewrite(model: ov.Model, factory: Any, caches: dict[str, list[int]]) -> int:
         attrs: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head_size": head, "block_size": block}
         attrs |= {"key_group": groups[0], "value_group": groups[1]}
         attrs["scale"] = float(np.asarray(constant_value(node.input_value(SCALE))).ravel()[0])  # _plain: a constant
+        attrs["wide"] = int(wide)
         swaps.append((node, ports, [key_row, value_row], attrs))
     made = []
     for node, ports, rows, attrs in swaps:
@@ -153,6 +155,12 @@ def cache_mode(head_dim: int) -> dict[str, Any]:
     return mode
 
 
+def narrow_only(loaded: kernels.Kernels) -> bool:
+    """Whether APPLIANCE_KERNELS_ISA chose a narrower path than the CPU's widest (kernels.ISA_ENV): the attention
+    then keeps to 256-bit vectors too, so that one variable measures a box without AVX-512 on one with it."""
+    return loaded.isa != loaded.supported[0]
+
+
 def apply(model: ov.Model, core: Any, choice: str, ports: list[ov.Output], name: str = "") -> bool:
     """Our attention in `model` (the single-token graph, before compiling) where the compiled cache inputs `ports`
     are u8 by token and every attention node fits; one log line says which attention runs. Never raises."""
@@ -164,7 +172,7 @@ def apply(model: ov.Model, core: Any, choice: str, ports: list[ov.Output], name:
         loaded, why = kernels.load(core, choice)
         if loaded is not None:
             try:
-                count = rewrite(model, loaded.factory, caches)
+                count = rewrite(model, loaded.factory, caches, wide=not narrow_only(loaded))
             except Exception as exc:  # a graph we did not foresee: the plugin's attention serves it
                 why = f"rewrite failed: {exc}"
             else:

@@ -3,7 +3,8 @@
 // it in place of PagedAttentionExtension there; prefill keeps the plugin's). Inputs: q [T, H * hs], k and v
 // [T, Hkv * hs], key_cache, value_cache (u8 [blocks, Hkv, bs, row]: attention_kernel.h), past_lens [T],
 // block_indices, block_indices_begins [T + 1]. Attributes: heads, kv_heads, head_size, block_size, key_group,
-// value_group (values per quantization group of a row), scale. Output f32 [T, H * hs].
+// value_group (values per quantization group of a row), scale, wide (0: the 256-bit kernels even where the CPU has
+// AVX-512, as APPLIANCE_KERNELS_ISA asks for a narrower path: attention.py). Output f32 [T, H * hs].
 // It writes each sequence's new key and value into the cache (into the tensors bound to the request: the plugin hands
 // a reference node its inputs' memory) and attends over past_lens[t] + 1 tokens. Why, with measurements: attention.py.
 #include <tbb/parallel_for.h>
@@ -23,15 +24,15 @@ void appliance_end_read_ahead();  // lowbit_matmul.cpp
 
 namespace {
 
-// The 512-bit kernels where the CPU has them and a group is whole vectors of 16, else the 256-bit ones (the CPU
-// asked once: every layer of every step calls this).
-AttentionKernel kernel_for(int64_t group) {
+// The 512-bit kernels where they are `wide`-allowed, the CPU has them and a group is whole vectors of 16, else the
+// 256-bit ones (the CPU asked once: every layer of every step calls this).
+AttentionKernel kernel_for(int64_t group, bool wide) {
     static const bool avx512 = [] {
         __builtin_cpu_init();
         return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                __builtin_cpu_supports("avx512vl");
     }();
-    return avx512 && group % 16 == 0 ? attention_kernel_avx512() : attention_kernel_avx2();
+    return wide && avx512 && group % 16 == 0 ? attention_kernel_avx512() : attention_kernel_avx2();
 }
 
 }  // namespace
@@ -44,9 +45,9 @@ public:
 
     DecodeAttention() = default;
     DecodeAttention(const ov::OutputVector& args, int64_t heads, int64_t kv_heads, int64_t head_size, int64_t block_size,
-                    int64_t key_group, int64_t value_group, float scale)
+                    int64_t key_group, int64_t value_group, float scale, int64_t wide)
         : Op(args), m_heads(heads), m_kv_heads(kv_heads), m_head_size(head_size), m_block_size(block_size),
-          m_key_group(key_group), m_value_group(value_group), m_scale(scale) {
+          m_key_group(key_group), m_value_group(value_group), m_wide(wide), m_scale(scale) {
         constructor_validate_and_infer_types();
     }
 
@@ -68,7 +69,7 @@ public:
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         return std::make_shared<DecodeAttention>(args, m_heads, m_kv_heads, m_head_size, m_block_size, m_key_group,
-                                                 m_value_group, m_scale);
+                                                 m_value_group, m_scale, m_wide);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -79,6 +80,7 @@ public:
         visitor.on_attribute("key_group", m_key_group);
         visitor.on_attribute("value_group", m_value_group);
         visitor.on_attribute("scale", m_scale);
+        visitor.on_attribute("wide", m_wide);
         return true;
     }
 
@@ -129,7 +131,7 @@ public:
                                 "DecodeAttention: block index out of the pool");
         }
         appliance_end_read_ahead();
-        const AttentionKernel kernel = kernel_for(std::min(a.key_group, a.value_group));
+        const AttentionKernel kernel = kernel_for(std::min(a.key_group, a.value_group), m_wide != 0);
         // The new token's key and value first: the parts below read it from the cache like every other token.
         for (int64_t t = 0; t < a.T; ++t) {
             const int64_t p = a.past_lens[t], block = a.block_indices[a.block_begins[t] + p / a.bs];
@@ -201,6 +203,7 @@ private:
     }
 
     int64_t m_heads = 1, m_kv_heads = 1, m_head_size = 64, m_block_size = 32, m_key_group = 64, m_value_group = 64;
+    int64_t m_wide = 1;
     float m_scale = 1.f;
 };
 
