@@ -9,7 +9,11 @@ dequantizes each cached key in registers once per group of up to 4 query heads a
 in registers across a run of tokens. In that step (bench.profile --steps 32 --reps 3, runs alternated with ENV=0) it
 took 1.34 / 1.32 ms against 2.26 / 2.09 at 512 tokens, and 2.36 / 2.64 against 4.99 / 5.70 at 1500. The graph's
 static shapes matter: with the pool's dimension dynamic the plugin infers the op's shape at every call, and it took
-1.6-1.9 ms at 512 (openvino_paged._one_token).
+1.6-1.9 ms at 512 (openvino_paged._one_token). The whole step, one backend holding the single-token graph compiled
+twice (ours, the plugin's attention; the same weights and cache), interleaved, medians of 10-12 pairs: the plugin's
+step took 1.090 / 1.170x ours at 512 / 1500 tokens at Qwen2.5-1.5B and 1.158 / 1.137x at 128 / 512 at the default
+model; with the box capped to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, APPLIANCE_KERNELS_ISA=avx2: our 256-bit kernels,
+narrow_only) 1.064 / 1.073x and 1.047 / 1.106x.
 
 The layout: KEY_CACHE_QUANT_MODE=BY_TOKEN with KEY_CACHE_GROUP_SIZE=32 (cache_mode, set by the backend on every
 graph it compiles when ours run) makes each token's key row head / 32 groups of (f32 scale, f32 zero point, 32 u8).
