@@ -33,7 +33,7 @@ LIBRARY = "libappliance_kernels.so"
 # attention.py. 11: its `wide` attribute).
 ABI = 11
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
-ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force one path: avx2, avxvnni, avx512vnni (tests, benchmarks)
+ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
 CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precision f32; ours = also then
 # Rows (tokens per step) up to which our kernels beat OpenVINO's, per path: bench.kernels at the Qwen2.5-1.5B MLP
