@@ -363,6 +363,24 @@ def test_a_row_of_x_with_inf_or_nan_leaves_the_other_rows_alone(loaded, isa):
         assert (np.abs(y[good] - xg @ w.T) - _bound(xg, w)).max() <= 0, f"M={m}"
 
 
+def test_the_library_times_its_512_bit_dots_against_256_bit_ones(loaded):
+    """Full-width units take about as long per instruction (~1), split ones about twice (~2); 0 without the path."""
+    _, got = loaded
+    cost = kernels.zmm_cost()
+    if "avx512vnni" in got.supported:
+        assert 0.7 < cost < 3.0
+    else:
+        assert cost == 0.0
+
+
+@pytest.mark.parametrize("cost, rows", [(0.0, 8), (1.05, 8), (1.9, kernels.HALF_WIDTH_ROWS)])
+def test_split_512_bit_units_stop_the_avx512vnni_path_sooner(monkeypatch, cost, rows):
+    monkeypatch.setattr(kernels, "zmm_cost", lambda: cost)
+    assert kernels.kernel_rows("avx512vnni") == min(rows, kernels.KERNEL_ROWS["avx512vnni"])
+    assert kernels.kernel_rows("avx2") == kernels.KERNEL_ROWS["avx2"]  # the 256-bit paths never split
+    assert kernels.kernel_rows("amx") == 0
+
+
 def test_an_isa_the_cpu_lacks_is_refused_at_build_time(loaded):
     _, got = loaded
     missing = [isa for isa in kernels.ISAS if isa not in got.supported]

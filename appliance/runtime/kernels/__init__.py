@@ -13,6 +13,7 @@ fails because of it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ LIBRARY = "libappliance_kernels.so"
 # where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not per 32, which the
 # tests' error bound assumes, and the op's `residual` attribute. 8: the op's `slot_pairs` attribute, AVX512-VNNI's
 # grouped rows. 9: the op's optional fourth input, the next op's weights to read ahead. 10: the DecodeAttention op,
-# attention.py. 11: its `wide` attribute).
-ABI = 11
+# attention.py. 11: its `wide` attribute. 12: appliance_kernels_zmm_cost, read by kernel_rows).
+ABI = 12
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
@@ -53,6 +54,15 @@ CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precis
 # decode step of 4 / 8 sequences took 40 / 74 ms against 66 / 85 on OpenVINO's kernels alone (engines side by
 # side, interleaved). So it stops at 8 (not measured on the AMX box since, whose bf16 GEMM won from 8 above).
 KERNEL_ROWS = {"avx2": 12, "avxvnni": 4, "avx512vnni": 8}
+# Where a 512-bit instruction runs as two 256-bit halves (Zen 4), our 512-bit tiles have half the integer dots per
+# cycle of a full-width core and lose sooner: bench.kernels at 40 layers on a 2-vCPU Zen 4 EPYC (quiet; ours / the
+# plugin's time at 8960x1536 / 1536x8960 / 2048x1536 / 1536x1536): M = 2 0.75 / 0.86 / 0.59 / 0.43, M = 4 0.96 /
+# 1.06 / 0.82 / 0.62, M = 6 1.14 / 1.10 / 0.94 / 0.73, M = 8 1.27 / 1.13 / 1.03 / 0.89. With steps of up to 4
+# tokens on ours instead of 8, 8 clients at Qwen2.5-1.5B (bench.deployed, 128-token prompts) went from 0.88x genai
+# CB's aggregate tok/s to 0.93x / 0.97x (two runs), ours / ours-native 1.03 / 0.97. The library times the two widths
+# once (appliance_kernels_zmm_cost: 1.9 on that Zen 4; a full-width core should give ~1, not yet measured); past
+# HALF_WIDTH_COST the path stops at HALF_WIDTH_ROWS.
+HALF_WIDTH_ROWS, HALF_WIDTH_COST = 4, 1.5
 # Paths with a prefill tile (lowbit_kernel.hpp prefill_tile): where it takes every op of a model (rewrite.prefill_fits),
 # ours win at every row count and the model runs ours alone, prefill included: one compiled model, no copy of the
 # weights in the plugin's layout beside ours. Quiet AVX2 EPYC, 2 threads (bench.kernels --formats u4a:128 --layers 8
@@ -117,6 +127,27 @@ def one_token_properties(model: Any, precision: str | None) -> dict[str, Any]:
     if precision is None and not native_matmuls(model):
         return {"INFERENCE_PRECISION_HINT": "f32"}
     return {}
+
+
+def kernel_rows(isa: str) -> int:
+    """Steps of up to this many tokens run our kernels on `isa` (KERNEL_ROWS; HALF_WIDTH_ROWS where this CPU
+    splits 512-bit instructions in two); 0 for a path we have no kernels for."""
+    rows = KERNEL_ROWS.get(isa, 0)
+    if isa == "avx512vnni" and zmm_cost() > HALF_WIDTH_COST:
+        return min(rows, HALF_WIDTH_ROWS)
+    return rows
+
+
+@functools.cache
+def zmm_cost() -> float:
+    """A 512-bit integer dot's time over a 256-bit one's on this CPU, as the library measures it once; 0 without
+    the library or an AVX512-VNNI path."""
+    try:
+        fn = ctypes.CDLL(str(library_path())).appliance_kernels_zmm_cost
+    except (OSError, AttributeError):
+        return 0.0
+    fn.restype = ctypes.c_double
+    return float(fn())
 
 
 def library_path() -> Path:

@@ -37,3 +37,7 @@ struct LowbitKernel {
 LowbitKernel lowbit_kernel_avx2();
 LowbitKernel lowbit_kernel_avxvnni();
 LowbitKernel lowbit_kernel_avx512vnni();
+
+// How long a 512-bit integer dot takes against a 256-bit one on this CPU (kernel_avx512vnni.cpp; call only where the
+// avx512vnni path is supported): kernels.kernel_rows reads it.
+double lowbit_zmm_cost();

@@ -302,6 +302,13 @@ extern "C" __attribute__((visibility("default"))) const char* appliance_kernels_
     return isas.c_str();
 }
 
+// For Python (ctypes): a 512-bit integer dot's time over a 256-bit one's (lowbit_kernel.h), measured once; 0 where
+// this CPU has no avx512vnni path.
+extern "C" __attribute__((visibility("default"))) double appliance_kernels_zmm_cost() {
+    static const double cost = supported("avx512vnni") ? lowbit_zmm_cost() : 0.0;
+    return cost;
+}
+
 ov::Extension::Ptr decode_attention_extension();  // decode_attention.cpp
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>(
