@@ -92,8 +92,8 @@ def kernel_rows(label: str, model: ov.Model) -> int:
     if label.endswith(kernels.ONE_TOKEN):
         return 1
     isa = label.removeprefix("appliance-")
-    rows = kernels.kernel_rows(isa)
-    return kernels.EVERY_ROW if rows and isa in kernels.PREFILL_ISAS and prefill_fits(model) else rows
+    rows = kernels.KERNEL_ROWS.get(isa, 0)
+    return kernels.EVERY_ROW if rows and kernels.prefills(isa) and prefill_fits(model) else rows
 
 
 def model_name(model_dir: Path) -> str:

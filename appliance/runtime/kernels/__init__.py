@@ -13,12 +13,13 @@ fails because of it.
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from appliance import cpu_isa
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,9 @@ LIBRARY = "libappliance_kernels.so"
 # where an older library runs 3-8 rows slower than OpenVINO's. 7: activations scaled per 8 values, not per 32, which the
 # tests' error bound assumes, and the op's `residual` attribute. 8: the op's `slot_pairs` attribute, AVX512-VNNI's
 # grouped rows. 9: the op's optional fourth input, the next op's weights to read ahead. 10: the DecodeAttention op,
-# attention.py. 11: its `wide` attribute. 12: appliance_kernels_zmm_cost, read by kernel_rows).
-ABI = 12
+# attention.py. 11: its `wide` attribute. 12: appliance_kernels_zmm_cost. 13: AVX512-VNNI's u4 in
+# lanes of 16 rows (slot_pairs 0) instead of rows grouped by 8 in 2-pair slots, and no zmm_cost).
+ABI = 13
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
@@ -52,23 +54,20 @@ CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precis
 # a 2-vCPU Zen 5 EPYC, against the plugin's brgemm_avx512_bf16: the MLP shapes 0.55-0.77 at M = 3-6 and 0.76 / 0.85
 # at 8, q/k/v together (2048 x 1536) and o (1536 x 1536) 1.13 / 1.12 at 8, the u8 head 1.04; the Qwen2.5-1.5B
 # decode step of 4 / 8 sequences took 40 / 74 ms against 66 / 85 on OpenVINO's kernels alone (engines side by
-# side, interleaved). So it stops at 8 (not measured on the AMX box since, whose bf16 GEMM won from 8 above).
+# side, interleaved). So it stops at 8 (not measured on the AMX box since, whose bf16 GEMM won from 8 above). On a
+# Zen 4 EPYC, whose 512-bit units are split in two, that tile lost from M = 4-6 (1.27 / 1.13 at M = 8); with u4 in
+# lanes of 16 rows (lowbit_kernel.hpp lanes_tile) ours took 0.49-0.56 of the plugin's time at M = 8 and 0.67-0.84
+# at 32 there, so 8 holds on both.
 KERNEL_ROWS = {"avx2": 12, "avxvnni": 4, "avx512vnni": 8}
-# Where a 512-bit instruction runs as two 256-bit halves (Zen 4), our 512-bit tiles have half the integer dots per
-# cycle of a full-width core and lose sooner: bench.kernels at 40 layers on a 2-vCPU Zen 4 EPYC (quiet; ours / the
-# plugin's time at 8960x1536 / 1536x8960 / 2048x1536 / 1536x1536): M = 2 0.75 / 0.86 / 0.59 / 0.43, M = 4 0.96 /
-# 1.06 / 0.82 / 0.62, M = 6 1.14 / 1.10 / 0.94 / 0.73, M = 8 1.27 / 1.13 / 1.03 / 0.89. With steps of up to 4
-# tokens on ours instead of 8, 8 clients at Qwen2.5-1.5B (bench.deployed, 128-token prompts) went from 0.88x genai
-# CB's aggregate tok/s to 0.93x / 0.97x (two runs), ours / ours-native 1.03 / 0.97. The library times the two widths
-# once (appliance_kernels_zmm_cost: 1.9 on that Zen 4; a full-width core should give ~1, not yet measured); past
-# HALF_WIDTH_COST the path stops at HALF_WIDTH_ROWS.
-HALF_WIDTH_ROWS, HALF_WIDTH_COST = 4, 1.5
 # Paths with a prefill tile (lowbit_kernel.hpp prefill_tile): where it takes every op of a model (rewrite.prefill_fits),
 # ours win at every row count and the model runs ours alone, prefill included: one compiled model, no copy of the
 # weights in the plugin's layout beside ours. Quiet AVX2 EPYC, 2 threads (bench.kernels --formats u4a:128 --layers 8
 # --reps 7; ours / OpenVINO's time at 8960x1536 / 1536x8960 / 1536x1536): M = 16 0.73 / 0.68 / 0.77, M = 64 0.88 /
 # 0.78 / 0.90, M = 256 0.83 / 0.75 / 0.87; the general tile there: 1.09 / 0.93 / 1.05 and 1.24 / 1.14 / 1.28.
-PREFILL_ISAS = ("avx2",)
+# AVX512-VNNI's lanes tile (lowbit_kernel.hpp lanes_tile) against the plugin's brgemm_avx512_bf16 on the 2-vCPU Zen 4
+# EPYC (8 layers): M = 64 0.86 / 0.77 / 0.80, M = 128 0.85 / 0.77 / 0.80, M = 512 0.86 / 0.77 / 0.86; not where the
+# CPU has AMX (prefills), whose bf16 tiles won from 8 rows on the Sapphire Rapids box (KERNEL_ROWS).
+PREFILL_ISAS = ("avx2", "avx512vnni")
 EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
 # Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
 # plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
@@ -110,6 +109,11 @@ RESIDUAL_ENV = "APPLIANCE_KERNELS_RESIDUAL"
 READ_AHEAD_ENV = "APPLIANCE_KERNELS_READ_AHEAD"
 
 
+def prefills(isa: str) -> bool:
+    """Whether `isa`'s path wins at every row count on this CPU (PREFILL_ISAS; AVX512-VNNI's not beside AMX)."""
+    return isa in PREFILL_ISAS and not (isa == "avx512vnni" and "amx_bf16" in cpu_isa.detect().flags)
+
+
 def one_token_properties(model: Any, precision: str | None) -> dict[str, Any]:
     """Compile properties of the single-token graph (openvino_paged._one_token) over the plugin's defaults: f32
     inference where our ops take every MatMul but the LM head and no precision was asked for. Our ops compute in f32;
@@ -127,27 +131,6 @@ def one_token_properties(model: Any, precision: str | None) -> dict[str, Any]:
     if precision is None and not native_matmuls(model):
         return {"INFERENCE_PRECISION_HINT": "f32"}
     return {}
-
-
-def kernel_rows(isa: str) -> int:
-    """Steps of up to this many tokens run our kernels on `isa` (KERNEL_ROWS; HALF_WIDTH_ROWS where this CPU
-    splits 512-bit instructions in two); 0 for a path we have no kernels for."""
-    rows = KERNEL_ROWS.get(isa, 0)
-    if isa == "avx512vnni" and zmm_cost() > HALF_WIDTH_COST:
-        return min(rows, HALF_WIDTH_ROWS)
-    return rows
-
-
-@functools.cache
-def zmm_cost() -> float:
-    """A 512-bit integer dot's time over a 256-bit one's on this CPU, as the library measures it once; 0 without
-    the library or an AVX512-VNNI path."""
-    try:
-        fn = ctypes.CDLL(str(library_path())).appliance_kernels_zmm_cost
-    except (OSError, AttributeError):
-        return 0.0
-    fn.restype = ctypes.c_double
-    return float(fn())
 
 
 def library_path() -> Path:

@@ -8,17 +8,24 @@ struct LowbitArgs {
                             // to 32. bits 8: rows of Kp bytes, each pair of 32-blocks as the activations are
                             // (lowbit_kernel.hpp). Rows in groups of rg (N rounded up to rg, zero rows past N): a
                             // group holds its rows' first pairs of blocks one after the other, then their second
-                            // pairs (or `slot` pairs at a time), ..., then their unpaired last blocks; rg = 1 is
-                            // plain row-major.
+                            // pairs, ..., then their unpaired last blocks; rg = 1 is plain row-major.
     const uint16_t* sz;     // [N, 2 G] f16: per row its G group scales, then its G zero points (the IR's values,
                             // rewrite.scale_table: a u4 / u8 zero point is exact in f16)
     float* y;               // [M, N]
     int64_t M, N, K, Kp, gs, G;
     int64_t bits;           // 4 or 8 (8: u8 on the VNNI paths, s8 = u8 - 128 on AVX2: rewrite.U8_ISAS)
     int64_t rg;             // weight rows per group (w)
-    int64_t slot;           // pairs of 32-blocks a row keeps together in each slot of its group (w): 1, or 2 for
-                            // the 512-bit tile's u4 steps (lowbit_kernel.hpp tile_zmm: 64 bytes a row and step)
+    int64_t slot;           // 1; 0: u4 in lanes, per group of 16 rows and 8 values of K each row's 4 bytes in turn,
+                            // sz by groups of 16 rows too (lowbit_kernel.hpp lanes_tile)
+    int64_t xspan;          // lanes: octets of x per activation scale, 1 or 4 (LANES_BLOCK_ROWS)
 };
+
+// The lanes tile's activations get one scale per block of 32 (xspan 4) from this many rows of x, one per octet below:
+// paired in one process on the Zen 4 EPYC (2 threads, 24 layers from memory, 15 interleaved reps), the per-octet /
+// per-block time at M = 2 / 4 / 8 was 0.94-1.0 / 1.0-1.11 / 1.07-1.15 at the Qwen2.5-1.5B shapes. A block's one
+// scale is how the kernels rounded before the octets (next-token TVD from OpenVINO's 0.0180 against 0.0137, Zen 1:
+// docs/performance.md), the rounding of llama.cpp's q8 activations.
+constexpr int64_t LANES_BLOCK_ROWS = 4;
 
 // Floats of the per-block activation scales (dxv [M, pairs of blocks, 8]) the scratch needs.
 inline int64_t lowbit_dx_floats(int64_t M, int64_t Kp) { return M * ((Kp / 32 + 1) / 2) * 8; }
@@ -37,7 +44,3 @@ struct LowbitKernel {
 LowbitKernel lowbit_kernel_avx2();
 LowbitKernel lowbit_kernel_avxvnni();
 LowbitKernel lowbit_kernel_avx512vnni();
-
-// How long a 512-bit integer dot takes against a 256-bit one on this CPU (kernel_avx512vnni.cpp; call only where the
-// avx512vnni path is supported): kernels.kernel_rows reads it.
-double lowbit_zmm_cost();

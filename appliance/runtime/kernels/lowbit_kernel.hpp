@@ -68,7 +68,9 @@ inline float hsum(__m256 v) {
 // and bound each value's rounding by its octet's largest instead of its block's: on a Zen 1 box our kernels' TVD
 // from OpenVINO's next-token distribution at Qwen2.5-1.5B went 0.0180 -> 0.0137 (docs/performance-log.md).
 // Vectorized: the scalar loop was ~12% of the op at M = 1 (41 us at K = 8960 against ~300 us of rows on 2 threads).
-inline float quantize_block(const float* v, __m128& d, __m256i& out) {
+// `span` (1, 2 or 4 octets): one scale for each run of that many octets, their largest (the lanes tile's rows of x:
+// lanes_tile). `natural`: out in element order instead of evens and odds.
+inline float quantize_block(const float* v, __m128& d, __m256i& out, int span = 1, bool natural = false) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 f[4];
     __m128 t[4];
@@ -81,6 +83,8 @@ inline float quantize_block(const float* v, __m128& d, __m256i& out) {
     const __m128 u01 = _mm_max_ps(_mm_unpacklo_ps(t[0], t[1]), _mm_unpackhi_ps(t[0], t[1]));
     const __m128 u23 = _mm_max_ps(_mm_unpacklo_ps(t[2], t[3]), _mm_unpackhi_ps(t[2], t[3]));
     d = _mm_div_ps(_mm_max_ps(_mm_movelh_ps(u01, u23), _mm_movehl_ps(u23, u01)), _mm_set1_ps(127.f));
+    if (span >= 2) d = _mm_max_ps(d, _mm_shuffle_ps(d, d, _MM_SHUFFLE(2, 3, 0, 1)));
+    if (span >= 4) d = _mm_max_ps(d, _mm_shuffle_ps(d, d, _MM_SHUFFLE(1, 0, 3, 2)));
     // An octet of zeros (or denormals flushed, or a NaN): d = 0, q = 0.
     const __m128 live = _mm_cmpgt_ps(d, _mm_setzero_ps());
     d = _mm_and_ps(d, live);
@@ -100,6 +104,10 @@ inline float quantize_block(const float* v, __m128& d, __m256i& out) {
     // back to natural order, then per 128-bit lane its evens and its odds, then the lanes' evens together.
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (natural) {
+        out = b;
+        return hsum(sum);
+    }
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     out = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, split), 0xd8);
@@ -110,9 +118,14 @@ inline float quantize_block(const float* v, __m128& d, __m256i& out) {
 // the pair's first block's four octets' dx, 4-7: its second's, 0 for an unpaired last block) and per-group sums
 // xs [M, G] of dx * xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel.
 // `wide` (tile_zmm's u4, whose K is a multiple of 128): each two pairs' halves as one 512-bit register reads them,
-// [even halves of both pairs, odd halves of both], b0 a multiple of 4 blocks.
+// [even halves of both pairs, odd halves of both], b0 a multiple of 4 blocks. `natural` (lanes_tile): each block in
+// element order, its octets' dx in order too (dxv's layout is then octet by octet), `span` octets to a scale.
+enum class XOrder { paired, wide, natural };
+
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t gs, int64_t G, int8_t* xq,
-                          float* dxv, float* xs, int64_t b0, int64_t b1, bool wide = false) {
+                          float* dxv, float* xs, int64_t b0, int64_t b1, XOrder order = XOrder::paired,
+                          int span = 1) {
+    const bool wide = order == XOrder::wide;
     const int64_t blocks = Kp / BLOCK, pairs = (blocks + 1) / 2;
     for (int64_t m = 0; m < M; ++m) {
         const float* xr = x + m * K;
@@ -130,9 +143,14 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
             }
             __m128 d;
             __m256i q;
-            const float sum = quantize_block(v, d, q);
+            const float sum = quantize_block(v, d, q, span, order == XOrder::natural);
             const int64_t pair = b / 2, second = b % 2;
             _mm_storeu_ps(dr + pair * 8 + second * 4, d);
+            sr[(b * BLOCK) / gs] += sum;
+            if (order == XOrder::natural) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + b * BLOCK), q);
+                continue;
+            }
             int8_t* base = wide ? qr + pair / 2 * 4 * BLOCK + pair % 2 * BLOCK : qr + pair * 2 * BLOCK;
             const int64_t odd = wide ? 2 * BLOCK : BLOCK;  // where the odd halves start
             if (pair * 2 + 1 < blocks) {  // [first even 16, second even 16, first odd 16, second odd 16]
@@ -141,7 +159,6 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
             } else {  // an unpaired last block: [even 16, odd 16]
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(base), q);
             }
-            sr[(b * BLOCK) / gs] += sum;
         }
     }
 }
@@ -570,35 +587,22 @@ inline void prefill_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv
 #ifdef LOWBIT_ZMM
 // Rows of x on 512-bit registers (kernel_avx512vnni.cpp defines LOWBIT_ZMM): each step reads 64 bytes of a weight
 // row into one zmm, two pairs of blocks of u4 or one pair of u8 (the LM head), so each unpack, dot, convert and FMA
-// covers twice the weights of the 256-bit tile. Row-major rows, or rows grouped by ZMM_GROUP with a 64-byte slot
-// (rewrite.layout: what the rewrite makes for u4 on this path), groups of a multiple of 128 (u4) or 64 (u8) values,
-// K a multiple of the group. On a 2-vCPU AVX-512 Zen 5 EPYC (a standalone harness over kernel_avx512vnni.cpp, 1
-// thread, M = 1, u4 g128, weights in L3) 1536 / 8960 long rows ran 25-28 -> 45 GB/s; from memory (40 layers, 2
-// threads, medians of 8 interleaved runs) no faster until the prefetch changed, below.
-constexpr int64_t ZMM_GROUP = 8;  // rows per group of the grouped layout (rewrite.ZMM_ROWS)
-
+// covers twice the weights of the 256-bit tile. Row-major rows (the u8 head; u4 where lanes_tile's layout does not
+// fit: rewrite.layout), groups of a multiple of 128 (u4) or 64 (u8) values, K a multiple of the group. On a 2-vCPU
+// AVX-512 Zen 5 EPYC (a standalone harness over kernel_avx512vnni.cpp, 1 thread, M = 1, u4 g128, weights in L3)
+// 1536 / 8960 long rows ran 25-28 -> 45 GB/s; from memory (40 layers, 2 threads, medians of 8 interleaved runs) no
+// faster until the prefetch changed, below.
 inline bool zmm_fits(const LowbitArgs& a) {
     const int64_t step = a.bits == 4 ? 128 : 64;  // weights per zmm step
-    const bool slots = a.rg == ZMM_GROUP && a.slot * 32 * a.bits / 4 == 64;  // a row's step in each slot
-    return (a.rg == 1 || slots) && a.gs % step == 0 && a.K % a.gs == 0;
+    return a.rg == 1 && a.gs % step == 0 && a.K % a.gs == 0;
 }
 
-// Where row n's steps start: row-major, or in its group's slots (GROUPED).
-template <bool GROUPED>
-inline const uint8_t* zmm_row(const LowbitArgs& a, int64_t n, int64_t row_bytes) {
-    return GROUPED ? a.w + n / ZMM_GROUP * ZMM_GROUP * row_bytes + n % ZMM_GROUP * 64 : a.w + n * row_bytes;
-}
-
-// Step q (64 bytes) of a tile's row r (its steps from `row`: zmm_row), with a line ahead prefetched: on grouped rows
-// 2 KB ahead in their run, on row-major rows the next tile's (`next`, the row after the tile's last) in order.
-template <int NR, bool GROUPED>
+// Step q (64 bytes) of a tile's row r (its steps from `row`), with the next tile's run (`next`, the row after the
+// tile's last) prefetched in order.
+template <int NR>
 inline __m512i zmm_step(const uint8_t* row, const uint8_t* next, int64_t q, int r) {
-    constexpr int64_t stride = GROUPED ? ZMM_GROUP * 64 : 64;  // bytes from a row's step to its next
-    if (GROUPED)
-        _mm_prefetch(reinterpret_cast<const char*>(row + q * stride + 2048), _MM_HINT_T0);
-    else
-        _mm_prefetch(reinterpret_cast<const char*>(next + (q * NR + r) * 64), _MM_HINT_T0);
-    return _mm512_loadu_si512(row + q * stride);
+    _mm_prefetch(reinterpret_cast<const char*>(next + (q * NR + r) * 64), _MM_HINT_T0);
+    return _mm512_loadu_si512(row + q * 64);
 }
 
 // Step q of a row of x (xm, its scales dm): u8, pair q as it is stored (even halves, odd halves) and its 8 scales in
@@ -631,19 +635,13 @@ inline __m512i zmm_dot(__m512i lo, __m512i hi, __m512i xl, __m512i xh) {
     return W8 ? d : _mm512_dpbusd_epi32(d, hi, xh);
 }
 
-// Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x. Row-major weights (GROUPED false): the tile's rows are
+// Weight rows [n0, n0 + NR) against rows [m0, m0 + MT) of x. Row-major weights: the tile's rows are
 // one contiguous run read across (NR rows, 64 bytes each per step), so neither the hardware prefetcher nor a fixed
 // distance ahead in each row (PREFETCH: at K = 1536 a u4 row is 768 bytes) keeps the lines coming: each step
 // prefetches NR lines of the next tile's run in order, one tile ahead. Same harness from memory, 2 threads, M = 1:
 // 8960 x 1536 / 1536 x 8960 388 / 419 us a layer (256-bit tile) -> 361 / 350 (zmm, PREFETCH) -> 288 / 329 (zmm,
-// the next tile); one tile ahead was as fast as two or three.
-// Grouped rows (GROUPED: each row's 64-byte step one after the other in a slot of its group of 8): a pass over 8
-// rows reads one run front to back. On a 2-vCPU Zen 4 EPYC (AVX-512 on 256-bit units, L1D 32 KB), standalone, 1
-// thread, M = 1, 16 layers from memory: 1536 x 8960 13.3 -> 16.2 GB/s, 8960 x 1536 22.8 -> 24.8 (with decode_zmm's
-// scales); row-major, a tile's run at K = 8960 (35 KB) outgrew L1 before the step that read its prefetched lines,
-// and no distance ahead (0 to 16 KB, L1 or L2 hints) changed that. On grouped rows one prefetch 2 KB ahead (as fast
-// as none or 16 KB there). Each weight step is unpacked once for the MT rows of x.
-template <int MT, int NR, bool W8, bool GROUPED>
+// the next tile); one tile ahead was as fast as two or three. Each weight step is unpacked once for the MT rows of x.
+template <int MT, int NR, bool W8>
 inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
     constexpr int64_t STEP = W8 ? 64 : 128;  // weights per step
     const int64_t steps = a.Kp / STEP, per_group = a.gs / STEP, row_bytes = W8 ? a.Kp : a.Kp / 2;
@@ -652,7 +650,7 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
     float bias[NR][MT];
     __m512 acc[MT][NR];
     for (int r = 0; r < NR; ++r) {
-        w[r] = zmm_row<GROUPED>(a, n0 + r, row_bytes);
+        w[r] = a.w + (n0 + r) * row_bytes;
         sf[r] = a.sz + (n0 + r) * 2 * a.G;
         row_bias<MT>(a, sf[r], xs, m0, bias[r]);
         for (int m = 0; m < MT; ++m) acc[m][r] = _mm512_setzero_ps();
@@ -678,7 +676,7 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
             }
             for (int r = 0; r < NR; ++r) {
                 __m512i lo, hi;
-                zmm_unpack<W8>(zmm_step<NR, GROUPED>(w[r], next, q, r), lo, hi);
+                zmm_unpack<W8>(zmm_step<NR>(w[r], next, q, r), lo, hi);
                 for (int m = 0; m < MT; ++m) {
                     const __m512 d = _mm512_cvtepi32_ps(zmm_dot<W8>(lo, hi, xl[m], xh[m]));
                     gacc[m][r] = _mm512_fmadd_ps(d, dv[m], gacc[m][r]);
@@ -694,12 +692,12 @@ inline void tile_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
         for (int r = 0; r < NR; ++r) a.y[(m0 + m) * a.N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) - bias[r][m];
 }
 
-// One row of x (decode) against NR u4 weight rows, grouped or row-major. The group scales come 16 at a time per row
+// One row of x (decode) against NR row-major u4 weight rows. The group scales come 16 at a time per row
 // (a masked load and convert, then a permute per group) instead of a scalar load, insert, convert and broadcast per
 // row and group, which at g128 (a step a group) is per row and step: standalone on the Zen 4 EPYC, weights in L2 /
 // L3, 23.8 -> 31.3 GB/s (row-major). More rows of x leave no registers for the scales (tile_zmm), and u8 weights (a
 // group per row: the head) lost with it (bench.kernels at M = 1: 1.0 of OpenVINO's time against 0.81-0.87).
-template <int NR, bool GROUPED>
+template <int NR>
 inline void decode_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
     const int64_t steps = a.Kp / 128, per_group = a.gs / 128, row_bytes = a.Kp / 2;
@@ -709,12 +707,12 @@ inline void decode_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     __m512 acc[NR];
     for (int r = 0; r < NR; ++r) {
         const int64_t n = n0 + r;
-        w[r] = zmm_row<GROUPED>(a, n, row_bytes);
+        w[r] = a.w + n * row_bytes;
         sf[r] = a.sz + n * 2 * a.G;
         row_bias<1>(a, sf[r], xs, m0, bias[r]);
         acc[r] = _mm512_setzero_ps();
     }
-    const uint8_t* next = a.w + (n0 + NR) * row_bytes;  // row-major: the next tile's run (tile_zmm)
+    const uint8_t* next = a.w + (n0 + NR) * row_bytes;  // the next tile's run (tile_zmm)
     const int8_t* xr = xq + m0 * a.Kp;
     const float* dr = dxv + m0 * (a.Kp / 64 * 8);
     __m512 s16[NR];
@@ -732,7 +730,7 @@ inline void decode_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
             const bool first = q + per_group == end;  // the group's first step
             for (int r = 0; r < NR; ++r) {
                 __m512i lo, hi;
-                zmm_unpack<false>(zmm_step<NR, GROUPED>(w[r], next, q, r), lo, hi);
+                zmm_unpack<false>(zmm_step<NR>(w[r], next, q, r), lo, hi);
                 const __m512 d = _mm512_cvtepi32_ps(zmm_dot<false>(lo, hi, xl, xh));
                 gacc[r] = first ? _mm512_mul_ps(d, dv) : _mm512_fmadd_ps(d, dv, gacc[r]);
             }
@@ -743,65 +741,23 @@ inline void decode_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     for (int r = 0; r < NR; ++r) a.y[m0 * a.N + n0 + r] = _mm512_reduce_add_ps(acc[r]) - bias[r][0];
 }
 
-// Two rows of x against a whole group of grouped rows (ZMM_GROUP): the tiles above take 4 or 2 weight rows with 2-4
-// rows of x, which on grouped rows reads part of each step's 512 bytes per pass (1.1-1.5x the row-major time at M =
-// 2-8, standalone on the Zen 4 EPYC). Each step's group scale goes on as the step ends (no group accumulators: 16
-// accumulators, x and its scales fit the 32 registers); at a step per group (u4 g128) the same f32 operations as
-// tile_zmm's.
-template <bool W8>
-inline void pair_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0) {
-    constexpr int NR = ZMM_GROUP;
-    const int64_t steps = a.Kp / (W8 ? 64 : 128), per_group = a.gs / (W8 ? 64 : 128), row_bytes = W8 ? a.Kp : a.Kp / 2;
-    const uint8_t* w = zmm_row<true>(a, n0, row_bytes);  // the group's run: row r's steps 64 bytes on
-    const uint16_t* sf[NR];
-    float bias[NR][2];
-    __m512 acc[2][NR];
-    for (int r = 0; r < NR; ++r) {
-        sf[r] = a.sz + (n0 + r) * 2 * a.G;
-        row_bias<2>(a, sf[r], xs, m0, bias[r]);
-        acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-    }
-    const int64_t xstride = a.Kp, dstride = a.Kp / 64 * 8;
-    const int8_t* xr = xq + m0 * xstride;
-    const float* dr = dxv + m0 * dstride;
-    for (int64_t q = 0; q < steps; ++q) {
-        __m512i xl[2], xh[2];
-        __m512 dv[2];
-        for (int m = 0; m < 2; ++m) zmm_x<W8>(xr + m * xstride, dr + m * dstride, q, xl[m], xh[m], dv[m]);
-        const int64_t g = q / per_group;
-        for (int r = 0; r < NR; ++r) {
-            __m512i lo, hi;
-            zmm_unpack<W8>(zmm_step<NR, true>(w + r * 64, nullptr, q, r), lo, hi);
-            const __m512 s = _mm512_set1_ps(_cvtsh_ss(sf[r][g]));
-            for (int m = 0; m < 2; ++m) {
-                const __m512 d = _mm512_cvtepi32_ps(zmm_dot<W8>(lo, hi, xl[m], xh[m]));
-                acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(d, dv[m]), s, acc[m][r]);
-            }
-        }
-    }
-    for (int m = 0; m < 2; ++m)
-        for (int r = 0; r < NR; ++r) a.y[(m0 + m) * a.N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) - bias[r][m];
-}
-
 // Weight rows [n0, n1) against rows [m0, m0 + MT) of x, NR at a time (MT x NR accumulator chains: CHAINS at M = 1).
-template <int MT, bool W8, bool GROUPED>
+template <int MT, bool W8>
 inline void zmm_pass(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0, int64_t n0,
                      int64_t n1) {
     constexpr int NR = MT == 1 ? CHAINS : MT == 2 ? 4 : 2;
     int64_t n = n0;
     if (MT == 1 && !W8) {
-        for (; n + NR <= n1; n += NR) decode_zmm<NR, GROUPED>(a, xq, dxv, xs, m0, n);
-        for (; n < n1; ++n) decode_zmm<1, GROUPED>(a, xq, dxv, xs, m0, n);
+        for (; n + NR <= n1; n += NR) decode_zmm<NR>(a, xq, dxv, xs, m0, n);
+        for (; n < n1; ++n) decode_zmm<1>(a, xq, dxv, xs, m0, n);
         return;
     }
-    if (GROUPED && MT == 2)  // whole groups (n0 starts one: the split is by groups)
-        for (; n + ZMM_GROUP <= n1; n += ZMM_GROUP) pair_zmm<W8>(a, xq, dxv, xs, m0, n);
-    for (; n + NR <= n1; n += NR) tile_zmm<MT, NR, W8, GROUPED>(a, xq, dxv, xs, m0, n);
-    for (; n < n1; ++n) tile_zmm<MT, 1, W8, GROUPED>(a, xq, dxv, xs, m0, n);
+    for (; n + NR <= n1; n += NR) tile_zmm<MT, NR, W8>(a, xq, dxv, xs, m0, n);
+    for (; n < n1; ++n) tile_zmm<MT, 1, W8>(a, xq, dxv, xs, m0, n);
 }
 
 // Rows of x up to ZMM_MT per pass (MT x NR accumulators and group accumulators, MT rows of x and their scales fill the
-// 32 zmm registers; on grouped rows 2: pair_zmm); past that, the passes sweep blocks of weight rows that stay in L2
+// 32 zmm registers); past that, the passes sweep blocks of weight rows that stay in L2
 // (ZMM_BLOCK bytes), so the weights come from memory once. Against OpenVINO's kernels on a 2-vCPU Zen 5 EPYC
 // (bench.kernels --formats u4a:128 --layers 8 --reps 7 --isa avx512vnni --precision default; 8960x1536 / 1536x8960 /
 // 1536x1536), where the 256-bit tile took 0.78 / 0.84 / 0.73 at M = 2, 1.07 / 0.92 / 0.90 at M = 4 and 1.55 / 1.52 /
@@ -810,44 +766,143 @@ inline void zmm_pass(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
 // operand instead of two and an insert) took the standalone harness 0.90 / 0.89 of the time at M = 4 / 8.
 constexpr int64_t ZMM_MT = 4, ZMM_BLOCK = int64_t{256} << 10;
 
-template <bool W8, bool GROUPED>
+template <bool W8>
 inline void rows_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
     const int64_t row_bytes = W8 ? a.Kp : a.Kp / 2;
-    const int64_t rows = std::max<int64_t>(CHAINS, ZMM_BLOCK / row_bytes) / a.rg * a.rg;  // whole groups of rows
-    const int64_t mt = GROUPED ? 2 : ZMM_MT;  // grouped rows: rows of x two at a time (pair_zmm)
-    const int64_t block = a.M <= mt ? n1 - n0 : std::max(rows, a.rg);
+    const int64_t block = a.M <= ZMM_MT ? n1 - n0 : std::max<int64_t>(CHAINS, ZMM_BLOCK / row_bytes);
     for (int64_t nb = n0; nb < n1; nb += block) {
         const int64_t ne = std::min(n1, nb + block);
-        for (int64_t m = 0; m < a.M; m += mt) {
-            switch (std::min(mt, a.M - m)) {
-                case 1: zmm_pass<1, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
-                case 2: zmm_pass<2, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
-                case 3: if constexpr (!GROUPED) zmm_pass<3, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
-                default: if constexpr (!GROUPED) zmm_pass<4, W8, GROUPED>(a, xq, dxv, xs, m, nb, ne); break;
+        for (int64_t m = 0; m < a.M; m += ZMM_MT) {
+            switch (std::min(ZMM_MT, a.M - m)) {
+                case 1: zmm_pass<1, W8>(a, xq, dxv, xs, m, nb, ne); break;
+                case 2: zmm_pass<2, W8>(a, xq, dxv, xs, m, nb, ne); break;
+                case 3: zmm_pass<3, W8>(a, xq, dxv, xs, m, nb, ne); break;
+                default: zmm_pass<4, W8>(a, xq, dxv, xs, m, nb, ne); break;
             }
         }
     }
 }
+
+// u4 in lanes (slot 0: rewrite.lanes_layout): rows in groups of LANE_ROWS, and per 8 values of K (a chunk) the
+// group's 16 rows 4 bytes each, one after the other (a row's values 8c .. 8c + 3 in the low nibbles, 8c + 4 .. 8c + 7
+// in the high ones); the scale table by groups of rows too, per group of K the 16 rows' scales, then their zero
+// points. A 64-byte load is then one chunk of 16 rows, each i32 lane of a vpdpbusd one row, and x goes in as a
+// broadcast dword (natural order) folded into the dot. Each load and unpack serves up to 8 rows of x, the dots of a
+// run of `span` octets (x's scale: a.xspan) add up in i32 before one convert and FMA, the group scale is one FMA per
+// group for 16 rows, and the outputs leave as one store per 16 rows (no horizontal sums). tile_zmm (lanes = octets of
+// one row) converts and multiplies per 128 weights and row of x, unpacks per 2-4 rows of x and sums each output
+// across its lanes; on split 512-bit units (Zen 4) it ran compute-bound from M = 4. Against OpenVINO's kernels there
+// (bench.kernels --formats u4a:128 --layers 24 --reps 5 --precision default; 8960x1536 / 1536x8960 / 1536x1536 /
+// 2048x1536): M = 1 0.72 / 0.58 / 0.45 / 0.43 (row-major grouped by 8 before, paired in one process: this layout
+// 0.91-1.0 of its time), M = 4 0.57 / 0.63 / 0.46 / 0.43 (before 0.96 / 0.84-1.02 / 0.79), M = 8 0.56 / 0.56 / 0.50
+// / 0.49 (before 1.22-1.23 / 1.0-1.08 / 1.14), M = 32 0.84 / 0.67 / 0.69 / 0.68; at M = 64-512 0.77-0.86 (8 layers).
+constexpr int64_t LANE_ROWS = 16;
+
+inline bool lanes_fits(const LowbitArgs& a) {
+    return a.slot == 0 && a.bits == 4 && a.rg == LANE_ROWS && a.gs % 32 == 0 && a.K % a.gs == 0;
+}
+
+// Rows of x [m0, m0 + MT) against the group of 16 weight rows at n0, x's scale per `SPAN` octets. MT x 3 accumulators
+// (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
+// group sums alternate between two sets, so their FMA chain's latency never waits on one.
+template <int MT, int SPAN>
+inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
+                       int64_t n0) {
+    constexpr int SETS = MT <= 2 ? 2 : 1;
+    const int64_t per_group = a.gs / 8, dstride = lowbit_dx_floats(1, a.Kp);
+    const uint8_t* w = a.w + n0 * (a.Kp / 2);
+    const uint16_t* st = a.sz + n0 * 2 * a.G;  // [G][16 scales, 16 zero points]
+    const __m512i mask = _mm512_set1_epi8(0x0f);
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < a.G; ++g) {  // the zero points' terms: acc = -sum_g s z xs
+        const __m256i* t = reinterpret_cast<const __m256i*>(st + g * 32);
+        const __m512 sz =
+            _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(t)), _mm512_cvtph_ps(_mm256_loadu_si256(t + 1)));
+        for (int m = 0; m < MT; ++m) acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(xs[(m0 + m) * a.G + g]), acc[m]);
+    }
+    // One span of chunks from c into the group sums gsum.
+    auto span = [&](int64_t c, __m512* gsum) __attribute__((always_inline)) {
+        __m512i dot[MT];
+        for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
+        for (int j = 0; j < SPAN; ++j) {
+            const uint8_t* p = w + (c + j) * 64;
+            _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // its run, 2 KB ahead
+            const __m512i raw = _mm512_loadu_si512(p);
+            const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+            for (int m = 0; m < MT; ++m) {
+                const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + (c + j) * 8);
+                dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xv[0]));
+                dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xv[1]));
+            }
+        }
+        for (int m = 0; m < MT; ++m)
+            gsum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(dxv[(m0 + m) * dstride + c]), gsum[m]);
+    };
+    for (int64_t g = 0, c = 0; g < a.G; ++g) {
+        __m512 gsum[SETS][MT];
+        for (int k = 0; k < SETS; ++k)
+            for (int m = 0; m < MT; ++m) gsum[k][m] = _mm512_setzero_ps();
+        const int64_t end = c + per_group;
+        if (SETS == 2)
+            for (; c + 2 * SPAN <= end; c += 2 * SPAN) {
+                span(c, gsum[0]);
+                span(c + SPAN, gsum[SETS - 1]);
+            }
+        for (; c < end; c += SPAN) span(c, gsum[0]);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(st + g * 32)));
+        for (int m = 0; m < MT; ++m)
+            acc[m] = _mm512_fmadd_ps(SETS == 2 ? _mm512_add_ps(gsum[0][m], gsum[SETS - 1][m]) : gsum[0][m], s, acc[m]);
+    }
+    for (int m = 0; m < MT; ++m) _mm512_storeu_ps(a.y + (m0 + m) * a.N + n0, acc[m]);
+}
+
+// Weight rows [n0, n1) (whole groups: N is a multiple of 16) against every row of x, 8 rows of x at a time (a group's
+// rows stay in L2 between: 70 KB at K = 8960).
+template <int SPAN>
+inline void lanes_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0,
+                       int64_t n1) {
+    for (int64_t n = n0; n < n1; n += LANE_ROWS)
+        for (int64_t m = 0; m < a.M; m += 8) {
+            switch (std::min<int64_t>(8, a.M - m)) {
+                case 1: lanes_tile<1, SPAN>(a, xq, dxv, xs, m, n); break;
+                case 2: lanes_tile<2, SPAN>(a, xq, dxv, xs, m, n); break;
+                case 3: lanes_tile<3, SPAN>(a, xq, dxv, xs, m, n); break;
+                case 4: lanes_tile<4, SPAN>(a, xq, dxv, xs, m, n); break;
+                case 5: lanes_tile<5, SPAN>(a, xq, dxv, xs, m, n); break;
+                case 6: lanes_tile<6, SPAN>(a, xq, dxv, xs, m, n); break;
+                case 7: lanes_tile<7, SPAN>(a, xq, dxv, xs, m, n); break;
+                default: lanes_tile<8, SPAN>(a, xq, dxv, xs, m, n); break;
+            }
+        }
+}
 #endif
 
-// Whether x is quantized in the `wide` layout (quantize_rows) for tile_zmm's u4.
-inline bool wide_x(const LowbitArgs& a) {
+// How quantize_rows lays x out for the tiles of `a`, and how many octets share a scale.
+inline XOrder x_order(const LowbitArgs& a) {
 #ifdef LOWBIT_ZMM
-    return a.bits == 4 && zmm_fits(a);
+    if (lanes_fits(a)) return XOrder::natural;
+    return a.bits == 4 && zmm_fits(a) ? XOrder::wide : XOrder::paired;
 #else
     (void)a;
-    return false;
+    return XOrder::paired;
 #endif
 }
+
+inline int x_span(const LowbitArgs& a) { return x_order(a) == XOrder::natural ? static_cast<int>(a.xspan) : 1; }
 
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
 #ifdef LOWBIT_ZMM
-    if (zmm_fits(a)) {  // first: its grouped rows (a slot of 64 bytes) are not the layout of the tiles below
-        if (a.rg > 1)
-            rows_zmm<W8, true>(a, xq, dxv, xs, n0, n1);
+    if (!W8 && lanes_fits(a)) {
+        if (a.xspan == 4)
+            lanes_rows<4>(a, xq, dxv, xs, n0, n1);
         else
-            rows_zmm<W8, false>(a, xq, dxv, xs, n0, n1);
+            lanes_rows<1>(a, xq, dxv, xs, n0, n1);
+        return;
+    }
+    if (zmm_fits(a)) {
+        rows_zmm<W8>(a, xq, dxv, xs, n0, n1);
         return;
     }
 #endif
@@ -893,7 +948,7 @@ inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
     LowbitKernel lowbit_kernel_##NAME() {                                                       \
         return {#NAME,                                                                          \
                 [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs, int64_t b0, int64_t b1) { \
-                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1, wide_x(a)); \
+                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1, x_order(a), x_span(a)); \
                 },                                                                              \
                 rows};                                                                          \
     }

@@ -6,8 +6,8 @@
 // (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
-// lowbit_kernel.h; 1: row-major), slot_pairs (pairs of 32-blocks a row keeps together in each slot of its group: 1,
-// or 2, the 512-bit tile's u4 step, only on avx512vnni where that tile takes the op), residual (1: x's int8 rounding
+// lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: u4 in lanes of 16 rows with their
+// scale table likewise, only on avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding
 // error runs too, below). Output f32 [..., N]. An optional fourth input, the next op's w (rewrite.link_ahead), is
 // read ahead into this core's caches by an idle thread while the nodes between the two ops run (read_ahead, below).
 // Why, with measurements: appliance/runtime/kernels/__init__.py.
@@ -161,11 +161,10 @@ public:
         OPENVINO_ASSERT(m_bits == 4 || m_isa != "auto", "LowBitMatMul: bits 8 needs a named isa (its layout)");
         OPENVINO_ASSERT(m_row_group >= 1 && m_row_group <= 64, "LowBitMatMul: row_group must be 1..64");
         OPENVINO_ASSERT(m_residual == 0 || m_residual == 1, "LowBitMatMul: residual must be 0 or 1");
-        // Only the 512-bit tile reads 2-pair slots; every other tile would misread them.
-        OPENVINO_ASSERT(m_slot_pairs == 1 || (m_slot_pairs == 2 && m_bits == 4 && m_isa == "avx512vnni" &&
-                                              m_group_size % 128 == 0 && m_row_group == 8),
-                        "LowBitMatMul: slot_pairs 2 needs bits 4, isa avx512vnni, row_group 8 and a group_size "
-                        "multiple of 128");
+        // Only the 512-bit lanes tile reads lanes; every other tile would misread them.
+        OPENVINO_ASSERT(m_slot_pairs == 0 || m_slot_pairs == 1, "LowBitMatMul: slot_pairs must be 0 or 1");
+        OPENVINO_ASSERT(m_slot_pairs == 1 || (m_bits == 4 && m_isa == "avx512vnni" && m_row_group == 16),
+                        "LowBitMatMul: slot_pairs 0 (lanes) needs bits 4, isa avx512vnni and row_group 16");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
@@ -202,7 +201,11 @@ public:
         a.bits = m_bits;
         a.rg = m_row_group;
         a.slot = m_slot_pairs;
-        OPENVINO_ASSERT(a.slot == 1 || a.K % a.gs == 0, "LowBitMatMul: slot_pairs 2 needs K a multiple of group_size");
+        OPENVINO_ASSERT(a.slot == 1 || (a.K % a.gs == 0 && a.N % 16 == 0),
+                        "LowBitMatMul: slot_pairs 0 (lanes) needs K a multiple of group_size and N of 16");
+        // Before the residual's rows double M: the scales follow the rows of tokens; the residual is x's error per
+        // octet, so with it x keeps a scale per octet.
+        a.xspan = a.M >= LANES_BLOCK_ROWS && !m_residual ? 4 : 1;
         const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
                         "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");
@@ -300,13 +303,6 @@ extern "C" __attribute__((visibility("default"))) const char* appliance_kernels_
         return out;
     }();
     return isas.c_str();
-}
-
-// For Python (ctypes): a 512-bit integer dot's time over a 256-bit one's (lowbit_kernel.h), measured once; 0 where
-// this CPU has no avx512vnni path.
-extern "C" __attribute__((visibility("default"))) double appliance_kernels_zmm_cost() {
-    static const double cost = supported("avx512vnni") ? lowbit_zmm_cost() : 0.0;
-    return cost;
 }
 
 ov::Extension::Ptr decode_attention_extension();  // decode_attention.cpp

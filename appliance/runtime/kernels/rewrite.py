@@ -67,25 +67,37 @@ U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
 # M = 1 (8960x1536 / 1536x8960; CPU time 0.85 / 0.61 -> 0.51 / 0.45; bench.kernels --layers 10, load 9-12:
 # docs/performance.md), the u8 head to 0.50 of its row-major time at M = 1 (above). AVX-VNNI keeps row-major weights
 # (rg 1): on a Zen 5 EPYC rows grouped by 4 gave no gain at M = 1 and took 1.0-1.4x the row-major time at M = 2-4
-# (bench.kernels, docs/performance-log.md). AVX512-VNNI: ZMM_ROWS.
+# (bench.kernels, docs/performance-log.md). AVX512-VNNI: LANE_ROWS.
 ROW_GROUPS = {"avx2": 4}
-# AVX512-VNNI's u4 where the 512-bit tile takes it (lowbit_kernel.hpp tile_zmm: groups of a multiple of 128 values, K
-# a multiple of the group): rows grouped by 8, each row's 64-byte step (two pairs of blocks) one after the other in a
-# slot of its group (the op's slot_pairs 2), so that a pass over 8 rows reads one run. On a 2-vCPU Zen 4 EPYC, whose
-# L1D (32 KB) a row-major tile's run at K = 8960 outgrew, with the tiles for these rows (decode_zmm, pair_zmm): the
-# op's time against row-major, standalone, 2 threads, from memory, paired: 0.74-0.80 at 1536 x 8960, 0.86-1.04 at
-# the other Qwen2.5-1.5B shapes at M = 1, 0.82-1.03 at M = 2, 0.95-1.10 at M = 4 and 8 (docs/performance-log.md).
-# Grouped on the Zen 5 box with the 256-bit tile: no gain. The u8 head stays row-major: grouped, its rows one pass
-# each, it took 0.93-1.0 of OpenVINO's time at M = 1 against 0.80-0.84, 1.04-1.17 at M = 4 against 0.85-0.86.
-ZMM_ROWS = 8
+# AVX512-VNNI's u4 in lanes (lowbit_kernel.hpp lanes_tile; lanes_layout): rows by groups of 16, 4 bytes of each row in
+# turn, so that each i32 lane of a 512-bit dot is one row. Where it does not fit (N not a multiple of 16) u4 with
+# groups of a multiple of 128 stays row-major on the 512-bit tile (tile_zmm); u8 (the head) too. Rows grouped by 8 in
+# 64-byte slots (the layout before) ran at parity with lanes at M = 1 and 1.6-2.2x its time at M = 4-8 on a Zen 4
+# EPYC (lanes_tile's measurements).
+LANE_ROWS = 16
 
 
-def layout(isa: str, bits: int, k: int, group_size: int) -> tuple[int, int]:
-    """The op's row_group and slot_pairs for weights of `bits` with K `k` and `group_size` on `isa`'s path."""
-    if isa == "avx512vnni":
-        fits = bits == 4 and group_size % 128 == 0 and k % group_size == 0  # 128 values of a row per 512-bit step
-        return (ZMM_ROWS, 2) if fits else (1, 1)
+def layout(isa: str, bits: int, n: int, k: int, group_size: int) -> tuple[int, int]:
+    """The op's row_group and slot_pairs for weights [n, k] of `bits` with `group_size` on `isa`'s path."""
+    if isa == "avx512vnni" and bits == 4 and k % group_size == 0 and n % LANE_ROWS == 0:
+        return LANE_ROWS, 0
     return ROW_GROUPS.get(isa, 1), 1
+
+
+def lanes_layout(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """u4 weights [N, K/2] (OpenVINO's order) and their scales and zero points [N, G] in the lanes layout
+    (lowbit_kernel.hpp lanes_tile; N a multiple of LANE_ROWS, K of 32): per group of 16 rows and per 8 values of K,
+    each row's 4 bytes (values 8c .. 8c + 3 in the low nibbles, 8c + 4 .. 8c + 7 in the high), one row after the
+    other; the table per group of rows and of K, the 16 scales then the 16 zero points. Same sizes as before."""
+    n, half = packed.shape
+    q = np.empty((n, 2 * half), np.uint8)
+    q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
+    v = q.reshape(n // LANE_ROWS, LANE_ROWS, half // 4, 8)
+    out = hugepages.empty((n, half))
+    out.reshape(n // LANE_ROWS, half // 4, LANE_ROWS, 4)[:] = (v[..., :4] | v[..., 4:] << 4).transpose(0, 2, 1, 3)
+    g = scale.shape[1]
+    table = np.stack([scale, zero]).astype(np.float16).reshape(2, n // LANE_ROWS, LANE_ROWS, g).transpose(1, 3, 0, 2)
+    return out, np.ascontiguousarray(table).view(np.uint8).reshape(n, 4 * g)
 
 
 # The attention projections (q/k/v, o: HF's module names, which the exports keep; a fused q/k/v keeps q_proj's): with
@@ -110,7 +122,7 @@ class Chain:
     group_size: int
     bits: int = 4
     row_group: int = 1  # the packed rows' interleaving (row_groups)
-    slot_pairs: int = 1  # pairs of 32-blocks of a row per slot of its group (row_groups)
+    slot_pairs: int = 1  # 1; 0: u4 in lanes of 16 rows, the table likewise (lanes_layout)
 
 
 def pair_layout(q: np.ndarray) -> np.ndarray:
@@ -137,11 +149,11 @@ def u8_layout(q: np.ndarray, zero: np.ndarray, isa: str) -> tuple[np.ndarray, np
 
 
 def row_groups(packed: np.ndarray, rows: int, pair_bytes: int = 32) -> np.ndarray:
-    """Weights [N, bytes] (each row's pairs of 32-blocks `pair_bytes`: 32 of u4, 64 of u8; or the bytes of a slot of
-    slot_pairs pairs) in the op's interleaved layout (lowbit_kernel.h): N rounded up to `rows` with zero rows, then
-    per group of `rows` rows their first slots one after the other, their second slots, ..., and their unpaired last
-    blocks (half a pair each). A pass over `rows` weight rows then reads one contiguous run instead of `rows`
-    interleaved streams. Same size (plus padding rows), in whole huge pages (hugepages.py)."""
+    """Weights [N, bytes] (each row's pairs of 32-blocks `pair_bytes`: 32 of u4, 64 of u8) in the op's interleaved
+    layout (lowbit_kernel.h): N rounded up to `rows` with zero rows, then per group of `rows` rows their first pairs
+    one after the other, their second pairs, ..., and their unpaired last blocks (half a pair each). A pass over
+    `rows` weight rows then reads one contiguous run instead of `rows` interleaved streams. Same size (plus padding
+    rows), in whole huge pages (hugepages.py)."""
     n, nb = packed.shape
     padded = -(-n // rows) * rows
     full, groups = nb // pair_bytes, padded // rows
@@ -235,13 +247,15 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
     except ValueError:
         return None
     data = np.asarray(values.get_data()).view(np.uint8)
-    row_group, slot = layout(isa, bits, k, group_size)
+    row_group, slot = layout(isa, bits, n, k, group_size)
     if bits == 8:
         packed, z8 = u8_layout(data.reshape(n, k), z, isa)
         if row_group > 1:  # pair_layout made the copy already
             packed = row_groups(packed, row_group, pair_bytes=64)
         return Chain(packed, scale_table(s, z8), group_size, bits, row_group, slot)
-    packed = row_groups(data.reshape(n, k // 2), row_group, pair_bytes=32 * slot)
+    if slot == 0:
+        return Chain(*lanes_layout(data.reshape(n, k // 2), s, z), group_size, bits, row_group, slot)
+    packed = row_groups(data.reshape(n, k // 2), row_group)
     return Chain(packed, scale_table(s, z), group_size, bits, row_group, slot)
 
 
@@ -376,7 +390,8 @@ def native_matmuls(model: ov.Model, floor: int = 1 << 16) -> list[ov.Node]:
 
 def prefill_fits(model: ov.Model) -> bool:
     """Whether every LowBitMatMul in `model` runs the prefill tile at many rows, so that ours win at every row count
-    (kernels.EVERY_ROW): u4 in grouped rows, a group size of PREFILL_GROUPS, K a multiple of 64. A u8 op fits only as
+    (kernels.EVERY_ROW): u4 in lanes (AVX512-VNNI), or in grouped rows with a group size of PREFILL_GROUPS and K a
+    multiple of 64 (AVX2's prefill tile). A u8 op fits only as
     the LM head, which the backends feed one row per sequence (their gather of the last tokens); elsewhere it would
     run the general tile at many rows, slower than OpenVINO's there."""
     head = logits_op(model)
@@ -387,8 +402,8 @@ def prefill_fits(model: ov.Model) -> bool:
         if attrs["bits"] == 8:
             fits = head is not None and op.get_friendly_name() == head.get_friendly_name()
         else:
-            grouped = attrs["row_group"] % 2 == 0 and attrs["group_size"] in PREFILL_GROUPS
-            fits = grouped and k.is_static and k.get_length() % 64 == 0
+            grouped = attrs["row_group"] % 2 == 0 and attrs["slot_pairs"] == 1 and attrs["group_size"] in PREFILL_GROUPS
+            fits = attrs["slot_pairs"] == 0 or (grouped and k.is_static and k.get_length() % 64 == 0)
         if not fits:
             return False
     return bool(ops)
