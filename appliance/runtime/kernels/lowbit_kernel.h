@@ -22,9 +22,11 @@ struct LowbitArgs {
 
 // The lanes tile's activations get one scale per block of 32 (xspan 4) from this many rows of x, one per octet below:
 // paired in one process on the Zen 4 EPYC (2 threads, 24 layers from memory, 15 interleaved reps), the per-octet /
-// per-block time at M = 2 / 4 / 8 was 0.94-1.0 / 1.0-1.11 / 1.07-1.15 at the Qwen2.5-1.5B shapes. A block's one
-// scale is how the kernels rounded before the octets (next-token TVD from OpenVINO's 0.0180 against 0.0137, Zen 1:
-// docs/performance.md), the rounding of llama.cpp's q8 activations.
+// per-block time at M = 2 / 4 / 8 was 0.94-1.0 / 1.0-1.11 / 1.07-1.15 at the Qwen2.5-1.5B shapes, and against the
+// plugin's at M = 64 / 512 per octet took 0.88-1.03 / 0.95-1.03 where per block took 0.77-0.86. The next token after
+// a prefill on ours moved no further from OpenVINO's (bench.quality --prompts 8 --precision default --kernels auto
+// openvino at Qwen2.5-1.5B: TVD median 0.0215 per block, 0.0216 per octet; from fp32 0.2373 / 0.2366, OpenVINO's
+// 0.2375). A block's one scale is the rounding of llama.cpp's q8 activations.
 constexpr int64_t LANES_BLOCK_ROWS = 4;
 
 // Floats of the per-block activation scales (dxv [M, pairs of blocks, 8]) the scratch needs.
