@@ -6,10 +6,10 @@
 // (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
-// lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: u4 in lanes of 16 rows with their
-// scale table likewise, only on avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding
-// error runs too, below). Output f32 [..., N]. An optional fourth input, the next op's w (rewrite.link_ahead), is
-// read ahead into this core's caches by an idle thread while the nodes between the two ops run (read_ahead, below).
+// lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: u4 in lanes of 16 rows with their scale table likewise, only
+// on avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below). Output f32
+// [..., N]. An optional fourth input, the next op's w (rewrite.link_ahead), is read ahead into this core's caches by
+// an idle thread while the nodes between the two ops run (read_ahead, below).
 // Why, with measurements: appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>

@@ -391,9 +391,9 @@ def native_matmuls(model: ov.Model, floor: int = 1 << 16) -> list[ov.Node]:
 def prefill_fits(model: ov.Model) -> bool:
     """Whether every LowBitMatMul in `model` runs the prefill tile at many rows, so that ours win at every row count
     (kernels.EVERY_ROW): u4 in lanes (AVX512-VNNI), or in grouped rows with a group size of PREFILL_GROUPS and K a
-    multiple of 64 (AVX2's prefill tile). A u8 op fits only as
-    the LM head, which the backends feed one row per sequence (their gather of the last tokens); elsewhere it would
-    run the general tile at many rows, slower than OpenVINO's there."""
+    multiple of 64 (AVX2's prefill tile). A u8 op fits only as the LM head, which the backends feed one row per
+    sequence (their gather of the last tokens); elsewhere it would run the general tile at many rows, slower than
+    OpenVINO's there."""
     head = logits_op(model)
     ops = [n for n in model.get_ordered_ops() if n.get_type_name() == OP]
     for op in ops:
