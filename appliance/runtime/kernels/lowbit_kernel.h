@@ -17,7 +17,7 @@ struct LowbitArgs {
     int64_t rg;             // weight rows per group (w)
     int64_t slot;           // 1; 0: u4 in lanes, per group of 16 rows and 8 values of K each row's 4 bytes in turn,
                             // sz by groups of 16 rows too (lowbit_kernel.hpp lanes_tile)
-    int64_t xspan;          // lanes: octets of x per activation scale, 1 or 4 (LANES_BLOCK_ROWS)
+    int64_t xspan;          // octets of x per activation scale: 1, or 4 in lanes (LANES_BLOCK_ROWS)
 };
 
 // The lanes tile's activations get one scale per block of 32 (xspan 4) from this many rows of x, one per octet below:

@@ -878,7 +878,7 @@ inline void lanes_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
 }
 #endif
 
-// How quantize_rows lays x out for the tiles of `a`, and how many octets share a scale.
+// How quantize_rows lays x out for the tiles of `a`.
 inline XOrder x_order(const LowbitArgs& a) {
 #ifdef LOWBIT_ZMM
     if (lanes_fits(a)) return XOrder::natural;
@@ -888,8 +888,6 @@ inline XOrder x_order(const LowbitArgs& a) {
     return XOrder::paired;
 #endif
 }
-
-inline int x_span(const LowbitArgs& a) { return x_order(a) == XOrder::natural ? static_cast<int>(a.xspan) : 1; }
 
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
@@ -948,7 +946,7 @@ inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
     LowbitKernel lowbit_kernel_##NAME() {                                                       \
         return {#NAME,                                                                          \
                 [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs, int64_t b0, int64_t b1) { \
-                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1, x_order(a), x_span(a)); \
+                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1, x_order(a), static_cast<int>(a.xspan)); \
                 },                                                                              \
                 rows};                                                                          \
     }

@@ -203,9 +203,9 @@ public:
         a.slot = m_slot_pairs;
         OPENVINO_ASSERT(a.slot == 1 || (a.K % a.gs == 0 && a.N % 16 == 0),
                         "LowBitMatMul: slot_pairs 0 (lanes) needs K a multiple of group_size and N of 16");
-        // Before the residual's rows double M: the scales follow the rows of tokens; the residual is x's error per
-        // octet, so with it x keeps a scale per octet.
-        a.xspan = a.M >= LANES_BLOCK_ROWS && !m_residual ? 4 : 1;
+        // Lanes only, and before the residual's rows double M: the scales follow the rows of tokens; the residual is
+        // x's error per octet, so with it x keeps a scale per octet.
+        a.xspan = a.slot == 0 && a.M >= LANES_BLOCK_ROWS && !m_residual ? 4 : 1;
         const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
                         "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");

@@ -90,9 +90,7 @@ def lanes_layout(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tup
     each row's 4 bytes (values 8c .. 8c + 3 in the low nibbles, 8c + 4 .. 8c + 7 in the high), one row after the
     other; the table per group of rows and of K, the 16 scales then the 16 zero points. Same sizes as before."""
     n, half = packed.shape
-    q = np.empty((n, 2 * half), np.uint8)
-    q[:, 0::2], q[:, 1::2] = packed & 15, packed >> 4
-    v = q.reshape(n // LANE_ROWS, LANE_ROWS, half // 4, 8)
+    v = nibbles(packed).reshape(n // LANE_ROWS, LANE_ROWS, half // 4, 8)
     out = hugepages.empty((n, half))
     out.reshape(n // LANE_ROWS, half // 4, LANE_ROWS, 4)[:] = (v[..., :4] | v[..., 4:] << 4).transpose(0, 2, 1, 3)
     g = scale.shape[1]
@@ -174,11 +172,16 @@ def scale_table(scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([scale, zero], 1).astype(np.float16)).view(np.uint8)
 
 
+def nibbles(packed: np.ndarray) -> np.ndarray:
+    """u4 bytes [..., B] (two values per byte, low nibble first: OpenVINO's order) as one value per byte [..., 2 B]."""
+    values = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), np.uint8)
+    values[..., 0::2], values[..., 1::2] = packed & 15, packed >> 4
+    return values
+
+
 def _u4_values(node: ov.Node) -> np.ndarray:
-    """A u4 Constant's values, one per byte, in its shape (OpenVINO packs two per byte, low nibble first)."""
-    packed = np.asarray(node.get_data()).view(np.uint8).ravel()
-    values = np.empty(packed.size * 2, np.uint8)
-    values[0::2], values[1::2] = packed & 15, packed >> 4
+    """A u4 Constant's values, one per byte, in its shape."""
+    values = nibbles(np.asarray(node.get_data()).view(np.uint8).ravel())
     return values[: int(np.prod(node.shape))].reshape(tuple(node.shape))
 
 
