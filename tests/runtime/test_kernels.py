@@ -61,10 +61,10 @@ def _lanes(packed: np.ndarray, sz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lanes_layout(packed, table[:, :groups], table[:, groups:])
 
 
-def _width(slot_pairs: int, m: int) -> int:
-    """The values of x per int8 scale at M = m: per octet, but per block of 32 from 4 rows in lanes (slot_pairs 0:
-    lowbit_kernel.h LANES_BLOCK_ROWS)."""
-    return 32 if slot_pairs == 0 and m >= 4 else 8
+def _width(slot_pairs: int, m: int, bits: int = 4) -> int:
+    """The values of x per int8 scale at M = m: per octet, but per block of 32 in lanes from 4 rows, at every row
+    count for u8 (slot_pairs 0: lowbit_kernel.h LANES_BLOCK_ROWS)."""
+    return 32 if slot_pairs == 0 and (m >= 4 or bits == 8) else 8
 
 
 def _op_model(
@@ -244,8 +244,46 @@ def test_u8_op_matches_numpy_within_the_int8_bound(loaded, isa, n, k, group, zer
         assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
 
 
+@pytest.mark.parametrize(
+    "n, k, group, zero, scale",
+    [
+        (48, 1536, 1536, "u8", "normal"),  # per output channel, as NNCF's int8 LM head
+        (32, 256, 256, "0", "denormal"),  # zero point 0: w - z up to 255
+        (16, 96, 32, "15", "huge"),  # zero point 255: w - z down to -255, 3 blocks
+    ],
+)
+def test_u8_in_lanes_matches_numpy_within_the_int8_bound(loaded, n, k, group, zero, scale):
+    """AVX512-VNNI's u8 (the LM head) in lanes of 16 rows (rewrite.lanes_layout bits 8): each 64-byte chunk 4 values
+    of K of the 16 rows, one vpdpbusd as read; x per block of 32 (_width)."""
+    core, got = loaded
+    if "avx512vnni" not in got.supported:
+        pytest.skip(f"this CPU has no avx512vnni (it has {', '.join(got.supported)})")
+    rng = np.random.default_rng(n * 1000 + k + 9)
+    groups = k // group
+    q = rng.integers(0, 256, (n, k)).astype(np.uint8)
+    s = {"normal": rng.uniform(1e-3, 0.1, (n, groups)), "huge": rng.uniform(1e3, 6e4, (n, groups))}.get(
+        scale, rng.uniform(1e-7, 5e-6, (n, groups))
+    ).astype(np.float16)
+    z = {"u8": rng.integers(0, 256, (n, groups)), "0": np.zeros((n, groups)), "15": np.full((n, groups), 255)}[zero]
+    z = z.astype(np.float16)
+    packed, sz = lanes_layout(q, s, z, bits=8)
+    assert layout("avx512vnni", 8, n, k, group) == (LANE_ROWS, 0)
+    model = _op_model(got.factory, k, packed, sz, group, "avx512vnni", bits=8, row_group=LANE_ROWS, slot_pairs=0)
+    compiled = core.compile_model(model, "CPU", F32)
+    w = (q.astype(np.float64) - np.repeat(z, group, 1)) * np.repeat(s, group, 1)
+    for m in (1, 2, 3, 8, 9):  # 9: a full tile of 8 rows of x and one more
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, ::7] *= 50
+        x[-1] = -np.abs(x[-1])
+        y = compiled(x)[0]
+        assert y.shape == (m, n) and np.isfinite(y).all()
+        over = np.abs(y - x.astype(np.float64) @ w.T) - _bound(x.astype(np.float64), w, _width(0, m, bits=8))
+        assert over.max() <= 0, f"M={m}: beyond the int8 bound by {over.max()}"
+
+
 @pytest.mark.parametrize("isa", _paths())
-def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa):
+@pytest.mark.parametrize("n", [40, 48])  # 48: a multiple of 16, the lanes tile on AVX512-VNNI
+def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa, n):
     """An outlier coarsens only its own octet's int8 step: y is the exact product with x rounded per 8 values, and far
     from x rounded per block of 32, where the unit values beside a 1e3 in every block would round to 0. At the row
     counts of the decode tiles, the prefill tile and the 512-bit tile's several rows, in the rewrite's row layout;
@@ -254,11 +292,11 @@ def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa):
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
     rng = np.random.default_rng(23)
-    n, k, group = 40, 1024, 128
+    k, group = 1024, 128
     packed, sz, w = _case(rng, n, k, group, "f16", "normal")
     _, slot = layout(isa, 4, n, k, group)
     compiled = core.compile_model(_rewrite_layout(got.factory, k, packed, sz, group, isa), "CPU", F32)
-    for m in (1, 3, 4, 8):
+    for m in (1, 2, 3, 4, 8):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::32] = 1e3  # each block's first octet: an outlier and ...
         for i in range(1, 8):
@@ -313,7 +351,7 @@ def test_u8_needs_a_named_path(loaded):
 
 
 def test_lanes_only_where_the_512_bit_tile_reads_them(loaded):
-    """slot_pairs 0 is AVX512-VNNI's u4 layout in lanes of 16 rows (rewrite.layout): any other path, row group or
+    """slot_pairs 0 is AVX512-VNNI's layout in lanes of 16 rows (rewrite.layout): any other path, row group or
     N would read the weights in another order, so the op refuses it; 2 (the grouped slots before) is gone."""
     core, got = loaded
     packed, sz, _ = _case(np.random.default_rng(5), 16, 256, 128, "0", "normal")
@@ -426,23 +464,27 @@ def _u8_head(rng, n: int, k: int) -> ov.Node:
     return ops.convert(ops.multiply(ops.subtract(q, zero), scale), ov.Type.f32)
 
 
+@pytest.mark.parametrize("n", [200, 208])  # 208: whole lanes of 16 rows on AVX512-VNNI
 @pytest.mark.parametrize("isa", _paths())
-def test_rewrite_takes_u8_heads_in_each_paths_layout(loaded, isa):
+def test_rewrite_takes_u8_heads_in_each_paths_layout(loaded, isa, n):
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa}")
 
     def head() -> ov.Model:
         x = ops.parameter([-1, 320], ov.Type.f32)
-        return ov.Model([ops.matmul(x, _u8_head(np.random.default_rng(6), 200, 320), False, True)], [x])
+        return ov.Model([ops.matmul(x, _u8_head(np.random.default_rng(6), n, 320), False, True)], [x])
 
     native, ours = head(), head()
     assert rewrite(ours, got.factory, isa) == (1 if isa in U8_ISAS else 0)
-    [op] = [n for n in ours.get_ordered_ops() if n.get_type_name() == OP]
+    [op] = [node for node in ours.get_ordered_ops() if node.get_type_name() == OP]
     packed = op.input_value(1).get_node().get_data()
-    q = np.random.default_rng(6).integers(0, 256, (200, 320)).astype(np.uint8)  # _u8_head's first draw
-    rg, slot = layout(isa, 8, 200, 320, 320)  # AVX2: rows grouped by 4; AVX512-VNNI: row-major
-    want = row_groups(pair_layout(q) ^ np.uint8(U8_ISAS[isa]), rg, pair_bytes=64)
+    q = np.random.default_rng(6).integers(0, 256, (n, 320)).astype(np.uint8)  # _u8_head's first draw
+    rg, slot = layout(isa, 8, n, 320, 320)  # AVX2: rows grouped by 4; AVX512-VNNI: lanes, row-major at N 200
+    if slot == 0:
+        want = lanes_layout(q, np.ones((n, 1)), np.zeros((n, 1)), bits=8)[0]
+    else:
+        want = row_groups(pair_layout(q) ^ np.uint8(U8_ISAS[isa]), rg, pair_bytes=64)
     assert np.array_equal(packed, want)  # AVX2: s8 = u8 - 128
     assert (op.get_attributes()["row_group"], op.get_attributes()["slot_pairs"]) == (rg, slot)
     x = np.random.default_rng(4).standard_normal((3, 320)).astype(np.float32)

@@ -587,8 +587,8 @@ inline void prefill_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv
 #ifdef LOWBIT_ZMM
 // Rows of x on 512-bit registers (kernel_avx512vnni.cpp defines LOWBIT_ZMM): each step reads 64 bytes of a weight
 // row into one zmm, two pairs of blocks of u4 or one pair of u8 (the LM head), so each unpack, dot, convert and FMA
-// covers twice the weights of the 256-bit tile. Row-major rows (the u8 head; u4 where lanes_tile's layout does not
-// fit: rewrite.layout), groups of a multiple of 128 (u4) or 64 (u8) values, K a multiple of the group. On a 2-vCPU
+// covers twice the weights of the 256-bit tile. Row-major rows (u4 and u8 where lanes_tile's layout does not fit:
+// rewrite.layout), groups of a multiple of 128 (u4) or 64 (u8) values, K a multiple of the group. On a 2-vCPU
 // AVX-512 Zen 5 EPYC (a standalone harness over kernel_avx512vnni.cpp, 1 thread, M = 1, u4 g128, weights in L3)
 // 1536 / 8960 long rows ran 25-28 -> 45 GB/s; from memory (40 layers, 2 threads, medians of 8 interleaved runs) no
 // faster until the prefetch changed, below.
@@ -799,18 +799,24 @@ inline void rows_zmm(const LowbitArgs& a, const int8_t* xq, const float* dxv, co
 constexpr int64_t LANE_ROWS = 16;
 
 inline bool lanes_fits(const LowbitArgs& a) {
-    return a.slot == 0 && a.bits == 4 && a.rg == LANE_ROWS && a.gs % 32 == 0 && a.K % a.gs == 0;
+    return a.slot == 0 && a.rg == LANE_ROWS && a.gs % 32 == 0 && a.K % a.gs == 0;
 }
 
 // Rows of x [m0, m0 + MT) against the group of 16 weight rows at n0, x's scale per `SPAN` octets. MT x 3 accumulators
 // (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
-// group sums alternate between two sets, so their FMA chain's latency never waits on one.
-template <int MT, int SPAN>
+// group sums alternate between two sets, so their FMA chain's latency never waits on one. u8 (W8: the LM head) in
+// lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
+// One row of x reads its run with no software prefetch: the hardware's alone streamed it faster. On 1 thread from
+// memory (Zen 4, 1536 x 1536 u4 g128 x 100, standalone, 3-5 interleaved runs) the tile read at 0.85 of a plain
+// 512-bit streaming read's rate with the prefetch 2 KB ahead, 0.99-1.05 without (1-8 KB ahead, T0 or T1: 0.85-0.98);
+// from 2 rows the prefetch stays (M = 2 without it: 0.73 against 0.83; M = 4 / 8: 0.52 / 0.23 against 0.58 / 0.33).
+template <int MT, int SPAN, bool W8>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
     constexpr int SETS = MT <= 2 ? 2 : 1;
+    constexpr int64_t OCTET_BYTES = W8 ? 128 : 64;  // one octet of K of the 16 rows
     const int64_t per_group = a.gs / 8, dstride = lowbit_dx_floats(1, a.Kp);
-    const uint8_t* w = a.w + n0 * (a.Kp / 2);
+    const uint8_t* w = a.w + n0 * (W8 ? a.Kp : a.Kp / 2);
     const uint16_t* st = a.sz + n0 * 2 * a.G;  // [G][16 scales, 16 zero points]
     const __m512i mask = _mm512_set1_epi8(0x0f);
     __m512 acc[MT];
@@ -825,15 +831,29 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     auto span = [&](int64_t c, __m512* gsum) __attribute__((always_inline)) {
         __m512i dot[MT];
         for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
-        for (int j = 0; j < SPAN; ++j) {
-            const uint8_t* p = w + (c + j) * 64;
-            _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // its run, 2 KB ahead
-            const __m512i raw = _mm512_loadu_si512(p);
-            const __m512i lo = _mm512_and_si512(raw, mask), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-            for (int m = 0; m < MT; ++m) {
-                const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + (c + j) * 8);
-                dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xv[0]));
-                dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xv[1]));
+        if constexpr (W8) {
+            for (int j = 0; j < 2 * SPAN; ++j) {
+                const uint8_t* p = w + c * OCTET_BYTES + j * 64;
+                if (MT > 1) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
+                const __m512i raw = _mm512_loadu_si512(p);
+                for (int m = 0; m < MT; ++m) {
+                    const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + c * 8 + j * 4);
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], raw, _mm512_set1_epi32(xv[0]));
+                }
+            }
+        } else {
+            for (int j = 0; j < SPAN; ++j) {
+                const uint8_t* p = w + (c + j) * 64;
+                if (MT > 1) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // its run, 2 KB ahead
+                __m512i raw = _mm512_loadu_si512(p);
+                __asm__("" : "+v"(raw));  // one load: GCC folds one into each unpacking op, two 512-bit loads
+                const __m512i lo = _mm512_and_si512(raw, mask);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+                for (int m = 0; m < MT; ++m) {
+                    const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + (c + j) * 8);
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xv[0]));
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xv[1]));
+                }
             }
         }
         for (int m = 0; m < MT; ++m)
@@ -859,20 +879,20 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
 
 // Weight rows [n0, n1) (whole groups: N is a multiple of 16) against every row of x, 8 rows of x at a time (a group's
 // rows stay in L2 between: 70 KB at K = 8960).
-template <int SPAN>
+template <int SPAN, bool W8>
 inline void lanes_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0,
                        int64_t n1) {
     for (int64_t n = n0; n < n1; n += LANE_ROWS)
         for (int64_t m = 0; m < a.M; m += 8) {
             switch (std::min<int64_t>(8, a.M - m)) {
-                case 1: lanes_tile<1, SPAN>(a, xq, dxv, xs, m, n); break;
-                case 2: lanes_tile<2, SPAN>(a, xq, dxv, xs, m, n); break;
-                case 3: lanes_tile<3, SPAN>(a, xq, dxv, xs, m, n); break;
-                case 4: lanes_tile<4, SPAN>(a, xq, dxv, xs, m, n); break;
-                case 5: lanes_tile<5, SPAN>(a, xq, dxv, xs, m, n); break;
-                case 6: lanes_tile<6, SPAN>(a, xq, dxv, xs, m, n); break;
-                case 7: lanes_tile<7, SPAN>(a, xq, dxv, xs, m, n); break;
-                default: lanes_tile<8, SPAN>(a, xq, dxv, xs, m, n); break;
+                case 1: lanes_tile<1, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                case 2: lanes_tile<2, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                case 3: lanes_tile<3, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                case 4: lanes_tile<4, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                case 5: lanes_tile<5, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                case 6: lanes_tile<6, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                case 7: lanes_tile<7, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                default: lanes_tile<8, SPAN, W8>(a, xq, dxv, xs, m, n); break;
             }
         }
 }
@@ -892,11 +912,11 @@ inline XOrder x_order(const LowbitArgs& a) {
 template <bool W8>
 inline void rows_of(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0, int64_t n1) {
 #ifdef LOWBIT_ZMM
-    if (!W8 && lanes_fits(a)) {
+    if (lanes_fits(a)) {
         if (a.xspan == 4)
-            lanes_rows<4>(a, xq, dxv, xs, n0, n1);
+            lanes_rows<4, W8>(a, xq, dxv, xs, n0, n1);
         else
-            lanes_rows<1>(a, xq, dxv, xs, n0, n1);
+            lanes_rows<1, W8>(a, xq, dxv, xs, n0, n1);
         return;
     }
     if (zmm_fits(a)) {

@@ -6,8 +6,8 @@
 // (rewrite.scale_table; raw bytes, so that no precision setting of the plugin converts them).
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
-// lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: u4 in lanes of 16 rows with their scale table likewise, only
-// on avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below). Output f32
+// lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: in lanes of 16 rows with their scale table likewise, only on
+// avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below). Output f32
 // [..., N]. An optional fourth input, the next op's w (rewrite.link_ahead), is read ahead into this core's caches by
 // an idle thread while the nodes between the two ops run (read_ahead, below).
 // Why, with measurements: appliance/runtime/kernels/__init__.py.
@@ -163,8 +163,8 @@ public:
         OPENVINO_ASSERT(m_residual == 0 || m_residual == 1, "LowBitMatMul: residual must be 0 or 1");
         // Only the 512-bit lanes tile reads lanes; every other tile would misread them.
         OPENVINO_ASSERT(m_slot_pairs == 0 || m_slot_pairs == 1, "LowBitMatMul: slot_pairs must be 0 or 1");
-        OPENVINO_ASSERT(m_slot_pairs == 1 || (m_bits == 4 && m_isa == "avx512vnni" && m_row_group == 16),
-                        "LowBitMatMul: slot_pairs 0 (lanes) needs bits 4, isa avx512vnni and row_group 16");
+        OPENVINO_ASSERT(m_slot_pairs == 1 || (m_isa == "avx512vnni" && m_row_group == 16),
+                        "LowBitMatMul: slot_pairs 0 (lanes) needs isa avx512vnni and row_group 16");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
@@ -205,7 +205,7 @@ public:
                         "LowBitMatMul: slot_pairs 0 (lanes) needs K a multiple of group_size and N of 16");
         // Lanes only, and before the residual's rows double M: the scales follow the rows of tokens; the residual is
         // x's error per octet, so with it x keeps a scale per octet.
-        a.xspan = a.slot == 0 && a.M >= LANES_BLOCK_ROWS && !m_residual ? 4 : 1;
+        a.xspan = a.slot == 0 && !m_residual && (a.bits == 8 || a.M >= LANES_BLOCK_ROWS) ? 4 : 1;
         const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
                         "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");

@@ -24,6 +24,12 @@ repack made anyway) and multiplied as maddubs(|w|, sign(x, w)) (kernel_avx2.cpp)
 M = 1 / 2 / 4 (CPU time 0.69 / 0.74 / 1.06). Grouped rows against row-major, same op interleaved: 0.50 / 0.73 of
 the time at M = 1 / 2, 1.35 at M = 4 (row-major shares each weight by 4 rows of x there).
 
+On AVX512-VNNI the head is in lanes of 16 rows where its N is a multiple of 16 (lanes_layout, bits 8; Qwen2.5-1.5B's
+151936 and Llama-3.2's 128256 are), each 64-byte chunk one vpdpbusd as read. Against the row-major 512-bit tile on the
+Zen 4 EPYC (151936x1536, 2 layers, paired processes, 4 interleaved runs): 1 thread 1.46 / 1.39 / 1.09 / 1.22x its
+rate at M = 1 / 2 / 4 / 8 (22.3 -> 32.4 GB/s at M = 1, a plain streaming read's rate there); 2 threads 1.04 / 1.22 /
+1.06 / 1.15x (memory-bound at 1). The 1.5B decode step on 1 thread took the head 10.0-10.2 -> 7.3 ms (bench.profile).
+
 Memory: the op reads the u4 bytes as a u8 copy ([N, K/2], on AVX2 rows interleaved by groups of 4: row_groups;
 OpenVINO's Python API cannot share a read-only constant's memory, so a copy is made anyway, and the new Constant
 shares it) and a u8 [N, 4 G] of f16 scales and zero points
@@ -33,7 +39,7 @@ Where a path's kernels lose at many rows (KERNEL_ROWS), the backends keep a seco
 which holds the plugin's own copy: the default model's engine RSS went 243 -> 371 MB with every layer on ours (386
 before the Constants shared our copy). Where the prefill tile takes every op (prefill_fits: AVX2, NNCF's u4 g128,
 the Q4_1 grid) ours run alone: Qwen2.5-1.5B's engine RSS after load 2026 -> 1899 MB.
-A u8 head is repacked (pair_layout, row_groups) into a copy of its size: +233 MB at Qwen2.5-1.5B.
+A u8 head is repacked (pair_layout, row_groups, or lanes_layout) into a copy of its size: +233 MB at Qwen2.5-1.5B.
 
 Siblings (u4 MatMuls reading one activation: q/k/v, gate/up; appliance/runtime/siblings.py) share one op over their
 rows, its output split (_plan): one call and one quantization of the activations instead of three or two, and k/v
@@ -69,9 +75,9 @@ U8_ISAS = {"avxvnni": 0, "avx512vnni": 0, "avx2": 128}
 # (rg 1): on a Zen 5 EPYC rows grouped by 4 gave no gain at M = 1 and took 1.0-1.4x the row-major time at M = 2-4
 # (bench.kernels, docs/performance-log.md). AVX512-VNNI: LANE_ROWS.
 ROW_GROUPS = {"avx2": 4}
-# AVX512-VNNI's u4 in lanes (lowbit_kernel.hpp lanes_tile; lanes_layout): rows by groups of 16, 4 bytes of each row in
-# turn, so that each i32 lane of a 512-bit dot is one row. Where it does not fit (N not a multiple of 16) u4 with
-# groups of a multiple of 128 stays row-major on the 512-bit tile (tile_zmm); u8 (the head) too. Rows grouped by 8 in
+# AVX512-VNNI's u4 and u8 in lanes (lowbit_kernel.hpp lanes_tile; lanes_layout): rows by groups of 16, 4 bytes of each
+# row in turn, so that each i32 lane of a 512-bit dot is one row. Where it does not fit (N not a multiple of 16) u4
+# with groups of a multiple of 128 and u8 stay row-major on the 512-bit tile (tile_zmm). Rows grouped by 8 in
 # 64-byte slots (the layout before) ran at parity with lanes at M = 1 and 1.6-2.2x its time at M = 4-8 on a Zen 4
 # EPYC (lanes_tile's measurements).
 LANE_ROWS = 16
@@ -79,20 +85,28 @@ LANE_ROWS = 16
 
 def layout(isa: str, bits: int, n: int, k: int, group_size: int) -> tuple[int, int]:
     """The op's row_group and slot_pairs for weights [n, k] of `bits` with `group_size` on `isa`'s path."""
-    if isa == "avx512vnni" and bits == 4 and k % group_size == 0 and n % LANE_ROWS == 0:
+    if isa == "avx512vnni" and k % group_size == 0 and n % LANE_ROWS == 0:
         return LANE_ROWS, 0
     return ROW_GROUPS.get(isa, 1), 1
 
 
-def lanes_layout(packed: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """u4 weights [N, K/2] (OpenVINO's order) and their scales and zero points [N, G] in the lanes layout
-    (lowbit_kernel.hpp lanes_tile; N a multiple of LANE_ROWS, K of 32): per group of 16 rows and per 8 values of K,
-    each row's 4 bytes (values 8c .. 8c + 3 in the low nibbles, 8c + 4 .. 8c + 7 in the high), one row after the
-    other; the table per group of rows and of K, the 16 scales then the 16 zero points. Same sizes as before."""
-    n, half = packed.shape
-    v = nibbles(packed).reshape(n // LANE_ROWS, LANE_ROWS, half // 4, 8)
-    out = hugepages.empty((n, half))
-    out.reshape(n // LANE_ROWS, half // 4, LANE_ROWS, 4)[:] = (v[..., :4] | v[..., 4:] << 4).transpose(0, 2, 1, 3)
+def lanes_layout(
+    packed: np.ndarray, scale: np.ndarray, zero: np.ndarray, bits: int = 4
+) -> tuple[np.ndarray, np.ndarray]:
+    """u4 weights [N, K/2] (OpenVINO's order), or u8 [N, K], and their scales and zero points [N, G] in the lanes
+    layout (lowbit_kernel.hpp lanes_tile; N a multiple of LANE_ROWS, K of 32): per group of 16 rows and per 8 values
+    of K (u4) or 4 (u8), each row's 4 bytes (u4: values 8c .. 8c + 3 in the low nibbles, 8c + 4 .. 8c + 7 in the
+    high), one row after the other; the table per group of rows and of K, the 16 scales then the 16 zero points. Same
+    sizes as before."""
+    n, nb = packed.shape
+    out = hugepages.empty((n, nb))
+    if bits == 8:
+        out.reshape(n // LANE_ROWS, nb // 4, LANE_ROWS, 4)[:] = packed.reshape(
+            n // LANE_ROWS, LANE_ROWS, nb // 4, 4
+        ).transpose(0, 2, 1, 3)
+    else:
+        v = nibbles(packed).reshape(n // LANE_ROWS, LANE_ROWS, nb // 4, 8)
+        out.reshape(n // LANE_ROWS, nb // 4, LANE_ROWS, 4)[:] = (v[..., :4] | v[..., 4:] << 4).transpose(0, 2, 1, 3)
     g = scale.shape[1]
     table = np.stack([scale, zero]).astype(np.float16).reshape(2, n // LANE_ROWS, LANE_ROWS, g).transpose(1, 3, 0, 2)
     return out, np.ascontiguousarray(table).view(np.uint8).reshape(n, 4 * g)
@@ -120,7 +134,7 @@ class Chain:
     group_size: int
     bits: int = 4
     row_group: int = 1  # the packed rows' interleaving (row_groups)
-    slot_pairs: int = 1  # 1; 0: u4 in lanes of 16 rows, the table likewise (lanes_layout)
+    slot_pairs: int = 1  # 1; 0: in lanes of 16 rows, the table likewise (lanes_layout)
 
 
 def pair_layout(q: np.ndarray) -> np.ndarray:
@@ -251,13 +265,13 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
         return None
     data = np.asarray(values.get_data()).view(np.uint8)
     row_group, slot = layout(isa, bits, n, k, group_size)
+    if slot == 0:  # lanes: u8 as read (U8_ISAS: AVX512-VNNI's offset is 0)
+        return Chain(*lanes_layout(data.reshape(n, k * bits // 8), s, z, bits), group_size, bits, row_group, slot)
     if bits == 8:
         packed, z8 = u8_layout(data.reshape(n, k), z, isa)
         if row_group > 1:  # pair_layout made the copy already
             packed = row_groups(packed, row_group, pair_bytes=64)
         return Chain(packed, scale_table(s, z8), group_size, bits, row_group, slot)
-    if slot == 0:
-        return Chain(*lanes_layout(data.reshape(n, k // 2), s, z), group_size, bits, row_group, slot)
     packed = row_groups(data.reshape(n, k // 2), row_group)
     return Chain(packed, scale_table(s, z), group_size, bits, row_group, slot)
 
