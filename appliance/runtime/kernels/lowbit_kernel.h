@@ -26,10 +26,11 @@ struct LowbitArgs {
 // plugin's at M = 64 / 512 per octet took 0.88-1.03 / 0.95-1.03 where per block took 0.77-0.86. The next token after
 // a prefill on ours moved no further from OpenVINO's (bench.quality --prompts 8 --precision default --kernels auto
 // openvino at Qwen2.5-1.5B: TVD median 0.0215 per block, 0.0216 per octet; from fp32 0.2373 / 0.2366, OpenVINO's
-// 0.2375). A block's one scale is the rounding of llama.cpp's q8 activations. Below 4 rows too it cost the decode step's
-// token TVD (0.0227 from OpenVINO's against 0.0215) for no time measurable from memory (1 thread, 24 layers, paired
-// processes: 0.97-1.09 of per octet's time at M = 1). u8 in lanes (the LM head) takes a block's scale at every row
-// count: a chunk there is one vpdpbusd, and per octet a convert and FMA came every two; the TVD stayed 0.0227.
+// 0.2375). A block's one scale is the rounding of llama.cpp's q8 activations. Below 4 rows too it moved the decode
+// step's token further (TVD 0.0227 from OpenVINO's against 0.0216) for no time measurable from memory (1 thread, 24
+// layers, paired processes: per block took 0.92-1.03 of per octet's time at M = 1). u8 in lanes (the LM head) takes
+// a block's scale at every row count: a chunk there is one vpdpbusd, a convert and FMA per octet came every two
+// chunks, and per octet the TVD was the same (0.0227 / 0.0276 against 0.0227 / 0.0277, the u4 layers per block).
 constexpr int64_t LANES_BLOCK_ROWS = 4;
 
 // Floats of the per-block activation scales (dxv [M, pairs of blocks, 8]) the scratch needs.

@@ -808,8 +808,9 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
 // One row of x reads its run with no software prefetch: the hardware's alone streamed it faster. On 1 thread from
 // memory (Zen 4, 1536 x 1536 u4 g128 x 100, standalone, 3-5 interleaved runs) the tile read at 0.85 of a plain
-// 512-bit streaming read's rate with the prefetch 2 KB ahead, 0.99-1.05 without (1-8 KB ahead, T0 or T1: 0.85-0.98);
-// from 2 rows the prefetch stays (M = 2 without it: 0.73 against 0.83; M = 4 / 8: 0.52 / 0.23 against 0.58 / 0.33).
+// 512-bit streaming read's rate with the prefetch 2 KB ahead, 0.99-1.05 without (1-8 KB ahead at T0 or T1: 0.77-1.02
+// where none read at 1.05). From 2 rows the prefetch stays (M = 2 without it: 0.73 against 0.83; M = 4 / 8: 0.52 /
+// 0.23 against 0.58 / 0.33).
 template <int MT, int SPAN, bool W8>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
