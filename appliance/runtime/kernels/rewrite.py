@@ -26,8 +26,8 @@ the time at M = 1 / 2, 1.35 at M = 4 (row-major shares each weight by 4 rows of 
 
 On AVX512-VNNI the head is in lanes of 16 rows where its N is a multiple of 16 (lanes_layout, bits 8; Qwen2.5-1.5B's
 151936 and Llama-3.2's 128256 are), each 64-byte chunk one vpdpbusd as read. Against the row-major 512-bit tile on the
-Zen 4 EPYC (151936x1536, 2 layers, paired processes, 4 interleaved runs): 1 thread 1.46 / 1.39 / 1.09 / 1.22x its
-rate at M = 1 / 2 / 4 / 8 (22.3 -> 32.4 GB/s at M = 1, a plain streaming read's rate there); 2 threads 1.04 / 1.22 /
+Zen 4 EPYC (151936x1536, 2 layers, paired processes, 4 interleaved runs): 1 thread 1.48 / 1.38 / 1.02 / 1.25x its
+rate at M = 1 / 2 / 4 / 8 (22.1 -> 32.0 GB/s at M = 1, a plain streaming read's rate there); 2 threads 1.04 / 1.22 /
 1.06 / 1.15x (memory-bound at 1). The 1.5B decode step on 1 thread took the head 10.0-10.2 -> 7.3 ms (bench.profile).
 
 Memory: the op reads the u4 bytes as a u8 copy ([N, K/2], on AVX2 rows interleaved by groups of 4: row_groups;
