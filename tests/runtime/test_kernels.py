@@ -94,10 +94,19 @@ def _op_model(
 
 
 def _case(
-    rng: np.random.Generator, n: int, k: int, group: int, zero: str, scale: str, bits: int = 4, isa: str = "avx2"
+    rng: np.random.Generator,
+    n: int,
+    k: int,
+    group: int,
+    zero: str,
+    scale: str,
+    bits: int = 4,
+    isa: str = "avx2",
+    lanes: bool = False,
 ):
     """Random u4 (or u8) weights [N, Kp] (zero beyond K), f16 scale and zero point per group, and their packed
-    forms (u8: in `isa`'s u8_layout). Zero point "15" is the grid's top (255 for u8), "128" u8's middle."""
+    forms (u8: in `isa`'s u8_layout; `lanes`: both in rewrite.lanes_layout). Zero point "15" is the grid's top (255
+    for u8), "128" u8's middle."""
     kp, groups, top = -(-k // 32) * 32, -(-k // group), (1 << bits) - 1
     q = rng.integers(0, top + 1, (n, kp)).astype(np.uint8)
     q[:, k:] = 0
@@ -114,7 +123,9 @@ def _case(
         "u8": rng.integers(0, 256, (n, groups)),
     }[zero]
     z = z.astype(np.float16)
-    if bits == 4:
+    if lanes:
+        packed, sz = lanes_layout(q if bits == 8 else (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8), s, z, bits)
+    elif bits == 4:
         packed, sz = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8), scale_table(s, z)
     else:
         packed, z8 = u8_layout(q, z, isa)
@@ -259,18 +270,10 @@ def test_u8_in_lanes_matches_numpy_within_the_int8_bound(loaded, n, k, group, ze
     if "avx512vnni" not in got.supported:
         pytest.skip(f"this CPU has no avx512vnni (it has {', '.join(got.supported)})")
     rng = np.random.default_rng(n * 1000 + k + 9)
-    groups = k // group
-    q = rng.integers(0, 256, (n, k)).astype(np.uint8)
-    s = {"normal": rng.uniform(1e-3, 0.1, (n, groups)), "huge": rng.uniform(1e3, 6e4, (n, groups))}.get(
-        scale, rng.uniform(1e-7, 5e-6, (n, groups))
-    ).astype(np.float16)
-    z = {"u8": rng.integers(0, 256, (n, groups)), "0": np.zeros((n, groups)), "15": np.full((n, groups), 255)}[zero]
-    z = z.astype(np.float16)
-    packed, sz = lanes_layout(q, s, z, bits=8)
+    packed, sz, w = _case(rng, n, k, group, zero, scale, bits=8, lanes=True)
     assert layout("avx512vnni", 8, n, k, group) == (LANE_ROWS, 0)
     model = _op_model(got.factory, k, packed, sz, group, "avx512vnni", bits=8, row_group=LANE_ROWS, slot_pairs=0)
     compiled = core.compile_model(model, "CPU", F32)
-    w = (q.astype(np.float64) - np.repeat(z, group, 1)) * np.repeat(s, group, 1)
     for m in (1, 2, 3, 8, 9):  # 9: a full tile of 8 rows of x and one more
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::7] *= 50

@@ -815,7 +815,9 @@ template <int MT, int SPAN, bool W8>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
     constexpr int SETS = MT <= 2 ? 2 : 1;
-    constexpr int64_t OCTET_BYTES = W8 ? 128 : 64;  // one octet of K of the 16 rows
+    constexpr int64_t VALUES = W8 ? 4 : 8;           // of K per 64-byte chunk of the 16 rows
+    constexpr int64_t OCTET_BYTES = 64 * 8 / VALUES;  // one octet of K of the 16 rows
+    constexpr int CHUNKS = SPAN * 8 / VALUES;          // per span
     const int64_t per_group = a.gs / 8, dstride = lowbit_dx_floats(1, a.Kp);
     const uint8_t* w = a.w + n0 * (W8 ? a.Kp : a.Kp / 2);
     const uint16_t* st = a.sz + n0 * 2 * a.G;  // [G][16 scales, 16 zero points]
@@ -832,29 +834,17 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     auto span = [&](int64_t c, __m512* gsum) __attribute__((always_inline)) {
         __m512i dot[MT];
         for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
-        if constexpr (W8) {
-            for (int j = 0; j < 2 * SPAN; ++j) {
-                const uint8_t* p = w + c * OCTET_BYTES + j * 64;
-                if (MT > 1) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
-                const __m512i raw = _mm512_loadu_si512(p);
-                for (int m = 0; m < MT; ++m) {
-                    const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + c * 8 + j * 4);
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], raw, _mm512_set1_epi32(xv[0]));
-                }
-            }
-        } else {
-            for (int j = 0; j < SPAN; ++j) {
-                const uint8_t* p = w + (c + j) * 64;
-                if (MT > 1) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // its run, 2 KB ahead
-                __m512i raw = _mm512_loadu_si512(p);
-                __asm__("" : "+v"(raw));  // one load: GCC folds one into each unpacking op, two 512-bit loads
-                const __m512i lo = _mm512_and_si512(raw, mask);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
-                for (int m = 0; m < MT; ++m) {
-                    const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + (c + j) * 8);
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xv[0]));
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xv[1]));
-                }
+        for (int j = 0; j < CHUNKS; ++j) {
+            const uint8_t* p = w + c * OCTET_BYTES + j * 64;
+            if (MT > 1) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // its run, 2 KB ahead
+            __m512i raw = _mm512_loadu_si512(p);
+            __asm__("" : "+v"(raw));  // one load: GCC folds one into each unpacking op, two 512-bit loads
+            const __m512i lo = W8 ? raw : _mm512_and_si512(raw, mask);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);  // u4 only
+            for (int m = 0; m < MT; ++m) {
+                const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + c * 8 + j * VALUES);
+                dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xv[0]));
+                if constexpr (!W8) dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xv[1]));
             }
         }
         for (int m = 0; m < MT; ++m)

@@ -99,16 +99,15 @@ def lanes_layout(
     high), one row after the other; the table per group of rows and of K, the 16 scales then the 16 zero points. Same
     sizes as before."""
     n, nb = packed.shape
-    out = hugepages.empty((n, nb))
     if bits == 8:
-        out.reshape(n // LANE_ROWS, nb // 4, LANE_ROWS, 4)[:] = packed.reshape(
-            n // LANE_ROWS, LANE_ROWS, nb // 4, 4
-        ).transpose(0, 2, 1, 3)
+        words = packed.reshape(n // LANE_ROWS, LANE_ROWS, nb // 4, 4)
     else:
         v = nibbles(packed).reshape(n // LANE_ROWS, LANE_ROWS, nb // 4, 8)
-        out.reshape(n // LANE_ROWS, nb // 4, LANE_ROWS, 4)[:] = (v[..., :4] | v[..., 4:] << 4).transpose(0, 2, 1, 3)
+        words = v[..., :4] | v[..., 4:] << 4
+    out = hugepages.empty((n, nb))
+    out.reshape(n // LANE_ROWS, nb // 4, LANE_ROWS, 4)[:] = words.transpose(0, 2, 1, 3)
     g = scale.shape[1]
-    table = np.stack([scale, zero]).astype(np.float16).reshape(2, n // LANE_ROWS, LANE_ROWS, g).transpose(1, 3, 0, 2)
+    table = scale_table(scale, zero).view(np.float16).reshape(n // LANE_ROWS, LANE_ROWS, 2, g).transpose(0, 3, 2, 1)
     return out, np.ascontiguousarray(table).view(np.uint8).reshape(n, 4 * g)
 
 
@@ -419,7 +418,7 @@ def prefill_fits(model: ov.Model) -> bool:
         if attrs["bits"] == 8:
             fits = head is not None and op.get_friendly_name() == head.get_friendly_name()
         else:
-            grouped = attrs["row_group"] % 2 == 0 and attrs["slot_pairs"] == 1 and attrs["group_size"] in PREFILL_GROUPS
+            grouped = attrs["row_group"] % 2 == 0 and attrs["group_size"] in PREFILL_GROUPS
             fits = attrs["slot_pairs"] == 0 or (grouped and k.is_static and k.get_length() % 64 == 0)
         if not fits:
             return False
