@@ -8,7 +8,8 @@
   a near-tie does not change the step's shape; no plan makes a decoding sequence slower than plain decoding; the
   engine's decode steps as they run correct the table, per batch and kind of step.
 - In the engine's Speculation (with a fake proposer): the sequences the plan leaves out get a shadow draft that is
-  checked against the token the step produced, so their running acceptance keeps up and they speculate again.
+  checked against the tokens the next steps produce, so their running acceptance keeps up and they speculate again
+  once a whole draft would have been kept, not after one kept token.
 """
 
 from __future__ import annotations
@@ -187,22 +188,43 @@ def test_rate_follows_recent_verifications():
 
 
 def test_left_out_sequences_keep_a_shadow_and_come_back():
-    """A compute-bound table: nobody speculates, every sequence gets a one-token shadow draft; once the shadows
-    keep being right on a memory-bound table, the sequence drafts again."""
+    """A compute-bound table: nobody speculates, every sequence gets a shadow draft of the length it would feed
+    (padding included); it stays until settled, and once one is kept at every position on a memory-bound table, the
+    sequence drafts again."""
+    sched, spec = speculation(per_token())
+    (seq,) = decoding(sched, "s")
+    start = len(seq.token_ids)
+    spec.propose()
+    assert seq.draft == [] and seq.spec is not None and seq.spec.shadow == (start, (51, 52, 53, 53, 53))
+    before = seq.spec.rate
+    for token in (51, 52, 53, 53):  # the steps produce the shadow, one token each: nothing settled yet
+        seq.num_computed += 1
+        seq.token_ids.append(token)
+        spec.propose()
+        assert seq.spec.shadow == (start, (51, 52, 53, 53, 53)) and seq.spec.rate == before
+    spec.policy = SpeculationPolicy(flat())
+    seq.num_computed += 1
+    seq.token_ids.append(53)  # its last position kept too
+    spec.propose()
+    assert seq.spec.rate > 0.9 and seq.draft == [51, 52, 53, 53, 53] and seq.spec.shadow is None
+
+
+def test_a_shadow_kept_for_one_token_only_does_not_start_drafting():
+    """Chat: a lookup draft whose first token is kept (a common bigram) and the next missed is settled as one kept
+    of five, and the rate falls where a draft kept at every position raises it."""
     sched, spec = speculation(per_token())
     (seq,) = decoding(sched, "s")
     spec.propose()
-    assert seq.draft == [] and seq.spec is not None and seq.spec.shadow == (len(seq.token_ids), 51)
-    before = seq.spec.rate
-    seq.num_computed += 1
-    seq.token_ids.append(51)  # the step produced what the shadow drafted
+    assert seq.spec is not None and seq.spec.shadow is not None
+    seq.num_computed += 2
+    seq.token_ids += [51, 60]  # first position kept, second missed
     spec.propose()
-    assert seq.spec.rate > before and seq.draft == []
-    spec.policy = SpeculationPolicy(flat())
+    assert seq.spec.rate < PRIOR * 1.6 and seq.spec.shadow == (len(seq.token_ids), (51, 52, 53, 53, 53))
+    spec.policy = SpeculationPolicy(AVX2)
     seq.num_computed += 1
-    seq.token_ids.append(52)
+    seq.token_ids.append(70)  # the next shadow missed at once
     spec.propose()
-    assert seq.draft == [51, 52, 53, 53, 53]
+    assert seq.draft == [] and seq.spec.rate < PRIOR
 
 
 def test_rejected_never_counts_positions_a_verification_has_not_reached():

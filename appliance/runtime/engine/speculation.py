@@ -26,10 +26,10 @@ Whether a step speculates, which sequences and with how many drafts, is the Spec
 (speculative/policy.py): the step costs by batch and tokens fed, timed on the engine's own backend (`measure`, at
 load, only when the model speculates: timed later it would stall every running stream; then scaled by what the
 engine's decode steps take, `observe`), against each sequence's running acceptance (SpecState.rate). The sequences
-it leaves out still get a one-token prompt-lookup draft that is not fed (a "shadow", free to make): the token the
-step produces tells whether it would have been kept, so their rate keeps up with the text and they speculate again
-when a copy starts. A draft model's drafts cost its own steps: the time of
-its propose calls per drafted token is part of the cost (`draft_cost`).
+it leaves out still get a prompt-lookup draft of the length they would feed that is not fed (a "shadow", free to
+make): the tokens the next steps produce tell how much of it would have been kept (SpecState.settle), so their rate
+keeps up with the text and they speculate again when a copy starts. A draft model's drafts cost its own steps: the
+time of its propose calls per drafted token is part of the cost (`draft_cost`).
 
 Speculation is an object of the engine's (Engine.speculation), built with what it uses: the proposers, the
 scheduler (its running sequences, rollback), the config (modes, k, speculation_max_batch), the counters and the step
@@ -205,11 +205,7 @@ class Speculation:
             spec = seq.spec
             if spec is None or seq.status is not Status.RUNNING:
                 continue
-            if spec.shadow is not None:  # last step's draft that was not fed: would its first token have been kept?
-                position, token = spec.shadow
-                spec.shadow = None
-                if position < len(seq.token_ids):
-                    spec.observe(int(seq.token_ids[position] == token), 1)
+            spec.settle(seq.token_ids)  # a draft not fed: would it have been kept, as far as the tokens tell?
             k = min(spec.k, seq.max_len - len(seq.token_ids) - 1)  # past max_len nothing would be kept
             if k > 0 and spec.ready():
                 candidates.append((seq, k))
@@ -229,7 +225,14 @@ class Speculation:
                 max(self.draft_cost.get(name, 0.0) for name in names),
             )
             candidates = [(seq, min(k, plan.k)) for seq, k in ranked[: plan.m]]
-            shadows = [(seq, 1) for seq, _ in ranked[plan.m :] if seq.spec and not self._adaptive(seq)]
+            for seq, _ in candidates:  # their verification tells what a shadow would
+                if seq.spec is not None:
+                    seq.spec.shadow = None
+            shadows = [
+                (seq, k)
+                for seq, k in ranked[plan.m :]
+                if seq.spec and seq.spec.shadow is None and not self._adaptive(seq)
+            ]
             for seq, _ in ranked[plan.m :]:
                 if seq.spec is not None and self._adaptive(seq):  # a draft model's drafts cost: no shadow
                     seq.spec.forget()
@@ -251,13 +254,14 @@ class Speculation:
                 self.draft_cost[name] = 0.8 * self.draft_cost.get(name, per_token) + 0.2 * per_token
             for (seq, k), draft in zip(batch, drafts):
                 assert seq.spec is not None
-                if id(seq) in shadowed:
-                    seq.spec.shadow = (len(seq.token_ids), int(draft[0]) if draft else seq.token_ids[-1])
+                tokens = [int(t) for t in draft[:k]]
+                real = len(tokens)
+                if tokens or not proposer.adaptive:  # the same fed shape every step (module docstring)
+                    tokens += [tokens[-1] if tokens else seq.token_ids[-1]] * (k - len(tokens))
+                if id(seq) in shadowed:  # what a verification would feed, padding included
+                    seq.spec.shadow = (len(seq.token_ids), tuple(tokens))
                     continue
-                seq.draft = [int(t) for t in draft[:k]]
-                seq.spec.real = len(seq.draft)
-                if seq.draft or not proposer.adaptive:  # the same fed shape every step (module docstring)
-                    seq.draft += [seq.draft[-1] if seq.draft else seq.token_ids[-1]] * (k - len(seq.draft))
+                seq.draft, seq.spec.real = tokens, real
                 fed += len(seq.draft)
         self._planned(len(decoding), fed)
 
