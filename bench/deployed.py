@@ -24,9 +24,11 @@ Columns: aggregate tok/s (tokens / (last token - start)), decode tok/s (decode_r
 ratios are medians of per-repetition ours / theirs. The limit table: bytes per token (bench.bandwidth), the best
 bandwidth of the probes (a loaded box lowers every probe), limit tok/s, and each side's share of it at batch 1 (its
 decode tok/s / limit tok/s); beside it the paired share: per repetition, the side's bytes per second over the
-probe taken just before that repetition, the median over repetitions. On a VM whose probe swings 32-56 GB/s
-within minutes, the best probe's moment is seldom a decode's; the paired share says how much of what the box gave
-at the time a side used, the best-probe share (the target's) how far it is from the best the box ever gave.
+probe taken just before that repetition, the median over repetitions: where the box's memory itself changes
+(other tenants of its host), it says how much of what the box gave at the time a side used; the best-probe share
+(the target's) how far it is from the best the box gave. The probe times the threads while all of them read
+(bench.bandwidth.probe): its wall-time form swung 35-64 GB/s on a 2-vCPU VM whose second vCPU sometimes woke
+milliseconds late, while the memory gave ~70 throughout.
 
     python -m bench.deployed --export /tmp/basedata/bench/qwen2.5-1.5b/openvino-int4 \\
         --gguf /tmp/basedata/bench/qwen2.5-1.5b/qwen2.5-1.5b-q4_k_m.gguf --llamacpp-python /tmp/llama-venv/bin/python \\

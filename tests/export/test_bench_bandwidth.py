@@ -1,11 +1,12 @@
 """bench.bandwidth's byte accounting (what the batch-1 limit divides by): a GGUF's tensor bytes from its header, and
-an OpenVINO export's weights read per decode step from its IR. Not timed: the probe itself is a benchmark."""
+an OpenVINO export's weights read per decode step from its IR, and the probe's arithmetic on timed passes. Not timed:
+the probe itself is a benchmark."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.bandwidth import export_weight_bytes, gguf_bytes_per_token, gguf_tensor_bytes, limit_row
+from bench.bandwidth import concurrent_rate, export_weight_bytes, gguf_bytes_per_token, gguf_tensor_bytes, limit_row
 
 
 def test_gguf_tensor_bytes_add_up_to_the_file() -> None:
@@ -35,3 +36,14 @@ def test_export_weights_read_per_step_are_the_matmul_constants(model_dir) -> Non
 def test_limit_row() -> None:
     row = limit_row(1e9, 20.0, 100.0)  # 1 GB per token at 20 GB/s: 50 ms, 20 tok/s; 100 ms measured: half of it
     assert row["limit_ms"] == 50.0 and row["limit_tok_s"] == 20.0 and row["share_of_limit"] == 0.5
+
+
+def test_the_probe_rates_the_window_where_every_thread_read():
+    """A thread that starts late is not counted idle (its pair read at 2 chunks a second once both ran, where the
+    wall rate says 1.33); threads that took turns read at what they got; too short a window says nothing."""
+    early = [(0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.0)]
+    late = [(2.5, 3.5), (3.5, 4.5), (4.5, 5.5)]
+    assert concurrent_rate([early, late], [1, 1]) == pytest.approx(2.0)
+    turns = [[(0.0, 1.0), (2.0, 3.0), (4.0, 5.0)], [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)]]
+    assert concurrent_rate(turns, [1, 1]) == pytest.approx(2 * 2 / 3)
+    assert concurrent_rate([early, [(3.8, 5.2)]], [1, 1]) == 0.0
