@@ -78,6 +78,7 @@ def _op_model(
     row_group: int = 1,
     residual: int = 0,
     slot_pairs: int = 1,
+    gated: int = 0,
 ) -> ov.Model:
     """The op alone; `packed` row-major (row_group 1) or in row_groups' layout."""
     x = ops.parameter([-1, k], ov.Type.f32)
@@ -88,6 +89,7 @@ def _op_model(
         "row_group": row_group,
         "residual": residual,
         "slot_pairs": slot_pairs,
+        "gated": gated,
     }
     node = factory.create(OP, [x.output(0), ops.constant(packed).output(0), ops.constant(sz).output(0)], attrs)
     return ov.Model([node.output(0)], [x])
@@ -628,6 +630,76 @@ def test_siblings_share_one_op_under_one_floor(loaded, isa):
         assert np.abs(want[i] - have[i]).max() <= 0.02 * np.abs(want[i]).max()
     assert rewrite(model(), got.factory, isa, min_weights=0) == 4  # the group-64 sibling on an op of its own
     assert rewrite(model(), got.factory, isa, min_weights=160 * 256 + 1) == 0  # all four together under it
+
+
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("isa", _paths())
+def test_a_swiglu_becomes_one_gated_op(loaded, isa, gate_first):
+    """silu(gate) * up over two sibling u4 MatMuls (Llama's and Qwen's MLP) becomes one op whose output is the
+    product (rewrite.swiglu: no split, no Swish, no Multiply left), equal to the same op's halves gated in numpy, at
+    1 and 2 threads and every row count the tiles split into; with the gate's output read elsewhere too, or a Swish
+    beta other than 1, the siblings share an op as before and the graph gates."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}")
+    n, k = 96, 256
+
+    def model(extra: bool = False, beta: float | None = None) -> ov.Model:
+        rng = np.random.default_rng(12)
+        x = ops.parameter([-1, -1, k], ov.Type.f32)
+        first, second = (ops.matmul(x, _chain(rng, n, k, 128, "u4"), False, True) for _ in range(2))
+        gate, up = (first, second) if gate_first else (second, first)
+        act = ops.swish(gate) if beta is None else ops.swish(gate, ops.constant(np.float32(beta)))
+        outs = [ops.multiply(act, up)] + ([gate] if extra else [])
+        return ov.Model(outs, [x])
+
+    gated, split = model(), model(extra=True)
+    assert rewrite(gated, got.factory, isa) == rewrite(split, got.factory, isa) == 2
+    [op] = [o for o in gated.get_ordered_ops() if o.get_type_name() == OP]
+    assert op.get_attributes()["gated"] in (1, 2)  # which half is the gate: the plan's order of the siblings
+    assert _producer(gated.get_results()[0]).get_type_name() == OP
+    assert not {"Swish", "Multiply", "VariadicSplit"} & {o.get_type_name() for o in gated.get_ordered_ops()}
+    [plain] = [o for o in split.get_ordered_ops() if o.get_type_name() == OP]
+    assert plain.get_attributes()["gated"] == 0
+    other = model(beta=1.5)
+    rewrite(other, got.factory, isa)
+    assert [o.get_attributes()["gated"] for o in other.get_ordered_ops() if o.get_type_name() == OP] == [0]
+    rng = np.random.default_rng(13)
+    for threads in (1, 2):
+        want = core.compile_model(split, "CPU", {**F32, "INFERENCE_NUM_THREADS": threads})
+        have = core.compile_model(gated, "CPU", {**F32, "INFERENCE_NUM_THREADS": threads})
+        for m in (1, 2, 5, 9):
+            x = rng.standard_normal((m, 1, k)).astype(np.float32)
+            a, b = want(x)[0], have(x)[0]
+            assert a.shape == b.shape == (m, 1, n)
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * np.abs(a).max())
+
+
+@pytest.mark.parametrize("gated", [1, 2])
+@pytest.mark.parametrize("isa", _paths())
+def test_a_gated_op_is_silu_of_one_half_times_the_other(loaded, isa, gated):
+    """The op's `gated` 1 / 2: silu(first half) * second half / silu(second) * first, each task gating the rows it
+    computed, in the path's own layout; the same as the ungated op's halves gated in numpy (float32 rounding), at 1
+    and 2 threads, over every row count the tiles split into, with inputs that take exp(-g) to both clamps."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}")
+    n, k, group = 2 * 80, 512, 128
+    rng = np.random.default_rng(gated)
+    packed, sz, _ = _case(rng, n, k, group, "f16", "normal")
+    plain = _rewrite_layout(got.factory, k, packed, sz, group, isa)
+    fused = _rewrite_layout(got.factory, k, packed, sz, group, isa, gated=gated)
+    assert fused.output(0).get_partial_shape()[-1].get_length() == n // 2
+    for threads in (1, 2):
+        props = {**F32, "INFERENCE_NUM_THREADS": threads}
+        want, have = core.compile_model(plain, "CPU", props), core.compile_model(fused, "CPU", props)
+        for m in (1, 2, 3, 5, 9):
+            x = rng.standard_normal((m, k)).astype(np.float32) * 4
+            x[0] *= 100  # gate values far past +-88
+            y = want(x)[0].astype(np.float64)
+            g, u = (y[:, : n // 2], y[:, n // 2 :]) if gated == 1 else (y[:, n // 2 :], y[:, : n // 2])
+            expected = g * u / (1 + np.exp(np.clip(-g, -700, 700)))
+            np.testing.assert_allclose(have(x)[0], expected, rtol=2e-6, atol=1e-6 * np.abs(expected).max())
 
 
 def _with_logits(model: ov.Model, head: ov.Output | None = None) -> ov.Model:

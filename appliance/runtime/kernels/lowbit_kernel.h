@@ -41,10 +41,14 @@ inline int64_t lowbit_dx_floats(int64_t M, int64_t Kp) { return M * ((Kp / 32 + 
 using QuantizeFn = void (*)(const LowbitArgs&, int8_t*, float*, float*, int64_t, int64_t);
 using RowsFn = void (*)(const LowbitArgs&, const int8_t*, const float*, const float*, int64_t, int64_t);
 
+// out[i] = silu(gate[i]) * up[i] for i < n (the SwiGLU of a gate and an up projection computed by one op).
+using GateFn = void (*)(const float* gate, const float* up, int64_t n, float* out);
+
 struct LowbitKernel {
     const char* name;
     QuantizeFn quantize;
     RowsFn rows;
+    GateFn gate;
 };
 
 LowbitKernel lowbit_kernel_avx2();

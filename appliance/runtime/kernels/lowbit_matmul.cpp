@@ -138,14 +138,15 @@ public:
 
     LowBitMatMul() = default;
     LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa, int64_t bits = 4,
-                 int64_t row_group = 1, int64_t residual = 0, int64_t slot_pairs = 1)
+                 int64_t row_group = 1, int64_t residual = 0, int64_t slot_pairs = 1, int64_t gated = 0)
         : Op(args),
           m_group_size(group_size),
           m_isa(std::move(isa)),
           m_bits(bits),
           m_row_group(row_group),
           m_residual(residual),
-          m_slot_pairs(slot_pairs) {
+          m_slot_pairs(slot_pairs),
+          m_gated(gated) {
         constructor_validate_and_infer_types();
     }
 
@@ -165,14 +166,21 @@ public:
         OPENVINO_ASSERT(m_slot_pairs == 0 || m_slot_pairs == 1, "LowBitMatMul: slot_pairs must be 0 or 1");
         OPENVINO_ASSERT(m_slot_pairs == 1 || (m_isa == "avx512vnni" && m_row_group == 16),
                         "LowBitMatMul: slot_pairs 0 (lanes) needs isa avx512vnni and row_group 16");
+        OPENVINO_ASSERT(m_gated >= 0 && m_gated <= 2 && (m_gated == 0 || m_residual == 0),
+                        "LowBitMatMul: gated must be 0, 1 or 2, and not beside residual");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
-        if (out.rank().is_static() && sz.rank().is_static()) out[out.size() - 1] = sz[0];
+        if (m_gated && sz.rank().is_static() && sz[0].is_static())
+            OPENVINO_ASSERT(sz[0].get_length() % (2 * m_row_group) == 0,
+                            "LowBitMatMul: gated needs two halves of whole row groups");
+        if (out.rank().is_static() && sz.rank().is_static())
+            out[out.size() - 1] = m_gated && sz[0].is_static() ? ov::Dimension(sz[0].get_length() / 2) : sz[0];
         set_output_type(0, ov::element::f32, out);
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
-        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group, m_residual, m_slot_pairs);
+        return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group, m_residual, m_slot_pairs,
+                                              m_gated);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -182,6 +190,7 @@ public:
         visitor.on_attribute("row_group", m_row_group);
         visitor.on_attribute("residual", m_residual);
         visitor.on_attribute("slot_pairs", m_slot_pairs);
+        visitor.on_attribute("gated", m_gated);
         return true;
     }
 
@@ -210,14 +219,21 @@ public:
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
                         "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");
         OPENVINO_ASSERT(a.G == (a.K + a.gs - 1) / a.gs, "LowBitMatMul: sz must hold ceil(K / group_size) groups per row");
+        OPENVINO_ASSERT(!m_gated || a.N % (2 * a.rg) == 0, "LowBitMatMul: gated needs two halves of whole row groups");
         ov::Shape ys = xs;
-        ys.back() = static_cast<size_t>(a.N);
+        ys.back() = static_cast<size_t>(m_gated ? a.N / 2 : a.N);
         outputs[0].set_shape(ys);
         a.x = x.data<const float>();
         a.w = static_cast<const uint8_t*>(inputs[1].data());
         a.sz = static_cast<const uint16_t*>(inputs[2].data());
         a.y = outputs[0].data<float>();
         if (a.M == 0 || a.N == 0) return true;
+        float* const gated = m_gated ? a.y : nullptr;  // the op's output; the halves go to scratch first
+        thread_local std::vector<float> halves;
+        if (m_gated) {
+            halves.resize(static_cast<size_t>(a.M * a.N));
+            a.y = halves.data();
+        }
         // residual: x's int8 rounding error as M more rows of x (residual_rows), the two outputs added at the end.
         const int64_t rows = a.M;
         float* const y = a.y;
@@ -230,7 +246,7 @@ public:
             a.y = yr.data();
             a.M *= 2;
         }
-        run(a, padded);
+        run(a, padded, gated);
         if (m_residual)
             for (int64_t i = 0; i < rows * a.N; ++i) y[i] = a.y[i] + a.y[rows * a.N + i];
         if (inputs.size() == 4) read_ahead(inputs[3], call);
@@ -238,8 +254,9 @@ public:
     }
 
 private:
-    // The kernel over a's rows, split across the arena's threads.
-    void run(const LowbitArgs& a, int64_t padded) const {
+    // The kernel over a's rows, split across the arena's threads. `gated` (the op's output, a.y its scratch): a task
+    // computes rows [n0, n1) of both halves and writes silu(gate) * up of them, while they are in its core's cache.
+    void run(const LowbitArgs& a, int64_t padded, float* gated) const {
         const LowbitKernel kernel = kernel_for(resolved());
         // Scratch per calling thread, kept between calls: allocating it each time was a measurable part of a
         // small layer's cost (the op's fixed cost per call was ~20 us against native's ~10 us at 256 x 256).
@@ -268,14 +285,28 @@ private:
         }
         // About four chunks per thread (at least 16 rows): balanced on a busy box, few tasks on a small layer; a
         // layer under ~64 K weights runs on the calling thread alone.
+        const int64_t half = a.N / 2, gate = m_gated == 1 ? 0 : half, up = half - gate;
+        auto rows = [&](int64_t n0, int64_t n1) {
+            if (!gated) {
+                kernel.rows(a, q, d, sm, n0, n1);
+                return;
+            }
+            kernel.rows(a, q, d, sm, n0, n1);
+            kernel.rows(a, q, d, sm, half + n0, half + n1);
+            for (int64_t m = 0; m < a.M; ++m)
+                kernel.gate(a.y + m * a.N + gate + n0, a.y + m * a.N + up + n0, n1 - n0, gated + m * half + n0);
+        };
+        const int64_t n = gated ? half : a.N;
         if (threads <= 1 || a.N * a.Kp < (int64_t{1} << 16)) {
-            kernel.rows(a, q, d, sm, 0, a.N);
+            rows(0, n);
             return;
         }
-        // Split by whole groups of rows (row_group): each task streams one contiguous run of w.
+        // Split by whole groups of rows (row_group): each task streams one contiguous run of w (gated: one of each
+        // half).
         const int64_t grain = std::max<int64_t>(1, std::max<int64_t>(16, a.N / (4 * threads)) / a.rg);
-        tbb::parallel_for(tbb::blocked_range<int64_t>(0, padded / a.rg, grain), [&](const tbb::blocked_range<int64_t>& r) {
-            kernel.rows(a, q, d, sm, r.begin() * a.rg, std::min(a.N, r.end() * a.rg));
+        const int64_t groups = gated ? half / a.rg : padded / a.rg;
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, groups, grain), [&](const tbb::blocked_range<int64_t>& r) {
+            rows(r.begin() * a.rg, std::min(n, r.end() * a.rg));
         });
     }
 
@@ -287,6 +318,7 @@ private:
     int64_t m_row_group = 1;
     int64_t m_residual = 0;
     int64_t m_slot_pairs = 1;
+    int64_t m_gated = 0;  // 1: y = silu(first half) * second half (a SwiGLU's gate and up); 2: silu(second) * first
 };
 
 }  // namespace appliance

@@ -324,8 +324,10 @@ def rewrite(
     from openvino import opset13 as ops
 
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
-    swaps = []
+    swaps, count = [], 0
     for nodes, chain in _plan(model, isa, min_weights):
+        gated, product = swiglu(nodes, chain.row_group)
+        count += len(nodes)
         new = factory.create(
             OP,
             [
@@ -340,9 +342,13 @@ def rewrite(
                 "row_group": chain.row_group,
                 "slot_pairs": chain.slot_pairs,
                 "residual": int(residual and any(ATTENTION_PROJ.search(n.get_friendly_name()) for n in nodes)),
+                "gated": gated,
             },
         )
         new.set_friendly_name(nodes[0].get_friendly_name())  # q_proj's, gate_proj's: bench.profile's roles
+        if product is not None:  # the op's output is the SwiGLU's: silu(gate) * up
+            swaps.append((product, new.output(0)))
+            continue
         outputs = split_last(new.output(0), [width(n) for n in nodes]) if len(nodes) > 1 else [new.output(0)]
         swaps += list(zip(nodes, outputs))
     for node, output in swaps:
@@ -352,7 +358,35 @@ def rewrite(
         link_ahead(model)
     if swaps:
         model.validate_nodes_and_infer_types()
-    return len(swaps)
+    return count
+
+
+def swiglu(nodes: list[ov.Node], row_group: int) -> tuple[int, ov.Node | None]:
+    """The op's `gated` for sibling MatMuls that share one op, and the Multiply it then replaces: two MatMuls of one
+    width (whole row groups) whose outputs feed only silu(one) * other (Swish and Multiply, as Llama's and Qwen's
+    MLPs export; a Swish beta other than 1 is not silu), gated 1 where the first is the gate, 2 where the second is;
+    else (0, None). Why one op: at
+    Qwen2.5-1.5B on 2 threads (Zen 4) the plugin's Swish-Multiply node after our gate/up op took 43-46 us a layer
+    against 7 on 1 thread (one compiled graph, bench.profile's per-node times; 3.4 us in a model of that node alone
+    after our op), 1.2 ms of a 21 ms decode step; each task of the op now gates the rows it computed."""
+    if len(nodes) != 2 or width(nodes[0]) != width(nodes[1]) or width(nodes[0]) % row_group:
+        return 0, None
+    targets = [list(n.output(0).get_target_inputs()) for n in nodes]
+    if any(len(t) != 1 for t in targets):
+        return 0, None
+    consumers = [t[0].get_node() for t in targets]
+    for gate in (0, 1):
+        swish, product = consumers[gate], consumers[1 - gate]
+        if swish.get_type_name() != "Swish" or product.get_type_name() != "Multiply":
+            continue
+        if swish.get_input_size() > 1:  # x sigmoid(beta x): silu only where beta is 1
+            beta = constant_value(swish.input_value(1))
+            if beta is None or beta.size != 1 or float(beta.ravel()[0]) != 1.0:
+                continue
+        after = list(swish.output(0).get_target_inputs())
+        if len(after) == 1 and after[0].get_node().get_instance_id() == product.get_instance_id():
+            return gate + 1, product
+    return 0, None
 
 
 def link_ahead(model: ov.Model) -> None:
