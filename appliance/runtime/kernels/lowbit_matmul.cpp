@@ -287,11 +287,8 @@ private:
         // layer under ~64 K weights runs on the calling thread alone.
         const int64_t half = a.N / 2, gate = m_gated == 1 ? 0 : half, up = half - gate;
         auto rows = [&](int64_t n0, int64_t n1) {
-            if (!gated) {
-                kernel.rows(a, q, d, sm, n0, n1);
-                return;
-            }
             kernel.rows(a, q, d, sm, n0, n1);
+            if (!gated) return;
             kernel.rows(a, q, d, sm, half + n0, half + n1);
             for (int64_t m = 0; m < a.M; ++m)
                 kernel.gate(a.y + m * a.N + gate + n0, a.y + m * a.N + up + n0, n1 - n0, gated + m * half + n0);

@@ -365,10 +365,10 @@ def swiglu(nodes: list[ov.Node], row_group: int) -> tuple[int, ov.Node | None]:
     """The op's `gated` for sibling MatMuls that share one op, and the Multiply it then replaces: two MatMuls of one
     width (whole row groups) whose outputs feed only silu(one) * other (Swish and Multiply, as Llama's and Qwen's
     MLPs export; a Swish beta other than 1 is not silu), gated 1 where the first is the gate, 2 where the second is;
-    else (0, None). Why one op: at
-    Qwen2.5-1.5B on 2 threads (Zen 4) the plugin's Swish-Multiply node after our gate/up op took 43-46 us a layer
-    against 7 on 1 thread (one compiled graph, bench.profile's per-node times; 3.4 us in a model of that node alone
-    after our op), 1.2 ms of a 21 ms decode step; each task of the op now gates the rows it computed."""
+    else (0, None). Why one op: at Qwen2.5-1.5B on 2 threads (Zen 4) the plugin's Swish-Multiply node after our
+    gate/up op took 43-46 us a layer against 7 on 1 thread (one compiled graph, bench.profile's per-node times; 3.4 us
+    in a model of that node alone after our op), 1.2 ms of a 21 ms decode step; each task of the op now gates the
+    rows it computed, and the step took 20.4-20.6 ms against 21.3-21.8 (docs/performance-log.md)."""
     if len(nodes) != 2 or width(nodes[0]) != width(nodes[1]) or width(nodes[0]) % row_group:
         return 0, None
     targets = [list(n.output(0).get_target_inputs()) for n in nodes]
