@@ -7,7 +7,7 @@ namespace {
 struct V {
     using vec = __m256;
     static constexpr int64_t W = 8;
-    static constexpr int64_t CHUNKS = 2;  // 4 heads x 2 vectors of sums + 2 of values in 16 registers
+    static constexpr int64_t CHUNKS = 2;  // 6 heads x 2 vectors of sums + 2 of values + a weight in 16 registers
     static vec zero() { return _mm256_setzero_ps(); }
     static vec load(const float* p) { return _mm256_loadu_ps(p); }
     static void store(float* p, vec v) { _mm256_storeu_ps(p, v); }

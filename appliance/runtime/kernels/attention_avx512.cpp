@@ -8,7 +8,7 @@ namespace {
 struct V {
     using vec = __m512;
     static constexpr int64_t W = 16;
-    static constexpr int64_t CHUNKS = 4;  // 4 heads x 4 vectors of sums + 4 of values in 32 registers
+    static constexpr int64_t CHUNKS = 4;  // 6 heads x 4 vectors of sums + 4 of values + a weight in 32 registers
     static vec zero() { return _mm512_setzero_ps(); }
     static vec load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, vec v) { _mm512_storeu_ps(p, v); }

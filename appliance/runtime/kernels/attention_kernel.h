@@ -32,7 +32,7 @@ inline int64_t attention_block(const AttentionArgs& a, int64_t group) {
 using AttentionStoreFn = void (*)(const float* x, int64_t n, int64_t group, uint8_t* row);
 // Sequence t's kv head g over its tokens [from, to) for the heads that share g: per head r (of R = H / Hkv) the max
 // score m[r], the sum of exp(score - m[r]) l[r], and acc[r * hs ..] = sum of exp(score - m[r]) * v. Scratch: scores
-// (to - from) * R + 16 floats, rows 2 (to - from) pointers.
+// 2 (to - from) R + 16 floats, rows 2 (to - from) pointers.
 using AttentionPartFn = void (*)(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to, float* m,
                                  float* l, float* acc, float* scores, const uint8_t** rows);
 

@@ -4,11 +4,12 @@
 // (x 2^n), set1, hsum, hsum4 (four sums at once).
 // Group sizes are multiples of W (decode_attention.cpp picks the width).
 //
-// Per token and kv head the key row is dequantized in registers for each group of up to 4 query heads of the kv
-// head; the values' weighted sums stay in registers (up to 4 heads x CHUNKS vectors of dims) over every token of the
+// Per token and kv head the key row is dequantized in registers for each group of up to 6 query heads of the kv
+// head; the values' weighted sums stay in registers (up to 6 heads x CHUNKS vectors of dims) over every token of the
 // part, so that a token costs its conversions and its FMAs, not loads and stores of the sums.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "attention_kernel.h"
 
@@ -36,6 +37,30 @@ inline float f32_at(const uint8_t* p) {
     return f;
 }
 
+// Query heads per pass over a token's key or value row: 6 fill the registers of weigh (6 heads x CHUNKS vectors of
+// sums, CHUNKS of values and a broadcast weight: 15 of AVX2's 16, 29 of AVX-512's 32), so Qwen2.5's 6 heads per kv
+// head dequantize each row once, where passes of 4 and 2 did it twice.
+constexpr int64_t MAX_HEADS = 6;
+
+// Calls f(std::integral_constant<int, NR>, r0) over the heads [0, R) in passes of at most MAX_HEADS, two passes even
+// where two take them (8 heads: 4 + 4, not 6 + 2). No division: it runs per token.
+template <typename F>
+inline void by_heads(int64_t R, F&& f) {
+    for (int64_t r = 0; r < R;) {
+        const int64_t left = R - r;
+        const int64_t nr = left <= MAX_HEADS ? left : left <= 2 * MAX_HEADS ? (left + 1) / 2 : MAX_HEADS;
+        switch (nr) {
+            case 6: f(std::integral_constant<int, 6>{}, r); break;
+            case 5: f(std::integral_constant<int, 5>{}, r); break;
+            case 4: f(std::integral_constant<int, 4>{}, r); break;
+            case 3: f(std::integral_constant<int, 3>{}, r); break;
+            case 2: f(std::integral_constant<int, 2>{}, r); break;
+            default: f(std::integral_constant<int, 1>{}, r); break;
+        }
+        r += nr;
+    }
+}
+
 // Dots of NR query heads with one key row, each W values dequantized in registers as (u8 - zp) * scale of its group.
 template <int NR>
 inline void dots(const float* const* q, const uint8_t* row, int64_t hs, int64_t group, float* out) {
@@ -49,52 +74,37 @@ inline void dots(const float* const* q, const uint8_t* row, int64_t hs, int64_t 
             for (int r = 0; r < NR; ++r) acc[r] = V::fmadd(V::load(q[r] + g0 + d), k, acc[r]);
         }
     }
-    if constexpr (NR == 4) {
-        V::hsum4(acc[0], acc[1], acc[2], acc[3], out);
-    } else {
-        for (int r = 0; r < NR; ++r) out[r] = V::hsum(acc[r]);
-    }
+    int r = 0;
+    for (; r + 4 <= NR; r += 4) V::hsum4(acc[r], acc[r + 1], acc[r + 2], acc[r + 3], out + r);
+    for (; r < NR; ++r) out[r] = V::hsum(acc[r]);
 }
 
-// acc[r][d0 .. d0 + C W) = sum over the part's tokens of w[i, r] * v_i for NR heads from r0, the C W dims inside one
-// group of the row: sum w s u - sum w s zp, the second a scalar per head subtracted at the end.
+// acc[r][d0 .. d0 + C W) = sum over the part's tokens of ws[i, r] * u_i for NR heads from r0, the C W dims inside one
+// value group of the row (u: its u8s), minus corr[r]: ws = w s (the weight times the token's group scale) and corr =
+// sum ws zp come once per group from part(), so a token costs its conversions and one broadcast and C FMAs a head.
+// With w s and the zero-point term per head in this loop (scalar, and again for every chunk of dims) it cost ~20 of
+// the ~28 instructions of a token's pass of 4 heads on AVX2.
 template <int NR, int C>
-inline void weigh(const AttentionArgs& a, const uint8_t* const* rows, const float* w, int64_t n, int64_t R, int64_t r0,
-                  int64_t d0, float* acc) {
-    const int64_t group = a.value_group, head = d0 / group * (8 + group), at = head + 8 + d0 % group;
+inline void weigh(const AttentionArgs& a, const uint8_t* const* rows, const float* ws, const float* corr, int64_t n,
+                  int64_t R, int64_t r0, int64_t d0, float* acc) {
+    const int64_t group = a.value_group, at = d0 / group * (8 + group) + 8 + d0 % group;
     typename V::vec s[NR][C];
-    float corr[NR] = {};
     for (int r = 0; r < NR; ++r)
         for (int c = 0; c < C; ++c) s[r][c] = V::zero();
 #pragma GCC unroll 1
     for (int64_t i = 0; i < n; ++i) {
-        const uint8_t* row = rows[i];
-        const float sc = f32_at(row + head), zp = f32_at(row + head + 4);
+        const uint8_t* row = rows[i] + at;
+        const float* wi = ws + i * R + r0;
         typename V::vec u[C];
-        for (int c = 0; c < C; ++c) u[c] = V::load_u8(row + at + c * V::W);
+        for (int c = 0; c < C; ++c) u[c] = V::load_u8(row + c * V::W);
         for (int r = 0; r < NR; ++r) {
-            const float ws = w[i * R + r0 + r] * sc;
-            corr[r] += ws * zp;
-            const auto b = V::set1(ws);
+            const auto b = V::set1(wi[r]);
             for (int c = 0; c < C; ++c) s[r][c] = V::fmadd(b, u[c], s[r][c]);
         }
     }
     for (int r = 0; r < NR; ++r)
         for (int c = 0; c < C; ++c)
-            V::store(acc + (r0 + r) * a.hs + d0 + c * V::W, V::sub(s[r][c], V::set1(corr[r])));
-}
-
-template <int C>
-void weigh_heads(const AttentionArgs& a, const uint8_t* const* rows, const float* w, int64_t n, int64_t R, int64_t d0,
-                 float* acc) {
-    for (int64_t r = 0; r < R;) {
-        switch (std::min<int64_t>(R - r, 4)) {
-            case 4: weigh<4, C>(a, rows, w, n, R, r, d0, acc); r += 4; break;
-            case 3: weigh<3, C>(a, rows, w, n, R, r, d0, acc); r += 3; break;
-            case 2: weigh<2, C>(a, rows, w, n, R, r, d0, acc); r += 2; break;
-            default: weigh<1, C>(a, rows, w, n, R, r, d0, acc); r += 1; break;
-        }
-    }
+            V::store(acc + (r0 + r) * a.hs + d0 + c * V::W, V::sub(s[r][c], V::set1(corr[r0 + r])));
 }
 
 void part(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to, float* m, float* l, float* acc,
@@ -123,14 +133,7 @@ void part(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to
             for (int64_t at = 0; at < krow; at += 64) __builtin_prefetch(kn + at);
             for (int64_t at = 0; at < vrow; at += 64) __builtin_prefetch(vn + at);
         }
-        for (int64_t r = 0; r < R;) {
-            switch (std::min<int64_t>(R - r, 4)) {
-                case 4: dots<4>(q + r, keys[i], hs, a.key_group, d + r); r += 4; break;
-                case 3: dots<3>(q + r, keys[i], hs, a.key_group, d + r); r += 3; break;
-                case 2: dots<2>(q + r, keys[i], hs, a.key_group, d + r); r += 2; break;
-                default: dots<1>(q + r, keys[i], hs, a.key_group, d + r); r += 1; break;
-            }
-        }
+        by_heads(R, [&](auto nr, int64_t r) { dots<nr()>(q + r, keys[i], hs, a.key_group, d + r); });
         for (int64_t r = 0; r < R; ++r) {
             const float x = a.scale * d[r];
             scores[i * R + r] = x;
@@ -145,14 +148,35 @@ void part(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to
         for (int64_t j = 0; j < 2 * 64 + 16; ++j) mx[j] = m[j % R];
         for (; i + V::W <= total; i += V::W) V::store(scores + i, exp_neg(V::sub(V::load(scores + i), V::load(mx + i % R))));
         for (; i < total; ++i) scores[i] = std::exp(scores[i] - m[i % R]);
-        for (int64_t r = 0; r < R; ++r)
-            for (int64_t j = r; j < total; j += R) l[r] += scores[j];
     }
+    // Per value group: ws = w s per token and head (after the scores: scratch past them) and corr = sum ws zp; the
+    // first group's pass sums the weights too (in locals: summed into l[r], which may alias scores for all the
+    // compiler knows, each add was a store and a chain of dependent adds, 8% of the op).
     constexpr int64_t C = V::CHUNKS;
-    if (a.value_group % (C * V::W) == 0) {
-        for (int64_t d0 = 0; d0 < hs; d0 += C * V::W) weigh_heads<C>(a, rows, scores, n, R, d0, acc);
-    } else {
-        for (int64_t d0 = 0; d0 < hs; d0 += V::W) weigh_heads<1>(a, rows, scores, n, R, d0, acc);
+    const int64_t group = a.value_group, step = group % (C * V::W) == 0 ? C * V::W : V::W;
+    float* ws = scores + n * R + 16;
+    float corr[64], sum[64] = {};
+    for (int64_t v0 = 0; v0 < hs; v0 += group) {
+        const int64_t head = v0 / group * (8 + group);
+        for (int64_t r = 0; r < R; ++r) corr[r] = 0.f;
+        for (int64_t i = 0; i < n; ++i) {
+            const float sc = f32_at(rows[i] + head), zp = f32_at(rows[i] + head + 4);
+            for (int64_t r = 0; r < R; ++r) {
+                const float w = scores[i * R + r], x = w * sc;
+                sum[r] += w;
+                ws[i * R + r] = x;
+                corr[r] += x * zp;
+            }
+        }
+        if (v0 == 0)
+            for (int64_t r = 0; r < R; ++r) l[r] = sum[r];
+        for (int64_t d0 = v0; d0 < v0 + group; d0 += step)
+            by_heads(R, [&](auto nr, int64_t r) {
+                if (step == C * V::W)
+                    weigh<nr(), C>(a, rows, ws, corr, n, R, r, d0, acc);
+                else
+                    weigh<nr(), 1>(a, rows, ws, corr, n, R, r, d0, acc);
+            });
     }
 }
 

@@ -172,7 +172,7 @@ private:
             }
             thread_local std::vector<float> scores;
             thread_local std::vector<const uint8_t*> rows;
-            scores.resize(static_cast<size_t>(span * R + 16));
+            scores.resize(static_cast<size_t>(2 * span * R + 16));
             rows.resize(static_cast<size_t>(2 * span));
             kernel.part(a, t, g, from, to, m, m + R, m + 2 * R, scores.data(), rows.data());
         };
