@@ -34,6 +34,7 @@ struct V {
     static vec fnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
     static vec mul(vec a, vec b) { return _mm512_mul_ps(a, b); }
     static vec max(vec a, vec b) { return _mm512_max_ps(a, b); }
+    static vec min(vec a, vec b) { return _mm512_min_ps(a, b); }
     static vec round(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
     static vec scale2(vec p, vec n) { return _mm512_scalef_ps(p, n); }
 };

@@ -1,7 +1,6 @@
 // The DecodeAttention kernels (attention_kernel.h) for one vector width, included by attention_avx2.cpp and
 // attention_avx512.cpp, each compiled for its ISA with a traits struct V: the float vector type and its width W,
-// zero, load, store, load_u8 (W u8 values as floats), fmadd, fnmadd, add, sub, mul, max, round (to nearest), scale2
-// (x 2^n), set1, hsum, hsum4 (four sums at once).
+// the members vec_avx2.hpp lists, and CHUNKS (vectors of a value row's dims per pass: weigh below).
 // Group sizes are multiples of W (decode_attention.cpp picks the width).
 //
 // Per token and kv head the key row is dequantized in registers for each group of up to 6 query heads of the kv
@@ -12,24 +11,12 @@
 #include <type_traits>
 
 #include "attention_kernel.h"
+#include "vec_exp.hpp"
 
 namespace {
 
 // Tokens ahead whose rows part() fetches while it scores the current one.
 constexpr int64_t AHEAD = 8;
-
-// exp(x) for x <= 0 (scores minus their max): x = n ln 2 + r, exp(r) by Cephes' expf polynomial (relative error
-// ~2e-7), times 2^n; 0 below -87.
-inline typename V::vec exp_neg(typename V::vec x) {
-    x = V::max(x, V::set1(-87.f));
-    const auto n = V::round(V::mul(x, V::set1(1.44269504f)));
-    const auto r = V::fnmadd(n, V::set1(-2.12194440e-4f), V::fnmadd(n, V::set1(0.693359375f), x));
-    auto p = V::set1(1.9875691500e-4f);
-    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-        p = V::fmadd(p, r, V::set1(c));
-    p = V::fmadd(V::mul(p, r), r, V::add(r, V::set1(1.f)));
-    return V::scale2(p, n);
-}
 
 inline float f32_at(const uint8_t* p) {
     float f;
@@ -146,7 +133,8 @@ void part(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to
         const int64_t total = n * R;
         alignas(64) float mx[2 * 64 + 16];  // the maxima repeated with period R, for a vector at any offset
         for (int64_t j = 0; j < 2 * 64 + 16; ++j) mx[j] = m[j % R];
-        for (; i + V::W <= total; i += V::W) V::store(scores + i, exp_neg(V::sub(V::load(scores + i), V::load(mx + i % R))));
+        for (; i + V::W <= total; i += V::W)
+            V::store(scores + i, vexp<V>(V::sub(V::load(scores + i), V::load(mx + i % R))));
         for (; i < total; ++i) scores[i] = std::exp(scores[i] - m[i % R]);
     }
     // Per value group: ws = w s per token and head (after the scores: scratch past them) and corr = sum ws zp; the
@@ -156,20 +144,26 @@ void part(const AttentionArgs& a, int64_t t, int64_t g, int64_t from, int64_t to
     const int64_t group = a.value_group, step = group % (C * V::W) == 0 ? C * V::W : V::W;
     float* ws = scores + n * R + 16;
     float corr[64], sum[64] = {};
-    for (int64_t v0 = 0; v0 < hs; v0 += group) {
-        const int64_t head = v0 / group * (8 + group);
+    const auto scale = [&](int64_t head, auto first) {
         for (int64_t r = 0; r < R; ++r) corr[r] = 0.f;
         for (int64_t i = 0; i < n; ++i) {
             const float sc = f32_at(rows[i] + head), zp = f32_at(rows[i] + head + 4);
             for (int64_t r = 0; r < R; ++r) {
                 const float w = scores[i * R + r], x = w * sc;
-                sum[r] += w;
+                if constexpr (first()) sum[r] += w;
                 ws[i * R + r] = x;
                 corr[r] += x * zp;
             }
         }
-        if (v0 == 0)
+    };
+    for (int64_t v0 = 0; v0 < hs; v0 += group) {
+        const int64_t head = v0 / group * (8 + group);
+        if (v0 == 0) {
+            scale(head, std::true_type{});
             for (int64_t r = 0; r < R; ++r) l[r] = sum[r];
+        } else {
+            scale(head, std::false_type{});
+        }
         for (int64_t d0 = v0; d0 < v0 + group; d0 += step)
             by_heads(R, [&](auto nr, int64_t r) {
                 if (step == C * V::W)

@@ -29,6 +29,8 @@
 #include <cstdint>
 
 #include "lowbit_kernel.h"
+#include "vec_avx2.hpp"
+#include "vec_exp.hpp"
 
 // The dot of u8 (bits = 8) weights: the ISA's own unless it defines one (AVX2: s8 weights, kernel_avx2.cpp).
 #ifndef LOWBIT_DOT2_W8
@@ -950,25 +952,13 @@ inline void rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const 
         rows_of<false>(a, xq, dxv, xs, n0, n1);
 }
 
-// silu(g) * u = g u / (1 + exp(-g)), 8 at a time: exp by 2^n p(r) (Cephes' expf polynomial, relative error ~2e-7)
-// with -g clamped to [-88, 88], where 2^n stays a normal float. The rest of n one at a time with std::exp.
+// silu(g) * u = g u / (1 + exp(-g)), 8 at a time (vec_exp.hpp), the rest of n one at a time with std::exp.
 inline void swiglu(const float* g, const float* u, int64_t n, float* out) {
-    const __m256 one = _mm256_set1_ps(1.f), lo = _mm256_set1_ps(-88.f), hi = _mm256_set1_ps(88.f);
+    using V = Avx2;
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 x = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_sub_ps(_mm256_setzero_ps(), gv)));  // -g
-        const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f),
-                                          _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x));
-        __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-        for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, one));
-        const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-        const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));  // exp(-g)
-        _mm256_storeu_ps(out + i, _mm256_div_ps(_mm256_mul_ps(gv, _mm256_loadu_ps(u + i)), _mm256_add_ps(one, e)));
+    for (; i + V::W <= n; i += V::W) {
+        const V::vec gv = V::load(g + i), e = vexp<V>(V::sub(V::zero(), gv));  // exp(-g)
+        V::store(out + i, _mm256_div_ps(V::mul(gv, V::load(u + i)), V::add(V::set1(1.f), e)));
     }
     for (; i < n; ++i) out[i] = g[i] * u[i] / (1.f + std::exp(-g[i]));
 }
