@@ -12,8 +12,12 @@ The u8 LM head: Qwen2.5-1.5B's (151936 x 1536, 19% of a decode step on OpenVINO'
 of OpenVINO's time on our AVX512-VNNI path at M = 1 (0.71 at M = 2; CPU time 0.76 / 0.78; bench.kernels --shapes
 151936x1536 --formats u8 --layers 2 --reps 7, load 5 on 2 vCPUs) and in the decode graph 53.3 vs 78.0 ms/step
 (bench.profile, same load); at the default model's head shape (49152 x 576) 0.70 at M = 1, 1.11 at M = 4 (CPU
-time 0.78 / 0.99), though its served head is i8 symmetric per 32 (the Q8_0 grid), which keeps OpenVINO's. What the
-head on ours moves: next-token TVD against OpenVINO's kernels at Qwen2.5-1.5B (bench.quality --precision default
+time 0.78 / 0.99), though its served head is i8 symmetric per 32 (the Q8_0 grid), which keeps OpenVINO's: taken as
+u8 = i8 + 128 about a zero point of 128, in the single-token graph only, it ran at 0.68-0.78 of OpenVINO's time on
+AVX2 (bench.profile on the Zen 3 EPYC, 3 interleaved pairs: 1.37-1.45 ms against 1.81-2.14, the step 0.84-0.96),
+but moved the next-token TVD from OpenVINO's kernels 0.0136 -> 0.0165 (median; max 0.0297 -> 0.0363; from fp32
+0.0122 -> 0.0161; bench.quality default-int4 --prompts 16 --kernels auto openvino): a 135M model's head over 49152
+tokens feels the int8 activations, so it stays OpenVINO's. What the head on ours moves: next-token TVD against OpenVINO's kernels at Qwen2.5-1.5B (bench.quality --precision default
 --kernels auto openvino, 8 prompts) median 0.0137 / max 0.0169 with it, 0.0140 / 0.0162 with only the u4 layers on
 ours: within the noise of the u4 layers' own (above the 0.01 target either way).
 
