@@ -1,5 +1,6 @@
 """Where a step's time goes: our engine's step split into OpenVINO infer / the rest of backend.forward (input
-arrays, logits copy) / sampling / everything else (scheduler, detokenizer, stop rules, emitting chunks), next to
+arrays, logits copy) / sampling / everything else (scheduler, detokenizer, stop rules, emitting chunks), and the
+forwards split into prefill (their tokens per second) and decode steps (rows and ms per step), next to
 openvino_genai.ContinuousBatchingPipeline's whole step() on the same workload (same IR, same settings as
 bench.concurrency). Measurement only: the engine is instrumented from outside by wrapping its methods.
 
@@ -25,11 +26,15 @@ COLUMNS = [
     ("genai_tok_s", "genai tok/s", ".1f"),
     ("engine_steps", "steps", ".0f"),
     ("step_ms", "engine ms/step", ".2f"),
+    ("forward_ms", "forward", ".2f"),
     ("infer_ms", "infer", ".2f"),
     ("prep_ms", "fwd prep+copy", ".2f"),
     ("sample_ms", "sample", ".2f"),
     ("other_ms", "other python", ".2f"),
     ("loop_gap_ms", "between steps", ".2f"),
+    ("prefill_tok_s", "prefill tok/s", ".1f"),
+    ("decode_rows", "decode rows", ".1f"),
+    ("decode_ms", "decode ms/step", ".1f"),
     ("genai_steps", "genai steps", ".0f"),
     ("genai_step_ms", "genai ms/step", ".2f"),
 ]
@@ -51,6 +56,45 @@ class _Timed:
 
     def reset(self) -> None:
         self.total, self.calls = 0.0, 0
+
+
+class _Kinds:
+    """Wraps backend.forward: wall time of the steps that prefill (any sequence fed more than one token) and of
+    decode steps (one token each), with their tokens and rows, so that a run at many clients says how its time
+    splits between the prompts and the batched decode steps."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.reset()
+
+    def __call__(self, batch):
+        t = time.perf_counter()
+        try:
+            return self.fn(batch)
+        finally:
+            dt, rows = time.perf_counter() - t, len(batch.token_ids)
+            tokens = sum(map(len, batch.token_ids))
+            kind = "decode" if tokens == rows else "prefill"
+            self.s[kind] += dt
+            self.tokens[kind] += tokens
+            self.calls[kind] += 1
+
+    def reset(self) -> None:
+        self.s = {"prefill": 0.0, "decode": 0.0}
+        self.tokens = {"prefill": 0, "decode": 0}
+        self.calls = {"prefill": 0, "decode": 0}
+
+    def row(self) -> dict:
+        s, tokens, calls = self.s, self.tokens, self.calls
+        return {
+            "prefill_s": s["prefill"],
+            "prefill_tokens": tokens["prefill"],
+            "prefill_tok_s": tokens["prefill"] / s["prefill"] if s["prefill"] else None,
+            "decode_s": s["decode"],
+            "decode_steps": calls["decode"],
+            "decode_rows": tokens["decode"] / calls["decode"] if calls["decode"] else None,
+            "decode_ms": s["decode"] / calls["decode"] * 1e3 if calls["decode"] else None,
+        }
 
 
 class _RequestProxy:
@@ -78,20 +122,23 @@ class _RequestProxy:
         return getattr(self._request, name)
 
 
-def instrument(engine) -> dict[str, _Timed]:
+def instrument(engine) -> tuple[dict[str, _Timed], _Kinds]:
     import appliance.runtime.engine.core as engine_module  # where the step calls sample_batch
 
-    timers = {"step": _Timed(engine.step), "forward": _Timed(engine.backend.forward)}
+    kinds = _Kinds(engine.backend.forward)
+    timers = {"step": _Timed(engine.step), "forward": _Timed(kinds)}
     engine.step = timers["step"]
     engine.backend.forward = timers["forward"]
     request = getattr(engine.backend, "request", None)
-    if request is not None:
+    # A backend that picks its request per step (request_for: the paged one, whose decode steps run other compiled
+    # models and whose bound inputs are kept per request) cannot take the proxy: its infer time stays in "forward".
+    if request is not None and not hasattr(engine.backend, "request_for"):
         timers["infer"] = _Timed(request.infer)
         engine.backend.request = _RequestProxy(request, timers["infer"])
     if hasattr(engine_module, "sample_batch"):
         timers["sample"] = _Timed(engine_module.sample_batch)
         engine_module.sample_batch = timers["sample"]
-    return timers
+    return timers, kinds
 
 
 def main(argv=None) -> int:
@@ -107,7 +154,7 @@ def main(argv=None) -> int:
     vocab = Manifest.load(path).vocab_size
     engine = load_engine(path)
     pipe, _ = load_genai(path, engine)
-    timers = instrument(engine)
+    timers, kinds = instrument(engine)
     genai_step = _Timed(pipe.step)
 
     class _Pipe:  # genai_run calls pipe.step(); time it
@@ -121,6 +168,7 @@ def main(argv=None) -> int:
                 for c in args.concurrency:
                     for t in timers.values():
                         t.reset()
+                    kinds.reset()
                     r = engine_run(engine, prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
                     seed += 1
                     steps = timers["step"].calls
@@ -133,6 +181,7 @@ def main(argv=None) -> int:
                     }
                     for name, t in timers.items():
                         row[f"{name}_ms"] = t.total * 1e3
+                    row.update(kinds.row())
                     bar.update()
                     genai_step.reset()
                     g = genai_run(_Pipe(), prompts(vocab, c, args.prompt_len, seed), args.new_tokens)
@@ -196,7 +245,10 @@ def main(argv=None) -> int:
             "genai_step_ms": per_step("genai_step_ms", "genai_steps"),
             "loop_gap_ms": median((r["engine_wall_ms"] - r["step_ms"]) / r["engine_steps"] for r in mine),
         }
-        row["prep_ms"] = row["forward_ms"] - (row["infer_ms"] or 0)
+        for key in ("prefill_tok_s", "decode_rows", "decode_ms"):
+            values = [r[key] for r in mine if r[key] is not None]
+            row[key] = median(values) if values else None
+        row["prep_ms"] = row["forward_ms"] - row["infer_ms"] if row["infer_ms"] is not None else None
         row["other_ms"] = row["step_ms"] - row["forward_ms"] - (row["sample_ms"] or 0)
         rows.append(row)
     return finish(

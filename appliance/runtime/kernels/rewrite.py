@@ -17,9 +17,10 @@ u8 = i8 + 128 about a zero point of 128, in the single-token graph only, it ran 
 AVX2 (bench.profile on the Zen 3 EPYC, 3 interleaved pairs: 1.37-1.45 ms against 1.81-2.14, the step 0.84-0.96),
 but moved the next-token TVD from OpenVINO's kernels 0.0136 -> 0.0165 (median; max 0.0297 -> 0.0363; from fp32
 0.0122 -> 0.0161; bench.quality default-int4 --prompts 16 --kernels auto openvino): a 135M model's head over 49152
-tokens feels the int8 activations, so it stays OpenVINO's. What the head on ours moves: next-token TVD against OpenVINO's kernels at Qwen2.5-1.5B (bench.quality --precision default
---kernels auto openvino, 8 prompts) median 0.0137 / max 0.0169 with it, 0.0140 / 0.0162 with only the u4 layers on
-ours: within the noise of the u4 layers' own (above the 0.01 target either way).
+tokens feels the int8 activations, so it stays OpenVINO's. What the u8 head on ours moves: next-token TVD against
+OpenVINO's kernels at Qwen2.5-1.5B (bench.quality --precision default --kernels auto openvino, 8 prompts) median
+0.0137 / max 0.0169 with it, 0.0140 / 0.0162 with only the u4 layers on ours: within the noise of the u4 layers' own
+(above the 0.01 target either way).
 
 On AVX2 (no VNNI) the head is stored as s8 = u8 - 128 with zero points z - 128 (u8_layout: an xor folded into the
 repack made anyway) and multiplied as maddubs(|w|, sign(x, w)) (kernel_avx2.cpp), its rows grouped by 4 as u4's
