@@ -87,6 +87,8 @@ public:
     bool has_evaluate() const override { return true; }
 
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        // First, before any check can throw: a read-ahead left running would otherwise outlive a failed inference.
+        appliance_end_read_ahead();
         AttentionArgs a{};
         a.H = m_heads;
         a.Hkv = m_kv_heads;
@@ -130,7 +132,6 @@ public:
                 OPENVINO_ASSERT(a.block_indices[b] >= 0 && a.block_indices[b] < blocks,
                                 "DecodeAttention: block index out of the pool");
         }
-        appliance_end_read_ahead();
         const AttentionKernel kernel = kernel_for(std::min(a.key_group, a.value_group), m_wide != 0);
         // The new token's key and value first: the parts below read it from the cache like every other token.
         for (int64_t t = 0; t < a.T; ++t) {

@@ -99,6 +99,8 @@ int64_t ahead_bytes() {
 // Llama-3.2-3B (engines side by side, interleaved, medians of 12-16 pairs). One load per 64-byte line.
 // The read holds a plain pointer into the plugin's memory: it ends when the next op of the same inference starts,
 // and the last op of a graph (the LM head) reads nothing ahead, so none is left running when an inference returns.
+// Our ops end it first, before their checks can throw. An inference that fails in a node between two of ours leaves
+// it to finish its at most ahead_bytes() alone (tens of us at the box's bandwidth), far inside any unload of a model.
 void read_ahead(const ov::Tensor& next, uint64_t call) {
     if (tbb::this_task_arena::max_concurrency() <= 1) return;
     const auto* bytes = static_cast<const char*>(next.data());
