@@ -34,8 +34,9 @@ LIBRARY = "libappliance_kernels.so"
 # grouped rows. 9: the op's optional fourth input, the next op's weights to read ahead. 10: the DecodeAttention op,
 # attention.py. 11: its `wide` attribute. 12: appliance_kernels_zmm_cost. 13: AVX512-VNNI's u4 in
 # lanes of 16 rows (slot_pairs 0) instead of rows grouped by 8 in 2-pair slots, and no zmm_cost. 14: u8 in lanes too,
-# which an older library refuses. 15: the op's `gated` attribute, a SwiGLU's gate and up in one op: rewrite.swiglu).
-ABI = 15
+# which an older library refuses. 15: the op's `gated` attribute, a SwiGLU's gate and up in one op: rewrite.swiglu.
+# 16: DecodeAttention's `rope` attribute and its cos and sin inputs: rope.py).
+ABI = 16
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

@@ -34,6 +34,7 @@ import numpy as np
 import openvino as ov
 
 from appliance.runtime import kernels
+from appliance.runtime.kernels import rope
 from appliance.runtime.kernels.rewrite import constant_value
 
 log = logging.getLogger(__name__)
@@ -75,29 +76,32 @@ def _group(head: int, row: int) -> int:
     return group if group % 8 == 0 else 0
 
 
-def rewrite(model: ov.Model, factory: Any, caches: dict[str, list[int]], wide: bool = True) -> int:
+def rewrite(
+    model: ov.Model, factory: Any, caches: dict[str, list[int]], wide: bool = True, rotate: bool = True
+) -> tuple[int, int]:
     """Replaces `model`'s paged attention nodes with DecodeAttention where every one of them fits (else none: one
-    layer on each would still read one cache); returns how many. `caches`: per cache input name (key_cache.N,
+    layer on each would still read one cache); returns how many, and on how many of them the op applies q's and k's
+    rotary embedding itself (rope.py; `rotate` False: none). `caches`: per cache input name (key_cache.N,
     value_cache.N) the compiled graphs' block dims [kv heads, block size, row bytes], all u8 by token. `wide`: the
     op may run its 512-bit kernels where the CPU has them (narrow_only)."""
     nodes = [n for n in model.get_ordered_ops() if n.get_type_name() == PAGED]
     swaps = []
     for node in nodes:
         if not _plain(node):
-            return 0
+            return 0, 0
         ports = [node.input_value(i).get_node() for i in (3, 4)]
         key_dims, value_dims = (caches.get(p.get_friendly_name()) for p in ports)
         if key_dims is None or value_dims is None or any(p.get_type_name() != "Parameter" for p in ports):
-            return 0
+            return 0, 0
         (kv_heads, block, key_row), (kv_heads_v, block_v, value_row) = key_dims, value_dims
         q, k = (node.input_value(i).get_partial_shape() for i in (0, 1))
         if (kv_heads, block) != (kv_heads_v, block_v) or q[1].is_dynamic or k[1].is_dynamic:
-            return 0
+            return 0, 0
         head, rest = divmod(k[1].get_length(), kv_heads)
         groups = [_group(head, row) for row in (key_row, value_row)]
         heads, rest_q = divmod(q[1].get_length(), head) if head else (0, 1)
         if rest or rest_q or not all(groups) or heads % kv_heads or heads // kv_heads > 64:
-            return 0
+            return 0, 0
         attrs: dict[str, Any] = {"heads": heads, "kv_heads": kv_heads, "head_size": head, "block_size": block}
         attrs |= {"key_group": groups[0], "value_group": groups[1]}
         attrs["scale"] = float(np.asarray(constant_value(node.input_value(SCALE))).ravel()[0])  # _plain: a constant
@@ -112,14 +116,18 @@ def rewrite(model: ov.Model, factory: Any, caches: dict[str, list[int]], wide: b
             port.set_partial_shape(ov.PartialShape([pool, attrs["kv_heads"], attrs["block_size"], row]))
             port.validate_and_infer_types()
         inputs = [node.input_value(i) for i in (0, 1, 2, 3, 4, 5, 7, 8)]
-        made.append((node, factory.create(OP, inputs, attrs)))
+        heads, kv_heads, head = attrs["heads"], attrs["kv_heads"], attrs["head_size"]
+        rotation = rope.inputs(inputs[0], inputs[1], heads, kv_heads, head) if rotate else None
+        if rotation is not None:
+            inputs = [*rotation[:2], *inputs[2:], *rotation[2:]]
+        made.append((node, factory.create(OP, inputs, {**attrs, "rope": int(rotation is not None)})))
     for node, new in made:
         new.set_friendly_name(node.get_friendly_name())
         for target in list(node.output(0).get_target_inputs()):
             target.replace_source_output(new.output(0))
     if made:
         model.validate_nodes_and_infer_types()
-    return len(made)
+    return len(made), sum(int(new.get_attributes()["rope"]) for _, new in made)
 
 
 def by_token(ports: list[ov.Output]) -> dict[str, list[int]]:
@@ -169,14 +177,15 @@ def apply(model: ov.Model, core: Any, choice: str, ports: list[ov.Output], name:
     """Our attention in `model` (the single-token graph, before compiling) where the compiled cache inputs `ports`
     are u8 by token and every attention node fits; one log line says which attention runs. Never raises."""
     caches = by_token(ports)
-    why, count = "", 0
+    why, count, rotated = "", 0, 0
     if not caches:
         why = "the KV cache is not u8 by token"
     else:
         loaded, why = kernels.load(core, choice)
         if loaded is not None:
             try:
-                count = rewrite(model, loaded.factory, caches, wide=not narrow_only(loaded))
+                rotate = os.environ.get(rope.ENV, "1").strip() != "0"
+                count, rotated = rewrite(model, loaded.factory, caches, wide=not narrow_only(loaded), rotate=rotate)
             except Exception as exc:  # a graph we did not foresee: the plugin's attention serves it
                 why = f"rewrite failed: {exc}"
             else:
@@ -185,6 +194,9 @@ def apply(model: ov.Model, core: Any, choice: str, ports: list[ov.Output], name:
         log.info("decode attention: openvino (%s)", why, extra={"model": name, "attention": "openvino", "reason": why})
         return False
     log.info(
-        "decode attention: ours on %d layers", count, extra={"model": name, "attention": "appliance", "ops": count}
+        "decode attention: ours on %d layers, rotary embedding in the op on %d",
+        count,
+        rotated,
+        extra={"model": name, "attention": "appliance", "ops": count, "rope": rotated},
     )
     return True

@@ -2,9 +2,11 @@
 // token (attention_kernel.h), as an OpenVINO custom op in the graph of single-token steps (attention.py puts
 // it in place of PagedAttentionExtension there; prefill keeps the plugin's). Inputs: q [T, H * hs], k and v
 // [T, Hkv * hs], key_cache, value_cache (u8 [blocks, Hkv, bs, row]: attention_kernel.h), past_lens [T],
-// block_indices, block_indices_begins [T + 1]. Attributes: heads, kv_heads, head_size, block_size, key_group,
-// value_group (values per quantization group of a row), scale, wide (0: the 256-bit kernels even where the CPU has
-// AVX-512, as APPLIANCE_KERNELS_ISA asks for a narrower path: attention.py). Output f32 [T, H * hs].
+// block_indices, block_indices_begins [T + 1], and with `rope` 1 cos and sin (f32 [T, hs]). Attributes: heads,
+// kv_heads, head_size, block_size, key_group, value_group (values per quantization group of a row), scale, wide (0:
+// the 256-bit kernels even where the CPU has AVX-512, as APPLIANCE_KERNELS_ISA asks for a narrower path:
+// attention.py), rope (1: q and k arrive before their rotary embedding, which the op applies as the graph did:
+// x * cos + rotate_half(x) * sin per head, rope.py). Output f32 [T, H * hs].
 // It writes each sequence's new key and value into the cache (into the tensors bound to the request: the plugin hands
 // a reference node its inputs' memory) and attends over past_lens[t] + 1 tokens. Why, with measurements: attention.py.
 #include <tbb/parallel_for.h>
@@ -35,6 +37,24 @@ AttentionKernel kernel_for(int64_t group, bool wide) {
     return wide && avx512 && group % 16 == 0 ? attention_kernel_avx512() : attention_kernel_avx2();
 }
 
+// Rows of `heads` heads of hs values per token (x [T, heads * hs]) rotated into out: x * cos + rotate_half(x) * sin,
+// rotate_half(x) = [-x[hs/2:], x[:hs/2]], with the token's row of cos and sin (HF's apply_rotary_pos_emb, which the
+// graph's own nodes computed).
+void rotate(const float* x, const float* cos, const float* sin, int64_t T, int64_t heads, int64_t hs, float* out) {
+    const int64_t half = hs / 2;
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos + t * hs, *s = sin + t * hs;
+        for (int64_t h = 0; h < heads; ++h) {
+            const float* v = x + (t * heads + h) * hs;
+            float* o = out + (t * heads + h) * hs;
+            for (int64_t d = 0; d < half; ++d) {
+                o[d] = v[d] * c[d] - v[d + half] * s[d];
+                o[d + half] = v[d + half] * c[d + half] + v[d] * s[d + half];
+            }
+        }
+    }
+}
+
 }  // namespace
 
 namespace appliance {
@@ -45,15 +65,18 @@ public:
 
     DecodeAttention() = default;
     DecodeAttention(const ov::OutputVector& args, int64_t heads, int64_t kv_heads, int64_t head_size, int64_t block_size,
-                    int64_t key_group, int64_t value_group, float scale, int64_t wide)
+                    int64_t key_group, int64_t value_group, float scale, int64_t wide, int64_t rope)
         : Op(args), m_heads(heads), m_kv_heads(kv_heads), m_head_size(head_size), m_block_size(block_size),
-          m_key_group(key_group), m_value_group(value_group), m_wide(wide), m_scale(scale) {
+          m_key_group(key_group), m_value_group(value_group), m_wide(wide), m_rope(rope), m_scale(scale) {
         constructor_validate_and_infer_types();
     }
 
     void validate_and_infer_types() override {
-        OPENVINO_ASSERT(get_input_size() == 8, "DecodeAttention takes q, k, v, key_cache, value_cache, past_lens, "
-                                               "block_indices, block_indices_begins");
+        OPENVINO_ASSERT(m_rope == 0 || m_rope == 1, "DecodeAttention: rope must be 0 or 1");
+        OPENVINO_ASSERT(get_input_size() == (m_rope ? 10u : 8u),
+                        "DecodeAttention takes q, k, v, key_cache, value_cache, past_lens, block_indices, "
+                        "block_indices_begins, and with rope 1 cos and sin");
+        OPENVINO_ASSERT(!m_rope || m_head_size % 2 == 0, "DecodeAttention: rope needs an even head_size");
         OPENVINO_ASSERT(m_heads > 0 && m_kv_heads > 0 && m_heads % m_kv_heads == 0 && m_heads / m_kv_heads <= 64,
                         "DecodeAttention: heads must be 1..64 times kv_heads");
         OPENVINO_ASSERT(m_head_size > 0, "DecodeAttention: head_size must be positive");
@@ -63,13 +86,15 @@ public:
         OPENVINO_ASSERT(m_block_size > 0, "DecodeAttention: block_size must be positive");
         for (size_t i : {3, 4})
             OPENVINO_ASSERT(get_input_element_type(i) == ov::element::u8, "DecodeAttention: the caches must be u8");
+        for (size_t i = 8; i < get_input_size(); ++i)
+            OPENVINO_ASSERT(get_input_element_type(i) == ov::element::f32, "DecodeAttention: cos and sin must be f32");
         auto out = get_input_partial_shape(0);
         set_output_type(0, ov::element::f32, out);
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         return std::make_shared<DecodeAttention>(args, m_heads, m_kv_heads, m_head_size, m_block_size, m_key_group,
-                                                 m_value_group, m_scale, m_wide);
+                                                 m_value_group, m_scale, m_wide, m_rope);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -81,6 +106,7 @@ public:
         visitor.on_attribute("value_group", m_value_group);
         visitor.on_attribute("scale", m_scale);
         visitor.on_attribute("wide", m_wide);
+        visitor.on_attribute("rope", m_rope);
         return true;
     }
 
@@ -119,6 +145,19 @@ public:
         a.block_indices = inputs[6].data<const int32_t>();
         a.block_begins = inputs[7].data<const int32_t>();
         const auto nidx = static_cast<int64_t>(inputs[6].get_size());
+        if (m_rope) {  // q and k rotated into scratch kept between calls, the rest of the op as without
+            const auto row = static_cast<size_t>(a.T * a.hs);
+            OPENVINO_ASSERT(inputs[8].get_size() == row && inputs[9].get_size() == row,
+                            "DecodeAttention: cos and sin must hold head_size values per sequence");
+            thread_local std::vector<float> q, k;
+            q.resize(static_cast<size_t>(a.T * a.H * a.hs));
+            k.resize(static_cast<size_t>(a.T * a.Hkv * a.hs));
+            const float *cs = inputs[8].data<const float>(), *sn = inputs[9].data<const float>();
+            rotate(a.q, cs, sn, a.T, a.H, a.hs, q.data());
+            rotate(a.k, cs, sn, a.T, a.Hkv, a.hs, k.data());
+            a.q = q.data();
+            a.k = k.data();
+        }
         outputs[0].set_shape(qs);
         a.out = outputs[0].data<float>();
         if (a.T == 0) return true;
@@ -205,6 +244,7 @@ private:
 
     int64_t m_heads = 1, m_kv_heads = 1, m_head_size = 64, m_block_size = 32, m_key_group = 64, m_value_group = 64;
     int64_t m_wide = 1;
+    int64_t m_rope = 0;
     float m_scale = 1.f;
 };
 
