@@ -139,7 +139,7 @@ def find(value: ov.Output, heads: int, head: int) -> Rotation | None:
     """The rotation whose output reaches `value` (an attention input of one token, heads x head values) through
     layout nodes that keep the values' order; None where the graph computes anything else."""
     rotated = source(value)
-    if rotated is None or rotated.get_node().get_type_name() != "Add":
+    if head % 2 or rotated is None or rotated.get_node().get_type_name() != "Add":  # the op rotates even heads
         return None
     shape = _shape(rotated)
     if shape is None or shape[-1] != head or int(np.prod(shape)) != heads * head:
