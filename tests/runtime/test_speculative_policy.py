@@ -6,7 +6,8 @@
   any acceptance; where every fed token costs the same (compute-bound), it never speculates; between (the AVX2
   box's measured table) it drafts more as acceptance rises, fewer as the batch grows, and within the token budget;
   a near-tie does not change the step's shape; no plan makes a decoding sequence slower than plain decoding; the
-  engine's decode steps as they run correct the table, per batch and kind of step.
+  engine's decode steps as they run correct the table, per batch and kind of step; a table that oversells verifying
+  is probed after a thousand plans without speculation and corrected.
 - In the engine's Speculation (with a fake proposer): the sequences the plan leaves out get a shadow draft that is
   checked against the tokens the next steps produce, so their running acceptance keeps up and they speculate again
   once a whole draft would have been kept, not after one kept token.
@@ -20,6 +21,8 @@ from appliance.config import EngineConfig
 from appliance.runtime.engine.speculation import Speculation
 from appliance.runtime.scheduler import Scheduler
 from appliance.runtime.speculative.policy import (
+    EXPLORE,
+    PROBE,
     SpeculationPolicy,
     StepCosts,
     expected_drafts,
@@ -152,6 +155,34 @@ def test_observed_steps_correct_the_table_by_kind():
     before = policy.cost(1, 1)
     policy.observe(1, 1, 5.0)  # a stalled process is not the step's cost: one step moves the scale by a tenth at most
     assert before < policy.cost(1, 1) < 1.1 * before
+
+
+def run_plans(policy: SpeculationPolicy, steps: int, verifying: float) -> list[int]:
+    """`steps` plans of one sequence at acceptance 0.9, each step observed at 10 ms plain, `verifying` with a draft:
+    the k of each."""
+    ks = []
+    for _ in range(steps):
+        k = policy.plan(1, [0.9], max_k=1, budget=256).k
+        policy.observe(1, 1 + k, verifying if k else 0.010)
+        ks.append(k)
+    return ks
+
+
+def test_a_table_that_oversells_verifying_is_probed_and_corrected():
+    # timed at load in a slow moment: verifying one draft 20 ms against a plain step's 10; it would pay at 0.9
+    oversold = StepCosts((1,), (1, 2), ((0.010, 0.020),))
+    policy = SpeculationPolicy(oversold)
+    assert run_plans(policy, EXPLORE - 1 + PROBE, 0.010) == [0] * (EXPLORE - 1) + [1] * PROBE
+    assert policy.plan(1, [0.9], max_k=1, budget=256).k == 1 and not policy.probe  # corrected: a plan of its own
+    # where verifying is as dear as the table says, a probe of PROBE steps every EXPLORE plans, no more
+    policy = SpeculationPolicy(oversold)
+    ks = run_plans(policy, 3 * EXPLORE + 3 * PROBE, 0.020)
+    assert sum(ks) == 3 * PROBE and ks[EXPLORE - 1 : EXPLORE - 1 + PROBE] == [1] * PROBE
+    assert policy.cost(1, 2) == pytest.approx(0.020)
+    # no room for a draft (the requests' k or the token budget): no probe
+    policy = SpeculationPolicy(oversold)
+    assert not any(policy.plan(1, [0.9], max_k=0, budget=256).k for _ in range(2 * EXPLORE))
+    assert not any(policy.plan(2, [0.9], max_k=1, budget=2).k for _ in range(2 * EXPLORE))
 
 
 def test_only_a_decode_step_as_planned_is_observed():

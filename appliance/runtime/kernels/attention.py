@@ -107,7 +107,7 @@ def rewrite(
         attrs["scale"] = float(np.asarray(constant_value(node.input_value(SCALE))).ravel()[0])  # _plain: a constant
         attrs["wide"] = int(wide)
         swaps.append((node, ports, [key_row, value_row], attrs))
-    made = []
+    made, rotated = [], 0
     for node, ports, rows, attrs in swaps:
         for port, row in zip(ports, rows):
             shape = port.get_partial_shape()
@@ -116,10 +116,11 @@ def rewrite(
             port.set_partial_shape(ov.PartialShape([pool, attrs["kv_heads"], attrs["block_size"], row]))
             port.validate_and_infer_types()
         inputs = [node.input_value(i) for i in (0, 1, 2, 3, 4, 5, 7, 8)]
-        heads, kv_heads, head = attrs["heads"], attrs["kv_heads"], attrs["head_size"]
-        rotation = rope.inputs(inputs[0], inputs[1], heads, kv_heads, head) if rotate else None
+        geometry = (attrs["heads"], attrs["kv_heads"], attrs["head_size"])
+        rotation = rope.inputs(inputs[0], inputs[1], *geometry) if rotate else None
         if rotation is not None:
             inputs = [*rotation[:2], *inputs[2:], *rotation[2:]]
+            rotated += 1
         made.append((node, factory.create(OP, inputs, {**attrs, "rope": int(rotation is not None)})))
     for node, new in made:
         new.set_friendly_name(node.get_friendly_name())
@@ -127,7 +128,7 @@ def rewrite(
             target.replace_source_output(new.output(0))
     if made:
         model.validate_nodes_and_infer_types()
-    return len(made), sum(int(new.get_attributes()["rope"]) for _, new in made)
+    return len(made), rotated
 
 
 def by_token(ports: list[ov.Output]) -> dict[str, list[int]]:

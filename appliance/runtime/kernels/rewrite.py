@@ -215,7 +215,8 @@ def constant_value(output: ov.Output) -> np.ndarray | None:
     return np.asarray(node.get_data(), np.float32)
 
 
-def _is(output: ov.Output, kind: str) -> bool:
+def is_kind(output: ov.Output, kind: str) -> bool:
+    """Whether `output` comes out of a node of type `kind`."""
     return output.get_node().get_type_name() == kind
 
 
@@ -232,21 +233,21 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
     if attrs.get("transpose_a") or not attrs.get("transpose_b"):
         return None
     w = matmul.input_value(1)
-    if _is(w, "Convert"):
+    if is_kind(w, "Convert"):
         w = w.get_node().input_value(0)
     n_k = tuple(w.get_partial_shape().to_shape()) if w.get_partial_shape().is_static else ()
     if len(n_k) != 2:
         return None
-    if _is(w, "Reshape"):
+    if is_kind(w, "Reshape"):
         w = w.get_node().input_value(0)
-    if not _is(w, "Multiply"):
+    if not is_kind(w, "Multiply"):
         return None
     sub, scale_out = w.get_node().input_value(0), w.get_node().input_value(1)
     scale = constant_value(scale_out)
-    if scale is None or not _is(sub, "Subtract"):
+    if scale is None or not is_kind(sub, "Subtract"):
         return None
     values_out, zero_out = sub.get_node().input_value(0), sub.get_node().input_value(1)
-    if not _is(values_out, "Convert"):
+    if not is_kind(values_out, "Convert"):
         return None
     values = values_out.get_node().input_value(0).get_node()
     kinds = (ov.Type.u4, ov.Type.u8) if isa in U8_ISAS else (ov.Type.u4,)

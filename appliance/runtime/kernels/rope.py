@@ -31,7 +31,7 @@ import numpy as np
 import openvino as ov
 from openvino import opset13 as ops
 
-from appliance.runtime.kernels.rewrite import constant_value
+from appliance.runtime.kernels.rewrite import constant_value, is_kind
 
 # 0: the graph's own rotation stays in front of our attention (the op's `rope` 0), for side-by-side measurements.
 ENV = "APPLIANCE_KERNELS_ROPE"
@@ -84,7 +84,7 @@ def _scalar(output: ov.Output) -> float | None:
 def _last_axis_slice(output: ov.Output) -> tuple[ov.Output, int, int] | None:
     """(data, start, stop) of a Slice of the last axis with step 1; else None."""
     node = output.get_node()
-    if node.get_type_name() != "Slice" or node.get_input_size() != 5:
+    if not is_kind(output, "Slice") or node.get_input_size() != 5:
         return None
     data = node.input_value(0)
     shape = _shape(data)
@@ -103,9 +103,9 @@ def _last_axis_slice(output: ov.Output) -> tuple[ov.Output, int, int] | None:
 def _negated(output: ov.Output) -> ov.Output | None:
     """v where output = -v (a Negative, or a Multiply by the constant -1); else None."""
     node = output.get_node()
-    if node.get_type_name() == "Negative":
+    if is_kind(output, "Negative"):
         return node.input_value(0)
-    if node.get_type_name() == "Multiply":
+    if is_kind(output, "Multiply"):
         for i in (0, 1):
             if _scalar(node.input_value(1 - i)) == -1.0:
                 return node.input_value(i)
@@ -116,7 +116,7 @@ def _rotated_half(output: ov.Output, head: int) -> ov.Output | None:
     """x where output = concat(-x[..., h:], x[..., :h]) over the last axis (h = head / 2); else None."""
     node = output.get_node()
     shape = _shape(output)
-    if node.get_type_name() != "Concat" or node.get_input_size() != 2 or shape is None:
+    if not is_kind(output, "Concat") or node.get_input_size() != 2 or shape is None:
         return None
     if int(node.get_attributes()["axis"]) % len(shape) != len(shape) - 1:
         return None
@@ -139,16 +139,16 @@ def find(value: ov.Output, heads: int, head: int) -> Rotation | None:
     """The rotation whose output reaches `value` (an attention input of one token, heads x head values) through
     layout nodes that keep the values' order; None where the graph computes anything else."""
     rotated = source(value)
-    if head % 2 or rotated is None or rotated.get_node().get_type_name() != "Add":  # the op rotates even heads
+    if head % 2 or rotated is None or not is_kind(rotated, "Add"):  # the op rotates even heads
         return None
     shape = _shape(rotated)
     if shape is None or shape[-1] != head or int(np.prod(shape)) != heads * head:
         return None
     add = rotated.get_node()
     for a, b in ((0, 1), (1, 0)):
-        plain, turned = add.input_value(a).get_node(), add.input_value(b).get_node()
-        if plain.get_type_name() != "Multiply" or turned.get_type_name() != "Multiply":
+        if not (is_kind(add.input_value(a), "Multiply") and is_kind(add.input_value(b), "Multiply")):
             continue
+        plain, turned = add.input_value(a).get_node(), add.input_value(b).get_node()
         for i in (0, 1):
             x = _rotated_half(turned.input_value(i), head)
             if x is None or _shape(x) != shape:

@@ -50,7 +50,14 @@ is `observe`d (unless it changed the fed shape: that step's extra is `switch`, c
 against the table's, per measured batch and per kind (plain or verifying), a running ratio (OBSERVED per step)
 that scales the table from then on. Plain steps run all the time and keep their
 scale current; a verifying kind is corrected whenever it runs, so a table that flatters speculation corrects
-itself within a few steps, and one that undersells it stays as cautious as it was timed.
+itself within a few steps. One that undersells it would never be corrected, since the policy would not verify
+again: a soak of 10,000 requests on a 2-vCPU host whose speed swung 2x within minutes drafted 5 tokens where its
+other runs drafted ~2,500 (the table timed at load in a slow moment for the verifying shapes). So after EXPLORE
+plans in a row without speculation, the policy probes: PROBE steps in which the most accepting sequence verifies
+one draft token, whatever the table predicts (the first of them pays the shape's switch and is not observed), and
+their times weigh PROBED each in the verifying kind's ratio. If verifying is as dear as the table says, that is 3
+steps of one more fed token and two shape switches in a thousand steps (<1% at the default model's 8 ms a step
+and a 30 ms switch); if not, the policy speculates again from the next step on.
 
 A change of the fed shape costs `switch` once,
 so a plan that changes the step's shape must beat keeping the last one by that cost spread over the next
@@ -71,6 +78,9 @@ ROUNDS = 2  # passes over the grid (the median per point)
 CONTEXT = 256  # past tokens of every timed sequence
 MARGIN = 1.1  # speculate only for a predicted gain above 10%: the costs are timed once, on a box with other work
 OBSERVED = 0.05  # weight of one observed step in its kind's running ratio (~20 steps of memory)
+EXPLORE = 1000  # plans in a row without speculation before the policy probes what verifying costs now
+PROBE = 3  # steps a probe verifies one draft token (the first pays the shape's switch and is not observed)
+PROBED = 0.5  # weight of a probe's observed step in its kind's running ratio
 FAIR = 0.95  # the least share of plain decoding's tokens per second a plan may predict for any decoding sequence
 
 
@@ -176,6 +186,9 @@ class SpeculationPolicy:
         self.last_fed = 0  # tokens the last step fed for its decoding sequences
         # (index of the measured batch at or below b, verifying?) -> running ratio of observed to tabled seconds
         self.scale: dict[tuple[int, bool], float] = {}
+        self.quiet = 0  # plans in a row without speculation
+        self.probing = 0  # steps left of the current probe
+        self.probe = False  # this step's plan is a probe
 
     def _kind(self, b: int, n: float) -> tuple[int, bool]:
         return max(0, bisect.bisect_right(self.costs.batches, b) - 1), n > 1
@@ -189,7 +202,8 @@ class SpeculationPolicy:
         is clamped to [0.5, 2]: a pause of the whole process (a collection, a swap-in) is not the step's cost."""
         kind = self._kind(b, fed / b)
         ratio = min(2.0, max(0.5, seconds / max(1e-9, self.costs.cost(b, fed / b))))
-        self.scale[kind] = (1 - OBSERVED) * self.scale.get(kind, 1.0) + OBSERVED * ratio
+        weight = PROBED if self.probe and kind[1] else OBSERVED
+        self.scale[kind] = (1 - weight) * self.scale.get(kind, 1.0) + weight * ratio
 
     def plan(self, b: int, rates: Sequence[float], max_k: int, budget: int, draft_cost: float = 0.0) -> Plan:
         """b: sequences decoding this step; rates: the running acceptance of those that may speculate, highest
@@ -197,6 +211,7 @@ class SpeculationPolicy:
         most b + m k fed); draft_cost: the proposer's seconds per drafted token."""
         cost = self.cost
         switch = self.costs.switch / max(1, self.horizon)
+        self.probe = False
 
         def penalty(fed: int) -> float:
             return switch if self.last_fed and fed != self.last_fed else 0.0
@@ -218,7 +233,25 @@ class SpeculationPolicy:
                 fair = least / step >= self.fair / plain_step
                 if fair and rate > best.rate and rate > self.margin * plain_rate:
                     best = Plan(k, m, rate, plain_rate)
-        return best
+        if best.k:
+            self.quiet = self.probing = 0
+            return best
+        return self._explore(b, rates, min(max_k, budget - b), best)
+
+    def _explore(self, b: int, rates: Sequence[float], room: int, plain: Plan) -> Plan:
+        """No plan beats plain decoding: count it, and after EXPLORE such plans probe for PROBE steps (module
+        docstring): the most accepting sequence verifies one draft token. room: the most drafts allowed (by the
+        requests and the token budget)."""
+        if not rates or room < 1:
+            return plain
+        if not self.probing:
+            self.quiet += 1
+            if self.quiet < EXPLORE:
+                return plain
+            self.quiet, self.probing = 0, PROBE
+        self.probing -= 1
+        self.probe = True
+        return Plan(1, 1, (b + expected_drafts(rates[0], 1)) / self.cost(b, (b + 1) / b), plain.plain)
 
     def fed(self, tokens: int) -> None:
         """The step fed `tokens` for its decoding sequences (what the next plan's shape is compared with)."""
