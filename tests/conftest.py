@@ -185,7 +185,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # ================================================================ test order
 # pytest-randomly shuffles every run (setup.cfg). Its header line with the seed is hidden under `-q` (what `make
 # test` and CI use), so the seed is printed here, before the first test and again in the summary: a failure that
-# depends on the order is repeated with `PYTEST_ARGS="-p randomly --randomly-seed=N"`.
+# depends on the order is repeated with `PYTEST_ARGS="-p randomly --randomly-seed=N"` (every file's tests in that
+# order; which of `make test`'s two processes ran a file depends on timing, `PYTEST_WORKERS=0` runs them all in one).
 
 
 def _order_line(config: pytest.Config) -> str | None:
