@@ -69,8 +69,8 @@ serve: venv model
 	$(BIN)/appliance serve $(SERVE_FLAGS)
 
 # Two pytest processes (pytest-xdist), each test file whole on one of them (--dist loadfile: a module's fixtures, its
-# servers and exports, are set up once): the suite's tests took 1571 s instead of 1996 s in one process on the
-# 2-vCPU Zen 3 box, CI's whole run 30 min instead of 37. PYTEST_WORKERS=0 runs them in this process.
+# servers and exports, are set up once): the suite's tests took 1571-1710 s instead of 1996 s in one process on the
+# 2-vCPU Zen 3 box, CI's whole run 30-33 min instead of 37. PYTEST_WORKERS=0 runs them in this process.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
