@@ -145,10 +145,11 @@ def find(value: ov.Output, heads: int, head: int) -> Rotation | None:
     if shape is None or shape[-1] != head or int(np.prod(shape)) != heads * head:
         return None
     add = rotated.get_node()
-    for a, b in ((0, 1), (1, 0)):
-        if not (is_kind(add.input_value(a), "Multiply") and is_kind(add.input_value(b), "Multiply")):
-            continue
-        plain, turned = add.input_value(a).get_node(), add.input_value(b).get_node()
+    terms = add.input_value(0), add.input_value(1)
+    if not all(is_kind(term, "Multiply") for term in terms):
+        return None
+    first, second = (term.get_node() for term in terms)
+    for plain, turned in ((first, second), (second, first)):
         for i in (0, 1):
             x = _rotated_half(turned.input_value(i), head)
             if x is None or _shape(x) != shape:

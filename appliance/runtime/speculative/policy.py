@@ -55,8 +55,8 @@ again: a soak of 10,000 requests on a 2-vCPU host whose speed swung 2x within mi
 other runs drafted ~2,500 (the table timed at load in a slow moment for the verifying shapes). So after EXPLORE
 plans in a row without speculation, the policy probes: PROBE steps in which the most accepting sequence verifies
 one draft token, whatever the table predicts (the first of them pays the shape's switch and is not observed), and
-their times weigh PROBED each in the verifying kind's ratio. If verifying is as dear as the table says, that is 3
-steps of one more fed token and two shape switches in a thousand steps (<1% at the default model's 8 ms a step
+their times weigh PROBED each in the verifying kind's ratio. If verifying is as dear as the table says, that is
+PROBE steps of one more fed token and two shape switches in EXPLORE steps (<1% at the default model's 8 ms a step
 and a 30 ms switch); if not, the policy speculates again from the next step on.
 
 A change of the fed shape costs `switch` once,
