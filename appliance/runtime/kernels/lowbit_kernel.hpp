@@ -808,11 +808,15 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
 // group sums alternate between two sets, so their FMA chain's latency never waits on one. u8 (W8: the LM head) in
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
-// One row of x reads its run with no software prefetch: the hardware's alone streamed it faster. On 1 thread from
-// memory (Zen 4, 1536 x 1536 u4 g128 x 100, standalone, 3-5 interleaved runs) the tile read at 0.85 of a plain
-// 512-bit streaming read's rate with the prefetch 2 KB ahead, 0.99-1.05 without (1-8 KB ahead at T0 or T1: 0.77-1.02
-// where none read at 1.05). From 2 rows the prefetch stays (M = 2 without it: 0.73 against 0.83; M = 4 / 8: 0.52 /
-// 0.23 against 0.58 / 0.33).
+// The run is prefetched 2 KB ahead, except by u8 (the LM head) at one row of x. From 2 rows it pays everywhere (Zen 4,
+// 1 thread, standalone: M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8: 0.52
+// / 0.23 against 0.58 / 0.33). At one row of x, 1 thread from memory on Zen 4 (1536 x 1536 u4 g128 x 100, 3-5
+// interleaved runs), the hardware's prefetch alone read faster (0.99-1.05 against 0.85; 1-8 KB ahead at T0 or T1:
+// 0.77-1.02). But serving runs 2 threads, and there, on the 2-vCPU Zen 5 EPYC (full-width 512-bit units), the
+// batch-1 decode step took 0.943-0.966 of its time with u4 prefetched at Qwen2.5-1.5B, 0.923-0.927 at Llama-3.2-3B
+// and 0.954-0.961 at the default 135M model (one engine switching the prefetch on and off every 16 steps, medians of
+// 40-60 paired blocks, both orders); prefetching the u8 head too: 1.009 (p25-p75 0.95-1.05), so it does not. Zen 4's
+// 2-thread step was not measured without the prefetch against with it: to do on the next Zen 4 box.
 template <int MT, int SPAN, bool W8>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
@@ -838,7 +842,7 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
         for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
         for (int j = 0; j < CHUNKS; ++j) {
             const uint8_t* p = w + c * OCTET_BYTES + j * 64;
-            if (MT > 1) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // its run, 2 KB ahead
+            if (MT > 1 || !W8) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // 2 KB ahead
             __m512i raw = _mm512_loadu_si512(p);
             __asm__("" : "+v"(raw));  // one load: GCC folds one into each unpacking op, two 512-bit loads
             const __m512i lo = W8 ? raw : _mm512_and_si512(raw, mask);
