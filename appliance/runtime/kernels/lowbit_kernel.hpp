@@ -808,15 +808,17 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
 // group sums alternate between two sets, so their FMA chain's latency never waits on one. u8 (W8: the LM head) in
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
-// The run is prefetched 2 KB ahead, except by u8 (the LM head) at one row of x. From 2 rows it pays everywhere (Zen 4,
-// 1 thread, standalone: M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8: 0.52
+// The run is prefetched ahead (AHEAD), except by u8 (the LM head) at one row of x. From 2 rows it pays everywhere (Zen
+// 4, 1 thread, standalone: M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8: 0.52
 // / 0.23 against 0.58 / 0.33). At one row of x, 1 thread from memory on Zen 4 (1536 x 1536 u4 g128 x 100, 3-5
 // interleaved runs), the hardware's prefetch alone read faster (0.99-1.05 against 0.85; 1-8 KB ahead at T0 or T1:
-// 0.77-1.02). But serving runs 2 threads, and there, on the 2-vCPU Zen 5 EPYC (full-width 512-bit units), the
-// batch-1 decode step took 0.943-0.966 of its time with u4 prefetched at Qwen2.5-1.5B, 0.923-0.927 at Llama-3.2-3B
+// 0.77-1.02). But serving runs 2 threads, and there, on the 2-vCPU Zen 5 EPYC (full-width 512-bit units), the batch-1
+// decode step took 0.943-0.966 of its time with u4 prefetched 2 KB ahead at Qwen2.5-1.5B, 0.923-0.927 at Llama-3.2-3B
 // and 0.954-0.961 at the default 135M model (one engine switching the prefetch on and off every 16 steps, medians of
-// 40-60 paired blocks, both orders); prefetching the u8 head too: 1.009 (p25-p75 0.95-1.05), so it does not. Zen 4's
-// 2-thread step was not measured without the prefetch against with it: to do on the next Zen 4 box.
+// 40-60 paired blocks, both orders); prefetching the u8 head too: 1.009 (p25-p75 0.95-1.05), so it does not. The
+// distance at one row, the same way: 4 KB against 2 KB 0.971-0.986 at 1.5B and 0.953-0.978 at 3B, 8 KB against 4 KB
+// 0.997-1.004, 1 KB against 2 KB 1.038. Zen 4's 2-thread step was not measured with the prefetch against without: to do
+// on the next Zen 4 box.
 template <int MT, int SPAN, bool W8>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
@@ -824,6 +826,7 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     constexpr int64_t VALUES = W8 ? 4 : 8;           // of K per 64-byte chunk of the 16 rows
     constexpr int64_t OCTET_BYTES = 64 * 8 / VALUES;  // one octet of K of the 16 rows
     constexpr int CHUNKS = SPAN * 8 / VALUES;          // per span
+    constexpr int64_t AHEAD = MT == 1 ? 4096 : 2048;  // bytes of the run prefetched ahead (see above)
     const int64_t per_group = a.gs / 8, dstride = lowbit_dx_floats(1, a.Kp);
     const uint8_t* w = a.w + n0 * (W8 ? a.Kp : a.Kp / 2);
     const uint16_t* st = a.sz + n0 * 2 * a.G;  // [G][16 scales, 16 zero points]
@@ -842,7 +845,7 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
         for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
         for (int j = 0; j < CHUNKS; ++j) {
             const uint8_t* p = w + c * OCTET_BYTES + j * 64;
-            if (MT > 1 || !W8) _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);  // 2 KB ahead
+            if (MT > 1 || !W8) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD), _MM_HINT_T0);
             __m512i raw = _mm512_loadu_si512(p);
             __asm__("" : "+v"(raw));  // one load: GCC folds one into each unpacking op, two 512-bit loads
             const __m512i lo = W8 ? raw : _mm512_and_si512(raw, mask);
