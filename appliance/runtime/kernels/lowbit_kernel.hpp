@@ -826,7 +826,7 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     constexpr int64_t VALUES = W8 ? 4 : 8;           // of K per 64-byte chunk of the 16 rows
     constexpr int64_t OCTET_BYTES = 64 * 8 / VALUES;  // one octet of K of the 16 rows
     constexpr int CHUNKS = SPAN * 8 / VALUES;          // per span
-    constexpr int64_t AHEAD = MT == 1 ? 4096 : 2048;  // bytes of the run prefetched ahead (see above)
+    constexpr int64_t AHEAD = MT > 1 ? 2048 : W8 ? 0 : 4096;  // bytes of the run prefetched ahead, 0: none (above)
     const int64_t per_group = a.gs / 8, dstride = lowbit_dx_floats(1, a.Kp);
     const uint8_t* w = a.w + n0 * (W8 ? a.Kp : a.Kp / 2);
     const uint16_t* st = a.sz + n0 * 2 * a.G;  // [G][16 scales, 16 zero points]
@@ -845,7 +845,7 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
         for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
         for (int j = 0; j < CHUNKS; ++j) {
             const uint8_t* p = w + c * OCTET_BYTES + j * 64;
-            if (MT > 1 || !W8) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD), _MM_HINT_T0);
+            if constexpr (AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD), _MM_HINT_T0);
             __m512i raw = _mm512_loadu_si512(p);
             __asm__("" : "+v"(raw));  // one load: GCC folds one into each unpacking op, two 512-bit loads
             const __m512i lo = W8 ? raw : _mm512_and_si512(raw, mask);
