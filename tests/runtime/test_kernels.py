@@ -917,6 +917,27 @@ def test_default_model_runs_our_kernels_close_to_f32(loaded, monkeypatch, prefil
     assert sum(a == b for a, b in zip(tokens, base_tokens)) >= len(tokens) - 2, (tokens, base_tokens)
 
 
+def test_rows_on_ours_per_path_and_beside_amx(loaded, monkeypatch):
+    """Steps of how many tokens run ours: every step where the path prefills and the model fits the prefill tile;
+    beside AMX, a model on the lanes tile up to LANES_ROWS_BESIDE_AMX (OpenVINO's AMX GEMM above); otherwise the
+    path's KERNEL_ROWS. The paged backend on this CPU takes the same number for the default model (it fits)."""
+    from appliance import cpu_isa
+
+    for flags, amx in ((("avx2", "avx512f", "avx512_vnni"), False), (("avx512_vnni", "amx_bf16", "amx_int8"), True)):
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_isa, "detect", lambda flags=flags: cpu_isa.CpuIsa(flags))
+            assert kernels.rows("avx512vnni", True) == (kernels.LANES_ROWS_BESIDE_AMX if amx else kernels.EVERY_ROW)
+            assert kernels.rows("avx512vnni", False) == kernels.KERNEL_ROWS["avx512vnni"]
+            assert kernels.rows("avx2", True) == kernels.EVERY_ROW and kernels.rows("avx2", False) == 12
+            assert kernels.rows("avxvnni", True) == kernels.rows("avxvnni", False) == kernels.KERNEL_ROWS["avxvnni"]
+            assert kernels.rows("sse", True) == 0
+    backend, _ = _paged_backend("ours", None)
+    try:
+        assert backend.kernel_rows == kernels.rows(loaded[1].isa, True)
+    finally:
+        backend.close()
+
+
 def test_single_token_steps_run_a_graph_of_static_shapes(loaded):
     """A step of one token (batch-1 decode) runs a compiled model of the rewritten graph with one token's static
     shapes, a padded block table's too (openvino_paged._one_token), answering as the graph of

@@ -91,9 +91,7 @@ def kernel_rows(label: str, model: ov.Model) -> int:
     (kernels.ONE_TOKEN)."""
     if label.endswith(kernels.ONE_TOKEN):
         return 1
-    isa = label.removeprefix("appliance-")
-    rows = kernels.KERNEL_ROWS.get(isa, 0)
-    return kernels.EVERY_ROW if rows and kernels.prefills(isa) and prefill_fits(model) else rows
+    return kernels.rows(label.removeprefix("appliance-"), prefill_fits(model))
 
 
 def model_name(model_dir: Path) -> str:

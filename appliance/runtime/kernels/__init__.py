@@ -56,7 +56,7 @@ CHOICES = ("auto", "ours", "openvino")  # --kernels: auto = ours unless --precis
 # a 2-vCPU Zen 5 EPYC, against the plugin's brgemm_avx512_bf16: the MLP shapes 0.55-0.77 at M = 3-6 and 0.76 / 0.85
 # at 8, q/k/v together (2048 x 1536) and o (1536 x 1536) 1.13 / 1.12 at 8, the u8 head 1.04; the Qwen2.5-1.5B
 # decode step of 4 / 8 sequences took 40 / 74 ms against 66 / 85 on OpenVINO's kernels alone (engines side by
-# side, interleaved). So it stops at 8 (not measured on the AMX box since, whose bf16 GEMM won from 8 above). On a
+# side, interleaved). So it stops at 8 (a model on the lanes tile beside AMX: LANES_ROWS_BESIDE_AMX). On a
 # Zen 4 EPYC, whose 512-bit units are split in two, that tile lost from M = 4-6 (1.27 / 1.13 at M = 8); with u4 in
 # lanes of 16 rows (lowbit_kernel.hpp lanes_tile) ours took 0.49-0.56 of the plugin's time at M = 8 and 0.67-0.84
 # at 32 there, so 8 holds on both.
@@ -68,9 +68,19 @@ KERNEL_ROWS = {"avx2": 12, "avxvnni": 4, "avx512vnni": 8}
 # 0.78 / 0.90, M = 256 0.83 / 0.75 / 0.87; the general tile there: 1.09 / 0.93 / 1.05 and 1.24 / 1.14 / 1.28.
 # AVX512-VNNI's lanes tile (lowbit_kernel.hpp lanes_tile) against the plugin's brgemm_avx512_bf16 on the 2-vCPU Zen 4
 # EPYC (8 layers): M = 64 0.86 / 0.77 / 0.80, M = 128 0.85 / 0.77 / 0.80, M = 512 0.86 / 0.77 / 0.86; not where the
-# CPU has AMX (prefills), whose bf16 tiles won from 8 rows on the Sapphire Rapids box (KERNEL_ROWS).
+# CPU has AMX (prefills), whose bf16 tiles win from ~44 rows (LANES_ROWS_BESIDE_AMX).
 PREFILL_ISAS = ("avx2", "avx512vnni")
 EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
+# Beside AMX, a model whose ops all run the lanes tile (rewrite.prefill_fits) keeps ours up to this many tokens a
+# step and OpenVINO's AMX bf16 GEMM above. 2-vCPU Intel Xeon with AMX (Sapphire Rapids class), ours / OpenVINO's
+# time, bench.kernels --formats u4a:128 --layers 80 --reps 7 at 8960x1536 / 1536x8960 / 1536x1536: M = 8 0.30 / 0.29
+# / 0.28, M = 16 0.51 / 0.48 / 0.48, M = 24 0.66 / 0.65 / 0.62, M = 32 0.84 / 0.82 / 0.76, M = 48 1.03 / 1.05 /
+# 1.01, M = 64 1.16 / 1.18 / 1.23. A prompt of P tokens prefilled in one step, one engine switching between the two
+# every request (15 interleaved reps, medians): Qwen2.5-1.5B P = 9 0.49, 16 0.60, 24 0.74, 32 0.87, 40 0.96, 48 1.10;
+# Llama-3.2-3B P = 16 0.59, 32 0.86, 40 0.95. Such steps: short prompts, a prompt's uncached tail after a prefix hit,
+# up to 32 sequences decoding, speculative verification.
+LANES_ROWS_BESIDE_AMX = 32
+
 # Smaller weights keep OpenVINO's kernels: our op costs ~6 us more per call than a native FullyConnected (the CPU
 # plugin's reference-node path, and Converts around it under bf16), more than it saves on a small matrix. The default
 # 135M model (every layer under 1M weights) decoded 1.24x slower at batch 1 with all 210 of its u4 MatMuls on ours
@@ -114,6 +124,17 @@ READ_AHEAD_ENV = "APPLIANCE_KERNELS_READ_AHEAD"
 def prefills(isa: str) -> bool:
     """Whether `isa`'s path wins at every row count on this CPU (PREFILL_ISAS; AVX512-VNNI's not beside AMX)."""
     return isa in PREFILL_ISAS and not (isa == "avx512vnni" and "amx_bf16" in cpu_isa.detect().flags)
+
+
+def rows(isa: str, fits: bool) -> int:
+    """Steps of up to this many tokens run `isa`'s kernels on a model whose every op does (`fits`) or does not run
+    the prefill tile (rewrite.prefill_fits): 0 none, EVERY_ROW all where the path prefills."""
+    most = KERNEL_ROWS.get(isa, 0)
+    if not most or not fits:
+        return most
+    if prefills(isa):
+        return EVERY_ROW
+    return LANES_ROWS_BESIDE_AMX if isa == "avx512vnni" else most
 
 
 def one_token_properties(model: Any, precision: str | None) -> dict[str, Any]:
