@@ -808,25 +808,37 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
 // group sums alternate between two sets, so their FMA chain's latency never waits on one. u8 (W8: the LM head) in
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
-// The run is prefetched ahead (AHEAD), except by u8 (the LM head) at one row of x. From 2 rows it pays everywhere (Zen
-// 4, 1 thread, standalone: M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8: 0.52
-// / 0.23 against 0.58 / 0.33). At one row of x, 1 thread from memory on Zen 4 (1536 x 1536 u4 g128 x 100, 3-5
-// interleaved runs), the hardware's prefetch alone read faster (0.99-1.05 against 0.85; 1-8 KB ahead at T0 or T1:
-// 0.77-1.02). But serving runs 2 threads, and there, on the 2-vCPU Zen 5 EPYC (full-width 512-bit units), the batch-1
-// decode step took 0.943-0.966 of its time with u4 prefetched 2 KB ahead at Qwen2.5-1.5B, 0.923-0.927 at Llama-3.2-3B
-// and 0.954-0.961 at the default 135M model (one engine switching the prefetch on and off every 16 steps, medians of
-// 40-60 paired blocks, both orders); prefetching the u8 head too: 1.009 (p25-p75 0.95-1.05), so it does not. The
-// distance at one row, the same way: 4 KB against 2 KB 0.971-0.986 at 1.5B and 0.953-0.978 at 3B, 8 KB against 4 KB
-// 0.997-1.004, 1 KB against 2 KB 1.038. Zen 4's 2-thread step was not measured with the prefetch against without: to do
-// on the next Zen 4 box.
-template <int MT, int SPAN, bool W8>
+// The run is prefetched AHEAD bytes ahead (0: not), from 2 rows of x 2 KB everywhere (Zen 4, 1 thread, standalone:
+// M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8: 0.52 / 0.23 against 0.58 /
+// 0.33; 1 KB instead on the 2-vCPU Intel Xeon with AMX, 80 layers 8960 x 1536 u4 g128 from memory, 2 threads: 0.97-
+// 1.07 / 1.05-1.11 of 2 KB's time at M = 4 / 8). At one row of x the CPUs differ (OneRowAhead); on Zen 4, 1 thread
+// from memory (1536 x 1536 u4 g128 x 100, 3-5 interleaved runs), the hardware's prefetch alone read faster (0.99-1.05
+// against 0.85; 1-8 KB ahead at T0 or T1: 0.77-1.02), its 2-thread step not measured with against without.
+template <bool W8>
+struct OneRowAhead {
+    // The 2-vCPU Zen 5 EPYC (full-width 512-bit units), one engine switching the prefetch every 16 single-token
+    // steps, medians of 40-60 paired blocks in both orders: the step took 0.943-0.966 of its time with u4 2 KB ahead
+    // at Qwen2.5-1.5B, 0.923-0.927 at Llama-3.2-3B, 0.954-0.961 at the default 135M model; 4 KB against 2 KB
+    // 0.971-0.986 at 1.5B and 0.953-0.978 at 3B, 8 KB against 4 KB 0.997-1.004, 1 KB against 2 KB 1.038; the u8 head
+    // prefetched too 1.009 (p25-p75 0.95-1.05): AMD's 4 KB and none. The 2-vCPU Intel Xeon with AMX (Sapphire Rapids
+    // class; bench.kernels, 2 threads, weights from memory, two interleaved runs each, times against 4 KB's): 8960 x
+    // 1536 u4 g128 x 80 at none 0.97-0.99, 0.5 KB 0.91-0.98, 1 KB 0.87-0.87, 1.5 KB 0.86-0.89, 2 KB 0.83-0.89, 3 KB
+    // 0.89-0.91, 8 KB 1.19-1.20; the u8 head (151936 x 1536 x 3) 2 KB ahead against none 0.87-0.90: Intel's 2 KB both.
+    static constexpr int64_t AMD = W8 ? 0 : 4096, INTEL = 2048;
+};
+
+inline bool intel_cpu() {
+    static const bool intel = (__builtin_cpu_init(), __builtin_cpu_is("intel"));
+    return intel;
+}
+
+template <int MT, int SPAN, bool W8, int64_t AHEAD = 2048>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
     constexpr int SETS = MT <= 2 ? 2 : 1;
     constexpr int64_t VALUES = W8 ? 4 : 8;           // of K per 64-byte chunk of the 16 rows
     constexpr int64_t OCTET_BYTES = 64 * 8 / VALUES;  // one octet of K of the 16 rows
     constexpr int CHUNKS = SPAN * 8 / VALUES;          // per span
-    constexpr int64_t AHEAD = MT > 1 ? 2048 : W8 ? 0 : 4096;  // bytes of the run prefetched ahead, 0: none (above)
     const int64_t per_group = a.gs / 8, dstride = lowbit_dx_floats(1, a.Kp);
     const uint8_t* w = a.w + n0 * (W8 ? a.Kp : a.Kp / 2);
     const uint16_t* st = a.sz + n0 * 2 * a.G;  // [G][16 scales, 16 zero points]
@@ -885,7 +897,12 @@ inline void lanes_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     for (int64_t n = n0; n < n1; n += LANE_ROWS)
         for (int64_t m = 0; m < a.M; m += 8) {
             switch (std::min<int64_t>(8, a.M - m)) {
-                case 1: lanes_tile<1, SPAN, W8>(a, xq, dxv, xs, m, n); break;
+                case 1:
+                    if (intel_cpu())
+                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::INTEL>(a, xq, dxv, xs, m, n);
+                    else
+                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::AMD>(a, xq, dxv, xs, m, n);
+                    break;
                 case 2: lanes_tile<2, SPAN, W8>(a, xq, dxv, xs, m, n); break;
                 case 3: lanes_tile<3, SPAN, W8>(a, xq, dxv, xs, m, n); break;
                 case 4: lanes_tile<4, SPAN, W8>(a, xq, dxv, xs, m, n); break;
