@@ -76,7 +76,7 @@ EVERY_ROW = 1 << 30  # kernel rows of a model on ours alone
 # time, bench.kernels --formats u4a:128 --layers 80 --reps 7 at 8960x1536 / 1536x8960 / 1536x1536: M = 8 0.30 / 0.29
 # / 0.28, M = 16 0.51 / 0.48 / 0.48, M = 24 0.66 / 0.65 / 0.62, M = 32 0.84 / 0.82 / 0.76, M = 48 1.03 / 1.05 /
 # 1.01, M = 64 1.16 / 1.18 / 1.23. A prompt of P tokens prefilled in one step, one engine switching between the two
-# every request (15 interleaved reps, medians): Qwen2.5-1.5B P = 9 0.49, 16 0.60, 24 0.74, 32 0.87, 40 0.96, 48 1.10;
+# every request (9-15 interleaved reps, medians): Qwen2.5-1.5B P = 9 0.49, 16 0.60, 24 0.74, 32 0.87, 40 0.96, 48 1.10;
 # Llama-3.2-3B P = 16 0.59, 32 0.86, 40 0.95. Such steps: short prompts, a prompt's uncached tail after a prefix hit,
 # up to 32 sequences decoding, speculative verification.
 LANES_ROWS_BESIDE_AMX = 32
