@@ -822,7 +822,7 @@ struct OneRowAhead {
     // 0.971-0.986 at 1.5B and 0.953-0.978 at 3B, 8 KB against 4 KB 0.997-1.004, 1 KB against 2 KB 1.038; the u8 head
     // prefetched too 1.009 (p25-p75 0.95-1.05): AMD's 4 KB and none. The 2-vCPU Intel Xeon with AMX (Sapphire Rapids
     // class; bench.kernels, 2 threads, weights from memory, two interleaved runs each, times against 4 KB's): 8960 x
-    // 1536 u4 g128 x 80 at none 0.97-0.99, 0.5 KB 0.91-0.98, 1 KB 0.87-0.87, 1.5 KB 0.86-0.89, 2 KB 0.83-0.89, 3 KB
+    // 1536 u4 g128 x 80 at none 0.97-0.99, 0.5 KB 0.91-0.98, 1 KB 0.87, 1.5 KB 0.86-0.89, 2 KB 0.83-0.89, 3 KB
     // 0.89-0.91, 8 KB 1.19-1.20; the u8 head (151936 x 1536 x 3) 2 KB ahead against none 0.87-0.90: Intel's 2 KB both.
     static constexpr int64_t AMD = W8 ? 0 : 4096, INTEL = 2048;
 };
