@@ -894,11 +894,12 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
 template <int SPAN, bool W8>
 inline void lanes_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t n0,
                        int64_t n1) {
+    const bool intel = intel_cpu();
     for (int64_t n = n0; n < n1; n += LANE_ROWS)
         for (int64_t m = 0; m < a.M; m += 8) {
             switch (std::min<int64_t>(8, a.M - m)) {
                 case 1:
-                    if (intel_cpu())
+                    if (intel)
                         lanes_tile<1, SPAN, W8, OneRowAhead<W8>::INTEL>(a, xq, dxv, xs, m, n);
                     else
                         lanes_tile<1, SPAN, W8, OneRowAhead<W8>::AMD>(a, xq, dxv, xs, m, n);
