@@ -808,12 +808,13 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
 // group sums alternate between two sets, so their FMA chain's latency never waits on one. u8 (W8: the LM head) in
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
-// The run is prefetched AHEAD bytes ahead (0: not), from 2 rows of x 2 KB everywhere (Zen 4, 1 thread, standalone:
-// M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8: 0.52 / 0.23 against 0.58 /
-// 0.33; 1 KB instead on the 2-vCPU Intel Xeon with AMX, 80 layers 8960 x 1536 u4 g128 from memory, 2 threads: 0.97-
-// 1.07 / 1.05-1.11 of 2 KB's time at M = 4 / 8). At one row of x the CPUs differ (OneRowAhead); on Zen 4, 1 thread
-// from memory (1536 x 1536 u4 g128 x 100, 3-5 interleaved runs), the hardware's prefetch alone read faster (0.99-1.05
-// against 0.85; 1-8 KB ahead at T0 or T1: 0.77-1.02), its 2-thread step not measured with against without.
+// The run is prefetched AHEAD bytes ahead (0: not; L2_AHEAD: into L2, OneRowAhead), from 2 rows of x 2 KB everywhere
+// (Zen 4, 1 thread, standalone: M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8:
+// 0.52 / 0.23 against 0.58 / 0.33; 1 KB instead on the 2-vCPU Intel Xeon with AMX, 80 layers 8960 x 1536 u4 g128 from
+// memory, 2 threads: 0.97-1.07 / 1.05-1.11 of 2 KB's time at M = 4 / 8). At one row of x the CPUs differ
+// (OneRowAhead); on Zen 4, 1 thread from memory (1536 x 1536 u4 g128 x 100, 3-5 interleaved runs), the hardware's
+// prefetch alone read faster (0.99-1.05 against 0.85; 1-8 KB ahead at T0 or T1: 0.77-1.02), its 2-thread step not
+// measured with against without.
 template <bool W8>
 struct OneRowAhead {
     // The 2-vCPU Zen 5 EPYC (full-width 512-bit units), one engine switching the prefetch every 16 single-token
@@ -825,6 +826,13 @@ struct OneRowAhead {
     // 1536 u4 g128 x 80 at none 0.97-0.99, 0.5 KB 0.91-0.98, 1 KB 0.87, 1.5 KB 0.86-0.89, 2 KB 0.83-0.89, 3 KB
     // 0.89-0.91, 8 KB 1.19-1.20; the u8 head (151936 x 1536 x 3) 2 KB ahead against none 0.87-0.90: Intel's 2 KB both.
     static constexpr int64_t AMD = W8 ? 0 : 4096, INTEL = 2048;
+    // Beside that, a second run L2_* bytes ahead into L2 (prefetcht2): on the Intel Xeon the u4 loop at one row read
+    // ~12 GB/s a thread against 15.4 for a plain streaming read, with the first prefetch's distance already tuned.
+    // The same engine switching it every 16 single-token steps (medians of 24-31 paired blocks): the step took 0.933-
+    // 0.937 of its time with it 8 KB ahead at Qwen2.5-1.5B (4 KB 0.934, 12 KB 0.930, 16 KB 0.965; prefetcht1 8 KB
+    // 0.943), 0.934 at Llama-3.2-3B, 0.914 at the default 135M model. Not the u8 head (bench.kernels 151936 x 1536 x 3
+    // with it: 1.02-1.06 of its time) nor 4-8 rows of x (0.99-1.08 at 8960 x 1536 x 80), and not AMD (unmeasured).
+    static constexpr int64_t AMD_L2 = 0, INTEL_L2 = W8 ? 0 : 8192;
 };
 
 inline bool intel_cpu() {
@@ -832,7 +840,7 @@ inline bool intel_cpu() {
     return intel;
 }
 
-template <int MT, int SPAN, bool W8, int64_t AHEAD = 2048>
+template <int MT, int SPAN, bool W8, int64_t AHEAD = 2048, int64_t L2_AHEAD = 0>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
     constexpr int SETS = MT <= 2 ? 2 : 1;
@@ -858,6 +866,7 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
         for (int j = 0; j < CHUNKS; ++j) {
             const uint8_t* p = w + c * OCTET_BYTES + j * 64;
             if constexpr (AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD), _MM_HINT_T0);
+            if constexpr (L2_AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(p + L2_AHEAD), _MM_HINT_T2);
             __m512i raw = _mm512_loadu_si512(p);
             __asm__("" : "+v"(raw));  // one load: GCC folds one into each unpacking op, two 512-bit loads
             const __m512i lo = W8 ? raw : _mm512_and_si512(raw, mask);
@@ -900,9 +909,9 @@ inline void lanes_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
             switch (std::min<int64_t>(8, a.M - m)) {
                 case 1:
                     if (intel)
-                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::INTEL>(a, xq, dxv, xs, m, n);
+                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::INTEL, OneRowAhead<W8>::INTEL_L2>(a, xq, dxv, xs, m, n);
                     else
-                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::AMD>(a, xq, dxv, xs, m, n);
+                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::AMD, OneRowAhead<W8>::AMD_L2>(a, xq, dxv, xs, m, n);
                     break;
                 case 2: lanes_tile<2, SPAN, W8>(a, xq, dxv, xs, m, n); break;
                 case 3: lanes_tile<3, SPAN, W8>(a, xq, dxv, xs, m, n); break;
