@@ -831,7 +831,7 @@ struct OneRowAhead {
     // The same engine switching it every 16 single-token steps (medians of 24-31 paired blocks): the step took 0.933-
     // 0.937 of its time with it 8 KB ahead at Qwen2.5-1.5B (4 KB 0.934, 12 KB 0.930, 16 KB 0.965; prefetcht1 8 KB
     // 0.943), 0.934 at Llama-3.2-3B, 0.914 at the default 135M model. Not the u8 head (bench.kernels 151936 x 1536 x 3
-    // with it: 1.02-1.06 of its time) nor 4-8 rows of x (0.97-1.08 at 8960 x 1536 x 80), and not AMD (unmeasured).
+    // with it: 1.02-1.06 of its time) nor 2-8 rows of x (0.92-1.20 at 8960 x 1536 x 80), and not AMD (unmeasured).
     static constexpr int64_t AMD_L2 = 0, INTEL_L2 = W8 ? 0 : 8192;
 };
 
