@@ -158,6 +158,18 @@ def _bound(x: np.ndarray, w: np.ndarray, width: int = 8) -> np.ndarray:
     return (amax / 254) @ wsum.T * (1 + 1e-3) + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
 
 
+def _two_digits(x: np.ndarray) -> np.ndarray:
+    """x (f32) through two int8 digits per octet as the lanes tile takes one row of u4 with `residual`
+    (lowbit_kernel.hpp quantize_block's `second`): q = x / d rounded, then (x / d - q) in 1/128ths rounded, in f32;
+    back to f64."""
+    xo, _ = _octets(x.astype(np.float32))
+    d = np.abs(xo).max(-1, keepdims=True) / np.float32(127)
+    t = xo / np.where(d > 0, d, np.float32(1))
+    q = np.rint(t)
+    r = np.rint((t - q) * np.float32(128))
+    return ((q + r.astype(np.float64) / 128) * d).reshape(x.shape[0], -1)[:, : x.shape[1]]
+
+
 def _int8(x: np.ndarray, width: int) -> np.ndarray:
     """x (f32) through int8 per run of `width` values as the op rounds it (d = max|x| / 127 in f32, q = x / d rounded
     to nearest even), back to f64."""
@@ -325,7 +337,8 @@ def test_each_octet_of_x_has_its_own_int8_scale(loaded, isa, n):
 def test_residual_runs_x_rounding_error_too(loaded, isa, n, k, group):
     """residual=1 (the attention projections' option: kernels.RESIDUAL_ENV): y's error is what the residual's own
     int8 rounding leaves, ~127x under one pass's, which the case checks it could not meet. x is rounded per octet
-    then at every row count, in lanes too (the residual is x's error per octet)."""
+    then at every row count, in lanes too (the residual is x's error per octet); at one row in lanes the error is a
+    second int8 digit of x (_digits_bound)."""
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
@@ -335,14 +348,49 @@ def test_residual_runs_x_rounding_error_too(loaded, isa, n, k, group):
         core.compile_model(_rewrite_layout(got.factory, k, packed, sz, group, isa, residual=r), "CPU", F32)
         for r in (0, 1)
     )
+    lanes = layout(isa, 4, n, k, group)[1] == 0
     for m in (1, 2, 3, 5):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::7] *= 50
         exact = x.astype(np.float64) @ w.T
         bound = _bound((x - _int8(x, 8)).astype(np.float64), w) + 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+        if lanes and m == 1:  # as exact as the f32 sums, around x's two digits
+            exact, bound = _two_digits(x) @ w.T, 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
         y = twice(x)[0]
         assert y.shape == (m, n) and (np.abs(y - exact) <= bound).all(), f"M={m}: beyond the residual's bound"
         assert np.median(np.abs(once(x)[0] - exact) / bound) > 2, "one pass would meet the bound too"
+
+
+def test_residual_2_is_a_second_digit_of_x_at_one_row_in_lanes(loaded):
+    """residual=2 (every other u4 op where asked: rewrite.residual_of): at one row of x in lanes, y is x's two int8
+    digits times w up to the f32 sums' rounding, which one digit is far from, a gated op's too; at more rows the
+    same outputs as without it (no rows doubled); and residual 1 (rows doubled) is refused beside gated."""
+    core, got = loaded
+    n, k, group, isa = 192, 1536, 128, "avx512vnni"
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}: lanes are its layout")
+    assert layout(isa, 4, n, k, group)[1] == 0
+    rng = np.random.default_rng(21)
+    packed, sz, w = _case(rng, n, k, group, "f16", "normal")
+    plain, digits = (
+        core.compile_model(_rewrite_layout(got.factory, k, packed, sz, group, isa, residual=r), "CPU", F32)
+        for r in (0, 2)
+    )
+    gated = core.compile_model(_rewrite_layout(got.factory, k, packed, sz, group, isa, residual=2, gated=1), "CPU", F32)
+    for m in (1, 2, 3, 5):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, ::7] *= 50
+        y, y0 = digits(x)[0], plain(x)[0]
+        g, u = y[:, : n // 2].astype(np.float64), y[:, n // 2 :].astype(np.float64)
+        np.testing.assert_allclose(gated(x)[0], g * u / (1 + np.exp(-g)), rtol=2e-6, atol=1e-6 * np.abs(y).max())
+        if m > 1:
+            np.testing.assert_array_equal(y, y0)
+            continue
+        want, sums = _two_digits(x) @ w.T, 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+        assert (np.abs(y - want) <= sums).all(), "not x's two digits"
+        assert np.median(np.abs(y0 - want) / sums) > 10, "one digit would be as near"
+    with pytest.raises(Exception, match="not beside residual 1"):
+        _rewrite_layout(got.factory, k, packed, sz, group, isa, residual=1, gated=1)
 
 
 def test_u8_needs_a_named_path(loaded):
@@ -574,10 +622,12 @@ def test_the_weights_read_ahead_must_be_bytes(loaded):
 
 def test_attention_projections_run_their_residual(loaded):
     """With residual (kernels.RESIDUAL_ENV), the ops of q/k/v (one op together) and o run x's int8 rounding error
-    too (rewrite.ATTENTION_PROJ, by the export's module names); the MLP's do not; without it, none does."""
+    too (rewrite.ATTENTION_PROJ, by the export's module names); the MLP's only its second digit at one row, where
+    its u4 sits in lanes (rewrite.residual_of); without it, none does."""
     _, got = loaded
+    up = 2 if layout(got.isa, 4, 64, 256, 128)[1] == 0 else 0
     assert _attention_model(got, residual=False) == {"q_proj": 0, "up_proj": 0, "o_proj": 0}
-    assert _attention_model(got, residual=True) == {"q_proj": 1, "up_proj": 0, "o_proj": 1}
+    assert _attention_model(got, residual=True) == {"q_proj": 1, "up_proj": up, "o_proj": 1}
 
 
 def _attention_model(got: kernels.Kernels, residual: bool) -> dict[str, int]:

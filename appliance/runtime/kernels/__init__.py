@@ -35,8 +35,9 @@ LIBRARY = "libappliance_kernels.so"
 # attention.py. 11: its `wide` attribute. 12: appliance_kernels_zmm_cost. 13: AVX512-VNNI's u4 in
 # lanes of 16 rows (slot_pairs 0) instead of rows grouped by 8 in 2-pair slots, and no zmm_cost. 14: u8 in lanes too,
 # which an older library refuses. 15: the op's `gated` attribute, a SwiGLU's gate and up in one op: rewrite.swiglu.
-# 16: DecodeAttention's `rope` attribute and its cos and sin inputs: rope.py).
-ABI = 16
+# 16: DecodeAttention's `rope` attribute and its cos and sin inputs: rope.py. 17: `residual` 2, x's second int8 digit
+# at one row of u4 in lanes, which an older library refuses).
+ABI = 17
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first
@@ -116,7 +117,10 @@ ONE_TOKEN = "/one-token"
 # op's `residual`). Off by default: at Qwen2.5-1.5B on the AVX2 Zen 1 box it took the next-token TVD from OpenVINO's
 # kernels 0.0137 -> 0.0079 (median, bench.quality --prompts 8), under the 0.01 goal, but cost batch-1 decode 7% and
 # time to first token 12% (bench.deployed --native-side, 512-token prompt, interleaved runs): every projection then
-# runs twice the rows. A quality-first box sets it in the service's environment file.
+# runs twice the rows. Where the 512-bit lanes tile runs decode (AVX512-VNNI), at one row of x every u4 op's x gets a
+# second int8 digit instead (rewrite.residual_of): on the AMX Xeon at 1.5B TVD 0.0113 -> 0.0081 for 1.069 of the
+# decode step's time, while OpenVINO's own default (bf16) is 0.0120 from its f32 there (lowbit_kernel.hpp lanes_tile).
+# A quality-first box sets it in the service's environment file.
 RESIDUAL_ENV = "APPLIANCE_KERNELS_RESIDUAL"
 # 0: the ops do not read the next op's weights ahead (rewrite.link_ahead; lowbit_matmul.cpp read_ahead says why and
 # what it measured). For side-by-side measurements; outputs are the same either way.

@@ -71,8 +71,11 @@ inline float hsum(__m256 v) {
 // from OpenVINO's next-token distribution at Qwen2.5-1.5B went 0.0180 -> 0.0137 (docs/performance-log.md).
 // Vectorized: the scalar loop was ~12% of the op at M = 1 (41 us at K = 8960 against ~300 us of rows on 2 threads).
 // `span` (1, 2 or 4 octets): one scale for each run of that many octets, their largest (the lanes tile's rows of x:
-// lanes_tile). `natural`: out in element order instead of evens and odds.
-inline float quantize_block(const float* v, __m128& d, __m256i& out, int span = 1, bool natural = false) {
+// lanes_tile). `natural`: out in element order instead of evens and odds. `second` (natural only): each value's
+// rounding error too, as an int8 digit in 1/128ths of its step (|x / d - q| <= 1/2: within +-64; lanes_tile's TWO),
+// and the returned sum is of d (q + second / 128).
+inline float quantize_block(const float* v, __m128& d, __m256i& out, int span = 1, bool natural = false,
+                            __m256i* second = nullptr) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 f[4];
     __m128 t[4];
@@ -93,21 +96,31 @@ inline float quantize_block(const float* v, __m128& d, __m256i& out, int span = 
     // Division, not a multiplication by 1/d: 1/d overflows when d is denormal.
     const __m256 div = _mm256_castps128_ps256(_mm_blendv_ps(_mm_set1_ps(1.f), d, live));
     const __m256 keep = _mm256_castps128_ps256(live);
-    __m256i q[4];
+    __m256i q[4], r[4];
     __m256 sum = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
         const __m256i lane = _mm256_set1_epi32(i);
-        const __m256 di = _mm256_permutevar8x32_ps(div, lane);
-        q[i] = _mm256_and_si256(_mm256_cvtps_epi32(_mm256_div_ps(f[i], di)),
-                                _mm256_castps_si256(_mm256_permutevar8x32_ps(keep, lane)));
-        sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[i]), di, sum);
+        const __m256 di = _mm256_permutevar8x32_ps(div, lane), live_i = _mm256_permutevar8x32_ps(keep, lane);
+        const __m256 t = _mm256_div_ps(f[i], di);
+        q[i] = _mm256_and_si256(_mm256_cvtps_epi32(t), _mm256_castps_si256(live_i));
+        __m256 value = _mm256_cvtepi32_ps(q[i]);
+        if (second) {  // |t - q| <= 1/2: the error's digit in 1/128ths of d is within +-64
+            r[i] = _mm256_and_si256(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_sub_ps(t, value), _mm256_set1_ps(128.f))),
+                                    _mm256_castps_si256(live_i));
+            value = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r[i]), _mm256_set1_ps(1.f / 128), value);
+        }
+        sum = _mm256_fmadd_ps(value, di, sum);
     }
     // packs (|q| <= 127: no saturation) leave dwords of 4 bytes as [0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, ...]:
     // back to natural order, then per 128-bit lane its evens and its odds, then the lanes' evens together.
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    b = _mm256_permutevar8x32_epi32(b, order);
     if (natural) {
         out = b;
+        if (second)
+            *second = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3])), order);
         return hsum(sum);
     }
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,  //
@@ -121,12 +134,13 @@ inline float quantize_block(const float* v, __m128& d, __m256i& out, int span = 
 // xs [M, G] of dx * xq. b0 and b1 (unless b1 is the last block) start a pair and a group: ranges run in parallel.
 // `wide` (tile_zmm's u4, whose K is a multiple of 128): each two pairs' halves as one 512-bit register reads them,
 // [even halves of both pairs, odd halves of both], b0 a multiple of 4 blocks. `natural` (lanes_tile): each block in
-// element order, its octets' dx in order too (dxv's layout is then octet by octet), `span` octets to a scale.
+// element order, its octets' dx in order too (dxv's layout is then octet by octet), `span` octets to a scale; `xq2`
+// (natural only): the second digits (quantize_block's `second`) as xq, and xs sums both digits.
 enum class XOrder { paired, wide, natural };
 
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int64_t gs, int64_t G, int8_t* xq,
                           float* dxv, float* xs, int64_t b0, int64_t b1, XOrder order = XOrder::paired,
-                          int span = 1) {
+                          int span = 1, int8_t* xq2 = nullptr) {
     const bool wide = order == XOrder::wide;
     const int64_t blocks = Kp / BLOCK, pairs = (blocks + 1) / 2;
     for (int64_t m = 0; m < M; ++m) {
@@ -144,13 +158,14 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t Kp, int6
                 v = tail;
             }
             __m128 d;
-            __m256i q;
-            const float sum = quantize_block(v, d, q, span, order == XOrder::natural);
+            __m256i q, q2;
+            const float sum = quantize_block(v, d, q, span, order == XOrder::natural, xq2 ? &q2 : nullptr);
             const int64_t pair = b / 2, second = b % 2;
             _mm_storeu_ps(dr + pair * 8 + second * 4, d);
             sr[(b * BLOCK) / gs] += sum;
             if (order == XOrder::natural) {
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(qr + b * BLOCK), q);
+                if (xq2) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq2 + m * Kp + b * BLOCK), q2);
                 continue;
             }
             int8_t* base = wide ? qr + pair / 2 * 4 * BLOCK + pair % 2 * BLOCK : qr + pair * 2 * BLOCK;
@@ -808,6 +823,13 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
 // group sums alternate between two sets, so their FMA chain's latency never waits on one. u8 (W8: the LM head) in
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
+// TWO (one row of u4, the op's `residual`): x = d (q + r / 128) with r x's rounding error in 1/128ths of its octet's
+// step (quantize_block's `second`, after the first digits in xq), two more vpdpbusd per chunk and the sum 128 q + r in
+// i32, so x's rounding error is ~1/128 of one digit's. At Qwen2.5-1.5B on the AMX Xeon (bench.quality's 8 prompts,
+// precision default) it took the next-token TVD from OpenVINO's kernels 0.0113 -> 0.0081, and in f32 0.0084 ->
+// 0.0001, for 1.069 of the decode step's time (one engine switching it every 16 steps, medians of 23 paired blocks;
+// the u8 head too: 0.0079 for 1.115; x's second digit alone, not used by the tile: 1.004): an option
+// (kernels.RESIDUAL_ENV).
 // The run is prefetched AHEAD bytes ahead (0: not; L2_AHEAD: into L2, OneRowAhead), from 2 rows of x 2 KB everywhere
 // (Zen 4, 1 thread, standalone: M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8:
 // 0.52 / 0.23 against 0.58 / 0.33; 1 KB instead on the 2-vCPU Intel Xeon with AMX, 80 layers 8960 x 1536 u4 g128 from
@@ -815,7 +837,7 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // (OneRowAhead); on Zen 4, 1 thread from memory (1536 x 1536 u4 g128 x 100, 3-5 interleaved runs), the hardware's
 // prefetch alone read faster (0.99-1.05 against 0.85; 1-8 KB ahead at T0 or T1: 0.77-1.02), its 2-thread step not
 // measured with against without.
-template <bool W8>
+template <bool W8, bool INTEL>
 struct OneRowAhead {
     // The 2-vCPU Zen 5 EPYC (full-width 512-bit units), one engine switching the prefetch every 16 single-token
     // steps, medians of 40-60 paired blocks in both orders: the step took 0.943-0.966 of its time with u4 2 KB ahead
@@ -825,14 +847,14 @@ struct OneRowAhead {
     // class; bench.kernels, 2 threads, weights from memory, two interleaved runs each, times against 4 KB's): 8960 x
     // 1536 u4 g128 x 80 at none 0.97-0.99, 0.5 KB 0.91-0.98, 1 KB 0.87, 1.5 KB 0.86-0.89, 2 KB 0.83-0.89, 3 KB
     // 0.89-0.91, 8 KB 1.19-1.20; the u8 head (151936 x 1536 x 3) 2 KB ahead against none 0.87-0.90: Intel's 2 KB both.
-    static constexpr int64_t AMD = W8 ? 0 : 4096, INTEL = 2048;
+    static constexpr int64_t L1 = INTEL ? 2048 : W8 ? 0 : 4096;
     // Beside that, a second run L2_* bytes ahead into L2 (prefetcht2): on the Intel Xeon the u4 loop at one row read
     // ~12 GB/s a thread against 15.4 for a plain streaming read, with the first prefetch's distance already tuned.
     // The same engine switching it every 16 single-token steps (medians of 24-31 paired blocks): the step took 0.933-
     // 0.937 of its time with it 8 KB ahead at Qwen2.5-1.5B (4 KB 0.934, 12 KB 0.930, 16 KB 0.965; prefetcht1 8 KB
     // 0.943), 0.934 at Llama-3.2-3B, 0.914 at the default 135M model. Not the u8 head (bench.kernels 151936 x 1536 x 3
     // with it: 1.02-1.06 of its time) nor 2-8 rows of x (0.92-1.20 at 8960 x 1536 x 80), and not AMD (unmeasured).
-    static constexpr int64_t AMD_L2 = 0, INTEL_L2 = W8 ? 0 : 8192;
+    static constexpr int64_t L2 = INTEL && !W8 ? 8192 : 0;
 };
 
 inline bool intel_cpu() {
@@ -840,7 +862,7 @@ inline bool intel_cpu() {
     return intel;
 }
 
-template <int MT, int SPAN, bool W8, int64_t AHEAD = 2048, int64_t L2_AHEAD = 0>
+template <int MT, int SPAN, bool W8, int64_t AHEAD = 2048, int64_t L2_AHEAD = 0, bool TWO = false>
 inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m0,
                        int64_t n0) {
     constexpr int SETS = MT <= 2 ? 2 : 1;
@@ -860,9 +882,10 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
         for (int m = 0; m < MT; ++m) acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(xs[(m0 + m) * a.G + g]), acc[m]);
     }
     // One span of chunks from c into the group sums gsum.
+    const int8_t* xq2 = xq + a.M * a.Kp;  // TWO: the second digits (quantize_rows)
     auto span = [&](int64_t c, __m512* gsum) __attribute__((always_inline)) {
-        __m512i dot[MT];
-        for (int m = 0; m < MT; ++m) dot[m] = _mm512_setzero_si512();
+        __m512i dot[MT], dot2[MT];
+        for (int m = 0; m < MT; ++m) dot[m] = dot2[m] = _mm512_setzero_si512();
         for (int j = 0; j < CHUNKS; ++j) {
             const uint8_t* p = w + c * OCTET_BYTES + j * 64;
             if constexpr (AHEAD > 0) _mm_prefetch(reinterpret_cast<const char*>(p + AHEAD), _MM_HINT_T0);
@@ -875,10 +898,20 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
                 const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + c * 8 + j * VALUES);
                 dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xv[0]));
                 if constexpr (!W8) dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xv[1]));
+                if constexpr (TWO) {
+                    const int32_t* rv = reinterpret_cast<const int32_t*>(xq2 + (m0 + m) * a.Kp + c * 8 + j * VALUES);
+                    dot2[m] = _mm512_dpbusd_epi32(dot2[m], lo, _mm512_set1_epi32(rv[0]));
+                    if constexpr (!W8) dot2[m] = _mm512_dpbusd_epi32(dot2[m], hi, _mm512_set1_epi32(rv[1]));
+                }
             }
         }
-        for (int m = 0; m < MT; ++m)
-            gsum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(dxv[(m0 + m) * dstride + c]), gsum[m]);
+        // TWO: 128 first digits + the second, in 1/128ths of d (|dot| <= 8 x 15 x 127 before the shift).
+        constexpr float unit = TWO ? 1.f / 128 : 1.f;
+        for (int m = 0; m < MT; ++m) {
+            if constexpr (TWO) dot[m] = _mm512_add_epi32(_mm512_slli_epi32(dot[m], 7), dot2[m]);
+            gsum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(dxv[(m0 + m) * dstride + c] * unit),
+                                      gsum[m]);
+        }
     };
     for (int64_t g = 0, c = 0; g < a.G; ++g) {
         __m512 gsum[SETS][MT];
@@ -898,6 +931,17 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
     for (int m = 0; m < MT; ++m) _mm512_storeu_ps(a.y + (m0 + m) * a.N + n0, acc[m]);
 }
 
+// One row of x against the group of 16 weight rows at n0, prefetched as this CPU's vendor reads fastest
+// (OneRowAhead), with x's second digits where a.digits is 2 (u4 only).
+template <int SPAN, bool W8, bool INTEL>
+inline void one_row(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m, int64_t n) {
+    using P = OneRowAhead<W8, INTEL>;
+    if constexpr (!W8 && SPAN == 1) {  // a.digits 2: one row of u4, whose x has a scale per octet (xspan 1)
+        if (a.digits == 2) return lanes_tile<1, SPAN, W8, P::L1, P::L2, true>(a, xq, dxv, xs, m, n);
+    }
+    lanes_tile<1, SPAN, W8, P::L1, P::L2>(a, xq, dxv, xs, m, n);
+}
+
 // Weight rows [n0, n1) (whole groups: N is a multiple of 16) against every row of x, 8 rows of x at a time (a group's
 // rows stay in L2 between: 70 KB at K = 8960).
 template <int SPAN, bool W8>
@@ -909,9 +953,9 @@ inline void lanes_rows(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
             switch (std::min<int64_t>(8, a.M - m)) {
                 case 1:
                     if (intel)
-                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::INTEL, OneRowAhead<W8>::INTEL_L2>(a, xq, dxv, xs, m, n);
+                        one_row<SPAN, W8, true>(a, xq, dxv, xs, m, n);
                     else
-                        lanes_tile<1, SPAN, W8, OneRowAhead<W8>::AMD, OneRowAhead<W8>::AMD_L2>(a, xq, dxv, xs, m, n);
+                        one_row<SPAN, W8, false>(a, xq, dxv, xs, m, n);
                     break;
                 case 2: lanes_tile<2, SPAN, W8>(a, xq, dxv, xs, m, n); break;
                 case 3: lanes_tile<3, SPAN, W8>(a, xq, dxv, xs, m, n); break;
@@ -1004,7 +1048,8 @@ inline void swiglu(const float* g, const float* u, int64_t n, float* out) {
     LowbitKernel lowbit_kernel_##NAME() {                                                       \
         return {#NAME,                                                                          \
                 [](const LowbitArgs& a, int8_t* xq, float* dx, float* xs, int64_t b0, int64_t b1) { \
-                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1, x_order(a), static_cast<int>(a.xspan)); \
+                    quantize_rows(a.x, a.M, a.K, a.Kp, a.gs, a.G, xq, dx, xs, b0, b1, x_order(a),              \
+                                  static_cast<int>(a.xspan), a.digits == 2 ? xq + a.M * a.Kp : nullptr);        \
                 },                                                                              \
                 rows, swiglu};                                                                  \
     }

@@ -7,7 +7,8 @@
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
 // lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: in lanes of 16 rows with their scale table likewise, only on
-// avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below). Output f32
+// avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below; at one row of u4
+// in lanes as a second int8 digit of x instead, lowbit_kernel.hpp lanes_tile; 2: that digit only). Output f32
 // [..., N]. An optional fourth input, the next op's w (rewrite.link_ahead), is read ahead into this core's caches by
 // an idle thread while the nodes between the two ops run (read_ahead, below).
 // Why, with measurements: appliance/runtime/kernels/__init__.py.
@@ -163,13 +164,13 @@ public:
         OPENVINO_ASSERT(m_bits == 4 || m_bits == 8, "LowBitMatMul: bits must be 4 or 8");
         OPENVINO_ASSERT(m_bits == 4 || m_isa != "auto", "LowBitMatMul: bits 8 needs a named isa (its layout)");
         OPENVINO_ASSERT(m_row_group >= 1 && m_row_group <= 64, "LowBitMatMul: row_group must be 1..64");
-        OPENVINO_ASSERT(m_residual == 0 || m_residual == 1, "LowBitMatMul: residual must be 0 or 1");
+        OPENVINO_ASSERT(m_residual >= 0 && m_residual <= 2, "LowBitMatMul: residual must be 0, 1 or 2");
         // Only the 512-bit lanes tile reads lanes; every other tile would misread them.
         OPENVINO_ASSERT(m_slot_pairs == 0 || m_slot_pairs == 1, "LowBitMatMul: slot_pairs must be 0 or 1");
         OPENVINO_ASSERT(m_slot_pairs == 1 || (m_isa == "avx512vnni" && m_row_group == 16),
                         "LowBitMatMul: slot_pairs 0 (lanes) needs isa avx512vnni and row_group 16");
-        OPENVINO_ASSERT(m_gated >= 0 && m_gated <= 2 && (m_gated == 0 || m_residual == 0),
-                        "LowBitMatMul: gated must be 0, 1 or 2, and not beside residual");
+        OPENVINO_ASSERT(m_gated >= 0 && m_gated <= 2 && (m_gated == 0 || m_residual != 1),
+                        "LowBitMatMul: gated must be 0, 1 or 2, and not beside residual 1");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (m_gated && sz.rank().is_static() && sz[0].is_static())
@@ -215,8 +216,11 @@ public:
         OPENVINO_ASSERT(a.slot == 1 || (a.K % a.gs == 0 && a.N % 16 == 0),
                         "LowBitMatMul: slot_pairs 0 (lanes) needs K a multiple of group_size and N of 16");
         // Lanes only, and before the residual's rows double M: the scales follow the rows of tokens; the residual is
-        // x's error per octet, so with it x keeps a scale per octet.
-        a.xspan = a.slot == 0 && !m_residual && (a.bits == 8 || a.M >= LANES_BLOCK_ROWS) ? 4 : 1;
+        // x's error per octet, so with it (residual 1) x keeps a scale per octet.
+        a.xspan = a.slot == 0 && m_residual != 1 && (a.bits == 8 || a.M >= LANES_BLOCK_ROWS) ? 4 : 1;
+        // residual at one row of u4 in lanes: a second int8 digit of x (lanes_tile), not M more rows of x.
+        a.digits = m_residual && a.slot == 0 && a.M == 1 && a.bits == 4 ? 2 : 1;
+        const bool residual_rows_too = m_residual == 1 && a.digits == 1;
         const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
                         "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");
@@ -236,11 +240,12 @@ public:
             halves.resize(static_cast<size_t>(a.M * a.N));
             a.y = halves.data();
         }
-        // residual: x's int8 rounding error as M more rows of x (residual_rows), the two outputs added at the end.
+        // residual 1 elsewhere: x's int8 rounding error as M more rows of x (residual_rows), the two outputs added
+        // at the end.
         const int64_t rows = a.M;
         float* const y = a.y;
         thread_local std::vector<float> xr, yr;
-        if (m_residual) {
+        if (residual_rows_too) {
             xr.resize(static_cast<size_t>(2 * a.M * a.K));
             yr.resize(static_cast<size_t>(2 * a.M * a.N));
             residual_rows(a.x, a.M, a.K, xr.data());
@@ -249,7 +254,7 @@ public:
             a.M *= 2;
         }
         run(a, padded, gated);
-        if (m_residual)
+        if (residual_rows_too)
             for (int64_t i = 0; i < rows * a.N; ++i) y[i] = a.y[i] + a.y[rows * a.N + i];
         if (inputs.size() == 4) read_ahead(inputs[3], call);
         return true;
@@ -264,7 +269,7 @@ private:
         // small layer's cost (the op's fixed cost per call was ~20 us against native's ~10 us at 256 x 256).
         thread_local std::vector<int8_t> xq;
         thread_local std::vector<float> dx, sums;
-        xq.resize(static_cast<size_t>(a.M * a.Kp + 64));
+        xq.resize(static_cast<size_t>(a.digits * a.M * a.Kp + 64));
         dx.resize(static_cast<size_t>(lowbit_dx_floats(a.M, a.Kp) + 16));
         sums.resize(static_cast<size_t>(a.M * a.G + 8));  // + 8: the decode tile loads 8 groups' sums at a time
         const int64_t threads = tbb::this_task_arena::max_concurrency(), blocks = a.Kp / 32;

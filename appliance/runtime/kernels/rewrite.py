@@ -123,7 +123,10 @@ def lanes_layout(
 # openvino, AVX2 on Zen 1) our kernels moved the next-token distribution from OpenVINO's by TVD 0.0137 (median;
 # activations per octet), 0.0086 with q/k/v left on OpenVINO's kernels, 0.0078 with o_proj too, 0.0126-0.0127 with
 # down_proj or gate/up instead. They hold ~12% of a layer's weights there, yet twice their rows cost 7% of batch-1
-# decode and 12% of time to first token on that core: hence an option.
+# decode and 12% of time to first token on that core: hence an option. Where the 512-bit lanes tile takes one row of
+# u4 (decode), every u4 op's x goes in with a second int8 digit instead (the op's `residual` 1 there, 2 for the rest:
+# lowbit_kernel.hpp lanes_tile's TWO), which at Qwen2.5-1.5B on the AMX Xeon took that TVD 0.0113 -> 0.0081 for 7%
+# of the decode step (the attention projections' alone: 0.0106; no op's rows doubled).
 ATTENTION_PROJ = re.compile(r"(?:^|[./])(?:q|k|v|o|qkv)_proj\b")
 # Group sizes the prefill tile takes (lowbit_kernel.hpp prefill_fits: grouped u4 rows, an even number of 32-blocks).
 PREFILL_GROUPS = (32, 64, 128, 256)
@@ -323,7 +326,8 @@ def rewrite(
 ) -> int:
     """Replaces every matching MatMul of `model` in place with a LowBitMatMul made by `factory` (an OpenVINO
     NodeFactory holding our extension) whose weight holds at least `min_weights` values; returns how many MatMuls.
-    `residual`: the attention projections' ops also run x's int8 rounding error (ATTENTION_PROJ).
+    `residual`: the attention projections' ops also run x's int8 rounding error, and every u4 op in lanes a second
+    digit of x at one row (ATTENTION_PROJ, residual_of).
     Siblings that read one activation share one op and a VariadicSplit of its output (_plan). The op computes in
     f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of U8_ISAS.
     `ahead`: each op also takes the next one's weights to read ahead (link_ahead)."""
@@ -347,7 +351,7 @@ def rewrite(
                 "bits": chain.bits,
                 "row_group": chain.row_group,
                 "slot_pairs": chain.slot_pairs,
-                "residual": int(residual and any(ATTENTION_PROJ.search(n.get_friendly_name()) for n in nodes)),
+                "residual": residual_of(nodes, chain) if residual else 0,
                 "gated": gated,
             },
         )
@@ -365,6 +369,15 @@ def rewrite(
     if swaps:
         model.validate_nodes_and_infer_types()
     return count
+
+
+def residual_of(nodes: list[ov.Node], chain: Chain) -> int:
+    """The op's `residual` where asked (ATTENTION_PROJ): 1 for the attention projections (x's int8 rounding error
+    as a second digit at one row of u4 in lanes, as M more rows of x elsewhere), 2 for any other u4 op in lanes (the
+    digit only: twice the rows of a gated op or of a prefill would cost far more), else 0."""
+    if any(ATTENTION_PROJ.search(n.get_friendly_name()) for n in nodes):
+        return 1
+    return 2 if chain.slot_pairs == 0 and chain.bits == 4 else 0
 
 
 def swiglu(nodes: list[ov.Node], row_group: int) -> tuple[int, ov.Node | None]:
