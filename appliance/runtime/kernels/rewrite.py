@@ -57,6 +57,7 @@ prefill tile and the split).
 from __future__ import annotations
 
 import re
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +110,7 @@ def lanes_layout(
     else:
         v = nibbles(packed).reshape(n // LANE_ROWS, LANE_ROWS, nb // 4, 8)
         words = v[..., :4] | v[..., 4:] << 4
-    out = hugepages.empty((n, nb))
+    out = np.empty((n, nb), np.uint8)
     out.reshape(n // LANE_ROWS, nb // 4, LANE_ROWS, 4)[:] = words.transpose(0, 2, 1, 3)
     g = scale.shape[1]
     table = scale_table(scale, zero).view(np.float16).reshape(n // LANE_ROWS, LANE_ROWS, 2, g).transpose(0, 3, 2, 1)
@@ -172,12 +173,12 @@ def row_groups(packed: np.ndarray, rows: int, pair_bytes: int = 32) -> np.ndarra
     layout (lowbit_kernel.h): N rounded up to `rows` with zero rows, then per group of `rows` rows their first pairs
     one after the other, their second pairs, ..., and their unpaired last blocks (half a pair each). A pass over
     `rows` weight rows then reads one contiguous run instead of `rows` interleaved streams. Same size (plus padding
-    rows), in whole huge pages (hugepages.py)."""
+    rows)."""
     n, nb = packed.shape
     padded = -(-n // rows) * rows
     full, groups = nb // pair_bytes, padded // rows
     p = packed if padded == n else np.concatenate([packed, np.zeros((padded - n, nb), np.uint8)])
-    out = hugepages.empty((padded, nb))
+    out = np.empty((padded, nb), np.uint8)
     grouped = out.reshape(groups, rows * nb)  # a view: `out` is contiguous
     head = p[:, : full * pair_bytes].reshape(groups, rows, full, pair_bytes).transpose(0, 2, 1, 3)
     grouped[:, : rows * full * pair_bytes] = head.reshape(groups, -1)
@@ -286,9 +287,8 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
 
 def _fused(chains: list[Chain]) -> Chain:
     """One op's chain for sibling u4 chains of one group size, K and layout, none with padding rows: their rows
-    one after the other (each part's groups of rows stay whole), in whole huge pages."""
-    packed = hugepages.empty((sum(c.packed.shape[0] for c in chains), chains[0].packed.shape[1]))
-    np.concatenate([c.packed for c in chains], out=packed)
+    one after the other (each part's groups of rows stay whole)."""
+    packed = np.concatenate([c.packed for c in chains])
     sz = np.concatenate([c.sz for c in chains])
     first = chains[0]
     return Chain(packed, sz, first.group_size, first.bits, first.row_group, first.slot_pairs)
@@ -330,20 +330,23 @@ def rewrite(
     digit of x at one row (ATTENTION_PROJ, residual_of).
     Siblings that read one activation share one op and a VariadicSplit of its output (_plan). The op computes in
     f32 and returns f32, as the MatMul did. u8 weights (NNCF's int8 LM head) are taken on the paths of U8_ISAS.
-    `ahead`: each op also takes the next one's weights to read ahead (link_ahead)."""
+    `ahead`: each op also takes the next one's weights to read ahead (link_ahead). The ops' weights and scale tables
+    are copied into huge pages (hugepages.Arena), each chain's arrays freed as it is placed."""
     from openvino import opset13 as ops
 
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
-    swaps, count = [], 0
-    for nodes, chain in _plan(model, isa, min_weights):
+    swaps, count, plan = [], 0, deque(_plan(model, isa, min_weights))
+    arena = hugepages.Arena(sum(hugepages.footprint(a) for _, chain in plan for a in (chain.packed, chain.sz)))
+    while plan:
+        nodes, chain = plan.popleft()
         gated, product = swiglu(nodes, chain.row_group)
         count += len(nodes)
         new = factory.create(
             OP,
             [
                 nodes[0].input_value(0),
-                ops.constant(chain.packed, shared_memory=True).output(0),  # our copy, not copied again
-                ops.constant(chain.sz, shared_memory=True).output(0),
+                ops.constant(arena.place(chain.packed), shared_memory=True).output(0),  # not copied again
+                ops.constant(arena.place(chain.sz), shared_memory=True).output(0),
             ],
             {
                 "group_size": chain.group_size,
