@@ -14,11 +14,12 @@ usually `never`), advised MADV_HUGEPAGE from a 2 MiB boundary over its whole len
 on 4 KiB boundaries. Before, each array had its own mapping with only its whole 2 MiB pages advised: at Qwen2.5-1.5B
 the attention projections' (1.2-1.6 MB) had none, the MLP's lost their last 1-2 MB and no scale table had any, so
 ~120 MB of the step's 922 MB streamed through 4 KiB pages (/proc/self/smaps: 772 MB AnonHugePages). One engine with
-its weights placed so beside one without, in one process, alternated per request (24 rounds of 48 single-token
-steps, the 2-vCPU Intel Xeon with AMX; four runs, the engines made in either order): the step took 0.938, 0.959,
-0.963 and 0.979 of its time (p25-p75 within +-0.005 of each). Cost: under 4 KiB an array more and one partly used 2
-MiB page, and each array is copied once at load. Where transparent huge pages are off (`never`), or no huge page is
-free, the kernel backs the same range with 4 KiB pages: same arrays, NumPy's speed.
+its weights placed so beside one without, in one process, alternated per request (24 rounds of 48 single-token steps
+after 128-token prompts, the 2-vCPU Intel Xeon with AMX, the engines made in either order): the step took 0.977 and
+0.977 of its time at Qwen2.5-1.5B (p25-p75 0.972-0.981), 0.997 at Llama-3.2-3B (its projections' arrays, 4.7-7.9 MB,
+were mostly huge already), 0.95-0.98 at the default 135M model (docs/performance-log.md). Cost: under 4 KiB an array
+more and one partly used 2 MiB page, and each array is copied once at load. Where transparent huge pages are off
+(`never`), or no huge page is free, the kernel backs the same range with 4 KiB pages: same arrays, NumPy's speed.
 """
 
 from __future__ import annotations
