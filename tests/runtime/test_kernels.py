@@ -158,26 +158,18 @@ def _bound(x: np.ndarray, w: np.ndarray, width: int = 8) -> np.ndarray:
     return (amax / 254) @ wsum.T * (1 + 1e-3) + 1e-5 * (np.abs(x) @ np.abs(w).T) + 1e-30
 
 
-def _two_digits(x: np.ndarray) -> np.ndarray:
-    """x (f32) through two int8 digits per octet as the lanes tile takes one row of u4 with `residual`
-    (lowbit_kernel.hpp quantize_block's `second`): q = x / d rounded, then (x / d - q) in 1/128ths rounded, in f32;
-    back to f64."""
-    xo, _ = _octets(x.astype(np.float32))
-    d = np.abs(xo).max(-1, keepdims=True) / np.float32(127)
-    t = xo / np.where(d > 0, d, np.float32(1))
-    q = np.rint(t)
-    r = np.rint((t - q) * np.float32(128))
-    return ((q + r.astype(np.float64) / 128) * d).reshape(x.shape[0], -1)[:, : x.shape[1]]
-
-
-def _int8(x: np.ndarray, width: int) -> np.ndarray:
+def _int8(x: np.ndarray, width: int, second: bool = False) -> np.ndarray:
     """x (f32) through int8 per run of `width` values as the op rounds it (d = max|x| / 127 in f32, q = x / d rounded
-    to nearest even), back to f64."""
+    to nearest even), back to f64. `second`: and through the second digit the lanes tile adds at one row of u4 with
+    `residual` (lowbit_kernel.hpp quantize_block's `second`: (x / d - q) in 1/128ths, rounded, in f32)."""
     xo, _ = _octets(x.astype(np.float32))
     runs = xo.reshape(x.shape[0], -1, width)
     d = np.abs(runs).max(-1, keepdims=True) / np.float32(127)
-    q = np.rint(runs / np.where(d > 0, d, np.float32(1)))
-    return (q.astype(np.float64) * d).reshape(x.shape[0], -1)[:, : x.shape[1]]
+    t = runs / np.where(d > 0, d, np.float32(1))
+    q = np.rint(t).astype(np.float64)
+    if second:
+        q += np.rint((t - np.rint(t)) * np.float32(128)).astype(np.float64) / 128
+    return (q * d).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 
 # row-major, what the rewrite makes on AVX2, two AVX2 passes, and the lanes tile's (rewrite.layout: avx512vnni)
@@ -338,7 +330,7 @@ def test_residual_runs_x_rounding_error_too(loaded, isa, n, k, group):
     """residual=1 (the attention projections' option: kernels.RESIDUAL_ENV): y's error is what the residual's own
     int8 rounding leaves, ~127x under one pass's, which the case checks it could not meet. x is rounded per octet
     then at every row count, in lanes too (the residual is x's error per octet); at one row in lanes the error is a
-    second int8 digit of x (_digits_bound)."""
+    second int8 digit of x (_int8's `second`)."""
     core, got = loaded
     if isa not in got.supported:
         pytest.skip(f"this CPU has no {isa} (it has {', '.join(got.supported)})")
@@ -355,7 +347,7 @@ def test_residual_runs_x_rounding_error_too(loaded, isa, n, k, group):
         exact = x.astype(np.float64) @ w.T
         bound = _bound((x - _int8(x, 8)).astype(np.float64), w) + 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
         if lanes and m == 1:  # as exact as the f32 sums, around x's two digits
-            exact, bound = _two_digits(x) @ w.T, 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+            exact, bound = _int8(x, 8, second=True) @ w.T, 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
         y = twice(x)[0]
         assert y.shape == (m, n) and (np.abs(y - exact) <= bound).all(), f"M={m}: beyond the residual's bound"
         assert np.median(np.abs(once(x)[0] - exact) / bound) > 2, "one pass would meet the bound too"
@@ -386,7 +378,7 @@ def test_residual_2_is_a_second_digit_of_x_at_one_row_in_lanes(loaded):
         if m > 1:
             np.testing.assert_array_equal(y, y0)
             continue
-        want, sums = _two_digits(x) @ w.T, 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+        want, sums = _int8(x, 8, second=True) @ w.T, 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
         assert (np.abs(y - want) <= sums).all(), "not x's two digits"
         assert np.median(np.abs(y0 - want) / sums) > 10, "one digit would be as near"
     with pytest.raises(Exception, match="not beside residual 1"):

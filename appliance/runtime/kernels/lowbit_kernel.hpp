@@ -882,7 +882,6 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
         for (int m = 0; m < MT; ++m) acc[m] = _mm512_fnmadd_ps(sz, _mm512_set1_ps(xs[(m0 + m) * a.G + g]), acc[m]);
     }
     // One span of chunks from c into the group sums gsum.
-    const int8_t* xq2 = xq + a.M * a.Kp;  // TWO: the second digits (quantize_rows)
     auto span = [&](int64_t c, __m512* gsum) __attribute__((always_inline)) {
         __m512i dot[MT], dot2[MT];
         for (int m = 0; m < MT; ++m) dot[m] = dot2[m] = _mm512_setzero_si512();
@@ -898,8 +897,9 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
                 const int32_t* xv = reinterpret_cast<const int32_t*>(xq + (m0 + m) * a.Kp + c * 8 + j * VALUES);
                 dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(xv[0]));
                 if constexpr (!W8) dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(xv[1]));
-                if constexpr (TWO) {
-                    const int32_t* rv = reinterpret_cast<const int32_t*>(xq2 + (m0 + m) * a.Kp + c * 8 + j * VALUES);
+                if constexpr (TWO) {  // the second digits, after the first (quantize_rows' xq2)
+                    const int32_t* rv =
+                        reinterpret_cast<const int32_t*>(xq + (a.M + m0 + m) * a.Kp + c * 8 + j * VALUES);
                     dot2[m] = _mm512_dpbusd_epi32(dot2[m], lo, _mm512_set1_epi32(rv[0]));
                     if constexpr (!W8) dot2[m] = _mm512_dpbusd_epi32(dot2[m], hi, _mm512_set1_epi32(rv[1]));
                 }
