@@ -54,13 +54,12 @@ def _op(
     rope: int = 0,
 ) -> ov.Model:
     key_group, value_group = (g or head for g in groups)
-    rows = [head // g * (8 + g) for g in (key_group, value_group)]
     params = [
         ops.parameter([-1, heads * head], ov.Type.f32),
         ops.parameter([-1, kv_heads * head], ov.Type.f32),
         ops.parameter([-1, kv_heads * head], ov.Type.f32),
-        ops.parameter([-1, kv_heads, block, rows[0]], ov.Type.u8),
-        ops.parameter([-1, kv_heads, block, rows[1]], ov.Type.u8),
+        ops.parameter([3], ov.Type.i32),  # the key pool: its address, its blocks (attention.pool_input)
+        ops.parameter([3], ov.Type.i32),
         ops.parameter([-1], ov.Type.i32),
         ops.parameter([-1], ov.Type.i32),
         ops.parameter([-1], ov.Type.i32),
@@ -70,6 +69,11 @@ def _op(
     attrs |= {"key_group": key_group, "value_group": value_group, "wide": wide, "rope": rope}
     node = factory.create(attention.OP, [p.output(0) for p in params], attrs)
     return ov.Model([node.output(0)], params)
+
+
+def _pools(*caches: np.ndarray) -> list[np.ndarray]:
+    """The op's pool inputs for cache arrays (which must stay alive while it runs): address and blocks each."""
+    return [attention.pool_input(c.ctypes.data, c.shape[0]) for c in caches]
 
 
 def _reference(q, keys, values, scale, heads, kv_heads, head):
@@ -123,9 +127,8 @@ def test_op_matches_numpy_and_writes_the_new_token(loaded, heads, kv_heads, head
     begins = np.concatenate([[0], np.cumsum(used)]).astype(np.int32)
     model = _op(got.factory, heads, kv_heads, head, block, float(scale), groups, wide)
     request = core.compile_model(model, "CPU", BY_TOKEN).create_infer_request()
-    tensors = [ov.Tensor(c, shared_memory=True) for c in caches]
     out = request.infer(
-        [q, k, v, *tensors, np.asarray(lens, np.int32), np.concatenate(tables).astype(np.int32), begins]
+        [q, k, v, *_pools(*caches), np.asarray(lens, np.int32), np.concatenate(tables).astype(np.int32), begins]
     )[0]
     for s, (n, table) in enumerate(zip(lens, tables)):
         at = table[n // block], slice(None), n % block
@@ -143,19 +146,21 @@ def test_op_matches_numpy_and_writes_the_new_token(loaded, heads, kv_heads, head
 def test_a_block_table_too_short_or_outside_the_pool_is_refused(loaded):
     core, got = loaded
     compiled = core.compile_model(_op(got.factory, 2, 1, 8, 4, 1.0), "CPU", BY_TOKEN)
-    cache = np.zeros((2, 1, 4, 16), np.uint8)
+    caches = np.zeros((2, 1, 4, 16), np.uint8), np.zeros((2, 1, 4, 16), np.uint8)
     x = np.ones((1, 16), np.float32), np.ones((1, 8), np.float32), np.ones((1, 8), np.float32)
-    for past, table in (([4], [0]), ([1], [2]), ([1], [-1])):
+    good = _pools(*caches)
+    # the pools of unlike sizes; a null address
+    bad = ([good[0], attention.pool_input(caches[1].ctypes.data, 3)], [attention.pool_input(0, 2), good[1]])
+    for past, table, pools in (
+        ([4], [0], good),
+        ([1], [2], good),
+        ([1], [-1], good),
+        ([1], [0], bad[0]),
+        ([1], [0], bad[1]),
+    ):
         with pytest.raises(RuntimeError, match="DecodeAttention"):
             compiled.create_infer_request().infer(
-                [
-                    *x,
-                    cache,
-                    cache.copy(),
-                    np.asarray(past, np.int32),
-                    np.asarray(table, np.int32),
-                    np.array([0, 1], np.int32),
-                ]
+                [*x, *pools, np.asarray(past, np.int32), np.asarray(table, np.int32), np.array([0, 1], np.int32)]
             )
 
 
@@ -189,9 +194,10 @@ def test_rope_rotates_q_and_k_as_the_graph_did(loaded, heads, kv_heads, head):
         model = _op(got.factory, heads, kv_heads, head, block, 0.125, (group, group), rope=on)
         request = core.compile_model(model, "CPU", BY_TOKEN).create_infer_request()
         fed = [q, k] if on else [_rotated(q, cos, sin, head), _rotated(k, cos, sin, head)]
-        tensors = [ov.Tensor(c, shared_memory=True) for c in caches[on]]
         extra = [cos, sin] if on else []
-        out[on] = request.infer([*fed, v, *tensors, np.asarray(lens, np.int32), tables, begins, *extra])[0].copy()
+        out[on] = request.infer([*fed, v, *_pools(*caches[on]), np.asarray(lens, np.int32), tables, begins, *extra])[
+            0
+        ].copy()
     np.testing.assert_allclose(out[1], out[0], rtol=0, atol=1e-5 * np.abs(out[0]).max())
     written = [np.abs(a.astype(int) - b).max() for a, b in zip(caches[0], caches[1])]
     assert written[1] == 0 and written[0] <= 1, written  # values as given; a key's tie may round either way
@@ -246,10 +252,10 @@ def test_single_token_steps_run_ours_over_the_plugins_cache(loaded, monkeypatch,
         assert "decode attention: ours on 30 layers, rotary embedding in the op on 30" in caplog.text
         runtime = ours._one.get_compiled_model().get_runtime_model().get_ordered_ops()
         assert "RoPE" not in {op.get_rt_info()["layerType"].astype(str) for op in runtime}
-        ports = {p.get_any_name(): p for p in ours._one.get_compiled_model().inputs}
-        key, value = (ports[f"{kind}_cache.0"].get_partial_shape() for kind in ("key", "value"))
-        assert key.is_static and key[0].get_length() == ours.num_blocks and key[3].get_length() == 2 * (8 + 32)
-        assert value.is_static and value[3].get_length() == 8 + 64
+        names = {p.get_any_name() for p in ours._one.get_compiled_model().inputs}
+        assert not {n for n in names if "_cache." in n}  # the op reads the pool by address: no input of its size
+        pools = [n for n in runtime if n.get_rt_info()["layerType"].astype(str) == "Reference"]
+        assert pools  # our ops run as the plugin's reference nodes
         logits, tokens = _run(ours, vocab, feed=base_tokens)
     finally:
         ours.close()
@@ -282,14 +288,17 @@ def test_rewrite_leaves_attention_it_does_not_compute(loaded):
     model = core.read_model(str(ensure_export("openvino", "int4") / "openvino_model.xml"))
     paged_attention_transformation(model)
     caches = {f"{kind}_cache.{i}": [3, 32, 72] for kind in ("key", "value") for i in range(30)}
+    pools = {name: (4096, 8) for name in caches}  # never run: the graph is only rewritten
     nodes = [n for n in model.get_ordered_ops() if n.get_type_name() == attention.PAGED]
     window = nodes[3].input_value(attention.WINDOW).get_node()
     nodes[3].input(attention.WINDOW).replace_source_output(ops.constant(np.int32(64)).output(0))
-    assert attention.rewrite(model, got.factory, caches) == (0, 0)
+    assert attention.rewrite(model, got.factory, caches, pools) == (0, 0)
+    assert {p.get_friendly_name() for p in model.get_parameters()} >= set(caches)  # the plugin's attention reads them
     nodes[3].input(attention.WINDOW).replace_source_output(window.output(0))
     # a graph of dynamic shapes (tokens per step not fixed at one): the rotary embedding stays the graph's
-    assert attention.rewrite(model, got.factory, caches) == (len(nodes), 0) == (30, 0)
+    assert attention.rewrite(model, got.factory, caches, pools) == (len(nodes), 0) == (30, 0)
     assert {n.get_attributes()["wide"] for n in model.get_ordered_ops() if n.get_type_name() == attention.OP} == {1}
+    assert not {p.get_friendly_name() for p in model.get_parameters()} & set(caches)  # ours read them by address
 
 
 def test_a_forced_narrower_path_keeps_the_attention_to_256_bits(loaded):

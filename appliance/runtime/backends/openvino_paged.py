@@ -57,21 +57,25 @@ def _gather_last_tokens(model: ov.Model) -> None:
     model.validate_nodes_and_infer_types()
 
 
-def _one_token(model: ov.Model, caches: dict[str, list[int]], table: int) -> ov.Model:
+def _one_token(model: ov.Model, table: int) -> ov.Model:
     """The rewritten graph for steps of one token (batch-1 decode, the commonest step on an edge box) with static
-    shapes: `caches` (input name -> its full shape: the pool is allocated once) and a block table of `table` entries
-    (forward pads a sequence's). The CPU plugin runs our ops as reference nodes, and where an input's shape is
-    dynamic it infers the op's output shape at every call, from a clone of the op (~7 us, 113 calls a step at
-    Qwen2.5-1.5B); static, that and the plugin's per-node shape checks go. Compiled as a third model beside the one
-    for 1..kernel_rows tokens: it shares their constants (the process's RSS did not grow) and took 3.5 s more to load
-    at Qwen2.5-1.5B, whose decode step it took to 0.923-0.952 of the time on the graph of dynamic shapes (Zen 4 EPYC,
-    engines side by side, interleaved, medians of 6-12 pairs). Our decode attention (kernels/attention.py) took 1.15
-    ms a step at a 512-token context with the pool's shape static, 1.6-1.9 with it dynamic (Zen 5; the plugin's own
-    attention 2.03 / 2.05 either way)."""
+    shapes but the KV pool's, and a block table of `table` entries (forward pads a sequence's). The CPU plugin runs
+    our ops as reference nodes, and where an input's shape is dynamic it infers the op's output shape at every call,
+    from a clone of the op (~7 us, 113 calls a step at Qwen2.5-1.5B); static, that and the plugin's per-node shape
+    checks go. Compiled as a third model beside the one for 1..kernel_rows tokens: it shares their constants and took
+    3.5 s more to load at Qwen2.5-1.5B, whose decode step it took to 0.923-0.952 of the time on the graph of dynamic
+    shapes (Zen 4 EPYC, engines side by side, interleaved, medians of 6-12 pairs). Our decode attention
+    (kernels/attention.py) reads the pool by address, so the cache inputs leave this graph; where the plugin's
+    attention stays, they keep the pool's dimension dynamic (its own attention took 2.03 / 2.05 ms a step either
+    way at Qwen2.5-1.5B, Zen 5), since a static one made the plugin hold a copy of the pool (attention.py)."""
     one = model.clone()  # constants shared, not copied
     shapes = {"input_ids": [1], "position_ids": [1], "past_lens": [1], "logits_indices": [1], "block_indices": [table]}
-    one.reshape({**shapes, "subsequence_begins": [2], "block_indices_begins": [2], **caches})
+    one.reshape({**shapes, "subsequence_begins": [2], "block_indices_begins": [2]})
     return one
+
+
+def _has_input(request: ov.InferRequest, name: str) -> bool:
+    return any(name in port.get_names() for port in request.get_compiled_model().inputs)
 
 
 def _ranges(counts: np.ndarray) -> np.ndarray:
@@ -148,13 +152,20 @@ class OpenVINOPagedBackend(Backend):
         )
         self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
         self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
+        # The pool before the single-token graph: our attention there reads it by address (attention.rewrite).
+        tensors, self._blocks = [], []  # per cache tensor: the tensor, its memory as uint8 [num_blocks, bytes a block]
+        for port, dims in zip(cache_inputs, block_dims):
+            tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
+            tensors.append(tensor)
+            self._blocks.append(blocks)
+        pools = {p.get_any_name(): (b.ctypes.data, self.num_blocks) for p, b in zip(cache_inputs, self._blocks)}
         one, self.attention = None, False
         self._table = -(-self.max_context // self.block_size)  # a one-token step's block table, padded
         if (ours is not None or one_only) and not self.vlm:  # single-token steps: ours in a graph of static shapes
-            pool = {p.get_any_name(): [self.num_blocks, *dims] for p, dims in zip(cache_inputs, block_dims)}
-            single = _one_token(model, pool, self._table)
+            single = _one_token(model, self._table)
             if attend:
-                self.attention = attention.apply(single, core(), config.kernels, cache_inputs, model_name(model_dir))
+                name = model_name(model_dir)
+                self.attention = attention.apply(single, core(), config.kernels, cache_inputs, pools, name)
             try:
                 one = core().compile_model(
                     single, config.device, {**props, **kernels.one_token_properties(single, config.precision)}
@@ -169,13 +180,10 @@ class OpenVINOPagedBackend(Backend):
         del native, model, ours, small, one
         # per request: input name -> numpy view of the tensor bound to it
         self._inputs: dict[int, dict[str, np.ndarray]] = {id(r): {} for r in (self.request, self._small, self._one)}
-        self._blocks = []  # per cache tensor: its memory as uint8 [num_blocks, bytes of one block]
-        for port, dims in zip(cache_inputs, block_dims):
-            tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
+        for port, tensor in zip(cache_inputs, tensors):
             for request in (self.request, self._small, self._one):
-                if request is not None:
+                if request is not None and _has_input(request, port.get_any_name()):
                     request.set_tensor(port.get_any_name(), tensor)
-            self._blocks.append(blocks)
         self.cache_bytes = self.num_blocks * self.bytes_per_block
         self.kv_precision = cache_inputs[0].get_element_type().get_type_name()  # "u8", not "<Type: 'uint8_t'>"
         self.kv_layout = ";".join(
@@ -284,6 +292,6 @@ class OpenVINOPagedBackend(Backend):
             at += n
 
     def close(self) -> None:
-        self._blocks.clear()
-        self.request = self._small = self._one = None
+        self.request = self._small = self._one = None  # before the pool: the single-token graph holds its address
         self.compiled = None
+        self._blocks.clear()

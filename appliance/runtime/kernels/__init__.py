@@ -36,8 +36,9 @@ LIBRARY = "libappliance_kernels.so"
 # lanes of 16 rows (slot_pairs 0) instead of rows grouped by 8 in 2-pair slots, and no zmm_cost. 14: u8 in lanes too,
 # which an older library refuses. 15: the op's `gated` attribute, a SwiGLU's gate and up in one op: rewrite.swiglu.
 # 16: DecodeAttention's `rope` attribute and its cos and sin inputs: rope.py. 17: `residual` 2, x's second int8 digit
-# at one row of u4 in lanes, which an older library refuses).
-ABI = 17
+# at one row of u4 in lanes, which an older library refuses. 18: DecodeAttention's pools as addresses, not as the cache
+# tensors).
+ABI = 18
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

@@ -22,6 +22,14 @@ extra rows of each block. Groups of 32 cost what those rows do (8 bytes per 32 v
 next-token TVD against an f32 cache, over the default model's prefill, 6 single-token steps and a 2-token step
 (tests/runtime/test_decode_attention.py's steps), averaged 0.0147 by channel, 0.0188 by token in one group a row,
 0.0121 in groups of 32 on the plugin's attention, and 0.0145 with ours in the single-token steps.
+
+The op reads the pool by address (pool_input, set when the graph is built; the backend allocates the pool first and
+frees it last), so the cache tensors are not inputs of the single-token graph. As inputs of the pool's static shape
+they cost memory twice: compiling the graph allocated and wrote a buffer of the pool's size, and binding the
+backend's pool to it wrote every page of that calloc'ed memory, which otherwise stays unmapped until blocks are used.
+The default model's engine after load (KV budget 213 MB, the auto size on a 24 GB box): 948 MB RSS with the cache
+inputs, 559 MB by address; with a 476 MB pool 1447 MB against 549 (2-vCPU Xeon with AMX; `--kernels openvino`:
+431 MB). Qwen2.5-1.5B's engine: 2630 MB with them, 2626 by address at a 953 MB pool (2626 at 476 too).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import openvino as ov
+import openvino.opset13 as ops
 
 from appliance.runtime import kernels
 from appliance.runtime.kernels import rope
@@ -77,21 +86,31 @@ def _group(head: int, row: int) -> int:
 
 
 def rewrite(
-    model: ov.Model, factory: Any, caches: dict[str, list[int]], wide: bool = True, rotate: bool = True
+    model: ov.Model,
+    factory: Any,
+    caches: dict[str, list[int]],
+    pools: dict[str, tuple[int, int]],
+    wide: bool = True,
+    rotate: bool = True,
 ) -> tuple[int, int]:
     """Replaces `model`'s paged attention nodes with DecodeAttention where every one of them fits (else none: one
     layer on each would still read one cache); returns how many, and on how many of them the op applies q's and k's
     rotary embedding itself (rope.py; `rotate` False: none). `caches`: per cache input name (key_cache.N,
-    value_cache.N) the compiled graphs' block dims [kv heads, block size, row bytes], all u8 by token. `wide`: the
-    op may run its 512-bit kernels where the CPU has them (narrow_only)."""
+    value_cache.N) the compiled graphs' block dims [kv heads, block size, row bytes], all u8 by token; `pools`: per
+    name the address of that cache tensor's memory and its blocks, which the op reads and writes (the module
+    docstring: the cache inputs leave the graph). `wide`: the op may run its 512-bit kernels where the CPU has them
+    (narrow_only)."""
     nodes = [n for n in model.get_ordered_ops() if n.get_type_name() == PAGED]
     swaps = []
     for node in nodes:
         if not _plain(node):
             return 0, 0
         ports = [node.input_value(i).get_node() for i in (3, 4)]
-        key_dims, value_dims = (caches.get(p.get_friendly_name()) for p in ports)
+        names = [p.get_friendly_name() for p in ports]
+        key_dims, value_dims = (caches.get(n) for n in names)
         if key_dims is None or value_dims is None or any(p.get_type_name() != "Parameter" for p in ports):
+            return 0, 0
+        if any(n not in pools for n in names) or pools[names[0]][1] != pools[names[1]][1]:
             return 0, 0
         (kv_heads, block, key_row), (kv_heads_v, block_v, value_row) = key_dims, value_dims
         q, k = (node.input_value(i).get_partial_shape() for i in (0, 1))
@@ -106,16 +125,11 @@ def rewrite(
         attrs |= {"key_group": groups[0], "value_group": groups[1]}
         attrs["scale"] = float(np.asarray(constant_value(node.input_value(SCALE))).ravel()[0])  # _plain: a constant
         attrs["wide"] = int(wide)
-        swaps.append((node, ports, [key_row, value_row], attrs))
+        swaps.append((node, names, attrs))
     made, rotated = [], 0
-    for node, ports, rows, attrs in swaps:
-        for port, row in zip(ports, rows):
-            shape = port.get_partial_shape()
-            pool = shape[0] if shape.rank.is_static else ov.Dimension()  # the pool's size where the graph fixed it
-            port.set_element_type(ov.Type.u8)
-            port.set_partial_shape(ov.PartialShape([pool, attrs["kv_heads"], attrs["block_size"], row]))
-            port.validate_and_infer_types()
-        inputs = [node.input_value(i) for i in (0, 1, 2, 3, 4, 5, 7, 8)]
+    for node, names, attrs in swaps:
+        pool = [ops.constant(pool_input(*pools[n])).output(0) for n in names]
+        inputs = [*(node.input_value(i) for i in (0, 1, 2)), *pool, *(node.input_value(i) for i in (5, 7, 8))]
         geometry = (attrs["heads"], attrs["kv_heads"], attrs["head_size"])
         rotation = rope.inputs(inputs[0], inputs[1], *geometry) if rotate else None
         if rotation is not None:
@@ -127,8 +141,18 @@ def rewrite(
         for target in list(node.output(0).get_target_inputs()):
             target.replace_source_output(new.output(0))
     if made:
+        used = {n for _, names, _ in swaps for n in names}
+        for param in list(model.get_parameters()):
+            if param.get_friendly_name() in used:
+                model.remove_parameter(param)
         model.validate_nodes_and_infer_types()
     return len(made), rotated
+
+
+def pool_input(address: int, blocks: int) -> np.ndarray:
+    """DecodeAttention's pool input: the address in its low and high 32 bits, the blocks (i32: the CPU plugin runs
+    i64 as i32)."""
+    return np.array([address & 0xFFFFFFFF, address >> 32, blocks], np.uint32).view(np.int32)
 
 
 def by_token(ports: list[ov.Output]) -> dict[str, list[int]]:
@@ -174,9 +198,17 @@ def narrow_only(loaded: kernels.Kernels) -> bool:
     return loaded.isa != loaded.supported[0]
 
 
-def apply(model: ov.Model, core: Any, choice: str, ports: list[ov.Output], name: str = "") -> bool:
+def apply(
+    model: ov.Model,
+    core: Any,
+    choice: str,
+    ports: list[ov.Output],
+    pools: dict[str, tuple[int, int]],
+    name: str = "",
+) -> bool:
     """Our attention in `model` (the single-token graph, before compiling) where the compiled cache inputs `ports`
-    are u8 by token and every attention node fits; one log line says which attention runs. Never raises."""
+    are u8 by token and every attention node fits, over the cache tensors at `pools` (rewrite); one log line says
+    which attention runs. Never raises."""
     caches = by_token(ports)
     why, count, rotated = "", 0, 0
     if not caches:
@@ -186,7 +218,8 @@ def apply(model: ov.Model, core: Any, choice: str, ports: list[ov.Output], name:
         if loaded is not None:
             try:
                 rotate = os.environ.get(rope.ENV, "1").strip() != "0"
-                count, rotated = rewrite(model, loaded.factory, caches, wide=not narrow_only(loaded), rotate=rotate)
+                wide = not narrow_only(loaded)
+                count, rotated = rewrite(model, loaded.factory, caches, pools, wide=wide, rotate=rotate)
             except Exception as exc:  # a graph we did not foresee: the plugin's attention serves it
                 why = f"rewrite failed: {exc}"
             else:

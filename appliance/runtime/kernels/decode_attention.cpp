@@ -1,19 +1,28 @@
 // DecodeAttention: paged attention of one new token per sequence over the CPU plugin's u8 KV cache quantized by
-// token (attention_kernel.h), as an OpenVINO custom op in the graph of single-token steps (attention.py puts
-// it in place of PagedAttentionExtension there; prefill keeps the plugin's). Inputs: q [T, H * hs], k and v
-// [T, Hkv * hs], key_cache, value_cache (u8 [blocks, Hkv, bs, row]: attention_kernel.h), past_lens [T],
-// block_indices, block_indices_begins [T + 1], and with `rope` 1 cos and sin (f32 [T, hs]). Attributes: heads,
-// kv_heads, head_size, block_size, key_group, value_group (values per quantization group of a row), scale, wide (0:
-// the 256-bit kernels even where the CPU has AVX-512, as APPLIANCE_KERNELS_ISA asks for a narrower path:
-// attention.py), rope (1: q and k arrive before their rotary embedding, which the op applies as the graph did:
-// x * cos + rotate_half(x) * sin per head, rope.py). Output f32 [T, H * hs].
-// It writes each sequence's new key and value into the cache (into the tensors bound to the request: the plugin hands
-// a reference node its inputs' memory) and attends over past_lens[t] + 1 tokens. Why, with measurements: attention.py.
+// token (attention_kernel.h), as an OpenVINO custom op in the graphs of single-token rows (attention.py puts it in
+// place of PagedAttentionExtension there; prefill keeps the plugin's). Inputs: q [T, H * hs], k and v [T, Hkv * hs],
+// the key and the value pool (i32 [3]: the address of the cache tensor's memory, u8 [blocks, Hkv, bs, row] as
+// attention_kernel.h lays it out, in its low and high 32 bits, and its number of blocks; i32, since the CPU plugin
+// runs i64 as i32), past_lens [T], block_indices, block_indices_begins
+// [T + 1], and with `rope` 1 cos and sin (f32 [T, hs]). Attributes: heads, kv_heads, head_size, block_size,
+// key_group, value_group (values per quantization group of a row), scale, wide (0: the 256-bit kernels even where
+// the CPU has AVX-512, as APPLIANCE_KERNELS_ISA asks for a narrower path: attention.py), rope (1: q and k arrive
+// before their rotary embedding, which the op applies as the graph did: x * cos + rotate_half(x) * sin per head,
+// rope.py). Output f32 [T, H * hs].
+// The pools come as addresses, not as the cache tensors themselves: a graph input of the pool's static shape made
+// the CPU plugin allocate and write a buffer of the pool's size for every compiled graph, and touch all of the
+// backend's pool when it was bound (attention.py says what that cost). The backend allocates the pool before these
+// graphs compile and frees it after them.
+// It writes each row's new key and value into the cache and attends over past_lens[t] + 1 tokens. Every row's key
+// and value are written before any row attends, so rows t.. of one sequence at past_lens p, p + 1, .. (its tokens
+// of one step, each a row with the sequence's block table) attend causally, as in a step of several tokens.
+// Why, with measurements: attention.py.
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <openvino/core/extension.hpp>
 #include <openvino/core/op_extension.hpp>
@@ -74,7 +83,7 @@ public:
     void validate_and_infer_types() override {
         OPENVINO_ASSERT(m_rope == 0 || m_rope == 1, "DecodeAttention: rope must be 0 or 1");
         OPENVINO_ASSERT(get_input_size() == (m_rope ? 10u : 8u),
-                        "DecodeAttention takes q, k, v, key_cache, value_cache, past_lens, block_indices, "
+                        "DecodeAttention takes q, k, v, key_pool, value_pool, past_lens, block_indices, "
                         "block_indices_begins, and with rope 1 cos and sin");
         OPENVINO_ASSERT(!m_rope || m_head_size % 2 == 0, "DecodeAttention: rope needs an even head_size");
         OPENVINO_ASSERT(m_heads > 0 && m_kv_heads > 0 && m_heads % m_kv_heads == 0 && m_heads / m_kv_heads <= 64,
@@ -85,7 +94,9 @@ public:
                             "DecodeAttention: a group size must be a multiple of 8 dividing head_size");
         OPENVINO_ASSERT(m_block_size > 0, "DecodeAttention: block_size must be positive");
         for (size_t i : {3, 4})
-            OPENVINO_ASSERT(get_input_element_type(i) == ov::element::u8, "DecodeAttention: the caches must be u8");
+            OPENVINO_ASSERT(get_input_element_type(i) == ov::element::i32 &&
+                                get_input_partial_shape(i).compatible(ov::PartialShape{3}),
+                            "DecodeAttention: a pool is i32 [3]: its address (low, high 32 bits), its blocks");
         for (size_t i = 8; i < get_input_size(); ++i)
             OPENVINO_ASSERT(get_input_element_type(i) == ov::element::f32, "DecodeAttention: cos and sin must be f32");
         auto out = get_input_partial_shape(0);
@@ -124,23 +135,28 @@ public:
         a.value_group = m_value_group;
         a.scale = m_scale;
         a.T = static_cast<int64_t>(inputs[5].get_size());
-        const ov::Shape qs = inputs[0].get_shape(), ks = inputs[3].get_shape(), vs = inputs[4].get_shape();
+        const ov::Shape qs = inputs[0].get_shape();
         OPENVINO_ASSERT(ov::shape_size(qs) == static_cast<size_t>(a.T * a.H * a.hs) &&
                             inputs[1].get_size() == static_cast<size_t>(a.T * a.Hkv * a.hs) &&
                             inputs[2].get_size() == inputs[1].get_size(),
                         "DecodeAttention: q, k, v must hold one token per sequence");
-        const ov::Shape kwant{ks.empty() ? 0 : ks[0], size_t(a.Hkv), size_t(a.bs), size_t(attention_row(a.hs, a.key_group))};
-        const ov::Shape vwant{kwant[0], size_t(a.Hkv), size_t(a.bs), size_t(attention_row(a.hs, a.value_group))};
-        OPENVINO_ASSERT(ks == kwant && vs == vwant,
-                        "DecodeAttention: the caches must be [blocks, kv_heads, block_size, row] (attention_kernel.h)");
         OPENVINO_ASSERT(inputs[7].get_size() == static_cast<size_t>(a.T + 1),
                         "DecodeAttention: block_indices_begins must hold T + 1 offsets");
-        const auto blocks = static_cast<int64_t>(ks[0]);
+        OPENVINO_ASSERT(inputs[3].get_size() == 3 && inputs[4].get_size() == 3,
+                        "DecodeAttention: a pool is i32 [3]: its address (low, high 32 bits), its blocks");
+        const auto address = [](const ov::Tensor& pool) {
+            const auto* p = pool.data<const int32_t>();
+            return reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(static_cast<uint32_t>(p[0])) |
+                                              static_cast<uintptr_t>(static_cast<uint32_t>(p[1])) << 32);
+        };
+        const int32_t blocks = inputs[3].data<const int32_t>()[2];
+        a.key_cache = address(inputs[3]);
+        a.value_cache = address(inputs[4]);
+        OPENVINO_ASSERT(a.key_cache && a.value_cache && blocks > 0 && blocks == inputs[4].data<const int32_t>()[2],
+                        "DecodeAttention: the pools must be two addresses of as many blocks");
         a.q = inputs[0].data<const float>();
         a.k = inputs[1].data<const float>();
         a.v = inputs[2].data<const float>();
-        a.key_cache = static_cast<uint8_t*>(const_cast<void*>(inputs[3].data()));
-        a.value_cache = static_cast<uint8_t*>(const_cast<void*>(inputs[4].data()));
         a.past_lens = inputs[5].data<const int32_t>();
         a.block_indices = inputs[6].data<const int32_t>();
         a.block_begins = inputs[7].data<const int32_t>();
