@@ -250,9 +250,9 @@ def test_single_token_steps_run_ours_over_the_plugins_cache(loaded, monkeypatch,
     try:
         assert ours.attention
         assert "decode attention: ours on 30 layers, rotary embedding in the op on 30" in caplog.text
-        runtime = ours._one.get_compiled_model().get_runtime_model().get_ordered_ops()
+        runtime = ours._rows[1].get_compiled_model().get_runtime_model().get_ordered_ops()
         assert "RoPE" not in {op.get_rt_info()["layerType"].astype(str) for op in runtime}
-        names = {p.get_any_name() for p in ours._one.get_compiled_model().inputs}
+        names = {p.get_any_name() for p in ours._rows[1].get_compiled_model().inputs}
         assert not {n for n in names if "_cache." in n}  # the op reads the pool by address: no input of its size
         pools = [n for n in runtime if n.get_rt_info()["layerType"].astype(str) == "Reference"]
         assert pools  # our ops run as the plugin's reference nodes
@@ -274,7 +274,7 @@ def test_a_cache_not_u8_keeps_the_plugins_attention(loaded, monkeypatch, caplog)
     caplog.set_level("INFO", logger="appliance.runtime.kernels.attention")
     backend, _ = _backend(monkeypatch, on=True, kv="f16")
     try:
-        assert not backend.attention and backend._one is not None
+        assert not backend.attention and list(backend._rows) == [1]  # no graphs of more rows for the plugin's
     finally:
         backend.close()
     assert "decode attention: openvino (the KV cache is not u8 by token)" in caplog.text

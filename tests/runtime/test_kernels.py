@@ -983,14 +983,15 @@ def test_rows_on_ours_per_path_and_beside_amx(loaded, monkeypatch):
 
 def test_single_token_steps_run_a_graph_of_static_shapes(loaded):
     """A step of one token (batch-1 decode) runs a compiled model of the rewritten graph with one token's static
-    shapes, a padded block table's too (openvino_paged._one_token), answering as the graph of
-    dynamic shapes does; longer steps run that one. (f32: an f32 KV cache, so the plugin's attention.)"""
+    shapes, a padded block table's too (row_graphs.graph), answering as the graph of dynamic shapes does; longer
+    steps run that one, since the plugin's attention (an f32 KV cache here) gets no graphs of more rows."""
     from appliance.runtime.backends.base import StepBatch
 
     backend, vocab = _paged_backend("ours", "f32")
     try:
-        assert backend._one is not None and backend.kernels == loaded[1].label
-        shapes = {port.get_any_name(): port.get_partial_shape() for port in backend._one.model_inputs}
+        assert list(backend._rows) == [1] and backend.kernels == loaded[1].label
+        one_row = backend._rows[1]
+        shapes = {port.get_any_name(): port.get_partial_shape() for port in one_row.model_inputs}
         # the caches' too where our attention takes them (test_decode_attention); the plugin's keeps them dynamic
         assert all(shape.is_static for name, shape in shapes.items() if "_cache." not in name), shapes
         assert shapes["block_indices"][0].get_length() == -(-backend.max_context // backend.block_size)
@@ -1000,16 +1001,16 @@ def test_single_token_steps_run_a_graph_of_static_shapes(loaded):
         backend.forward(StepBatch([prompt], [0], tables[1:]))
         step = StepBatch([[first]], [len(prompt)], tables[:1])
         one = backend.forward(step)
-        assert np.shares_memory(one, backend._one.get_tensor("logits").data)
+        assert np.shares_memory(one, one_row.get_tensor("logits").data)
         one = one.copy()
         # The graph of dynamic shapes: beside OpenVINO's for prefill, or alone where ours take prefill too.
         dynamic_request = backend._small if backend._small is not None else backend.request
-        kept, backend._one = backend._one, None  # the same step again on the dynamic graph
+        backend._rows.clear()  # the same step again on the dynamic graph
         try:
             dynamic = backend.forward(step)
             assert np.shares_memory(dynamic, dynamic_request.get_tensor("logits").data)
         finally:
-            backend._one = kept
+            backend._rows[1] = one_row
         np.testing.assert_allclose(one, dynamic[0:1], rtol=0, atol=1e-4 * np.abs(dynamic).max())
         assert one.argmax() == dynamic.argmax()
         two = backend.forward(StepBatch([[first], [first]], [len(prompt)] * 2, tables))  # two sequences: 2 tokens
@@ -1019,13 +1020,14 @@ def test_single_token_steps_run_a_graph_of_static_shapes(loaded):
 
 
 def test_single_token_steps_infer_in_f32_where_ours_take_every_matmul_but_the_head(loaded):
-    """Our ops compute in f32: at the plugin's default precision the graph of one token, whose MatMuls are all ours
-    but the default model's i8 LM head, infers in f32 (no bf16 Reorders around each op); the graphs of more tokens
-    keep the plugin's default (bf16 where the CPU has it). A precision asked for is kept."""
+    """Our ops compute in f32: at the plugin's default precision the graphs of rows, whose MatMuls are all ours
+    but the default model's i8 LM head, infer in f32 (no bf16 Reorders around each op); the graph of dynamic shapes
+    keeps the plugin's default (bf16 where the CPU has it). A precision asked for is kept."""
     core, got = loaded
     backend, _ = _paged_backend("ours", None)
     try:
-        assert backend._one.get_compiled_model().get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+        for request in backend._rows.values():
+            assert request.get_compiled_model().get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
         x = ops.parameter([4], ov.Type.f32)
         default = core.compile_model(ov.Model([ops.relu(x)], [x]), "CPU")
         precision = backend.compiled.get_property("INFERENCE_PRECISION_HINT")
@@ -1034,12 +1036,12 @@ def test_single_token_steps_infer_in_f32_where_ours_take_every_matmul_but_the_he
         backend.close()
     ours = _model(["u4", "i4"], n=512)  # weights of 2^17 values
     rewrite(ours, got.factory)
-    assert kernels.one_token_properties(ours, None) == {}  # the i4 MatMul is left on OpenVINO's kernels
+    assert kernels.row_graph_properties(ours, None) == {}  # the i4 MatMul is left on OpenVINO's kernels
     ours = _model(["u4"], n=512)
-    assert kernels.one_token_properties(ours, None) == {}
+    assert kernels.row_graph_properties(ours, None) == {}
     rewrite(ours, got.factory)
-    assert kernels.one_token_properties(ours, None) == {"INFERENCE_PRECISION_HINT": "f32"}
-    assert kernels.one_token_properties(ours, "bf16") == {}
+    assert kernels.row_graph_properties(ours, None) == {"INFERENCE_PRECISION_HINT": "f32"}
+    assert kernels.row_graph_properties(ours, "bf16") == {}
 
 
 def test_a_plugin_that_refuses_our_op_leaves_openvino_serving(loaded, monkeypatch, caplog):

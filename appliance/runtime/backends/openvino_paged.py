@@ -21,6 +21,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from appliance.manifest import Manifest
 from appliance.runtime import kernels
+from appliance.runtime.backends import row_graphs
 from appliance.runtime.backends.base import Backend, StepBatch
 from appliance.runtime.backends.image_inputs import load_text_embeddings, splice_text_embeddings, step_inputs
 from appliance.runtime.backends.kv_budget import pool_blocks
@@ -55,23 +56,6 @@ def _gather_last_tokens(model: ov.Model) -> None:
     matmul.input(0).replace_source_output(gathered.output(0))
     model.add_parameters([indices])
     model.validate_nodes_and_infer_types()
-
-
-def _one_token(model: ov.Model, table: int) -> ov.Model:
-    """The rewritten graph for steps of one token (batch-1 decode, the commonest step on an edge box) with static
-    shapes but the KV pool's, and a block table of `table` entries (forward pads a sequence's). The CPU plugin runs
-    our ops as reference nodes, and where an input's shape is dynamic it infers the op's output shape at every call,
-    from a clone of the op (~7 us, 113 calls a step at Qwen2.5-1.5B); static, that and the plugin's per-node shape
-    checks go. Compiled as a third model beside the one for 1..kernel_rows tokens: it shares their constants and took
-    3.5 s more to load at Qwen2.5-1.5B, whose decode step it took to 0.923-0.952 of the time on the graph of dynamic
-    shapes (Zen 4 EPYC, engines side by side, interleaved, medians of 6-12 pairs). Our decode attention
-    (kernels/attention.py) reads the pool by address, so the cache inputs leave this graph; where the plugin's
-    attention stays, they keep the pool's dimension dynamic (its own attention took 2.03 / 2.05 ms a step either
-    way at Qwen2.5-1.5B, Zen 5), since a static one made the plugin hold a copy of the pool (attention.py)."""
-    one = model.clone()  # constants shared, not copied
-    shapes = {"input_ids": [1], "position_ids": [1], "past_lens": [1], "logits_indices": [1], "block_indices": [table]}
-    one.reshape({**shapes, "subsequence_begins": [2], "block_indices_begins": [2]})
-    return one
 
 
 def _has_input(request: ov.InferRequest, name: str) -> bool:
@@ -127,9 +111,9 @@ class OpenVINOPagedBackend(Backend):
         # Steps of at most `kernel_rows` tokens (decode, speculative verification, small batches) run our kernels;
         # longer ones (prefill) OpenVINO's where they win there (kernels.KERNEL_ROWS), each compiled model holding
         # its own weights (kernels/rewrite.py states the cost). Where ours win at every row count
-        # (kernels.EVERY_ROW), ours alone: one compiled model. Steps of one token: ours again, with static shapes
-        # (_one_token), and our attention (kernels/attention.py); a model whose layers are all under the kernels'
-        # floor runs ours there alone (kernels.ONE_TOKEN).
+        # (kernels.EVERY_ROW), ours alone: one compiled model. Steps of one token, and of up to 8 where our
+        # attention (kernels/attention.py) runs: ours again, in graphs of static shapes (row_graphs); a model whose
+        # layers are all under the kernels' floor runs ours there alone (kernels.ONE_TOKEN).
         rows = kernel_rows(self.kernels, model)
         one_only = self.kernels.endswith(kernels.ONE_TOKEN)
         ours = compile_with_kernels(model, config.device, props) if rows and not one_only else None
@@ -152,37 +136,27 @@ class OpenVINOPagedBackend(Backend):
         )
         self.num_blocks = pool_blocks(config, self.block_size, self.bytes_per_block, manifest.max_context)
         self.max_context = min(manifest.max_context, self.num_blocks * self.block_size)  # a longer one never fits
-        # The pool before the single-token graph: our attention there reads it by address (attention.rewrite).
+        # The pool before the graphs of rows: our attention there reads it by address (attention.rewrite).
         tensors, self._blocks = [], []  # per cache tensor: the tensor, its memory as uint8 [num_blocks, bytes a block]
         for port, dims in zip(cache_inputs, block_dims):
             tensor, blocks = _cache_tensor(config.device, port.get_element_type(), [self.num_blocks] + dims)
             tensors.append(tensor)
             self._blocks.append(blocks)
         pools = {p.get_any_name(): (b.ctypes.data, self.num_blocks) for p, b in zip(cache_inputs, self._blocks)}
-        one, self.attention = None, False
-        self._table = -(-self.max_context // self.block_size)  # a one-token step's block table, padded
-        if (ours is not None or one_only) and not self.vlm:  # single-token steps: ours in a graph of static shapes
-            single = _one_token(model, self._table)
-            if attend:
-                name = model_name(model_dir)
-                self.attention = attention.apply(single, core(), config.kernels, cache_inputs, pools, name)
-            try:
-                one = core().compile_model(
-                    single, config.device, {**props, **kernels.one_token_properties(single, config.precision)}
-                )
-            except Exception as exc:  # an optimisation: the graph of dynamic shapes takes those steps instead
-                log.warning("one-token graph not compiled (%s): single-token steps run the dynamic one", exc)
-                self.attention = False
-        self._one = one.create_infer_request() if one is not None else None
-        if ours is None and one is None:
+        self._table = -(-self.max_context // self.block_size)  # a row's block table, padded (row_graphs)
+        self.attention = False
+        self._rows: dict[int, ov.InferRequest] = {}  # rows -> the request of row_graphs' graph of that many
+        if (ours is not None or one_only) and not self.vlm:  # steps of a few tokens: ours in graphs of static shapes
+            self._rows = self._row_graphs(model, config, props, attend, cache_inputs, pools, model_name(model_dir))
+        if ours is None and not self._rows:
             self.kernels, rows = "openvino", 0
         self.kernel_rows = rows
-        del native, model, ours, small, one
-        # per request: input name -> numpy view of the tensor bound to it
-        self._inputs: dict[int, dict[str, np.ndarray]] = {id(r): {} for r in (self.request, self._small, self._one)}
+        del native, model, ours, small
+        requests = [r for r in (self.request, self._small, *self._rows.values()) if r is not None]
+        self._inputs: dict[int, dict[str, np.ndarray]] = {id(r): {} for r in requests}  # name -> bound array
         for port, tensor in zip(cache_inputs, tensors):
-            for request in (self.request, self._small, self._one):
-                if request is not None and _has_input(request, port.get_any_name()):
+            for request in requests:
+                if _has_input(request, port.get_any_name()):
                     request.set_tensor(port.get_any_name(), tensor)
         self.cache_bytes = self.num_blocks * self.bytes_per_block
         self.kv_precision = cache_inputs[0].get_element_type().get_type_name()  # "u8", not "<Type: 'uint8_t'>"
@@ -198,11 +172,48 @@ class OpenVINOPagedBackend(Backend):
             self.cache_bytes / 2**20,
         )
 
+    def _row_graphs(
+        self,
+        model: ov.Model,
+        config: EngineConfig,
+        props: dict,
+        attend: bool,
+        ports: list[ov.Output],
+        pools: dict[str, tuple[int, int]],
+        name: str,
+    ) -> dict[int, ov.InferRequest]:
+        """row_graphs.ROWS's graphs, compiled, where our attention runs in them; else the graph of one row (the
+        plugin's attention there: row_graphs); {} where even that one does not compile (the graph of dynamic shapes
+        then takes those steps: an optimisation). Sets self.attention."""
+        requests: dict[int, ov.InferRequest] = {}
+        for rows in row_graphs.rows_wanted():
+            graph = row_graphs.graph(model, rows, self._table)
+            ours = attend and attention.apply(graph, core(), config.kernels, ports, pools, name, quiet=rows > 1)
+            if rows > 1 and not ours:
+                break
+            self.attention = ours
+            try:
+                extra = kernels.row_graph_properties(graph, config.precision)
+                compiled = core().compile_model(graph, config.device, {**props, **extra})
+            except Exception as exc:
+                log.warning("the graph of %d rows not compiled (%s): such steps run the dynamic one", rows, exc)
+                self.attention = self.attention and rows > 1
+                break
+            requests[rows] = compiled.create_infer_request()
+            if not ours:
+                break
+        return requests
+
+    def _rows_for(self, tokens: int) -> int:
+        """The rows of the graph a step of `tokens` tokens runs (row_graphs), or 0."""
+        return next((rows for rows in self._rows if rows >= tokens), 0)
+
     def request_for(self, tokens: int) -> ov.InferRequest:
-        """The compiled model a step of `tokens` tokens runs: the graph of static shapes for one token, ours of
-        dynamic shapes up to kernel_rows, else the one for every step (prefill)."""
-        if tokens == 1 and self._one is not None:
-            return self._one
+        """The compiled model a step of `tokens` tokens runs: a graph of static shapes with as many rows or a few
+        more, ours of dynamic shapes up to kernel_rows, else the one for every step (prefill)."""
+        rows = self._rows_for(tokens)
+        if rows:
+            return self._rows[rows]
         if self._small is not None and tokens <= self.kernel_rows:
             return self._small
         return self.request
@@ -234,22 +245,18 @@ class OpenVINOPagedBackend(Backend):
             logits_indices = np.repeat(begins[1:] - counts, counts) + _ranges(counts)
         else:
             flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
-        request = self.request_for(total)
-        if request is self._one:  # its block table has a static length
-            blocks = np.concatenate([blocks, np.zeros(self._table - len(blocks), np.int32)])
-        views = self._inputs[id(request)]
-        feed = [("input_ids", ids), ("position_ids", positions)]
+        rows, request = self._rows_for(total), self.request_for(total)
+        if rows:
+            arrays = row_graphs.row_inputs(rows, self._table, ids, positions, lens, used, blocks, block_begins)
+        else:
+            arrays = {"input_ids": ids, "position_ids": positions, "past_lens": past, "subsequence_begins": begins}
+            arrays |= {"block_indices": blocks, "block_indices_begins": block_begins}
         if self.vlm:  # the image rows (none: k = 0) and the positions, 3-D for M-RoPE
-            feed = [("input_ids", ids), *step_inputs(batch, begins, positions, self.hidden_size, self.mrope).items()]
-        for name, value in (
-            *feed,
-            ("past_lens", past),
-            ("subsequence_begins", begins),
-            ("block_indices", blocks),
-            ("block_indices_begins", block_begins),
-            ("max_context_len", np.array(int((past + lens).max()), np.int32)),
-            ("logits_indices", logits_indices.astype(np.int64, copy=False)),
-        ):
+            arrays |= step_inputs(batch, begins, positions, self.hidden_size, self.mrope)
+        arrays["max_context_len"] = np.array(int((past + lens).max()), np.int32)
+        arrays["logits_indices"] = logits_indices.astype(np.int64, copy=False)
+        views = self._inputs[id(request)]
+        for name, value in arrays.items():
             view = views.get(name)
             if view is not None and view.shape == value.shape:
                 view[...] = value  # decode steps keep their shapes: write into the bound tensor
@@ -262,10 +269,10 @@ class OpenVINOPagedBackend(Backend):
         logits = request.get_tensor("logits").data
         if flags is None:
             return logits.reshape(n, -1)
-        rows = np.array(logits, dtype=np.float32).reshape(len(logits_indices), -1)  # kept past this call
+        kept = np.array(logits, dtype=np.float32).reshape(len(logits_indices), -1)  # kept past this call
         ends = np.cumsum(counts)
-        batch.position_logits = [rows[e - c : e] if f else None for e, c, f in zip(ends, counts, flags)]
-        return rows[ends - 1]
+        batch.position_logits = [kept[e - c : e] if f else None for e, c, f in zip(ends, counts, flags)]
+        return kept[ends - 1]
 
     def copy_blocks(self, pairs: list[tuple[int, int]], num_tokens: list[int] | None = None) -> None:
         """Whole blocks, every key_cache / value_cache tensor, in place through numpy views of their memory (a
@@ -292,6 +299,7 @@ class OpenVINOPagedBackend(Backend):
             at += n
 
     def close(self) -> None:
-        self.request = self._small = self._one = None  # before the pool: the single-token graph holds its address
+        self.request = self._small = None  # the graphs before the pool: those of rows hold its address
+        self._rows.clear()
         self.compiled = None
         self._blocks.clear()

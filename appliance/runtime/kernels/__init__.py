@@ -105,14 +105,15 @@ LANES_ROWS_BESIDE_AMX = 32
 # measured there since). APPLIANCE_KERNELS_MIN_WEIGHTS overrides (tests).
 MIN_WEIGHTS = {"avx2": 1 << 21, "avxvnni": 1 << 22, "avx512vnni": 1 << 21}
 MIN_WEIGHTS_ENV = "APPLIANCE_KERNELS_MIN_WEIGHTS"
-# Where a backend runs single-token steps on a graph of static shapes (openvino_paged._one_token), the plugin no
+# Where a backend runs steps of a few tokens on graphs of static shapes (backends/row_graphs.py), the plugin no
 # longer infers our op's shape per call, and the floor's cost is mostly gone there: a model with no MatMul at the
-# floor (the default 135M model, every layer under 1M weights) takes ours on all of them in that graph alone
-# (apply's `one_token`), its label ending in ONE_TOKEN; steps of more tokens keep OpenVINO's. The default model's
+# floor (the default 135M model, every layer under 1M weights) takes ours on all of them in those graphs alone
+# (apply's `one_token`), its label ending in ONE_TOKEN; longer steps keep OpenVINO's. The default model's
 # batch-1 decode step, ours in that graph / OpenVINO's: 0.674 on AVX512-VNNI, 0.613 on AVX-VNNI, 0.570 on AVX2
 # (2-vCPU Zen 5 EPYC, the plugin capped to AVX2_VNNI / AVX2 for the last two; two engines interleaved, medians of
 # 12-16 reps of 32 steps); the same graph with OpenVINO's kernels 0.942. Ours on every layer in the dynamic graph
-# instead: 1.05 / 1.08 of OpenVINO's time at steps of 2 / 8 tokens (AVX512-VNNI), hence the graph of one token only.
+# instead: 1.05 / 1.08 of OpenVINO's time at steps of 2 / 8 tokens (AVX512-VNNI), hence the graphs of static shapes
+# only (row_graphs says what they take).
 ONE_TOKEN = "/one-token"
 # 1: the attention projections' ops also run their activations' int8 rounding error (rewrite.ATTENTION_PROJ, the
 # op's `residual`). Off by default: at Qwen2.5-1.5B on the AVX2 Zen 1 box it took the next-token TVD from OpenVINO's
@@ -144,8 +145,8 @@ def rows(isa: str, fits: bool) -> int:
     return LANES_ROWS_BESIDE_AMX if isa == "avx512vnni" else most
 
 
-def one_token_properties(model: Any, precision: str | None) -> dict[str, Any]:
-    """Compile properties of the single-token graph (openvino_paged._one_token) over the plugin's defaults: f32
+def row_graph_properties(model: Any, precision: str | None) -> dict[str, Any]:
+    """Compile properties of the graphs of rows (backends/row_graphs.py) over the plugin's defaults: f32
     inference where our ops take every MatMul but the LM head and no precision was asked for. Our ops compute in f32;
     under the plugin's default bf16 (CPUs with AVX512-BF16 or AMX) each sat between Reorders to and from bf16 and the
     RoPE nodes ran the plugin's reference bf16 path: 113 of the 431 nodes a step ran at Qwen2.5-1.5B. Measured as two
@@ -153,9 +154,12 @@ def one_token_properties(model: Any, precision: str | None) -> dict[str, Any]:
     to 13% whatever they ran), interleaved, medians of 4-12 pairs of 32 steps, 2-vCPU Zen 5 EPYC
     (AVX512-BF16, no AMX): the bf16 step took 1.021-1.045x the f32 one at Qwen2.5-1.5B (five processes, 128- and
     512-token contexts, every pair above 1), 1.011-1.015x with the plugin's attention in the graph, 1.105 / 1.072x at
-    the default 135M model (64 / 512 tokens), whose LM head stays OpenVINO's. Logits come nearer f32's. Steps of
-    more tokens keep the plugin's precision: f32 took 0.96x bf16's time at 4 sequences, 1.00x at 8, 1.01x
-    verifying 5 tokens. Boxes without bf16 infer in f32 already (cpu_isa.plugin_properties)."""
+    the default 135M model (64 / 512 tokens), whose LM head stays OpenVINO's. Logits come nearer f32's. The graphs
+    of more rows too: at the default model on a 2-vCPU Xeon with AMX, one sequence feeding 2 / 4 / 6 tokens took
+    8.2-8.4 / 10.4-10.7 / 13.6-14.2 ms in f32 against 9.6-10.1 / 12.2-12.4 / 15.7 in bf16 (bench.speculative --only
+    shapes, two runs each). The graph of dynamic shapes keeps the plugin's precision: f32 took 0.96x bf16's time
+    there at 4 sequences, 1.00x at 8, 1.01x verifying 5 tokens. Boxes without bf16 infer in f32 already
+    (cpu_isa.plugin_properties)."""
     from appliance.runtime.kernels.rewrite import native_matmuls
 
     if precision is None and not native_matmuls(model):

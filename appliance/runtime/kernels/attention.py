@@ -1,6 +1,6 @@
-"""At load: the single-token graph's PagedAttentionExtension nodes become our DecodeAttention op
-(decode_attention.cpp). It reads and writes the same u8 cache, quantized by token, that the plugin's paged attention
-uses in the other graphs (prefill, verification, batches).
+"""At load: the PagedAttentionExtension nodes of the graphs of rows (steps of up to 8 tokens: backends/row_graphs.py)
+become our DecodeAttention op (decode_attention.cpp). It reads and writes the same u8 cache, quantized by token, that
+the plugin's paged attention uses in the graph of dynamic shapes (prefill, longer steps).
 
 Why: at Qwen2.5-1.5B batch-1 decode on a 2-vCPU Zen 5 EPYC, the plugin's paged attention over its u8 cache took
 0.95 / 2.96 / 5.04 ms of a 19-28 ms step at 64 / 512 / 1500-token contexts (bench.profile), ~120-200 ns per token and
@@ -9,7 +9,7 @@ dequantizes each cached key in registers once per group of up to 4 query heads a
 in registers across a run of tokens. In that step (bench.profile --steps 32 --reps 3, runs alternated with ENV=0) it
 took 1.34 / 1.32 ms against 2.26 / 2.09 at 512 tokens, and 2.36 / 2.64 against 4.99 / 5.70 at 1500. The graph's
 static shapes matter: with the pool's dimension dynamic the plugin infers the op's shape at every call, and it took
-1.6-1.9 ms at 512 (openvino_paged._one_token). The whole step, one backend holding the single-token graph compiled
+1.6-1.9 ms at 512 (row_graphs.graph). The whole step, one backend holding the single-token graph compiled
 twice (ours, the plugin's attention; the same weights and cache), interleaved, medians of 10-12 pairs: the plugin's
 step took 1.090 / 1.170x ours at 512 / 1500 tokens at Qwen2.5-1.5B and 1.158 / 1.137x at 128 / 512 at the default
 model; with the box capped to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, APPLIANCE_KERNELS_ISA=avx2: our 256-bit kernels,
@@ -24,7 +24,7 @@ next-token TVD against an f32 cache, over the default model's prefill, 6 single-
 0.0121 in groups of 32 on the plugin's attention, and 0.0145 with ours in the single-token steps.
 
 The op reads the pool by address (pool_input, set when the graph is built; the backend allocates the pool first and
-frees it last), so the cache tensors are not inputs of the single-token graph. As inputs of the pool's static shape
+frees it last), so the cache tensors are not inputs of the graphs of rows. As inputs of the pool's static shape
 they cost memory twice: compiling the graph allocated and wrote a buffer of the pool's size, and binding the
 backend's pool to it wrote every page of that calloc'ed memory, which otherwise stays unmapped until blocks are used.
 The default model's engine after load (KV budget 213 MB, the auto size on a 24 GB box): 948 MB RSS with the cache
@@ -205,10 +205,11 @@ def apply(
     ports: list[ov.Output],
     pools: dict[str, tuple[int, int]],
     name: str = "",
+    quiet: bool = False,
 ) -> bool:
-    """Our attention in `model` (the single-token graph, before compiling) where the compiled cache inputs `ports`
-    are u8 by token and every attention node fits, over the cache tensors at `pools` (rewrite); one log line says
-    which attention runs. Never raises."""
+    """Our attention in `model` (a graph of rows, before compiling: row_graphs) where the compiled cache inputs
+    `ports` are u8 by token and every attention node fits, over the cache tensors at `pools` (rewrite); one log
+    line says which attention runs (`quiet`: at debug level, for the graphs after the first). Never raises."""
     caches = by_token(ports)
     why, count, rotated = "", 0, 0
     if not caches:
@@ -224,10 +225,11 @@ def apply(
                 why = f"rewrite failed: {exc}"
             else:
                 why = "" if count else "an attention node uses what ours does not (window, ALiBi, eviction)"
+    say = log.debug if quiet else log.info
     if not count:
-        log.info("decode attention: openvino (%s)", why, extra={"model": name, "attention": "openvino", "reason": why})
+        say("decode attention: openvino (%s)", why, extra={"model": name, "attention": "openvino", "reason": why})
         return False
-    log.info(
+    say(
         "decode attention: ours on %d layers, rotary embedding in the op on %d",
         count,
         rotated,

@@ -449,7 +449,7 @@ def _from_constants(output: ov.Output) -> bool:
 
 def native_matmuls(model: ov.Model, floor: int = 1 << 16) -> list[ov.Node]:
     """The MatMuls of `model` left on OpenVINO's kernels whose weight (an input computed from constants alone) holds
-    `floor` values or more, the LM head excepted (kernels.one_token_properties)."""
+    `floor` values or more, the LM head excepted (kernels.row_graph_properties)."""
     head = logits_op(model)
     found = []
     for node in model.get_ordered_ops():

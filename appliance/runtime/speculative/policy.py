@@ -18,12 +18,12 @@ bench shows +47%); the grid is made monotone (more never costs less). The KV con
 the sequences share one block table at a 256-token past and nothing is prefilled. That is 48 forwards of at most
 24 tokens; the engine logs the time and the table (docs/performance.md has the measured load times).
 
-n = 2 is timed, not interpolated, because the cost is not linear across it where a backend runs a step of one
-token on another compiled model than a step of more (the paged backend's single-token graph on our kernels,
-kernels.ONE_TOKEN): on the default 135M model on a Zen 5 box the table had one token at 7.4 ms and three at 13.7,
-so the line put two at 10.5, while the engine's steps of two took 13.8 (`python -m bench.speculative --only
-profile`); the policy took k = 1 at acceptances above ~0.57 and those steps made 1.35 tokens in 14.3 ms against
-plain's 1 in 8.5.
+n = 2 is timed, not interpolated, because the cost is not linear across it where a backend runs a step of one token
+on another compiled model than a step of more (the paged backend's graphs of rows on our kernels,
+backends/row_graphs.py): on the default 135M model, before steps of 2-8 tokens had graphs of their own, on a Zen 5
+box the table had one token at 7.4 ms and three at 13.7, so the line put two at 10.5, while the engine's steps of
+two took 13.8 (`python -m bench.speculative --only profile`); the policy took k = 1 at acceptances above ~0.57 and
+those steps made 1.35 tokens in 14.3 ms against plain's 1 in 8.5.
 
 `SpeculationPolicy.plan` then decides per step, from that table, the current batch and each sequence's running
 acceptance a_i (SpecState.rate: decayed counts of accepted / rejected draft positions): with a draft accepted
