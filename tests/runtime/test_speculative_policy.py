@@ -11,6 +11,8 @@
 - In the engine's Speculation (with a fake proposer): the sequences the plan leaves out get a shadow draft that is
   checked against the tokens the next steps produce, so their running acceptance keeps up and they speculate again
   once a whole draft would have been kept, not after one kept token.
+- Where the backend runs a step's count of tokens on a graph of its own (Backend.fixed_shapes), a draft is fed
+  unpadded, a change of the count pays no switch, and the switch is timed on the counts past those graphs.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ def per_token(seconds: float = 0.01) -> StepCosts:
     return StepCosts((1, 2, 4), (1, 3), tuple(tuple(seconds * b * n for n in (1, 3)) for b in (1, 2, 4)))
 
 
-def speculation(costs: StepCosts) -> tuple[Scheduler, Speculation]:
-    """The engine's Speculation over a fresh scheduler, one fake proposer drafting 51, 52, 53, and `costs`."""
+def speculation(costs: StepCosts, fixed_shapes: int = 0) -> tuple[Scheduler, Speculation]:
+    """The engine's Speculation over a fresh scheduler, one fake proposer drafting 51, 52, 53, and `costs`; the
+    backend's graphs of static shapes hold steps of up to `fixed_shapes` tokens."""
     sched = make_scheduler()
     counters = {"draft_tokens": 0, "accepted_draft_tokens": 0}
-    return sched, Speculation({"fake": FakeProposer([51, 52, 53])}, sched, EngineConfig(), counters, costs=costs)
+    proposers = {"fake": FakeProposer([51, 52, 53])}
+    return sched, Speculation(proposers, sched, EngineConfig(), counters, costs=costs, fixed_shapes=fixed_shapes)
 
 
 def test_expected_drafts():
@@ -270,3 +274,52 @@ def test_rejected_never_counts_positions_a_verification_has_not_reached():
     spec.pending = 0  # position 3 missed: the verification is over
     seen.append(spec.rejected)
     assert seen == [0, 0, 0, 1]
+
+
+@pytest.mark.parametrize(("fixed", "draft"), [(0, [51, 52, 53, 53, 53]), (4, [51, 52, 53, 53, 53]), (6, [51, 52, 53])])
+def test_drafts_are_padded_to_k_only_past_the_backends_fixed_shapes(fixed, draft):
+    """A memory-bound table drafts k = 5 at batch 1 (6 tokens fed). A draft of 3 is padded to 5 where a change of
+    the fed count may make the graph re-plan; where the backend runs 6 tokens on a graph of their own it is fed as
+    it is, and such a step is observed although its count changed."""
+    sched, spec = speculation(flat(), fixed_shapes=fixed)
+    (seq,) = decoding(sched, "s")
+    spec.propose()
+    assert seq.draft == draft
+    fed = 1 + len(draft)  # the last step fed none: a change of shape, observed only inside the fixed shapes
+    assert spec.planned == ((1, fed) if fed <= fixed else (0, 0))
+
+
+def test_a_change_within_the_fixed_shapes_pays_no_switch():
+    """A switch that dwarfs the step keeps the plan from changing the fed shape, but not among counts the backend
+    runs on graphs of their own (StepCosts.fixed)."""
+    slow = StepCosts((1, 2, 4), (1, 3), ((0.02,) * 2,) * 3, switch=1.0)
+    kept = SpeculationPolicy(slow)
+    kept.fed(1)
+    assert kept.plan(1, [0.9], 2, 64).k == 0
+    free = SpeculationPolicy(StepCosts((1, 2, 4), (1, 3), ((0.02,) * 2,) * 3, switch=1.0, fixed=8))
+    free.fed(1)
+    assert free.plan(1, [0.9], 2, 64).k == 2
+
+
+def test_the_switch_is_timed_past_the_fixed_shapes():
+    """measure_step_costs takes the switch cost from the points the backend's graphs of static shapes do not hold."""
+    calls: list[tuple[int, int]] = []
+
+    def forward(b: int, n: int) -> None:
+        first = not calls or calls[-1] != (b, n)
+        calls.append((b, n))
+        if first and b * n > 4:  # a re-plan on the graph of dynamic shapes
+            sleep_until(0.004)
+
+    costs = measure_step_costs(forward, (1, 2), (1, 3), rounds=1, fixed=4)
+    assert costs.fixed == 4 and costs.switch >= 0.003
+    assert measure_step_costs(forward, (1,), (1, 3), rounds=1, fixed=4).switch == 0.0  # no point past it
+
+
+def sleep_until(seconds: float) -> None:
+    """Busy for `seconds` (a stand-in for a graph's re-plan: time.sleep may return early or late by more)."""
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass

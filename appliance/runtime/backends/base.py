@@ -47,6 +47,9 @@ class Backend(ABC):
     max_context: int  # longest sequence the KV layout can hold
     max_prompt: int | None = None  # longest prompt (static shapes: OVMS's max_prompt_len), None: max_context's
     kernels: str = "openvino"  # which kernels run the low-bit MatMuls: "openvino" or "appliance-<isa>[/one-token]"
+    # Steps of at most this many tokens run compiled graphs of static shapes, one per count (row_graphs.py): the
+    # number of tokens fed may change between such steps at no cost. 0: a change may make the graph re-plan.
+    fixed_shapes: int = 0
 
     @abstractmethod
     def forward(self, batch: StepBatch) -> np.ndarray: ...

@@ -148,6 +148,7 @@ class OpenVINOPagedBackend(Backend):
         self._rows: dict[int, ov.InferRequest] = {}  # rows -> the request of row_graphs' graph of that many
         if (ours is not None or one_only) and not self.vlm:  # steps of a few tokens: ours in graphs of static shapes
             self._rows = self._row_graphs(model, config, props, attend, cache_inputs, pools, model_name(model_dir))
+        self.fixed_shapes = max(self._rows, default=0)
         if ours is None and not self._rows:
             self.kernels, rows = "openvino", 0
         self.kernel_rows = rows

@@ -110,7 +110,9 @@ class Engine(Admission, Liveness):
         costs = (
             measure(self.backend, self.pool, self.config.speculation_max_batch) if self.config.speculative() else None
         )
-        self.speculation = Speculation(self.proposers, self.scheduler, self.config, self.counters, costs)
+        self.speculation = Speculation(
+            self.proposers, self.scheduler, self.config, self.counters, costs, self.backend.fixed_shapes
+        )
         self.beams = BeamSearches(self.scheduler, self.pool, self.tokenizer, self._copy_tails, self.counters)
         self.heartbeat = time.monotonic()
         self.dead: BaseException | None = None

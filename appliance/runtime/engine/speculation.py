@@ -15,7 +15,10 @@ changes from one call to the next (+25-35% of a default-model step at batch 1), 
 constant count cost the same (`python -m bench.speculative --only shapes`); with adaptive, often empty drafts 64% of
 the steps fed one token and prompt lookup reached 1.44x the plain engine on grounded prompts, padded 2.3-2.4x
 (docs/performance.md). Padding is verified like a draft (a filler token the model draws is kept) but not counted
-as one.
+as one. Not where the step's tokens fit the backend's graphs of static shapes (Backend.fixed_shapes: the paged
+backend's graphs of rows, one compiled per count): there a change of the count costs nothing and filler costs its
+rows (the default model verifying 3 tokens took 9.4-9.9 ms, 6 tokens 13.6-14.2), so a draft is fed as it is, and
+no draft none.
 
 Rollback costs nothing: KV written for rejected positions lies past num_computed and is overwritten by the next
 step; blocks allocated only for them go back to the pool (Scheduler.rollback), and only blocks full of accepted
@@ -109,7 +112,7 @@ def measure(backend: Backend, pool: BlockPool, max_batch: int) -> StepCosts | No
             ids = rng.integers(100, 1000, (b, n)).tolist()
             backend.forward(StepBatch(ids, [context] * b, [blocks] * b, all_logits=[True] * b if n > 1 else None))
 
-        costs = measure_step_costs(forward, [b for b in BATCHES if b <= max_batch] or [1])
+        costs = measure_step_costs(forward, [b for b in BATCHES if b <= max_batch] or [1], fixed=backend.fixed_shapes)
     finally:
         pool.free(blocks)
     log.info(
@@ -133,8 +136,10 @@ class Speculation:
         config: EngineConfig,
         counters: dict[str, int],
         costs: StepCosts | None = None,
+        fixed_shapes: int = 0,
     ):
         self.proposers, self.scheduler, self.config, self.counters = proposers, scheduler, config, counters
+        self.fixed_shapes = fixed_shapes  # the backend's (Backend.fixed_shapes): up to it, drafts go unpadded
         self.policy = SpeculationPolicy(costs) if costs is not None and proposers else None
         self.draft_cost: dict[str, float] = {}  # proposer -> seconds per drafted token (adaptive proposers)
         self.planned = (0, 0)  # this step's decoding sequences and the tokens they feed, as `propose` left them
@@ -241,6 +246,7 @@ class Speculation:
             assert seq.spec is not None
             asks.setdefault(seq.spec.proposer, []).append((seq, k))
         shadowed = {id(seq) for seq, _ in shadows}
+        pad = len(decoding) + sum(k for _, k in candidates) > self.fixed_shapes  # the module docstring
         for name, batch in asks.items():
             proposer = self.proposers[name]
             t0 = time.perf_counter()
@@ -256,7 +262,7 @@ class Speculation:
                 assert seq.spec is not None
                 tokens = [int(t) for t in draft[:k]]
                 real = len(tokens)
-                if tokens or not proposer.adaptive:  # the same fed shape every step (module docstring)
+                if pad and (tokens or not proposer.adaptive):  # the same fed shape every step (module docstring)
                     tokens += [tokens[-1] if tokens else seq.token_ids[-1]] * (k - len(tokens))
                 if id(seq) in shadowed:  # what a verification would feed, padding included
                     seq.spec.shadow = (len(seq.token_ids), tuple(tokens))
@@ -267,10 +273,11 @@ class Speculation:
 
     def _planned(self, b: int, fed: int) -> None:
         """This step's b decoding sequences feed `fed` tokens in all (for the policy's next shape, and to
-        `observe` the step's time if the schedule runs them alone and uncut, in the last step's shape)."""
+        `observe` the step's time if the schedule runs them alone and uncut, in the last step's shape or in a graph
+        of static shapes)."""
         if self.policy is None:
             return
-        self.planned = (b, fed) if fed == self.policy.last_fed else (0, 0)
+        self.planned = (b, fed) if fed == self.policy.last_fed or fed <= self.fixed_shapes else (0, 0)
         self.policy.fed(fed)
 
     def observe(self, sequences: int, tokens: int, seconds: float) -> None:

@@ -61,7 +61,9 @@ and a 30 ms switch); if not, the policy speculates again from the next step on.
 
 A change of the fed shape costs `switch` once,
 so a plan that changes the step's shape must beat keeping the last one by that cost spread over the next
-`horizon` steps: the plan does not flicker between two near-equal shapes.
+`horizon` steps: the plan does not flicker between two near-equal shapes. Not where the backend runs the step's
+count on a graph of its own (StepCosts.fixed, Backend.fixed_shapes: the paged backend's graphs of rows): those
+shapes never change.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ class StepCosts:
     seconds: tuple[tuple[float, ...], ...]  # [batch index][fed index]
     switch: float = 0.0
     measured_s: float = 0.0  # how long the measurement took
+    fixed: int = 0  # steps of at most this many tokens change shape at no cost (Backend.fixed_shapes)
 
     def cost(self, b: int, n: float) -> float:
         """Seconds of a step of b sequences feeding n tokens each on average: linear in n between the measured
@@ -130,10 +133,12 @@ def measure_step_costs(
     batches: Sequence[int] = BATCHES,
     fed: Sequence[int] = FED,
     rounds: int = ROUNDS,
+    fixed: int = 0,
 ) -> StepCosts:
     """Time `forward(b, n)` (one backend call of b sequences feeding n tokens each) on the grid, round by round
     (a drift of the box's load then touches every point alike): per point and round a call that takes the shape,
-    then a timed one; per point the median over the rounds."""
+    then a timed one; per point the median over the rounds. `fixed`: the backend's Backend.fixed_shapes (the
+    switch cost is taken from the points past it)."""
     t_start = time.perf_counter()
     points = [(b, n) for b in batches for n in fed]
     steady: dict[tuple[int, int], list[float]] = {p: [] for p in points}
@@ -146,14 +151,16 @@ def measure_step_costs(
             forward(b, n)
             t2 = time.perf_counter()
             steady[(b, n)].append(t2 - t1)
-            switches.append(max(0.0, (t1 - t0) - (t2 - t1)))
+            if b * n > fixed:
+                switches.append(max(0.0, (t1 - t0) - (t2 - t1)))
     seconds = [[statistics.median(steady[(b, n)]) for n in fed] for b in batches]
     return StepCosts(
         tuple(batches),
         tuple(fed),
         monotone(seconds),
-        switch=statistics.median(switches),
+        switch=statistics.median(switches) if switches else 0.0,
         measured_s=time.perf_counter() - t_start,
+        fixed=fixed,
     )
 
 
@@ -214,7 +221,7 @@ class SpeculationPolicy:
         self.probe = False
 
         def penalty(fed: int) -> float:
-            return switch if self.last_fed and fed != self.last_fed else 0.0
+            return switch if self.last_fed and fed != self.last_fed and fed > self.costs.fixed else 0.0
 
         plain_step = cost(b, 1) + penalty(b)
         plain_rate = b / plain_step
