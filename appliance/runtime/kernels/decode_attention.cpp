@@ -1,14 +1,13 @@
-// DecodeAttention: paged attention of one new token per sequence over the CPU plugin's u8 KV cache quantized by
-// token (attention_kernel.h), as an OpenVINO custom op in the graphs of single-token rows (attention.py puts it in
-// place of PagedAttentionExtension there; prefill keeps the plugin's). Inputs: q [T, H * hs], k and v [T, Hkv * hs],
-// the key and the value pool (i32 [3]: the address of the cache tensor's memory, u8 [blocks, Hkv, bs, row] as
-// attention_kernel.h lays it out, in its low and high 32 bits, and its number of blocks; i32, since the CPU plugin
-// runs i64 as i32), past_lens [T], block_indices, block_indices_begins
-// [T + 1], and with `rope` 1 cos and sin (f32 [T, hs]). Attributes: heads, kv_heads, head_size, block_size,
-// key_group, value_group (values per quantization group of a row), scale, wide (0: the 256-bit kernels even where
-// the CPU has AVX-512, as APPLIANCE_KERNELS_ISA asks for a narrower path: attention.py), rope (1: q and k arrive
-// before their rotary embedding, which the op applies as the graph did: x * cos + rotate_half(x) * sin per head,
-// rope.py). Output f32 [T, H * hs].
+// DecodeAttention: paged attention of one new token per row over the CPU plugin's u8 KV cache quantized by token
+// (attention_kernel.h), as an OpenVINO custom op in the graphs of rows (backends/row_graphs.py; attention.py puts it
+// in place of PagedAttentionExtension there; prefill keeps the plugin's). Inputs: q [T, H * hs], k and v
+// [T, Hkv * hs], the key and the value pool (i32 [3]: the address of the cache tensor's memory, u8 [blocks, Hkv, bs,
+// row] as attention_kernel.h lays it out, in its low and high 32 bits, then its number of blocks; i32, since the CPU
+// plugin runs i64 as i32), past_lens [T], block_indices, block_indices_begins [T + 1], and with `rope` 1 cos and sin
+// (f32 [T, hs]). Attributes: heads, kv_heads, head_size, block_size, key_group, value_group (values per quantization
+// group of a row), scale, wide (0: the 256-bit kernels even where the CPU has AVX-512, as APPLIANCE_KERNELS_ISA asks
+// for a narrower path: attention.py), rope (1: q and k arrive before their rotary embedding, which the op applies as
+// the graph did: x * cos + rotate_half(x) * sin per head, rope.py). Output f32 [T, H * hs].
 // The pools come as addresses, not as the cache tensors themselves: a graph input of the pool's static shape made
 // the CPU plugin allocate and write a buffer of the pool's size for every compiled graph, and touch all of the
 // backend's pool when it was bound (attention.py says what that cost). The backend allocates the pool before these
