@@ -62,8 +62,8 @@ and a 30 ms switch); if not, the policy speculates again from the next step on.
 A change of the fed shape costs `switch` once,
 so a plan that changes the step's shape must beat keeping the last one by that cost spread over the next
 `horizon` steps: the plan does not flicker between two near-equal shapes. Not where the backend runs the step's
-count on a graph of its own (StepCosts.fixed, Backend.fixed_shapes: the paged backend's graphs of rows): those
-shapes never change.
+count on a graph of its own (StepCosts.fixed, Backend.fixed_shapes: the paged backend's graphs of rows): a graph of
+static shapes is never re-planned.
 """
 
 from __future__ import annotations
