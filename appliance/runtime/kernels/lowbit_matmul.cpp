@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <openvino/core/extension.hpp>
@@ -102,12 +103,19 @@ int64_t ahead_bytes() {
 // and the last op of a graph (the LM head) reads nothing ahead, so none is left running when an inference returns.
 // Our ops end it first, before their checks can throw. An inference that fails in a node between two of ours leaves
 // it to finish its at most ahead_bytes() alone (tens of us at the box's bandwidth), far inside any unload of a model.
+// A task TBB starts late (it was queued while no thread was free) reads nothing: the gap it was for is over, and
+// the model whose weights it points at may have been unloaded since (a thread picking it up during a later
+// compile_model would read freed memory).
+constexpr std::chrono::microseconds READ_AHEAD_START{1000};
+
 void read_ahead(const ov::Tensor& next, uint64_t call) {
     if (tbb::this_task_arena::max_concurrency() <= 1) return;
     const auto* bytes = static_cast<const char*>(next.data());
     const int64_t size = static_cast<int64_t>(next.get_byte_size());
     const int64_t from = size / 2 / 4096 * 4096, to = std::min(size, from + ahead_bytes());
-    tbb::this_task_arena::enqueue([bytes, from, to, call] {
+    const auto queued = std::chrono::steady_clock::now();
+    tbb::this_task_arena::enqueue([bytes, from, to, call, queued] {
+        if (std::chrono::steady_clock::now() - queued > READ_AHEAD_START) return;
         uint64_t sum = 0;
         for (int64_t page = from; page < to && g_calls.load(std::memory_order_relaxed) == call; page += 4096)
             for (int64_t at = page; at < std::min(to, page + 4096); at += 64)
