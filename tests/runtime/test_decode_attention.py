@@ -254,8 +254,8 @@ def test_single_token_steps_run_ours_over_the_plugins_cache(loaded, monkeypatch,
         assert "RoPE" not in {op.get_rt_info()["layerType"].astype(str) for op in runtime}
         names = {p.get_any_name() for p in ours._rows[1].get_compiled_model().inputs}
         assert not {n for n in names if "_cache." in n}  # the op reads the pool by address: no input of its size
-        pools = [n for n in runtime if n.get_rt_info()["layerType"].astype(str) == "Reference"]
-        assert pools  # our ops run as the plugin's reference nodes
+        reference = [n for n in runtime if n.get_rt_info()["layerType"].astype(str) == "Reference"]
+        assert reference  # our ops run as the plugin's reference nodes
         logits, tokens = _run(ours, vocab, feed=base_tokens)
     finally:
         ours.close()

@@ -62,12 +62,6 @@ def _has_input(request: ov.InferRequest, name: str) -> bool:
     return any(name in port.get_names() for port in request.get_compiled_model().inputs)
 
 
-def _ranges(counts: np.ndarray) -> np.ndarray:
-    """concatenate(arange(c) for c in counts), vectorised."""
-    ends = np.cumsum(counts)
-    return np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
-
-
 def _cache_tensor(device: str, kind: ov.Type, shape: list[int]) -> tuple[ov.Tensor, np.ndarray]:
     """One zeroed KV cache tensor and its memory as uint8 [num_blocks, bytes per block] (for copy_blocks).
 
@@ -243,7 +237,7 @@ class OpenVINOPagedBackend(Backend):
         flags = batch.all_logits
         if flags is not None and any(flags):  # every position of the flagged sequences, the last of the others
             counts = np.where(np.asarray(flags, bool), lens, 1)
-            logits_indices = np.repeat(begins[1:] - counts, counts) + _ranges(counts)
+            logits_indices = np.repeat(begins[1:] - counts, counts) + row_graphs.ranges(counts)
         else:
             flags, logits_indices = None, (begins[1:] - 1).astype(np.int64)
         rows, request = self._rows_for(total), self.request_for(total)

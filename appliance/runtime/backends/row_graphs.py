@@ -62,6 +62,12 @@ def graph(model: ov.Model, rows: int, table: int) -> ov.Model:
     return out
 
 
+def ranges(counts: np.ndarray) -> np.ndarray:
+    """concatenate(arange(c) for c in counts), vectorised."""
+    ends = np.cumsum(counts)
+    return np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)
+
+
 def row_inputs(
     rows: int,
     table: int,
@@ -82,12 +88,11 @@ def row_inputs(
         ids = np.concatenate([ids, np.full(pad, ids[-1])])
         positions = np.concatenate([positions, np.full(pad, positions[-1])])
     counts = used[seq]
-    starts = np.repeat(block_begins[:-1][seq], counts)
-    ends = np.cumsum(counts)
+    picked = blocks[np.repeat(block_begins[:-1][seq], counts) + ranges(counts)]
     table_of_rows = np.zeros(rows * table, np.int32)
-    table_of_rows[: int(ends[-1])] = blocks[starts + np.arange(int(ends[-1])) - np.repeat(ends - counts, counts)]
+    table_of_rows[: len(picked)] = picked
     begins = np.zeros(rows + 1, np.int32)
-    begins[1:] = ends
+    np.cumsum(counts, out=begins[1:])
     return {
         "input_ids": ids,
         "position_ids": positions,
