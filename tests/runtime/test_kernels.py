@@ -538,6 +538,83 @@ def test_rewrite_takes_u8_heads_in_each_paths_layout(loaded, isa, n):
     assert np.abs(want - have).max() <= 0.02 * np.abs(want).max()
 
 
+def _i8_head(rng, n: int, k: int) -> tuple[ov.Node, np.ndarray]:
+    """An i8 symmetric head per 32 values (the Q8_0 grid, as the default model's export has it): i8 [N, G, 32],
+    f16 scale per group, no zero point, a Reshape to [N, K]; and its weights as f64 [N, K]."""
+    q = rng.integers(-128, 128, (n, k // 32, 32)).astype(np.int8)
+    scale = rng.uniform(1e-4, 2e-3, (n, k // 32, 1)).astype(np.float16)
+    chain = ops.multiply(ops.convert(ops.constant(q), ov.Type.f16), ops.constant(scale))
+    w = (q.astype(np.float64) * scale.astype(np.float64)).reshape(n, k)
+    return ops.convert(ops.reshape(chain, ops.constant(np.array([n, k], np.int64)), False), ov.Type.f32), w
+
+
+def _with_head(x: ov.Node, head: ov.Node, layer: bool) -> ov.Model:
+    """logits = x @ head (the `logits` output: rewrite.logits_op), beside a u4 layer reading x where `layer`."""
+    logits = ops.matmul(x, head, False, True)
+    logits.output(0).get_tensor().set_names({"logits"})
+    layers = [
+        ops.matmul(
+            x, _chain(np.random.default_rng(10), 256, x.get_partial_shape()[-1].get_length(), 64, "u4"), False, True
+        )
+    ] * layer
+    return ov.Model([logits, *layers], [x])
+
+
+@pytest.mark.parametrize("n", [200, 208])  # 208: whole lanes of 16 rows on AVX512-VNNI
+@pytest.mark.parametrize("isa", _paths())
+def test_rewrite_takes_an_i8_symmetric_head_in_lanes_alone_with_x_exact(loaded, isa, n):
+    """In lanes alone (AVX512-VNNI, N a multiple of 16) the i8 LM head becomes u8 = i8 + 128 about a zero point of
+    128, its op's residual 1: at one row y is x's two int8 digits times w up to the f32 sums' rounding, at more rows
+    within what the residual's own rounding leaves (rows doubled), each of which one digit would miss. Elsewhere it
+    keeps OpenVINO's kernels: with x's one digit it moved a 135M model's next token (rewrite.SYMMETRIC_I8). An i8
+    chain that is no LM head keeps them everywhere."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}")
+    k = 320
+    head, w = _i8_head(np.random.default_rng(8), n, k)
+    ours = _with_head(ops.parameter([-1, k], ov.Type.f32), head, layer=True)
+    lanes = layout(isa, 8, n, k, 32)[1] == 0
+    assert rewrite(ours, got.factory, isa) == (2 if lanes else 1)
+    x = ops.parameter([-1, k], ov.Type.f32)
+    plain = ov.Model([ops.matmul(x, _i8_head(np.random.default_rng(8), n, k)[0], False, True)], [x])
+    assert rewrite(plain, got.factory, isa) == 0  # no `logits` output: no LM head
+    if not lanes:
+        return
+    [op] = [
+        node for node in ours.get_ordered_ops() if node.get_type_name() == OP and node.get_attributes()["bits"] == 8
+    ]
+    assert op.get_attributes()["residual"] == 1
+    q = np.random.default_rng(8).integers(-128, 128, (n, k)).astype(np.int8)  # _i8_head's first draw, [N, G, 32]
+    table = np.asarray(op.input_value(2).get_node().get_data()).view(np.float16)
+    zeros = table.reshape(n // LANE_ROWS, k // 32, 2, LANE_ROWS)[:, :, 1]
+    ones = np.ones((n, k // 32))
+    want = lanes_layout(q.view(np.uint8) ^ np.uint8(128), ones, ones, bits=8)[0]
+    assert np.array_equal(op.input_value(1).get_node().get_data(), want) and (zeros == 128).all()
+    compiled = core.compile_model(ours, "CPU", F32)
+    rng = np.random.default_rng(9)
+    for m in (1, 3):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[:, ::7] *= 50
+        y, sums = compiled(x)[0], 1e-5 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+        if m == 1:
+            want, bound = _int8(x, 8, second=True) @ w.T, sums
+        else:
+            want, bound = x.astype(np.float64) @ w.T, _bound((x - _int8(x, 8)).astype(np.float64), w) + sums
+        assert (np.abs(y - want) <= bound).all(), f"M={m}: beyond x's exact bound"
+        assert np.median(np.abs(_int8(x, 8) @ w.T - want) / bound) > 2, f"M={m}: one digit would meet it too"
+
+
+def test_the_lm_head_alone_takes_no_graph(loaded):
+    """A model whose only MatMul the rewrite would take is its LM head keeps OpenVINO's kernels: its layers would not
+    run ours (the default model, every layer under the floor, takes ours on all of them in its graphs of rows)."""
+    _, got = loaded
+    if "avx512vnni" not in got.supported:
+        pytest.skip("the i8 head is taken in AVX512-VNNI's lanes alone")
+    head = _i8_head(np.random.default_rng(10), 208, 256)[0]
+    assert rewrite(_with_head(ops.parameter([-1, 256], ov.Type.f32), head, layer=False), got.factory, "avx512vnni") == 0
+
+
 @pytest.mark.parametrize("n", [97, 96])
 @pytest.mark.parametrize("isa", _paths())
 def test_rewrite_takes_u4_chains_and_leaves_the_rest(loaded, isa, n):
@@ -1115,8 +1192,11 @@ def test_static_shapes_run_ours_for_decode_and_for_prefill_where_the_path_has_a_
         decode, prefill = _layer_types(backend.requests["decode"]), _layer_types(backend.requests["prefill"])
     finally:
         backend.close()
-    layers = Manifest.load(path).num_layers * 4  # q/k/v (one op: rewrite._plan), o, gate/up (one op), down
+    manifest = Manifest.load(path)
+    ours = manifest.num_layers * 4  # q/k/v (one op: rewrite._plan), o, gate/up (one op), down
+    # and the LM head (i8 symmetric per 32): ours where it fits the lanes (rewrite.SYMMETRIC_I8)
+    head = int(layout(loaded[1].isa, 8, manifest.vocab_size, manifest.hidden_size, 32)[1] == 0)
     assert backend.kernels == loaded[1].label and backend.kernel_rows >= backend.max_batch
-    assert decode.get("Reference") == layers and prefill.get("Reference", 0) == (layers if prefill_tile else 0)
-    # and the LM head (i8 symmetric: OpenVINO's either way)
-    assert prefill.get("FullyConnected") == (1 if prefill_tile else Manifest.load(path).num_layers * 7 + 1)
+    assert decode.get("Reference") == ours + head
+    assert prefill.get("Reference", 0) == (ours + head if prefill_tile else 0)
+    assert prefill.get("FullyConnected", 0) == (1 - head if prefill_tile else manifest.num_layers * 7 + 1)

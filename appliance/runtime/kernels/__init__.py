@@ -38,7 +38,7 @@ LIBRARY = "libappliance_kernels.so"
 # 16: DecodeAttention's `rope` attribute and its cos and sin inputs: rope.py. 17: `residual` 2, x's second int8 digit
 # at one row of u4 in lanes, which an older library refuses. 18: DecodeAttention's pools as addresses, not as the cache
 # tensors).
-ABI = 18
+ABI = 19
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

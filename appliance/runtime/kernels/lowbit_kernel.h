@@ -18,7 +18,7 @@ struct LowbitArgs {
     int64_t slot;           // 1; 0: in lanes, per group of 16 rows and 8 values of K (u4; u8: 4) each row's 4 bytes
                             // in turn, sz by groups of 16 rows too (lowbit_kernel.hpp lanes_tile)
     int64_t xspan;          // octets of x per activation scale: 1, or 4 in lanes (LANES_BLOCK_ROWS)
-    int64_t digits;         // 1; 2 (u4 in lanes, one row of x): x's int8 rounding error as a second int8 digit,
+    int64_t digits;         // 1; 2 (lanes, one row of x, xspan 1): x's int8 rounding error as a second int8 digit,
                             // after the first digits in the scratch (xq [2, M, Kp]: lowbit_kernel.hpp lanes_tile)
 };
 

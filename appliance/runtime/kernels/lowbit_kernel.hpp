@@ -823,9 +823,9 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // (i32 per span, the group's, the total) and the unpacked weights fill the 32 registers at MT = 8. At MT <= 2 the
 // group sums alternate between two sets, so their FMA chain's latency never waits on one. u8 (W8: the LM head) in
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
-// TWO (one row of u4, the op's `residual`): x = d (q + r / 128) with r x's rounding error in 1/128ths of its octet's
-// step (quantize_block's `second`, after the first digits in xq), two more vpdpbusd per chunk and the sum 128 q + r in
-// i32, so x's rounding error is ~1/128 of one digit's. At Qwen2.5-1.5B on the AMX Xeon (bench.quality's 8 prompts,
+// TWO (one row, the op's `residual`: u4, and u8 with residual 1): x = d (q + r / 128) with r x's rounding error in
+// 1/128ths of its octet's step (quantize_block's `second`, after the first digits in xq), two more vpdpbusd per chunk
+// (u8: one) and the sum 128 q + r in i32, so x's rounding error is ~1/128 of one digit's. At Qwen2.5-1.5B on the AMX Xeon (bench.quality's 8 prompts,
 // precision default) it took the next-token TVD from OpenVINO's kernels 0.0113 -> 0.0081, and in f32 0.0084 ->
 // 0.0001, for 1.069 of the decode step's time (one engine switching it every 16 steps, medians of 23 paired blocks;
 // the u8 head too: 0.0079 for 1.115; x's second digit alone, not used by the tile: 1.004): an option
@@ -905,7 +905,8 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
                 }
             }
         }
-        // TWO: 128 first digits + the second, in 1/128ths of d (|dot| <= 8 x 15 x 127 before the shift).
+        // TWO: 128 first digits + the second, in 1/128ths of d (|dot| <= 8 x 15 x 127, u8 8 x 255 x 128,
+        // before the shift).
         constexpr float unit = TWO ? 1.f / 128 : 1.f;
         for (int m = 0; m < MT; ++m) {
             if constexpr (TWO) dot[m] = _mm512_add_epi32(_mm512_slli_epi32(dot[m], 7), dot2[m]);
@@ -932,11 +933,12 @@ inline void lanes_tile(const LowbitArgs& a, const int8_t* xq, const float* dxv, 
 }
 
 // One row of x against the group of 16 weight rows at n0, prefetched as this CPU's vendor reads fastest
-// (OneRowAhead), with x's second digits where a.digits is 2 (u4 only).
+// (OneRowAhead), with x's second digits where a.digits is 2 (u4, and u8 with the op's residual 1: the i8 head,
+// rewrite.SYMMETRIC_I8).
 template <int SPAN, bool W8, bool INTEL>
 inline void one_row(const LowbitArgs& a, const int8_t* xq, const float* dxv, const float* xs, int64_t m, int64_t n) {
     using P = OneRowAhead<W8, INTEL>;
-    if constexpr (!W8 && SPAN == 1) {  // a.digits 2: one row of u4, whose x has a scale per octet (xspan 1)
+    if constexpr (SPAN == 1) {  // a.digits 2: one row whose x has a scale per octet (xspan 1)
         if (a.digits == 2) return lanes_tile<1, SPAN, W8, P::L1, P::L2, true>(a, xq, dxv, xs, m, n);
     }
     lanes_tile<1, SPAN, W8, P::L1, P::L2>(a, xq, dxv, xs, m, n);

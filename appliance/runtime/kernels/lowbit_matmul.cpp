@@ -7,8 +7,8 @@
 // Attributes: group_size (32 or a multiple of 64), isa ("auto", "avx2", "avxvnni", "avx512vnni"; bits = 8 needs a
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
 // lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: in lanes of 16 rows with their scale table likewise, only on
-// avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below; at one row of u4
-// in lanes as a second int8 digit of x instead, lowbit_kernel.hpp lanes_tile; 2: that digit only). Output f32
+// avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below; at one row in
+// lanes as a second int8 digit of x instead, lowbit_kernel.hpp lanes_tile; 2: that digit only, u4). Output f32
 // [..., N]. An optional fourth input, the next op's w (rewrite.link_ahead), is read ahead into this core's caches by
 // an idle thread while the nodes between the two ops run (read_ahead, below).
 // Why, with measurements: appliance/runtime/kernels/__init__.py.
@@ -226,8 +226,9 @@ public:
         // Lanes only, and before the residual's rows double M: the scales follow the rows of tokens; the residual is
         // x's error per octet, so with it (residual 1) x keeps a scale per octet.
         a.xspan = a.slot == 0 && m_residual != 1 && (a.bits == 8 || a.M >= LANES_BLOCK_ROWS) ? 4 : 1;
-        // residual at one row of u4 in lanes: a second int8 digit of x (lanes_tile), not M more rows of x.
-        a.digits = m_residual && a.slot == 0 && a.M == 1 && a.bits == 4 ? 2 : 1;
+        // residual at one row in lanes with a scale per octet of x (u4; u8 with residual 1): a second int8 digit
+        // of x (lanes_tile), not M more rows of x.
+        a.digits = m_residual && a.slot == 0 && a.M == 1 && a.xspan == 1 ? 2 : 1;
         const bool residual_rows_too = m_residual == 1 && a.digits == 1;
         const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
         OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,

@@ -5,19 +5,20 @@ The chain, as NNCF writes it (u4 zero point) and as export/grid.py writes the ex
     Constant u4 [N, G, gs] -> Convert -> Subtract(zero point) -> Multiply(scale) -> Reshape [N, K] -> (Convert f32)
     -> MatMul(x, ., transpose_b=True)
 or per output channel (G = 1: no Reshape, [N, K] constants). Only u4 and u8 (NNCF's int8 LM head, per output
-channel) with gs 32 or a multiple of 64 are taken; anything else (i4 symmetric, a group of 16, transpose_b=False)
-keeps OpenVINO's kernels.
+channel), and in lanes i8 without a zero point (SYMMETRIC_I8), with gs 32 or a multiple of 64 are taken; anything
+else (i4 symmetric, a group of 16, transpose_b=False) keeps OpenVINO's kernels.
 
 The u8 LM head: Qwen2.5-1.5B's (151936 x 1536, 19% of a decode step on OpenVINO's brgemm_avx512_bf16) ran at 0.68
 of OpenVINO's time on our AVX512-VNNI path at M = 1 (0.71 at M = 2; CPU time 0.76 / 0.78; bench.kernels --shapes
 151936x1536 --formats u8 --layers 2 --reps 7, load 5 on 2 vCPUs) and in the decode graph 53.3 vs 78.0 ms/step
 (bench.profile, same load); at the default model's head shape (49152 x 576) 0.70 at M = 1, 1.11 at M = 4 (CPU
-time 0.78 / 0.99), though its served head is i8 symmetric per 32 (the Q8_0 grid), which keeps OpenVINO's: taken as
-u8 = i8 + 128 about a zero point of 128, in the single-token graph only, it ran at 0.68-0.78 of OpenVINO's time on
-AVX2 (bench.profile on the Zen 3 EPYC, 3 interleaved pairs: 1.37-1.45 ms against 1.81-2.14, the step 0.84-0.96),
-but moved the next-token TVD from OpenVINO's kernels 0.0136 -> 0.0165 (median; max 0.0297 -> 0.0363; from fp32
-0.0122 -> 0.0161; bench.quality default-int4 --prompts 16 --kernels auto openvino): a 135M model's head over 49152
-tokens feels the int8 activations, so it stays OpenVINO's. What the u8 head on ours moves: next-token TVD against
+time 0.78 / 0.99), though its served head is i8 symmetric per 32 (the Q8_0 grid): taken as u8 = i8 + 128 about a
+zero point of 128, in the single-token graph only, it ran at 0.68-0.78 of OpenVINO's time on AVX2 (bench.profile on
+the Zen 3 EPYC, 3 interleaved pairs: 1.37-1.45 ms against 1.81-2.14, the step 0.84-0.96), but moved the next-token
+TVD from OpenVINO's kernels 0.0136 -> 0.0165 (median; max 0.0297 -> 0.0363; from fp32 0.0122 -> 0.0161;
+bench.quality default-int4 --prompts 16 --kernels auto openvino): a 135M model's head over 49152 tokens feels the
+int8 activations. So it is taken only where x can be exact to a second int8 digit (SYMMETRIC_I8). What the u8 head
+on ours moves: next-token TVD against
 OpenVINO's kernels at Qwen2.5-1.5B (bench.quality --precision default --kernels auto openvino, 8 prompts) median
 0.0137 / max 0.0169 with it, 0.0140 / 0.0162 with only the u4 layers on ours: within the noise of the u4 layers' own
 (above the 0.01 target either way).
@@ -117,6 +118,18 @@ def lanes_layout(
     return out, np.ascontiguousarray(table).view(np.uint8).reshape(n, 4 * g)
 
 
+# An i8 symmetric chain (no zero point: the Q8_0 grid of the default model's LM head, 49152 x 576 per 32) is taken as
+# the LM head only (an int8 export's layers keep OpenVINO's kernels: not measured on ours), where it fits the lanes
+# (AVX512-VNNI), as u8 = i8 + 128 about a zero point of 128, its x always exact to a second int8 digit at one row and
+# to the residual's rows beyond (Chain.exact_x: the op's residual 1): with x's one digit the head moved the
+# next-token TVD from OpenVINO's kernels 0.0136 -> 0.0165 (AVX2, module docstring); so taken, from fp32 0.0145 / max
+# 0.0334 against 0.0144 / 0.0334 with OpenVINO's head (bench.quality default-int4 --prompts 16 --precision default
+# --kernels auto openvino, AMX Xeon; OpenVINO's own default 0.0208). At the default model on the 2-vCPU Xeon with AMX
+# (two engines in one process alternated, 128-token prompts, 64 new, medians of 12-16 rounds) the single-token step
+# took 0.904-0.912 of its time, a step of 4 / 8 rows 0.982 / 0.834; and every graph of rows (backends/row_graphs.py)
+# compiles without a copy of OpenVINO's head: engine RSS 594 -> 567 MB.
+SYMMETRIC_I8 = 128
+
 # The attention projections (q/k/v, o: HF's module names, which the exports keep; a fused q/k/v keeps q_proj's): with
 # `residual` (kernels.RESIDUAL_ENV, off by default) their ops also run the activations' int8 rounding error (the
 # op's `residual`: x minus its int8 value as M more rows of x, lowbit_matmul.cpp), so their error is what that
@@ -143,6 +156,7 @@ class Chain:
     bits: int = 4
     row_group: int = 1  # the packed rows' interleaving (row_groups)
     slot_pairs: int = 1  # 1; 0: in lanes of 16 rows, the table likewise (lanes_layout)
+    exact_x: bool = False  # x's int8 rounding error always runs too (the op's residual 1: SYMMETRIC_I8)
 
 
 def pair_layout(q: np.ndarray) -> np.ndarray:
@@ -248,19 +262,25 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
         return None
     sub, scale_out = w.get_node().input_value(0), w.get_node().input_value(1)
     scale = constant_value(scale_out)
-    if scale is None or not is_kind(sub, "Subtract"):
+    if scale is None:
         return None
-    values_out, zero_out = sub.get_node().input_value(0), sub.get_node().input_value(1)
-    if not is_kind(values_out, "Convert"):
-        return None
-    values = values_out.get_node().input_value(0).get_node()
-    kinds = (ov.Type.u4, ov.Type.u8) if isa in U8_ISAS else (ov.Type.u4,)
-    if values.get_type_name() != "Constant" or values.get_element_type() not in kinds:
-        return None
-    bits = 4 if values.get_element_type() == ov.Type.u4 else 8
-    zero = constant_value(zero_out)
-    shape = tuple(values.shape)
     n, k = n_k
+    zero: np.ndarray | None
+    if is_kind(sub, "Convert"):  # no zero point: i8 symmetric (the Q8_0 grid), in lanes alone (SYMMETRIC_I8)
+        values = sub.get_node().input_value(0).get_node()
+        if values.get_type_name() != "Constant" or values.get_element_type() != ov.Type.i8:
+            return None
+        exact, bits, zero = True, 8, np.full(1, SYMMETRIC_I8, np.float32)
+    elif is_kind(sub, "Subtract") and is_kind(sub.get_node().input_value(0), "Convert"):
+        values = sub.get_node().input_value(0).get_node().input_value(0).get_node()
+        kinds = (ov.Type.u4, ov.Type.u8) if isa in U8_ISAS else (ov.Type.u4,)
+        if values.get_type_name() != "Constant" or values.get_element_type() not in kinds:
+            return None
+        exact, bits = False, 4 if values.get_element_type() == ov.Type.u4 else 8
+        zero = constant_value(sub.get_node().input_value(1))
+    else:
+        return None
+    shape = tuple(values.shape)
     if zero is None or shape[0] != n or int(np.prod(shape)) != n * k or k % 32:
         return None
     groups = shape[1] if len(shape) == 3 else 1
@@ -274,8 +294,13 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
         return None
     data = np.asarray(values.get_data()).view(np.uint8)
     row_group, slot = layout(isa, bits, n, k, group_size)
+    if exact:
+        if slot != 0:
+            return None
+        data = data ^ np.uint8(SYMMETRIC_I8)  # i8 + 128 as u8, about a zero point of 128
     if slot == 0:  # lanes: u8 as read (U8_ISAS: AVX512-VNNI's offset is 0)
-        return Chain(*lanes_layout(data.reshape(n, k * bits // 8), s, z, bits), group_size, bits, row_group, slot)
+        table = lanes_layout(data.reshape(n, k * bits // 8), s, z, bits)
+        return Chain(*table, group_size, bits, row_group, slot, exact_x=exact)
     if bits == 8:
         packed, z8 = u8_layout(data.reshape(n, k), z, isa)
         if row_group > 1:  # pair_layout made the copy already
@@ -298,7 +323,8 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
     """Which MatMuls become which op: sibling u4 MatMuls that agree on the group size, K and layout share one
     (their outputs split after it); the rest one op each. A group's floor is its siblings' weights together, so
     q/k/v take ours together where k/v alone are under it."""
-    plan = []
+    plan, head = [], logits_op(model)
+    at_head = head.get_instance_id() if head is not None else None
     for group in siblings(model, lambda node: () if node.get_output_element_type(0) == ov.Type.f32 else None):
         if sum(_weights(n) for n in group) < min_weights:  # before match: it copies and repacks the weights
             continue
@@ -306,7 +332,7 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
         alone = []
         for node in group:
             chain = match(node, isa)
-            if chain is None:
+            if chain is None or (chain.exact_x and node.get_instance_id() != at_head):  # SYMMETRIC_I8: the head's
                 continue
             if chain.bits == 4 and chain.packed.shape[0] == width(node):  # no padding rows
                 shares.setdefault((chain.group_size, chain.sz.shape[1], chain.slot_pairs), []).append((node, chain))
@@ -318,6 +344,10 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
             else:
                 alone += members
         plan += [([n], c) for n, c in alone if _weights(n) >= min_weights]
+    # The LM head alone takes no graph: the layers would keep OpenVINO's kernels, and the default model (every layer
+    # under the floor) then takes ours on all of them in its graphs of rows instead (kernels.apply's one_token).
+    if [n.get_instance_id() for nodes, _ in plan for n in nodes] == [at_head]:
+        return []
     return plan
 
 
@@ -354,7 +384,7 @@ def rewrite(
                 "bits": chain.bits,
                 "row_group": chain.row_group,
                 "slot_pairs": chain.slot_pairs,
-                "residual": residual_of(nodes, chain) if residual else 0,
+                "residual": residual_of(nodes, chain, residual),
                 "gated": gated,
             },
         )
@@ -374,10 +404,15 @@ def rewrite(
     return count
 
 
-def residual_of(nodes: list[ov.Node], chain: Chain) -> int:
-    """The op's `residual` where asked (ATTENTION_PROJ): 1 for the attention projections (x's int8 rounding error
-    as a second digit at one row of u4 in lanes, as M more rows of x elsewhere), 2 for any other u4 op in lanes (the
-    digit only: twice the rows of a gated op or of a prefill would cost far more), else 0."""
+def residual_of(nodes: list[ov.Node], chain: Chain, asked: bool) -> int:
+    """The op's `residual`: 1 for a chain that wants x exact (Chain.exact_x) and, where asked (ATTENTION_PROJ), for
+    the attention projections (x's int8 rounding error as a second digit at one row in lanes, as M more rows of x
+    elsewhere); where asked, 2 for any other u4 op in lanes (the digit only: twice the rows of a gated op or of a
+    prefill would cost far more); else 0."""
+    if chain.exact_x:
+        return 1
+    if not asked:
+        return 0
     if any(ATTENTION_PROJ.search(n.get_friendly_name()) for n in nodes):
         return 1
     return 2 if chain.slot_pairs == 0 and chain.bits == 4 else 0
