@@ -117,3 +117,32 @@ def test_a_step_past_the_largest_graph_runs_the_dynamic_one(backend):
     shapes = {p.get_any_name(): p.get_partial_shape() for p in backend._rows[8].model_inputs}
     assert shapes["input_ids"].is_static and shapes["input_ids"][0].get_length() == 8
     assert shapes["logits_indices"].is_dynamic  # a step needs its sequences' last tokens' logits, not every row's
+
+
+def test_an_f16_cache_shares_one_pool_with_the_graph_of_one_row(loaded):
+    """Asked for an f16 KV cache, the plugin lays it out in bf16 under its bf16 default (CPUs with AVX512-BF16 or
+    AMX) and in f16 under f32 inference: the graph of one row then keeps the plugin's precision, so the pool binds
+    to every graph (the engine failed to load before), and its single-token steps give the dynamic graph's
+    logits up to the kernels' rounding."""
+    import appliance.runtime.backends.openvino_paged as paged
+    from appliance.config import EngineConfig
+    from appliance.manifest import Manifest
+    from appliance.runtime.backends.base import StepBatch
+    from export.default_model import ensure_export
+
+    path = ensure_export("openvino", "int4")
+    manifest = Manifest.load(path)
+    config = EngineConfig(kernels="ours", kv_cache_precision="f16", kv_cache_tokens=1024)
+    backend = paged.OpenVINOPagedBackend(path, manifest, config)
+    try:
+        assert backend.kv_precision in ("f16", "bf16") and 1 in backend._rows
+        prompt = np.random.default_rng(3).integers(100, manifest.vocab_size, PROMPT).tolist()
+        backend.forward(StepBatch([prompt], [0], [[0, 1]]))
+        backend.forward(StepBatch([prompt], [0], [[2, 3]]))
+        rows = backend.forward(StepBatch([[101]], [PROMPT], [[0, 1]])).copy()
+        backend._rows, rows_kept = {}, backend._rows  # the same step on the graph of dynamic shapes
+        dynamic = backend.forward(StepBatch([[101]], [PROMPT], [[2, 3]])).copy()
+        backend._rows = rows_kept
+    finally:
+        backend.close()
+    assert logits_tvd(rows, dynamic).max() <= BOUND[1]
