@@ -23,9 +23,11 @@ aggregate tok/s 1.79x at C = 2 and 4, 1.56x at 8; Qwen2.5-1.5B's 1.11x, 1.10x, 1
 ROWS holds what prompt lookup's verification feeds at batch 1 (1 + k for k = 1, 2, 3, 5: the policy's table) and the
 batches up to 8; a step of fewer tokens than a graph's rows repeats its last row (the same key and value written
 twice to one slot, the same logits): 5 tokens in the graph of 6 took 13.6-14.2 ms, in that of 8 15.7. Each graph
-holds its own activations (~30 MB at the default model: 459 MB RSS with the graph of one row, 610 with these six)
-and takes ~0.6 s to compile there (the LM head, OpenVINO's, is repacked per graph: the load went 2.6 -> 6.2 s),
-~0.05 s at Qwen2.5-1.5B, whose head is ours. Where the plugin's attention stays in the graph (a cache ours do not
+holds its own activations (~20 MB at the default model: its engine's RSS 454 MB with the graph of one row, 567
+with these six, where its LM head is ours: kernels/rewrite.py SYMMETRIC_I8; each graph holding a copy of OpenVINO's
+head made it 606) and takes ~0.8 s to compile there; compiled side by side (the backend's _row_graphs) the six
+took the default model's load from 8.0-9.7 s to 5.9-6.5 (3.7-4.4 with the graph of one row alone; a slow hour of
+the 2-vCPU Xeon with AMX). Where the plugin's attention stays in the graph (a cache ours do not
 read), only the graph of one token is built: its paged attention makes no promise about the order of the rows'
 writes and reads.
 """
