@@ -825,11 +825,11 @@ inline bool lanes_fits(const LowbitArgs& a) {
 // lanes: a 64-byte chunk is 4 values of K of the 16 rows, one vpdpbusd as read, two chunks an octet.
 // TWO (one row, the op's `residual`: u4, and u8 with residual 1): x = d (q + r / 128) with r x's rounding error in
 // 1/128ths of its octet's step (quantize_block's `second`, after the first digits in xq), two more vpdpbusd per chunk
-// (u8: one) and the sum 128 q + r in i32, so x's rounding error is ~1/128 of one digit's. At Qwen2.5-1.5B on the AMX Xeon (bench.quality's 8 prompts,
-// precision default) it took the next-token TVD from OpenVINO's kernels 0.0113 -> 0.0081, and in f32 0.0084 ->
-// 0.0001, for 1.069 of the decode step's time (one engine switching it every 16 steps, medians of 23 paired blocks;
-// the u8 head too: 0.0079 for 1.115; x's second digit alone, not used by the tile: 1.004): an option
-// (kernels.RESIDUAL_ENV).
+// (u8: one) and the sum 128 q + r in i32, so x's rounding error is ~1/128 of one digit's. At Qwen2.5-1.5B on the
+// AMX Xeon (bench.quality's 8 prompts, precision default) it took the next-token TVD from OpenVINO's kernels 0.0113
+// -> 0.0081, and in f32 0.0084 -> 0.0001, for 1.069 of the decode step's time (one engine switching it every 16
+// steps, medians of 23 paired blocks; the u8 head too: 0.0079 for 1.115; x's second digit alone, not used by the
+// tile: 1.004): an option (kernels.RESIDUAL_ENV).
 // The run is prefetched AHEAD bytes ahead (0: not; L2_AHEAD: into L2, OneRowAhead), from 2 rows of x 2 KB everywhere
 // (Zen 4, 1 thread, standalone: M = 2 without it 0.73 of a plain 512-bit streaming read's rate against 0.83; M = 4 / 8:
 // 0.52 / 0.23 against 0.58 / 0.33; 1 KB instead on the 2-vCPU Intel Xeon with AMX, 80 layers 8960 x 1536 u4 g128 from

@@ -244,9 +244,10 @@ def _weights(matmul: ov.Node) -> int:
     return int(np.prod(shape.to_shape())) if shape.is_static else 0
 
 
-def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
-    """The u4 chain (or on a path of U8_ISAS, also a u8 one, in its u8_layout) feeding `matmul`'s weight input, or
-    None when it is anything else; rows grouped as `isa`'s path reads them (layout, row_groups)."""
+def match(matmul: ov.Node, isa: str = "avx2", head: bool = False) -> Chain | None:
+    """The u4 chain (or on a path of U8_ISAS, also a u8 one, in its u8_layout; where `head`, the LM head, also an
+    i8 symmetric one in lanes: SYMMETRIC_I8) feeding `matmul`'s weight input, or None when it is anything else; rows
+    grouped as `isa`'s path reads them (layout, row_groups)."""
     attrs = matmul.get_attributes()
     if attrs.get("transpose_a") or not attrs.get("transpose_b"):
         return None
@@ -266,9 +267,9 @@ def match(matmul: ov.Node, isa: str = "avx2") -> Chain | None:
         return None
     n, k = n_k
     zero: np.ndarray | None
-    if is_kind(sub, "Convert"):  # no zero point: i8 symmetric (the Q8_0 grid), in lanes alone (SYMMETRIC_I8)
+    if is_kind(sub, "Convert"):  # no zero point: i8 symmetric (the Q8_0 grid), the head's in lanes (SYMMETRIC_I8)
         values = sub.get_node().input_value(0).get_node()
-        if values.get_type_name() != "Constant" or values.get_element_type() != ov.Type.i8:
+        if not head or values.get_type_name() != "Constant" or values.get_element_type() != ov.Type.i8:
             return None
         exact, bits, zero = True, 8, np.full(1, SYMMETRIC_I8, np.float32)
     elif is_kind(sub, "Subtract") and is_kind(sub.get_node().input_value(0), "Convert"):
@@ -331,8 +332,8 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
         shares: dict[tuple[int, int, int], list[tuple[ov.Node, Chain]]] = {}
         alone = []
         for node in group:
-            chain = match(node, isa)
-            if chain is None or (chain.exact_x and node.get_instance_id() != at_head):  # SYMMETRIC_I8: the head's
+            chain = match(node, isa, head=node.get_instance_id() == at_head)
+            if chain is None:
                 continue
             if chain.bits == 4 and chain.packed.shape[0] == width(node):  # no padding rows
                 shares.setdefault((chain.group_size, chain.sz.shape[1], chain.slot_pairs), []).append((node, chain))
