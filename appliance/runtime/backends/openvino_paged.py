@@ -10,8 +10,6 @@ not compute vocabulary-sized logits for every prompt token.
 from __future__ import annotations
 
 import logging
-import os
-from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +37,7 @@ from appliance.runtime.backends.openvino_common import (
     read_model,
 )
 from appliance.runtime.backends.projection_fusion import fuse_sibling_projections
+from appliance.runtime.cores import map_on_cores
 from appliance.runtime.kernels import attention
 
 if TYPE_CHECKING:
@@ -182,8 +181,9 @@ class OpenVINOPagedBackend(Backend):
         """row_graphs.ROWS's graphs, compiled, where our attention runs in them; else the graph of one row (the
         plugin's attention there: row_graphs); {} where even that one does not compile (the graph of dynamic shapes
         then takes those steps: an optimisation), and none past the first that does not. Sets self.attention.
-        The graphs compile side by side, a thread per core: the plugin's passes run on the calling thread, and the
-        default model's six took 2.2-2.4 s on 2 threads against 5.0-5.2 one after another (2-vCPU Xeon)."""
+        The graphs compile side by side, a thread per core (cores.map_on_cores): the plugin's passes run on the
+        calling thread, and the default model's six took 2.2-2.4 s on 2 threads against 5.0-5.2 one after another
+        (2-vCPU Xeon)."""
         graphs: list[tuple[int, ov.Model]] = []
         for rows in row_graphs.rows_wanted():
             graph = row_graphs.graph(model, rows, self._table)
@@ -207,8 +207,7 @@ class OpenVINOPagedBackend(Backend):
             except Exception as exc:
                 return exc
 
-        with ThreadPoolExecutor(max(1, min(len(graphs), os.cpu_count() or 1))) as threads:
-            results = list(threads.map(compiled, [graph for _, graph in graphs]))
+        results = map_on_cores(compiled, [graph for _, graph in graphs])
         requests: dict[int, ov.InferRequest] = {}
         for (rows, _), result in zip(graphs, results):
             if isinstance(result, Exception):

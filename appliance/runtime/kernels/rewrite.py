@@ -57,16 +57,15 @@ prefill tile and the split).
 
 from __future__ import annotations
 
-import os
 import re
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import openvino as ov
 
+from appliance.runtime.cores import map_on_cores
 from appliance.runtime.kernels import hugepages
 from appliance.runtime.siblings import siblings, split_last, width
 
@@ -325,8 +324,8 @@ def _fused(chains: list[Chain]) -> Chain:
 def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Node], Chain]]:
     """Which MatMuls become which op: sibling u4 MatMuls that agree on the group size, K and layout share one
     (their outputs split after it); the rest one op each. A group's floor is its siblings' weights together, so
-    q/k/v take ours together where k/v alone are under it. The groups are matched on a thread per core (NumPy's
-    repacking lets go of the GIL): on the 2-vCPU Xeon with AMX the engine's load went 12.4-12.6 -> 8.4-10.7 s at
+    q/k/v take ours together where k/v alone are under it. The groups are matched on a thread per core
+    (cores.map_on_cores): on the 2-vCPU Xeon with AMX the engine's load went 12.4-12.6 -> 8.4-10.7 s at
     Qwen2.5-1.5B and 23.9 -> 20.2 s at Llama-3.2-3B, whose RSS after load (heap trimmed) went 5132 -> 4101 MB
     (2425 -> 2172 at 1.5B): the threads' glibc arenas give their temporaries back where the main heap kept them."""
     head = logits_op(model)
@@ -355,8 +354,7 @@ def _plan(model: ov.Model, isa: str, min_weights: int) -> list[tuple[list[ov.Nod
                 alone += members
         return out + [([n], c) for n, c in alone if _weights(n) >= min_weights]
 
-    with ThreadPoolExecutor(max(1, min(len(groups), os.cpu_count() or 1))) as threads:
-        plan = [op for ops in threads.map(planned, groups) for op in ops]
+    plan = [op for ops in map_on_cores(planned, groups) for op in ops]
     # The LM head alone takes no graph: the layers would keep OpenVINO's kernels, and the default model (every layer
     # under the floor) then takes ours on all of them in its graphs of rows instead (kernels.apply's one_token).
     if [n.get_instance_id() for nodes, _ in plan for n in nodes] == [at_head]:
