@@ -5,6 +5,9 @@ Where it is used and what it bought on the 2-vCPU Xeon with AMX: the rewrite's r
 MatMuls (kernels/rewrite.py _plan: Qwen2.5-1.5B's load 12.4 -> 8.4-10.7 s) and the compiles of the graphs of rows
 (backends/openvino_paged.py _row_graphs: the default model's six 5.0-5.2 -> 2.2-2.4 s). Only at load: a step never
 waits on a pool.
+
+A core is one this process may run on (its affinity mask: a service pinned with systemd's CPUAffinity= or a
+container's cpuset gets that many threads), not every core of the box.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def map_on_cores(work: Callable[[T], R], items: Sequence[T]) -> list[R]:
     """[work(item) for item in items], on up to a thread per core; an exception in any is raised here."""
-    with ThreadPoolExecutor(max(1, min(len(items), os.cpu_count() or 1))) as threads:
+    with ThreadPoolExecutor(max(1, min(len(items), cores()))) as threads:
         return list(threads.map(work, items))
