@@ -189,6 +189,17 @@ def test_a_table_that_oversells_verifying_is_probed_and_corrected():
     assert not any(policy.plan(2, [0.9], max_k=1, budget=2).k for _ in range(2 * EXPLORE))
 
 
+def test_a_probes_first_step_is_not_observed():
+    # the table oversells verifying (20 ms); the probe's first step wakes its graph (100 ms), the next takes 10
+    policy = SpeculationPolicy(StepCosts((1,), (1, 2), ((0.010, 0.020),)))
+    assert run_plans(policy, EXPLORE - 1, 0.010) == [0] * (EXPLORE - 1)
+    for seconds in (0.100, 0.010):
+        assert policy.plan(1, [0.9], max_k=1, budget=256).k == 1 and policy.probe
+        policy.observe(1, 2, seconds)
+    assert policy.cost(1, 2) == pytest.approx(0.020 * (0.5 + 0.5 * 0.5))  # the warm step alone moved the scale
+    assert policy.plan(1, [0.9], max_k=1, budget=256).k == 1 and not policy.probe  # corrected: a plan of its own
+
+
 def test_only_a_decode_step_as_planned_is_observed():
     sched, spec = speculation(flat())
     (seq,) = decoding(sched, "s")
