@@ -412,6 +412,31 @@ def test_lanes_only_where_the_512_bit_tile_reads_them(loaded):
             core.compile_model(model, "CPU", F32)(np.ones((1, 256), np.float32))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_lanes_layout_puts_each_rows_chunk_where_the_tile_reads_it(bits):
+    """rewrite.lanes_layout by its definition, index by index (no library needed): group G of 16 rows, chunk c of K
+    (8 u4 values or 4 u8), row l in the group -> bytes [G, c, l, 0..3]; u4 byte i holds values 8c + i (low nibble)
+    and 8c + 4 + i (high); the table [G, group of K, scales then zero points, l]."""
+    rng = np.random.default_rng(11)
+    n, k, g = 48, 256, 64
+    values = rng.integers(0, 16 if bits == 4 else 256, (n, k), dtype=np.uint8)
+    packed = (values[:, 0::2] | values[:, 1::2] << 4).astype(np.uint8) if bits == 4 else values
+    scale = rng.random((n, k // g)).astype(np.float16)
+    zero = rng.integers(0, 16, (n, k // g)).astype(np.float16)
+    out, table = lanes_layout(packed, scale, zero, bits)
+    per = 8 if bits == 4 else 4  # values of K per 4 bytes of a row
+    got = out.reshape(n // LANE_ROWS, k // per, LANE_ROWS, 4)
+    rows = table.view(np.float16).reshape(n // LANE_ROWS, k // g, 2, LANE_ROWS)
+    for r in range(n):
+        grp, lane = divmod(r, LANE_ROWS)
+        for c in range(k // per):
+            chunk = values[r, c * per : (c + 1) * per]
+            want = chunk[:4] | chunk[4:] << 4 if bits == 4 else chunk
+            assert got[grp, c, lane].tolist() == want.tolist(), (r, c)
+        assert rows[grp, :, 0, lane].tolist() == scale[r].tolist()
+        assert rows[grp, :, 1, lane].tolist() == zero[r].tolist()
+
+
 def test_every_path_gives_the_same_answer(loaded):
     """AVX2 (maddubs) and VNNI (dpbusd) sum the same integer products: the same outputs, up to the order of the f32
     sums (the 512-bit tile adds 16 lanes where the 256-bit one adds 8), at every row count the tiles split into."""
