@@ -437,6 +437,23 @@ def test_lanes_layout_puts_each_rows_chunk_where_the_tile_reads_it(bits):
         assert rows[grp, :, 1, lane].tolist() == zero[r].tolist()
 
 
+@pytest.mark.parametrize("k", [128, 160])  # 160: two pairs of 32-blocks and a last unpaired block
+def test_pair_layout_orders_each_pair_of_blocks_even_then_odd(k):
+    """rewrite.pair_layout by its definition (no library needed): per pair of 32-blocks the first's even bytes, the
+    second's even, the first's odd, the second's odd; a last unpaired block its even bytes, then its odd."""
+    q = np.random.default_rng(13).integers(0, 256, (5, k), dtype=np.uint8)
+    out = pair_layout(q)
+    for row in range(5):
+        want: list[int] = []
+        for p in range(k // 64):
+            a, b = q[row, 64 * p : 64 * p + 32], q[row, 64 * p + 32 : 64 * p + 64]
+            want += [*a[0::2], *b[0::2], *a[1::2], *b[1::2]]
+        if k % 64:
+            last = q[row, -32:]
+            want += [*last[0::2], *last[1::2]]
+        assert out[row].tolist() == [int(v) for v in want]
+
+
 def test_every_path_gives_the_same_answer(loaded):
     """AVX2 (maddubs) and VNNI (dpbusd) sum the same integer products: the same outputs, up to the order of the f32
     sums (the 512-bit tile adds 16 lanes where the 256-bit one adds 8), at every row count the tiles split into."""
