@@ -1,10 +1,9 @@
 """Load-time work spread over a thread per core: what lets go of the GIL while it runs (NumPy's copies and
 transposes, OpenVINO's compile_model), item by item, results in order.
 
-Where it is used and what it bought on the 2-vCPU Xeon with AMX: the rewrite's repacking of each group of sibling
-MatMuls (kernels/rewrite.py _plan: Qwen2.5-1.5B's load 12.4 -> 8.4-10.7 s) and the compiles of the graphs of rows
-(backends/openvino_paged.py _row_graphs: the default model's six 5.0-5.2 -> 2.2-2.4 s). Only at load: a step never
-waits on a pool.
+Where it is used (each caller's docstring has what it bought): the rewrite's repacking of each group of sibling
+MatMuls (kernels/rewrite.py _plan) and the compiles of the graphs of rows (backends/openvino_paged.py _row_graphs).
+Only at load: a step never waits on a pool.
 
 A core is one this process may run on (its affinity mask: a service pinned with systemd's CPUAffinity= or a
 container's cpuset gets that many threads), not every core of the box.

@@ -211,9 +211,9 @@ class SpeculationPolicy:
     def observe(self, b: int, fed: int, seconds: float) -> None:
         """A decode step of b sequences feeding `fed` tokens in all took `seconds` in the backend. One step's ratio
         is clamped to [0.5, 2]: a pause of the whole process (a collection, a swap-in) is not the step's cost."""
-        kind = self._kind(b, fed / b)
         if self.probe and self.probing == PROBE - 1:  # a probe's first step: the module docstring
             return
+        kind = self._kind(b, fed / b)
         ratio = min(2.0, max(0.5, seconds / max(1e-9, self.costs.cost(b, fed / b))))
         weight = PROBED if self.probe and kind[1] else OBSERVED
         self.scale[kind] = (1 - weight) * self.scale.get(kind, 1.0) + weight * ratio
