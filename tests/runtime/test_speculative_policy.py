@@ -7,7 +7,8 @@
   box's measured table) it drafts more as acceptance rises, fewer as the batch grows, and within the token budget;
   a near-tie does not change the step's shape; no plan makes a decoding sequence slower than plain decoding; the
   engine's decode steps as they run correct the table, per batch and kind of step; a table that oversells verifying
-  is probed after a thousand plans without speculation and corrected.
+  is probed after a thousand plans without speculation and corrected; the bound that lets a plan skip its search
+  never changes what it decides, and the interpolated costs it keeps stay bounded.
 - In the engine's Speculation (with a fake proposer): the sequences the plan leaves out get a shadow draft that is
   checked against the tokens the next steps produce, so their running acceptance keeps up and they speculate again
   once a whole draft would have been kept, not after one kept token.
@@ -334,3 +335,58 @@ def sleep_until(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         pass
+
+
+class _Searching(SpeculationPolicy):
+    """The policy without its bound: every plan searches k and m."""
+
+    def _may_beat(self, b, rates, max_k, rate):
+        return True
+
+
+def _random_costs(rng) -> StepCosts:
+    """A monotone table of 1-4 batches by 2-4 fed counts from 1 (as measured), from flat to steeper than per token."""
+    batches = (1, *sorted(rng.sample([2, 3, 4, 8], rng.randint(0, 3))))
+    fed = (1, *sorted(rng.sample([2, 3, 4, 6], rng.randint(1, 3))))
+    slope = rng.choice([0.0, 0.01, 0.3, 1.0, 3.0])
+    seconds = [[0.01 * b**0.5 * (1 + slope * (n - 1)) * rng.uniform(0.8, 1.2) for n in fed] for b in batches]
+    return StepCosts(batches, fed, monotone(seconds), switch=rng.choice([0.0, 0.02]), fixed=rng.choice([0, 8]))
+
+
+def test_the_bound_never_changes_a_plan():
+    """`plan` skips its search where no plan could beat plain decoding by the margin: it must decide exactly as the
+    full search does, probes included (the same calls in the same order, random tables, acceptances and batches)."""
+    import random
+
+    rng = random.Random(5)
+    skipped = 0
+    for _ in range(60):
+        costs = _random_costs(rng)
+        margin = rng.choice([0.9, 1.0, 1.1, 1.5])
+        fast, full = SpeculationPolicy(costs, margin=margin), _Searching(costs, margin=margin)
+        for _ in range(40):
+            b = rng.randint(1, 6)
+            rates = sorted(rng.choice([0.0, 0.05, rng.random(), 0.99]) for _ in range(rng.randint(0, b)))[::-1]
+            max_k, budget = rng.randint(0, 6), rng.choice([b, b + 3, 512])
+            draft_cost = rng.choice([0.0, 0.001])
+            skipped += not fast._may_beat(b, rates, max_k, max(1.0, margin) * b / fast.cost(b, 1))
+            assert fast.plan(b, rates, max_k, budget, draft_cost) == full.plan(b, rates, max_k, budget, draft_cost)
+            assert (fast.quiet, fast.probing, fast.probe) == (full.quiet, full.probing, full.probe)
+            fed = rng.choice([b, b + 1, b + 4])
+            fast.fed(fed), full.fed(fed)
+            for policy in (fast, full):
+                policy.observe(b, fed, costs.cost(b, fed / b) * 1.3)
+    assert skipped > 100  # the bound did cut searches short
+
+
+def test_costs_are_remembered_and_the_memory_is_bounded():
+    """StepCosts.cost keeps what it interpolated (a plan asks the same points every step), never more than MEMO."""
+    from appliance.runtime.speculative.policy import MEMO
+
+    fresh = StepCosts(AVX2.batches, AVX2.fed, AVX2.seconds)
+    points = [(b, 1 + i / 7) for b in (1, 2, 3, 5) for i in range(MEMO // 3)]
+    for b, n in points:
+        assert AVX2.cost(b, n) == pytest.approx(StepCosts(AVX2.batches, AVX2.fed, AVX2.seconds).cost(b, n))
+        assert AVX2.cost(b, n) == AVX2.cost(b, n)
+        assert len(AVX2._memo) <= MEMO
+    assert fresh.cost(2, 2.0) == pytest.approx(AVX2.cost(2, 2.0))

@@ -76,7 +76,7 @@ import bisect
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BATCHES = (1, 2, 4, 8)  # batch sizes timed at load (up to speculation_max_batch)
 FED = (1, 2, 3, 6)  # tokens fed per sequence timed at load: plain, k = 1, 2, 5 (more: extrapolated linearly)
@@ -87,6 +87,7 @@ OBSERVED = 0.05  # weight of one observed step in its kind's running ratio (~20 
 EXPLORE = 1000  # plans in a row without speculation before the policy probes what verifying costs now
 PROBE = 3  # steps a probe verifies one draft token (the first pays the shape's switch and is not observed)
 PROBED = 0.5  # weight of a probe's observed step in its kind's running ratio
+MEMO = 4096  # interpolated costs kept (StepCosts.cost)
 FAIR = 0.95  # the least share of plain decoding's tokens per second a plan may predict for any decoding sequence
 
 
@@ -101,15 +102,25 @@ class StepCosts:
     switch: float = 0.0
     measured_s: float = 0.0  # how long the measurement took
     fixed: int = 0  # steps of at most this many tokens change shape at no cost (Backend.fixed_shapes)
+    # (b, n) -> cost: a plan asks ~10 points a step, each an interpolation over the whole grid (~3 us); the points
+    # a step can ask are few (b up to speculation_max_batch, n = fed / b), cleared past MEMO all the same
+    _memo: dict[tuple[int, float], float] = field(default_factory=dict, compare=False, repr=False)
 
     def cost(self, b: int, n: float) -> float:
         """Seconds of a step of b sequences feeding n tokens each on average: linear in n between the measured
         counts, linear in b between the measured batches and proportional to b past the largest (beyond it the
         step is bound by compute)."""
-        by_batch = [_interp(self.fed, list(times), n) for times in self.seconds]
-        if b > self.batches[-1]:
-            return by_batch[-1] * b / self.batches[-1]
-        return _interp(self.batches, by_batch, b)
+        seconds = self._memo.get((b, n))
+        if seconds is None:
+            if len(self._memo) >= MEMO:
+                self._memo.clear()
+            by_batch = [_interp(self.fed, list(times), n) for times in self.seconds]
+            if b > self.batches[-1]:
+                seconds = by_batch[-1] * b / self.batches[-1]
+            else:
+                seconds = _interp(self.batches, by_batch, b)
+            self._memo[(b, n)] = seconds
+        return seconds
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -232,6 +243,8 @@ class SpeculationPolicy:
         plain_step = cost(b, 1) + penalty(b)
         plain_rate = b / plain_step
         best = Plan(0, 0, plain_rate, plain_rate)
+        if not self._may_beat(b, rates, max_k, max(1.0, self.margin) * plain_rate):
+            return self._explore(b, rates, min(max_k, budget - b), best)
         gains = [0.0] * (len(rates) + 1)
         for k in range(1, max_k + 1):
             for m in range(1, len(rates) + 1):
@@ -250,6 +263,15 @@ class SpeculationPolicy:
             self.quiet = self.probing = 0
             return best
         return self._explore(b, rates, min(max_k, budget - b), best)
+
+    def _may_beat(self, b: int, rates: Sequence[float], max_k: int, rate: float) -> bool:
+        """Whether any plan could make more than `rate` tokens per second: at most every sequence keeps what k =
+        max_k would keep, in at least the cheapest verifying step (one more token fed; the table is monotone). Most
+        steps of chat fail it, and `plan` then skips its search over k and m: on the default model at 4 chat
+        requests that search was most of speculation's 120-140 us a step, 1.5% of the step's time, for plans
+        that never speculated."""
+        most = b + sum(expected_drafts(a, max_k) for a in rates)
+        return max_k > 0 and most / self.cost(b, (b + 1) / b) > rate
 
     def _explore(self, b: int, rates: Sequence[float], room: int, plain: Plan) -> Plan:
         """No plan beats plain decoding: count it, and after EXPLORE such plans probe for PROBE steps (module
