@@ -542,8 +542,8 @@ def bench_concurrency(
     """c prompts of each kind at once (the kind's prompts cycled, every request its own nonce) on ours and the
     prompt-lookup sides, the side order rotating per (rep, level, kind).
 
-    Plain decoding ("ours") runs on the prompt-lookup engine itself when there is one, its requests asking for no
-    drafts (num_assistant_tokens 0), so that the ratio compares speculation alone: two identical engines in one
+    Plain decoding ("ours") runs on the prompt-lookup engine itself, its requests asking for no drafts
+    (num_assistant_tokens 0), so that the ratio compares speculation alone: two identical engines in one
     process were 1.02-1.16x apart at one chat request (8 of 8 reps, median 1.05; the default model on the 2-vCPU
     Xeon), as wide as the cells' distance from 1.0. Each side has its own prefix-cache scope (cache_scope), so the
     second side of a pair does not find the first one's prompts cached."""
