@@ -1,6 +1,7 @@
-"""Finding the rotary embedding in front of the single-token graph's attention (kernels/rope.py): HF's
-apply_rotary_pos_emb as exported is taken, with q and k before it and the cos / sin rows; anything that computes
-something else is left to the graph. Graphs built here; the op's own rotation: test_decode_attention.py."""
+"""Finding the rotary embedding in front of the attention of the graphs of rows (kernels/rope.py): HF's
+apply_rotary_pos_emb as exported is taken, with q and k before it and the cos / sin rows, one token or a row per
+token; anything that computes something else is left to the graph. Graphs built here; the op's own rotation:
+test_decode_attention.py."""
 
 from __future__ import annotations
 
@@ -93,10 +94,46 @@ def test_q_and_k_rotated_by_different_rows_keep_the_graphs_rotation():
     assert rope.inputs(q, k, HEADS, KV_HEADS, HEAD) is None
 
 
-def test_more_than_one_token_is_left_to_the_graph():
-    """cos / sin rows per token: the op's inputs hold one token in the single-token graph only."""
+def test_tokens_as_rows_are_found_with_a_row_of_cos_and_sin_each():
+    """The graphs of rows: each token a batch row [T, 1, heads, head] turned to [T, heads, 1, head] (token first
+    throughout), cos / sin [T, 1, 1, head]: taken with T rows of q, k, cos and sin."""
+    tokens = 3
+    q, k = (ops.parameter([tokens, 1, n, HEAD], ov.Type.f32) for n in (HEADS, KV_HEADS))
+    cos, sin = (ops.parameter([tokens, 1, 1, HEAD], ov.Type.f32).output(0) for _ in range(2))
+    perm = ops.constant(np.array([0, 2, 1, 3], np.int64))
+    xq, xk = (ops.transpose(p, perm).output(0) for p in (q, k))
+
+    def attention_input(x: ov.Output, heads: int) -> ov.Output:
+        moved = ops.transpose(_rotated(x, cos, sin), perm)
+        return ops.reshape(moved, ops.constant(np.array([tokens, heads * HEAD], np.int64)), False).output(0)
+
+    q_in, k_in = attention_input(xq, HEADS), attention_input(xk, KV_HEADS)
+    assert rope.find(q_in, HEADS, HEAD) is None  # not one token's worth
+    assert rope.find(q_in, HEADS, HEAD, tokens) == rope.Rotation(xq, cos, sin)
+    flat = rope.inputs(q_in, k_in, HEADS, KV_HEADS, HEAD, tokens)
+    assert flat is not None
+    shapes = [[tokens, 32], [tokens, 16], [tokens, 8], [tokens, 8]]
+    assert [list(o.get_partial_shape().to_shape()) for o in flat] == shapes
+
+
+def test_tokens_along_another_axis_are_left_to_the_graph():
+    """Tokens after the heads ([1, heads, T, head], as a graph of dynamic shapes lays a step out): the rotated
+    values are not token by token in memory, and cos / sin do not lead with the tokens: not taken."""
     x = ops.parameter([1, HEADS, 2, HEAD], ov.Type.f32).output(0)
     cos, sin = (ops.parameter([1, 1, 2, HEAD], ov.Type.f32).output(0) for _ in range(2))
     moved = ops.transpose(_rotated(x, cos, sin), ops.constant(np.array([0, 2, 1, 3], np.int64)))
     flat = ops.reshape(moved, ops.constant(np.array([2, HEADS * HEAD], np.int64)), False).output(0)
-    assert rope.find(flat, HEADS, HEAD) is None
+    assert rope.find(flat, HEADS, HEAD) is None and rope.find(flat, HEADS, HEAD, 2) is None
+    rotated = _rotated(x, cos, sin)  # even seen whole: its tokens are not its first axis
+    assert rope.find(rotated, HEADS, HEAD, 2) is None
+
+
+def test_one_cos_row_for_every_token_is_left_to_the_graph():
+    """Several tokens rotated by one row of cos / sin (a broadcast over the tokens): not the op's per-token rows."""
+    tokens = 2
+    q = ops.parameter([tokens, 1, HEADS, HEAD], ov.Type.f32)
+    cos, sin = (ops.parameter([1, 1, 1, HEAD], ov.Type.f32).output(0) for _ in range(2))
+    perm = ops.constant(np.array([0, 2, 1, 3], np.int64))
+    moved = ops.transpose(_rotated(ops.transpose(q, perm).output(0), cos, sin), perm)
+    flat = ops.reshape(moved, ops.constant(np.array([tokens, HEADS * HEAD], np.int64)), False).output(0)
+    assert rope.find(flat, HEADS, HEAD, tokens) is None

@@ -146,3 +146,15 @@ def test_an_f16_cache_shares_one_pool_with_the_graph_of_one_row(loaded):
     finally:
         backend.close()
     assert logits_tvd(rows, dynamic).max() <= BOUND[1]
+
+
+def test_every_graph_of_rows_rotates_q_and_k_in_our_attention(backend):
+    """The rotary embedding of every graph of rows is our attention's (kernels/rope.py: one row of cos and sin per
+    token): no rotation node is left in any compiled graph (the tests above: their steps still match one token at a
+    time)."""
+    backend, _ = backend
+    assert len(backend._rows) > 1
+    for rows, request in backend._rows.items():
+        runtime = request.get_compiled_model().get_runtime_model().get_ordered_ops()
+        kinds = {op.get_rt_info()["layerType"].astype(str) for op in runtime}
+        assert "RoPE" not in kinds, (rows, kinds)

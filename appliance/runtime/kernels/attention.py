@@ -130,8 +130,9 @@ def rewrite(
     for node, names, attrs in swaps:
         pool = [ops.constant(pool_input(*pools[n])).output(0) for n in names]
         inputs = [*(node.input_value(i) for i in (0, 1, 2)), *pool, *(node.input_value(i) for i in (5, 7, 8))]
-        geometry = (attrs["heads"], attrs["kv_heads"], attrs["head_size"])
-        rotation = rope.inputs(inputs[0], inputs[1], *geometry) if rotate else None
+        rows = node.input_value(0).get_partial_shape()[0]  # static in the graphs of rows
+        geometry = (attrs["heads"], attrs["kv_heads"], attrs["head_size"], rows.get_length() if rows.is_static else 0)
+        rotation = rope.inputs(inputs[0], inputs[1], *geometry) if rotate and geometry[-1] else None
         if rotation is not None:
             inputs = [*rotation[:2], *inputs[2:], *rotation[2:]]
             rotated += 1

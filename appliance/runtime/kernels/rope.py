@@ -1,5 +1,6 @@
-"""The rotary position embedding (RoPE) in front of the single-token graph's attention, found so that DecodeAttention
-applies it itself (its `rope` attribute: decode_attention.cpp) and the graph's own rotation nodes go.
+"""The rotary position embedding (RoPE) in front of the attention of the graphs of rows (backends/row_graphs.py),
+found so that DecodeAttention applies it itself (its `rope` attribute: decode_attention.cpp) and the graph's own
+rotation nodes go.
 
 Why: at batch 1 the default 135M model's step is bound by per-node overhead, not by its weights, and the CPU
 plugin ran the rotation as two RoPE nodes per layer (4.5 us each by PERF_COUNT: ~0.15-0.27 ms of a 7-9 ms step).
@@ -12,15 +13,22 @@ With PERF_COUNT the nodes' time moved as expected: the 60 RoPE nodes' 148-182 us
 / max 0.0267 with it, 0.0122 / 0.0314 without. The two differ only by float rounding (the plugin's RoPE node is
 within ~1 ulp of exact f32 math, as is ours), which the int8 activations of the layers after carry further.
 
+The graphs of more rows lay each token out as a batch row of its own ([T, 1, heads, head] turned to [T, heads, 1,
+head], cos and sin [T, 1, 1, head]: the tokens first throughout), so the same pattern holds with a row of cos and sin
+per token, which the op takes as [T, head]. There the plugin ran the rotation as RoPE nodes of its reference path
+(0.31-0.34 ms a step of 2-4 rows at the default model, by PERF_COUNT); taken by our op, a step of 2 / 3 / 4 rows went
+from 1.26-1.27 / 1.40-1.43 / 1.51-1.56 to 1.21-1.22 / 1.36-1.42 / 1.47-1.52 times the one-row step of its own
+process (the default model, 200 steps each, three processes of each alternated; 2-vCPU Xeon with AMX).
+
 The pattern is HF's apply_rotary_pos_emb as optimum-intel exports it (export/ writes the GGUF models alike):
     out = x * cos + concat(-x[..., h:], x[..., :h]) * sin,    h = head_size / 2
 with x q or k as heads of head_size values, cos and sin one row of head_size values for the token, broadcast over
-the heads; Transposes and a Reshape then bring out to the attention's [1, heads * head_size]. It is taken only where
-each step checks out in the graph of one token (static shapes): the rotated tensor and x hold exactly heads x
-head_size f32 values, head_size last; cos and sin hold head_size; the layout nodes between the rotation and the
-attention keep the values in order (a Transpose keeps the order of its axes longer than 1); the negation is a
-Negative or a Multiply by the constant -1; q and k are rotated by the same cos and sin. Anything else keeps the
-graph's rotation.
+the heads; Transposes and a Reshape then bring out to the attention's [T, heads * head_size]. It is taken only where
+each step checks out in a graph of T rows (static shapes): the rotated tensor and x hold exactly T x heads x
+head_size f32 values, head_size last and, for T > 1, the tokens on the first axis; cos and sin hold T x head_size
+(for T > 1 of x's rank, the tokens first); the layout nodes between the rotation and the attention keep the values
+in order (a Transpose keeps the order of its axes longer than 1); the negation is a Negative or a Multiply by the
+constant -1; q and k are rotated by the same cos and sin. Anything else keeps the graph's rotation.
 """
 
 from __future__ import annotations
@@ -129,20 +137,31 @@ def _rotated_half(output: ov.Output, head: int) -> ov.Output | None:
     return lower[0] if upper[0] == lower[0] else None
 
 
-def _row(output: ov.Output, head: int) -> bool:
-    """One row of head values (every other axis 1): the same for every head it broadcasts over."""
+def _by_token(shape: list[int] | None, tokens: int, values: int) -> bool:
+    """`values` per token, the tokens first: one token holds them whatever its axes; more lead on axis 0."""
+    return shape is not None and int(np.prod(shape)) == tokens * values and (tokens == 1 or shape[0] == tokens)
+
+
+def _row(output: ov.Output, head: int, tokens: int, rank: int) -> bool:
+    """A row of head values per token (every axis between 1): the same for every head it broadcasts over; with
+    more than one token, of the rotated tensor's rank, so that its token axis meets theirs."""
     shape = _shape(output)
-    return shape is not None and shape[-1] == head and int(np.prod(shape)) == head
+    return (
+        shape is not None
+        and shape[-1] == head
+        and _by_token(shape, tokens, head)
+        and (tokens == 1 or len(shape) == rank)
+    )
 
 
-def find(value: ov.Output, heads: int, head: int) -> Rotation | None:
-    """The rotation whose output reaches `value` (an attention input of one token, heads x head values) through
-    layout nodes that keep the values' order; None where the graph computes anything else."""
+def find(value: ov.Output, heads: int, head: int, tokens: int = 1) -> Rotation | None:
+    """The rotation whose output reaches `value` (an attention input of `tokens` rows of heads x head values)
+    through layout nodes that keep the values' order; None where the graph computes anything else."""
     rotated = source(value)
     if head % 2 or rotated is None or not is_kind(rotated, "Add"):  # the op rotates even heads
         return None
     shape = _shape(rotated)
-    if shape is None or shape[-1] != head or int(np.prod(shape)) != heads * head:
+    if shape is None or shape[-1] != head or not _by_token(shape, tokens, heads * head):
         return None
     add = rotated.get_node()
     terms = add.input_value(0), add.input_value(1)
@@ -157,25 +176,26 @@ def find(value: ov.Output, heads: int, head: int) -> Rotation | None:
             sin = turned.input_value(1 - i)
             for j in (0, 1):
                 cos = plain.input_value(1 - j)
-                if plain.input_value(j) == x and _row(cos, head) and _row(sin, head):
+                if plain.input_value(j) == x and all(_row(r, head, tokens, len(shape)) for r in (cos, sin)):
                     outputs = (x, cos, sin)
                     if all(o.get_element_type() == ov.Type.f32 for o in outputs):
                         return Rotation(*outputs)
     return None
 
 
-def _flat(output: ov.Output, width: int) -> ov.Output:
-    return ops.reshape(output, ops.constant(np.array([1, width], np.int64)), False).output(0)
+def _flat(output: ov.Output, tokens: int, width: int) -> ov.Output:
+    return ops.reshape(output, ops.constant(np.array([tokens, width], np.int64)), False).output(0)
 
 
-def inputs(q: ov.Output, k: ov.Output, heads: int, kv_heads: int, head: int) -> list[ov.Output] | None:
-    """DecodeAttention's q and k before their rotation and its cos and sin ([1, width] each), where q and k are
-    rotated by the same cos and sin; else None."""
-    rq, rk = find(q, heads, head), find(k, kv_heads, head)
+def inputs(q: ov.Output, k: ov.Output, heads: int, kv_heads: int, head: int, tokens: int = 1) -> list[ov.Output] | None:
+    """DecodeAttention's q and k before their rotation and its cos and sin ([tokens, width] each), where q and k
+    are rotated by the same cos and sin; else None."""
+    rq, rk = find(q, heads, head, tokens), find(k, kv_heads, head, tokens)
     if rq is None or rk is None:
         return None
     for a, b in ((rq.cos, rk.cos), (rq.sin, rk.sin)):
         ours, theirs = source(a), source(b)
         if ours is None or ours != theirs:
             return None
-    return [_flat(rq.x, heads * head), _flat(rk.x, kv_heads * head), _flat(rq.cos, head), _flat(rq.sin, head)]
+    widths = (heads * head, kv_heads * head, head, head)
+    return [_flat(o, tokens, w) for o, w in zip((rq.x, rk.x, rq.cos, rq.sin), widths)]
