@@ -273,11 +273,11 @@ class Speculation:
 
     def _planned(self, b: int, fed: int) -> None:
         """This step's b decoding sequences feed `fed` tokens in all (for the policy's next shape, and to
-        `observe` the step's time if the schedule runs them alone and uncut, in the last step's shape or in a graph
-        of static shapes)."""
+        `observe` the step's time if the schedule runs them alone and uncut and the policy finds such a step
+        observable)."""
         if self.policy is None:
             return
-        self.planned = (b, fed) if fed == self.policy.last_fed or fed <= self.fixed_shapes else (0, 0)
+        self.planned = (b, fed) if self.policy.observable(fed) else (0, 0)
         self.policy.fed(fed)
 
     def observe(self, sequences: int, tokens: int, seconds: float) -> None:

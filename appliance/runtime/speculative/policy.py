@@ -222,11 +222,18 @@ class SpeculationPolicy:
         """Seconds of a step of b sequences feeding n tokens each: the table's, scaled by what such steps took."""
         return self.costs.cost(b, n) * self.scale.get(self._kind(b, n), 1.0)
 
+    def observable(self, fed: int) -> bool:
+        """Whether this step, feeding `fed` tokens as the last `plan` decided (asked before `fed` records them), tells
+        what such steps cost: not where it changes the fed shape past the graphs of static shapes (its extra is
+        `switch`), nor a probe's first step (it pays that switch, or waking its graph: the module docstring)."""
+        if self.probe and self.probing == PROBE - 1:
+            return False
+        return fed == self.last_fed or fed <= self.costs.fixed
+
     def observe(self, b: int, fed: int, seconds: float) -> None:
-        """A decode step of b sequences feeding `fed` tokens in all took `seconds` in the backend. One step's ratio
-        is clamped to [0.5, 2]: a pause of the whole process (a collection, a swap-in) is not the step's cost."""
-        if self.probe and self.probing == PROBE - 1:  # a probe's first step: the module docstring
-            return
+        """A decode step of b sequences feeding `fed` tokens in all took `seconds` in the backend (one that was
+        `observable`). One step's ratio is clamped to [0.5, 2]: a pause of the whole process (a collection, a
+        swap-in) is not the step's cost."""
         kind = self._kind(b, fed / b)
         ratio = min(2.0, max(0.5, seconds / max(1e-9, self.costs.cost(b, fed / b))))
         weight = PROBED if self.probe and kind[1] else OBSERVED
