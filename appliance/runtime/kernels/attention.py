@@ -131,8 +131,9 @@ def rewrite(
         pool = [ops.constant(pool_input(*pools[n])).output(0) for n in names]
         inputs = [*(node.input_value(i) for i in (0, 1, 2)), *pool, *(node.input_value(i) for i in (5, 7, 8))]
         rows = node.input_value(0).get_partial_shape()[0]  # static in the graphs of rows
-        geometry = (attrs["heads"], attrs["kv_heads"], attrs["head_size"], rows.get_length() if rows.is_static else 0)
-        rotation = rope.inputs(inputs[0], inputs[1], *geometry) if rotate and geometry[-1] else None
+        tokens = rows.get_length() if rows.is_static else 0
+        geometry = (attrs["heads"], attrs["kv_heads"], attrs["head_size"], tokens)
+        rotation = rope.inputs(inputs[0], inputs[1], *geometry) if rotate and tokens else None
         if rotation is not None:
             inputs = [*rotation[:2], *inputs[2:], *rotation[2:]]
             rotated += 1
