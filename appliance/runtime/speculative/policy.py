@@ -253,10 +253,9 @@ class SpeculationPolicy:
         plain_step = cost(b, 1) + penalty(b)
         plain_rate = b / plain_step
         best = Plan(0, 0, plain_rate, plain_rate)
-        if not self._may_beat(b, rates, max_k, max(1.0, self.margin) * plain_rate):
-            return self._explore(b, rates, min(max_k, budget - b), best)
         gains = [0.0] * (len(rates) + 1)
-        for k in range(1, max_k + 1):
+        searched = self._may_beat(b, rates, max_k, max(1.0, self.margin) * plain_rate)  # else no k can win
+        for k in range(1, max_k + 1) if searched else ():
             for m in range(1, len(rates) + 1):
                 kept = expected_drafts(rates[m - 1], k)  # the least accepting of the m drafting sequences
                 gains[m] = gains[m - 1] + kept
