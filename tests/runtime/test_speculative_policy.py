@@ -400,3 +400,5 @@ def test_costs_are_remembered_and_the_memory_is_bounded():
         assert kept.cost(b, n) == kept.cost(b, n)
         assert len(kept._memo) <= MEMO
     assert StepCosts(AVX2.batches, AVX2.fed, AVX2.seconds).cost(2, 2.0) == pytest.approx(kept.cost(2, 2.0))
+    doubled = replace(kept, seconds=tuple(tuple(2 * t for t in row) for row in AVX2.seconds))
+    assert doubled.cost(2, 2.0) == pytest.approx(2 * kept.cost(2, 2.0))  # its own costs, not the other's memory

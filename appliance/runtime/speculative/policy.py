@@ -106,8 +106,9 @@ class StepCosts:
     measured_s: float = 0.0  # how long the measurement took
     fixed: int = 0  # steps of at most this many tokens change shape at no cost (Backend.fixed_shapes)
     # (b, n) -> cost: a plan asks ~10 points a step, each an interpolation over the whole grid (~3 us); the points
-    # a step can ask are few (b up to speculation_max_batch, n = fed / b), cleared past MEMO all the same
-    _memo: dict[tuple[int, float], float] = field(default_factory=dict, compare=False, repr=False)
+    # a step can ask are few (b up to speculation_max_batch, n = fed / b), cleared past MEMO all the same; not an
+    # argument, so that dataclasses.replace gives a table of other costs a memory of its own
+    _memo: dict[tuple[int, float], float] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def cost(self, b: int, n: float) -> float:
         """Seconds of a step of b sequences feeding n tokens each on average: linear in n between the measured
