@@ -837,6 +837,53 @@ def test_a_swiglu_becomes_one_gated_op(loaded, isa, gate_first):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * np.abs(a).max())
 
 
+@pytest.mark.parametrize("isa", _paths())
+def test_an_mlp_becomes_one_op(loaded, isa):
+    """down(silu(gate) * up) over u4 chains of one group size (Llama's and Qwen's MLP) becomes one op (`down`: the
+    gated op runs the down projection of its product, rewrite.mlp), no MatMul, Swish or Multiply left, whose outputs
+    are those of the gated op and the down op it replaces (the product also read elsewhere keeps them apart), at 1 and
+    2 threads over every row count the tiles split into; the next op's weights are still its last input; a down
+    projection of another group size keeps its own op."""
+    core, got = loaded
+    if isa not in got.supported:
+        pytest.skip(f"this CPU has no {isa}")
+    n, k = 2 * 96, 256  # the SwiGLU's width (96) is not a multiple of 128: the down projection's K groups by 32
+
+    def model(extra: bool = False, down_group: int = 32, after: bool = False) -> ov.Model:
+        rng = np.random.default_rng(21)
+        x = ops.parameter([-1, -1, k], ov.Type.f32)
+        gate, up = (ops.matmul(x, _chain(rng, n // 2, k, 32, "u4"), False, True) for _ in range(2))
+        product = ops.multiply(ops.swish(gate), up)
+        y = ops.matmul(product, _chain(rng, k, n // 2, down_group, "f16"), False, True)
+        outs = [ops.matmul(y, _chain(rng, 64, k, 32, "u4"), False, True) if after else y]
+        return ov.Model(outs + ([product] if extra else []), [x])
+
+    fused, apart = model(), model(extra=True)
+    assert rewrite(fused, got.factory, isa) == rewrite(apart, got.factory, isa) == 3
+    assert [o.get_type_name() for o in fused.get_ordered_ops() if o.get_type_name() in (OP, "MatMul")] == [OP]
+    [op] = [o for o in fused.get_ordered_ops() if o.get_type_name() == OP]
+    assert op.get_attributes()["down"] == 1 and op.get_attributes()["gated"] in (1, 2)
+    assert not {"Swish", "Multiply"} & {o.get_type_name() for o in fused.get_ordered_ops()}
+    assert [o.get_attributes()["down"] for o in apart.get_ordered_ops() if o.get_type_name() == OP] == [0, 0]
+    other = model(down_group=48)  # K 96 in groups of 48: the op's groups are 32 or a multiple of 64
+    rewrite(other, got.factory, isa)
+    assert [o.get_attributes()["down"] for o in other.get_ordered_ops() if o.get_type_name() == OP] == [0]
+    linked = model(after=True)
+    assert rewrite(linked, got.factory, isa) == 4
+    first, second = [o for o in linked.get_ordered_ops() if o.get_type_name() == OP]
+    assert first.get_input_size() == 6 and second.get_input_size() == 3
+    assert first.input_value(5).get_node().get_instance_id() == second.input_value(1).get_node().get_instance_id()
+    rng = np.random.default_rng(22)
+    for threads in (1, 2):
+        want = core.compile_model(apart, "CPU", {**F32, "INFERENCE_NUM_THREADS": threads})
+        have = core.compile_model(fused, "CPU", {**F32, "INFERENCE_NUM_THREADS": threads})
+        for m in (1, 2, 5, 9):
+            x = rng.standard_normal((m, 1, k)).astype(np.float32)
+            a, b = want(x)[0], have(x)[0]
+            assert a.shape == b.shape == (m, 1, k)
+            np.testing.assert_array_equal(b, a)
+
+
 @pytest.mark.parametrize("gated", [1, 2])
 @pytest.mark.parametrize("isa", _paths())
 def test_a_gated_op_is_silu_of_one_half_times_the_other(loaded, isa, gated):
@@ -1235,7 +1282,7 @@ def test_static_shapes_run_ours_for_decode_and_for_prefill_where_the_path_has_a_
     finally:
         backend.close()
     manifest = Manifest.load(path)
-    ours = manifest.num_layers * 4  # q/k/v (one op: rewrite._plan), o, gate/up (one op), down
+    ours = manifest.num_layers * 3  # q/k/v (one op: rewrite._plan), o, the MLP (one op: rewrite.mlp)
     # and the LM head (i8 symmetric per 32): ours where it fits the lanes (rewrite.SYMMETRIC_I8)
     head = int(layout(loaded[1].isa, 8, manifest.vocab_size, manifest.hidden_size, 32)[1] == 0)
     assert backend.kernels == loaded[1].label and backend.kernel_rows >= backend.max_batch

@@ -37,8 +37,9 @@ LIBRARY = "libappliance_kernels.so"
 # which an older library refuses. 15: the op's `gated` attribute, a SwiGLU's gate and up in one op: rewrite.swiglu.
 # 16: DecodeAttention's `rope` attribute and its cos and sin inputs: rope.py. 17: `residual` 2, x's second int8 digit
 # at one row of u4 in lanes, which an older library refuses. 18: DecodeAttention's pools as addresses, not as the cache
-# tensors).
-ABI = 19
+# tensors. 19: i8 symmetric weights in lanes as u8 about 128, x to two int8 digits for u8 at one row. 20: the op's
+# `down` attribute, a gated op's down projection in the same op: rewrite.mlp).
+ABI = 20
 LIBRARY_ENV = "APPLIANCE_KERNELS_LIB"  # another build of the library (tests, benchmarks)
 ISA_ENV = "APPLIANCE_KERNELS_ISA"  # force a path: avx2, avxvnni, avx512vnni (tests, benchmarks; attention.narrow_only)
 ISAS = ("avx512vnni", "avxvnni", "avx2")  # widest first

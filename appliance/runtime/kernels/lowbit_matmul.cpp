@@ -8,9 +8,11 @@
 // named one: its layout is the path's), bits (4 or 8), row_group (w's rows interleaved by groups of that many,
 // lowbit_kernel.h; 1: row-major), slot_pairs (1; or 0: in lanes of 16 rows with their scale table likewise, only on
 // avx512vnni: lowbit_kernel.hpp lanes_tile), residual (1: x's int8 rounding error runs too, below; at one row in
-// lanes as a second int8 digit of x instead, lowbit_kernel.hpp lanes_tile; 2: that digit only, u4). Output f32
-// [..., N]. An optional fourth input, the next op's w (rewrite.link_ahead), is read ahead into this core's caches by
-// an idle thread while the nodes between the two ops run (read_ahead, below).
+// lanes as a second int8 digit of x instead, lowbit_kernel.hpp lanes_tile; 2: that digit only, u4), gated (1 / 2:
+// a SwiGLU's gate and up, y = silu(one half) * the other), down (1, beside gated: the MLP's down projection too, its
+// w and sz as inputs 3 and 4 in the same layout and group size; y = that of the SwiGLU, rewrite.mlp). Output f32
+// [..., N] (gated: N / 2; down: down's N). An optional last input, the next op's w (rewrite.link_ahead), is read
+// ahead into this core's caches by an idle thread while the nodes between the two ops run (read_ahead, below).
 // Why, with measurements: appliance/runtime/kernels/__init__.py.
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -149,7 +151,8 @@ public:
 
     LowBitMatMul() = default;
     LowBitMatMul(const ov::OutputVector& args, int64_t group_size, std::string isa, int64_t bits = 4,
-                 int64_t row_group = 1, int64_t residual = 0, int64_t slot_pairs = 1, int64_t gated = 0)
+                 int64_t row_group = 1, int64_t residual = 0, int64_t slot_pairs = 1, int64_t gated = 0,
+                 int64_t down = 0)
         : Op(args),
           m_group_size(group_size),
           m_isa(std::move(isa)),
@@ -157,13 +160,18 @@ public:
           m_row_group(row_group),
           m_residual(residual),
           m_slot_pairs(slot_pairs),
-          m_gated(gated) {
+          m_gated(gated),
+          m_down(down) {
         constructor_validate_and_infer_types();
     }
 
     void validate_and_infer_types() override {
-        OPENVINO_ASSERT(get_input_size() == 3 || get_input_size() == 4, "LowBitMatMul takes x, w, sz and the next w");
-        OPENVINO_ASSERT(get_input_size() == 3 || get_input_element_type(3) == ov::element::u8,
+        const size_t fixed = weights_inputs();
+        OPENVINO_ASSERT(m_down == 0 || m_down == 1, "LowBitMatMul: down must be 0 or 1");
+        OPENVINO_ASSERT(get_input_size() == fixed || get_input_size() == fixed + 1,
+                        m_down ? "LowBitMatMul with down takes x, w, sz, the down w and sz, and the next w"
+                               : "LowBitMatMul takes x, w, sz and the next w");
+        OPENVINO_ASSERT(get_input_size() == fixed || get_input_element_type(fixed) == ov::element::u8,
                         "LowBitMatMul: the next op's w must be u8 bytes");
         OPENVINO_ASSERT(m_group_size == 32 || (m_group_size > 0 && m_group_size % 64 == 0),
                         "LowBitMatMul: group_size must be 32 or a multiple of 64");
@@ -179,19 +187,26 @@ public:
                         "LowBitMatMul: slot_pairs 0 (lanes) needs isa avx512vnni and row_group 16");
         OPENVINO_ASSERT(m_gated >= 0 && m_gated <= 2 && (m_gated == 0 || m_residual != 1),
                         "LowBitMatMul: gated must be 0, 1 or 2, and not beside residual 1");
+        OPENVINO_ASSERT(m_down == 0 || (m_gated != 0 && m_bits == 4), "LowBitMatMul: down needs gated u4");
         auto out = get_input_partial_shape(0);
         const auto& sz = get_input_partial_shape(2);
         if (m_gated && sz.rank().is_static() && sz[0].is_static())
             OPENVINO_ASSERT(sz[0].get_length() % (2 * m_row_group) == 0,
                             "LowBitMatMul: gated needs two halves of whole row groups");
-        if (out.rank().is_static() && sz.rank().is_static())
-            out[out.size() - 1] = m_gated && sz[0].is_static() ? ov::Dimension(sz[0].get_length() / 2) : sz[0];
+        if (out.rank().is_static() && sz.rank().is_static()) {
+            auto& last = out[out.size() - 1];
+            last = m_gated && sz[0].is_static() ? ov::Dimension(sz[0].get_length() / 2) : sz[0];
+            if (m_down) {  // the SwiGLU's width is the down projection's K; its rows are the output's
+                const auto& sz2 = get_input_partial_shape(4);
+                last = sz2.rank().is_static() ? sz2[0] : ov::Dimension::dynamic();
+            }
+        }
         set_output_type(0, ov::element::f32, out);
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         return std::make_shared<LowBitMatMul>(args, m_group_size, m_isa, m_bits, m_row_group, m_residual, m_slot_pairs,
-                                              m_gated);
+                                              m_gated, m_down);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -202,6 +217,7 @@ public:
         visitor.on_attribute("residual", m_residual);
         visitor.on_attribute("slot_pairs", m_slot_pairs);
         visitor.on_attribute("gated", m_gated);
+        visitor.on_attribute("down", m_down);
         return true;
     }
 
@@ -211,42 +227,34 @@ public:
         const uint64_t call = g_calls.fetch_add(1, std::memory_order_relaxed) + 1;
         const ov::Tensor& x = inputs[0];
         const ov::Shape xs = x.get_shape();
-        LowbitArgs a{};
-        a.K = static_cast<int64_t>(xs.back());
-        a.M = static_cast<int64_t>(ov::shape_size(xs)) / (a.K ? a.K : 1);
-        a.N = static_cast<int64_t>(inputs[2].get_shape()[0]);
-        a.G = static_cast<int64_t>(inputs[2].get_byte_size()) / 4 / (a.N ? a.N : 1);
-        a.gs = m_group_size;
-        a.Kp = (a.K + 31) / 32 * 32;
-        a.bits = m_bits;
-        a.rg = m_row_group;
-        a.slot = m_slot_pairs;
-        OPENVINO_ASSERT(a.slot == 1 || (a.K % a.gs == 0 && a.N % 16 == 0),
-                        "LowBitMatMul: slot_pairs 0 (lanes) needs K a multiple of group_size and N of 16");
-        // Lanes only, and before the residual's rows double M: the scales follow the rows of tokens; the residual is
-        // x's error per octet, so with it (residual 1) x keeps a scale per octet.
-        a.xspan = a.slot == 0 && m_residual != 1 && (a.bits == 8 || a.M >= LANES_BLOCK_ROWS) ? 4 : 1;
-        // residual at one row in lanes with a scale per octet of x (u4; u8 with residual 1): a second int8 digit
-        // of x (lanes_tile), not M more rows of x.
-        a.digits = m_residual && a.slot == 0 && a.M == 1 && a.xspan == 1 ? 2 : 1;
+        const int64_t K = static_cast<int64_t>(xs.back());
+        const int64_t M = static_cast<int64_t>(ov::shape_size(xs)) / (K ? K : 1);
+        LowbitArgs a = args(inputs[1], inputs[2], M, K);
+        // down: its x is the gated rows' product (scratch), its y the op's output.
+        LowbitArgs d = m_down ? args(inputs[3], inputs[4], M, a.N / 2) : LowbitArgs{};
+        // residual 1 not as a second digit of x (args): x's rounding error as M more rows of x.
         const bool residual_rows_too = m_residual == 1 && a.digits == 1;
-        const int64_t padded = (a.N + a.rg - 1) / a.rg * a.rg;
-        OPENVINO_ASSERT(static_cast<int64_t>(inputs[1].get_byte_size()) == padded * a.Kp * a.bits / 8,
-                        "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");
-        OPENVINO_ASSERT(a.G == (a.K + a.gs - 1) / a.gs, "LowBitMatMul: sz must hold ceil(K / group_size) groups per row");
         OPENVINO_ASSERT(!m_gated || a.N % (2 * a.rg) == 0, "LowBitMatMul: gated needs two halves of whole row groups");
         ov::Shape ys = xs;
-        ys.back() = static_cast<size_t>(m_gated ? a.N / 2 : a.N);
+        ys.back() = static_cast<size_t>(m_down ? d.N : m_gated ? a.N / 2 : a.N);
         outputs[0].set_shape(ys);
         a.x = x.data<const float>();
-        a.w = static_cast<const uint8_t*>(inputs[1].data());
-        a.sz = static_cast<const uint16_t*>(inputs[2].data());
         a.y = outputs[0].data<float>();
-        if (a.M == 0 || a.N == 0) return true;
-        float* const gated = m_gated ? a.y : nullptr;  // the op's output; the halves go to scratch first
-        thread_local std::vector<float> halves;
+        if (a.M == 0 || a.N == 0) {  // with down, N = 0 is an empty SwiGLU: its projection is zero
+            std::fill(a.y, a.y + ov::shape_size(ys), 0.f);
+            return true;
+        }
+        // gated: the halves go to scratch first, the product to the op's output, or with down to d's x.
+        thread_local std::vector<float> halves, product;
+        float* gated = nullptr;
         if (m_gated) {
             halves.resize(static_cast<size_t>(a.M * a.N));
+            if (m_down) {
+                product.resize(static_cast<size_t>(a.M * a.N / 2));
+                d.x = product.data();
+                d.y = a.y;
+            }
+            gated = m_down ? product.data() : a.y;
             a.y = halves.data();
         }
         // residual 1 elsewhere: x's int8 rounding error as M more rows of x (residual_rows), the two outputs added
@@ -262,17 +270,53 @@ public:
             a.y = yr.data();
             a.M *= 2;
         }
-        run(a, padded, gated);
+        run(a, gated, m_gated);
         if (residual_rows_too)
             for (int64_t i = 0; i < rows * a.N; ++i) y[i] = a.y[i] + a.y[rows * a.N + i];
-        if (inputs.size() == 4) read_ahead(inputs[3], call);
+        if (m_down && d.N) run(d, nullptr, 0);
+        if (inputs.size() > weights_inputs()) read_ahead(inputs.back(), call);
         return true;
     }
 
 private:
-    // The kernel over a's rows, split across the arena's threads. `gated` (the op's output, a.y its scratch): a task
-    // computes rows [n0, n1) of both halves and writes silu(gate) * up of them, while they are in its core's cache.
-    void run(const LowbitArgs& a, int64_t padded, float* gated) const {
+    // N rounded up to whole row groups: the rows w holds.
+    static int64_t padded(const LowbitArgs& a) { return (a.N + a.rg - 1) / a.rg * a.rg; }
+
+    // Inputs before the optional next op's w: x, w, sz (and with down, down's w and sz).
+    size_t weights_inputs() const { return m_down ? 5 : 3; }
+
+    // The kernel's arguments for weights w and their table sz against M rows of x [M, K] (x and y set by the caller).
+    LowbitArgs args(const ov::Tensor& w, const ov::Tensor& sz, int64_t M, int64_t K) const {
+        LowbitArgs a{};
+        a.M = M;
+        a.K = K;
+        a.N = static_cast<int64_t>(sz.get_shape()[0]);
+        a.G = static_cast<int64_t>(sz.get_byte_size()) / 4 / (a.N ? a.N : 1);
+        a.gs = m_group_size;
+        a.Kp = (a.K + 31) / 32 * 32;
+        a.bits = m_bits;
+        a.rg = m_row_group;
+        a.slot = m_slot_pairs;
+        // Lanes only, and before the residual's rows double M: the scales follow the rows of tokens; the residual is
+        // x's error per octet, so with it (residual 1) x keeps a scale per octet.
+        a.xspan = a.slot == 0 && m_residual != 1 && (a.bits == 8 || a.M >= LANES_BLOCK_ROWS) ? 4 : 1;
+        // residual at one row in lanes with a scale per octet of x (u4; u8 with residual 1): a second int8 digit
+        // of x (lanes_tile), not M more rows of x.
+        a.digits = m_residual && a.slot == 0 && a.M == 1 && a.xspan == 1 ? 2 : 1;
+        OPENVINO_ASSERT(a.slot == 1 || (a.K % a.gs == 0 && a.N % 16 == 0),
+                        "LowBitMatMul: slot_pairs 0 (lanes) needs K a multiple of group_size and N of 16");
+        OPENVINO_ASSERT(static_cast<int64_t>(w.get_byte_size()) == padded(a) * a.Kp * a.bits / 8,
+                        "LowBitMatMul: w must hold N (rounded up to row_group) x Kp x bits / 8 bytes");
+        OPENVINO_ASSERT(a.G == (a.K + a.gs - 1) / a.gs, "LowBitMatMul: sz must hold ceil(K / group_size) groups per row");
+        a.w = static_cast<const uint8_t*>(w.data());
+        a.sz = static_cast<const uint16_t*>(sz.data());
+        return a;
+    }
+
+    // The kernel over a's rows, split across the arena's threads. `gated` (silu of one half times the other, `mode`
+    // as the op's attribute; a.y its scratch): a task computes rows [n0, n1) of both halves and writes the product
+    // of them, while they are in its core's cache.
+    void run(const LowbitArgs& a, float* gated, int64_t mode) const {
         const LowbitKernel kernel = kernel_for(resolved());
         // Scratch per calling thread, kept between calls: allocating it each time was a measurable part of a
         // small layer's cost (the op's fixed cost per call was ~20 us against native's ~10 us at 256 x 256).
@@ -301,7 +345,7 @@ private:
         }
         // About four chunks per thread (at least 16 rows): balanced on a busy box, few tasks on a small layer; a
         // layer under ~64 K weights runs on the calling thread alone.
-        const int64_t half = a.N / 2, gate = m_gated == 1 ? 0 : half, up = half - gate;
+        const int64_t half = a.N / 2, gate = mode == 1 ? 0 : half, up = half - gate;
         auto rows = [&](int64_t n0, int64_t n1) {
             kernel.rows(a, q, d, sm, n0, n1);
             if (!gated) return;
@@ -317,7 +361,7 @@ private:
         // Split by whole groups of rows (row_group): each task streams one contiguous run of w (gated: one of each
         // half).
         const int64_t grain = std::max<int64_t>(1, std::max<int64_t>(16, a.N / (4 * threads)) / a.rg);
-        const int64_t groups = gated ? half / a.rg : padded / a.rg;
+        const int64_t groups = gated ? half / a.rg : padded(a) / a.rg;
         tbb::parallel_for(tbb::blocked_range<int64_t>(0, groups, grain), [&](const tbb::blocked_range<int64_t>& r) {
             rows(r.begin() * a.rg, std::min(n, r.end() * a.rg));
         });
@@ -332,6 +376,7 @@ private:
     int64_t m_residual = 0;
     int64_t m_slot_pairs = 1;
     int64_t m_gated = 0;  // 1: y = silu(first half) * second half (a SwiGLU's gate and up); 2: silu(second) * first
+    int64_t m_down = 0;   // 1 (gated): then the down projection of that product, inputs 3 and 4
 };
 
 }  // namespace appliance
