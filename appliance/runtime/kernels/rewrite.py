@@ -60,7 +60,7 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import openvino as ov
@@ -399,14 +399,13 @@ def rewrite(
 
     # Every op is made before any is swapped in: a failure leaves the model as it was read.
     swaps, count, plan = [], 0, _with_downs(_plan(model, isa, min_weights), residual)
-    chains = [c for (_, chain), (_, down_chain), *_ in plan for c in (chain, down_chain) if c is not None]
-    arena = hugepages.Arena(sum(hugepages.footprint(a) for c in chains for a in (c.packed, c.sz)))
-    del chains
+    arena = hugepages.Arena(sum(hugepages.footprint(a) for op in plan for c in op.chains() for a in (c.packed, c.sz)))
     while plan:
-        (nodes, chain), (down, down_chain), gated, product = plan.popleft()
+        op = plan.popleft()
+        nodes, chain, down = op.nodes, op.chain, op.down
         count += len(nodes) + (down is not None)
         inputs = [nodes[0].input_value(0)]
-        for c in (chain, down_chain) if down_chain else (chain,):
+        for c in op.chains():
             inputs += [  # shared, not copied again
                 ops.constant(arena.place(c.packed), shared_memory=True).output(0),
                 ops.constant(arena.place(c.sz), shared_memory=True).output(0),
@@ -421,15 +420,15 @@ def rewrite(
                 "row_group": chain.row_group,
                 "slot_pairs": chain.slot_pairs,
                 "residual": residual_of(nodes, chain, residual),
-                "gated": gated,
+                "gated": op.gated,
                 "down": int(down is not None),
             },
         )
         new.set_friendly_name(nodes[0].get_friendly_name())  # q_proj's, gate_proj's: bench.profile's roles
         if down is not None:  # the op's output is the MLP's: down(silu(gate) * up)
             swaps.append((down, new.output(0)))
-        elif product is not None:  # the op's output is the SwiGLU's: silu(gate) * up
-            swaps.append((product, new.output(0)))
+        elif op.product is not None:  # the op's output is the SwiGLU's: silu(gate) * up
+            swaps.append((op.product, new.output(0)))
         else:
             outputs = split_last(new.output(0), [width(n) for n in nodes]) if len(nodes) > 1 else [new.output(0)]
             swaps += list(zip(nodes, outputs))
@@ -446,9 +445,24 @@ def rewrite(
 Planned = tuple[list[ov.Node], Chain]
 
 
-def _with_downs(plan: list[Planned], residual: bool) -> deque:
-    """The plan as (op, (down MatMul, its chain) or (None, None), gated, the SwiGLU's product or None: swiglu), a
-    gated op holding the down projection that mlp() finds for it, which then makes no op of its own."""
+class _Op(NamedTuple):
+    """One op to make: the MatMuls it replaces and their chain, its `gated` and the SwiGLU's product (swiglu), and
+    the down projection it also runs (mlp) with that one's chain."""
+
+    nodes: list[ov.Node]
+    chain: Chain
+    gated: int
+    product: ov.Node | None
+    down: ov.Node | None = None
+    down_chain: Chain | None = None
+
+    def chains(self) -> list[Chain]:
+        return [self.chain] if self.down_chain is None else [self.chain, self.down_chain]
+
+
+def _with_downs(plan: list[Planned], residual: bool) -> deque[_Op]:
+    """The plan's ops, a gated op holding the down projection that mlp() finds for it, which then makes no op of its
+    own."""
     gates = [swiglu(nodes, chain.row_group) for nodes, chain in plan]
     alone = {nodes[0].get_instance_id(): i for i, (nodes, _) in enumerate(plan) if len(nodes) == 1}
     downs = {}
@@ -458,11 +472,13 @@ def _with_downs(plan: list[Planned], residual: bool) -> deque:
         if j is not None and _fits_down(plan[i], plan[j], residual):
             downs[i] = j
     taken = set(downs.values())
-    return deque(
-        (plan[i], (plan[downs[i]][0][0], plan[downs[i]][1]) if i in downs else (None, None), *gates[i])
-        for i in range(len(plan))
-        if i not in taken
-    )
+    out: deque[_Op] = deque()
+    for i, (nodes, chain) in enumerate(plan):
+        if i in taken:
+            continue
+        down = (plan[downs[i]][0][0], plan[downs[i]][1]) if i in downs else (None, None)
+        out.append(_Op(nodes, chain, *gates[i], *down))
+    return out
 
 
 def mlp(product: ov.Node) -> ov.Node | None:
@@ -600,14 +616,14 @@ def prefill_fits(model: ov.Model) -> bool:
     for op in ops:
         attrs = op.get_attributes()
         k = op.input_value(0).get_partial_shape()[-1]
-        ks = [k.get_length() if k.is_static else 1]
+        ks = [k.get_length()] if k.is_static else []
         if attrs.get("down"):  # the down projection's K: the SwiGLU's width, half the gated rows
             ks.append(op.input_value(2).get_shape()[0] // 2)
         if attrs["bits"] == 8:
             fits = head is not None and op.get_friendly_name() == head.get_friendly_name()
         else:
             grouped = attrs["row_group"] % 2 == 0 and attrs["group_size"] in PREFILL_GROUPS
-            fits = attrs["slot_pairs"] == 0 or (grouped and all(n % 64 == 0 for n in ks))
+            fits = attrs["slot_pairs"] == 0 or (grouped and k.is_static and all(n % 64 == 0 for n in ks))
         if not fits:
             return False
     return bool(ops)
